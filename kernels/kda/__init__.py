@@ -1,0 +1,81 @@
+"""KDA: chunked prefill and fused-recurrent decode. CUDA tensors go to Triton, CPU tensors to the naive twins."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import Tensor
+
+from .naive import naive_chunk_kda, naive_recurrent_kda
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    checkpoint_positions: Sequence[Sequence[int]] | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Chunked KDA forward with fla's arguments (q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay;
+    beta [B, T, H]; initial_state [N, H, K, V] float32). Returns ``(o [B, T, H, V], final_state [N, H, K, V] |
+    None, checkpoint_states [M, H, K, V] | None)``; see :mod:`kda_sessions.kernels.kda.naive` for positions."""
+    if q.is_cuda:
+        from .chunk import chunk_kda_triton
+
+        return chunk_kda_triton(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            use_qk_l2norm_in_kernel, checkpoint_positions,
+        )
+    return naive_chunk_kda(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+        use_qk_l2norm_in_kernel, checkpoint_positions,
+    )
+
+
+def fused_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    state_pool: Tensor | None = None,
+    slot_indices: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token KDA (decode is T = 1) with fla's arguments. With ``state_pool`` [S, H, K, V] float32 and
+    ``slot_indices`` [N] the states are read from and written back to the pool in place (``initial_state`` must
+    then be None). Returns ``(o [B, T, H, V], final_state [N, H, K, V] | None)``."""
+    if (state_pool is None) != (slot_indices is None):
+        raise ValueError("state_pool and slot_indices must be given together")
+    if state_pool is not None and initial_state is not None:
+        raise ValueError("give either initial_state or state_pool + slot_indices, not both")
+    if q.is_cuda:
+        from .fused_recurrent import fused_recurrent_kda_triton
+
+        return fused_recurrent_kda_triton(
+            q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+            use_qk_l2norm_in_kernel, state_pool, slot_indices,
+        )
+    if state_pool is not None:
+        assert slot_indices is not None
+        initial_state = state_pool[slot_indices.long()]
+    o, final, _ = naive_recurrent_kda(
+        q, k, v, g, beta, scale, initial_state, output_final_state or state_pool is not None, cu_seqlens,
+        use_qk_l2norm_in_kernel,
+    )
+    if state_pool is not None:
+        assert slot_indices is not None and final is not None
+        state_pool[slot_indices.long()] = final
+        if not output_final_state:
+            final = None
+    return o, final

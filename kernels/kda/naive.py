@@ -1,0 +1,176 @@
+"""Plain-torch twins of the KDA kernels: the token-by-token recurrence (the reference) and the chunked WY form.
+
+Shapes: q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay (<= 0); beta [B, T, H];
+states [N, H, K, V] float32. With ``cu_seqlens`` (int [N + 1]) B must be 1 and the N sequences are packed
+along T. All arithmetic is float32; outputs are cast back to ``v.dtype``.
+
+Checkpoint extension: ``checkpoint_positions`` lists, per sequence, positions p (1 <= p <= T_n, ascending) at
+which the state after the first p tokens of that call is returned, flattened in sequence order into
+``[M, H, K, V]`` float32. Requesting them never changes ``o`` or the final state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+
+def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim, in float32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _split(
+    q: Tensor, cu_seqlens: Tensor | None
+) -> list[tuple[int, int, int]]:
+    """(batch index, start, end) of every sequence."""
+    if cu_seqlens is None:
+        return [(b, 0, q.shape[1]) for b in range(q.shape[0])]
+    bounds = cu_seqlens.tolist()
+    return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"k and g must match q [B, T, H, K]={tuple(q.shape)}, got k {tuple(k.shape)}, g {tuple(g.shape)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] with B, T, H={B, T, H}, got {tuple(v.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H]={B, T, H}, got {tuple(beta.shape)}")
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"with cu_seqlens the batch must be 1, got B={B}")
+    seqs = _split(q, cu_seqlens)
+    if initial_state is not None and tuple(initial_state.shape) != (len(seqs), H, K, V):
+        raise ValueError(
+            f"initial_state must be [N, H, K, V]={(len(seqs), H, K, V)}, got {tuple(initial_state.shape)}"
+        )
+    if checkpoint_positions is not None:
+        if len(checkpoint_positions) != len(seqs):
+            raise ValueError(f"checkpoint_positions needs one list per sequence ({len(seqs)}), got {len(checkpoint_positions)}")
+        for n, ((_, bos, eos), ps) in enumerate(zip(seqs, checkpoint_positions)):
+            if list(ps) != sorted(set(ps)) or any(p < 1 or p > eos - bos for p in ps):
+                raise ValueError(f"checkpoint_positions[{n}] must be ascending in [1, {eos - bos}], got {list(ps)}")
+    if scale is None:
+        scale = K**-0.5
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm(q), l2norm(k)
+    return q.float(), k.float(), v.float(), g.float(), beta.float(), scale, seqs
+
+
+def naive_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    checkpoint_positions: Sequence[Sequence[int]] | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The KDA recurrence one token at a time: decay, delta update, read (KDA.md). Returns
+    ``(o [B, T, H, V], final_state [N, H, K, V] | None, checkpoint_states [M, H, K, V] | None)``."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, scale, seqs = _prepare(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
+    )
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.zeros_like(v)
+    finals, ckpts = [], []
+    for n, (b, bos, eos) in enumerate(seqs):
+        S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
+        if initial_state is not None:
+            S = initial_state[n].float().clone()
+        wanted = set(checkpoint_positions[n]) if checkpoint_positions is not None else set()
+        for t in range(bos, eos):
+            S = S * g[b, t].exp()[:, :, None]
+            kt = k[b, t]
+            pred = torch.einsum("hk,hkv->hv", kt, S)
+            S = S + beta[b, t][:, None, None] * kt[:, :, None] * (v[b, t] - pred)[:, None, :]
+            o[b, t] = torch.einsum("hk,hkv->hv", q[b, t] * scale, S)
+            if t - bos + 1 in wanted:
+                ckpts.append(S.clone())
+        finals.append(S)
+    final = torch.stack(finals) if output_final_state else None
+    ck = torch.stack(ckpts) if checkpoint_positions is not None and ckpts else None
+    if checkpoint_positions is not None and ck is None:
+        ck = q.new_zeros(0, H, K, V)
+    return o.to(out_dtype), final, ck
+
+
+def _chunk(q, k, v, g, beta, S, scale: float, wanted: list[int], out: Tensor, ckpts: list[Tensor]) -> Tensor:
+    """One chunk of C tokens for all H heads; q, k, g [C, H, K], v [C, H, V], beta [C, H], S [H, K, V].
+    Writes ``out`` [C, H, V]; appends states after token p (1-based within the chunk) for p in ``wanted``."""
+    C = q.shape[0]
+    # [H, C, *]: heads lead so that batched matmuls run per head
+    q, k, v, g, beta = (x.transpose(0, 1) for x in (q, k, v, g, beta))
+    G = g.cumsum(1)  # [H, C, K] inclusive cumulative log-decay
+    diff = G[:, :, None, :] - G[:, None, :, :]  # [H, Ci, Cj, K] = G_i - G_j
+    idx = torch.arange(C, device=q.device)
+    strict = (idx[:, None] > idx[None, :])[None, :, :, None]
+    causal = (idx[:, None] >= idx[None, :])[None, :, :, None]
+    # mask before exp so that j > i (positive exponents) never overflow
+    decay_strict = torch.where(strict, diff, torch.full_like(diff, float("-inf"))).exp()
+    decay_causal = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
+    L = beta[:, :, None] * torch.einsum("hik,hjk,hijk->hij", k, k, decay_strict)  # [H, C, C]
+    eye = torch.eye(C, device=q.device, dtype=q.dtype).expand(q.shape[0], C, C)
+    kg = k * G.exp()  # [H, C, K]
+    rhs = beta[:, :, None] * (v - kg @ S)  # [H, C, V]
+    delta = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)  # v' of KDA.md
+    A_qk = torch.einsum("hik,hjk,hijk->hij", q * scale, k, decay_causal)  # [H, C, C]
+    out.copy_(((q * scale * G.exp()) @ S + A_qk @ delta).transpose(0, 1))
+    for p in wanted:  # the state after p tokens, from the chunk-start state: no change to the main path
+        Gp = G[:, p - 1 : p, :]  # [H, 1, K]
+        kd = k[:, :p] * (Gp - G[:, :p]).exp()
+        ckpts.append(Gp.transpose(1, 2).exp() * S + kd.transpose(1, 2) @ delta[:, :p])
+    G_last = G[:, -1:, :]  # [H, 1, K]
+    return G_last.transpose(1, 2).exp() * S + (k * (G_last - G).exp()).transpose(1, 2) @ delta
+
+
+def naive_chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """KDA in the chunked WY form of KDA.md (the CPU prefill path); same contract as
+    :func:`naive_recurrent_kda`. Chunks start at each sequence's first token of this call."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, scale, seqs = _prepare(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
+    )
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.zeros_like(v)
+    finals, ckpts = [], []
+    for n, (b, bos, eos) in enumerate(seqs):
+        S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
+        if initial_state is not None:
+            S = initial_state[n].float().clone()
+        wanted = list(checkpoint_positions[n]) if checkpoint_positions is not None else []
+        for s in range(bos, eos, chunk_size):
+            e = min(s + chunk_size, eos)
+            here = [p - (s - bos) for p in wanted if s - bos < p <= e - bos]
+            S = _chunk(q[b, s:e], k[b, s:e], v[b, s:e], g[b, s:e], beta[b, s:e], S, scale, here, o[b, s:e], ckpts)
+        finals.append(S)
+    final = torch.stack(finals) if output_final_state else None
+    ck = None
+    if checkpoint_positions is not None:
+        ck = torch.stack(ckpts) if ckpts else q.new_zeros(0, H, K, V)
+    return o.to(out_dtype), final, ck

@@ -1,0 +1,58 @@
+"""Plain-torch twins of MLA attention over the compressed latent cache (NoPE, KDA.md).
+
+The cache holds, per token, the normed latent c [r] and the shared k_pe [dr], stored together as one row of
+r + dr numbers. Pages: kv_pages [num_pages, P, r + dr]; page_table [N, max_pages] int32 maps a sequence's
+i-th page to a pool page; seq_lens [N] counts the cached tokens (the new token included, for decode).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def gather_latent(kv_pages: Tensor, pages: Tensor, length: int) -> Tensor:
+    """The first ``length`` rows [length, r + dr] of a sequence whose page ids are ``pages`` [max_pages]."""
+    P = kv_pages.shape[1]
+    n = -(-length // P)
+    return kv_pages[pages[:n].long()].reshape(n * P, -1)[:length]
+
+
+def naive_mla_prefill(
+    q: Tensor, latent: Tensor, w_kv_b: Tensor, dn: int, dv: int, scale: float, start: int
+) -> Tensor:
+    """Causal attention of T new queries over L = start + T cached tokens, decompressing K and V.
+
+    q [T, H, dn + dr]; latent [L, r + dr]; w_kv_b [H * (dn + dv), r] (kv_b_proj weight). The query at
+    position start + t sees keys 0..start + t. Returns o [T, H, dv] in q's dtype."""
+    T, H, _ = q.shape
+    L = latent.shape[0]
+    r = w_kv_b.shape[1]
+    if L != start + T:
+        raise ValueError(f"latent must hold start + T = {start + T} rows, got {L}")
+    c, k_pe = latent[:, :r], latent[:, r:]
+    kv = (c @ w_kv_b.t()).view(L, H, dn + dv)  # decompress every cached token
+    k = torch.cat([kv[..., :dn], k_pe[:, None, :].expand(L, H, k_pe.shape[-1])], dim=-1)  # [L, H, dn + dr]
+    v = kv[..., dn:]
+    scores = torch.einsum("thd,lhd->htl", q.float(), k.float()) * scale
+    pos = torch.arange(L, device=q.device)
+    mask = pos[None, :] <= (start + torch.arange(T, device=q.device))[:, None]  # [T, L]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("htl,lhd->thd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def naive_mla_decode_paged(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float
+) -> Tensor:
+    """One query per sequence over its paged latent cache, with kv_b_proj absorbed into the query.
+
+    q_lat [N, H, r] (q_nope @ W_uk per head), q_pe [N, H, dr], kv_pages [num_pages, P, r + dr],
+    page_table [N, max_pages] int32, seq_lens [N]. Returns the attention-weighted latent [N, H, r]
+    (multiply by W_uv per head for the values), in q_lat's dtype."""
+    N, H, r = q_lat.shape
+    out = torch.empty_like(q_lat)
+    for n, length in enumerate(seq_lens.tolist()):
+        lat = gather_latent(kv_pages, page_table[n], int(length)).float()  # [L, r + dr]
+        scores = (q_lat[n].float() @ lat[:, :r].t() + q_pe[n].float() @ lat[:, r:].t()) * scale  # [H, L]
+        out[n] = (scores.softmax(-1) @ lat[:, :r]).to(q_lat.dtype)
+    return out
