@@ -1,0 +1,188 @@
+"""Load and save models in the Kimi-Linear safetensors format; built-in models by name.
+
+Weights are assigned into a model built on the meta device, so no random weights are ever materialised.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from ..config import ModelConfig
+from .model import HybridModel
+
+BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
+BUILTIN_MODELS = ("tiny-random", "tiny")
+# parameters kept in float32 whatever the model dtype: they feed exp/softplus or the router's selection
+FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
+
+
+class CheckpointError(ValueError):
+    """Missing, unexpected or mis-shaped tensors, or unreadable files; the message lists the names."""
+
+
+def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(FP32_PARAMS) else dtype
+
+
+def _assign(model: HybridModel, tensors: dict[str, Tensor], device: str | torch.device, dtype: torch.dtype) -> None:
+    expected = {name: tuple(p.shape) for name, p in model.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    misshaped = sorted(
+        f"{n} (expected {expected[n]}, got {tuple(tensors[n].shape)})"
+        for n in set(expected) & set(tensors)
+        if tuple(tensors[n].shape) != expected[n]
+    )
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {', '.join(misshaped)}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
+    state = {n: t.to(device=device, dtype=_param_dtype(n, dtype)) for n, t in tensors.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+
+
+def _read_safetensors(path: Path) -> dict[str, Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files in {path}")
+    tensors: dict[str, Tensor] = {}
+    for fname in files:
+        fpath = path / fname
+        if fpath.parent != path or not fpath.exists():
+            raise CheckpointError(f"shard {fname!r} named by the index is missing from {path}")
+        try:
+            with safe_open(str(fpath), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    if name in tensors:
+                        raise CheckpointError(f"tensor {name} appears in more than one shard")
+                    tensors[name] = f.get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            raise CheckpointError(f"cannot read {fpath}: {e}") from None
+    return tensors
+
+
+def _seeded(name: str, shape: tuple[int, ...], std: float) -> Tensor:
+    """Uniform noise of the given std from a splitmix64 hash of (name, index): identical on every machine and
+    torch version, unlike torch's RNG streams."""
+    n = math.prod(shape)
+    seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:7], "little")
+    z = torch.arange(n, dtype=torch.int64) + seed
+
+    def lsr(x: Tensor, s: int) -> Tensor:  # logical shift right on int64
+        return (x >> s) & ((1 << (64 - s)) - 1)
+
+    def wrap(c: int) -> int:
+        return c - (1 << 64) if c >= 1 << 63 else c
+
+    z = z + wrap(0x9E3779B97F4A7C15)
+    z = (z ^ lsr(z, 30)) * wrap(0xBF58476D1CE4E5B9)
+    z = (z ^ lsr(z, 27)) * wrap(0x94D049BB133111EB)
+    z = z ^ lsr(z, 31)
+    u = lsr(z, 40).double() / float(1 << 24)  # [0, 1)
+    return ((u * 2 - 1) * (std * math.sqrt(3.0))).float().view(shape)
+
+
+def _tiny_random_weights(model: HybridModel) -> dict[str, Tensor]:
+    cfg = model.config
+    out: dict[str, Tensor] = {}
+    for name, p in model.state_dict().items():
+        shape = tuple(p.shape)
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            out[name] = torch.ones(shape)
+        elif name.endswith("A_log"):
+            out[name] = torch.log(1 + 15 * (_seeded(name, shape, 1.0) / math.sqrt(3.0) + 1) / 2)  # A in [1, 16]
+        elif name.endswith("dt_bias"):
+            out[name] = _seeded(name, shape, 0.5) - 2.0
+        elif name.endswith("e_score_correction_bias"):
+            out[name] = torch.zeros(shape)
+        elif name.endswith("embed_tokens.weight"):
+            out[name] = _seeded(name, shape, 1.0)
+        elif name.endswith("conv1d.weight"):
+            out[name] = _seeded(name, shape, 0.5)
+        else:  # projections: std 1 / sqrt(fan_in) keeps activations at unit scale
+            out[name] = _seeded(name, shape, 1.0 / math.sqrt(shape[-1]))
+    assert len(out) == len(model.state_dict()) and cfg.vocab_size == model.lm_head.weight.shape[0]
+    return out
+
+
+def load_model(
+    path_or_name: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> HybridModel:
+    """A built-in name (``tiny-random``, ``tiny``) or a directory with a Kimi-Linear ``config.json`` and
+    ``*.safetensors`` (single or sharded with ``model.safetensors.index.json``). Returns the model in eval mode."""
+    name = str(path_or_name)
+    if name in BUILTIN_MODELS:
+        cfg = ModelConfig.from_file(BUILTIN_DIR / f"{name}.json")
+        with torch.device("meta"):
+            model = HybridModel(cfg)
+        if name == "tiny-random":
+            tensors = _tiny_random_weights(model)
+        else:
+            weights = BUILTIN_DIR / "tiny.safetensors"
+            if not weights.exists():
+                raise CheckpointError("the built-in model 'tiny' has no weights in this install")
+            tensors = _read_safetensors_file(weights)
+    else:
+        path = Path(path_or_name)
+        if not path.is_dir():
+            raise CheckpointError(f"{name!r} is neither a built-in model {BUILTIN_MODELS} nor a directory")
+        cfg = ModelConfig.from_file(path)
+        with torch.device("meta"):
+            model = HybridModel(cfg)
+        tensors = _read_safetensors(path)
+    _assign(model, tensors, device, dtype)
+    return model.eval()
+
+
+def _read_safetensors_file(path: Path) -> dict[str, Tensor]:
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+
+
+def save_model(model: HybridModel, path: str | Path, max_shard_bytes: int | None = None) -> None:
+    """Write ``config.json`` and the weights (sharded with an index when over ``max_shard_bytes``)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(model.config.model_dump_json(indent=2, exclude_none=True))
+    state = {n: t.detach().cpu().contiguous() for n, t in model.state_dict().items()}
+    if max_shard_bytes is None:
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    shards: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for n, t in state.items():
+        b = t.numel() * t.element_size()
+        if shards[-1] and size + b > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][n] = t
+        size += b
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(path / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, fname))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))

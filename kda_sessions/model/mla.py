@@ -1,0 +1,98 @@
+"""The NoPE MLA layer. Its cache holds only the normed latent c [r] and k_pe [dr] per token, in pages."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from ..kernels import mla_decode_paged
+from ..kernels.mla import gather_latent
+from .batch import ForwardBatch
+from .ffn import RMSNorm
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.H, self.r = H, cfg.kv_lora_rank
+        self.dn, self.dr, self.dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.scale = (self.dn + self.dr) ** -0.5
+        dq = H * (self.dn + self.dr)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(D, dq, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(D, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, dq, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(D, self.r + self.dr, bias=False)
+        self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.r, H * (self.dn + self.dv), bias=False)
+        self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+
+    def _query(self, x: Tensor) -> Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> Tensor:
+        """x [T, D] packed; appends each new token's latent row to ``kv_pages`` [num_pages, P, r + dr] at its
+        position, then attends. Returns [T, D]."""
+        T = x.shape[0]
+        H, r = self.H, self.r
+        q = self._query(x).view(T, H, self.dn + self.dr)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [T, r + dr]
+        self._write(latent, batch, kv_pages)
+        if batch.is_decode:
+            o = self._decode(q, batch, kv_pages)
+        else:
+            o = self._prefill(q, batch, kv_pages)
+        return self.o_proj(o.reshape(T, H * self.dv))
+
+    def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
+        P = kv_pages.shape[1]
+        # flat row index page * P + offset of every new token, built on the host then copied once
+        rows: list[int] = []
+        table = batch.page_table.tolist()
+        for n, (s, t) in enumerate(zip(batch.start, batch.num_new)):
+            rows.extend(table[n][p // P] * P + p % P for p in range(s, s + t))
+        idx = torch.tensor(rows, dtype=torch.long, device=latent.device)
+        kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, idx, latent.to(kv_pages.dtype))
+
+    def _prefill(self, q: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> Tensor:
+        H, dn, dv, r = self.H, self.dn, self.dv, self.r
+        outs = []
+        offset = 0
+        for n, (s, t) in enumerate(zip(batch.start, batch.num_new)):
+            L = s + t
+            lat = gather_latent(kv_pages, batch.page_table[n], L).to(q.dtype)  # [L, r + dr]
+            kv = self.kv_b_proj(lat[:, :r]).view(L, H, dn + dv)  # decompress
+            k = torch.cat([kv[..., :dn], lat[:, None, r:].expand(L, H, self.dr)], dim=-1)
+            qn = q[offset : offset + t].transpose(0, 1)  # [H, t, dn + dr]
+            if s == 0:
+                o = F.scaled_dot_product_attention(
+                    qn, k.transpose(0, 1), kv[..., dn:].transpose(0, 1), is_causal=True, scale=self.scale
+                )
+            else:
+                pos = torch.arange(L, device=q.device)
+                mask = pos[None, :] <= (s + torch.arange(t, device=q.device))[:, None]  # [t, L]
+                o = F.scaled_dot_product_attention(
+                    qn, k.transpose(0, 1), kv[..., dn:].transpose(0, 1), attn_mask=mask, scale=self.scale
+                )
+            outs.append(o.transpose(0, 1))  # [t, H, dv]
+            offset += t
+        return torch.cat(outs)
+
+    def _decode(self, q: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> Tensor:
+        """Weight absorption: attend on the latent directly, then map to values."""
+        H, dn, dv, r = self.H, self.dn, self.dv, self.r
+        w = self.kv_b_proj.weight.view(H, dn + dv, r)
+        q_lat = torch.einsum("nhd,hdr->nhr", q[..., :dn], w[:, :dn])  # [N, H, r]
+        seq_lens = torch.tensor([s + 1 for s in batch.start], dtype=torch.int32, device=q.device)
+        o_lat = mla_decode_paged(
+            q_lat, q[..., dn:].contiguous(), kv_pages, batch.page_table, seq_lens, self.scale
+        )  # [N, H, r]
+        return torch.einsum("nhr,hvr->nhv", o_lat.to(q.dtype), w[:, dn:])

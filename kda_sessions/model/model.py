@@ -1,0 +1,123 @@
+"""The hybrid KDA + MLA decoder (checkpoint names of Kimi-Linear) and its two entry points.
+
+``step(batch, pools)`` runs a batch of sequences of any lengths from their pooled states (prefill, or decode
+when every sequence feeds one token) and returns logits plus states at requested checkpoint positions;
+``forward(input_ids [B, T])`` runs fresh sequences and returns logits [B, T, vocab].
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from .batch import CheckpointStates, ForwardBatch, StatePools
+from .ffn import MoE, RMSNorm, SwiGLU
+from .kda import KDAAttention
+from .mla import MLAttention
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.is_kda = cfg.is_kda(layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn: KDAAttention | MLAttention = KDAAttention(cfg) if self.is_kda else MLAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if cfg.is_moe(layer):
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def ffn(self, x: Tensor) -> Tensor:
+        if hasattr(self, "block_sparse_moe"):
+            return self.block_sparse_moe(x)
+        return self.mlp(x)
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class HybridModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def allocate_pools(self, num_slots: int, num_pages: int, page_size: int) -> StatePools:
+        """Zeroed pools: KDA states [S, H, K, V] float32 and conv tails per KDA layer, latent pages per MLA layer."""
+        cfg, dev = self.config, self.device
+        H, K = cfg.kda_heads, cfg.kda_head_dim
+        Dc = 3 * H * K
+        nk, nm = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)
+        return StatePools(
+            kda=[torch.zeros(num_slots, H, K, K, dtype=torch.float32, device=dev) for _ in range(nk)],
+            conv=[torch.zeros(num_slots, cfg.conv_size - 1, Dc, dtype=self.dtype, device=dev) for _ in range(nk)],
+            kv=[torch.zeros(num_pages, page_size, cfg.latent_dim, dtype=self.dtype, device=dev) for _ in range(nm)],
+            page_size=page_size,
+        )
+
+    @torch.inference_mode()
+    def step(self, batch: ForwardBatch, pools: StatePools) -> tuple[Tensor, CheckpointStates | None]:
+        """Run the batch; returns logits [N, vocab] (each sequence's last token) or [T_total, vocab] with
+        ``all_logits``, and the states at ``batch.checkpoint_positions`` (None when none were asked)."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T_total, D]
+        ck_kda: list[Tensor] = []
+        ck_conv: list[Tensor] = []
+        ik = im = 0
+        for layer in self.model.layers:
+            h = layer.input_layernorm(x)
+            if isinstance(layer.self_attn, KDAAttention):
+                h, s_at, c_at = layer.self_attn(h, batch, pools.kda[ik], pools.conv[ik])
+                if batch.checkpoint_positions is not None:
+                    assert s_at is not None and c_at is not None
+                    ck_kda.append(s_at)
+                    ck_conv.append(c_at)
+                ik += 1
+            else:
+                h = layer.self_attn(h, batch, pools.kv[im])
+                im += 1
+            x = x + h
+            x = x + layer.ffn(layer.post_attention_layernorm(x))
+        if not batch.all_logits:
+            x = x[batch.cu_seqlens[1:] - 1]  # each sequence's last token
+        logits = self.lm_head(self.model.norm(x)).float()
+        checkpoints = None
+        if batch.checkpoint_positions is not None:
+            checkpoints = CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))
+        return logits, checkpoints
+
+    @torch.inference_mode()
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [B, T] (fresh sequences) -> logits [B, T, vocab] float32."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise ValueError(f"input_ids must be [B, T] with T >= 1, got {tuple(input_ids.shape)}")
+        B, T = input_ids.shape
+        P = 64
+        pages = -(-T // P)
+        pools = self.allocate_pools(B, B * pages, P)
+        table = torch.arange(B * pages, dtype=torch.int32, device=self.device).view(B, pages)
+        batch = ForwardBatch(
+            input_ids=input_ids.reshape(-1).to(self.device),
+            num_new=[T] * B,
+            start=[0] * B,
+            slots=torch.arange(B, device=self.device),
+            page_table=table,
+            all_logits=True,
+        )
+        logits, _ = self.step(batch, pools)
+        return logits.view(B, T, -1)
