@@ -1,0 +1,154 @@
+"""The tokenizer contract every backend (byte, tokenizer.json, tiktoken) fulfils.
+
+Special tokens are control tokens (role markers, end of turn, tool-call envelope). They are only produced
+from text when the caller says so (`allow_special=True`, used for template text), never from user content.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from functools import cached_property
+from typing import NamedTuple
+
+
+class Segment(NamedTuple):
+    """A piece of rendered chat text: a special token name (is_special) or plain text encoded as is."""
+
+    text: str
+    is_special: bool
+
+
+class Tokenizer(ABC):
+    """Text <-> token ids. Subclasses fill `special_ids` and `eos_ids` in their constructor."""
+
+    special_ids: dict[str, int]
+    eos_ids: set[int]
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids the model's embedding must cover (base vocabulary plus specials)."""
+
+    @abstractmethod
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        """Ids of `text`. Special-token strings map to their ids only with `allow_special=True`."""
+
+    @abstractmethod
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        """Text of `ids`; specials appear as their names unless `skip_special`. Invalid UTF-8 becomes U+FFFD."""
+
+    # ---- specials -------------------------------------------------------------------------------------
+
+    @cached_property
+    def special_names(self) -> dict[int, str]:
+        return {i: name for name, i in self.special_ids.items()}
+
+    def token_to_id(self, name: str) -> int:
+        """Id of the special token `name`; KeyError naming it when the tokenizer has no such token."""
+        try:
+            return self.special_ids[name]
+        except KeyError:
+            raise KeyError(f"tokenizer has no special token {name!r}") from None
+
+    def id_to_token(self, token_id: int) -> str:
+        """Name of the special token `token_id`; KeyError when it is not a special id."""
+        try:
+            return self.special_names[token_id]
+        except KeyError:
+            raise KeyError(f"token id {token_id} is not a special token") from None
+
+    def is_special(self, token_id: int) -> bool:
+        return token_id in self.special_names
+
+    @cached_property
+    def special_pattern(self) -> re.Pattern[str] | None:
+        """Regex matching any special name, longest first (so `<|a|>` never shadows `<|a|>b`)."""
+        if not self.special_ids:
+            return None
+        names = sorted(self.special_ids, key=len, reverse=True)
+        return re.compile("|".join(re.escape(n) for n in names))
+
+    # ---- helpers built on the primitives -------------------------------------------------------------
+
+    def encode_segments(self, segments: Iterable[Segment]) -> list[int]:
+        """Encode template output: specials by id, plain text with `allow_special=False` (not injectable)."""
+        ids: list[int] = []
+        for seg in segments:
+            if seg.is_special:
+                ids.append(self.token_to_id(seg.text))
+            elif seg.text:
+                ids.extend(self.encode(seg.text, allow_special=False))
+        return ids
+
+    def split_specials(self, text: str) -> list[Segment]:
+        """Split text at literal special names: the inverse of rendering segments to a string."""
+        pattern = self.special_pattern
+        if pattern is None:
+            return [Segment(text, False)] if text else []
+        out: list[Segment] = []
+        pos = 0
+        for m in pattern.finditer(text):
+            if m.start() > pos:
+                out.append(Segment(text[pos : m.start()], False))
+            out.append(Segment(m.group(), True))
+            pos = m.end()
+        if pos < len(text):
+            out.append(Segment(text[pos:], False))
+        return out
+
+    def incremental_decoder(self, *, skip_special: bool = False) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special=skip_special)
+
+
+class IncrementalDecoder:
+    """Feed ids one at a time; get back only new, complete text.
+
+    Text is held back while the decoded tail ends in U+FFFD (an unfinished UTF-8 sequence split across
+    byte-level tokens), so no half character is ever emitted. Decoding a small window of recent ids rather than
+    the last id alone keeps tokenizers whose decoders look at neighbours (leading-space rules) right.
+    """
+
+    # A UTF-8 character spans at most 4 bytes; a few more ids allow for multi-byte BPE pieces. Past this, the
+    # replacement character is real (invalid bytes) and is emitted rather than stalling the stream.
+    MAX_PENDING = 8
+
+    def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special = skip_special
+        self._ids: list[int] = []
+        self._prefix = 0  # start of the context window
+        self._read = 0  # ids before this have been emitted
+
+    def feed(self, token_id: int) -> str:
+        """Text newly completed by `token_id` (often "", while a character is still incomplete)."""
+        if self.tokenizer.is_special(token_id):
+            # Specials are never part of a character: flush what is pending, then the special itself.
+            text = self.flush()
+            return text if self.skip_special else text + self.tokenizer.id_to_token(token_id)
+        self._ids.append(token_id)
+        prefix_text = self.tokenizer.decode(self._ids[self._prefix : self._read])
+        full_text = self.tokenizer.decode(self._ids[self._prefix :])
+        pending = len(self._ids) - self._read
+        if full_text.endswith("\ufffd") and pending < self.MAX_PENDING:
+            return ""
+        if len(full_text) <= len(prefix_text):
+            return ""  # e.g. a token that decodes to nothing on its own
+        new = full_text[len(prefix_text) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        return new
+
+    def flush(self) -> str:
+        """Whatever is pending, incomplete characters as U+FFFD; resets the window."""
+        if self._read == len(self._ids):
+            self._reset()
+            return ""
+        prefix_text = self.tokenizer.decode(self._ids[self._prefix : self._read])
+        full_text = self.tokenizer.decode(self._ids[self._prefix :])
+        self._reset()
+        return full_text[len(prefix_text) :]
+
+    def _reset(self) -> None:
+        self._ids.clear()
+        self._prefix = self._read = 0

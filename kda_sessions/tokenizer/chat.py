@@ -1,0 +1,392 @@
+"""Chat template: OpenAI-style messages (+ tools) to text and ids, whole or as a delta.
+
+The checkpoint's Jinja `chat_template` is used when it has one, else the built-in template in Kimi's format:
+
+    <|im_system|>tool_declare<|im_middle|>{tools json}<|im_end|>            (when tools are given)
+    <|im_system|>system<|im_middle|>{content}<|im_end|>
+    <|im_user|>user<|im_middle|>{content}<|im_end|>
+    <|im_assistant|>assistant<|im_middle|>{content}<|tool_calls_section_begin|>
+        <|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{json}<|tool_call_end|>...
+        <|tool_calls_section_end|><|im_end|>
+    <|im_system|>tool<|im_middle|>## Return of {tool_call_id}\n{content}<|im_end|>
+    add_generation_prompt: <|im_assistant|>assistant<|im_middle|>
+
+Message contents can never become special tokens: before rendering, every special name inside a message or
+tool string is broken with an escape character, the rendered text is split at the specials that remain (the
+template's own) and the escape is undone inside the plain segments, which are then encoded as plain text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from kda_sessions.tokenizer.base import Segment, Tokenizer
+from kda_sessions.tokenizer.checkpoint_files import END_OF_TURN, read_tokenizer_config, token_content
+from kda_sessions.tokenizer.loader import BUILTIN_NAMES
+
+logger = logging.getLogger(__name__)
+
+Message = Mapping[str, Any]
+
+ROLES = ("system", "user", "assistant", "tool")
+GENERATION_PROMPT = "<|im_assistant|>assistant<|im_middle|>"
+# The specials the built-in template emits; only these are split out of its output.
+CHAT_SPECIALS = (
+    "<|im_end|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
+
+# Whitespace control on every tag: the output is exactly the literal pieces, no stray newlines.
+BUILTIN_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>"
+    "{{ tools | tojson(separators=(',', ':')) }}<|im_end|>{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}<|im_system|>system<|im_middle|>{{ message.content or '' }}"
+    "{%- elif message.role == 'user' -%}<|im_user|>user<|im_middle|>{{ message.content or '' }}"
+    "{%- elif message.role == 'assistant' -%}<|im_assistant|>assistant<|im_middle|>{{ message.content or '' }}"
+    "{%- if message.tool_calls -%}<|tool_calls_section_begin|>"
+    "{%- for call in message.tool_calls -%}<|tool_call_begin|>"
+    "{{ call.id or ('functions.' ~ call.function.name ~ ':' ~ loop.index0) }}<|tool_call_argument_begin|>"
+    "{{ call.function.arguments if call.function.arguments is string else call.function.arguments | tojson }}"
+    "<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}"
+    "{%- elif message.role == 'tool' -%}<|im_system|>tool<|im_middle|>"
+    "## Return of {{ message.tool_call_id }}{{ '\\n' }}{{ message.content or '' }}"
+    "{%- else -%}{{ raise_exception('unknown role ' ~ message.role) }}"
+    "{%- endif -%}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+# Private-use character: inserted after the first character of a special name found in content, doubled
+# when content holds it literally. Undone in plain segments after splitting.
+_ESC = "\ue000"
+_UNESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
+
+
+class ChatTemplateError(ValueError):
+    """Messages the template cannot render, or a template that cannot render incrementally."""
+
+
+class ChatTemplate:
+    """Renders messages to text or segments. `source=None` is the built-in (Kimi-format) template."""
+
+    def __init__(
+        self,
+        source: str | None = None,
+        *,
+        special_tokens: Iterable[str] = CHAT_SPECIALS,
+        bos_token: str = "",
+        eos_token: str = "",
+        end_of_turn: str = END_OF_TURN,
+    ) -> None:
+        self.is_builtin = source is None
+        self.source = BUILTIN_TEMPLATE if source is None else source
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        #: Text that closes an assistant turn: the engine appends it after a reply that stopped on eos
+        #: (the eos token itself is that text in Kimi's format) or was cut off.
+        self.end_of_turn = end_of_turn
+        #: Text that opens an assistant turn (what add_generation_prompt appends, built-in template).
+        self.generation_prompt = GENERATION_PROMPT
+        names = sorted(set(special_tokens), key=len, reverse=True)
+        self._special_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
+        self._escape_re = re.compile("|".join([re.escape(_ESC), *(re.escape(n) for n in names)]))
+        try:
+            self._template = _environment().from_string(self.source)
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat_template does not compile: {e}") from e
+
+    # ---- rendering ----------------------------------------------------------------------------------
+
+    def render_segments(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, add_generation_prompt: bool
+    ) -> list[Segment]:
+        """The conversation as (text, is_special) pieces; specials only where the template put them."""
+        return self._split(self._render_raw(messages, tools, add_generation_prompt))
+
+    def render_messages(
+        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, add_generation_prompt: bool
+    ) -> str:
+        """The conversation as text (specials written out; for display and golden tests)."""
+        return _join(self.render_segments(messages, tools, add_generation_prompt=add_generation_prompt))
+
+    def render_delta_segments(
+        self,
+        new_messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool,
+        history: Sequence[Message] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> list[Segment]:
+        """Only `new_messages`, to append to a conversation already rendered without a generation prompt.
+
+        Built-in template: render(a, tools) + render_delta(b) == render(a + b, tools); history is not needed.
+        A checkpoint template: `history` (and `tools`) are required; the delta is render(history + new) minus
+        render(history), which must end where a special token ends, else ChatTemplateError.
+        """
+        if self.is_builtin:
+            return self._split(self._render_raw(new_messages, None, add_generation_prompt))
+        if history is None:
+            raise ChatTemplateError("a checkpoint chat_template renders deltas only given the history")
+        before = self._render_raw(history, tools, False)
+        after = self._render_raw([*history, *new_messages], tools, add_generation_prompt)
+        if not after.startswith(before):
+            raise ChatTemplateError(
+                "chat_template is not incremental: history renders differently once extended"
+            )
+        segments = self._split(after)
+        pos = 0
+        for k, seg in enumerate(segments):
+            if pos == len(before):
+                return segments[k:]
+            pos += len(seg.text)
+        if pos == len(before):
+            return []
+        raise ChatTemplateError(
+            "chat_template is not incremental: the history does not end on a special token"
+        )
+
+    def render_delta(
+        self,
+        new_messages: Sequence[Message],
+        *,
+        add_generation_prompt: bool,
+        history: Sequence[Message] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> str:
+        return _join(
+            self.render_delta_segments(
+                new_messages, add_generation_prompt=add_generation_prompt, history=history, tools=tools
+            )
+        )
+
+    # ---- internals ----------------------------------------------------------------------------------
+
+    def _render_raw(self, messages: Sequence[Message], tools: Sequence[Any] | None, gen: bool) -> str:
+        msgs = [_normalize(m, i, check=self.is_builtin) for i, m in enumerate(messages)]
+        tools_plain = _deep_sort(_plain(list(tools))) if tools else None
+        try:
+            return self._template.render(
+                messages=self._escape(msgs),
+                tools=self._escape(tools_plain),
+                add_generation_prompt=gen,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat_template failed: {e}") from e
+
+    def _escape(self, obj: Any) -> Any:
+        if isinstance(obj, str):
+            return self._escape_re.sub(_break, obj)
+        if isinstance(obj, dict):
+            return {k: self._escape(v) for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [self._escape(v) for v in obj]
+        return obj
+
+    def _split(self, text: str) -> list[Segment]:
+        out: list[Segment] = []
+        pos = 0
+        if self._special_re is not None:
+            for m in self._special_re.finditer(text):
+                if m.start() > pos:
+                    out.append(Segment(_UNESCAPE.sub(r"\1", text[pos : m.start()]), False))
+                out.append(Segment(m.group(), True))
+                pos = m.end()
+        if pos < len(text):
+            out.append(Segment(_UNESCAPE.sub(r"\1", text[pos:]), False))
+        return out
+
+
+def _break(m: re.Match[str]) -> str:
+    s = m.group()
+    return _ESC + _ESC if s == _ESC else s[0] + _ESC + s[1:]
+
+
+def _join(segments: Iterable[Segment]) -> str:
+    return "".join(s.text for s in segments)
+
+
+def _raise(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+@lru_cache(maxsize=1)
+def _environment() -> ImmutableSandboxedEnvironment:
+    # The conventions of Hugging Face chat templates, so checkpoint templates render as they do there.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+
+    def tojson(
+        x: Any,
+        ensure_ascii: bool = False,
+        indent: int | None = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
+
+
+def _plain(obj: Any) -> Any:
+    """pydantic models (e.g. ToolCall) to dicts, recursively; tuples to lists."""
+    if hasattr(obj, "model_dump"):
+        return obj.model_dump()
+    if isinstance(obj, Mapping):
+        return {k: _plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_plain(v) for v in obj]
+    return obj
+
+
+def _deep_sort(obj: Any) -> Any:
+    # Kimi's tokenizer sorts tool schemas' keys before rendering; equal tools then render to equal text.
+    if isinstance(obj, dict):
+        return {k: _deep_sort(obj[k]) for k in sorted(obj)}
+    if isinstance(obj, list):
+        return [_deep_sort(v) for v in obj]
+    return obj
+
+
+def _normalize(message: Message, index: int, *, check: bool) -> dict[str, Any]:
+    """A plain dict with `content` a string (OpenAI text parts joined); checked for the built-in template."""
+    msg = _plain(message)
+    if not isinstance(msg, dict):
+        raise ChatTemplateError(f"messages[{index}] must be a dict, got {type(message).__name__}")
+    content = msg.get("content")
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (
+                isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+            ):
+                raise ChatTemplateError(f"messages[{index}].content[{j}] must be a text part, got {part!r}")
+            texts.append(part["text"])
+        msg["content"] = "".join(texts)
+    elif content is not None and not isinstance(content, str):
+        raise ChatTemplateError(f"messages[{index}].content must be a string, got {type(content).__name__}")
+    if check:
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ChatTemplateError(f"messages[{index}].role must be one of {list(ROLES)}, got {role!r}")
+        if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
+            raise ChatTemplateError(f"messages[{index}] (role tool) needs a string tool_call_id")
+        for j, call in enumerate(msg.get("tool_calls") or []):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
+                raise ChatTemplateError(
+                    f"messages[{index}].tool_calls[{j}] needs function.name, got {call!r}"
+                )
+    return msg
+
+
+# ---- loading and encoding ---------------------------------------------------------------------------
+
+
+def load_chat_template(path_or_name: str | Path, tokenizer: Tokenizer) -> ChatTemplate:
+    """The checkpoint's template (`chat_template` in tokenizer_config.json, or chat_template.jinja) when the
+    directory has one, else the built-in template."""
+    if isinstance(path_or_name, str) and path_or_name in BUILTIN_NAMES:
+        return builtin_template()
+    directory = Path(path_or_name)
+    if directory.is_file():
+        directory = directory.parent
+    source = _checkpoint_template(directory) if directory.is_dir() else None
+    if source is None:
+        missing = [n for n in CHAT_SPECIALS if n not in tokenizer.special_ids]
+        if missing:
+            logger.warning(
+                "%s has no chat_template and its tokenizer lacks %s: chat encoding will fail",
+                directory,
+                missing,
+            )
+        return builtin_template()
+    config = read_tokenizer_config(directory)
+    return ChatTemplate(
+        source,
+        special_tokens=tokenizer.special_ids,
+        bos_token=token_content(config.get("bos_token")) or "",
+        eos_token=token_content(config.get("eos_token")) or "",
+        end_of_turn=END_OF_TURN
+        if END_OF_TURN in tokenizer.special_ids
+        else token_content(config.get("eos_token")) or END_OF_TURN,
+    )
+
+
+def _checkpoint_template(directory: Path) -> str | None:
+    value = read_tokenizer_config(directory).get("chat_template")
+    if isinstance(value, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        by_name = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = by_name.get("default") or next(iter(by_name.values()), None)
+    if isinstance(value, str) and value:
+        return value
+    jinja_file = directory / "chat_template.jinja"
+    return jinja_file.read_text(encoding="utf-8") if jinja_file.is_file() else None
+
+
+@lru_cache(maxsize=1)
+def builtin_template() -> ChatTemplate:
+    return ChatTemplate()
+
+
+def encode_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    tools: Sequence[Any] | None = None,
+    *,
+    add_generation_prompt: bool = True,
+    template: ChatTemplate | None = None,
+) -> list[int]:
+    """Ids of the whole conversation; message contents encoded as plain text (specials not injectable)."""
+    template = template or builtin_template()
+    return tokenizer.encode_segments(
+        template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt)
+    )
+
+
+def encode_chat_delta(
+    tokenizer: Tokenizer,
+    new_messages: Sequence[Message],
+    *,
+    add_generation_prompt: bool = True,
+    template: ChatTemplate | None = None,
+    history: Sequence[Message] | None = None,
+    tools: Sequence[Any] | None = None,
+) -> list[int]:
+    """Ids to append for `new_messages` after a conversation that ends with a closed turn."""
+    template = template or builtin_template()
+    return tokenizer.encode_segments(
+        template.render_delta_segments(
+            new_messages, add_generation_prompt=add_generation_prompt, history=history, tools=tools
+        )
+    )
+
+
+def encode_end_of_turn(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> list[int]:
+    """Ids of the text that closes an assistant turn (`<|im_end|>` in Kimi's format)."""
+    return tokenizer.encode((template or builtin_template()).end_of_turn, allow_special=True)
