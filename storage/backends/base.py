@@ -1,0 +1,183 @@
+"""The `BlobStore` ABC every backend implements, plus the checks they share.
+
+A store holds two kinds of objects:
+- blobs, named by the sha256 of their bytes, immutable: `put_blob` never overwrites, `get_blob` verifies the
+  hash of what it read before returning it;
+- manifests, one small mutable document per session id (the commit point of a snapshot).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+
+import anyio
+import anyio.to_thread
+
+from ..blobs import check_digest
+from ..errors import IntegrityError
+from ..manifest import SESSION_ID_PATTERN
+
+_SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
+# Hashing releases the GIL; above this size it runs in a worker thread so the event loop stays responsive.
+_THREAD_HASH_BYTES = 1 << 20
+DEFAULT_MAX_IN_FLIGHT = 8
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    """What a store holds right now (read from the store, so other processes' writes count too)."""
+
+    num_blobs: int
+    blob_bytes: int
+    num_manifests: int
+    manifest_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.blob_bytes + self.manifest_bytes
+
+
+def check_session_id(session_id: object) -> str:
+    """Return `session_id` if it matches `[A-Za-z0-9_-]{1,128}`, else raise ValueError naming it."""
+    if not isinstance(session_id, str) or _SESSION_ID_RE.fullmatch(session_id) is None:
+        raise ValueError(f"session id must match {SESSION_ID_PATTERN}, got {session_id!r:.140}")
+    return session_id
+
+
+def _sha256(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def verify_blob(digest: str, data: bytes | memoryview, *, where: str) -> None:
+    """Raise IntegrityError if sha256(data) is not `digest`."""
+    if len(data) >= _THREAD_HASH_BYTES:
+        actual = await anyio.to_thread.run_sync(_sha256, data)
+    else:
+        actual = _sha256(data)
+    if actual != digest:
+        raise IntegrityError(
+            f"{where}: blob {digest} has sha256 {actual} ({len(data)} bytes); corrupt or truncated"
+        )
+
+
+class BlobStore(ABC):
+    """A persistent (or volatile) home for blobs and manifests; every method is async and anyio-compatible."""
+
+    url: str = ""
+    """How `open_store` names this store; for logs and errors."""
+
+    # --- blobs -------------------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def put_blob(self, digest: str, data: bytes) -> bool:
+        """Store `data` under `digest` unless present; True if written, False if it already existed.
+
+        ValueError if `digest` is malformed, IntegrityError if it is not the sha256 of `data`.
+        """
+
+    @abstractmethod
+    async def get_blob(self, digest: str) -> bytes:
+        """The verified bytes of a blob; BlobNotFound if absent, IntegrityError if corrupt or truncated."""
+
+    @abstractmethod
+    async def has_blobs(self, digests: Iterable[str]) -> set[str]:
+        """The subset of `digests` that is stored (complete blobs only)."""
+
+    @abstractmethod
+    async def delete_blob(self, digest: str) -> bool:
+        """Remove a blob; True if it existed. Idempotent."""
+
+    @abstractmethod
+    async def list_blobs(self) -> list[str]:
+        """Every stored blob digest."""
+
+    @abstractmethod
+    async def touch_blobs(self, digests: Iterable[str]) -> None:
+        """Mark blobs as just used, so garbage collection spares them for a grace period (see `recent_blobs`)."""
+
+    @abstractmethod
+    async def recent_blobs(self, within_s: float) -> set[str]:
+        """Blobs written or touched in the last `within_s` seconds (by any process)."""
+
+    async def put_blobs(
+        self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> set[str]:
+        """Store many blobs, at most `max_in_flight` at once; returns the digests actually written."""
+        written: set[str] = set()
+        limit = anyio.Semaphore(max(1, max_in_flight))
+
+        async def one(d: str, data: bytes) -> None:
+            async with limit:
+                if await self.put_blob(d, data):
+                    written.add(d)
+
+        async with anyio.create_task_group() as tg:
+            for d, data in blobs.items():
+                tg.start_soon(one, d, data)
+        return written
+
+    async def get_blobs(
+        self, digests: Iterable[str], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> dict[str, bytes]:
+        """Verified bytes of many blobs, at most `max_in_flight` reads at once."""
+        out: dict[str, bytes] = {}
+        limit = anyio.Semaphore(max(1, max_in_flight))
+
+        async def one(d: str) -> None:
+            async with limit:
+                out[d] = await self.get_blob(d)
+
+        async with anyio.create_task_group() as tg:
+            for d in dict.fromkeys(digests):
+                tg.start_soon(one, d)
+        return out
+
+    # --- manifests ---------------------------------------------------------------------------------------
+
+    @abstractmethod
+    async def put_manifest(self, session_id: str, data: bytes) -> None:
+        """Write (or replace) a session's manifest atomically: readers see the old or the new one, whole."""
+
+    @abstractmethod
+    async def get_manifest(self, session_id: str) -> bytes:
+        """A session's manifest bytes; ManifestNotFound if absent."""
+
+    @abstractmethod
+    async def list_manifests(self) -> list[str]:
+        """Every session id that has a manifest."""
+
+    @abstractmethod
+    async def delete_manifest(self, session_id: str) -> bool:
+        """Remove a session's manifest; True if it existed. Idempotent."""
+
+    # --- accounting and lifetime -------------------------------------------------------------------------
+
+    @abstractmethod
+    async def stats(self) -> StoreStats:
+        """Counts and bytes currently stored."""
+
+    async def bytes_stored(self) -> int:
+        """Bytes of all blobs plus all manifests currently stored."""
+        return (await self.stats()).total_bytes
+
+    async def close(self) -> None:  # noqa: B027 - optional hook; most backends hold nothing to release
+        """Release connections and handles; the store is unusable afterwards."""
+
+    async def __aenter__(self) -> BlobStore:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+__all__ = ["BlobStore", "StoreStats", "check_digest", "check_session_id", "verify_blob"]

@@ -1,0 +1,278 @@
+"""`disk:PATH` — the embedded default store: one file per blob, one per manifest.
+
+Layout::
+
+    ROOT/blobs/ab/abcdef...        blob named by its sha256, sharded by the first two hex characters
+    ROOT/manifests/<session>.json  a session's manifest
+
+Every write goes to a uniquely named temp file (`.tmp-` prefix, O_EXCL) in the destination directory, is
+flushed and fsynced, then moved into place (link for blobs, so an existing blob is never replaced; rename for
+manifests) and the directory is fsynced. A crash therefore leaves either nothing or a whole file under the final
+name, plus possibly a temp file, which `DiskStore.open` removes once it is older than this process.
+File IO runs in worker threads so the event loop is never blocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import TypeVar
+
+import anyio.to_thread
+
+from ..blobs import is_digest
+from ..errors import BlobNotFound, IntegrityError, ManifestNotFound, StoreUnavailable
+from .base import BlobStore, StoreStats, check_digest, check_session_id, verify_blob
+
+logger = logging.getLogger(__name__)
+
+TMP_PREFIX = ".tmp-"
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_T = TypeVar("_T")
+
+
+def _process_start_time() -> float:
+    """Wall-clock start of this process (Linux /proc), else now; temp files older than it are orphans."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            start_ticks = int(f.read().rsplit(b")", 1)[1].split()[19])
+        with open("/proc/uptime", "rb") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_temp(directory: Path, data: bytes) -> Path:
+    """Write `data` to a new temp file in `directory`, fsynced; returns its path."""
+    tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def _read_file(path: Path) -> bytes:
+    fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        return f.readall()
+
+
+class DiskStore(BlobStore):
+    """Blobs and manifests as files under one root directory; see the module docstring for the layout."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        """Use `DiskStore.open`, which also creates the layout and removes orphaned temp files."""
+        self.root = Path(root)
+        self.url = f"disk:{self.root}"
+        self._blobs = self.root / "blobs"
+        self._manifests = self.root / "manifests"
+
+    @classmethod
+    async def open(cls, root: str | os.PathLike[str]) -> DiskStore:
+        """Create `root` (and its layout) if needed and clean temp files left by crashed writers."""
+        store = cls(Path(root).expanduser())
+        await store._run("open", store.root, store._open_sync)
+        return store
+
+    def _open_sync(self) -> None:
+        self._blobs.mkdir(parents=True, exist_ok=True)
+        self._manifests.mkdir(parents=True, exist_ok=True)
+        cutoff = _process_start_time()
+        dirs = [self._manifests, *(p for p in self._blobs.iterdir() if p.is_dir())]
+        for d in dirs:
+            for entry in os.scandir(d):
+                if entry.name.startswith(TMP_PREFIX) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    logger.info("removing orphaned temp file %s", entry.path)
+                    Path(entry.path).unlink(missing_ok=True)
+
+    async def _run(self, op: str, path: Path, fn: Callable[[], _T]) -> _T:
+        """Run blocking `fn` in a worker thread, turning OSError into StoreUnavailable."""
+        try:
+            return await anyio.to_thread.run_sync(fn)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise IntegrityError(f"{self.url}: {path} is a symlink; refusing to follow it") from e
+            code = errno.errorcode.get(e.errno or 0, "?")
+            raise StoreUnavailable(
+                f"{self.url}: {op} {path} failed: {code} (errno {e.errno}): {e.strerror}"
+            ) from e
+
+    def _blob_path(self, digest: str) -> Path:
+        return self._blobs / digest[:2] / digest
+
+    def _manifest_path(self, session_id: str) -> Path:
+        return self._manifests / f"{check_session_id(session_id)}.json"
+
+    # --- blobs -------------------------------------------------------------------------------------------
+
+    async def put_blob(self, digest: str, data: bytes) -> bool:
+        path = self._blob_path(check_digest(digest))
+        await verify_blob(digest, data, where=f"put into {self.url}")
+        return await self._run("write", path, partial(self._put_blob_sync, path, data))
+
+    def _put_blob_sync(self, path: Path, data: bytes) -> bool:
+        if path.exists():
+            os.utime(path)  # a re-put counts as a use for the GC grace period
+            return False
+        shard = path.parent
+        if not shard.is_dir():
+            shard.mkdir(exist_ok=True)
+            _fsync_dir(shard.parent)
+        tmp = _write_temp(shard, data)
+        try:
+            # link() refuses to replace an existing name, so a blob is never overwritten, even by a racer.
+            os.link(tmp, path)
+            written = True
+        except FileExistsError:
+            written = False
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            os.replace(tmp, path)  # no hard links here; content is identical anyway
+            written = True
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(shard)
+        return written
+
+    async def get_blob(self, digest: str) -> bytes:
+        path = self._blob_path(check_digest(digest))
+        try:
+            data = await self._run("read", path, partial(_read_file, path))
+        except StoreUnavailable as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise BlobNotFound(digest) from None
+            raise
+        await verify_blob(digest, data, where=f"{self.url} ({path})")
+        return data
+
+    async def has_blobs(self, digests: Iterable[str]) -> set[str]:
+        paths = {d: self._blob_path(check_digest(d)) for d in digests}
+        return await self._run("stat", self._blobs, lambda: {d for d, p in paths.items() if p.is_file()})
+
+    async def delete_blob(self, digest: str) -> bool:
+        path = self._blob_path(check_digest(digest))
+        return await self._run("delete", path, partial(self._unlink, path))
+
+    @staticmethod
+    def _unlink(path: Path) -> bool:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _scan_blobs(self) -> dict[str, os.stat_result]:
+        out: dict[str, os.stat_result] = {}
+        for shard in os.scandir(self._blobs):
+            if not shard.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(shard.path):
+                if is_digest(entry.name) and entry.name.startswith(shard.name):
+                    with contextlib.suppress(FileNotFoundError):  # deleted while scanning
+                        out[entry.name] = entry.stat(follow_symlinks=False)
+        return out
+
+    async def list_blobs(self) -> list[str]:
+        return list(await self._run("list", self._blobs, self._scan_blobs))
+
+    async def touch_blobs(self, digests: Iterable[str]) -> None:
+        paths = [self._blob_path(check_digest(d)) for d in digests]
+
+        def touch() -> None:
+            for p in paths:
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(p)
+
+        await self._run("touch", self._blobs, touch)
+
+    async def recent_blobs(self, within_s: float) -> set[str]:
+        cutoff = time.time() - within_s
+        found = await self._run("list", self._blobs, self._scan_blobs)
+        return {d for d, st in found.items() if st.st_mtime >= cutoff}
+
+    # --- manifests ---------------------------------------------------------------------------------------
+
+    async def put_manifest(self, session_id: str, data: bytes) -> None:
+        path = self._manifest_path(session_id)
+
+        def write() -> None:
+            tmp = _write_temp(path.parent, data)
+            try:
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            _fsync_dir(path.parent)
+
+        await self._run("write", path, write)
+
+    async def get_manifest(self, session_id: str) -> bytes:
+        path = self._manifest_path(session_id)
+        try:
+            return await self._run("read", path, partial(_read_file, path))
+        except StoreUnavailable as e:
+            if isinstance(e.__cause__, FileNotFoundError):
+                raise ManifestNotFound(session_id) from None
+            raise
+
+    def _scan_manifests(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for entry in os.scandir(self._manifests):
+            sid, ext = os.path.splitext(entry.name)
+            if ext == ".json" and not entry.name.startswith(TMP_PREFIX):
+                try:
+                    out[check_session_id(sid)] = entry.stat(follow_symlinks=False).st_size
+                except (ValueError, FileNotFoundError):
+                    continue
+        return out
+
+    async def list_manifests(self) -> list[str]:
+        return list(await self._run("list", self._manifests, self._scan_manifests))
+
+    async def delete_manifest(self, session_id: str) -> bool:
+        path = self._manifest_path(session_id)
+
+        def delete() -> bool:
+            existed = self._unlink(path)
+            if existed:
+                _fsync_dir(path.parent)  # a deleted session must not come back after a crash
+            return existed
+
+        return await self._run("delete", path, delete)
+
+    async def stats(self) -> StoreStats:
+        blobs = await self._run("list", self._blobs, self._scan_blobs)
+        manifests = await self._run("list", self._manifests, self._scan_manifests)
+        return StoreStats(
+            num_blobs=len(blobs),
+            blob_bytes=sum(st.st_size for st in blobs.values()),
+            num_manifests=len(manifests),
+            manifest_bytes=sum(manifests.values()),
+        )

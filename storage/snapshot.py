@@ -1,0 +1,218 @@
+"""`SnapshotStore`: save and load session snapshots (manifest + blobs) and reclaim unreferenced blobs.
+
+Save order is the whole crash-safety story: blobs first (only those the store lacks), the manifest last as the
+single commit point. Garbage collection deletes a blob only if no manifest references it, no save in this
+process has it pinned, and it was not written or touched within `gc_grace_s` (which protects saves in flight in
+other processes: a save touches the blobs it reuses before committing).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import anyio
+
+from .backends.base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats, check_session_id
+from .backends.registry import DEFAULT_STORE_URL, open_store
+from .errors import IncompatibleSnapshot, IntegrityError, ManifestNotFound, StoreError
+from .manifest import ModelFingerprint, SessionManifest
+from .tier import RamTier, TieredStore
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GC_GRACE_S = 600.0
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What one save wrote: blobs new to the store vs. ones it already had (dedup)."""
+
+    blobs_written: int
+    bytes_written: int
+    blobs_reused: int
+    manifest_bytes: int
+
+
+@dataclass(frozen=True)
+class GcResult:
+    """What one garbage collection removed, and what it kept only because a save may still need it."""
+
+    blobs_deleted: int
+    blobs_protected: int
+
+
+class SnapshotStore:
+    """The engine's view of a store: whole snapshots in, verified manifests and blobs out."""
+
+    def __init__(
+        self,
+        store: BlobStore,
+        *,
+        max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+        gc_grace_s: float = DEFAULT_GC_GRACE_S,
+    ) -> None:
+        self.store = store
+        self.max_in_flight = max_in_flight
+        self.gc_grace_s = gc_grace_s
+        self._pinned: Counter[str] = Counter()
+        self._gc_lock = anyio.Lock()
+
+    @classmethod
+    async def open(
+        cls, url: str = DEFAULT_STORE_URL, *, ram_bytes: int = 0, gc_grace_s: float = DEFAULT_GC_GRACE_S
+    ) -> SnapshotStore:
+        """Open the store at `url` (see `open_store`), with a RAM tier of `ram_bytes` in front if > 0."""
+        store = await open_store(url)
+        if ram_bytes > 0:
+            store = TieredStore(store, RamTier(ram_bytes))
+        return cls(store, gc_grace_s=gc_grace_s)
+
+    @contextmanager
+    def _pin(self, digests: Iterable[str]) -> Iterator[None]:
+        pinned = list(digests)
+        self._pinned.update(pinned)
+        try:
+            yield
+        finally:
+            self._pinned.subtract(pinned)
+            for d in pinned:
+                if self._pinned[d] <= 0:
+                    del self._pinned[d]
+
+    async def save(self, manifest: SessionManifest, blobs: Mapping[str, bytes]) -> SaveResult:
+        """Make `manifest` durable: write the blobs the store lacks, then the manifest.
+
+        `blobs` maps digest -> bytes and may omit blobs the store already holds (they are reused). Raises
+        ValueError if `blobs` holds a blob the manifest does not reference, StoreError if the manifest
+        references a blob that is neither given nor stored, IntegrityError if a digest does not match its
+        bytes. Returns once the manifest is committed.
+        """
+        referenced = manifest.blob_digests()
+        extra = set(blobs) - referenced
+        if extra:
+            raise ValueError(
+                f"session {manifest.session_id!r}: blobs {sorted(extra)[:4]} are not in its manifest"
+            )
+        with self._pin(referenced):
+            stored = await self.store.has_blobs(referenced)
+            missing = referenced - stored
+            absent = missing - set(blobs)
+            if absent:
+                raise StoreError(
+                    f"session {manifest.session_id!r}: manifest references blobs {sorted(absent)[:4]} that are "
+                    f"neither given nor stored"
+                )
+            # Refresh reused blobs so a concurrent GC in another process leaves them alone (grace period).
+            await self.store.touch_blobs(stored)
+            to_write = {d: blobs[d] for d in missing}
+            written = await self.store.put_blobs(to_write, max_in_flight=self.max_in_flight)
+            data = manifest.dumps()
+            await self.store.put_manifest(manifest.session_id, data)
+            await self._repair_after_commit(manifest, referenced, blobs)
+        return SaveResult(
+            blobs_written=len(written),
+            bytes_written=sum(len(blobs[d]) for d in written),
+            blobs_reused=len(referenced) - len(written),
+            manifest_bytes=len(data),
+        )
+
+    async def _repair_after_commit(
+        self, manifest: SessionManifest, referenced: set[str], blobs: Mapping[str, bytes]
+    ) -> None:
+        """Re-write blobs a racing GC removed between our has_blobs and our commit (if we hold their bytes)."""
+        lost = referenced - await self.store.has_blobs(referenced)
+        if not lost:
+            return
+        unrecoverable = lost - set(blobs)
+        await self.store.put_blobs(
+            {d: blobs[d] for d in lost - unrecoverable}, max_in_flight=self.max_in_flight
+        )
+        if unrecoverable:
+            raise StoreError(
+                f"session {manifest.session_id!r}: blobs {sorted(unrecoverable)[:4]} were deleted by a concurrent "
+                f"garbage collection during the save; save again with their bytes"
+            )
+        logger.warning("session %s: re-wrote %d blobs deleted during save", manifest.session_id, len(lost))
+
+    async def load_manifest(
+        self, session_id: str, expected: ModelFingerprint | None = None
+    ) -> SessionManifest:
+        """The validated manifest of `session_id`; checked against `expected` if given.
+
+        ManifestNotFound, IntegrityError (corrupt manifest), IncompatibleSnapshot (other model/format).
+        """
+        manifest = SessionManifest.loads(await self.store.get_manifest(check_session_id(session_id)))
+        if manifest.session_id != session_id:
+            raise IntegrityError(
+                f"manifest stored for session {session_id!r} names session {manifest.session_id!r}"
+            )
+        if expected is not None:
+            manifest.check_compatible(expected)
+        return manifest
+
+    async def load_blob(self, digest: str) -> bytes:
+        """Verified bytes of one blob (BlobNotFound, IntegrityError)."""
+        return await self.store.get_blob(digest)
+
+    async def load_blobs(self, digests: Iterable[str]) -> dict[str, bytes]:
+        """Verified bytes of many blobs, fetched concurrently/pipelined."""
+        return await self.store.get_blobs(digests, max_in_flight=self.max_in_flight)
+
+    async def list_sessions(self) -> list[str]:
+        """Ids of every session with a manifest in the store."""
+        return sorted(await self.store.list_manifests())
+
+    async def delete_session(self, session_id: str) -> GcResult:
+        """Delete a session's manifest, then reclaim blobs that no remaining manifest references."""
+        await self.store.delete_manifest(check_session_id(session_id))
+        return await self.collect_garbage()
+
+    async def collect_garbage(self) -> GcResult:
+        """Delete blobs referenced by no manifest, sparing pinned and recently written/touched ones.
+
+        If any manifest cannot be read or parsed, nothing is deleted: its references are unknown.
+        """
+        async with self._gc_lock:
+            referenced: set[str] = set()
+            for sid in await self.store.list_manifests():
+                try:
+                    raw = await self.store.get_manifest(sid)
+                except ManifestNotFound:  # deleted meanwhile: references nothing
+                    continue
+                try:
+                    referenced |= SessionManifest.loads(raw).blob_digests()
+                except (IntegrityError, IncompatibleSnapshot) as e:
+                    logger.warning("garbage collection skipped: manifest of %s is unreadable (%s)", sid, e)
+                    return GcResult(0, 0)
+            recent = await self.store.recent_blobs(self.gc_grace_s)
+            candidates = [d for d in await self.store.list_blobs() if d not in referenced]
+            deleted = protected = 0
+            for d in candidates:
+                # Pins are checked right before each delete: a save may have started since the scan.
+                if d in self._pinned or d in recent:
+                    protected += 1
+                    continue
+                if await self.store.delete_blob(d):
+                    deleted += 1
+            return GcResult(deleted, protected)
+
+    async def stats(self) -> StoreStats:
+        """Counts and bytes currently in the store."""
+        return await self.store.stats()
+
+    async def bytes_stored(self) -> int:
+        """Bytes of all blobs and manifests currently in the store."""
+        return await self.store.bytes_stored()
+
+    async def close(self) -> None:
+        await self.store.close()
+
+    async def __aenter__(self) -> SnapshotStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

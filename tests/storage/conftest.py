@@ -1,0 +1,56 @@
+"""Fixtures for storage tests: one redis-server per test session, a fresh key prefix per test, and one
+`store` fixture parametrized over every backend."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+# tests/ holds helpers shared by all test folders (no tests/__init__.py in this layout).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kda_sessions.storage.backends.base import BlobStore
+from kda_sessions.storage.backends.disk import DiskStore
+from kda_sessions.storage.backends.memory import MemoryStore
+from redis_server import REDIS_SERVER, start_redis_server, stop_redis_server
+from storage_helpers import open_redis
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """redis://127.0.0.1:PORT/0 of a redis-server started for this test session."""
+    if REDIS_SERVER is None:
+        pytest.skip(
+            "redis-server binary not found on PATH; install redis-server to run the redis backend tests"
+        )
+    port, proc = start_redis_server(tmp_path_factory.mktemp("redis"))
+    try:
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        stop_redis_server(proc)
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix no other test uses, so tests share the server without seeing each other's keys."""
+    return f"t{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(params=["memory", "disk", "redis"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[BlobStore]:
+    """Each backend in turn, empty."""
+    s: BlobStore
+    if request.param == "memory":
+        s = MemoryStore()
+    elif request.param == "disk":
+        s = await DiskStore.open(tmp_path / "store")
+    else:
+        redis_url = request.getfixturevalue("redis_url")
+        s = await open_redis(redis_url, request.getfixturevalue("redis_prefix"), chunk_size=1000)
+    try:
+        yield s
+    finally:
+        await s.close()
