@@ -1,0 +1,146 @@
+"""MLA decode over a paged latent cache in Triton, kv_b_proj absorbed (flash-decoding).
+
+Every program takes one sequence's split of the context and all H heads, so each cached row [r + dr] is read
+once and serves every head (the cache is shared by the heads, like MQA). Splits hold float32 partial results
+(unnormalised latent sum, running max, running denominator); a second launch merges them. The number of splits
+comes from the page table's capacity, not from ``seq_lens``, so there is no host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(
+    q_lat, q_pe, kv, page_table, seq_lens, acc_out, m_out, l_out, sm_scale, max_pages, tokens_per_split,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
+    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr,
+):
+    s = tl.program_id(0)
+    n = tl.program_id(1)
+    L = tl.load(seq_lens + n)
+    start = s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, L)
+    rh = tl.arange(0, BH)
+    rr = tl.arange(0, BR)
+    rd = tl.arange(0, BDR)
+    mh = rh < H
+    ql = tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R), other=0.0)
+    qp = tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR), other=0.0)
+    m_i = tl.full([BH], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, BR], dtype=tl.float32)
+    pt = page_table + n.to(tl.int64) * max_pages
+    for t0 in range(start, end, BN):
+        tok = t0 + tl.arange(0, BN)
+        mt = tok < end
+        page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+        row = (page * P + tok % P) * (R + DR)  # [BN] offset of each token's cache row
+        c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
+        pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
+        sc = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(pe))  # [BH, BN]
+        sc = tl.where(mt[None, :], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+    base = (n * NSPLIT + s) * H + rh
+    tl.store(m_out + base, m_i, mask=mh)
+    tl.store(l_out + base, l_i, mask=mh)
+    tl.store(acc_out + base[:, None].to(tl.int64) * R + rr[None, :], acc, mask=mh[:, None] & (rr[None, :] < R))
+
+
+@triton.jit
+def _combine_kernel(
+    acc_in, m_in, l_in, out, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, NSPLIT: tl.constexpr,
+    BS: tl.constexpr,
+):
+    h = tl.program_id(0)
+    n = tl.program_id(1)
+    rs = tl.arange(0, BS)
+    rr = tl.arange(0, BR)
+    m_all = tl.full([BS], -1e30, dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        m_all = tl.maximum(m_all, tl.load(m_in + (n * NSPLIT + s0 + rs) * H + h, mask=s0 + rs < NSPLIT, other=-1e30))
+    m_max = tl.max(m_all, axis=0)
+    num = tl.zeros([BR], dtype=tl.float32)
+    den = tl.zeros([BS], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        ms = s0 + rs < NSPLIT
+        idx = (n * NSPLIT + s0 + rs) * H + h
+        wgt = tl.exp2(tl.load(m_in + idx, mask=ms, other=-1e30) - m_max)
+        den += wgt * tl.load(l_in + idx, mask=ms, other=0.0)
+        a = tl.load(acc_in + idx[:, None].to(tl.int64) * R + rr[None, :], mask=ms[:, None] & (rr[None, :] < R),
+                    other=0.0)
+        num += tl.sum(wgt[:, None] * a, axis=0)
+    o = num / tl.sum(den, axis=0)
+    tl.store(out + (n * H + h) * R + rr, o.to(out.dtype.element_ty), mask=rr < R)
+
+
+def _num_splits(N: int, capacity: int, sm_count: int) -> int:
+    """Enough (sequence, split) programs to fill the GPU twice, each at least 256 tokens of capacity."""
+    return max(1, min(triton.cdiv(2 * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
+
+
+def _launch(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
+    num_splits: int | None = None, BN: int = 32,
+) -> Tensor:
+    """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]."""
+    N, H, R = q_lat.shape
+    DR = q_pe.shape[-1]
+    P = kv_pages.shape[1]
+    max_pages = page_table.shape[1]
+    out = torch.empty_like(q_lat)
+    if N == 0:
+        return out
+    if num_splits is None:
+        sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
+        num_splits = _num_splits(N, max_pages * P, sm)
+    tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
+    num_splits = triton.cdiv(max_pages * P, tps)
+    acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
+    m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
+    lsum = torch.empty_like(m)
+    BH = max(16, triton.next_power_of_2(H))
+    BR = triton.next_power_of_2(R)
+    _split_kernel[(num_splits, N)](
+        q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps,
+        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN, NSPLIT=num_splits,
+        num_warps=8, num_stages=2,
+    )
+    _combine_kernel[(H, N)](acc, m, lsum, out, H=H, R=R, BR=BR, NSPLIT=num_splits, BS=16, num_warps=4)
+    return out
+
+
+def mla_decode_paged_triton(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
+    num_splits: int | None = None,
+) -> Tensor:
+    """One query per sequence over its paged latent cache (kv_b_proj absorbed).
+
+    q_lat [N, H, r] (q_nope @ W_uk per head), q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] in q's dtype,
+    page_table [N, max_pages] int32, seq_lens [N] int (>= 1, the new token included). Returns the
+    attention-weighted latent [N, H, r] in q_lat's dtype. ``num_splits`` overrides the split heuristic.
+    """
+    N, H, R = q_lat.shape
+    if q_pe.shape[:2] != (N, H):
+        raise ValueError(f"q_pe must be [N, H, dr] with N, H={N, H}, got {tuple(q_pe.shape)}")
+    DR = q_pe.shape[-1]
+    if kv_pages.dim() != 3 or kv_pages.shape[-1] != R + DR:
+        raise ValueError(f"kv_pages must be [num_pages, P, r + dr={R + DR}], got {tuple(kv_pages.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != N or seq_lens.shape != (N,):
+        raise ValueError(f"page_table must be [N={N}, max_pages] and seq_lens [N], got {tuple(page_table.shape)}, "
+                         f"{tuple(seq_lens.shape)}")
+    return _launch(
+        q_lat.contiguous(), q_pe.to(q_lat.dtype).contiguous(), kv_pages.contiguous(), page_table.contiguous(),
+        seq_lens.contiguous(), float(scale), num_splits,
+    )
