@@ -37,18 +37,37 @@ class ModelFingerprint(_Strict):
 
 
 class CheckpointRecord(_Strict):
-    """The model state after `position` tokens.
+    """The prefix of `position` tokens, with the model state after `state_position` of them.
 
-    `state_blob` is the digest of the tensor bundle of KDA states + conv tails at that position; `pages` are
-    the digests of the MLA KV page blobs covering tokens [0, position): full pages, then possibly one partial
-    last page, so `len(pages) == ceil(position / page_size)`.
+    `state_position <= position` (None means equal): the few tokens in between are fed again by whoever
+    continues from here (a reply's last token, say, whose state did not exist yet when it was recorded).
+    `state_blob` is the digest of the tensor bundle of KDA states + conv tails at `state_position`; `pages` are
+    the digests of the MLA KV page blobs covering tokens [0, state_position): full pages, then possibly one
+    partial last page, so `len(pages) == ceil(state_position / page_size)`. `num_messages` and `turn_open`
+    describe the chat at that point (messages[:num_messages]; whether an assistant turn is still open).
     """
 
     name: str
     position: Annotated[int, Field(ge=0)]
+    state_position: Annotated[int, Field(ge=0)] | None = None
     state_blob: Digest
     pages: list[Digest]
     created_at: float
+    num_messages: Annotated[int, Field(ge=0)] = 0
+    turn_open: bool = False
+
+    @model_validator(mode="after")
+    def _state_within_prefix(self) -> CheckpointRecord:
+        if self.state_position is None:
+            self.state_position = self.position
+        if self.state_position > self.position:
+            raise ValueError(f"checkpoint {self.name!r}: state_position {self.state_position} > position {self.position}")
+        return self
+
+    @property
+    def state_pos(self) -> int:
+        assert self.state_position is not None
+        return self.state_position
 
 
 class SessionManifest(_Strict):
@@ -81,10 +100,10 @@ class SessionManifest(_Strict):
                 raise ValueError(
                     f"checkpoint {cp.name!r} at {cp.position} is past num_tokens={self.num_tokens}"
                 )
-            need = math.ceil(cp.position / page_size)
+            need = math.ceil(cp.state_pos / page_size)
             if len(cp.pages) != need:
                 raise ValueError(
-                    f"checkpoint {cp.name!r} at position {cp.position} needs {need} pages of {page_size} tokens, "
+                    f"checkpoint {cp.name!r} with state at {cp.state_pos} needs {need} pages of {page_size} tokens, "
                     f"has {len(cp.pages)}"
                 )
         return self

@@ -17,7 +17,7 @@ fails fast.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
@@ -33,9 +33,25 @@ from .base import BlobStore, StoreStats, check_digest, check_session_id, verify_
 
 DEFAULT_PREFIX = "kda:"
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
+PIPELINE_BYTES = 64 * 1024 * 1024
+"""Roughly how many value bytes one pipeline carries, bounding the client's send buffer."""
 DEFAULT_TIMEOUT_S = 5.0
 _TIMES_RETENTION_S = 24 * 3600.0
 _T = TypeVar("_T")
+
+
+def _batches(digests: list[str], blobs: Mapping[str, bytes], max_bytes: int) -> Iterator[list[str]]:
+    """Split `digests` into runs whose blobs total at most `max_bytes` (a single larger blob goes alone)."""
+    batch: list[str] = []
+    size = 0
+    for d in digests:
+        if batch and size + len(blobs[d]) > max_bytes:
+            yield batch
+            batch, size = [], 0
+        batch.append(d)
+        size += len(blobs[d])
+    if batch:
+        yield batch
 
 
 def _glob_escape(s: str) -> str:
@@ -137,23 +153,25 @@ class RedisStore(BlobStore):
         return digest in await self.put_blobs({digest: data})
 
     async def put_blobs(self, blobs: Mapping[str, bytes], *, max_in_flight: int = 8) -> set[str]:
-        """Small blobs go in one pipeline of SET NX; large ones chunk by chunk, meta key last."""
+        """Small blobs go in pipelines of SET NX (about `PIPELINE_BYTES` each); large ones chunk by chunk,
+        meta key last. `max_in_flight` is unused: pipelining already bounds round trips."""
         for d, data in blobs.items():
             await verify_blob(check_digest(d), data, where=f"put into {self.url}")
-        small = [d for d, data in blobs.items() if len(data) <= self.chunk_size]
         written: set[str] = set()
-        now = time.time()
+        if blobs:
+            now = time.time()
+            await self._call("touch blobs", lambda: self._r.zadd(self._times_key, dict.fromkeys(blobs, now)))
+        small = [d for d, data in blobs.items() if len(data) <= self.chunk_size]
+        for batch in _batches(small, blobs, PIPELINE_BYTES):
 
-        async def put_small() -> None:
-            async with self._pipeline() as pipe:
-                for d in small:
-                    pipe.set(self._blob_key(d), blobs[d], nx=True)
-                if blobs:
-                    pipe.zadd(self._times_key, dict.fromkeys(blobs, now))
-                results = await pipe.execute()
-            written.update(d for d, ok in zip(small, results, strict=False) if ok)
+            async def put_batch(batch: list[str] = batch) -> list[Any]:
+                async with self._pipeline() as pipe:
+                    for d in batch:
+                        pipe.set(self._blob_key(d), blobs[d], nx=True)
+                    return list(await pipe.execute())
 
-        await self._call("put blobs", put_small)
+            results = await self._call("put blobs", put_batch)
+            written.update(d for d, ok in zip(batch, results, strict=True) if ok)
         for d, data in blobs.items():
             if len(data) > self.chunk_size and await self._put_chunked(d, data):
                 written.add(d)

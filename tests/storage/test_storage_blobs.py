@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from kda_sessions.storage import blobs
 from kda_sessions.storage.blobs import decode_tensor, decode_tensors, digest, encode_tensor, encode_tensors
 from kda_sessions.storage.errors import IntegrityError
@@ -161,3 +164,21 @@ def test_truncated_bundle_raises() -> None:
     data = encode_tensors({"a": torch.randn(10)})
     with pytest.raises(IntegrityError):
         decode_tensors(data[:-3])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300))
+def test_fuzzed_tensor_blobs_only_raise_integrity_error(data: bytes) -> None:
+    with contextlib.suppress(IntegrityError):
+        decode_tensor(data)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(min_value=0), st.integers(min_value=0, max_value=255))
+def test_damaged_bundles_only_raise_integrity_error(pos: int, value: int) -> None:
+    # Payload damage decodes to other numbers (the blob digest check catches that); header damage must
+    # surface as IntegrityError, never as another exception or a huge allocation.
+    data = bytearray(encode_tensors({"a": torch.arange(6, dtype=torch.int32), "b": torch.ones(2, 2)}))
+    data[pos % len(data)] = value
+    with contextlib.suppress(IntegrityError):
+        decode_tensors(bytes(data))
