@@ -76,11 +76,12 @@ class ModelConfig(BaseModel):
             raise ValueError("mla_use_nope: only NoPE MLA (true) is supported")
         if self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings: the hybrid model has an untied lm_head (false)")
-        if any(self.is_moe(i) for i in range(self.num_hidden_layers)):
-            if self.num_experts <= 0 or not 0 < self.num_experts_per_token <= self.num_experts:
-                raise ValueError(
-                    f"num_experts_per_token must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_token}"
-                )
+        if any(self.is_moe(i) for i in range(self.num_hidden_layers)) and (
+            self.num_experts <= 0 or not 0 < self.num_experts_per_token <= self.num_experts
+        ):
+            raise ValueError(
+                f"num_experts_per_token must be in [1, num_experts={self.num_experts}], got {self.num_experts_per_token}"
+            )
         return self
 
     # 0-based layer kinds

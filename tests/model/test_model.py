@@ -1,3 +1,4 @@
+import itertools
 import json
 
 import pytest
@@ -46,7 +47,7 @@ def test_split_prefill_equals_one_prefill(model, cuts):
     full = model(torch.tensor([ids]))[0]
     r = Runner(model, 1, 96)
     bounds = [0, *cuts, 90]
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         logits, _ = r.feed([0], [ids[a:b]])
         assert rel_err(logits[0], full[b - 1]) < 1e-4
 

@@ -1,0 +1,1 @@
+"""The engine: scheduler, runner, sampler, pools, snapshot I/O."""

@@ -1,0 +1,26 @@
+"""Engine configuration, validated once."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_active_sessions: int = Field(default=64, ge=1)
+    """KDA state slots: sessions whose state sits in the pools at once (idle ones are moved out on demand)."""
+    num_pages: int = Field(default=4096, ge=1)
+    """MLA latent KV pages in the pool."""
+    page_size: int = Field(default=64, ge=1)
+    """Tokens per KV page. 64 matches the KDA chunk: checkpoints at chunk boundaries share whole pages, a fork
+    copies at most 63 rows, and a page blob of Kimi-Linear (7 layers x 64 x 1,152 B = 504 KiB) is large enough
+    to store at full bandwidth yet small enough that dedup of equal prefixes loses little."""
+    prefill_chunk_tokens: int = Field(default=2048, ge=16)
+    """Per-step prefill token budget, so a huge tool output does not stall the other sessions' decode."""
+    max_queued_requests: int = Field(default=256, ge=1)
+    """Requests waiting beyond this are refused with EngineBusy instead of queueing without limit."""
+    ram_tier_bytes: int = Field(default=1 << 30, ge=0)
+    """Host-RAM LRU cache of snapshot blobs in front of the persistent store."""
+    max_checkpoints_in_memory: int = Field(default=64, ge=1)
+    """Checkpoint states kept on the host per session; older ones are still in the store once saved."""

@@ -1,0 +1,65 @@
+"""Slot and page allocators for the state pools. Pages are reference-counted: a fork or a checkpoint that
+shares a full page only increments its count; a page returns to the free list when the count drops to 0."""
+
+from __future__ import annotations
+
+
+class OutOfSlots(RuntimeError):
+    """No free KDA state slot; the engine answers busy or evicts an idle session."""
+
+
+class OutOfPages(RuntimeError):
+    """No free KV page; the engine answers busy or evicts an idle session."""
+
+
+class SlotAllocator:
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise OutOfSlots(f"all {self.num_slots} state slots are in use")
+        return self._free.pop()
+
+    def free(self, slot: int) -> None:
+        assert 0 <= slot < self.num_slots and slot not in self._free, slot
+        self._free.append(slot)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+        self.refs = [0] * num_pages
+        self.digests: dict[int, str] = {}
+        """Digest of each full page's blob, valid until the page is freed: full pages never change."""
+
+    def alloc(self, n: int = 1) -> list[int]:
+        if n > len(self._free):
+            raise OutOfPages(f"need {n} KV pages, {len(self._free)} of {self.num_pages} are free")
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self.refs[p] = 1
+        return pages
+
+    def incref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refs[p] > 0, p
+            self.refs[p] += 1
+
+    def decref(self, pages: list[int]) -> None:
+        for p in pages:
+            assert self.refs[p] > 0, p
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self._free.append(p)
+                self.digests.pop(p, None)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)

@@ -1,0 +1,103 @@
+"""Continuous batching: which sequences run in the next step.
+
+Each step runs one packed prefill batch (chunks of waiting prompts, up to a token budget, oldest first) and
+one decode batch (every request that is generating). A request moves from prefill to decode when its last
+prompt chunk has run, and leaves when it finishes or is cancelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import anyio
+import torch
+
+from ..sessions.state import Checkpoint, SessionState
+from .sampler import SamplingParams
+
+
+class EngineBusy(RuntimeError):
+    """Too many requests are queued; retry later (HTTP 429/503)."""
+
+
+@dataclass
+class Work:
+    """One call on one session: prefill ``prompt`` (pending + new tokens), then generate (unless prefill_only)."""
+
+    session: SessionState
+    prompt: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    checkpoints: list[Checkpoint] = field(default_factory=list)
+    """Checkpoints whose state should be captured when the prefill passes their position."""
+    done_prefill: int = 0
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    finished: anyio.Event = field(default_factory=anyio.Event)
+    generator: torch.Generator | None = None
+    on_token: Callable[[int], None] | None = None
+    """Run on the event loop after each sampled token (streaming)."""
+    on_finish: Callable[[], None] | None = None
+    """Run on the event loop once the work has finished, failed or been cancelled."""
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.done_prefill < len(self.prompt)
+
+
+@dataclass
+class StepPlan:
+    prefill: list[tuple[Work, int]]  # (work, number of prompt tokens this step)
+    decode: list[Work]
+    dropped: list[Work]
+    """Cancelled work leaving the batch this step."""
+
+
+class Scheduler:
+    def __init__(self, prefill_budget: int, max_queued: int) -> None:
+        self.prefill_budget = prefill_budget
+        self.max_queued = max_queued
+        self.waiting: deque[Work] = deque()
+        self.running: list[Work] = []
+        self.wakeup = anyio.Event()
+
+    def submit(self, work: Work) -> None:
+        if len(self.waiting) >= self.max_queued:
+            raise EngineBusy(f"{len(self.waiting)} requests are queued (limit {self.max_queued}); retry later")
+        self.waiting.append(work)
+        self.wakeup.set()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def plan(self) -> StepPlan:
+        dropped = [w for w in self.running if w.cancelled]
+        self.running = [w for w in self.running if not w.cancelled and w.finish_reason is None]
+        while self.waiting:
+            w = self.waiting.popleft()
+            (dropped if w.cancelled else self.running).append(w)
+        for w in dropped:
+            w.finish_reason = w.finish_reason or "cancelled"
+        budget = self.prefill_budget
+        prefill: list[tuple[Work, int]] = []
+        for w in self.running:
+            if w.in_prefill and budget > 0:
+                n = min(len(w.prompt) - w.done_prefill, budget)
+                prefill.append((w, n))
+                budget -= n
+        decode = [w for w in self.running if not w.in_prefill and not w.prefill_only and w.finish_reason is None]
+        return StepPlan(prefill, decode, dropped)
+
+    def num_queued(self) -> int:
+        return len(self.waiting) + sum(1 for w in self.running if w.in_prefill)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return math.ceil(num_tokens / page_size)

@@ -1,0 +1,204 @@
+"""Save and load sessions: pools <-> content-addressed blobs + a manifest (blobs first, manifest last).
+
+Full KV pages never change, so each is encoded and hashed once (digest cached per pool page) and, once the
+store holds it, never sent again: forks and equal prefixes share page blobs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import torch
+
+from ..errors import SessionNotFound
+from ..sessions.prefix_index import PrefixHit
+from ..sessions.snapshot import (
+    blob,
+    decode_page,
+    decode_state,
+    decode_tokens,
+    encode_page,
+    encode_state,
+    encode_tokens,
+)
+from ..sessions.state import Checkpoint, SessionState
+from ..storage import CheckpointRecord, SaveResult, SessionManifest, SnapshotStore
+from ..storage.errors import IntegrityError, ManifestNotFound
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class SnapshotIO:
+    def __init__(self, engine: Engine, snapshots: SnapshotStore) -> None:
+        self.engine = engine
+        self.snapshots = snapshots
+
+    async def close(self) -> None:
+        await self.snapshots.close()
+
+    async def list_stored(self) -> list[str]:
+        return await self.snapshots.list_sessions()
+
+    # -- save ------------------------------------------------------------------------------------------------
+
+    def _page_blobs(self, pages: list[int], state_pos: int, known: set[str], out: dict[str, bytes]) -> list[str]:
+        eng = self.engine
+        P = eng.config.page_size
+        digests = []
+        for i, page in enumerate(pages[: -(-state_pos // P)]):
+            rows = min(P, state_pos - i * P)
+            if rows == P and page in eng.pages.digests:
+                digests.append(eng.pages.digests[page])
+                continue
+            d, data = blob(encode_page(eng.pools, page, rows))
+            if rows == P:
+                eng.pages.digests[page] = d
+            if d not in known:
+                out[d] = data
+            digests.append(d)
+        return digests
+
+    def _build(self, s: SessionState) -> tuple[SessionManifest, dict[str, bytes]]:
+        """Runs in a worker thread: encode what the store lacks and assemble the manifest."""
+        eng = self.engine
+        blobs: dict[str, bytes] = {}
+        known = s.stored_digests
+
+        def add(data: bytes) -> str:
+            d, b = blob(data)
+            if d not in known:
+                blobs[d] = b
+            return d
+
+        if s.resident:
+            assert s.slot is not None
+            with eng.mutex:
+                kda = torch.stack([st[s.slot] for st in eng.pools.kda]).cpu()
+                conv = torch.stack([c[s.slot] for c in eng.pools.conv]).cpu()
+            head_state = add(encode_state(kda, conv))
+            head_pages = self._page_blobs(s.pages, s.num_cached, known, blobs)
+        else:
+            assert s.head_blobs is not None, "a session that is not resident was loaded from the store"
+            head_state, head_pages = s.head_blobs
+        records = []
+        for cp in s.checkpoints.values():
+            if cp.state_blob is None:
+                assert cp.kda is not None and cp.conv is not None
+                cp.state_blob = add(encode_state(cp.kda, cp.conv))
+            if cp.page_blobs is None:
+                cp.page_blobs = self._page_blobs(cp.pages, cp.state_pos, known, blobs)
+            records.append(CheckpointRecord(
+                name=cp.name, position=cp.position, state_position=cp.state_pos, state_blob=cp.state_blob,
+                pages=cp.page_blobs, created_at=cp.created_at,
+                num_messages=cp.num_messages, turn_open=cp.turn_open,
+            ))
+        manifest = SessionManifest(
+            session_id=s.id,
+            fingerprint=eng.fingerprint,
+            tokens_blob=add(encode_tokens(s.tokens)),
+            num_tokens=s.num_tokens,
+            head=CheckpointRecord(
+                name="head", position=s.num_tokens, state_position=s.num_cached, state_blob=head_state,
+                pages=head_pages, created_at=time.time(), num_messages=len(s.messages), turn_open=s.turn_open,
+            ),
+            checkpoints=records,
+            meta={"system": s.system, "tools": s.tools, "messages": s.messages, "next_message_index": s.next_message_index},
+            parent=s.parent,
+            generation=s.generation + 1,
+            saved_at=time.time(),
+        )
+        return manifest, blobs
+
+    async def save(self, s: SessionState) -> SaveResult:
+        """Make the session's current state durable. Caller holds ``s.lock``."""
+        manifest, blobs = await anyio.to_thread.run_sync(self._build, s)
+        result = await self.snapshots.save(manifest, blobs)
+        s.generation = manifest.generation
+        s.stored_digests = manifest.blob_digests()
+        s.head_blobs = (manifest.head.state_blob, list(manifest.head.pages))
+        for cp in s.checkpoints.values():
+            self.engine.prefix_index.add(s.tokens, PrefixHit(s.id, cp.name, cp.position))
+        self.engine.counters["saves"] += 1
+        return result
+
+    # -- load ------------------------------------------------------------------------------------------------
+
+    async def load_session(self, sid: str) -> SessionState:
+        """The session's bookkeeping from its manifest (state not yet in the pools: see ``restore_head``)."""
+        eng = self.engine
+        try:
+            m = await self.snapshots.load_manifest(sid, eng.fingerprint)
+        except ManifestNotFound:
+            raise SessionNotFound(f"no session {sid!r} in this engine or its store") from None
+        tokens = decode_tokens(await self.snapshots.load_blob(m.tokens_blob), m.num_tokens, eng.model.config.vocab_size, f"session {sid!r}")
+        meta: dict[str, Any] = m.meta
+        messages = meta.get("messages") or []
+        if not isinstance(messages, list) or not all(isinstance(x, dict) for x in messages):
+            raise IntegrityError(f"session {sid!r}: manifest meta.messages is not a list of messages")
+        s = SessionState(
+            id=sid, tokens=tokens, num_cached=m.head.state_pos, system=meta.get("system"),
+            tools=meta.get("tools"), messages=messages, turn_open=m.head.turn_open, parent=m.parent,
+            generation=m.generation, stored_digests=m.blob_digests(),
+            head_blobs=(m.head.state_blob, list(m.head.pages)),
+            next_message_index=int(meta.get("next_message_index", len(messages))),
+        )
+        for r in m.checkpoints:
+            s.checkpoints[r.name] = Checkpoint(
+                name=r.name, position=r.position, state_pos=r.state_pos, state_blob=r.state_blob,
+                page_blobs=list(r.pages), num_messages=r.num_messages, turn_open=r.turn_open, created_at=r.created_at,
+            )
+            eng.prefix_index.add(tokens, PrefixHit(sid, r.name, r.position))
+        return s
+
+    async def _load_pages(self, digests: list[str], state_pos: int, where: str) -> list[int]:
+        """Load page blobs into newly allocated pool pages; returns the page ids."""
+        eng = self.engine
+        P = eng.config.page_size
+        data = await self.snapshots.load_blobs(digests)
+        tensors = [
+            decode_page(data[d], eng.model.config, eng.model.dtype, min(P, state_pos - i * P), where)
+            for i, d in enumerate(digests)
+        ]
+        pages = eng._alloc_pages(len(tensors))
+        with eng.mutex:
+            for page, t in zip(pages, tensors):
+                for layer, kv in enumerate(eng.pools.kv):
+                    kv[page, : t.shape[1]] = t[layer].to(kv.device)
+        for page, d, t in zip(pages, digests, tensors):
+            if t.shape[1] == P:
+                eng.pages.digests[page] = d
+            else:
+                eng.pages.digests.pop(page, None)
+        return pages
+
+    async def restore_head(self, s: SessionState) -> None:
+        """Put the head state of a session loaded from the store into its slot and fresh pages."""
+        eng = self.engine
+        assert s.slot is not None and s.head_blobs is not None
+        state_d, page_ds = s.head_blobs
+        where = f"session {s.id!r}"
+        kda, conv = decode_state(await self.snapshots.load_blob(state_d), eng.model.config, eng.model.dtype, where)
+        await eng.ensure_pages(s, s.num_cached)
+        pages = await self._load_pages(page_ds, s.num_cached, where)
+        with eng.mutex:
+            for i, (st, cv) in enumerate(zip(eng.pools.kda, eng.pools.conv)):
+                st[s.slot] = kda[i].to(st.device)
+                cv[s.slot] = conv[i].to(cv.device)
+        s.pages = pages
+
+    async def materialize(self, cp: Checkpoint) -> None:
+        """Make a checkpoint's state and pages resident (from the store if needed)."""
+        eng = self.engine
+        where = f"checkpoint {cp.name!r}"
+        if cp.kda is None or cp.conv is None:
+            if cp.state_blob is None:
+                raise IntegrityError(f"{where} has neither a state in memory nor a stored state")
+            cp.kda, cp.conv = decode_state(await self.snapshots.load_blob(cp.state_blob), eng.model.config, eng.model.dtype, where)
+        need = -(-cp.state_pos // eng.config.page_size)
+        if len(cp.pages) < need:
+            if cp.page_blobs is None:
+                raise IntegrityError(f"{where} has neither pages in memory nor stored pages")
+            cp.pages = await self._load_pages(cp.page_blobs, cp.state_pos, where)

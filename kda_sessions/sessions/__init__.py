@@ -1,0 +1,1 @@
+"""Sessions: bookkeeping, checkpoints, the snapshot codec and the prefix index."""

@@ -1,0 +1,263 @@
+"""The user's handle on one session. Bookkeeping lives in ``SessionState``; tensors in the engine's pools."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
+
+import anyio
+
+from ..engine.sampler import SamplingParams
+from ..engine.scheduler import Work
+from ..engine.types import CheckpointInfo, Done, Reply, StreamEvent, TokenDelta, ToolCallEvent, Usage
+from ..storage import SaveResult
+from ..tokenizer import (
+    ContentDelta,
+    ToolCall,
+    ToolCallStreamParser,
+    encode_chat_delta,
+    encode_end_of_turn,
+    parse_assistant_output,
+)
+from .prefix_index import PrefixHit
+from .state import Checkpoint, SessionState
+
+if TYPE_CHECKING:
+    from ..engine.engine import Engine
+
+
+class Session:
+    def __init__(self, engine: Engine, state: SessionState) -> None:
+        self.engine = engine
+        self.state = state
+
+    @property
+    def id(self) -> str:
+        return self.state.id
+
+    @property
+    def num_tokens(self) -> int:
+        return self.state.num_tokens
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return [dict(m) for m in self.state.messages]
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r}, num_tokens={self.num_tokens})"
+
+    # -- raw tokens ------------------------------------------------------------------------------------------
+
+    async def append(self, tokens: list[int] | str) -> Usage:
+        """Feed token ids (or text, encoded without special tokens) into the context: prefill only."""
+        ids = self.engine.tokenizer.encode(tokens) if isinstance(tokens, str) else list(tokens)
+        self._check_ids(ids)
+        s = self.state
+        async with s.lock:
+            s.tokens.extend(ids)
+            work = await self.engine.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+            await self.engine.wait(work)
+            return Usage(prompt_tokens=s.num_tokens, prefill_tokens=len(work.prompt), cached_tokens=s.num_tokens - len(work.prompt))
+
+    async def generate(
+        self,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        logprobs: bool = False,
+        ignore_eos: bool = False,
+    ) -> Reply:
+        """Continue the context with up to ``max_tokens`` new tokens (no chat template)."""
+        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, _stops(stop), logprobs, ignore_eos)
+        async with self.state.lock:
+            work = await self.engine.start(self.state, params)
+            await self.engine.wait(work)
+            return self._reply(work, chat=False)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = self.engine.model.config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids must be ints in [0, {vocab}), got {bad[:5]}")
+
+    # -- chat ------------------------------------------------------------------------------------------------
+
+    async def send(self, content: str, **sampling: Any) -> Reply:
+        """A user message through the chat template, then the assistant's reply (tool calls parsed)."""
+        return await self._turn([{"role": "user", "content": content}], sampling)
+
+    async def send_tool_result(self, call_id: str, output: str, **sampling: Any) -> Reply:
+        """A tool message answering ``call_id``, then the assistant's reply."""
+        return await self._turn([{"role": "tool", "tool_call_id": call_id, "content": output}], sampling)
+
+    async def send_messages(self, messages: list[dict[str, Any]], **sampling: Any) -> Reply:
+        """Several new messages (user, tool, ...) at once, then the reply."""
+        return await self._turn(messages, sampling)
+
+    async def stream(self, content: str | list[dict[str, Any]], **sampling: Any) -> AsyncIterator[StreamEvent]:
+        """Like ``send`` but yields ``TokenDelta`` / ``ToolCallEvent`` as they come, then ``Done`` with usage.
+        Leaving the loop early cancels the generation and frees its place in the batch."""
+        messages = [{"role": "user", "content": content}] if isinstance(content, str) else content
+        send, recv = anyio.create_memory_object_stream[int](math.inf)
+        s = self.state
+        await s.lock.acquire()
+        work: Work | None = None
+        try:
+            work = await self._start_turn(messages, sampling, on_token=send.send_nowait, on_finish=send.close)
+            decoder = self.engine.tokenizer.incremental_decoder()
+            parser = ToolCallStreamParser()
+            async with recv:
+                async for tok in recv:
+                    for ev in parser.feed(decoder.feed(tok)):
+                        out = _event(ev, tok)
+                        if out is not None:
+                            yield out
+            for ev in parser.feed(decoder.flush()) + parser.finish():
+                out = _event(ev, None)
+                if out is not None:
+                    yield out
+            await self.engine.wait(work)
+            yield Done(reply=self._finish_turn(work))
+        finally:
+            if work is not None and not work.finished.is_set():
+                await self.engine.cancel(work)
+                self._finish_turn(work)
+            s.lock.release()
+
+    async def _turn(self, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> Reply:
+        async with self.state.lock:
+            work = await self._start_turn(messages, sampling)
+            try:
+                await self.engine.wait(work)
+            finally:
+                reply = self._finish_turn(work)
+            return reply
+
+    async def _start_turn(
+        self,
+        messages: list[dict[str, Any]],
+        sampling: dict[str, Any],
+        on_token: Callable[[int], None] | None = None,
+        on_finish: Callable[[], None] | None = None,
+    ) -> Work:
+        eng, s = self.engine, self.state
+        params = _params(sampling)
+        tok, tpl = eng.tokenizer, eng.template
+        ids: list[int] = encode_end_of_turn(tok, tpl) if s.turn_open else []
+        body = encode_chat_delta(tok, messages, add_generation_prompt=False, template=tpl, history=s.messages, tools=s.tools)
+        full = encode_chat_delta(tok, messages, add_generation_prompt=True, template=tpl, history=s.messages, tools=s.tools)
+        boundary = s.num_tokens + len(ids) + len(body)
+        ids += full
+        s.tokens.extend(ids)
+        s.messages.extend(dict(m) for m in messages)
+        s.turn_open = False
+        name = f"msg-{len(s.messages) - 1}"
+        # the input's end: captured by this very prefill, from the state at that position
+        cp = Checkpoint(name=name, position=boundary, state_pos=-1, num_messages=len(s.messages))
+        self._prompt_tokens = s.num_tokens
+        return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish)
+
+    def _finish_turn(self, work: Work) -> Reply:
+        """Record the assistant message and the checkpoint after it; build the reply."""
+        eng, s = self.engine, self.state
+        if getattr(work, "_turn_done", None) is not None:
+            return work._turn_done  # type: ignore[attr-defined]
+        reply = self._reply(work, chat=True)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.text}
+        if reply.tool_calls:
+            message["tool_calls"] = [tc.model_dump() for tc in reply.tool_calls]
+        s.messages.append(message)
+        s.turn_open = not (work.output and work.output[-1] in eng.tokenizer.eos_ids)
+        for c in work.checkpoints:
+            if c.state_pos >= 0:
+                eng.prefix_index.add(s.tokens, PrefixHit(s.id, c.name, c.position))
+        if s.resident and work.error is None:
+            self._record_checkpoint(f"msg-{len(s.messages) - 1}")
+        work._turn_done = reply  # type: ignore[attr-defined]
+        return reply
+
+    def _reply(self, work: Work, chat: bool) -> Reply:
+        eng = self.engine
+        out = work.output
+        parsed = parse_assistant_output(out, eng.tokenizer) if chat else None
+        text = parsed.content if parsed is not None else eng.tokenizer.decode(out, skip_special=True)
+        tool_calls: list[ToolCall] = list(parsed.tool_calls) if parsed is not None else []
+        if work.params.stop:
+            cut = min((i for i in (text.find(st) for st in work.params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        finish = work.finish_reason or "cancelled"
+        if tool_calls and finish == "stop":
+            finish = "tool_calls"
+        prompt = len(work.session.tokens) - len(out)
+        usage = Usage(
+            prompt_tokens=prompt, prefill_tokens=len(work.prompt), cached_tokens=prompt - len(work.prompt),
+            completion_tokens=len(out),
+        )
+        eng.counters["prefill_tokens"] += usage.prefill_tokens
+        eng.counters["cached_tokens"] += usage.cached_tokens
+        eng.counters["completion_tokens"] += usage.completion_tokens
+        return Reply(
+            session_id=self.id, text=text, token_ids=list(out), tool_calls=tool_calls, finish_reason=finish,  # type: ignore[arg-type]
+            usage=usage, logprobs=list(work.logprobs) if work.params.logprobs else None,
+        )
+
+    # -- checkpoints, save, fork -----------------------------------------------------------------------------
+
+    def _record_checkpoint(self, name: str) -> Checkpoint:
+        eng, s = self.engine, self.state
+        cp = eng._head_checkpoint(s)
+        cp.name = name
+        old = s.checkpoints.get(name)
+        if old is not None:
+            eng._release_checkpoint(old)
+        s.checkpoints[name] = cp
+        eng.prefix_index.add(s.tokens, PrefixHit(s.id, name, cp.position))
+        return cp
+
+    async def checkpoint(self, name: str) -> CheckpointInfo:
+        """Name the current position; ``engine.fork(session_id, checkpoint=name)`` continues from it."""
+        if not name or name == "head" or name.startswith("__"):
+            raise ValueError(f"checkpoint name must be non-empty, not 'head' and not start with '__', got {name!r}")
+        async with self.state.lock:
+            if not self.state.resident:
+                await self.engine._make_resident(self.state, fresh=False)
+                await self.engine.io.restore_head(self.state)
+            cp = self._record_checkpoint(name)
+            return CheckpointInfo(session_id=self.id, name=name, position=cp.position)
+
+    async def save(self) -> SaveResult:
+        """Returns once the snapshot is durable in the store."""
+        async with self.state.lock:
+            return await self.engine.io.save(self.state)
+
+    async def fork(self, checkpoint: str | None = None) -> Session:
+        return await self.engine.fork(self.id, checkpoint)
+
+
+def _stops(stop: list[str] | str | None) -> list[str] | None:
+    if stop is None:
+        return None
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _params(sampling: dict[str, Any]) -> SamplingParams:
+    allowed = {"max_tokens", "temperature", "seed", "stop", "top_p", "top_k", "logprobs", "ignore_eos"}
+    unknown = set(sampling) - allowed
+    if unknown:
+        raise TypeError(f"unknown sampling arguments {sorted(unknown)}; allowed: {sorted(allowed)}")
+    sampling = dict(sampling)
+    sampling["stop"] = _stops(sampling.get("stop"))
+    return SamplingParams(**sampling)
+
+
+def _event(ev: ContentDelta | ToolCall, tok: int | None) -> StreamEvent | None:
+    if isinstance(ev, ToolCall):
+        return ToolCallEvent(tool_call=ev)
+    if ev.text:
+        return TokenDelta(text=ev.text, token_ids=[tok] if tok is not None else [])
+    return None

@@ -1,0 +1,72 @@
+"""Per-session bookkeeping: plain objects with counters. Tensors live in the engine's pools, except the
+host copies of checkpoint states (small next to the KV cache: one [L, H, K, V] per checkpoint)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from torch import Tensor
+
+
+@dataclass
+class Checkpoint:
+    """The prefix ``tokens[:position]``. Its model state is held at ``state_pos`` (<= position; the tokens in
+    between, at most a few, are fed again by whoever continues from it). ``kda`` [L, H, K, V] float32 and
+    ``conv`` [L, W - 1, Dc] are host copies (None when only the store has them); ``pages`` are pool pages
+    (refcounted) covering ``state_pos`` tokens, or empty when not resident."""
+
+    name: str
+    position: int
+    state_pos: int
+    kda: Tensor | None = None
+    conv: Tensor | None = None
+    pages: list[int] = field(default_factory=list)
+    state_blob: str | None = None
+    page_blobs: list[str] | None = None
+    num_messages: int = 0
+    turn_open: bool = False
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def resident(self) -> bool:
+        return self.kda is not None
+
+
+@dataclass
+class SessionState:
+    id: str
+    tokens: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    """Tokens whose effect is in the pools (KDA slot + KV pages); the rest of ``tokens`` is pending."""
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)
+    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)
+    system: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turn_open: bool = False
+    """True when the last assistant turn ended without its end-of-turn token (length or stop)."""
+    parent: str | None = None
+    generation: int = 0
+    """Saves so far; 0 means never saved."""
+    stored_digests: set[str] = field(default_factory=set)
+    """Blobs known to be in the store already (not encoded again on the next save)."""
+    head_blobs: tuple[str, list[str]] | None = None
+    """(state blob, page blobs) of the head as last saved; how an evicted session comes back."""
+    last_used: float = field(default_factory=time.monotonic)
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    next_message_index: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def resident(self) -> bool:
+        return self.slot is not None
+
+    def touch(self) -> None:
+        self.last_used = time.monotonic()
