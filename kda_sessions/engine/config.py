@@ -22,5 +22,8 @@ class EngineConfig(BaseModel):
     """Requests waiting beyond this are refused with EngineBusy instead of queueing without limit."""
     ram_tier_bytes: int = Field(default=1 << 30, ge=0)
     """Host-RAM LRU cache of snapshot blobs in front of the persistent store."""
+    gc_grace_s: float = Field(default=600.0, ge=0)
+    """Blobs written or reused within this many seconds survive garbage collection, so a save in flight in
+    another process sharing the store never loses a blob it counts on."""
     max_checkpoints_in_memory: int = Field(default=64, ge=1)
     """Checkpoint states kept on the host per session; older ones are still in the store once saved."""

@@ -19,7 +19,6 @@ from ..model import HybridModel, load_model
 from ..sessions.prefix_index import PrefixIndex
 from ..sessions.state import Checkpoint, SessionState
 from ..storage import SnapshotStore
-from ..storage.errors import ManifestNotFound
 from ..storage.manifest import SESSION_ID_PATTERN, ModelFingerprint
 from ..tokenizer import Tokenizer, builtin_template, load_chat_template, load_tokenizer
 from ..tokenizer.chat import ChatTemplate
@@ -96,7 +95,7 @@ class Engine:
         m = await anyio.to_thread.run_sync(lambda: load_model(model, device=device, dtype=dtype))
         tokenizer = load_tokenizer(str(model))
         template = builtin_template() if str(model) in ("tiny-random", "tiny") else load_chat_template(model, tokenizer)
-        snapshots = await SnapshotStore.open(store, ram_bytes=config.ram_tier_bytes)
+        snapshots = await SnapshotStore.open(store, ram_bytes=config.ram_tier_bytes, gc_grace_s=config.gc_grace_s)
         return cls(m, Path(str(model)).name, tokenizer, template, snapshots, config)
 
     async def close(self) -> None:
@@ -165,8 +164,8 @@ class Engine:
             return Session(self, self.sessions[session_id])
         t0 = time.perf_counter()
         s = await self.io.load_session(session_id)
-        self.sessions[session_id] = s
         await self._make_resident(s)
+        self.sessions[session_id] = s
         self.counters["resumes"] += 1
         self.resume_seconds.append(time.perf_counter() - t0)
         return Session(self, s)
@@ -203,7 +202,7 @@ class Engine:
                 next_message_index=cp.num_messages,
             )
             await self.io.materialize(cp)
-            await self._make_resident(child, fresh=False)
+            await self._make_resident(child)
             with self.mutex:
                 for i, (state, conv) in enumerate(zip(self.pools.kda, self.pools.conv)):
                     assert cp.kda is not None and cp.conv is not None
@@ -272,11 +271,9 @@ class Engine:
                 self._release(s, keep_checkpoint_states=False)
                 del self.sessions[session_id]
         self.prefix_index.remove_session(session_id)
-        try:
+        if session_id in await self.io.list_stored():
             await self.io.snapshots.delete_session(session_id)
             found = True
-        except ManifestNotFound:
-            pass
         if not found:
             raise SessionNotFound(f"no session {session_id!r}")
 
@@ -306,9 +303,9 @@ class Engine:
         with self.mutex:
             return self.pages.alloc(n)
 
-    async def _make_resident(self, s: SessionState, fresh: bool = True) -> None:
-        """Give ``s`` a state slot, evicting idle sessions to the store if none is free. A fresh session's slot
-        is zeroed; an evicted one's state is loaded back from the store."""
+    async def _make_resident(self, s: SessionState) -> None:
+        """Give ``s`` a state slot (evicting idle sessions to the store if none is free) and, for a session that
+        was saved and moved out, load its head state and pages back. On failure nothing stays allocated."""
         if s.resident:
             return
         slot = await self._alloc_slot(exclude=s)
@@ -317,10 +314,12 @@ class Engine:
             for st, conv in zip(self.pools.kda, self.pools.conv):
                 st[slot].zero_()
                 conv[slot].zero_()
-        if s.head_blobs is not None and not fresh:
-            return
         if s.head_blobs is not None:
-            await self.io.restore_head(s)
+            try:
+                await self.io.restore_head(s)
+            except BaseException:
+                self._release(s, keep_checkpoint_states=True)
+                raise
 
     async def _alloc_slot(self, exclude: SessionState) -> int:
         while True:
@@ -385,15 +384,13 @@ class Engine:
     ) -> Work:
         """Queue the session's pending tokens for prefill and (unless prefill_only) generation.
         Caller holds ``s.lock`` until the work has finished (see ``wait``)."""
-        if s.head_blobs is not None and not s.resident:
-            await self._make_resident(s)
-            await self.io.restore_head(s)
+        await self._make_resident(s)
         await self.ensure_pages(s, s.num_tokens + (0 if prefill_only else params.max_tokens))
         prompt = s.tokens[s.num_cached :]
         if prefill_only:
             prompt = prompt[:-1]  # keep one token pending so the next generate has logits to sample from
         work = Work(session=s, prompt=prompt, params=params, prefill_only=prefill_only, on_token=on_token, on_finish=on_finish)
-        work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.position] + list(checkpoints or [])
+        work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
         if params.seed is not None:
             work.generator = torch.Generator().manual_seed(params.seed)
         if not prompt:

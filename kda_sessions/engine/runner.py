@@ -114,8 +114,15 @@ class Runner:
             self._ensure_pages(s, s.num_cached + n)
             ids.extend(w.prompt[w.done_prefill : w.done_prefill + n])
             lo, hi = s.num_cached, s.num_cached + n
-            cps = sorted((c for c in w.checkpoints if lo < c.position <= hi and c.state_pos < c.position), key=lambda c: c.position)
-            positions.append(sorted({c.position - lo for c in cps}))
+            pending = [c for c in w.checkpoints if lo <= c.target <= hi and c.state_pos < c.target]
+            for c in pending:
+                if c.target == lo:  # exactly the state before this chunk
+                    with self.mutex:
+                        kda = torch.stack([st[s.slot] for st in self.pools.kda]).cpu()
+                        conv = torch.stack([cv[s.slot] for cv in self.pools.conv]).cpu()
+                    self._capture(s, c, kda, conv)
+            cps = sorted((c for c in pending if c.target > lo), key=lambda c: c.target)
+            positions.append(sorted({c.target - lo for c in cps}))
             wanted.append(cps)
         sessions = [w.session for w, _ in chunks]
         batch = ForwardBatch(
@@ -133,7 +140,7 @@ class Runner:
             if states is not None:
                 rel = positions[i]
                 for c in wanted[i]:
-                    j = m + rel.index(c.position - s.num_cached)
+                    j = m + rel.index(c.target - s.num_cached)
                     self._capture(s, c, states.kda[j].cpu(), states.conv[j].cpu())
                 m += len(rel)
             s.num_cached += n
@@ -151,10 +158,10 @@ class Runner:
         with self.mutex:
             if c.pages:
                 self.pages.decref(c.pages)
-            keep = pages_needed(c.position, self.pools.page_size)
+            keep = pages_needed(c.target, self.pools.page_size)
             c.pages = s.pages[:keep]
             self.pages.incref(c.pages)
-            c.kda, c.conv, c.state_pos = kda, conv, c.position
+            c.kda, c.conv, c.state_pos = kda, conv, c.target
             c.state_blob, c.page_blobs = None, None
             s.checkpoints[c.name] = c
 

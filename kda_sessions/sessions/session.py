@@ -224,9 +224,7 @@ class Session:
         if not name or name == "head" or name.startswith("__"):
             raise ValueError(f"checkpoint name must be non-empty, not 'head' and not start with '__', got {name!r}")
         async with self.state.lock:
-            if not self.state.resident:
-                await self.engine._make_resident(self.state, fresh=False)
-                await self.engine.io.restore_head(self.state)
+            await self.engine._make_resident(self.state)
             cp = self._record_checkpoint(name)
             return CheckpointInfo(session_id=self.id, name=name, position=cp.position)
 

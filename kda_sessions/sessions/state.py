@@ -13,8 +13,8 @@ from torch import Tensor
 
 @dataclass
 class Checkpoint:
-    """The prefix ``tokens[:position]``. Its model state is held at ``state_pos`` (<= position; the tokens in
-    between, at most a few, are fed again by whoever continues from it). ``kda`` [L, H, K, V] float32 and
+    """The prefix ``tokens[:position]``. Its model state is held at ``state_pos`` (<= ``target`` =
+    position - 1; the tokens in between are fed again by whoever continues from it). ``kda`` [L, H, K, V] float32 and
     ``conv`` [L, W - 1, Dc] are host copies (None when only the store has them); ``pages`` are pool pages
     (refcounted) covering ``state_pos`` tokens, or empty when not resident."""
 
@@ -33,6 +33,12 @@ class Checkpoint:
     @property
     def resident(self) -> bool:
         return self.kda is not None
+
+    @property
+    def target(self) -> int:
+        """Where the state is kept once exact: one token short of the prefix, so that whoever continues
+        feeds that last token and gets logits to sample from (no logits are ever stored)."""
+        return max(self.position - 1, 0)
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -15,22 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kda_sessions.storage.backends.base import BlobStore
 from kda_sessions.storage.backends.disk import DiskStore
 from kda_sessions.storage.backends.memory import MemoryStore
-from redis_server import REDIS_SERVER, start_redis_server, stop_redis_server
 from storage_helpers import open_redis
-
-
-@pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """redis://127.0.0.1:PORT/0 of a redis-server started for this test session."""
-    if REDIS_SERVER is None:
-        pytest.skip(
-            "redis-server binary not found on PATH; install redis-server to run the redis backend tests"
-        )
-    port, proc = start_redis_server(tmp_path_factory.mktemp("redis"))
-    try:
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        stop_redis_server(proc)
 
 
 @pytest.fixture

@@ -1,0 +1,203 @@
+"""Save, resume in a new process, fork: token ids equal an uninterrupted run (greedy, tiny-random, CPU)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+import kda_sessions as ks
+
+PROMPT = list(range(40, 240))  # 200 byte tokens: spans several KV pages and KDA chunks
+N, M = 12, 10
+
+
+
+@pytest.fixture(params=["disk", "redis"])
+def store_url(request, tmp_path) -> str:
+    if request.param == "disk":
+        return f"disk:{tmp_path / 'store'}"
+    return request.getfixturevalue("redis_url") + f"?prefix=t{tmp_path.name[-12:]}:"
+
+
+async def test_resume_in_new_process_is_bit_identical(store_url):
+    async with await ks.Engine.open(store="memory:") as ref:
+        s = await ref.create_session()
+        await s.append(PROMPT)
+        first = await s.generate(max_tokens=N, ignore_eos=True)
+        want = await s.generate(max_tokens=M, ignore_eos=True)
+    async with await ks.Engine.open(store=store_url, page_size=16) as eng:
+        s = await eng.create_session()
+        await s.append(PROMPT)
+        got_first = await s.generate(max_tokens=N, ignore_eos=True)
+        await s.save()
+        sid = s.id
+    assert got_first.token_ids == first.token_ids
+    # page size is part of the snapshot: the child must open with the same one
+    out = child_generate_with_page_size(store_url, sid, M)
+    assert out["tokens"] == want.token_ids
+    assert out["usage"]["prefill_tokens"] == 1  # only the pending last token, no re-prefill
+    assert out["usage"]["cached_tokens"] == len(PROMPT) + N - 1
+
+
+def child_generate_with_page_size(store: str, sid: str, n: int, checkpoint: str | None = None) -> dict:
+    code = (
+        "import sys, json, anyio, kda_sessions as ks\n"
+        "async def main():\n"
+        f"    async with await ks.Engine.open(model='tiny-random', store={store!r}, page_size=16) as e:\n"
+        f"        s = await (e.fork({sid!r}, {checkpoint!r}) if {checkpoint!r} else e.resume({sid!r}))\n"
+        f"        r = await s.generate(max_tokens={n}, ignore_eos=True)\n"
+        "        print(json.dumps({'tokens': r.token_ids, 'usage': r.usage.model_dump()}))\n"
+        "anyio.run(main)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+async def test_fork_from_mid_conversation_checkpoint(store_url):
+    async with await ks.Engine.open(store=store_url, page_size=16) as eng:
+        p = await eng.create_session()
+        await p.append(PROMPT)
+        await p.generate(max_tokens=N, ignore_eos=True)
+        await p.checkpoint("mid")
+        prefix = list(p.state.tokens)
+        await p.append(list(range(60, 90)))
+        await p.save()
+        # the child, in this process and in a new one
+        child = await eng.fork(p.id, "mid")
+        child_tokens = (await child.generate(max_tokens=M, ignore_eos=True)).token_ids
+        parent_after = (await p.generate(max_tokens=M, ignore_eos=True)).token_ids
+        remote = child_generate_with_page_size(store_url, p.id, M, checkpoint="mid")
+    assert remote["tokens"] == child_tokens
+    assert remote["usage"]["prefill_tokens"] == 1
+    # a fresh session fed the same prefix the same way gives the same tokens
+    async with await ks.Engine.open(store="memory:", page_size=16) as ref:
+        f = await ref.create_session()
+        await f.append(PROMPT)
+        await f.generate(max_tokens=N, ignore_eos=True)
+        assert f.state.tokens == prefix
+        assert (await f.generate(max_tokens=M, ignore_eos=True)).token_ids == child_tokens
+        # the parent's continuation is the same as if no child had ever existed
+        g = await ref.create_session()
+        await g.append(PROMPT)
+        await g.generate(max_tokens=N, ignore_eos=True)
+        await g.append(list(range(60, 90)))
+        assert (await g.generate(max_tokens=M, ignore_eos=True)).token_ids == parent_after
+
+
+async def test_forks_share_full_pages_and_copy_the_partial_one():
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        p = await eng.create_session()
+        await p.append([*list(range(50)), 7])  # 50 tokens cached: 3 full pages + 2 rows
+        free0 = eng.pages.num_free
+        c = await eng.fork(p.id)
+        assert c.state.pages[:3] == p.state.pages[:3]
+        assert c.state.pages[3] != p.state.pages[3]
+        assert eng.pages.num_free == free0 - 1  # only the partial page was copied
+        await c.append([1, 2, 3, 4])
+        await c.generate(max_tokens=3, ignore_eos=True)
+        a = (await p.generate(max_tokens=5, ignore_eos=True)).token_ids
+    async with await ks.Engine.open(store="memory:", page_size=16) as ref:
+        q = await ref.create_session()
+        await q.append([*list(range(50)), 7])
+        assert (await q.generate(max_tokens=5, ignore_eos=True)).token_ids == a
+
+
+async def test_eight_forks_store_one_prefix_plus_tails(tmp_path):
+    P = 16
+    prefix = [(i * 7) % 250 for i in range(512)]  # 32 full pages
+    async with await ks.Engine.open(store=f"disk:{tmp_path}", page_size=P) as eng:
+        root = await eng.create_session()
+        await root.append([*prefix, 1])
+        await root.checkpoint("base")
+        await root.save()
+        one = await eng.io.snapshots.bytes_stored()
+        forks = []
+        for i in range(8):
+            f = await eng.fork(root.id, "base")
+            await f.append([10 + i] * 20)
+            await f.save()
+            forks.append(f)
+        total = await eng.io.snapshots.bytes_stored()
+        store = eng.io.snapshots.store
+        manifests = [await eng.io.snapshots.load_manifest(f.id) for f in forks]
+        root_m = await eng.io.snapshots.load_manifest(root.id)
+        page_bytes = len(await store.get_blob(root_m.head.pages[0]))
+        state_bytes = len(await store.get_blob(manifests[0].head.state_blob))
+        on_disk = [p for p in (tmp_path / "blobs").rglob("*") if p.is_file()]
+    prefix_pages = root_m.head.pages[:32]
+    assert len(set(prefix_pages)) == 32
+    for m in manifests:
+        assert m.head.pages[:32] == prefix_pages  # shared, not copied
+    # each fork adds its own tail only: its state, at most 3 pages, its token list
+    tail = state_bytes + 3 * page_bytes + 4 * 600
+    assert total - one <= 8 * tail, (one, total, tail)
+    # no blob twice: the files on disk are exactly the distinct digests the manifests name
+    named = set().union(root_m.blob_digests(), *(m.blob_digests() for m in manifests))
+    assert len(on_disk) == len(named)
+
+
+async def test_errors_are_typed(tmp_path):
+    store = f"disk:{tmp_path}"
+    async with await ks.Engine.open(store=store, page_size=16) as eng:
+        with pytest.raises(ks.SessionNotFound):
+            await eng.resume("s_nope")
+        s = await eng.create_session()
+        await s.append(list(range(70)))
+        with pytest.raises(ks.CheckpointNotFound):
+            await eng.fork(s.id, "never")
+        with pytest.raises(ValueError, match="token ids"):
+            await s.append([999999])
+        await s.save()
+        sid = s.id
+    # another page size: refused by name
+    async with await ks.Engine.open(store=store, page_size=32) as eng:
+        with pytest.raises(ks.IncompatibleSnapshot, match="page_size"):
+            await eng.resume(sid)
+    # a corrupted page blob never yields a session
+    blobs = sorted((tmp_path / "blobs").rglob("*"), key=lambda p: p.stat().st_size if p.is_file() else 0)
+    victim = [b for b in blobs if b.is_file()][-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    async with await ks.Engine.open(store=store, page_size=16) as eng:
+        with pytest.raises(ks.IntegrityError):
+            s2 = await eng.resume(sid)
+            await s2.generate(max_tokens=1)
+        assert sid not in {x.session_id for x in await eng.list_sessions() if x.active}
+
+
+async def test_store_unavailable_fails_fast():
+    import socket
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(ks.StoreUnavailable):
+        await ks.Engine.open(store=f"redis://127.0.0.1:{port}/0?timeout=1")
+    assert time.monotonic() - t0 < 10
+
+
+async def test_delete_reclaims_unshared_blobs(tmp_path):
+    async with await ks.Engine.open(store=f"disk:{tmp_path}", page_size=16, gc_grace_s=0) as eng:
+        a = await eng.create_session()
+        await a.append(list(range(100)))
+        await a.save()
+        b = await eng.fork(a.id)
+        await b.append([5] * 40)
+        await b.save()
+        before = set(await eng.io.snapshots.store.list_blobs())
+        ma = await eng.io.snapshots.load_manifest(a.id)
+        await eng.delete_session(b.id)
+        after = set(await eng.io.snapshots.store.list_blobs())
+        assert ma.blob_digests() <= after  # a's blobs survive
+        assert after < before
+        with pytest.raises(ks.SessionNotFound):
+            await eng.resume(b.id)
+        with pytest.raises(ks.SessionNotFound):
+            await eng.delete_session(b.id)
