@@ -62,15 +62,18 @@ def _load_rows(base, bos, row0, n_rows, h, H: tl.constexpr, W: tl.constexpr, BW:
 
 @triton.jit
 def _inv_diag(Lbuf, bos, i: tl.constexpr, n_rows, h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """(I + L_ii)^-1 of the i-th diagonal [BC, BC] block, by forward substitution."""
+    """(I + N)^-1 of the i-th diagonal [BC, BC] block N (strictly lower, so N^16 = 0):
+    (I - N)(I + N^2)(I + N^4)(I + N^8)."""
     rr = tl.arange(0, BC)
-    Lb = _load_rows(Lbuf + i * BC, bos, i * BC, n_rows, h, H, BT, BC, BC)
-    X = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    for r in range(1, BC):
-        li = tl.sum(tl.where(rr[:, None] == r, Lb, 0.0), axis=0)  # row r of L_ii
-        upd = tl.sum(li[:, None] * X, axis=0)
-        X = tl.where(rr[:, None] == r, X - upd[None, :], X)
-    return X
+    N1 = _load_rows(Lbuf + i * BC, bos, i * BC, n_rows, h, H, BT, BC, BC)
+    eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+    X = eye - N1
+    N2 = tl.dot(N1, N1, input_precision="ieee")
+    X = tl.dot(X, eye + N2, input_precision="ieee")
+    N4 = tl.dot(N2, N2, input_precision="ieee")
+    X = tl.dot(X, eye + N4, input_precision="ieee")
+    N8 = tl.dot(N4, N4, input_precision="ieee")
+    return tl.dot(X, eye + N8, input_precision="ieee")
 
 
 @triton.jit
@@ -97,7 +100,7 @@ def _dot3(a, b, c):
 def _intra_kernel(
     q, k, v, G, beta, Lbuf, Aqk, w, u, kg, chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -113,17 +116,17 @@ def _intra_kernel(
         k_i = _load_rows(k, bos, i * BC, n_rows, h, H, K, BK, BC)
         G_i = _load_rows(G, bos, i * BC, n_rows, h, H, K, BK, BC)
         b_i = tl.load(beta + (bos + i * BC + rr) * H + h, mask=i * BC + rr < n_rows, other=0.0).to(tl.float32)
-        # diagonal block, exact per-element decay: exp(G_r - G_j) for j <= r within the sub-chunk
+        # diagonal block, exact per-element decay exp(G_r - G_j) for j <= r within the sub-chunk, over
+        # [BC, BC, BKC] slices of K so the reduction stays mostly inside each thread
         Ld = tl.zeros([BC, BC], dtype=tl.float32)
         Ad = tl.zeros([BC, BC], dtype=tl.float32)
-        for jj in range(0, BC):
-            rj = i * BC + jj
-            jm = cols < tl.where(rj < n_rows, K, 0)
-            k_j = tl.load(k + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0).to(tl.float32)
-            G_j = tl.load(G + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0)
-            e = tl.exp(tl.minimum(G_i - G_j[None, :], 0.0)) * k_j[None, :]
-            Ld = tl.where(rr[None, :] == jj, tl.sum(k_i * e, axis=1)[:, None], Ld)
-            Ad = tl.where(rr[None, :] == jj, tl.sum(q_i * e, axis=1)[:, None], Ad)
+        for kk in tl.static_range(0, BK, BKC):
+            qs = _load_rows(q + kk, bos, i * BC, n_rows, h, H, K, BKC, BC)
+            ks = _load_rows(k + kk, bos, i * BC, n_rows, h, H, K, BKC, BC)
+            Gs = _load_rows(G + kk, bos, i * BC, n_rows, h, H, K, BKC, BC)
+            e = tl.exp(tl.minimum(Gs[:, None, :] - Gs[None, :, :], 0.0)) * ks[None, :, :]
+            Ld += tl.sum(ks[:, None, :] * e, axis=2)
+            Ad += tl.sum(qs[:, None, :] * e, axis=2)
         Ld = tl.where(rr[:, None] > rr[None, :], Ld, 0.0) * b_i[:, None]
         Ad = tl.where(rr[:, None] >= rr[None, :], Ad, 0.0) * scale
         _store_blk(Lbuf, Ld, bos, i, i, n_rows, h, H, BT, BC)
@@ -203,7 +206,7 @@ def _intra_kernel(
 def _state_kernel(
     w, u, kg, G, vnew, hbuf, h0, ht, hck, chunk_start, chunk_len, chunk_ck, seq_chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr,
 ):
     iv = tl.program_id(0)
     nh = tl.program_id(1)
@@ -238,9 +241,10 @@ def _state_kernel(
         vn_lo = vn.to(vnew.dtype.element_ty)
         tl.store(vnew + off_v, vn_lo, mask=mv)
         S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), vn_lo.to(kc.dtype))
-        ck = tl.load(chunk_ck + c)
-        if ck >= 0:
-            tl.store(hck + (ck.to(tl.int64) * H + h) * K * V + off_s, S, mask=mkv)
+        if HAS_CK:
+            ck = tl.load(chunk_ck + c)
+            if ck >= 0:
+                tl.store(hck + (ck.to(tl.int64) * H + h) * K * V + off_s, S, mask=mkv)
     if STORE_FINAL:
         tl.store(ht + nh.to(tl.int64) * K * V + off_s, S, mask=mkv)
 
@@ -305,7 +309,7 @@ def _chunk_table(
 def _launch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
     output_final_state: bool, bounds: list[int], use_qk_l2norm: bool,
-    checkpoint_positions: Sequence[Sequence[int]] | None,
+    checkpoint_positions: Sequence[Sequence[int]] | None, tune: dict[str, int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Packed q, k, g [T, H, K], v [T, H, V], beta [T, H] (contiguous) -> o [T, H, V], final, checkpoints."""
     T, H, K = q.shape
@@ -318,6 +322,8 @@ def _launch(
     meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
     chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
     chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
+    cfg = {"intra_warps": 4, "intra_bkc": 16, "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4}
+    cfg.update(tune or {})
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
     BVi = max(16, triton.next_power_of_2(V))  # the intra kernel holds the whole V width
@@ -341,20 +347,21 @@ def _launch(
     u = torch.empty(T, H, V, device=dev, dtype=dt)
     _intra_kernel[(NC, H)](
         qn, kn, v, G, beta, Lbuf, Aqk, w, u, kg, chunk_start, chunk_len, scale,
-        H=H, K=K, V=V, BK=BK, BV=BVi, BT=BT, BC=BC, num_warps=8,
+        H=H, K=K, V=V, BK=BK, BV=BVi, BT=BT, BC=BC, BKC=cfg["intra_bkc"], num_warps=cfg["intra_warps"],
     )
 
-    BV = min(64, BVi)
+    BV = min(cfg["state_bv"], BVi)
     vnew = torch.empty(T, H, V, device=dev, dtype=dt)
     hbuf = torch.empty(NC, H, K, V, device=dev, dtype=dt)
     _state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, G, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
-        num_warps=4, num_stages=2,
+        HAS_CK=M > 0, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
     )
+    BV = min(cfg["out_bv"], BVi)
     _output_kernel[(NC, H, triton.cdiv(V, BV))](
         qn, G, Aqk, vnew, hbuf, o, chunk_start, chunk_len, scale,
-        H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, num_warps=4,
+        H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, num_warps=cfg["out_warps"],
     )
     return o, final, ckpt
 
@@ -388,8 +395,8 @@ def chunk_kda_triton(
         raise ValueError(f"v must be [B, T, H, V] with B, T, H={B, T, H}, got {tuple(v.shape)}")
     if beta.shape != (B, T, H):
         raise ValueError(f"beta must be [B, T, H]={B, T, H}, got {tuple(beta.shape)}")
-    if K > 256 or V > 256:
-        raise ValueError(f"K and V must be <= 256, got K={K}, V={V}")
+    if not all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V)):
+        raise ValueError(f"K and V must be powers of two in [16, 256], got K={K}, V={V}")
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be 1, got B={B}")

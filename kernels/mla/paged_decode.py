@@ -21,13 +21,15 @@ def _split_kernel(
     q_lat, q_pe, kv, page_table, seq_lens, acc_out, m_out, l_out, sm_scale, max_pages, tokens_per_split,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
     BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr,
+    ALIGN: tl.constexpr,
 ):
     s = tl.program_id(0)
     n = tl.program_id(1)
+    hb = tl.program_id(2)
     L = tl.load(seq_lens + n)
     start = s * tokens_per_split
     end = tl.minimum(start + tokens_per_split, L)
-    rh = tl.arange(0, BH)
+    rh = hb * BH + tl.arange(0, BH)
     rr = tl.arange(0, BR)
     rd = tl.arange(0, BDR)
     mh = rh < H
@@ -41,7 +43,8 @@ def _split_kernel(
         tok = t0 + tl.arange(0, BN)
         mt = tok < end
         page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
-        row = (page * P + tok % P) * (R + DR)  # [BN] offset of each token's cache row
+        # [BN] offset of each token's cache row; the hint lets the loads be 16-byte vectors
+        row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
         c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
         pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
         sc = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(pe))  # [BH, BN]
@@ -66,7 +69,7 @@ def _combine_kernel(
     h = tl.program_id(0)
     n = tl.program_id(1)
     rs = tl.arange(0, BS)
-    rr = tl.arange(0, BR)
+    rr = tl.program_id(2) * BR + tl.arange(0, BR)
     m_all = tl.full([BS], -1e30, dtype=tl.float32)
     for s0 in range(0, NSPLIT, BS):
         m_all = tl.maximum(m_all, tl.load(m_in + (n * NSPLIT + s0 + rs) * H + h, mask=s0 + rs < NSPLIT, other=-1e30))
@@ -86,13 +89,13 @@ def _combine_kernel(
 
 
 def _num_splits(N: int, capacity: int, sm_count: int) -> int:
-    """Enough (sequence, split) programs to fill the GPU twice, each at least 256 tokens of capacity."""
-    return max(1, min(triton.cdiv(2 * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
+    """Enough (sequence, split) programs to fill the GPU twice, each at least 512 tokens of capacity."""
+    return max(1, min(triton.cdiv(2 * sm_count, max(N, 1)), triton.cdiv(capacity, 512)))
 
 
 def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
-    num_splits: int | None = None, BN: int = 32,
+    num_splits: int | None = None, BN: int = 32, BH: int | None = None, num_warps: int = 4, num_stages: int = 3,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]."""
     N, H, R = q_lat.shape
@@ -110,14 +113,19 @@ def _launch(
     acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
     m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
     lsum = torch.empty_like(m)
-    BH = max(16, triton.next_power_of_2(H))
+    BH = BH or max(16, triton.next_power_of_2(H))
     BR = triton.next_power_of_2(R)
-    _split_kernel[(num_splits, N)](
+    align = 1
+    while align < 8 and (R + DR) % (2 * align) == 0:
+        align *= 2
+    _split_kernel[(num_splits, N, triton.cdiv(H, BH))](
         q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps,
         H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN, NSPLIT=num_splits,
-        num_warps=8, num_stages=2,
+        ALIGN=align, num_warps=num_warps, num_stages=num_stages,
     )
-    _combine_kernel[(H, N)](acc, m, lsum, out, H=H, R=R, BR=BR, NSPLIT=num_splits, BS=16, num_warps=4)
+    BRC = min(BR, 64)  # the merge runs over r blocks too: H * N programs alone are too few for one sequence
+    _combine_kernel[(H, N, triton.cdiv(R, BRC))](acc, m, lsum, out, H=H, R=R, BR=BRC, NSPLIT=num_splits, BS=16,
+                                                 num_warps=2)
     return out
 
 
