@@ -1,0 +1,170 @@
+"""Translation between OpenAI chat completions and sessions: history splitting, tool-call checks, response
+and chunk bodies. Pure functions, so the tool-call path is tested without a model that calls tools."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from typing import Any
+
+from ..engine.types import Reply, Usage
+from ..tokenizer import ToolCall, validate_arguments
+from .schemas import ChatCompletionRequest, NamedToolChoice
+from .settings import ServerSettings
+
+
+def split_history(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(closed prefix, new messages): the prefix ends after the last assistant message (or after the leading
+    system messages when there is none); its tokens are what a stored checkpoint can already hold."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    if last < 0:
+        last = -1
+        while last + 1 < len(messages) and messages[last + 1]["role"] == "system":
+            last += 1
+    prefix, new = messages[: last + 1], messages[last + 1 :]
+    if not new:
+        raise ValueError("the last message must be a user, tool or system message: nothing to answer")
+    return prefix, new
+
+
+def sampling_args(req: ChatCompletionRequest, settings: ServerSettings) -> dict[str, Any]:
+    """Session.send_messages keyword arguments; unset fields take OpenAI's defaults."""
+    args: dict[str, Any] = {
+        "max_tokens": req.max_completion_tokens or req.max_tokens or settings.default_max_tokens,
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "seed": req.seed,
+        "stop": req.stop,
+        "logprobs": bool(req.logprobs),
+    }
+    if req.ignore_eos:
+        args["ignore_eos"] = True
+    if req.top_k:
+        args["top_k"] = req.top_k
+    return args
+
+
+def check_tool_calls(
+    calls: list[ToolCall], tools: list[dict[str, Any]] | None, tool_choice: Any
+) -> tuple[list[ToolCall], list[str]]:
+    """The calls that name a declared tool (the named one, under a named tool_choice) with arguments valid
+    against its schema, and a description of each call dropped. tool_choice 'none' drops every call."""
+    if tool_choice == "none" or not calls:
+        return [], [f"tool_choice is 'none': dropped a call to {c.function.name!r}" for c in calls]
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools or []}
+    only = tool_choice.function.name if isinstance(tool_choice, NamedToolChoice) else None
+    valid, problems = [], []
+    for c in calls:
+        name = c.function.name
+        if name not in schemas or (only is not None and name != only):
+            problems.append(f"call to undeclared or unrequested function {name!r}")
+            continue
+        errors = validate_arguments(c.function.arguments, schemas[name])
+        if errors:
+            problems.append(f"arguments of {name!r} do not match its schema: {'; '.join(errors[:3])}")
+            continue
+        valid.append(c)
+    return valid, problems
+
+
+def tool_choice_met(tool_choice: Any, calls: list[ToolCall]) -> bool:
+    if tool_choice == "required" or isinstance(tool_choice, NamedToolChoice):
+        return bool(calls)
+    return True
+
+
+def finish_reason(reply_reason: str, calls: list[ToolCall]) -> str:
+    if calls:
+        return "tool_calls"
+    if reply_reason == "tool_calls":  # every call was dropped
+        return "stop"
+    return "length" if reply_reason == "length" else "stop"
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"id": call.id, "type": "function",
+                            "function": {"name": call.function.name, "arguments": call.function.arguments}}
+    if index is not None:
+        body["index"] = index
+    return body
+
+
+def logprobs_body(token_ids: list[int], logprobs: list[float] | None, decode: Any) -> dict[str, Any] | None:
+    if logprobs is None:
+        return None
+    content = []
+    for tok, lp in zip(token_ids, logprobs):
+        text = decode([tok])
+        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+    return {"content": content, "refusal": None}
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + secrets.token_hex(12)
+
+
+def completion_body(
+    reply: Reply, calls: list[ToolCall], model: str, completion_id: str, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": reply.text if (reply.text or not calls) else None,
+                               "refusal": None}
+    if calls:
+        message["tool_calls"] = [tool_call_body(c) for c in calls]
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs,
+                     "finish_reason": finish_reason(reply.finish_reason, calls)}],
+        "usage": usage_body(reply.usage),
+        "system_fingerprint": None,
+        "session_id": reply.session_id,
+    }
+
+
+class ChunkWriter:
+    """``chat.completion.chunk`` bodies for one streamed completion."""
+
+    def __init__(self, completion_id: str, model: str, session_id: str) -> None:
+        self.id = completion_id
+        self.model = model
+        self.session_id = session_id
+        self.created = int(time.time())
+        self.num_calls = 0
+
+    def _chunk(self, delta: dict[str, Any] | None, finish: str | None = None, usage: Usage | None = None) -> dict[str, Any]:
+        choices = [] if delta is None else [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        body: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                                "model": self.model, "system_fingerprint": None, "choices": choices,
+                                "session_id": self.session_id}
+        if usage is not None:
+            body["usage"] = usage_body(usage)
+        return body
+
+    def role(self) -> dict[str, Any]:
+        return self._chunk({"role": "assistant", "content": ""})
+
+    def content(self, text: str) -> dict[str, Any]:
+        return self._chunk({"content": text})
+
+    def tool_call(self, call: ToolCall) -> dict[str, Any]:
+        body = self._chunk({"tool_calls": [tool_call_body(call, index=self.num_calls)]})
+        self.num_calls += 1
+        return body
+
+    def finish(self, reason: str) -> dict[str, Any]:
+        return self._chunk({}, finish=reason)
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return self._chunk(None, usage=usage)

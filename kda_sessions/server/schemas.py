@@ -1,0 +1,168 @@
+"""Request bodies. Chat completions follow OpenAI's field names; unknown OpenAI fields are accepted and
+ignored (agent frameworks send many), except the ones whose meaning the server cannot honour."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Role
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """What the chat template sees: developer is system; OpenAI-only fields are dropped."""
+        m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.content}
+        if self.tool_calls:
+            m["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            m["tool_call_id"] = self.tool_call_id
+        if self.name is not None and self.role == "tool":
+            m["name"] = self.name
+        return m
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    session_id: str | None = Field(default=None, max_length=128)
+    """Extension: continue this session; ``messages`` are then only the new ones."""
+    ignore_eos: bool = False
+    """Extension (as in vLLM): keep generating past end-of-turn."""
+    top_k: int | None = Field(default=None, ge=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.n not in (None, 1):
+            raise ValueError("n must be 1: one choice per request")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs is not supported; logprobs=true returns the sampled tokens' logprobs")
+        if isinstance(self.stop, list) and len(self.stop) > 4:
+            raise ValueError("stop takes at most 4 sequences")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = {t.function.name for t in self.tools or []}
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice names {self.tool_choice.function.name!r}, which is not in tools")
+        if self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    def tools_plain(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+
+# -- /v1/sessions ------------------------------------------------------------------------------------------
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    system: str | None = None
+    tools: list[ToolSpec] | None = None
+    session_id: str | None = Field(default=None, max_length=128)
+
+
+class Sampling(BaseModel):
+    """The Python API's sampling arguments and defaults (greedy)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int = Field(default=64, ge=1)
+    temperature: float = Field(default=0.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    logprobs: bool = False
+    ignore_eos: bool = False
+
+    def sampling(self) -> dict[str, Any]:
+        return self.model_dump(include=set(Sampling.model_fields))
+
+
+class SendMessages(Sampling):
+    content: str | None = None
+    messages: list[ChatMessage] | None = None
+    stream: bool = False
+    tool_choice: ToolChoice | None = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> SendMessages:
+        if (self.content is None) == (self.messages is None):
+            raise ValueError("give exactly one of content (a user message) or messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+    def new_messages(self) -> list[dict[str, Any]]:
+        if self.content is not None:
+            return [{"role": "user", "content": self.content}]
+        return [m.to_template() for m in self.messages or []]
+
+
+class Append(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[int] | str
+
+
+class CreateCheckpoint(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=128)
+
+
+class Fork(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    checkpoint: str | None = None
+    session_id: str | None = Field(default=None, max_length=128)
+    """Id for the new session (default: a random one)."""
