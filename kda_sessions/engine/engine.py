@@ -132,6 +132,26 @@ class Engine:
         s.messages = list(messages)
         return Session(self, s)
 
+    async def create_session_from_messages(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        session_id: str | None = None,
+    ) -> Session:
+        """A new session holding a whole conversation (ending with a closed turn), started from the longest
+        checkpointed prefix of its tokens: a client that resends its full history prefills only what is new."""
+        from ..tokenizer import encode_chat
+
+        sid = self._check_new_id(session_id)
+        tokens = encode_chat(self.tokenizer, messages, tools, add_generation_prompt=False, template=self.template) if (messages or tools) else []
+        s = await self._start_from_prefix(sid, tokens)
+        s.system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
+        s.tools = tools
+        s.messages = [dict(m) for m in messages]
+        s.turn_open = False
+        return Session(self, s)
+
     def _check_new_id(self, session_id: str | None) -> str:
         import re
 
