@@ -10,6 +10,7 @@ from kda_sessions.client import AuthenticationError, Client, RemoteSession, erro
 
 from .server_helpers import API_KEY, start_server
 
+
 async def test_create_send_stream_checkpoint_fork_save_delete(server):
     async with Client(server.url) as client:
         s = await client.create_session(system="You are terse.")
