@@ -43,7 +43,7 @@ from .errors import (
 from .storage import SaveResult
 
 SAMPLING_ARGS = frozenset({"max_tokens", "temperature", "seed", "stop", "top_p", "top_k", "logprobs", "ignore_eos"})
-_EVENT = TypeAdapter(TokenDelta | ToolCallEvent | Done)
+_EVENT: TypeAdapter[StreamEvent] = TypeAdapter(TokenDelta | ToolCallEvent | Done)
 
 
 class AuthenticationError(KdaSessionsError, PermissionError):

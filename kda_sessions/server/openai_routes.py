@@ -114,14 +114,14 @@ async def _stream_events(session: Session, messages: list[dict[str, Any]], sampl
                 async for ev in gen:
                     yield ev
             finally:
-                await gen.aclose()
+                await gen.aclose()  # type: ignore[attr-defined]
             return
     gen = session.stream(messages, **sampling)
     try:
         async for ev in gen:
             yield ev
     finally:
-        await gen.aclose()
+        await gen.aclose()  # type: ignore[attr-defined]
 
 
 async def stream_completion(
