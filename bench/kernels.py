@@ -227,7 +227,7 @@ def time_mla(bw_tb_s: float) -> list[dict]:
     return rows
 
 
-def tune() -> dict:
+def tune(chunk: bool = True) -> dict:
     """Variants of the launch parameters, timed in one run (the chosen defaults live in the launchers)."""
     from kda_sessions.kernels.kda import chunk as chunk_mod
     from kda_sessions.kernels.mla import paged_decode as mla_mod
@@ -245,10 +245,12 @@ def tune() -> dict:
             except Exception as e:
                 out["mla"].append({"BN": BN, "BH": BH, "warps": nw, "stages": ns, "error": repr(e)[:300]})
         del args
+    if not chunk:
+        return out
     T = 32768
     q, k, v, g, beta = kda_inputs(1, T, False, seed=4)
     flat = [x.reshape(T, H, -1) if x.dim() == 4 else x.reshape(T, H) for x in (q, k, v, g, beta)]
-    for cfg in ({}, {"intra_warps": 8}, {"intra_bkc": 32}, {"intra_bkc": 8}, {"state_bv": 32}):
+    for cfg in ({}, {"intra_warps": 8}, {"state_bv": 32}):
         try:
             ms = bench(lambda cfg=cfg: chunk_mod._launch(*flat, K**-0.5, None, True, [0, T], True, None, cfg))
             out["chunk"].append({"cfg": cfg, "ms": ms, "Mtok_s": T / ms / 1e3})
@@ -272,9 +274,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", default="check,chunk,decode,mla")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla-core (its autotuning takes minutes)")
     a = ap.parse_args()
     parts = set(a.only.split(","))
-    fla_chunk, fla_rec = load_fla()
+    fla_chunk, fla_rec = (None, None) if a.no_fla else load_fla()
     res: dict = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "fla": None, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -290,14 +293,14 @@ def main() -> None:
         steps += [("check_chunk", lambda: check_chunk(fla_chunk)), ("check_decode", check_decode),
                   ("check_conv", check_conv), ("check_mla", check_mla)]
     steps.append(("copy_bw_TB_s", copy_bandwidth))
+    if "mla" in parts:
+        steps.append(("mla_decode", lambda: time_mla(res.get("copy_bw_TB_s") or 4.2)))
     if "chunk" in parts:
         steps.append(("chunk_kda", lambda: time_chunk(fla_chunk, [8192] if a.quick else [8192, 32768, 131072])))
     if "decode" in parts:
         steps.append(("decode", lambda: time_decode(fla_rec)))
-    if "tune" in parts:
-        steps.append(("tune", tune))
-    if "mla" in parts:
-        steps.append(("mla_decode", lambda: time_mla(res.get("copy_bw_TB_s") or 4.2)))
+    if "tune" in parts or "tunemla" in parts:
+        steps.append(("tune", lambda: tune(chunk="tune" in parts)))
     for name, fn in steps:
         t0 = time.time()
         try:

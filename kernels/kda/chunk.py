@@ -100,7 +100,7 @@ def _dot3(a, b, c):
 def _intra_kernel(
     q, k, v, G, beta, Lbuf, Aqk, w, u, kg, chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BKC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
@@ -116,17 +116,17 @@ def _intra_kernel(
         k_i = _load_rows(k, bos, i * BC, n_rows, h, H, K, BK, BC)
         G_i = _load_rows(G, bos, i * BC, n_rows, h, H, K, BK, BC)
         b_i = tl.load(beta + (bos + i * BC + rr) * H + h, mask=i * BC + rr < n_rows, other=0.0).to(tl.float32)
-        # diagonal block, exact per-element decay exp(G_r - G_j) for j <= r within the sub-chunk, over
-        # [BC, BC, BKC] slices of K so the reduction stays mostly inside each thread
+        # diagonal block, exact per-element decay: exp(G_r - G_j) for j <= r within the sub-chunk
         Ld = tl.zeros([BC, BC], dtype=tl.float32)
         Ad = tl.zeros([BC, BC], dtype=tl.float32)
-        for kk in tl.static_range(0, BK, BKC):
-            qs = _load_rows(q + kk, bos, i * BC, n_rows, h, H, K, BKC, BC)
-            ks = _load_rows(k + kk, bos, i * BC, n_rows, h, H, K, BKC, BC)
-            Gs = _load_rows(G + kk, bos, i * BC, n_rows, h, H, K, BKC, BC)
-            e = tl.exp(tl.minimum(Gs[:, None, :] - Gs[None, :, :], 0.0)) * ks[None, :, :]
-            Ld += tl.sum(ks[:, None, :] * e, axis=2)
-            Ad += tl.sum(qs[:, None, :] * e, axis=2)
+        for jj in range(0, BC):
+            rj = i * BC + jj
+            jm = cols < tl.where(rj < n_rows, K, 0)
+            k_r = tl.load(k + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0).to(tl.float32)
+            G_r = tl.load(G + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0)
+            e = tl.exp(tl.minimum(G_i - G_r[None, :], 0.0)) * k_r[None, :]
+            Ld = tl.where(rr[None, :] == jj, tl.sum(k_i * e, axis=1)[:, None], Ld)
+            Ad = tl.where(rr[None, :] == jj, tl.sum(q_i * e, axis=1)[:, None], Ad)
         Ld = tl.where(rr[:, None] > rr[None, :], Ld, 0.0) * b_i[:, None]
         Ad = tl.where(rr[:, None] >= rr[None, :], Ad, 0.0) * scale
         _store_blk(Lbuf, Ld, bos, i, i, n_rows, h, H, BT, BC)
@@ -322,7 +322,7 @@ def _launch(
     meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
     chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
     chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
-    cfg = {"intra_warps": 4, "intra_bkc": 16, "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4}
+    cfg = {"intra_warps": 4, "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4}
     cfg.update(tune or {})
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
@@ -347,7 +347,7 @@ def _launch(
     u = torch.empty(T, H, V, device=dev, dtype=dt)
     _intra_kernel[(NC, H)](
         qn, kn, v, G, beta, Lbuf, Aqk, w, u, kg, chunk_start, chunk_len, scale,
-        H=H, K=K, V=V, BK=BK, BV=BVi, BT=BT, BC=BC, BKC=cfg["intra_bkc"], num_warps=cfg["intra_warps"],
+        H=H, K=K, V=V, BK=BK, BV=BVi, BT=BT, BC=BC, num_warps=cfg["intra_warps"],
     )
 
     BV = min(cfg["state_bv"], BVi)
