@@ -95,7 +95,7 @@ def _num_splits(N: int, capacity: int, sm_count: int) -> int:
 
 def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
-    num_splits: int | None = None, BN: int = 32, BH: int | None = None, num_warps: int = 4, num_stages: int = 3,
+    num_splits: int | None = None, BN: int = 64, BH: int | None = None, num_warps: int = 4, num_stages: int = 3,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]."""
     N, H, R = q_lat.shape
