@@ -110,50 +110,40 @@ def _intra_kernel(
     cols = tl.arange(0, BK)
     kmask = cols < K
 
-    # --- diagonal [BC, BC] blocks of L and A_qk, exact per-element decay exp(G_r - G_j) for j <= r in a
-    # sub-chunk; all four sub-chunks at once: step jj fills column jj of every block
-    rows = tl.arange(0, BT)
-    q_c = _load_rows(q, bos, 0, n_rows, h, H, K, BK, BT)
-    k_c = _load_rows(k, bos, 0, n_rows, h, H, K, BK, BT)
-    G_c = _load_rows(G, bos, 0, n_rows, h, H, K, BK, BT)
-    b_c = tl.load(beta + (bos + rows) * H + h, mask=rows < n_rows, other=0.0).to(tl.float32)
-    Ld = tl.zeros([BT, BC], dtype=tl.float32)
-    Ad = tl.zeros([BT, BC], dtype=tl.float32)
-    first = (rows // BC) * BC  # first row of each row's sub-chunk
-    for jj in range(0, BC):
-        rj = first + jj
-        mj = (rj < n_rows)[:, None] & kmask[None, :]
-        off_j = ((bos + rj)[:, None] * H + h) * K + cols[None, :]
-        k_r = tl.load(k + off_j, mask=mj, other=0.0).to(tl.float32)
-        G_r = tl.load(G + off_j, mask=mj, other=0.0)
-        e = tl.exp(tl.minimum(G_c - G_r, 0.0)) * k_r
-        Ld = tl.where(rr[None, :] == jj, tl.sum(k_c * e, axis=1)[:, None], Ld)
-        Ad = tl.where(rr[None, :] == jj, tl.sum(q_c * e, axis=1)[:, None], Ad)
-    local = rows - first
-    Ld = tl.where(local[:, None] > rr[None, :], Ld, 0.0) * b_c[:, None]
-    Ad = tl.where(local[:, None] >= rr[None, :], Ad, 0.0) * scale
-    off_d = ((bos + rows)[:, None] * H + h) * BT + first[:, None] + rr[None, :]
-    tl.store(Lbuf + off_d, Ld, mask=(rows < n_rows)[:, None])
-    tl.store(Aqk + off_d, Ad.to(Aqk.dtype.element_ty), mask=(rows < n_rows)[:, None])
-
-    # --- off-diagonal blocks, one row sub-chunk at a time
-    for i in tl.static_range(1, BT // BC):
+    # --- L and A_qk, one row sub-chunk at a time
+    for i in tl.static_range(BT // BC):
         q_i = _load_rows(q, bos, i * BC, n_rows, h, H, K, BK, BC)
         k_i = _load_rows(k, bos, i * BC, n_rows, h, H, K, BK, BC)
         G_i = _load_rows(G, bos, i * BC, n_rows, h, H, K, BK, BC)
         b_i = tl.load(beta + (bos + i * BC + rr) * H + h, mask=i * BC + rr < n_rows, other=0.0).to(tl.float32)
-        # off-diagonal blocks: anchor at the sub-chunk's first token, between j and r, so both
-        # factors exp(G_r - a) and exp(a - G_j) are <= 1
-        a = tl.load(G + ((bos + i * BC) * H + h) * K + cols, mask=cols < tl.where(i * BC < n_rows, K, 0), other=0.0)
-        ea = tl.exp(tl.minimum(G_i - a[None, :], 0.0))
-        ka = k_i * ea
-        qa = q_i * ea
-        for j in tl.static_range(i):
-            k_j = _load_rows(k, bos, j * BC, n_rows, h, H, K, BK, BC)
-            G_j = _load_rows(G, bos, j * BC, n_rows, h, H, K, BK, BC)
-            kr = tl.trans(k_j * tl.exp(tl.minimum(a[None, :] - G_j, 0.0)))
-            _store_blk(Lbuf, tl.dot(ka, kr) * b_i[:, None], bos, i, j, n_rows, h, H, BT, BC)
-            _store_blk(Aqk, tl.dot(qa, kr) * scale, bos, i, j, n_rows, h, H, BT, BC)
+        # diagonal block, exact per-element decay: exp(G_r - G_j) for j <= r within the sub-chunk
+        Ld = tl.zeros([BC, BC], dtype=tl.float32)
+        Ad = tl.zeros([BC, BC], dtype=tl.float32)
+        for jj in range(0, BC):
+            rj = i * BC + jj
+            jm = cols < tl.where(rj < n_rows, K, 0)
+            k_r = tl.load(k + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0).to(tl.float32)
+            G_r = tl.load(G + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0)
+            e = tl.exp(tl.minimum(G_i - G_r[None, :], 0.0)) * k_r[None, :]
+            Ld = tl.where(rr[None, :] == jj, tl.sum(k_i * e, axis=1)[:, None], Ld)
+            Ad = tl.where(rr[None, :] == jj, tl.sum(q_i * e, axis=1)[:, None], Ad)
+        Ld = tl.where(rr[:, None] > rr[None, :], Ld, 0.0) * b_i[:, None]
+        Ad = tl.where(rr[:, None] >= rr[None, :], Ad, 0.0) * scale
+        _store_blk(Lbuf, Ld, bos, i, i, n_rows, h, H, BT, BC)
+        _store_blk(Aqk, Ad, bos, i, i, n_rows, h, H, BT, BC)
+        if i > 0:
+            # off-diagonal blocks: anchor at the sub-chunk's first token, between j and r, so both
+            # factors exp(G_r - a) and exp(a - G_j) are <= 1
+            a = tl.load(G + ((bos + i * BC) * H + h) * K + cols, mask=cols < tl.where(i * BC < n_rows, K, 0), other=0.0)
+            ea = tl.exp(tl.minimum(G_i - a[None, :], 0.0))
+            ka = k_i * ea
+            qa = q_i * ea
+            for j in tl.static_range(i):
+                k_j = _load_rows(k, bos, j * BC, n_rows, h, H, K, BK, BC)
+                G_j = _load_rows(G, bos, j * BC, n_rows, h, H, K, BK, BC)
+                kr = tl.trans(k_j * tl.exp(tl.minimum(a[None, :] - G_j, 0.0)))
+                _store_blk(Lbuf, tl.dot(ka, kr) * b_i[:, None], bos, i, j, n_rows, h, H, BT, BC)
+                _store_blk(Aqk, tl.dot(qa, kr) * scale, bos, i, j, n_rows, h, H, BT, BC)
     tl.debug_barrier()
 
     # --- (I + L)^-1 for a lower block-triangular L of 4 x 4 blocks
