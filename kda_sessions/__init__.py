@@ -1,5 +1,6 @@
 """kda_sessions: durable, resumable, forkable sessions for coding agents on a hybrid KDA + MLA model."""
 
+from .client import Client
 from .config import ConfigError, ModelConfig
 from .engine.config import EngineConfig
 from .engine.engine import Engine
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "CheckpointNotFound",
+    "Client",
     "ConfigError",
     "Done",
     "Engine",

@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             from .server import run_server
             from .server.settings import ServerSettings
 
-            run_server(ServerSettings(model=args.model, store=args.store, host=args.host, port=args.port, api_keys=args.api_key))
+            run_server(ServerSettings(model=args.model, store=args.store, device=args.device, host=args.host, port=args.port, api_keys=args.api_key))
         elif args.cmd == "chat":
             anyio.run(_chat, args)
         elif args.cmd == "demo":

@@ -111,7 +111,10 @@ class Session:
             decoder = self.engine.tokenizer.incremental_decoder()
             parser = ToolCallStreamParser()
             async with recv:
+                eos = self.engine.tokenizer.eos_ids
                 async for tok in recv:
+                    if tok in eos:  # end of turn is not content (Reply.text leaves it out too)
+                        continue
                     for ev in parser.feed(decoder.feed(tok)):
                         out = _event(ev, tok)
                         if out is not None:

@@ -11,6 +11,29 @@ import anyio
 from torch import Tensor
 
 
+class SessionLock:
+    """One operation at a time on a session. Not owned by a task (unlike ``anyio.Lock``): a stream's async
+    generator may be finalised by another task than the one that started it, and must still release."""
+
+    def __init__(self) -> None:
+        self._sem = anyio.Semaphore(1)
+
+    async def acquire(self) -> None:
+        await self._sem.acquire()
+
+    def release(self) -> None:
+        self._sem.release()
+
+    def locked(self) -> bool:
+        return self._sem.value == 0
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
 @dataclass
 class Checkpoint:
     """The prefix ``tokens[:position]``. Its model state is held at ``state_pos`` (<= ``target`` =
@@ -63,7 +86,7 @@ class SessionState:
     head_blobs: tuple[str, list[str]] | None = None
     """(state blob, page blobs) of the head as last saved; how an evicted session comes back."""
     last_used: float = field(default_factory=time.monotonic)
-    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    lock: SessionLock = field(default_factory=SessionLock)
     next_message_index: int = 0
 
     @property
