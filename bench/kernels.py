@@ -1,3 +1,4 @@
+# ruff: noqa: B023  (the lambdas are timed inside the loop iteration that made them)
 """Kernel benchmark on a CUDA device: correctness against the naive twins at Kimi shapes, and timings side by
 side with fla-core (when importable). Prints one JSON document; ``--out FILE`` also writes it there.
 
@@ -17,7 +18,6 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.testing
-
 from kda_sessions.kernels.conv.naive import naive_causal_conv
 from kda_sessions.kernels.conv.triton_conv import causal_conv_triton
 from kda_sessions.kernels.gate.naive import naive_kda_gate

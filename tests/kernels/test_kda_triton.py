@@ -1,0 +1,95 @@
+"""Triton KDA kernels against the token-by-token twin, under TRITON_INTERPRET=1 at small shapes.
+
+Tolerance: relative RMS error 1e-4 (float32 inputs; the interpreter computes dots in float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kda_sessions.kernels.kda.naive import naive_recurrent_kda
+
+from .kernel_helpers import kda_inputs, rel_rms
+
+TOL = 1e-4
+H, K, V = 2, 16, 32
+
+
+@pytest.mark.parametrize(
+    "bounded,varlen,h0,l2norm,ckpts",
+    [
+        pytest.param(False, True, True, True, [[5, 37], [1, 63]], id="standard-varlen-h0-l2norm-ckpt"),
+        pytest.param(True, True, False, True, [[37], [64]], id="bounded-varlen-ckpt-at-ends"),
+        pytest.param(True, False, True, False, None, id="bounded-batch2-h0"),
+    ],
+)
+def test_chunk_kda_matches_recurrent(bounded, varlen, h0, l2norm, ckpts):
+    from kda_sessions.kernels.kda.chunk import chunk_kda_triton
+
+    if varlen:  # two sequences packed: 37 and 64 tokens, 37 not a multiple of the chunk
+        q, k, v, g, beta = kda_inputs(1, 101, H, K, V, bounded, seed=1)
+        cu = torch.tensor([0, 37, 101])
+        N = 2
+    else:
+        q, k, v, g, beta = kda_inputs(2, 70, H, K, V, bounded, seed=2)
+        cu, N = None, 2
+    if not l2norm:  # unnormalised keys make the delta rule diverge; scale them down instead
+        q, k = q * 0.25, k * 0.25
+    init = torch.randn(N, H, K, V) if h0 else None
+    o, final, ck = chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts)
+    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts)
+    assert rel_rms(o, ro) < TOL
+    assert rel_rms(final, rfinal) < TOL
+    if ckpts is not None:
+        assert ck.shape == rck.shape
+        assert rel_rms(ck, rck) < TOL
+    else:
+        assert ck is None
+
+
+def test_chunk_kda_checkpoints_leave_output_alone():
+    from kda_sessions.kernels.kda.chunk import chunk_kda_triton
+
+    q, k, v, g, beta = kda_inputs(1, 80, H, K, V, False, seed=3)
+    o1, f1, _ = chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, None)
+    o2, f2, ck = chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, [[3, 80]])
+    assert rel_rms(o2, o1) < TOL and rel_rms(f2, f1) < TOL
+    assert rel_rms(ck[1], f1[0]) < TOL  # the state after all 80 tokens is the final state
+
+
+def test_fused_recurrent_pool_in_place_varlen():
+    from kda_sessions.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
+
+    q, k, v, g, beta = kda_inputs(1, 9, H, K, V, False, seed=4)
+    cu = torch.tensor([0, 1, 4, 9])  # one decode token, then 3 and 5 tokens
+    pool = torch.randn(6, H, K, V)
+    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
+    before = pool.clone()
+    o, final = fused_recurrent_kda_triton(q, k, v, g, beta, None, None, True, cu, True, pool, slots)
+    ro, rfinal, _ = naive_recurrent_kda(q, k, v, g, beta, None, before[slots.long()], True, cu, True)
+    assert rel_rms(o, ro) < TOL
+    assert rel_rms(final, rfinal) < TOL
+    assert rel_rms(pool[slots.long()], rfinal) < TOL
+    untouched = [1, 3, 5]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("bounded", [False, True], ids=["standard", "bounded"])
+def test_fused_recurrent_batch_decode(bounded):
+    from kda_sessions.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
+
+    q, k, v, g, beta = kda_inputs(3, 1, H, K, V, bounded, seed=5)
+    h0 = torch.randn(3, H, K, V)
+    o, final = fused_recurrent_kda_triton(q, k, v, g, beta, None, h0, True, None, True)
+    ro, rfinal, _ = naive_recurrent_kda(q, k, v, g, beta, None, h0, True, None, True)
+    assert rel_rms(o, ro) < TOL and rel_rms(final, rfinal) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_dispatch_cuda_bf16():
+    from kda_sessions.kernels import chunk_kda
+
+    q, k, v, g, beta = (x.cuda() for x in kda_inputs(1, 300, 4, 64, 64, False, seed=6))
+    o, f, _ = chunk_kda(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), None, None, True, None, True)
+    ro, rf, _ = naive_recurrent_kda(q, k, v, g, beta, None, None, True, None, True)
+    assert rel_rms(o, ro) < 2e-2 and rel_rms(f, rf) < 2e-2
