@@ -23,6 +23,7 @@ from ..storage.manifest import SESSION_ID_PATTERN, ModelFingerprint
 from ..tokenizer import Tokenizer, builtin_template, load_chat_template, load_tokenizer
 from ..tokenizer.chat import ChatTemplate
 from .config import EngineConfig
+from .constraint import ToolChoiceConstraint, parse_tool_choice
 from .pool import OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
 from .runner import Runner
 from .sampler import SamplingParams
@@ -401,6 +402,7 @@ class Engine:
         checkpoints: list[Checkpoint] | None = None,
         on_token: Callable[[int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
+        tool_choice: Any = None,
     ) -> Work:
         """Queue the session's pending tokens for prefill and (unless prefill_only) generation.
         Caller holds ``s.lock`` until the work has finished (see ``wait``)."""
@@ -413,6 +415,9 @@ class Engine:
         work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
         if params.seed is not None:
             work.generator = torch.Generator().manual_seed(params.seed)
+        choice = parse_tool_choice(tool_choice, s.tools)
+        if choice is not None:
+            work.constraint = ToolChoiceConstraint(self.tokenizer, s.tools, choice)
         if not prompt:
             if not prefill_only:
                 raise ValueError(f"session {s.id!r} has no tokens to continue from; append some first")

@@ -186,7 +186,11 @@ class Runner:
             self._sample(w, logits[i], finished, sampled)
 
     def _sample(self, w: Work, logits: torch.Tensor, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
-        tok, lp = sample(logits, w.params, w.generator)
+        if w.constraint is not None:
+            tok, lp = w.constraint.pick(logits, w.params, w.generator, w.params.max_tokens - len(w.output))
+            w.constraint.advance(tok)
+        else:
+            tok, lp = sample(logits, w.params, w.generator)
         w.output.append(tok)
         w.session.tokens.append(tok)  # pending: fed by the next decode step or the next call
         if w.params.logprobs:

@@ -16,6 +16,7 @@ import anyio
 import torch
 
 from ..sessions.state import Checkpoint, SessionState
+from .constraint import ToolChoiceConstraint
 from .sampler import SamplingParams
 
 
@@ -41,6 +42,8 @@ class Work:
     cancelled: bool = False
     finished: anyio.Event = field(default_factory=anyio.Event)
     generator: torch.Generator | None = None
+    constraint: ToolChoiceConstraint | None = None
+    """Constrained decoding for tool_choice (required / named / none)."""
     on_token: Callable[[int], None] | None = None
     """Run on the event loop after each sampled token (streaming)."""
     on_finish: Callable[[], None] | None = None

@@ -6,13 +6,14 @@ store holds it, never sent again: forks and equal prefixes share page blobs.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
 import torch
 
-from ..errors import SessionNotFound
+from ..errors import SessionBusy, SessionNotFound
 from ..sessions.prefix_index import PrefixHit
 from ..sessions.snapshot import (
     blob,
@@ -113,10 +114,13 @@ class SnapshotIO:
         return manifest, blobs
 
     async def save(self, s: SessionState) -> SaveResult:
-        """Make the session's current state durable. Caller holds ``s.lock``."""
+        """Make the session's current state durable. Caller holds ``s.lock``.
+
+        Compare-and-set on the generation this engine last loaded or saved, under the session's lease:
+        SessionBusy if another engine holds the lease, SnapshotConflict if another engine saved it since."""
         manifest, blobs = await anyio.to_thread.run_sync(self._build, s)
-        result = await self.snapshots.save(manifest, blobs)
-        s.generation = manifest.generation
+        result = await self.snapshots.save(manifest, blobs, expected_generation=s.generation)
+        s.generation = result.generation
         s.stored_digests = manifest.blob_digests()
         s.head_blobs = (manifest.head.state_blob, list(manifest.head.pages))
         for cp in s.checkpoints.values():
@@ -129,9 +133,14 @@ class SnapshotIO:
     async def load_session(self, sid: str) -> SessionState:
         """The session's bookkeeping from its manifest (state not yet in the pools: see ``restore_head``)."""
         eng = self.engine
+        # Another engine holding the lease may still be read from (resume, fork); our saves then raise
+        # SessionBusy until its lease is released or expires, and compare-and-set keeps them from losing its saves.
+        with contextlib.suppress(SessionBusy):
+            await self.snapshots.acquire_lease(sid)
         try:
             m = await self.snapshots.load_manifest(sid, eng.fingerprint)
         except ManifestNotFound:
+            await self.snapshots.release_lease(sid)
             raise SessionNotFound(f"no session {sid!r} in this engine or its store") from None
         tokens = decode_tokens(await self.snapshots.load_blob(m.tokens_blob), m.num_tokens, eng.model.config.vocab_size, f"session {sid!r}")
         meta: dict[str, Any] = m.meta

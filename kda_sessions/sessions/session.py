@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from ..engine.constraint import parse_tool_choice
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import Work
 from ..engine.types import CheckpointInfo, Done, Reply, StreamEvent, TokenDelta, ToolCallEvent, Usage
@@ -87,7 +88,10 @@ class Session:
     # -- chat ------------------------------------------------------------------------------------------------
 
     async def send(self, content: str, **sampling: Any) -> Reply:
-        """A user message through the chat template, then the assistant's reply (tool calls parsed)."""
+        """A user message through the chat template, then the assistant's reply (tool calls parsed).
+        ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, ignore_eos, and
+        tool_choice ("auto", "none", "required" or a function name / {"type": "function", ...}), which
+        constrains decoding to one valid call whose arguments match the tool's parameter schema."""
         return await self._turn([{"role": "user", "content": content}], sampling)
 
     async def send_tool_result(self, call_id: str, output: str, **sampling: Any) -> Reply:
@@ -148,7 +152,10 @@ class Session:
         on_finish: Callable[[], None] | None = None,
     ) -> Work:
         eng, s = self.engine, self.state
+        sampling = dict(sampling)
+        tool_choice = sampling.pop("tool_choice", None)
         params = _params(sampling)
+        parse_tool_choice(tool_choice, s.tools)  # a bad choice fails before the session changes
         tok, tpl = eng.tokenizer, eng.template
         ids: list[int] = encode_end_of_turn(tok, tpl) if s.turn_open else []
         body = encode_chat_delta(tok, messages, add_generation_prompt=False, template=tpl, history=s.messages, tools=s.tools)
@@ -162,7 +169,7 @@ class Session:
         # the input's end: captured by this very prefill, from the state at that position
         cp = Checkpoint(name=name, position=boundary, state_pos=-1, num_messages=len(s.messages))
         self._prompt_tokens = s.num_tokens
-        return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish)
+        return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish, tool_choice=tool_choice)
 
     def _finish_turn(self, work: Work) -> Reply:
         """Record the assistant message and the checkpoint after it; build the reply."""

@@ -1,0 +1,202 @@
+"""Which bytes may come next in a JSON document that must validate against a (tool parameter) schema.
+
+``json_prefix(buf, schema)`` parses ``buf`` and answers ("bad" | "incomplete" | "complete", allowed next
+bytes). It drives constrained decoding of tool-call arguments: the model may only pick tokens that keep the
+arguments a valid prefix. Supported schema subset: type (object, array, string, number, integer, boolean,
+null, or a list of them), properties, required, additionalProperties, items, enum of strings; other keywords
+are not enforced while decoding (the finished call is still validated). Output is compact JSON: whitespace
+outside strings is not allowed, so the model cannot pad forever.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+_DIGITS = frozenset(b"0123456789")
+_STRING_BYTES = frozenset(range(0x20, 0x100)) - {ord('"'), ord("\\")}
+_ESCAPES = frozenset(b'"\\/bfnrtu')
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+_FIRST = {
+    "object": b"{",
+    "array": b"[",
+    "string": b'"',
+    "number": b"-0123456789",
+    "integer": b"-0123456789",
+    "boolean": b"tf",
+    "null": b"n",
+}
+
+
+class _Eof(Exception):
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+
+class _Bad(Exception):
+    pass
+
+
+def _types(schema: dict[str, Any]) -> list[str]:
+    t = schema.get("type")
+    if isinstance(t, str):
+        return [t]
+    if isinstance(t, list):
+        return [x for x in t if x in _FIRST]
+    if "properties" in schema:
+        return ["object"]
+    if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
+        return ["string"]
+    return list(_FIRST)
+
+
+class _Parser:
+    def __init__(self, buf: bytes) -> None:
+        self.buf = buf
+        self.i = 0
+
+    def peek(self, allowed: set[int] | frozenset[int]) -> int:
+        if self.i >= len(self.buf):
+            raise _Eof(set(allowed))
+        return self.buf[self.i]
+
+    def take(self, allowed: set[int] | frozenset[int]) -> int:
+        c = self.peek(allowed)
+        if c not in allowed:
+            raise _Bad
+        self.i += 1
+        return c
+
+    def value(self, schema: dict[str, Any], follow: set[int]) -> None:
+        types = _types(schema)
+        first = {b for t in types for b in _FIRST[t]}
+        c = self.peek(first)
+        if c not in first:
+            raise _Bad
+        if c == ord("{"):
+            self.obj(schema)
+        elif c == ord("["):
+            self.array(schema)
+        elif c == ord('"'):
+            enum = schema.get("enum")
+            self.string([json.dumps(v, ensure_ascii=False)[1:-1].encode() for v in enum] if enum else None)
+        elif c in b"tfn":
+            lit = {ord("t"): b"true", ord("f"): b"false", ord("n"): b"null"}[c]
+            for b in lit:
+                self.take({b})
+        else:
+            self.number("number" in types, follow)
+
+    def obj(self, schema: dict[str, Any]) -> None:
+        self.take({ord("{")})
+        props: dict[str, Any] = schema.get("properties") or {}
+        required = set(schema.get("required") or [])
+        extra = schema.get("additionalProperties", not props)
+        seen: set[str] = set()
+        while True:
+            left = [k for k in props if k not in seen]
+            can_key = bool(left) or extra is not False
+            can_close = required <= seen
+            allowed = ({ord('"')} if can_key else set()) | ({ord("}")} if can_close else set())
+            c = self.take(allowed)
+            if c == ord("}"):
+                return
+            self.i -= 1
+            key = self.string([k.encode() for k in left] if extra is False else None, key=True)
+            if key in seen:
+                raise _Bad
+            seen.add(key)
+            self.take({ord(":")})
+            sub = props.get(key, extra if isinstance(extra, dict) else {})
+            more = bool([k for k in props if k not in seen]) or extra is not False
+            follow = ({ord(",")} if more else set()) | ({ord("}")} if required <= seen else set())
+            self.value(sub, follow)
+            c = self.take(follow)
+            if c == ord("}"):
+                return
+            self.peek({ord('"')})
+
+    def array(self, schema: dict[str, Any]) -> None:
+        self.take({ord("[")})
+        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        first = {b for t in _types(items) for b in _FIRST[t]}
+        c = self.peek(first | {ord("]")})
+        if c == ord("]"):
+            self.i += 1
+            return
+        while True:
+            self.value(items, {ord(","), ord("]")})
+            if self.take({ord(","), ord("]")}) == ord("]"):
+                return
+
+    def string(self, options: list[bytes] | None, key: bool = False) -> str:
+        self.take({ord('"')})
+        start = self.i
+        pending_utf8 = 0
+        while True:
+            got = self.buf[start : self.i]
+            if options is not None:
+                live = [o for o in options if o.startswith(got)]
+                if not live:
+                    raise _Bad
+                allowed = {o[len(got)] for o in live if len(o) > len(got)}
+                if got in live:
+                    allowed.add(ord('"'))
+            elif pending_utf8:
+                allowed = set(range(0x80, 0xC0))
+            else:
+                allowed = set(_STRING_BYTES) | {ord('"'), ord("\\")}
+                allowed -= set(range(0x80, 0xC0)) | {0xC0, 0xC1} | set(range(0xF5, 0x100))
+            c = self.take(allowed)
+            if pending_utf8:
+                pending_utf8 -= 1
+            elif c == ord('"'):
+                return got.decode("utf-8", errors="replace")
+            elif c == ord("\\"):
+                e = self.take(_ESCAPES)
+                if e == ord("u"):
+                    for _ in range(4):
+                        self.take(_HEX)
+            elif c >= 0xF0:
+                pending_utf8 = 3
+            elif c >= 0xE0:
+                pending_utf8 = 2
+            elif c >= 0xC0:
+                pending_utf8 = 1
+
+    def number(self, fraction: bool, follow: set[int]) -> None:
+        if self.peek(_DIGITS | {ord("-")}) == ord("-"):
+            self.i += 1
+        if self.take(_DIGITS) != ord("0"):
+            self._digits(follow | ({ord("."), ord("e"), ord("E")} if fraction else set()))
+        if not fraction:
+            self.peek(follow)
+            return
+        c = self.peek(follow | {ord("."), ord("e"), ord("E")})
+        if c == ord("."):
+            self.i += 1
+            self.take(_DIGITS)
+            self._digits(follow | {ord("e"), ord("E")})
+            c = self.peek(follow | {ord("e"), ord("E")})
+        if c in (ord("e"), ord("E")):
+            self.i += 1
+            if self.peek(_DIGITS | {ord("+"), ord("-")}) in (ord("+"), ord("-")):
+                self.i += 1
+            self.take(_DIGITS)
+            self._digits(follow)
+
+    def _digits(self, after: set[int]) -> None:
+        while self.peek(_DIGITS | after) in _DIGITS:
+            self.i += 1
+
+
+def json_prefix(buf: bytes, schema: dict[str, Any]) -> tuple[str, set[int]]:
+    """("bad", {}) | ("incomplete", allowed next bytes) | ("complete", {}) for a JSON value of ``schema``."""
+    p = _Parser(buf)
+    try:
+        p.value(schema, set())
+    except _Eof as e:
+        return ("incomplete", e.allowed) if e.allowed else ("bad", set())
+    except _Bad:
+        return "bad", set()
+    return ("complete", set()) if p.i == len(buf) else ("bad", set())

@@ -1,0 +1,69 @@
+"""tool_choice: constrained decoding yields one parseable call whose arguments validate against the schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kda_sessions as ks
+from kda_sessions.engine.json_prefix import json_prefix
+from kda_sessions.tokenizer import validate_arguments
+from kda_sessions.tools import TOOL_SCHEMAS
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"path": {"type": "string"}, "n": {"type": "integer"}, "mode": {"enum": ["r", "rw"]},
+                   "tags": {"type": "array", "items": {"type": "string"}}, "x": {"type": "number"}},
+    "required": ["path"],
+    "additionalProperties": False,
+}
+
+
+@pytest.mark.parametrize(
+    "text, status",
+    [
+        (b"", "incomplete"), (b'{"pa', "incomplete"), (b'{"path":"a"}', "complete"), (b'{"n":1}', "bad"),
+        (b'{"path":"a","n":1.5', "bad"), (b'{"path": "a"}', "bad"), (b'{"path":"a","mode":"w', "bad"),
+        (b'{"path":"a","tags":["x",', "incomplete"), (b'{"path":"a","x":-1.5e+3}', "complete"),
+        (b'{"path":"\\u00e9"}', "complete"), (b'{"path":"a","path', "bad"),
+    ],
+)
+def test_json_prefix(text, status):
+    assert json_prefix(text, SCHEMA)[0] == status
+
+
+@pytest.mark.parametrize(
+    "choice, temperature",
+    [("required", 0.0), ("grep", 1.0), ({"type": "function", "function": {"name": "read_file"}}, 0.0)],
+    ids=["required-greedy", "named-sampled", "named-dict"],
+)
+async def test_forced_call_parses_and_validates(choice, temperature):
+    async with await ks.Engine.open(store="memory:") as eng:
+        s = await eng.create_session(system="agent", tools=TOOL_SCHEMAS)
+        r = await s.send("look around", max_tokens=120, tool_choice=choice, temperature=temperature, seed=3)
+        assert r.finish_reason == "tool_calls", r
+        (call,) = r.tool_calls
+        if choice != "required":
+            want = choice if isinstance(choice, str) else choice["function"]["name"]
+            assert call.function.name == want
+        schema = next(t["function"]["parameters"] for t in TOOL_SCHEMAS if t["function"]["name"] == call.function.name)
+        assert validate_arguments(call.function.arguments, schema) == []
+        assert isinstance(json.loads(call.function.arguments), dict)
+        # the turn is closed: the next message continues normally
+        r2 = await s.send_tool_result(call.id, "result", max_tokens=4)
+        assert r2.usage.prefill_tokens > 0
+
+
+async def test_none_forbids_calls_and_bad_choices_are_refused():
+    async with await ks.Engine.open(store="memory:") as eng:
+        s = await eng.create_session(tools=TOOL_SCHEMAS)
+        r = await s.send("hi", max_tokens=30, tool_choice="none", ignore_eos=True)
+        assert r.tool_calls == [] and eng.tokenizer.token_to_id("<|tool_calls_section_begin|>") not in r.token_ids
+        before = s.num_tokens
+        with pytest.raises(ValueError, match="not among the declared tools"):
+            await s.send("hi", tool_choice="rm_rf")
+        assert s.num_tokens == before
+        bare = await eng.create_session()
+        with pytest.raises(ValueError, match="needs tools"):
+            await bare.send("hi", tool_choice="required")
