@@ -6,6 +6,8 @@ from .storage.errors import (
     IncompatibleSnapshot,
     IntegrityError,
     KdaSessionsError,
+    SessionBusy,
+    SnapshotConflict,
     StoreError,
     StoreUnavailable,
 )
@@ -25,10 +27,6 @@ class CheckpointNotFound(KdaSessionsError, KeyError):
         return str(self.args[0]) if self.args else "checkpoint not found"
 
 
-class SessionBusy(KdaSessionsError):
-    """Another writer holds the session."""
-
-
 __all__ = [
     "CheckpointNotFound",
     "IncompatibleSnapshot",
@@ -36,6 +34,7 @@ __all__ = [
     "KdaSessionsError",
     "SessionBusy",
     "SessionNotFound",
+    "SnapshotConflict",
     "StoreError",
     "StoreUnavailable",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import threading
@@ -20,7 +21,7 @@ from ..sessions.prefix_index import PrefixIndex
 from ..sessions.state import Checkpoint, SessionState
 from ..storage import SnapshotStore
 from ..storage.manifest import SESSION_ID_PATTERN, ModelFingerprint
-from ..tokenizer import Tokenizer, builtin_template, load_chat_template, load_tokenizer
+from ..tokenizer import ByteTokenizer, Tokenizer, TokenizerNotFound, builtin_template, load_chat_template, load_tokenizer
 from ..tokenizer.chat import ChatTemplate
 from .config import EngineConfig
 from .constraint import ToolChoiceConstraint, parse_tool_choice
@@ -94,7 +95,14 @@ class Engine:
         config = (config or EngineConfig()).model_copy(update=overrides)
         config = EngineConfig.model_validate(config.model_dump())
         m = await anyio.to_thread.run_sync(lambda: load_model(model, device=device, dtype=dtype))
-        tokenizer = load_tokenizer(str(model))
+        try:
+            tokenizer = load_tokenizer(str(model))
+        except TokenizerNotFound:
+            # a checkpoint saved by save_model for the byte-level built-in vocabulary carries no tokenizer file
+            if m.config.vocab_size != ByteTokenizer().vocab_size:
+                raise
+            log.warning("no tokenizer files in %s: using the built-in byte tokenizer (vocabulary %d)", model, m.config.vocab_size)
+            tokenizer = ByteTokenizer()
         template = builtin_template() if str(model) in ("tiny-random", "tiny") else load_chat_template(model, tokenizer)
         snapshots = await SnapshotStore.open(store, ram_bytes=config.ram_tier_bytes, gc_grace_s=config.gc_grace_s)
         return cls(m, Path(str(model)).name, tokenizer, template, snapshots, config)
@@ -450,8 +458,14 @@ class Engine:
             await work.finished.wait()
 
     def _deliver_from_thread(self, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
+        # On asyncio, hand the results over without waiting for the loop, so the next step starts at once;
+        # other backends get a blocking hand-over.
+        loop = getattr(self._token, "native_token", None)
         try:
-            anyio.from_thread.run_sync(self._deliver, finished, sampled, token=self._token)
+            if isinstance(loop, asyncio.AbstractEventLoop):
+                loop.call_soon_threadsafe(self._deliver, finished, sampled)
+            else:
+                anyio.from_thread.run_sync(self._deliver, finished, sampled, token=self._token)
         except RuntimeError:  # the event loop is gone (engine not closed before its loop ended)
             log.warning("engine results dropped: the event loop that opened the engine has stopped")
 
