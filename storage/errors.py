@@ -31,6 +31,18 @@ class StoreUnavailable(StoreError):
     """The backend cannot be reached or failed an IO operation; `__cause__` holds the original error."""
 
 
+class SessionBusy(KdaSessionsError):
+    """Another writer holds the session (its lease in the store is held by another engine and not expired)."""
+
+
+class SnapshotConflict(SessionBusy):
+    """A save lost a compare-and-set: the stored manifest is not the generation this writer last saw.
+
+    Another engine saved (or deleted) the session since; nothing was written. A subclass of SessionBusy, so
+    callers that handle "someone else is writing this session" handle both.
+    """
+
+
 class BlobNotFound(StoreError, KeyError):
     """No blob with this digest is stored."""
 

@@ -4,11 +4,19 @@ Save order is the whole crash-safety story: blobs first (only those the store la
 single commit point. Garbage collection deletes a blob only if no manifest references it, no save in this
 process has it pinned, and it was not written or touched within `gc_grace_s` (which protects saves in flight in
 other processes: a save touches the blobs it reuses before committing).
+
+Writers: each SnapshotStore is one lease owner (a random token). `acquire_lease(session_id)` takes the
+session's write lease in the store (SessionBusy if another owner holds it); `save(..., expected_generation=g)`
+commits only if the stored manifest still has generation g (SnapshotConflict otherwise) and the lease is free
+or ours, and renews the lease. `close()` gives back every lease taken.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -18,7 +26,13 @@ import anyio
 
 from .backends.base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats, check_session_id
 from .backends.registry import DEFAULT_STORE_URL, open_store
-from .errors import IncompatibleSnapshot, IntegrityError, ManifestNotFound, StoreError
+from .errors import (
+    IncompatibleSnapshot,
+    IntegrityError,
+    ManifestNotFound,
+    SessionBusy,
+    StoreError,
+)
 from .manifest import ModelFingerprint, SessionManifest
 from .tier import RamTier, TieredStore
 
@@ -35,6 +49,8 @@ class SaveResult:
     bytes_written: int
     blobs_reused: int
     manifest_bytes: int
+    generation: int = 0
+    """The generation now stored (the manifest's, unless an earlier uncertain commit had landed)."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +76,12 @@ class SnapshotStore:
         self.gc_grace_s = gc_grace_s
         self._pinned: Counter[str] = Counter()
         self._gc_lock = anyio.Lock()
+        self.owner = secrets.token_hex(16)
+        """This store's identity as a lease holder."""
+        self.lease_ttl_s = store.lease_ttl_s
+        self._leased: set[str] = set()
+        # session -> (expected generation, sha256 of the manifest) of a commit whose outcome is unknown
+        self._uncertain: dict[str, tuple[int, str]] = {}
 
     @classmethod
     async def open(
@@ -83,13 +105,32 @@ class SnapshotStore:
                 if self._pinned[d] <= 0:
                     del self._pinned[d]
 
-    async def save(self, manifest: SessionManifest, blobs: Mapping[str, bytes]) -> SaveResult:
+    async def acquire_lease(self, session_id: str) -> int:
+        """Take (or renew) the write lease of `session_id` for `lease_ttl_s`; its fencing token. SessionBusy."""
+        fence = await self.store.acquire_lease(check_session_id(session_id), self.owner, self.lease_ttl_s)
+        self._leased.add(session_id)
+        return fence
+
+    async def release_lease(self, session_id: str) -> bool:
+        """Give back the lease of `session_id` if this store holds it."""
+        self._leased.discard(session_id)
+        return await self.store.release_lease(check_session_id(session_id), self.owner)
+
+    async def save(
+        self, manifest: SessionManifest, blobs: Mapping[str, bytes], *, expected_generation: int | None = None
+    ) -> SaveResult:
         """Make `manifest` durable: write the blobs the store lacks, then the manifest.
 
         `blobs` maps digest -> bytes and may omit blobs the store already holds (they are reused). Raises
         ValueError if `blobs` holds a blob the manifest does not reference, StoreError if the manifest
         references a blob that is neither given nor stored, IntegrityError if a digest does not match its
         bytes. Returns once the manifest is committed.
+
+        With `expected_generation` (the generation this writer loaded or last saved; 0 for a new session) the
+        manifest is committed by compare-and-set under the session's lease: SessionBusy if another owner holds
+        the lease, SnapshotConflict if the stored generation differs. If this store's previous commit of the
+        session failed with an unknown outcome (connection lost mid-command) and did land, the save builds on
+        it: the manifest is stored with generation `expected_generation + 2` (see SaveResult.generation).
         """
         referenced = manifest.blob_digests()
         extra = set(blobs) - referenced
@@ -110,15 +151,42 @@ class SnapshotStore:
             await self.store.touch_blobs(stored)
             to_write = {d: blobs[d] for d in missing}
             written = await self.store.put_blobs(to_write, max_in_flight=self.max_in_flight)
-            data = manifest.dumps()
-            await self.store.put_manifest(manifest.session_id, data)
+            if expected_generation is None:
+                data = manifest.dumps()
+                await self.store.put_manifest(manifest.session_id, data)
+            else:
+                manifest, data = await self._commit(manifest, expected_generation)
             await self._repair_after_commit(manifest, referenced, blobs)
         return SaveResult(
             blobs_written=len(written),
             bytes_written=sum(len(blobs[d]) for d in written),
             blobs_reused=len(referenced) - len(written),
             manifest_bytes=len(data),
+            generation=manifest.generation,
         )
+
+    async def _commit(self, manifest: SessionManifest, expected: int) -> tuple[SessionManifest, bytes]:
+        sid = manifest.session_id
+        uncertain = self._uncertain.get(sid)
+        if uncertain is not None and uncertain[0] == expected:
+            with contextlib.suppress(ManifestNotFound):
+                if hashlib.sha256(await self.store.get_manifest(sid)).hexdigest() == uncertain[1]:
+                    expected += 1  # it landed: it is the version this save replaces
+        if manifest.generation != expected + 1:
+            manifest = manifest.model_copy(update={"generation": expected + 1})
+        data = manifest.dumps()
+        try:
+            await self.store.commit_manifest(
+                sid, data, expected_generation=expected, owner=self.owner, ttl_s=self.lease_ttl_s
+            )
+        except SessionBusy:  # SnapshotConflict included: nothing was written
+            raise
+        except BaseException:
+            self._uncertain[sid] = (expected, hashlib.sha256(data).hexdigest())
+            raise
+        self._uncertain.pop(sid, None)
+        self._leased.add(sid)
+        return manifest, data
 
     async def _repair_after_commit(
         self, manifest: SessionManifest, referenced: set[str], blobs: Mapping[str, bytes]
@@ -169,6 +237,8 @@ class SnapshotStore:
     async def delete_session(self, session_id: str) -> GcResult:
         """Delete a session's manifest, then reclaim blobs that no remaining manifest references."""
         await self.store.delete_manifest(check_session_id(session_id))
+        if session_id in self._leased:
+            await self.release_lease(session_id)
         return await self.collect_garbage()
 
     async def collect_garbage(self) -> GcResult:
@@ -209,6 +279,10 @@ class SnapshotStore:
         return await self.store.bytes_stored()
 
     async def close(self) -> None:
+        """Give back every lease this store holds (best effort: a dead store lets them expire), then close."""
+        for sid in sorted(self._leased):
+            with contextlib.suppress(StoreError, OSError):
+                await self.release_lease(sid)
         await self.store.close()
 
     async def __aenter__(self) -> SnapshotStore:

@@ -94,6 +94,7 @@ class TieredStore(BlobStore):
         self.store = store
         self.tier = tier if tier is not None else RamTier()
         self.url = store.url
+        self.lease_ttl_s = store.lease_ttl_s
 
     async def put_blob(self, digest: str, data: bytes) -> bool:
         written = await self.store.put_blob(digest, data)  # verifies the digest
@@ -161,6 +162,19 @@ class TieredStore(BlobStore):
 
     async def delete_manifest(self, session_id: str) -> bool:
         return await self.store.delete_manifest(session_id)
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl_s: float) -> int:
+        return await self.store.acquire_lease(session_id, owner, ttl_s)
+
+    async def release_lease(self, session_id: str, owner: str) -> bool:
+        return await self.store.release_lease(session_id, owner)
+
+    async def commit_manifest(
+        self, session_id: str, data: bytes, *, expected_generation: int, owner: str, ttl_s: float
+    ) -> int:
+        return await self.store.commit_manifest(
+            session_id, data, expected_generation=expected_generation, owner=owner, ttl_s=ttl_s
+        )
 
     async def stats(self) -> StoreStats:
         return await self.store.stats()

@@ -9,6 +9,7 @@ A store holds two kinds of objects:
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,8 @@ _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 # Hashing releases the GIL; above this size it runs in a worker thread so the event loop stays responsive.
 _THREAD_HASH_BYTES = 1 << 20
 DEFAULT_MAX_IN_FLIGHT = 8
+DEFAULT_LEASE_TTL_S = 30.0
+"""How long a session's write lease lasts without a save or a renewal."""
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,17 @@ async def verify_blob(digest: str, data: bytes | memoryview, *, where: str) -> N
         raise IntegrityError(
             f"{where}: blob {digest} has sha256 {actual} ({len(data)} bytes); corrupt or truncated"
         )
+
+
+def stored_generation(data: bytes | None) -> int | None:
+    """The `generation` of a stored manifest's bytes for compare-and-set: 0 if absent, None if unreadable."""
+    if data is None:
+        return 0
+    try:
+        gen = json.loads(data).get("generation", 0)
+    except (UnicodeDecodeError, ValueError, AttributeError):
+        return None
+    return gen if isinstance(gen, int) and not isinstance(gen, bool) else None
 
 
 class BlobStore(ABC):
@@ -155,6 +169,32 @@ class BlobStore(ABC):
     async def delete_manifest(self, session_id: str) -> bool:
         """Remove a session's manifest; True if it existed. Idempotent."""
 
+    # --- leases and compare-and-set ----------------------------------------------------------------------
+
+    lease_ttl_s: float = DEFAULT_LEASE_TTL_S
+    """Lifetime of a write lease taken through this store (SnapshotStore passes it to the calls below)."""
+
+    @abstractmethod
+    async def acquire_lease(self, session_id: str, owner: str, ttl_s: float) -> int:
+        """Hold the write lease of `session_id` as `owner` for `ttl_s` seconds; returns its fencing token.
+
+        Renews (same token) if `owner` holds it already; a new holder gets a token larger than every earlier
+        one of this session. SessionBusy if another owner holds an unexpired lease.
+        """
+
+    @abstractmethod
+    async def release_lease(self, session_id: str, owner: str) -> bool:
+        """Give the lease back if `owner` holds it; True if it did."""
+
+    @abstractmethod
+    async def commit_manifest(
+        self, session_id: str, data: bytes, *, expected_generation: int, owner: str, ttl_s: float
+    ) -> int:
+        """Atomically: check that the lease is free, expired or `owner`'s (else SessionBusy) and that the
+        stored manifest has generation `expected_generation` (0 = none stored; else SnapshotConflict), write
+        `data` as the manifest (atomically, like put_manifest) and hold the lease for `ttl_s` more seconds.
+        Returns the lease's fencing token."""
+
     # --- accounting and lifetime -------------------------------------------------------------------------
 
     @abstractmethod
@@ -180,4 +220,12 @@ class BlobStore(ABC):
         return f"{type(self).__name__}({self.url!r})"
 
 
-__all__ = ["BlobStore", "StoreStats", "check_digest", "check_session_id", "verify_blob"]
+__all__ = [
+    "DEFAULT_LEASE_TTL_S",
+    "BlobStore",
+    "StoreStats",
+    "check_digest",
+    "check_session_id",
+    "stored_generation",
+    "verify_blob",
+]

@@ -4,32 +4,52 @@ Layout::
 
     ROOT/blobs/ab/abcdef...        blob named by its sha256, sharded by the first two hex characters
     ROOT/manifests/<session>.json  a session's manifest
+    ROOT/leases/<session>.lock     the session's write lease: JSON {owner, fence, pid, host, expires_at}
+    ROOT/leases/<session>.fence    the last fencing token handed out for the session
+    ROOT/leases/<session>.guard    empty; flock()ed around every lease change and manifest commit
 
 Every write goes to a uniquely named temp file (`.tmp-` prefix, O_EXCL) in the destination directory, is
 flushed and fsynced, then moved into place (link for blobs, so an existing blob is never replaced; rename for
 manifests) and the directory is fsynced. A crash therefore leaves either nothing or a whole file under the final
 name, plus possibly a temp file, which `DiskStore.open` removes once it is older than this process.
-File IO runs in worker threads so the event loop is never blocked.
+File IO runs in worker threads so the event loop is never blocked. A failed write or fsync is never retried
+on the same file: the temp file is closed and removed and the error surfaces as StoreUnavailable (after a failed
+fsync the page cache may claim data the disk does not have).
+
+Leases: a lease is stale once `expires_at` (wall clock) has passed, or at once if it names a process of this
+host that no longer exists (a crashed engine). The guard's flock is released by the kernel when its holder
+dies, so a crash never leaves a session locked beyond its lease.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
+import json
 import logging
 import os
 import secrets
+import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import anyio.to_thread
 
+from .. import faults
 from ..blobs import is_digest
-from ..errors import BlobNotFound, IntegrityError, ManifestNotFound, StoreUnavailable
-from .base import BlobStore, StoreStats, check_digest, check_session_id, verify_blob
+from ..errors import (
+    BlobNotFound,
+    IntegrityError,
+    ManifestNotFound,
+    SessionBusy,
+    SnapshotConflict,
+    StoreUnavailable,
+)
+from .base import BlobStore, StoreStats, check_digest, check_session_id, stored_generation, verify_blob
 
 logger = logging.getLogger(__name__)
 
@@ -60,21 +80,43 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_temp(directory: Path, data: bytes) -> Path:
-    """Write `data` to a new temp file in `directory`, fsynced; returns its path."""
+def _write_temp(directory: Path, data: bytes, points: tuple[str, str] | None = None, *, sync: bool = True) -> Path:
+    """Write `data` to a new temp file in `directory`, fsynced unless not `sync`; returns its path.
+
+    On any error the file is closed and removed, never written or fsynced again. `points` names the fault
+    points after the write and after the fsync.
+    """
     tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]
-        os.fsync(fd)
+        if points is not None:
+            faults.point(points[0])
+        if sync:
+            os.fsync(fd)
+        if points is not None:
+            faults.point(points[1])
     except BaseException:
         os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
     return tmp
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+_HOST = socket.gethostname()
 
 
 def _read_file(path: Path) -> bytes:
@@ -92,6 +134,7 @@ class DiskStore(BlobStore):
         self.url = f"disk:{self.root}"
         self._blobs = self.root / "blobs"
         self._manifests = self.root / "manifests"
+        self._leases = self.root / "leases"
 
     @classmethod
     async def open(cls, root: str | os.PathLike[str]) -> DiskStore:
@@ -103,8 +146,9 @@ class DiskStore(BlobStore):
     def _open_sync(self) -> None:
         self._blobs.mkdir(parents=True, exist_ok=True)
         self._manifests.mkdir(parents=True, exist_ok=True)
+        self._leases.mkdir(parents=True, exist_ok=True)
         cutoff = _process_start_time()
-        dirs = [self._manifests, *(p for p in self._blobs.iterdir() if p.is_dir())]
+        dirs = [self._manifests, self._leases, *(p for p in self._blobs.iterdir() if p.is_dir())]
         for d in dirs:
             for entry in os.scandir(d):
                 if entry.name.startswith(TMP_PREFIX) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
@@ -144,7 +188,7 @@ class DiskStore(BlobStore):
         if not shard.is_dir():
             shard.mkdir(exist_ok=True)
             _fsync_dir(shard.parent)
-        tmp = _write_temp(shard, data)
+        tmp = _write_temp(shard, data, ("disk.blob.written", "disk.blob.fsynced"))
         try:
             # link() refuses to replace an existing name, so a blob is never overwritten, even by a racer.
             os.link(tmp, path)
@@ -158,7 +202,9 @@ class DiskStore(BlobStore):
             written = True
         finally:
             tmp.unlink(missing_ok=True)
+        faults.point("disk.blob.linked")
         _fsync_dir(shard)
+        faults.point("disk.blob.done")
         return written
 
     async def get_blob(self, digest: str) -> bytes:
@@ -221,17 +267,19 @@ class DiskStore(BlobStore):
 
     async def put_manifest(self, session_id: str, data: bytes) -> None:
         path = self._manifest_path(session_id)
+        await self._run("write", path, partial(self._write_manifest, path, data))
 
-        def write() -> None:
-            tmp = _write_temp(path.parent, data)
-            try:
-                os.replace(tmp, path)
-            except BaseException:
-                tmp.unlink(missing_ok=True)
-                raise
-            _fsync_dir(path.parent)
-
-        await self._run("write", path, write)
+    @staticmethod
+    def _write_manifest(path: Path, data: bytes) -> None:
+        tmp = _write_temp(path.parent, data, ("disk.manifest.written", "disk.manifest.fsynced"))
+        try:
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        faults.point("disk.manifest.renamed")
+        _fsync_dir(path.parent)
+        faults.point("disk.manifest.done")
 
     async def get_manifest(self, session_id: str) -> bytes:
         path = self._manifest_path(session_id)
@@ -266,6 +314,109 @@ class DiskStore(BlobStore):
             return existed
 
         return await self._run("delete", path, delete)
+
+    # --- leases ------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _guard(self, session_id: str) -> Iterator[None]:
+        """Exclusive flock on the session's guard file (released by the kernel if this process dies)."""
+        fd = os.open(
+            self._leases / f"{session_id}.guard", os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644
+        )
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def _read_lease(self, session_id: str) -> dict[str, object] | None:
+        """The live lease record of another or this owner, or None if there is none or it is stale."""
+        try:
+            rec = json.loads(_read_file(self._leases / f"{session_id}.lock"))
+            expires_at, pid, host = float(rec["expires_at"]), int(rec["pid"]), str(rec["host"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as e:  # torn or foreign: a lease nobody can prove it holds
+            logger.warning("session %s: ignoring an unreadable lease file (%s)", session_id, e)
+            return None
+        if expires_at <= time.time() or (host == _HOST and not _pid_alive(pid)):
+            return None
+        return dict(rec)
+
+    def _check_lease(self, session_id: str, owner: str) -> dict[str, object] | None:
+        rec = self._read_lease(session_id)
+        if rec is not None and rec.get("owner") != owner:
+            raise SessionBusy(
+                f"session {session_id!r} is held by another writer (pid {rec.get('pid')} on {rec.get('host')}, "
+                f"lease token {rec.get('fence')}, expires in {float(str(rec['expires_at'])) - time.time():.1f} s)"
+            )
+        return rec
+
+    def _take_lease(self, session_id: str, owner: str, ttl_s: float, rec: dict[str, object] | None) -> int:
+        """Write our lease (caller holds the guard and checked `rec`, the current live lease or None)."""
+        if rec is not None:
+            fence = int(str(rec["fence"]))
+            if float(str(rec["expires_at"])) - time.time() > ttl_s / 2:
+                return fence  # fresh enough: skip a write on every save
+        else:
+            fence_path = self._leases / f"{session_id}.fence"
+            try:
+                fence = int(_read_file(fence_path) or b"0") + 1
+            except FileNotFoundError:
+                fence = 1
+            tmp = _write_temp(self._leases, str(fence).encode())
+            os.replace(tmp, fence_path)
+            _fsync_dir(self._leases)
+        body = {"owner": owner, "fence": fence, "pid": os.getpid(), "host": _HOST, "expires_at": time.time() + ttl_s}
+        # Never fsynced: after a power loss every lease is void anyway (its process is gone).
+        tmp = _write_temp(self._leases, json.dumps(body).encode(), sync=False)
+        os.replace(tmp, self._leases / f"{session_id}.lock")
+        faults.point("disk.lease.written")
+        return fence
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl_s: float) -> int:
+        check_session_id(session_id)
+
+        def acquire() -> int:
+            with self._guard(session_id):
+                return self._take_lease(session_id, owner, ttl_s, self._check_lease(session_id, owner))
+
+        return await self._run("lease", self._leases, acquire)
+
+    async def release_lease(self, session_id: str, owner: str) -> bool:
+        check_session_id(session_id)
+
+        def release() -> bool:
+            with self._guard(session_id):
+                rec = self._read_lease(session_id)
+                if rec is None or rec.get("owner") != owner:
+                    return False
+                return self._unlink(self._leases / f"{session_id}.lock")
+
+        return await self._run("release lease", self._leases, release)
+
+    async def commit_manifest(
+        self, session_id: str, data: bytes, *, expected_generation: int, owner: str, ttl_s: float
+    ) -> int:
+        path = self._manifest_path(session_id)
+
+        def commit() -> int:
+            with self._guard(session_id):
+                rec = self._check_lease(session_id, owner)
+                try:
+                    old: bytes | None = _read_file(path)
+                except FileNotFoundError:
+                    old = None
+                stored = stored_generation(old)
+                if stored != expected_generation:
+                    raise SnapshotConflict(
+                        f"session {session_id!r}: stored generation is {stored}, this save expected "
+                        f"{expected_generation}"
+                    )
+                self._write_manifest(path, data)
+                return self._take_lease(session_id, owner, ttl_s, rec)
+
+        return await self._run("commit manifest", path, commit)
 
     async def stats(self) -> StoreStats:
         blobs = await self._run("list", self._blobs, self._scan_blobs)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 
-from ..errors import BlobNotFound, ManifestNotFound
-from .base import BlobStore, StoreStats, check_digest, check_session_id, verify_blob
+from ..errors import BlobNotFound, ManifestNotFound, SessionBusy, SnapshotConflict
+from .base import BlobStore, StoreStats, check_digest, check_session_id, stored_generation, verify_blob
 
 
 class MemoryStore(BlobStore):
@@ -17,6 +17,8 @@ class MemoryStore(BlobStore):
         self._blobs: dict[str, bytes] = {}
         self._touched: dict[str, float] = {}
         self._manifests: dict[str, bytes] = {}
+        self._leases: dict[str, tuple[str, int, float]] = {}  # session -> (owner, fence, monotonic expiry)
+        self._fences: dict[str, int] = {}
 
     async def put_blob(self, digest: str, data: bytes) -> bool:
         check_digest(digest)
@@ -69,6 +71,42 @@ class MemoryStore(BlobStore):
 
     async def delete_manifest(self, session_id: str) -> bool:
         return self._manifests.pop(check_session_id(session_id), None) is not None
+
+    def _take_lease(self, session_id: str, owner: str, ttl_s: float) -> int:
+        now = time.monotonic()
+        held = self._leases.get(check_session_id(session_id))
+        if held is not None and held[0] != owner and held[2] > now:
+            raise SessionBusy(f"session {session_id!r} is held by another writer (lease token {held[1]})")
+        if held is not None and held[0] == owner:
+            fence = held[1]
+        else:
+            fence = self._fences[session_id] = self._fences.get(session_id, 0) + 1
+        self._leases[session_id] = (owner, fence, now + ttl_s)
+        return fence
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl_s: float) -> int:
+        return self._take_lease(session_id, owner, ttl_s)
+
+    async def release_lease(self, session_id: str, owner: str) -> bool:
+        held = self._leases.get(check_session_id(session_id))
+        if held is None or held[0] != owner:
+            return False
+        del self._leases[session_id]
+        return True
+
+    async def commit_manifest(
+        self, session_id: str, data: bytes, *, expected_generation: int, owner: str, ttl_s: float
+    ) -> int:
+        held = self._leases.get(check_session_id(session_id))
+        if held is not None and held[0] != owner and held[2] > time.monotonic():
+            raise SessionBusy(f"session {session_id!r} is held by another writer (lease token {held[1]})")
+        stored = stored_generation(self._manifests.get(session_id))
+        if stored != expected_generation:
+            raise SnapshotConflict(
+                f"session {session_id!r}: stored generation is {stored}, this save expected {expected_generation}"
+            )
+        self._manifests[session_id] = bytes(data)
+        return self._take_lease(session_id, owner, ttl_s)
 
     async def stats(self) -> StoreStats:
         return StoreStats(

@@ -7,8 +7,15 @@ Keys, all under one prefix (default `kda:`)::
     kda:blob:<digest>:meta       "<chunks> <total bytes>" of a chunked blob, written LAST with SET NX, so a
                                  partially written chunked blob is never visible as a blob
     kda:blobtimes                sorted set digest -> last write/touch time (the GC grace period)
-    kda:manifest:{<session>}     a session's manifest; the braces are a cluster hash tag, so a later lease
-                                 key `kda:lease:{<session>}` lands in the same slot
+    kda:manifest:{<session>}     a session's manifest; the braces are a cluster hash tag, so the two keys
+                                 below land in the same slot and one Lua script can touch all three
+    kda:lease:{<session>}        "<owner>:<fence>", SET with PX: the session's write lease
+    kda:fence:{<session>}        INCR counter of the session's fencing tokens
+
+A manifest is committed by one Lua script that checks the lease and the stored generation (compare-and-set)
+and writes the manifest and the lease together. At connect, a server whose `maxmemory-policy` may evict keys
+(anything but `noeviction`) is refused (StoreError): an evicted blob is a lost session. `?allow_eviction=1`
+overrides this for caches you can afford to lose. `?lease_ttl=SECONDS` sets the lease lifetime.
 
 Connection errors and timeouts become StoreUnavailable; the timeouts are short so an unreachable server
 fails fast.
@@ -16,6 +23,7 @@ fails fast.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
@@ -24,12 +32,23 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from .. import faults
 from ..blobs import is_digest
-from ..errors import BlobNotFound, IntegrityError, ManifestNotFound, StoreUnavailable
-from .base import BlobStore, StoreStats, check_digest, check_session_id, verify_blob
+from ..errors import (
+    BlobNotFound,
+    IntegrityError,
+    ManifestNotFound,
+    SessionBusy,
+    SnapshotConflict,
+    StoreError,
+    StoreUnavailable,
+)
+from .base import DEFAULT_LEASE_TTL_S, BlobStore, StoreStats, check_digest, check_session_id, verify_blob
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "kda:"
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
@@ -38,6 +57,45 @@ PIPELINE_BYTES = 64 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 5.0
 _TIMES_RETENTION_S = 24 * 3600.0
 _T = TypeVar("_T")
+
+# KEYS: lease, fence. ARGV: owner, ttl ms. -> {1, fence} taken or renewed; {0, "<owner>:<fence>"} busy.
+_ACQUIRE_LUA = """
+local cur = redis.call('GET', KEYS[1])
+local mine = ARGV[1] .. ':'
+if cur and string.sub(cur, 1, #mine) ~= mine then return {0, cur} end
+local fence
+if cur then fence = tonumber(string.sub(cur, #mine + 1)) else fence = redis.call('INCR', KEYS[2]) end
+redis.call('SET', KEYS[1], mine .. fence, 'PX', ARGV[2])
+return {1, fence}
+"""
+
+# KEYS: lease, owner. -> 1 released, 0 not ours.
+_RELEASE_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur and string.sub(cur, 1, #ARGV[1] + 1) == ARGV[1] .. ':' then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+# KEYS: manifest, lease, fence. ARGV: data, expected generation, owner, ttl ms.
+# -> {1, fence} committed; {0, holder} lease busy; {-1, stored generation or "unreadable"} conflict.
+_COMMIT_LUA = """
+local cur = redis.call('GET', KEYS[2])
+local mine = ARGV[3] .. ':'
+if cur and string.sub(cur, 1, #mine) ~= mine then return {0, cur} end
+local old = redis.call('GET', KEYS[1])
+local gen = 0
+if old then
+  local ok, doc = pcall(cjson.decode, old)
+  if not ok or type(doc) ~= 'table' or type(doc.generation) ~= 'number' then return {-1, 'unreadable'} end
+  gen = doc.generation
+end
+if gen ~= tonumber(ARGV[2]) then return {-1, tostring(gen)} end
+local fence
+if cur then fence = tonumber(string.sub(cur, #mine + 1)) else fence = redis.call('INCR', KEYS[3]) end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], mine .. fence, 'PX', ARGV[4])
+return {1, fence}
+"""
 
 
 def _batches(digests: list[str], blobs: Mapping[str, bytes], max_bytes: int) -> Iterator[list[str]]:
@@ -76,6 +134,9 @@ class RedisStore(BlobStore):
         self.prefix = prefix
         self.chunk_size = chunk_size
         self.url = url
+        self._acquire = client.register_script(_ACQUIRE_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+        self._commit = client.register_script(_COMMIT_LUA)
 
     @classmethod
     async def open(
@@ -87,12 +148,15 @@ class RedisStore(BlobStore):
         ping: bool = True,
     ) -> RedisStore:
         """Connect to `url` (`redis://` or `rediss://`); the query may set `prefix`, `timeout` (seconds) and
-        `chunk_size`. With `ping`, an unreachable server raises StoreUnavailable here, within ~`timeout_s`."""
+        `chunk_size`, `lease_ttl` (seconds) and `allow_eviction=1`. With `ping`, an unreachable server raises
+        StoreUnavailable here, within ~`timeout_s`, and a server that may evict keys raises StoreError."""
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
         prefix = query.pop("prefix", DEFAULT_PREFIX)
         timeout_s = float(query.pop("timeout", timeout_s))
         chunk_size = int(query.pop("chunk_size", chunk_size))
+        lease_ttl_s = float(query.pop("lease_ttl", DEFAULT_LEASE_TTL_S))
+        allow_eviction = query.pop("allow_eviction", "0").lower() in ("1", "true", "yes")
         client_url = urlunsplit(parts._replace(query=urlencode(query)))
         client = aioredis.Redis.from_url(
             client_url,
@@ -102,13 +166,34 @@ class RedisStore(BlobStore):
             retry_on_timeout=False,
         )
         store = cls(client, prefix=prefix, chunk_size=chunk_size, url=url)
+        store.lease_ttl_s = lease_ttl_s
         if ping:
             try:
                 await store._call("ping", lambda: client.ping())
+                await store._check_eviction(allow_eviction)
             except BaseException:
                 await client.aclose()
                 raise
         return store
+
+    async def _check_eviction(self, allow: bool) -> None:
+        try:
+            reply: dict[Any, Any] = await self._r.config_get("maxmemory-policy")
+        except ResponseError as e:  # CONFIG renamed or disabled (managed Redis): cannot check
+            logger.warning("%s: cannot read maxmemory-policy (%s); make sure it is noeviction", self.url, e)
+            return
+        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
+            raise StoreUnavailable(f"{self.url}: config get failed: {e}") from e
+        raw = reply.get(b"maxmemory-policy", reply.get("maxmemory-policy", b"noeviction"))
+        policy = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if policy == "noeviction":
+            return
+        if not allow:
+            raise StoreError(
+                f"{self.url}: maxmemory-policy is {policy!r}, so Redis may evict stored sessions; set it to "
+                f"noeviction, or add ?allow_eviction=1 to the store url to accept losing sessions"
+            )
+        logger.warning("%s: maxmemory-policy is %r; sessions may be evicted (allowed by the url)", self.url, policy)
 
     # --- keys and error mapping --------------------------------------------------------------------------
 
@@ -123,6 +208,12 @@ class RedisStore(BlobStore):
 
     def _manifest_key(self, session_id: str) -> str:
         return f"{self.prefix}manifest:{{{check_session_id(session_id)}}}"
+
+    def _lease_key(self, session_id: str) -> str:
+        return f"{self.prefix}lease:{{{check_session_id(session_id)}}}"
+
+    def _fence_key(self, session_id: str) -> str:
+        return f"{self.prefix}fence:{{{check_session_id(session_id)}}}"
 
     @property
     def _times_key(self) -> str:
@@ -171,6 +262,7 @@ class RedisStore(BlobStore):
                     return list(await pipe.execute())
 
             results = await self._call("put blobs", put_batch)
+            faults.point("redis.blobs.sent")
             written.update(d for d, ok in zip(batch, results, strict=True) if ok)
         for d, data in blobs.items():
             if len(data) > self.chunk_size and await self._put_chunked(d, data):
@@ -323,6 +415,38 @@ class RedisStore(BlobStore):
     async def delete_manifest(self, session_id: str) -> bool:
         key = self._manifest_key(session_id)
         return bool(await self._call(f"delete manifest {session_id}", lambda: self._r.delete(key)))
+
+    # --- leases ------------------------------------------------------------------------------------------
+
+    async def acquire_lease(self, session_id: str, owner: str, ttl_s: float) -> int:
+        keys = [self._lease_key(session_id), self._fence_key(session_id)]
+        ok, value = await self._call(
+            f"lease {session_id}", lambda: self._acquire(keys=keys, args=[owner, max(1, int(ttl_s * 1000))])
+        )
+        if not ok:
+            raise SessionBusy(f"session {session_id!r} is held by another writer (lease {value.decode()!r})")
+        return int(value)
+
+    async def release_lease(self, session_id: str, owner: str) -> bool:
+        key = self._lease_key(session_id)
+        return bool(await self._call(f"release lease {session_id}", lambda: self._release(keys=[key], args=[owner])))
+
+    async def commit_manifest(
+        self, session_id: str, data: bytes, *, expected_generation: int, owner: str, ttl_s: float
+    ) -> int:
+        keys = [self._manifest_key(session_id), self._lease_key(session_id), self._fence_key(session_id)]
+        args: list[Any] = [data, expected_generation, owner, max(1, int(ttl_s * 1000))]
+        faults.point("redis.manifest.before")
+        ok, value = await self._call(f"commit manifest {session_id}", lambda: self._commit(keys=keys, args=args))
+        faults.point("redis.manifest.done")
+        if ok == 0:
+            raise SessionBusy(f"session {session_id!r} is held by another writer (lease {value.decode()!r})")
+        if ok < 0:
+            raise SnapshotConflict(
+                f"session {session_id!r}: stored generation is {value.decode()}, this save expected "
+                f"{expected_generation}"
+            )
+        return int(value)
 
     async def stats(self) -> StoreStats:
         blob_keys = [
