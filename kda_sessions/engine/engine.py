@@ -263,6 +263,17 @@ class Engine:
             num_messages=len(s.messages), turn_open=s.turn_open,
         )
 
+    def trim_checkpoints(self, s: SessionState) -> None:
+        """Bound the host memory a long conversation holds in checkpoints: keep the newest
+        ``max_checkpoints_in_memory`` automatic (msg-N) ones in memory; an older one that was saved keeps only its
+        stored blobs (a fork loads them back), an unsaved one is dropped. Named checkpoints are always kept."""
+        auto = [c for c in s.checkpoints.values() if c.name.startswith("msg-") and (c.kda is not None or c.pages)]
+        for c in sorted(auto, key=lambda c: c.position)[: max(0, len(auto) - self.config.max_checkpoints_in_memory)]:
+            self._release_checkpoint(c)
+            c.kda = c.conv = None
+            if c.state_blob is None or c.page_blobs is None:
+                del s.checkpoints[c.name]
+
     def _release_checkpoint(self, cp: Checkpoint) -> None:
         with self.mutex:
             if cp.pages:

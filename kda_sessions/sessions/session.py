@@ -187,6 +187,7 @@ class Session:
                 eng.prefix_index.add(s.tokens, PrefixHit(s.id, c.name, c.position))
         if s.resident and work.error is None:
             self._record_checkpoint(f"msg-{len(s.messages) - 1}")
+        eng.trim_checkpoints(s)
         work._turn_done = reply  # type: ignore[attr-defined]
         return reply
 

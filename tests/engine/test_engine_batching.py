@@ -139,3 +139,20 @@ async def test_idle_sessions_are_evicted_and_come_back(tmp_path):
             s = await eng.create_session()
             await s.append(prompt(i, 100))
             assert (await s.generate(max_tokens=4, ignore_eos=True)).token_ids == ref[i]
+
+
+async def test_checkpoints_in_memory_are_bounded(tmp_path):
+    async with await ks.Engine.open(store=f"disk:{tmp_path}", max_checkpoints_in_memory=3) as eng:
+        s = await eng.create_session(system="sys")
+        await s.send("one", max_tokens=2)
+        await s.save()  # msg-1, msg-2 are now stored
+        for word in ("two", "three", "four"):
+            await s.send(word, max_tokens=2)
+        await s.checkpoint("mine")
+        in_memory = [c.name for c in s.state.checkpoints.values() if c.kda is not None]
+        assert sum(1 for n in in_memory if n.startswith("msg-")) == 3 and "mine" in in_memory
+        # an old, saved checkpoint still forks (its state comes back from the store)
+        assert s.state.checkpoints["msg-1"].kda is None
+        child = await eng.fork(s.id, "msg-1")
+        r = await child.send("again", max_tokens=2)
+        assert r.usage.cached_tokens > 0
