@@ -53,12 +53,53 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+class _Progress:
+    """A one-line progress display on stderr (only on a terminal): prefill tokens done, or elapsed time."""
+
+    def __init__(self, label: str, engine: Any = None, total: int | None = None) -> None:
+        self.label, self.engine, self.total = label, engine, total
+        self.on = sys.stderr.isatty()
+
+    async def __aenter__(self) -> _Progress:
+        import time
+
+        self.t0 = time.perf_counter()
+        self.base = self.engine.runner.tokens_prefilled if self.engine is not None else 0
+        self.scope = anyio.CancelScope()
+        if self.on:
+            import asyncio
+
+            self.task = asyncio.get_running_loop().create_task(self._tick())
+        return self
+
+    async def _tick(self) -> None:
+        import time
+
+        while True:
+            await anyio.sleep(0.2)
+            done = (self.engine.runner.tokens_prefilled - self.base) if self.engine is not None else 0
+            bar = ""
+            if self.total:
+                frac = min(done / self.total, 1.0)
+                bar = f" [{'#' * int(frac * 30):30s}] {done}/{self.total} tokens"
+            print(f"\r{self.label}{bar} {time.perf_counter() - self.t0:5.1f}s", end="", file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        if self.on and not self.task.done():
+            self.task.cancel()
+            print("\r\033[K", end="", file=sys.stderr, flush=True)
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.stop()
+
+
 async def _chat(args: argparse.Namespace) -> None:
     from .engine.engine import Engine
     from .engine.types import Done, TokenDelta, ToolCallEvent
 
     async with await Engine.open(model=args.model, store=args.store, device=args.device) as engine:
-        s = await engine.resume(args.session) if args.session else await engine.create_session(system=args.system)
+        async with _Progress("loading session"):
+            s = await engine.resume(args.session) if args.session else await engine.create_session(system=args.system)
         print(f"session {s.id} ({s.num_tokens} tokens). Commands: /save, /checkpoint NAME, /fork NAME, /quit", file=sys.stderr)
         while True:
             try:
@@ -68,7 +109,8 @@ async def _chat(args: argparse.Namespace) -> None:
             if line in ("/quit", "/exit"):
                 break
             if line == "/save":
-                await s.save()
+                async with _Progress("saving"):
+                    await s.save()
                 print(f"saved {s.id}", file=sys.stderr)
                 continue
             if line.startswith("/checkpoint "):
@@ -79,7 +121,10 @@ async def _chat(args: argparse.Namespace) -> None:
                 s = await engine.fork(s.id, line.split(maxsplit=1)[1])
                 print(f"now in fork {s.id}", file=sys.stderr)
                 continue
+            progress = _Progress("prefill", engine, total=s.num_tokens - s.state.num_cached + len(line))
+            await progress.__aenter__()
             async for ev in s.stream(line, max_tokens=args.max_tokens):
+                progress.stop()
                 if isinstance(ev, TokenDelta):
                     print(ev.text, end="", flush=True)
                 elif isinstance(ev, ToolCallEvent):

@@ -115,9 +115,10 @@ class Session:
             decoder = self.engine.tokenizer.incremental_decoder()
             parser = ToolCallStreamParser()
             async with recv:
-                eos = self.engine.tokenizer.eos_ids
+                tk = self.engine.tokenizer
+                markers = {tk.token_to_id(m) for m in _TOOL_MARKERS if m in tk.special_ids}
                 async for tok in recv:
-                    if tok in eos:  # end of turn is not content (Reply.text leaves it out too)
+                    if tk.is_special(tok) and tok not in markers:  # end of turn etc. are not content
                         continue
                     for ev in parser.feed(decoder.feed(tok)):
                         out = _event(ev, tok)
@@ -246,6 +247,12 @@ class Session:
 
     async def fork(self, checkpoint: str | None = None) -> Session:
         return await self.engine.fork(self.id, checkpoint)
+
+
+_TOOL_MARKERS = (
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>",
+)
 
 
 def _stops(stop: list[str] | str | None) -> list[str] | None:
