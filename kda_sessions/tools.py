@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,8 @@ class Tools:
 
     def call(self, name: str, arguments: str | dict[str, Any]) -> str:
         args = json.loads(arguments) if isinstance(arguments, str) else arguments
-        fn = {"list_dir": self.list_dir, "read_file": self.read_file, "grep": self.grep}.get(name)
+        fns: dict[str, Callable[..., str]] = {"list_dir": self.list_dir, "read_file": self.read_file, "grep": self.grep}
+        fn = fns.get(name)
         if fn is None:
             raise ToolError(f"unknown tool {name!r}")
         try:

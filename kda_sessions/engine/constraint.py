@@ -120,9 +120,9 @@ class ToolChoiceConstraint:
         if kind == "args":
             self._allowed = json_prefix(self.buf, self.schemas[self.name])[1]
         if kind == "args" and (len(self.buf) >= self.max_arg_bytes or remaining <= _CLOSING_RESERVE):
-            tok = self._closing_token()
-            if tok is not None:
-                return tok, float(logprobs[tok])
+            closing = self._closing_token()
+            if closing is not None:
+                return closing, float(logprobs[closing])
         tok = _choose(logits, self._valid, params, generator)
         return tok, float(logprobs[tok])
 
@@ -130,13 +130,9 @@ class ToolChoiceConstraint:
         """Out of budget: steer the arguments to their shortest end (close strings, objects, arrays; the
         simplest value where one is still required) so the call always completes."""
         _, allowed = json_prefix(self.buf, self.schemas[self.name])
-        for b in _CLOSING_ORDER:
-            if b in allowed:
-                break
-        else:
-            b = min(allowed) if allowed else None
-        if b is None:
+        if not allowed:
             return None
+        b = next((c for c in _CLOSING_ORDER if c in allowed), min(allowed))
         return next((t for t in self._byte_tokens() if self._token_bytes(t) == bytes([b])), None)
 
     def _byte_tokens(self) -> list[int]:

@@ -215,10 +215,10 @@ class Engine:
         async with parent.lock:
             if checkpoint is None or checkpoint == "head":
                 cp = self._head_checkpoint(parent)
+            elif checkpoint in parent.checkpoints:
+                cp = parent.checkpoints[checkpoint]
             else:
-                cp = parent.checkpoints.get(checkpoint)
-                if cp is None:
-                    raise CheckpointNotFound(f"session {parent_id!r} has no checkpoint {checkpoint!r}")
+                raise CheckpointNotFound(f"session {parent_id!r} has no checkpoint {checkpoint!r}")
             child = SessionState(
                 id=sid,
                 tokens=parent.tokens[: cp.position],

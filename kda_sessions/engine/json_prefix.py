@@ -118,7 +118,8 @@ class _Parser:
 
     def array(self, schema: dict[str, Any]) -> None:
         self.take({ord("[")})
-        items = schema.get("items") if isinstance(schema.get("items"), dict) else {}
+        raw = schema.get("items")
+        items: dict[str, Any] = raw if isinstance(raw, dict) else {}
         first = {b for t in _types(items) for b in _FIRST[t]}
         c = self.peek(first | {ord("]")})
         if c == ord("]"):

@@ -80,6 +80,7 @@ class HybridModel(nn.Module):
         ck_conv: list[Tensor] = []
         ik = im = 0
         for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
             h = layer.input_layernorm(x)
             if isinstance(layer.self_attn, KDAAttention):
                 h, s_at, c_at = layer.self_attn(h, batch, pools.kda[ik], pools.conv[ik])

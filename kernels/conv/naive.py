@@ -27,7 +27,9 @@ def naive_causal_conv(
     if x.shape[-1] != D or tuple(tail.shape) != (N, W - 1, D):
         raise ValueError(f"x must be [T, D={D}] and tail [N={N}, {W - 1}, {D}], got {tuple(x.shape)}, {tuple(tail.shape)}")
     bounds = cu_seqlens.tolist()
-    ys, tails, at = [], [], []
+    ys: list[Tensor] = []
+    tails: list[Tensor] = []
+    at: list[Tensor] = []
     for n in range(N):
         seq = torch.cat([tail[n].to(x.dtype), x[bounds[n] : bounds[n + 1]]])  # [W - 1 + T_n, D]
         # conv1d is a cross-correlation: y_t = sum_w weight[:, w] * seq[t + w]

@@ -158,7 +158,8 @@ def naive_chunk_kda(
     _, _, H, K = q.shape
     V = v.shape[-1]
     o = torch.zeros_like(v)
-    finals, ckpts = [], []
+    finals: list[Tensor] = []
+    ckpts: list[Tensor] = []
     for n, (b, bos, eos) in enumerate(seqs):
         S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
         if initial_state is not None:
