@@ -21,7 +21,14 @@ from ..sessions.prefix_index import PrefixIndex
 from ..sessions.state import Checkpoint, SessionState
 from ..storage import SnapshotStore
 from ..storage.manifest import SESSION_ID_PATTERN, ModelFingerprint
-from ..tokenizer import ByteTokenizer, Tokenizer, TokenizerNotFound, builtin_template, load_chat_template, load_tokenizer
+from ..tokenizer import (
+    ByteTokenizer,
+    Tokenizer,
+    TokenizerNotFound,
+    builtin_template,
+    load_chat_template,
+    load_tokenizer,
+)
 from ..tokenizer.chat import ChatTemplate
 from .config import EngineConfig
 from .constraint import ToolChoiceConstraint, parse_tool_choice

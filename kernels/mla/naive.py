@@ -28,7 +28,7 @@ def naive_mla_prefill(
     T, H, _ = q.shape
     L = latent.shape[0]
     r = w_kv_b.shape[1]
-    if L != start + T:
+    if start + T != L:
         raise ValueError(f"latent must hold start + T = {start + T} rows, got {L}")
     c, k_pe = latent[:, :r], latent[:, r:]
     kv = (c @ w_kv_b.t()).view(L, H, dn + dv)  # decompress every cached token
@@ -49,7 +49,7 @@ def naive_mla_decode_paged(
     q_lat [N, H, r] (q_nope @ W_uk per head), q_pe [N, H, dr], kv_pages [num_pages, P, r + dr],
     page_table [N, max_pages] int32, seq_lens [N]. Returns the attention-weighted latent [N, H, r]
     (multiply by W_uv per head for the values), in q_lat's dtype."""
-    N, H, r = q_lat.shape
+    r = q_lat.shape[-1]
     out = torch.empty_like(q_lat)
     for n, length in enumerate(seq_lens.tolist()):
         lat = gather_latent(kv_pages, page_table[n], int(length)).float()  # [L, r + dr]
