@@ -20,6 +20,10 @@ from .constraint import ToolChoiceConstraint
 from .sampler import SamplingParams
 
 
+MIN_SHARE = 64
+"""Smallest prefill chunk a prompt is given in a step (smaller ones waste the step on overhead)."""
+
+
 class EngineBusy(RuntimeError):
     """Too many requests are queued; retry later (HTTP 429/503)."""
 
@@ -69,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Work] = deque()
         self.running: list[Work] = []
         self.wakeup = anyio.Event()
+        self._rotate = 0
 
     def submit(self, work: Work) -> None:
         if len(self.waiting) >= self.max_queued:
@@ -88,15 +93,32 @@ class Scheduler:
             (dropped if w.cancelled else self.running).append(w)
         for w in dropped:
             w.finish_reason = w.finish_reason or "cancelled"
-        budget = self.prefill_budget
-        prefill: list[tuple[Work, int]] = []
-        for w in self.running:
-            if w.in_prefill and budget > 0:
-                n = min(len(w.prompt) - w.done_prefill, budget)
-                prefill.append((w, n))
-                budget -= n
+        prefill = self._share_budget([w for w in self.running if w.in_prefill])
         decode = [w for w in self.running if not w.in_prefill and not w.prefill_only and w.finish_reason is None]
         return StepPlan(prefill, decode, dropped)
+
+    def _share_budget(self, waiting: list[Work]) -> list[tuple[Work, int]]:
+        """Split the step's prefill budget fairly: every prompt gets an equal share (at least MIN_SHARE tokens),
+        what a short prompt leaves goes to the others, and the starting point rotates each step, so one huge
+        tool output cannot hold back the prompts queued behind it."""
+        if not waiting:
+            return []
+        self._rotate = (self._rotate + 1) % len(waiting)
+        order = waiting[self._rotate :] + waiting[: self._rotate]
+        budget = self.prefill_budget
+        grant = {id(w): 0 for w in order}
+        active = list(order)
+        while budget > 0 and active:
+            share = max(budget // len(active), MIN_SHARE)
+            for w in list(active):
+                n = min(len(w.prompt) - w.done_prefill - grant[id(w)], share, budget)
+                grant[id(w)] += n
+                budget -= n
+                if w.done_prefill + grant[id(w)] >= len(w.prompt):
+                    active.remove(w)
+                if budget <= 0:
+                    break
+        return [(w, grant[id(w)]) for w in order if grant[id(w)] > 0]
 
     def num_queued(self) -> int:
         return len(self.waiting) + sum(1 for w in self.running if w.in_prefill)

@@ -156,3 +156,20 @@ async def test_checkpoints_in_memory_are_bounded(tmp_path):
         child = await eng.fork(s.id, "msg-1")
         r = await child.send("again", max_tokens=2)
         assert r.usage.cached_tokens > 0
+
+
+def test_prefill_budget_is_shared_fairly():
+    from kda_sessions.engine.sampler import SamplingParams
+    from kda_sessions.engine.scheduler import Scheduler, Work
+    from kda_sessions.sessions.state import SessionState
+
+    sched = Scheduler(prefill_budget=1000, max_queued=8)
+    huge = Work(session=SessionState(id="big"), prompt=[1] * 100_000, params=SamplingParams())
+    small = [Work(session=SessionState(id=f"s{i}"), prompt=[1] * 150, params=SamplingParams()) for i in range(3)]
+    for w in (huge, *small):
+        sched.submit(w)
+    plan = sched.plan()
+    got = {w.session.id: n for w, n in plan.prefill}
+    assert sum(got.values()) == 1000
+    assert all(got[f"s{i}"] == 150 for i in range(3))  # the short prompts finish in this very step
+    assert got["big"] == 1000 - 450
