@@ -112,7 +112,14 @@ class Engine:
             tokenizer = ByteTokenizer()
         template = builtin_template() if str(model) in ("tiny-random", "tiny") else load_chat_template(model, tokenizer)
         snapshots = await SnapshotStore.open(store, ram_bytes=config.ram_tier_bytes, gc_grace_s=config.gc_grace_s)
-        return cls(m, Path(str(model)).name, tokenizer, template, snapshots, config)
+        engine = cls(m, Path(str(model)).name, tokenizer, template, snapshots, config)
+        try:
+            indexed = await engine.io.index_stored()
+        except BaseException:
+            await engine.close()
+            raise
+        log.info("prefix index: %d stored checkpoints", indexed)
+        return engine
 
     async def close(self) -> None:
         if self.closed:

@@ -19,7 +19,6 @@ from ..sessions.state import Checkpoint, SessionState
 from .constraint import ToolChoiceConstraint
 from .sampler import SamplingParams
 
-
 MIN_SHARE = 64
 """Smallest prefill chunk a prompt is given in a step (smaller ones waste the step on overhead)."""
 

@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from ..errors import SessionBusy, SessionNotFound
-from ..sessions.prefix_index import PrefixHit
+from ..sessions.prefix_index import PrefixHit, prefix_hash
 from ..sessions.snapshot import (
     blob,
     decode_page,
@@ -106,7 +106,11 @@ class SnapshotIO:
                 pages=head_pages, created_at=time.time(), num_messages=len(s.messages), turn_open=s.turn_open,
             ),
             checkpoints=records,
-            meta={"system": s.system, "tools": s.tools, "messages": s.messages, "next_message_index": s.next_message_index},
+            meta={
+                "system": s.system, "tools": s.tools, "messages": s.messages, "next_message_index": s.next_message_index,
+                # lets a restarted engine index stored prefixes from manifests alone
+                "prefix_hashes": {cp.name: prefix_hash(s.tokens, cp.position) for cp in s.checkpoints.values() if cp.position > 0},
+            },
             parent=s.parent,
             generation=s.generation + 1,
             saved_at=time.time(),
@@ -127,6 +131,22 @@ class SnapshotIO:
             self.engine.prefix_index.add(s.tokens, PrefixHit(s.id, cp.name, cp.position))
         self.engine.counters["saves"] += 1
         return result
+
+    async def index_stored(self, limit: int = 100_000) -> int:
+        """Add every stored checkpoint to the prefix index (at startup), from manifests alone."""
+        n = 0
+        for sid in (await self.list_stored())[:limit]:
+            try:
+                m = await self.snapshots.load_manifest(sid, self.engine.fingerprint)
+            except Exception:  # another model's or an unreadable manifest is simply not reusable here
+                continue
+            hashes = m.meta.get("prefix_hashes") or {}
+            for cp in m.checkpoints:
+                key = hashes.get(cp.name)
+                if isinstance(key, str):
+                    self.engine.prefix_index.add_hashed(key, PrefixHit(sid, cp.name, cp.position))
+                    n += 1
+        return n
 
     # -- load ------------------------------------------------------------------------------------------------
 

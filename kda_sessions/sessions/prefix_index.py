@@ -33,6 +33,10 @@ def _hashes(tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
     return out
 
 
+def prefix_hash(tokens: Sequence[int], length: int) -> str:
+    return _hashes(tokens, [length])[length]
+
+
 class PrefixIndex:
     def __init__(self) -> None:
         self._by_hash: dict[str, PrefixHit] = {}
@@ -41,7 +45,12 @@ class PrefixIndex:
     def add(self, tokens: Sequence[int], hit: PrefixHit) -> None:
         if hit.position <= 0:
             return
-        key = _hashes(tokens, [hit.position])[hit.position]
+        self.add_hashed(prefix_hash(tokens, hit.position), hit)
+
+    def add_hashed(self, key: str, hit: PrefixHit) -> None:
+        """Index a checkpoint by the stored hash of its prefix (no tokens needed: startup indexing)."""
+        if hit.position <= 0:
+            return
         if key not in self._by_hash:
             self._lengths[hit.position] = self._lengths.get(hit.position, 0) + 1
         self._by_hash[key] = hit

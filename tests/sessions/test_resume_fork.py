@@ -201,3 +201,17 @@ async def test_delete_reclaims_unshared_blobs(tmp_path):
             await eng.resume(b.id)
         with pytest.raises(ks.SessionNotFound):
             await eng.delete_session(b.id)
+
+
+async def test_stored_prefixes_are_reused_after_restart(tmp_path):
+    store = f"disk:{tmp_path}"
+    async with await ks.Engine.open(store=store) as eng:
+        s = await eng.create_session(system="You are a careful agent. " * 30)
+        await s.send("first question", max_tokens=2)
+        await s.save()
+        history = list(s.messages)
+    async with await ks.Engine.open(store=store) as eng:  # a new process would see the same
+        assert eng.stats()["prefix_index_entries"] > 0
+        again = await eng.create_session_from_messages(history[:2])
+        r = await again.send("a different second question", max_tokens=2)
+        assert r.usage.cached_tokens > 0  # the system prompt + first question came from the store
