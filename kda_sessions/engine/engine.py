@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,12 +13,11 @@ import anyio
 import anyio.lowlevel
 import torch
 
-from ..errors import CheckpointNotFound, SessionNotFound
 from ..model import HybridModel, load_model
 from ..sessions.prefix_index import PrefixIndex
 from ..sessions.state import Checkpoint, SessionState
 from ..storage import SnapshotStore
-from ..storage.manifest import SESSION_ID_PATTERN, ModelFingerprint
+from ..storage.manifest import ModelFingerprint
 from ..tokenizer import (
     ByteTokenizer,
     Tokenizer,
@@ -37,14 +34,10 @@ from .runner import Runner
 from .sampler import SamplingParams
 from .scheduler import Scheduler, Work, pages_needed
 from .snapshots import SnapshotIO
+from .tenancy import TenantEngine, tenant_store_url
 from .types import SessionInfo
 
 log = logging.getLogger(__name__)
-
-
-def new_session_id() -> str:
-    """128 random bits, URL- and path-safe."""
-    return "s_" + secrets.token_hex(16)
 
 
 class Engine:
@@ -58,6 +51,7 @@ class Engine:
         template: ChatTemplate,
         snapshots: SnapshotStore,
         config: EngineConfig,
+        store_url: str = "memory:",
     ) -> None:
         self.model = model
         self.model_id = model_id
@@ -69,15 +63,16 @@ class Engine:
         self.pages = PageAllocator(config.num_pages)
         self.mutex = threading.RLock()
         self.scheduler = Scheduler(config.prefill_chunk_tokens, config.max_queued_requests)
-        self.sessions: dict[str, SessionState] = {}
-        self.prefix_index = PrefixIndex()
+        self._sessions: dict[tuple[str | None, str], SessionState] = {}
+        self.store_url = store_url
         self.fingerprint = ModelFingerprint(
             model_id=model_id,
             config_hash=model.config.fingerprint,
             dtype=str(model.dtype).removeprefix("torch."),
             page_size=config.page_size,
         )
-        self.io = SnapshotIO(self, snapshots)
+        self.spaces: dict[str | None, TenantEngine] = {None: TenantEngine(self, None, SnapshotIO(self, snapshots))}
+        self._spaces_lock = anyio.Lock()
         self._token = anyio.lowlevel.current_token()
         self.runner = Runner(model, self.pools, self.pages, self.scheduler, tokenizer, self.mutex, self._deliver_from_thread)
         self.counters = {"prefill_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "resumes": 0, "forks": 0, "saves": 0}
@@ -112,7 +107,7 @@ class Engine:
             tokenizer = ByteTokenizer()
         template = builtin_template() if str(model) in ("tiny-random", "tiny") else load_chat_template(model, tokenizer)
         snapshots = await SnapshotStore.open(store, ram_bytes=config.ram_tier_bytes, gc_grace_s=config.gc_grace_s)
-        engine = cls(m, Path(str(model)).name, tokenizer, template, snapshots, config)
+        engine = cls(m, Path(str(model)).name, tokenizer, template, snapshots, config, store)
         try:
             indexed = await engine.io.index_stored()
         except BaseException:
@@ -126,7 +121,8 @@ class Engine:
             return
         self.closed = True
         await anyio.to_thread.run_sync(self.runner.stop)
-        await self.io.close()
+        for view in self.spaces.values():
+            await view.io.close()
 
     async def __aenter__(self) -> Engine:
         return self
@@ -134,7 +130,44 @@ class Engine:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- sessions --------------------------------------------------------------------------------------------
+    # -- tenants -------------------------------------------------------------------------------------------
+
+    async def for_tenant(self, tenant: str | None) -> TenantEngine:
+        """The session API scoped to ``tenant`` (its own store namespace, prefix index and ids)."""
+        if tenant not in self.spaces:
+            async with self._spaces_lock:
+                if tenant not in self.spaces:
+                    assert tenant is not None
+                    snapshots = await SnapshotStore.open(
+                        tenant_store_url(self.store_url, tenant), ram_bytes=self.config.ram_tier_bytes,
+                        gc_grace_s=self.config.gc_grace_s,
+                    )
+                    view = TenantEngine(self, tenant, SnapshotIO(self, snapshots))
+                    await view.io.index_stored()
+                    self.spaces[tenant] = view
+        return self.spaces[tenant]
+
+    def space_of(self, s: SessionState) -> SnapshotIO:
+        return self.spaces[s.tenant].io
+
+    @property
+    def default(self) -> TenantEngine:
+        return self.spaces[None]
+
+    @property
+    def io(self) -> SnapshotIO:
+        return self.default.io
+
+    @property
+    def prefix_index(self) -> PrefixIndex:
+        return self.default.io.index
+
+    @property
+    def sessions(self) -> dict[str, SessionState]:
+        """The default tenant's sessions held by this engine, by id."""
+        return self.default.sessions
+
+    # -- sessions (default tenant; see TenantEngine) ---------------------------------------------------------
 
     async def create_session(
         self,
@@ -145,15 +178,7 @@ class Engine:
     ) -> Session:
         """A new session whose context starts with the system prompt and tool declarations (prefilled lazily
         with the first call, or reused from a stored checkpoint with the same prefix)."""
-        from ..tokenizer import encode_chat
-
-        sid = self._check_new_id(session_id)
-        messages = [{"role": "system", "content": system}] if system else []
-        tokens = encode_chat(self.tokenizer, messages, tools, add_generation_prompt=False, template=self.template) if (messages or tools) else []
-        s = await self._start_from_prefix(sid, tokens)
-        s.system, s.tools = system, tools
-        s.messages = list(messages)
-        return Session(self, s)
+        return await self.default.create_session(system, tools, session_id=session_id)
 
     async def create_session_from_messages(
         self,
@@ -164,105 +189,41 @@ class Engine:
     ) -> Session:
         """A new session holding a whole conversation (ending with a closed turn), started from the longest
         checkpointed prefix of its tokens: a client that resends its full history prefills only what is new."""
-        from ..tokenizer import encode_chat
-
-        sid = self._check_new_id(session_id)
-        tokens = encode_chat(self.tokenizer, messages, tools, add_generation_prompt=False, template=self.template) if (messages or tools) else []
-        s = await self._start_from_prefix(sid, tokens)
-        s.system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
-        s.tools = tools
-        s.messages = [dict(m) for m in messages]
-        s.turn_open = False
-        return Session(self, s)
-
-    def _check_new_id(self, session_id: str | None) -> str:
-        import re
-
-        sid = session_id or new_session_id()
-        if not re.match(SESSION_ID_PATTERN, sid):
-            raise ValueError(f"session_id must match {SESSION_ID_PATTERN}, got {sid!r}")
-        if sid in self.sessions:
-            raise ValueError(f"session {sid!r} already exists")
-        return sid
-
-    async def _start_from_prefix(self, sid: str, tokens: list[int]) -> SessionState:
-        """A fresh session holding ``tokens``; starts from the longest indexed checkpoint prefix if any."""
-        hit = self.prefix_index.longest(tokens)
-        s: SessionState | None = None
-        if hit is not None:
-            try:
-                s = await self._fork_state(hit.session_id, hit.checkpoint, sid)
-            except (SessionNotFound, CheckpointNotFound):
-                s = None
-        if s is None:
-            s = SessionState(id=sid)
-            await self._make_resident(s)
-        s.tokens.extend(tokens[len(s.tokens) :])
-        self.sessions[sid] = s
-        return s
+        return await self.default.create_session_from_messages(messages, tools, session_id=session_id)
 
     async def resume(self, session_id: str) -> Session:
         """The session from this engine, or else from the store (no prefill: its state is loaded)."""
-        if session_id in self.sessions:
-            return Session(self, self.sessions[session_id])
-        t0 = time.perf_counter()
-        s = await self.io.load_session(session_id)
-        await self._make_resident(s)
-        self.sessions[session_id] = s
-        self.counters["resumes"] += 1
-        self.resume_seconds.append(time.perf_counter() - t0)
-        return Session(self, s)
+        return await self.default.resume(session_id)
 
     async def fork(self, session_id: str, checkpoint: str | None = None, *, new_id: str | None = None) -> Session:
         """A new session continuing from ``checkpoint`` (default: the parent's current position) of
         ``session_id``. Full KV pages are shared; only the partial last page is copied."""
-        sid = self._check_new_id(new_id)
-        s = await self._fork_state(session_id, checkpoint, sid)
-        self.sessions[sid] = s
-        self.counters["forks"] += 1
-        return Session(self, s)
+        return await self.default.fork(session_id, checkpoint, new_id=new_id)
 
-    async def _fork_state(self, parent_id: str, checkpoint: str | None, sid: str) -> SessionState:
-        parent = self.sessions.get(parent_id)
-        if parent is None:
-            parent = (await self.resume(parent_id)).state
-        async with parent.lock:
-            if checkpoint is None or checkpoint == "head":
-                cp = self._head_checkpoint(parent)
-            elif checkpoint in parent.checkpoints:
-                cp = parent.checkpoints[checkpoint]
-            else:
-                raise CheckpointNotFound(f"session {parent_id!r} has no checkpoint {checkpoint!r}")
-            child = SessionState(
-                id=sid,
-                tokens=parent.tokens[: cp.position],
-                num_cached=cp.state_pos,
-                system=parent.system,
-                tools=parent.tools,
-                messages=[dict(m) for m in parent.messages[: cp.num_messages]],
-                turn_open=cp.turn_open,
-                parent=parent_id,
-                next_message_index=cp.num_messages,
-            )
-            await self.io.materialize(cp)
-            await self._make_resident(child)
-            with self.mutex:
-                for i, (state, conv) in enumerate(zip(self.pools.kda, self.pools.conv)):
-                    assert cp.kda is not None and cp.conv is not None
-                    state[child.slot] = cp.kda[i].to(state.device)
-                    conv[child.slot] = cp.conv[i].to(conv.device)
-                P = self.config.page_size
-                full, rows = divmod(cp.state_pos, P)
-                child.pages = list(cp.pages[:full])
-                self.pages.incref(child.pages)
-                if rows:  # copy-on-write of the partial last page
-                    (page,) = self._alloc_pages(1)
-                    for kv in self.pools.kv:
-                        kv[page, :rows] = kv[cp.pages[full], :rows]
-                    child.pages.append(page)
-            if cp.name == "__head__":
-                self._release_checkpoint(cp)
-        return child
+    async def list_sessions(self) -> list[SessionInfo]:
+        return await self.default.list_sessions()
+
+    async def delete_session(self, session_id: str) -> None:
+        """Forget the session here and in the store; blobs nothing else references are reclaimed."""
+        await self.default.delete_session(session_id)
+
+    async def _seat_from_checkpoint(self, child: SessionState, cp: Checkpoint) -> None:
+        """Give ``child`` a slot holding the checkpoint's state, share its full pages and copy the partial one."""
+        await self._make_resident(child)
+        with self.mutex:
+            assert cp.kda is not None and cp.conv is not None and child.slot is not None
+            for i, (state, conv) in enumerate(zip(self.pools.kda, self.pools.conv)):
+                state[child.slot] = cp.kda[i].to(state.device)
+                conv[child.slot] = cp.conv[i].to(conv.device)
+            P = self.config.page_size
+            full, rows = divmod(cp.state_pos, P)
+            child.pages = list(cp.pages[:full])
+            self.pages.incref(child.pages)
+            if rows:  # copy-on-write of the partial last page
+                (page,) = self._alloc_pages(1)
+                for kv in self.pools.kv:
+                    kv[page, :rows] = kv[cp.pages[full], :rows]
+                child.pages.append(page)
 
     def _head_checkpoint(self, s: SessionState) -> Checkpoint:
         """A transient checkpoint of the current position (its pages are referenced; release after use)."""
@@ -294,49 +255,12 @@ class Engine:
                 self.pages.decref(cp.pages)
             cp.pages = []
 
-    async def list_sessions(self) -> list[SessionInfo]:
-        stored = set(await self.io.list_stored())
-        out = []
-        for sid in sorted(stored | set(self.sessions)):
-            s = self.sessions.get(sid)
-            if s is not None:
-                out.append(SessionInfo(
-                    session_id=sid, num_tokens=s.num_tokens, checkpoints=sorted(s.checkpoints), active=s.resident,
-                    saved=sid in stored, parent=s.parent,
-                ))
-            else:
-                try:
-                    m = await self.io.snapshots.load_manifest(sid)
-                except Exception:  # listed but unreadable: report it, do not fail the listing
-                    log.warning("session %s is listed but its manifest does not load", sid)
-                    continue
-                out.append(SessionInfo(
-                    session_id=sid, num_tokens=m.num_tokens, checkpoints=[c.name for c in m.checkpoints],
-                    active=False, saved=True, parent=m.parent,
-                ))
-        return out
-
-    async def delete_session(self, session_id: str) -> None:
-        """Forget the session here and in the store; blobs nothing else references are reclaimed."""
-        s = self.sessions.get(session_id)
-        found = s is not None
-        if s is not None:
-            async with s.lock:
-                self._release(s, keep_checkpoint_states=False)
-                del self.sessions[session_id]
-        self.prefix_index.remove_session(session_id)
-        if session_id in await self.io.list_stored():
-            await self.io.snapshots.delete_session(session_id)
-            found = True
-        if not found:
-            raise SessionNotFound(f"no session {session_id!r}")
-
     def stats(self) -> dict[str, Any]:
         c = self.counters
         ctx = c["prefill_tokens"] + c["cached_tokens"]
         return {
-            "sessions_in_memory": len(self.sessions),
-            "sessions_active": sum(1 for s in self.sessions.values() if s.resident),
+            "sessions_in_memory": len(self._sessions),
+            "sessions_active": sum(1 for s in self._sessions.values() if s.resident),
             "slots_free": self.slots.num_free,
             "pages_free": self.pages.num_free,
             "pages_total": self.pages.num_pages,
@@ -347,7 +271,8 @@ class Engine:
             "tokens_decoded": self.runner.tokens_decoded,
             "cache_hit_rate": c["cached_tokens"] / ctx if ctx else 0.0,
             "resume_seconds_last": self.resume_seconds[-1] if self.resume_seconds else None,
-            "prefix_index_entries": len(self.prefix_index),
+            "prefix_index_entries": sum(len(v.io.index) for v in self.spaces.values()),
+            "tenants": len(self.spaces),
             **c,
         }
 
@@ -370,7 +295,7 @@ class Engine:
                 conv[slot].zero_()
         if s.head_blobs is not None:
             try:
-                await self.io.restore_head(s)
+                await self.space_of(s).restore_head(s)
             except BaseException:
                 self._release(s, keep_checkpoint_states=True)
                 raise
@@ -394,17 +319,14 @@ class Engine:
 
     async def _evict_one(self, exclude: SessionState) -> bool:
         """Save the least recently used idle resident session to the store and free its slot and pages."""
-        idle = [
-            s for s in self.sessions.values()
-            if s.resident and s is not exclude and not s.lock.locked()
-        ]
+        idle = [s for s in self._sessions.values() if s.resident and s is not exclude and not s.lock.locked()]
         if not idle:
             return False
         victim = min(idle, key=lambda s: s.last_used)
         async with victim.lock:
             if not victim.resident:
                 return True
-            await self.io.save(victim)
+            await self.space_of(victim).save(victim)
             self._release(victim, keep_checkpoint_states=True)
         log.info("evicted idle session %s to the store", victim.id)
         return True

@@ -14,7 +14,7 @@ import anyio
 import torch
 
 from ..errors import SessionBusy, SessionNotFound
-from ..sessions.prefix_index import PrefixHit, prefix_hash
+from ..sessions.prefix_index import PrefixHit, PrefixIndex, prefix_hash
 from ..sessions.snapshot import (
     blob,
     decode_page,
@@ -36,6 +36,8 @@ class SnapshotIO:
     def __init__(self, engine: Engine, snapshots: SnapshotStore) -> None:
         self.engine = engine
         self.snapshots = snapshots
+        self.index = PrefixIndex()
+        """This namespace's prefix index: prefix reuse never crosses tenants."""
 
     async def close(self) -> None:
         await self.snapshots.close()
@@ -128,7 +130,7 @@ class SnapshotIO:
         s.stored_digests = manifest.blob_digests()
         s.head_blobs = (manifest.head.state_blob, list(manifest.head.pages))
         for cp in s.checkpoints.values():
-            self.engine.prefix_index.add(s.tokens, PrefixHit(s.id, cp.name, cp.position))
+            self.index.add(s.tokens, PrefixHit(s.id, cp.name, cp.position))
         self.engine.counters["saves"] += 1
         return result
 
@@ -144,7 +146,7 @@ class SnapshotIO:
             for cp in m.checkpoints:
                 key = hashes.get(cp.name)
                 if isinstance(key, str):
-                    self.engine.prefix_index.add_hashed(key, PrefixHit(sid, cp.name, cp.position))
+                    self.index.add_hashed(key, PrefixHit(sid, cp.name, cp.position))
                     n += 1
         return n
 
@@ -179,7 +181,7 @@ class SnapshotIO:
                 name=r.name, position=r.position, state_pos=r.state_pos, state_blob=r.state_blob,
                 page_blobs=list(r.pages), num_messages=r.num_messages, turn_open=r.turn_open, created_at=r.created_at,
             )
-            eng.prefix_index.add(tokens, PrefixHit(sid, r.name, r.position))
+            self.index.add(tokens, PrefixHit(sid, r.name, r.position))
         return s
 
     async def _load_pages(self, digests: list[str], state_pos: int, where: str) -> list[int]:

@@ -24,7 +24,7 @@ def is_loopback(host: str) -> bool:
 
 def check_bind(settings: ServerSettings) -> None:
     """Refuse to serve a non-loopback address without an API key."""
-    if not settings.api_keys and not is_loopback(settings.host):
+    if not settings.api_keys and not settings.tenants and not is_loopback(settings.host):
         raise InsecureBindError(
             f"refusing to bind {settings.host!r} without an API key: anyone who can reach it could read and "
             "drive every session. Pass --api-key KEY (clients send 'Authorization: Bearer KEY'), "
@@ -32,19 +32,27 @@ def check_bind(settings: ServerSettings) -> None:
         )
 
 
-class KeyChecker:
-    """Maps a presented bearer key to the name of the key it matches (its position), in constant time."""
+def key_tenant(key: str) -> str:
+    """The tenant of a key given without a tenant name: stable across restarts and key order, reveals nothing."""
+    return "k" + hashlib.sha256(b"kda-tenant:" + key.encode()).hexdigest()[:20]
 
-    def __init__(self, keys: list[str]) -> None:
+
+class KeyChecker:
+    """Maps a presented bearer key to its tenant, in constant time. Keys from ``api_keys`` are each their own
+    tenant (``key_tenant``); ``tenants`` maps a tenant name to the keys that act for it."""
+
+    def __init__(self, keys: list[str], tenants: dict[str, list[str]] | None = None) -> None:
         # comparing fixed-length digests keeps the time independent of where the strings differ and of length
-        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        pairs = [(k, key_tenant(k)) for k in keys] + [(k, t) for t, ks in (tenants or {}).items() for k in ks]
+        self._digests = [hashlib.sha256(k.encode()).digest() for k, _ in pairs]
+        self._names = [t for _, t in pairs]
 
     @property
     def enabled(self) -> bool:
         return bool(self._digests)
 
     def identify(self, presented: str | None) -> str | None:
-        """``key-N`` for a valid key, None otherwise; with no keys configured, everyone is ``anonymous``."""
+        """The tenant of a valid key, None otherwise; with no keys configured, everyone is ``anonymous``."""
         if not self._digests:
             return "anonymous"
         if not presented:
@@ -53,7 +61,7 @@ class KeyChecker:
         match = None
         for i, want in enumerate(self._digests):  # no early exit: every key is compared
             if hmac.compare_digest(d, want):
-                match = f"key-{i}"
+                match = self._names[i]
         return match
 
 

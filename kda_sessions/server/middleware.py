@@ -71,7 +71,7 @@ class GuardMiddleware:
     def __init__(self, app: ASGIApp, settings: ServerSettings, metrics: Metrics) -> None:
         self.app = app
         self.limit = settings.max_body_bytes
-        self.keys = KeyChecker(settings.api_keys)
+        self.keys = KeyChecker(settings.api_keys, settings.tenants)
         self.limits = KeyLimits(settings.rate_limit_per_minute, settings.max_concurrent_per_key)
         self.metrics = metrics
 
@@ -105,6 +105,7 @@ class GuardMiddleware:
                                                 "invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
             return
         scope.setdefault("state", {})["api_key_name"] = key
+        scope["state"]["tenant"] = None if key == "anonymous" else key
         declared = headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
             await _answer(scope, send, ApiError(413, f"request body exceeds the limit of {self.limit} bytes",

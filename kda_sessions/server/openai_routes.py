@@ -11,6 +11,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from ..engine.engine import Engine
+from ..engine.tenancy import TenantEngine
 from ..engine.types import Done, Reply, StreamEvent, TokenDelta, ToolCallEvent
 from ..sessions.session import Session
 from .chat import (
@@ -45,7 +46,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     settings = request.app.state.settings
     tools = None if body.tool_choice == "none" else body.tools_plain()
     messages = [m.to_template() for m in body.messages]
-    session, new = await open_session(engine, body.session_id, messages, tools)
+    view = await engine.for_tenant(request.scope.get("state", {}).get("tenant"))
+    session, new = await open_session(view, body.session_id, messages, tools)
     if session.state.lock.locked():
         raise ApiError(409, f"session {session.id!r} is answering another request", "session_busy")
     tools = session.state.tools if body.session_id else tools
@@ -62,7 +64,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
 
 
 async def open_session(
-    engine: Engine, session_id: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    engine: Engine | TenantEngine, session_id: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> tuple[Session, list[dict[str, Any]]]:
     """(the session to answer in, the messages still to send). Without a session id, the closed part of the
     history becomes a new session started from the longest stored prefix of its tokens."""

@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..engine.engine import Engine
+from ..engine.tenancy import TenantEngine
 from ..engine.types import CheckpointInfo, Reply, SessionInfo, Usage
 from ..errors import SessionNotFound
 from ..sessions.session import Session
@@ -27,14 +27,15 @@ def session_info(s: Session, saved: bool | None = None) -> SessionInfo:
                        active=st.resident, saved=st.generation > 0 if saved is None else saved, parent=st.parent)
 
 
-def _engine(request: Request) -> Engine:
-    return request.app.state.engine
+async def _engine(request: Request) -> TenantEngine:
+    """The engine's session API for the caller's tenant: other tenants' sessions do not exist for it."""
+    return await request.app.state.engine.for_tenant(request.scope.get("state", {}).get("tenant"))
 
 
 async def _session(request: Request, session_id: str, *, idle: bool = False) -> Session:
     """The session (loaded from the store if this engine does not hold it). ``idle``: refuse with 409
     instead of queueing behind a call in progress."""
-    s = await _engine(request).resume(session_id)
+    s = await (await _engine(request)).resume(session_id)
     if idle and s.state.lock.locked():
         raise ApiError(409, f"session {session_id!r} is answering another request", "session_busy")
     return s
@@ -46,7 +47,7 @@ def _created(model: Any) -> JSONResponse:
 
 @router.post("", status_code=201, response_model=SessionInfo)
 async def create_session(body: CreateSession, request: Request) -> JSONResponse:
-    engine = _engine(request)
+    engine = (await _engine(request))
     if body.session_id is not None and (body.session_id in engine.sessions or await _stored(engine, body.session_id)):
         raise ApiError(409, f"session {body.session_id!r} already exists", "session_exists")
     tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
@@ -54,19 +55,19 @@ async def create_session(body: CreateSession, request: Request) -> JSONResponse:
     return _created(session_info(s, saved=False))
 
 
-async def _stored(engine: Engine, session_id: str) -> bool:
+async def _stored(engine: TenantEngine, session_id: str) -> bool:
     return any(i.session_id == session_id for i in await engine.list_sessions())
 
 
 @router.get("")
 async def list_sessions(request: Request) -> dict[str, Any]:
-    infos = await _engine(request).list_sessions()
+    infos = await (await _engine(request)).list_sessions()
     return {"object": "list", "data": [i.model_dump(mode="json") for i in infos]}
 
 
 @router.get("/{session_id}", response_model=SessionInfo)
 async def get_session(session_id: str, request: Request) -> SessionInfo:
-    for info in await _engine(request).list_sessions():
+    for info in await (await _engine(request)).list_sessions():
         if info.session_id == session_id:
             return info
     raise SessionNotFound(f"no session {session_id!r}")
@@ -74,7 +75,7 @@ async def get_session(session_id: str, request: Request) -> SessionInfo:
 
 @router.delete("/{session_id}")
 async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
-    await _engine(request).delete_session(session_id)
+    await (await _engine(request)).delete_session(session_id)
     return {"id": session_id, "object": "session.deleted", "deleted": True}
 
 
@@ -123,7 +124,7 @@ async def checkpoint(session_id: str, body: CreateCheckpoint, request: Request) 
 
 @router.post("/{session_id}/fork", status_code=201, response_model=SessionInfo)
 async def fork(session_id: str, body: Fork, request: Request) -> JSONResponse:
-    engine = _engine(request)
+    engine = (await _engine(request))
     if body.session_id is not None and body.session_id in engine.sessions:
         raise ApiError(409, f"session {body.session_id!r} already exists", "session_exists")
     child = await engine.fork(session_id, body.checkpoint, new_id=body.session_id)

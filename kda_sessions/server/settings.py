@@ -19,6 +19,9 @@ class ServerSettings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     """0 picks a free port (tests)."""
     api_keys: list[str] = Field(default_factory=list)
+    tenants: dict[str, list[str]] = Field(default_factory=dict)
+    """Tenant name -> its API keys. Sessions, checkpoints, stored blobs and prefix reuse are scoped to a tenant;
+    each key in ``api_keys`` is a tenant of its own."""
     """Accepted bearer keys; empty means no auth, which is refused on a non-loopback host."""
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
     """Larger request bodies get 413, checked before the body is buffered."""

@@ -185,7 +185,7 @@ class Session:
         s.turn_open = not (work.output and work.output[-1] in eng.tokenizer.eos_ids)
         for c in work.checkpoints:
             if c.state_pos >= 0:
-                eng.prefix_index.add(s.tokens, PrefixHit(s.id, c.name, c.position))
+                eng.space_of(s).index.add(s.tokens, PrefixHit(s.id, c.name, c.position))
         if s.resident and work.error is None:
             self._record_checkpoint(f"msg-{len(s.messages) - 1}")
         eng.trim_checkpoints(s)
@@ -228,7 +228,7 @@ class Session:
         if old is not None:
             eng._release_checkpoint(old)
         s.checkpoints[name] = cp
-        eng.prefix_index.add(s.tokens, PrefixHit(s.id, name, cp.position))
+        eng.space_of(s).index.add(s.tokens, PrefixHit(s.id, name, cp.position))
         return cp
 
     async def checkpoint(self, name: str) -> CheckpointInfo:
@@ -243,10 +243,11 @@ class Session:
     async def save(self) -> SaveResult:
         """Returns once the snapshot is durable in the store."""
         async with self.state.lock:
-            return await self.engine.io.save(self.state)
+            return await self.engine.space_of(self.state).save(self.state)
 
     async def fork(self, checkpoint: str | None = None) -> Session:
-        return await self.engine.fork(self.id, checkpoint)
+        view = await self.engine.for_tenant(self.state.tenant)
+        return await view.fork(self.id, checkpoint)
 
 
 _TOOL_MARKERS = (

@@ -67,6 +67,7 @@ class Checkpoint:
 @dataclass
 class SessionState:
     id: str
+    tenant: str | None = None
     tokens: list[int] = field(default_factory=list)
     num_cached: int = 0
     """Tokens whose effect is in the pools (KDA slot + KV pages); the rest of ``tokens`` is pending."""

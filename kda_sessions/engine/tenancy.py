@@ -1,0 +1,222 @@
+"""Sessions of one tenant: the public session API, scoped.
+
+Every tenant has its own snapshot store namespace (blob keys, manifests), its own prefix index and its own
+session ids: another tenant's valid id answers exactly like an unknown one, and prefix reuse never crosses
+tenants. ``Engine``'s own methods act for the default tenant (None); a server maps each API key to a tenant and
+uses ``engine.for_tenant(name)``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+from ..errors import CheckpointNotFound, SessionNotFound
+from ..sessions.state import SessionState
+from ..storage.manifest import SESSION_ID_PATTERN
+from .types import SessionInfo
+
+if TYPE_CHECKING:
+    from ..sessions.session import Session
+    from .engine import Engine
+    from .snapshots import SnapshotIO
+
+TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+def tenant_store_url(url: str, tenant: str) -> str:
+    """The store URL of a tenant's namespace: a sub-folder on disk, a key prefix in Redis, its own memory."""
+    if not re.match(TENANT_PATTERN, tenant):
+        raise ValueError(f"tenant must match {TENANT_PATTERN}, got {tenant!r}")
+    scheme, _, rest = url.partition(":")
+    if scheme == "disk":
+        from ..storage.backends.registry import default_disk_root
+
+        root = rest or str(default_disk_root())
+        return f"disk:{root.rstrip('/')}/tenants/{tenant}"
+    if scheme in ("redis", "rediss"):
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        query["prefix"] = f"{query.get('prefix', 'kda:')}t.{tenant}:"
+        return urlunsplit(parts._replace(query=urlencode(query)))
+    return url  # memory: every open is a new, separate store
+
+
+def new_session_id() -> str:
+    """128 random bits, URL- and path-safe."""
+    import secrets
+
+    return "s_" + secrets.token_hex(16)
+
+
+class TenantEngine:
+    """The session API of ``Engine`` (create, resume, fork, list, delete) for one tenant."""
+
+    def __init__(self, engine: Engine, tenant: str | None, io: SnapshotIO) -> None:
+        self.engine = engine
+        self.tenant = tenant
+        self.io = io
+
+    @property
+    def sessions(self) -> dict[str, SessionState]:
+        """This tenant's sessions held by the engine, by id."""
+        return {sid: s for (t, sid), s in self.engine._sessions.items() if t == self.tenant}
+
+    def _get(self, sid: str) -> SessionState | None:
+        return self.engine._sessions.get((self.tenant, sid))
+
+    def _put(self, s: SessionState) -> None:
+        s.tenant = self.tenant
+        self.engine._sessions[(self.tenant, s.id)] = s
+
+    def _check_new_id(self, session_id: str | None) -> str:
+        sid = session_id or new_session_id()
+        if not re.match(SESSION_ID_PATTERN, sid):
+            raise ValueError(f"session_id must match {SESSION_ID_PATTERN}, got {sid!r}")
+        if self._get(sid) is not None:
+            raise ValueError(f"session {sid!r} already exists")
+        return sid
+
+    def _handle(self, s: SessionState) -> Session:
+        from ..sessions.session import Session
+
+        return Session(self.engine, s)
+
+    # -- create ----------------------------------------------------------------------------------------------
+
+    async def create_session(
+        self, system: str | None = None, tools: list[dict[str, Any]] | None = None, *, session_id: str | None = None
+    ) -> Session:
+        messages = [{"role": "system", "content": system}] if system else []
+        s = await self._from_messages(messages, tools, session_id)
+        return self._handle(s)
+
+    async def create_session_from_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *, session_id: str | None = None
+    ) -> Session:
+        return self._handle(await self._from_messages(messages, tools, session_id))
+
+    async def _from_messages(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, session_id: str | None
+    ) -> SessionState:
+        from ..tokenizer import encode_chat
+
+        eng = self.engine
+        sid = self._check_new_id(session_id)
+        tokens = encode_chat(eng.tokenizer, messages, tools, add_generation_prompt=False, template=eng.template) if (messages or tools) else []
+        s = await self._start_from_prefix(sid, tokens)
+        s.system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
+        s.tools = tools
+        s.messages = [dict(m) for m in messages]
+        s.next_message_index = len(messages)
+        s.turn_open = False
+        return s
+
+    async def _start_from_prefix(self, sid: str, tokens: list[int]) -> SessionState:
+        """A fresh session holding ``tokens``; starts from this tenant's longest indexed checkpoint prefix."""
+        hit = self.io.index.longest(tokens)
+        s: SessionState | None = None
+        if hit is not None:
+            try:
+                s = await self._fork_state(hit.session_id, hit.checkpoint, sid)
+            except (SessionNotFound, CheckpointNotFound):
+                s = None
+        if s is None:
+            s = SessionState(id=sid, tenant=self.tenant)
+            await self.engine._make_resident(s)
+        s.tokens.extend(tokens[len(s.tokens) :])
+        self._put(s)
+        return s
+
+    # -- resume, fork ----------------------------------------------------------------------------------------
+
+    async def resume(self, session_id: str) -> Session:
+        s = self._get(session_id)
+        if s is not None:
+            return self._handle(s)
+        eng = self.engine
+        t0 = time.perf_counter()
+        s = await self.io.load_session(session_id)
+        s.tenant = self.tenant
+        await eng._make_resident(s)
+        self._put(s)
+        eng.counters["resumes"] += 1
+        eng.resume_seconds.append(time.perf_counter() - t0)
+        return self._handle(s)
+
+    async def fork(self, session_id: str, checkpoint: str | None = None, *, new_id: str | None = None) -> Session:
+        sid = self._check_new_id(new_id)
+        s = await self._fork_state(session_id, checkpoint, sid)
+        self._put(s)
+        self.engine.counters["forks"] += 1
+        return self._handle(s)
+
+    async def _fork_state(self, parent_id: str, checkpoint: str | None, sid: str) -> SessionState:
+        parent = self._get(parent_id) or (await self.resume(parent_id)).state
+        async with parent.lock:
+            if checkpoint is None or checkpoint == "head":
+                cp = self.engine._head_checkpoint(parent)
+            elif checkpoint in parent.checkpoints:
+                cp = parent.checkpoints[checkpoint]
+            else:
+                raise CheckpointNotFound(f"session {parent_id!r} has no checkpoint {checkpoint!r}")
+            child = SessionState(
+                id=sid,
+                tenant=self.tenant,
+                tokens=parent.tokens[: cp.position],
+                num_cached=cp.state_pos,
+                system=parent.system,
+                tools=parent.tools,
+                messages=[dict(m) for m in parent.messages[: cp.num_messages]],
+                turn_open=cp.turn_open,
+                parent=parent_id,
+                next_message_index=cp.num_messages,
+            )
+            await self.io.materialize(cp)
+            await self.engine._seat_from_checkpoint(child, cp)
+            if cp.name == "__head__":
+                self.engine._release_checkpoint(cp)
+        return child
+
+    # -- list, delete ----------------------------------------------------------------------------------------
+
+    async def list_sessions(self) -> list[SessionInfo]:
+        stored = set(await self.io.list_stored())
+        held = self.sessions
+        out = []
+        for sid in sorted(stored | set(held)):
+            s = held.get(sid)
+            if s is not None:
+                out.append(SessionInfo(
+                    session_id=sid, num_tokens=s.num_tokens, checkpoints=sorted(s.checkpoints), active=s.resident,
+                    saved=sid in stored, parent=s.parent,
+                ))
+                continue
+            try:
+                m = await self.io.snapshots.load_manifest(sid)
+            except Exception:  # listed but unreadable: skip it, do not fail the listing
+                continue
+            out.append(SessionInfo(
+                session_id=sid, num_tokens=m.num_tokens, checkpoints=[c.name for c in m.checkpoints],
+                active=False, saved=True, parent=m.parent,
+            ))
+        return out
+
+    async def delete_session(self, session_id: str) -> None:
+        s = self._get(session_id)
+        found = s is not None
+        if s is not None:
+            async with s.lock:
+                self.engine._release(s, keep_checkpoint_states=False)
+                del self.engine._sessions[(self.tenant, session_id)]
+        self.io.index.remove_session(session_id)
+        if session_id in await self.io.list_stored():
+            await self.io.snapshots.delete_session(session_id)
+            found = True
+        if not found:
+            raise SessionNotFound(f"no session {session_id!r}")
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
