@@ -1,0 +1,129 @@
+"""Zygote for the crash tests: imports torch and the engine once, then forks one worker per job.
+
+    python crash_worker.py        # reads one JSON job per stdin line; prints "pid N", then "exit N STATUS"
+
+A job is {"store": url, "log": path, "sessions": n, "rounds": r, "seed": s, "fault": [point, nth] | null,
+"verify_only": bool}. The worker opens an engine on the store and, for sessions sess0..sess{n-1}, resumes each
+(logging what it found: generation, token ids and the next 4 greedy tokens) or creates it if missing; then, for
+`rounds` rounds (0 = forever), appends 8 random tokens to each session, saves it and logs an ack with the
+generation, the token ids and the next 4 greedy tokens. Log lines are JSON, one os.write each (a SIGKILL leaves
+whole lines plus at most one partial last line). With `fault`, the worker SIGKILLs itself at the nth time it
+reaches that storage fault point (see kda_sessions.storage.faults).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+torch.set_num_threads(1)  # before any op: no OpenMP thread pool exists when we fork
+
+import anyio  # noqa: E402
+from kda_sessions.storage import faults  # noqa: E402
+
+import kda_sessions as ks  # noqa: E402
+from kda_sessions.errors import SnapshotConflict  # noqa: E402
+from kda_sessions.model import load_model  # noqa: E402
+
+ENGINE_ARGS: dict[str, Any] = {"page_size": 16, "max_active_sessions": 16, "num_pages": 1024, "ram_tier_bytes": 0}
+
+
+def _log(fd: int, **event: Any) -> None:
+    os.write(fd, (json.dumps(event) + "\n").encode())
+
+
+def _install_fault(point: str, nth: int) -> None:
+    hits = 0
+
+    def hook(name: str) -> None:
+        nonlocal hits
+        if name == point:
+            hits += 1
+            if hits >= nth:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    faults.hook = hook
+
+
+async def _retry(fn: Any, fd: int, sid: str) -> Any:
+    """Call fn(), retrying while the store is down or a dead writer's lease has not expired yet."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            return await fn()
+        except SnapshotConflict:
+            raise
+        except (ks.StoreUnavailable, ks.SessionBusy) as e:
+            if time.monotonic() > deadline:
+                raise
+            _log(fd, ev="retry", sid=sid, type=type(e).__name__)
+            await anyio.sleep(0.05)
+
+
+async def _work(job: dict[str, Any], fd: int) -> None:
+    rng = random.Random(job["seed"])
+    async with await ks.Engine.open(model="tiny-random", store=job["store"], **ENGINE_ARGS) as eng:
+        sessions = []
+        for i in range(job["sessions"]):
+            sid = f"sess{i}"
+            try:
+                s = await _retry(lambda sid=sid: eng.resume(sid), fd, sid)
+            except ks.SessionNotFound:
+                _log(fd, ev="missing", sid=sid)
+                sessions.append(await eng.create_session(session_id=sid))
+                continue
+            except Exception as e:  # a corrupt load: the verifier counts it as a failure
+                _log(fd, ev="error", sid=sid, type=type(e).__name__, msg=str(e)[:300])
+                continue
+            tokens, gen = list(s.state.tokens), s.state.generation
+            nxt = (await s.generate(max_tokens=4, ignore_eos=True)).token_ids
+            _log(fd, ev="resumed", sid=sid, gen=gen, tokens=tokens, next=nxt)
+            sessions.append(s)
+        _log(fd, ev="ready")
+        if job.get("verify_only"):
+            return
+        r = 0
+        while job["rounds"] == 0 or r < job["rounds"]:
+            r += 1
+            for s in sessions:
+                await s.append([rng.randrange(32, 250) for _ in range(8)])
+                await _retry(s.save, fd, s.id)
+                tokens, gen = list(s.state.tokens), s.state.generation
+                nxt = (await s.generate(max_tokens=4, ignore_eos=True)).token_ids
+                _log(fd, ev="ack", sid=s.id, gen=gen, tokens=tokens, next=nxt)
+        _log(fd, ev="done")
+
+
+def _run_worker(job: dict[str, Any]) -> None:
+    fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    if job.get("fault"):
+        _install_fault(*job["fault"])
+    try:
+        anyio.run(_work, job, fd)
+    except BaseException as e:
+        _log(fd, ev="crash", type=type(e).__name__, msg=str(e)[:300])
+        os._exit(3)
+    os._exit(0)
+
+
+def main() -> None:
+    load_model("tiny-random")  # warm lazy initialisation once, in the zygote
+    for line in sys.stdin:
+        job = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            _run_worker(job)
+        print(f"pid {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"exit {pid} {status}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
