@@ -219,3 +219,29 @@ async def dangling_references(store_url: str) -> list[str]:
             if missing:
                 out.append(f"{sid}: references {len(missing)} missing blobs")
     return out
+
+
+def tiny_snapshot(session_id: str, generation: int, fill: float = 0.0) -> tuple[Any, dict[str, bytes]]:
+    """A valid manifest of 3 tokens (page size 4) at `generation`, and its blobs (depend on `fill`)."""
+    import torch
+    from kda_sessions.storage import CheckpointRecord, ModelFingerprint, SessionManifest
+    from kda_sessions.storage.blobs import digest, encode_tensor, encode_tensors
+
+    blobs = {}
+    for data in (
+        encode_tensor(torch.tensor([1, 2, 3], dtype=torch.int32)),
+        encode_tensors({"kda.0": torch.full((2, 3), fill)}),
+        encode_tensor(torch.full((8,), fill)),
+    ):
+        blobs[digest(data)] = data
+    tokens_d, state_d, page_d = list(blobs)
+    m = SessionManifest(
+        session_id=session_id,
+        fingerprint=ModelFingerprint(model_id="t", config_hash="c", dtype="float32", page_size=4),
+        tokens_blob=tokens_d,
+        num_tokens=3,
+        head=CheckpointRecord(name="head", position=3, state_blob=state_d, pages=[page_d], created_at=0.0),
+        generation=generation,
+        saved_at=0.0,
+    )
+    return m, blobs
