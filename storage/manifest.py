@@ -7,6 +7,7 @@ the store is validated here: digests are 64 lowercase hex characters and session
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from typing import Annotated, Any
@@ -87,6 +88,9 @@ class SessionManifest(_Strict):
     generation: Annotated[int, Field(ge=0)] = 0
     """Incremented on each save; the basis of a later compare-and-set."""
     saved_at: float
+    checksum: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(default=None, exclude=True)
+    """sha256 of the manifest's canonical JSON without this field; written by `dumps`, verified and cleared by
+    `loads`. The schema alone cannot notice a flipped bit in a timestamp or a message; this does."""
 
     @model_validator(mode="after")
     def _check_positions(self) -> SessionManifest:
@@ -139,8 +143,10 @@ class SessionManifest(_Strict):
                 )
 
     def dumps(self) -> bytes:
-        """The manifest as compact UTF-8 JSON."""
-        return self.model_dump_json().encode()
+        """The manifest as compact UTF-8 JSON, its checksum as the last field."""
+        body = self.model_dump_json().encode()  # `checksum` is excluded from dumps
+        return body[:-1] + b',"checksum":"' + hashlib.sha256(body).hexdigest().encode() + b'"}'
+
 
     @classmethod
     def loads(cls, data: bytes | str) -> SessionManifest:
@@ -162,6 +168,15 @@ class SessionManifest(_Strict):
             )
         try:
             # strict: stored JSON must already have the right types ("3" is not a page size).
-            return cls.model_validate_json(data, strict=True)
+            m = cls.model_validate_json(data, strict=True)
         except ValidationError as e:
             raise IntegrityError(f"manifest of session {raw.get('session_id')!r:.140} is invalid: {e}") from e
+        if m.checksum is not None:
+            actual = hashlib.sha256(m.model_dump_json().encode()).hexdigest()
+            if actual != m.checksum:
+                raise IntegrityError(
+                    f"manifest of session {m.session_id!r}: content has sha256 {actual}, its checksum says "
+                    f"{m.checksum}; corrupt"
+                )
+            m.checksum = None
+        return m
