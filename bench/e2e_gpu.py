@@ -34,7 +34,7 @@ T0 = time.time()
 
 def _import_pydantic() -> str:
     try:
-        import pydantic  # noqa: F401
+        import pydantic
 
         return "installed"
     except ImportError:
@@ -46,7 +46,7 @@ def _import_pydantic() -> str:
             z.extractall(site)
     sys.path.append(str(site))  # after site-packages: only what is missing comes from here
     try:
-        import pydantic  # noqa: F401
+        import pydantic
 
         return "carried (appended)"
     except ImportError:

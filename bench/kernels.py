@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import triton
 import triton.testing
+
 from kda_sessions.kernels.conv.naive import naive_causal_conv
 from kda_sessions.kernels.conv.triton_conv import causal_conv_triton
 from kda_sessions.kernels.gate.naive import naive_kda_gate

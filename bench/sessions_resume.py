@@ -29,6 +29,7 @@ import anyio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from common import MIB, Timer
+
 from kda_sessions.storage import SnapshotStore
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+
 from kda_sessions.kernels.gate.naive import naive_kda_gate
 
 

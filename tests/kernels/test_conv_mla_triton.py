@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kda_sessions.kernels.conv.naive import naive_causal_conv
 from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
 

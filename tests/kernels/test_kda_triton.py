@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from kda_sessions.kernels.kda.naive import naive_recurrent_kda
 
 from .kernel_helpers import kda_inputs, rel_rms

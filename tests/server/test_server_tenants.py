@@ -46,7 +46,7 @@ def test_other_tenants_session_is_not_found(tenant_server):
     assert sid not in {s["session_id"] for s in _get(srv, KEY_B, "/v1/sessions").json()["data"]}
     assert sid in {s["session_id"] for s in _get(srv, KEY_A, "/v1/sessions").json()["data"]}
     # prefix reuse: A's resend of the same history reuses A's prefix; B's identical history reuses nothing
-    again = history + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
+    again = [*history, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     ra = _post(srv, KEY_A, "/v1/chat/completions", {"model": "tiny-random", "messages": again, "max_tokens": 2})
     rb = _post(srv, KEY_B, "/v1/chat/completions", {"model": "tiny-random", "messages": again, "max_tokens": 2})
     assert ra.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
