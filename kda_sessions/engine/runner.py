@@ -102,6 +102,10 @@ class Runner:
         rows = [s.pages + [0] * (width - len(s.pages)) for s in sessions]
         return torch.tensor(rows, dtype=torch.int32, device=self.model.device)
 
+    def _rows(self, sessions: list[SessionState], num_new: list[int]) -> torch.Tensor:
+        rows = ForwardBatch.rows_for([s.pages for s in sessions], [s.num_cached for s in sessions], num_new, self.pools.page_size)
+        return torch.tensor(rows, dtype=torch.long, device=self.model.device)
+
     def _prefill(self, chunks: list[tuple[Work, int]], finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
         if not chunks:
             return
@@ -132,6 +136,7 @@ class Runner:
             slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
             page_table=self._table(sessions),
             checkpoint_positions=positions if any(positions) else None,
+            kv_rows=self._rows(sessions, [n for _, n in chunks]),
         )
         logits, states = self.model.step(batch, self.pools)
         m = 0
@@ -178,6 +183,7 @@ class Runner:
             start=[s.num_cached for s in sessions],
             slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
             page_table=self._table(sessions),
+            kv_rows=self._rows(sessions, [1] * len(sessions)),
         )
         logits, _ = self.model.step(batch, self.pools)
         for i, w in enumerate(works):

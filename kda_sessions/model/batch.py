@@ -46,6 +46,9 @@ class ForwardBatch:
     page_table: Tensor
     checkpoint_positions: list[list[int]] | None = None
     all_logits: bool = False
+    kv_rows: Tensor | None = None
+    """Optional [T_total] flat row (page * P + offset) of each new token's KV entry, built by a caller that
+    keeps page tables on the host, so the model needs no device-to-host copy of ``page_table``."""
     cu_seqlens: Tensor = field(init=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +63,14 @@ class ForwardBatch:
         for t in self.num_new:
             offsets.append(offsets[-1] + t)
         self.cu_seqlens = torch.tensor(offsets, dtype=torch.long, device=self.input_ids.device)
+
+    @staticmethod
+    def rows_for(pages: list[list[int]], start: list[int], num_new: list[int], page_size: int) -> list[int]:
+        """Flat KV rows of the new tokens of each sequence, from host-side page lists."""
+        rows: list[int] = []
+        for table, s, t in zip(pages, start, num_new):
+            rows.extend(table[p // page_size] * page_size + p % page_size for p in range(s, s + t))
+        return rows
 
     @property
     def is_decode(self) -> bool:

@@ -53,13 +53,10 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(T, H * self.dv))
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
-        P = kv_pages.shape[1]
-        # flat row index page * P + offset of every new token, built on the host then copied once
-        rows: list[int] = []
-        table = batch.page_table.tolist()
-        for n, (s, t) in enumerate(zip(batch.start, batch.num_new)):
-            rows.extend(table[n][p // P] * P + p % P for p in range(s, s + t))
-        idx = torch.tensor(rows, dtype=torch.long, device=latent.device)
+        idx = batch.kv_rows
+        if idx is None:  # no host-side rows given: derive them from the page table (one device-to-host copy)
+            rows = ForwardBatch.rows_for(batch.page_table.tolist(), batch.start, batch.num_new, kv_pages.shape[1])
+            idx = torch.tensor(rows, dtype=torch.long, device=latent.device)
         kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, idx, latent.to(kv_pages.dtype))
 
     def _prefill(self, q: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> Tensor:
