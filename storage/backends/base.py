@@ -125,14 +125,23 @@ class BlobStore(ABC):
         written: set[str] = set()
         limit = anyio.Semaphore(max(1, max_in_flight))
 
+        errors: list[Exception] = []
+
         async def one(d: str, data: bytes) -> None:
             async with limit:
-                if await self.put_blob(d, data):
-                    written.add(d)
+                if errors:
+                    return
+                try:
+                    if await self.put_blob(d, data):
+                        written.add(d)
+                except Exception as e:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                    errors.append(e)
 
         async with anyio.create_task_group() as tg:
             for d, data in blobs.items():
                 tg.start_soon(one, d, data)
+        if errors:
+            raise errors[0]
         return written
 
     async def get_blobs(
@@ -142,13 +151,22 @@ class BlobStore(ABC):
         out: dict[str, bytes] = {}
         limit = anyio.Semaphore(max(1, max_in_flight))
 
+        errors: list[Exception] = []
+
         async def one(d: str) -> None:
             async with limit:
-                out[d] = await self.get_blob(d)
+                if errors:
+                    return
+                try:
+                    out[d] = await self.get_blob(d)
+                except Exception as e:  # re-raised below as itself (IntegrityError, ...), not as a group
+                    errors.append(e)
 
         async with anyio.create_task_group() as tg:
             for d in dict.fromkeys(digests):
                 tg.start_soon(one, d)
+        if errors:
+            raise errors[0]
         return out
 
     # --- manifests ---------------------------------------------------------------------------------------
