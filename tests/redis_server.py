@@ -31,18 +31,28 @@ def _pong(port: int) -> bool:
 
 
 def start_redis_server(
-    tmp_dir: Path, *, attempts: int = 3, timeout_s: float = 10.0
+    tmp_dir: Path,
+    *,
+    attempts: int = 3,
+    timeout_s: float = 10.0,
+    port: int | None = None,
+    appendfsync: str | None = None,
+    extra_args: tuple[str, ...] = (),
 ) -> tuple[int, subprocess.Popen[bytes]]:
     """Start redis-server on a free port with its files in `tmp_dir`; returns (port, process) once it answers PING.
 
-    Raises FileNotFoundError if the binary is absent, RuntimeError if it never comes up.
+    `port` reuses a given port (a restart); `appendfsync` ("always", "everysec") turns the append-only file on
+    in `tmp_dir`, so a restart on the same dir reloads the data. Raises FileNotFoundError if the binary is
+    absent, RuntimeError if it never comes up.
     """
     if REDIS_SERVER is None:
         raise FileNotFoundError("redis-server is not on PATH")
     tmp_dir.mkdir(parents=True, exist_ok=True)
     log = tmp_dir / "redis.log"
+    chosen = port
     for _ in range(attempts):  # the port can be taken between free_port() and bind; retry on another
-        port = free_port()
+        port = chosen if chosen is not None else free_port()
+        aof = ["--appendonly", "yes", "--appendfsync", appendfsync] if appendfsync else ["--appendonly", "no"]
         proc = subprocess.Popen(
             [
                 REDIS_SERVER,
@@ -52,8 +62,8 @@ def start_redis_server(
                 "127.0.0.1",
                 "--save",
                 "",
-                "--appendonly",
-                "no",
+                *aof,
+                *extra_args,
                 "--dir",
                 str(tmp_dir),
                 "--logfile",

@@ -125,7 +125,11 @@ class SnapshotIO:
         Compare-and-set on the generation this engine last loaded or saved, under the session's lease:
         SessionBusy if another engine holds the lease, SnapshotConflict if another engine saved it since."""
         manifest, blobs = await anyio.to_thread.run_sync(self._build, s)
-        result = await self.snapshots.save(manifest, blobs, expected_generation=s.generation)
+        try:
+            result = await self.snapshots.save(manifest, blobs, expected_generation=s.generation)
+        except BaseException:
+            self._forget_unsaved(s, set(blobs))
+            raise
         s.generation = result.generation
         s.stored_digests = manifest.blob_digests()
         s.head_blobs = (manifest.head.state_blob, list(manifest.head.pages))
@@ -149,6 +153,18 @@ class SnapshotIO:
                     self.index.add_hashed(key, PrefixHit(sid, cp.name, cp.position))
                     n += 1
         return n
+
+    def _forget_unsaved(self, s: SessionState, unsaved: set[str]) -> None:
+        """After a failed save, drop cached digests of blobs it built: the store may not have them, so the
+        next save must encode and send them again (else its manifest would name blobs nobody stored)."""
+        for cp in s.checkpoints.values():
+            if cp.state_blob in unsaved and cp.kda is not None:
+                cp.state_blob = None
+            if cp.page_blobs is not None and unsaved.intersection(cp.page_blobs) and cp.pages:
+                cp.page_blobs = None
+        with self.engine.mutex:
+            for page in [p for p, d in self.engine.pages.digests.items() if d in unsaved]:
+                del self.engine.pages.digests[page]
 
     # -- load ------------------------------------------------------------------------------------------------
 

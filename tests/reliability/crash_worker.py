@@ -26,11 +26,11 @@ import torch
 torch.set_num_threads(1)  # before any op: no OpenMP thread pool exists when we fork
 
 import anyio  # noqa: E402
-from kda_sessions.storage import faults  # noqa: E402
 
 import kda_sessions as ks  # noqa: E402
 from kda_sessions.errors import SnapshotConflict  # noqa: E402
 from kda_sessions.model import load_model  # noqa: E402
+from kda_sessions.storage import faults  # noqa: E402
 
 ENGINE_ARGS: dict[str, Any] = {"page_size": 16, "max_active_sessions": 16, "num_pages": 1024, "ram_tier_bytes": 0}
 

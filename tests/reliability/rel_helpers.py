@@ -224,6 +224,7 @@ async def dangling_references(store_url: str) -> list[str]:
 def tiny_snapshot(session_id: str, generation: int, fill: float = 0.0) -> tuple[Any, dict[str, bytes]]:
     """A valid manifest of 3 tokens (page size 4) at `generation`, and its blobs (depend on `fill`)."""
     import torch
+
     from kda_sessions.storage import CheckpointRecord, ModelFingerprint, SessionManifest
     from kda_sessions.storage.blobs import digest, encode_tensor, encode_tensors
 

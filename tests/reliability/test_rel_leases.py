@@ -11,11 +11,11 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from kda_sessions.storage import SnapshotStore, open_store
 from rel_helpers import tiny_snapshot
 
 import kda_sessions as ks
 from kda_sessions.errors import SnapshotConflict
+from kda_sessions.storage import SnapshotStore, open_store
 
 
 @pytest.fixture(params=["memory", "disk", "redis"])
