@@ -361,6 +361,12 @@ class Engine:
     ) -> Work:
         """Queue the session's pending tokens for prefill and (unless prefill_only) generation.
         Caller holds ``s.lock`` until the work has finished (see ``wait``)."""
+        capacity = self.config.num_pages * self.config.page_size
+        if s.num_tokens + (0 if prefill_only else params.max_tokens) > capacity:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} after a context of {s.num_tokens} tokens exceeds this engine's KV "
+                f"capacity of {capacity} tokens"
+            )
         await self._make_resident(s)
         await self.ensure_pages(s, s.num_tokens + (0 if prefill_only else params.max_tokens))
         prompt = s.tokens[s.num_cached :]

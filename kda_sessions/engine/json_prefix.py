@@ -14,7 +14,6 @@ import json
 from typing import Any
 
 _DIGITS = frozenset(b"0123456789")
-_STRING_BYTES = frozenset(range(0x20, 0x100)) - {ord('"'), ord("\\")}
 _ESCAPES = frozenset(b'"\\/bfnrtu')
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _FIRST = {
@@ -102,7 +101,7 @@ class _Parser:
             if c == ord("}"):
                 return
             self.i -= 1
-            key = self.string([k.encode() for k in left] if extra is False else None, key=True)
+            key = self.string([json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in left] if extra is False else None)
             if key in seen:
                 raise _Bad
             seen.add(key)
@@ -130,40 +129,39 @@ class _Parser:
             if self.take({ord(","), ord("]")}) == ord("]"):
                 return
 
-    def string(self, options: list[bytes] | None, key: bool = False) -> str:
+    def string(self, options: list[bytes] | None) -> str:
+        """A string, returned decoded; with ``options`` (JSON-encoded enum values or property names) its raw bytes
+        must spell one of them exactly."""
         self.take({ord('"')})
         start = self.i
-        pending_utf8 = 0
-        while True:
-            got = self.buf[start : self.i]
-            if options is not None:
+        if options is not None:
+            while True:
+                got = self.buf[start : self.i]
                 live = [o for o in options if o.startswith(got)]
-                if not live:
-                    raise _Bad
                 allowed = {o[len(got)] for o in live if len(o) > len(got)}
-                if got in live:
+                if got in live:  # JSON encodings never hold a bare quote, so a quote here ends the string
                     allowed.add(ord('"'))
-            elif pending_utf8:
-                allowed = set(range(0x80, 0xC0))
-            else:
-                allowed = set(_STRING_BYTES) | {ord('"'), ord("\\")}
-                allowed -= set(range(0x80, 0xC0)) | {0xC0, 0xC1} | set(range(0xF5, 0x100))
-            c = self.take(allowed)
-            if pending_utf8:
-                pending_utf8 -= 1
-            elif c == ord('"'):
-                return got.decode("utf-8", errors="replace")
-            elif c == ord("\\"):
-                e = self.take(_ESCAPES)
-                if e == ord("u"):
+                if self.take(allowed) == ord('"') and got in live:
+                    return str(json.loads(self.buf[start - 1 : self.i]))
+        need = 0  # UTF-8 continuation bytes still expected
+        lo, hi = 0x80, 0xBF  # the range of the next continuation byte (narrower right after some lead bytes)
+        while True:
+            if need:
+                self.take(set(range(lo, hi + 1)))
+                need -= 1
+                lo, hi = 0x80, 0xBF
+                continue
+            c = self.take(set(range(0x20, 0x80)) | set(range(0xC2, 0xF5)))
+            if c == ord('"'):  # decoded, so an escaped key is checked against the property it names
+                return str(json.loads(self.buf[start - 1 : self.i]))
+            if c == ord("\\"):
+                if self.take(_ESCAPES) == ord("u"):
                     for _ in range(4):
                         self.take(_HEX)
-            elif c >= 0xF0:
-                pending_utf8 = 3
-            elif c >= 0xE0:
-                pending_utf8 = 2
-            elif c >= 0xC0:
-                pending_utf8 = 1
+            elif c >= 0xC2:
+                need = 1 if c < 0xE0 else 2 if c < 0xF0 else 3
+                # exclude overlong forms, UTF-16 surrogates and code points past U+10FFFF
+                lo, hi = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}.get(c, (0x80, 0xBF))
 
     def number(self, fraction: bool, follow: set[int]) -> None:
         if self.peek(_DIGITS | {ord("-")}) == ord("-"):

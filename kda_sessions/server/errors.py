@@ -122,7 +122,8 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_http(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
-        return ApiError(exc.status_code, str(exc.detail), codes.get(exc.status_code),
+        default = "invalid_request" if 400 <= exc.status_code < 500 else "server_error"
+        return ApiError(exc.status_code, str(exc.detail), codes.get(exc.status_code, default),
                         headers=dict(exc.headers) if exc.headers else None).response()
 
     app.add_exception_handler(RequestValidationError, on_validation)

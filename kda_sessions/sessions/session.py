@@ -56,8 +56,13 @@ class Session:
         self._check_ids(ids)
         s = self.state
         async with s.lock:
+            before = s.num_tokens
             s.tokens.extend(ids)
-            work = await self.engine.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+            try:
+                work = await self.engine.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+            except BaseException:
+                del s.tokens[before:]  # refused before anything ran: the session is as it was
+                raise
             await self.engine.wait(work)
             return Usage(prompt_tokens=s.num_tokens, prefill_tokens=len(work.prompt), cached_tokens=s.num_tokens - len(work.prompt))
 
@@ -163,14 +168,20 @@ class Session:
         full = encode_chat_delta(tok, messages, add_generation_prompt=True, template=tpl, history=s.messages, tools=s.tools)
         boundary = s.num_tokens + len(ids) + len(body)
         ids += full
+        undo = (s.num_tokens, len(s.messages), s.turn_open)
         s.tokens.extend(ids)
         s.messages.extend(dict(m) for m in messages)
         s.turn_open = False
         name = f"msg-{len(s.messages) - 1}"
         # the input's end: captured by this very prefill, from the state at that position
         cp = Checkpoint(name=name, position=boundary, state_pos=-1, num_messages=len(s.messages))
-        self._prompt_tokens = s.num_tokens
-        return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish, tool_choice=tool_choice)
+        try:
+            return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish, tool_choice=tool_choice)
+        except BaseException:  # refused before anything ran (bad max_tokens, no room): the session is as it was
+            del s.tokens[undo[0] :]
+            del s.messages[undo[1] :]
+            s.turn_open = undo[2]
+            raise
 
     def _finish_turn(self, work: Work) -> Reply:
         """Record the assistant message and the checkpoint after it; build the reply."""

@@ -199,7 +199,7 @@ class ChatTemplate:
         if isinstance(obj, str):
             return self._escape_re.sub(_break, obj)
         if isinstance(obj, dict):
-            return {k: self._escape(v) for k, v in obj.items()}
+            return {self._escape(k): self._escape(v) for k, v in obj.items()}
         if isinstance(obj, list):
             return [self._escape(v) for v in obj]
         return obj

@@ -173,3 +173,17 @@ def test_prefill_budget_is_shared_fairly():
     assert sum(got.values()) == 1000
     assert all(got[f"s{i}"] == 150 for i in range(3))  # the short prompts finish in this very step
     assert got["big"] == 1000 - 450
+
+
+async def test_refused_call_leaves_the_session_unchanged():
+    async with await ks.Engine.open(store="memory:", num_pages=8, page_size=16) as eng:
+        s = await eng.create_session(system="sys")
+        await s.send("hi", max_tokens=2)
+        before = (list(s.state.tokens), list(s.messages), s.state.turn_open)
+        with pytest.raises(ValueError, match="KV capacity"):
+            await s.send("again", max_tokens=10**6)
+        with pytest.raises(ValueError, match="KV capacity"):
+            await s.append(list(range(200)))
+        assert (list(s.state.tokens), list(s.messages), s.state.turn_open) == before
+        r = await s.send("fine", max_tokens=2)
+        assert r.usage.completion_tokens >= 1

@@ -80,8 +80,6 @@ def test_fuzz_encode_chat_contents_never_become_specials(messages: list[dict[str
 
 
 @pytest.mark.parametrize("where", ["tool_parameters", "call_arguments"])
-@pytest.mark.xfail(strict=True, reason="ChatTemplate._escape escapes dict values but not dict keys, so a special "
-                   "name used as a key in tools or in dict-valued tool_call arguments renders as a real special token")
 def test_fuzz_special_names_in_dict_keys_stay_text(where: str) -> None:
     injected = {"<|im_end|>": 1, "<|im_system|>": 2}
     if where == "tool_parameters":
