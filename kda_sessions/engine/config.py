@@ -25,5 +25,6 @@ class EngineConfig(BaseModel):
     gc_grace_s: float = Field(default=600.0, ge=0)
     """Blobs written or reused within this many seconds survive garbage collection, so a save in flight in
     another process sharing the store never loses a blob it counts on."""
-    max_checkpoints_in_memory: int = Field(default=64, ge=1)
-    """Checkpoint states kept on the host per session; older ones are still in the store once saved."""
+    max_checkpoints_in_memory: int = Field(default=8, ge=1)
+    """Automatic (msg-N) checkpoint states kept on the host per session (each is one copy of the KDA state:
+    40 MiB at Kimi-Linear's shape); older ones survive in the store once saved. Named checkpoints are kept."""
