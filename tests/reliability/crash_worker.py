@@ -32,7 +32,9 @@ from kda_sessions.errors import SnapshotConflict  # noqa: E402
 from kda_sessions.model import load_model  # noqa: E402
 from kda_sessions.storage import faults  # noqa: E402
 
-ENGINE_ARGS: dict[str, Any] = {"page_size": 16, "max_active_sessions": 16, "num_pages": 1024, "ram_tier_bytes": 0}
+# Pools big enough that the engine never evicts a session (an eviction is a save nobody acks, which the
+# verifier would rightly report as a generation skipped): 8192 pages hold ~2,000 saves of 6 sessions.
+ENGINE_ARGS: dict[str, Any] = {"page_size": 16, "max_active_sessions": 16, "num_pages": 8192, "ram_tier_bytes": 0}
 
 
 def _log(fd: int, **event: Any) -> None:
