@@ -24,6 +24,7 @@ from .errors import (
     KdaSessionsError,
     SessionBusy,
     SessionNotFound,
+    SnapshotConflict,
     StoreError,
     StoreUnavailable,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "SessionBusy",
     "SessionInfo",
     "SessionNotFound",
+    "SnapshotConflict",
     "StoreError",
     "StoreUnavailable",
     "StreamEvent",
