@@ -12,10 +12,11 @@ import pytest
 
 # tests/ holds helpers shared by all test folders (no tests/__init__.py in this layout).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from storage_helpers import open_redis
+
 from kda_sessions.storage.backends.base import BlobStore
 from kda_sessions.storage.backends.disk import DiskStore
 from kda_sessions.storage.backends.memory import MemoryStore
-from storage_helpers import open_redis
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import math
 import time
 
 import torch
+
 from kda_sessions.storage.backends.redis import RedisStore
 from kda_sessions.storage.blobs import digest, encode_tensor, encode_tensors
 from kda_sessions.storage.manifest import CheckpointRecord, ModelFingerprint, SessionManifest

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kda_sessions.storage.backends.base import BlobStore
 from kda_sessions.storage.backends.disk import DiskStore
 from kda_sessions.storage.backends.memory import MemoryStore

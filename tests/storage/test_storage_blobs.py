@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kda_sessions.storage import blobs
 from kda_sessions.storage.blobs import decode_tensor, decode_tensors, digest, encode_tensor, encode_tensors
 from kda_sessions.storage.errors import IntegrityError

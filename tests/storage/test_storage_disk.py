@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from kda_sessions.storage.backends import disk as disk_mod
 from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
 from kda_sessions.storage.blobs import digest

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from kda_sessions.storage.errors import IncompatibleSnapshot, IntegrityError
-from kda_sessions.storage.manifest import FORMAT_VERSION, ModelFingerprint, SessionManifest
 from pydantic import ValidationError
 from storage_helpers import FINGERPRINT, make_snapshot
+
+from kda_sessions.storage.errors import IncompatibleSnapshot, IntegrityError
+from kda_sessions.storage.manifest import FORMAT_VERSION, ModelFingerprint, SessionManifest
 
 
 def test_round_trip_and_blob_digests() -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import time
 
 import pytest
+from redis_server import free_port
+from storage_helpers import open_redis
+
 from kda_sessions.storage.backends.redis import RedisStore
 from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import IntegrityError, StoreUnavailable
-from redis_server import free_port
-from storage_helpers import open_redis
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kda_sessions.storage.backends import default_disk_root, open_store
 from kda_sessions.storage.backends.disk import DiskStore
 from kda_sessions.storage.backends.memory import MemoryStore

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import anyio
 import pytest
+from storage_helpers import FINGERPRINT, make_snapshot
+
 from kda_sessions.storage.backends.base import BlobStore
 from kda_sessions.storage.backends.memory import MemoryStore
 from kda_sessions.storage.errors import (
@@ -16,7 +18,6 @@ from kda_sessions.storage.errors import (
     StoreError,
 )
 from kda_sessions.storage.snapshot import SnapshotStore
-from storage_helpers import FINGERPRINT, make_snapshot
 
 
 def _size(blobs: dict[str, bytes]) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kda_sessions.storage.backends.memory import MemoryStore
 from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import BlobNotFound
