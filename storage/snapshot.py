@@ -105,6 +105,11 @@ class SnapshotStore:
                 if self._pinned[d] <= 0:
                     del self._pinned[d]
 
+    @property
+    def leased(self) -> frozenset[str]:
+        """Sessions whose lease this store took (by acquire_lease or a commit) and has not given back."""
+        return frozenset(self._leased)
+
     async def acquire_lease(self, session_id: str) -> int:
         """Take (or renew) the write lease of `session_id` for `lease_ttl_s`; its fencing token. SessionBusy."""
         fence = await self.store.acquire_lease(check_session_id(session_id), self.owner, self.lease_ttl_s)

@@ -28,3 +28,9 @@ class EngineConfig(BaseModel):
     max_checkpoints_in_memory: int = Field(default=8, ge=1)
     """Automatic (msg-N) checkpoint states kept on the host per session (each is one copy of the KDA state:
     40 MiB at Kimi-Linear's shape); older ones survive in the store once saved. Named checkpoints are kept."""
+    lease_ttl_s: float | None = Field(default=None, ge=0.5, le=86_400)
+    """Lifetime of a session's write lease in the store (None: the store's own, 30 s, or a Redis url's
+    ``?lease_ttl=``). The engine renews the lease of every session it holds every quarter of this, so a held
+    session stays its own however long it idles; a process that dies without closing leaves its leases to expire
+    after this long (on disk at once, when the holder was a dead process of the same host), and only then can
+    another engine save the session. Shorter means a faster takeover after a crash and more renewal traffic."""

@@ -29,6 +29,7 @@ from ..tokenizer import (
 from ..tokenizer.chat import ChatTemplate
 from .config import EngineConfig
 from .constraint import ToolChoiceConstraint, parse_tool_choice
+from .leases import LeaseKeeper
 from .pool import OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
 from .runner import Runner
 from .sampler import SamplingParams
@@ -79,6 +80,8 @@ class Engine:
         self.resume_seconds: list[float] = []
         self.closed = False
         self.runner.start()
+        self.leases = LeaseKeeper(self, self._token)
+        self.leases.start()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -106,7 +109,7 @@ class Engine:
             log.warning("no tokenizer files in %s: using the built-in byte tokenizer (vocabulary %d)", model, m.config.vocab_size)
             tokenizer = ByteTokenizer()
         template = builtin_template() if str(model) in ("tiny-random", "tiny") else load_chat_template(model, tokenizer)
-        snapshots = await SnapshotStore.open(store, ram_bytes=config.ram_tier_bytes, gc_grace_s=config.gc_grace_s)
+        snapshots = await open_snapshots(store, config)
         engine = cls(m, Path(str(model)).name, tokenizer, template, snapshots, config, store)
         try:
             indexed = await engine.io.index_stored()
@@ -120,6 +123,7 @@ class Engine:
         if self.closed:
             return
         self.closed = True
+        await self.leases.stop()
         await anyio.to_thread.run_sync(self.runner.stop)
         for view in self.spaces.values():
             await view.io.close()
@@ -138,10 +142,7 @@ class Engine:
             async with self._spaces_lock:
                 if tenant not in self.spaces:
                     assert tenant is not None
-                    snapshots = await SnapshotStore.open(
-                        tenant_store_url(self.store_url, tenant), ram_bytes=self.config.ram_tier_bytes,
-                        gc_grace_s=self.config.gc_grace_s,
-                    )
+                    snapshots = await open_snapshots(tenant_store_url(self.store_url, tenant), self.config)
                     view = TenantEngine(self, tenant, SnapshotIO(self, snapshots))
                     await view.io.index_stored()
                     self.spaces[tenant] = view
@@ -430,6 +431,14 @@ class Engine:
             w.finished.set()
             if w.on_finish is not None:
                 w.on_finish()
+
+
+async def open_snapshots(url: str, config: EngineConfig) -> SnapshotStore:
+    """The snapshot store at ``url`` with the engine's RAM tier, GC grace and lease lifetime."""
+    snapshots = await SnapshotStore.open(url, ram_bytes=config.ram_tier_bytes, gc_grace_s=config.gc_grace_s)
+    if config.lease_ttl_s is not None:
+        snapshots.lease_ttl_s = config.lease_ttl_s
+    return snapshots
 
 
 from ..sessions.session import Session  # noqa: E402  (Session needs Engine's module loaded)
