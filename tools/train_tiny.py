@@ -1,0 +1,318 @@
+# ruff: noqa: E402  (the package is imported after the device shim is set up)
+"""Train ``tiny``, the built-in hybrid model (3:1 KDA : MLA, byte vocabulary, about 9M parameters), on
+synthetic coding-agent transcripts generated offline by tools/tiny_data.py.
+
+    python tools/train_tiny.py --out DIR --steps N [--seed 0] [--batch 16] [--seq 8192]   # on a GPU
+    python tools/train_tiny.py --out DIR --device cpu --quick                               # smoke test
+
+The model is the library's own ``HybridModel`` (same modules, same parameter names); only the forward used for
+training differs in how it runs, never in its math:
+
+- KDA: the same projections, the same depthwise causal conv + SiLU (zero tail at the start of each row), the
+  same gate (``naive_kda_gate``), the same beta, output norm and output gate; the delta rule itself runs through
+  fla-core's ``chunk_kda`` on a GPU (it has a backward) and the library's ``naive_chunk_kda`` on a CPU.
+- MLA: the same latent, the same decompression, causal SDPA with the same scale (NoPE: no positions).
+- FFN, norms, embedding and head: the library's modules, called as they are.
+
+Checks printed in the log: at the start, the training forward against the library's own inference forward
+(``HybridModel.forward``, which uses the library's Triton kernels on a GPU) on the same ids; at the end, the
+held-out loss of the training forward (``heldout_loss`` in train_log.json), which tools/eval_tiny.py
+``--loss`` reproduces with the library's forward on a CPU. Data order is fixed by ``--seed``; with ``--steps``
+the run is reproducible up to GPU non-determinism. ``--minutes`` caps the wall time (the schedule still follows
+``--steps``; the log records the steps done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _shim() -> None:
+    """Import the package without the server's dependencies (the GPU machine has torch, triton, and the
+    carried wheels only): a folder with an empty ``__init__`` and links to the parts training needs."""
+    try:
+        import kda_sessions  # noqa: F401
+
+        return
+    except ImportError:
+        for m in [m for m in sys.modules if m.startswith("kda_sessions")]:
+            del sys.modules[m]
+    root = Path("/tmp/kda_train_shim")
+    pkg = root / "kda_sessions"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text('"""shim for tools/train_tiny.py"""\n')
+    links = {n: REPO / "kda_sessions" / n for n in ("config.py", "errors.py", "model", "builtin", "tokenizer", "tools.py")}
+    links["kernels"] = REPO / "kernels"
+    links["storage"] = REPO / "storage"
+    for name, target in links.items():
+        p = pkg / name
+        if p.is_symlink() or p.exists():
+            p.unlink()
+        p.symlink_to(target)
+    sys.path.insert(0, str(root))
+
+
+_shim()
+sys.path.insert(0, str(REPO))
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kda_sessions.config import ModelConfig
+from kda_sessions.kernels.gate.naive import naive_kda_gate
+from kda_sessions.kernels.kda.naive import naive_chunk_kda
+from kda_sessions.model import HybridModel, save_model
+from kda_sessions.model.kda import KDAAttention
+from kda_sessions.model.mla import MLAttention
+from tools import tiny_data
+
+CONFIG = REPO / "kda_sessions" / "builtin" / "tiny.json"
+PAD_WEIGHT = 0.0
+CONTEXT_WEIGHT = 0.05  # loss weight of tokens the assistant does not write (prompts, tool output)
+
+
+# ---------------------------------------------------------------- model
+
+
+def init_weights(model: HybridModel, seed: int) -> None:
+    """GPT-style init; KDA's A_log and dt_bias as in Kimi Linear / Mamba."""
+    g = torch.Generator().manual_seed(seed)
+    n_layers = model.config.num_hidden_layers
+    for name, p in model.named_parameters():
+        with torch.no_grad():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(1, 16, generator=g).log())
+            elif name.endswith("dt_bias"):
+                dt = torch.exp(torch.rand(p.shape, generator=g) * (math.log(0.1) - math.log(0.001)) + math.log(0.001))
+                dt = dt.clamp(min=1e-4)
+                p.copy_(dt + torch.log(-torch.expm1(-dt)))
+            elif "norm" in name:
+                p.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.zero_()
+            elif "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[-1]))
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02 / math.sqrt(2 * n_layers))
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def _causal_conv(x: Tensor, weight: Tensor) -> Tensor:
+    """x [B, T, Dc], weight [Dc, W]: the library's conv (zero tail) + SiLU, in float32, back to x's dtype."""
+    W = weight.shape[1]
+    xt = F.pad(x.float().transpose(1, 2), (W - 1, 0))
+    y = F.conv1d(xt, weight.float().unsqueeze(1), groups=weight.shape[0]).transpose(1, 2)
+    return F.silu(y).to(x.dtype)
+
+
+def _kda(layer: KDAAttention, x: Tensor, use_fla: bool) -> Tensor:
+    B, T, _ = x.shape
+    H, K, V = layer.H, layer.K, layer.V
+    qkv = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)
+    qkv = _causal_conv(qkv, layer.conv_weight())
+    q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
+    q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V)
+    g = naive_kda_gate(layer.f_b_proj(layer.f_a_proj(x)).view(B, T, H, K), layer.A_log, layer.dt_bias, layer.lower_bound)
+    beta = torch.sigmoid(layer.b_proj(x).float())
+    if use_fla:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        o, _ = fla_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    else:
+        o, _, _ = naive_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    o = layer.o_norm(o) * torch.sigmoid(layer.g_b_proj(layer.g_a_proj(x)).view(B, T, H, V))
+    return layer.o_proj(o.reshape(B, T, H * V).to(x.dtype))
+
+
+def _mla(layer: MLAttention, x: Tensor) -> Tensor:
+    B, T, _ = x.shape
+    H, r, dn, dr, dv = layer.H, layer.r, layer.dn, layer.dr, layer.dv
+    q = layer._query(x).view(B, T, H, dn + dr)
+    kv_a = layer.kv_a_proj_with_mqa(x)
+    latent = torch.cat([layer.kv_a_layernorm(kv_a[..., :r]), kv_a[..., r:]], dim=-1)
+    kv = layer.kv_b_proj(latent[..., :r]).view(B, T, H, dn + dv)
+    k = torch.cat([kv[..., :dn], latent[:, :, None, r:].expand(B, T, H, dr)], dim=-1)
+    o = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), kv[..., dn:].transpose(1, 2), is_causal=True, scale=layer.scale
+    )
+    return layer.o_proj(o.transpose(1, 2).reshape(B, T, H * dv))
+
+
+def train_logits(model: HybridModel, ids: Tensor, use_fla: bool) -> Tensor:
+    """ids [B, T] (fresh rows) -> logits [B, T, vocab], differentiable."""
+    x = model.model.embed_tokens(ids)
+    for layer in model.model.layers:
+        h = layer.input_layernorm(x)
+        attn = layer.self_attn
+        h = _kda(attn, h, use_fla) if isinstance(attn, KDAAttention) else _mla(attn, h)
+        x = x + h
+        x = x + layer.ffn(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x)).float()
+
+
+def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
+    """(weighted training loss, mean loss on the assistant's tokens: weight 1) over next-token targets."""
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
+    w = weights[:, 1:].reshape(-1)
+    train = (ce * w).sum() / w.sum().clamp(min=1e-6)
+    mine = (w == 1.0).float()
+    return train, (ce * mine).sum() / mine.sum().clamp(min=1.0)
+
+
+# ---------------------------------------------------------------- data
+
+
+def _row(args: tuple[int, str, int]) -> tuple[list[int], list[int]]:
+    seed, split, max_len = args
+    return tiny_data.make_row(random.Random(seed), split, max_len)
+
+
+def batches(seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int):
+    """Endless batches (ids [B, T] int64, weights [B, T] float32), rows from seeds seed*10**9 + i."""
+    base = seed * 10**9 + (0 if split == "train" else 5 * 10**8)
+    jobs = ((base + i, split, seq) for i in range(10**8))
+    pool = mp.get_context("fork").Pool(workers) if workers > 0 else None
+    rows = pool.imap(_row, jobs, chunksize=4) if pool else map(_row, jobs)
+    while True:
+        ids = torch.full((batch, seq), pad_id, dtype=torch.long)
+        w = torch.full((batch, seq), PAD_WEIGHT)
+        for b in range(batch):
+            r_ids, r_mask = next(rows)
+            n = len(r_ids)
+            ids[b, :n] = torch.tensor(r_ids)
+            m = torch.tensor(r_mask, dtype=torch.float32)
+            w[b, :n] = torch.where(m > 0, 1.0, CONTEXT_WEIGHT)
+        yield ids, w
+
+
+def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]]]:
+    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq)) for i in range(n)]
+
+
+# ---------------------------------------------------------------- main
+
+
+def parity_check(model: HybridModel, device: torch.device, use_fla: bool, seq: int) -> dict:
+    """The training forward against the library's inference forward on the same ids (float32 weights)."""
+    rows = heldout_rows(12345, 2, seq)
+    n = min(len(r[0]) for r in rows)
+    ids = torch.tensor([r[0][:n] for r in rows], device=device)
+    with torch.no_grad():
+        a = train_logits(model, ids, use_fla)
+    b = model.forward(ids)
+    rel = ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt()).item()
+    return {"tokens": int(ids.numel()), "rel_rms": rel, "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this wall time")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+    ap.add_argument("--init", default=None, help="a directory written by save_model to start from")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on a CPU")
+    ap.add_argument("--shard-mb", type=float, default=15.0)
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
+    device = torch.device(args.device)
+    use_fla = device.type == "cuda"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    cfg = ModelConfig.from_file(CONFIG)
+    model = HybridModel(cfg)
+    init_weights(model, args.seed)
+    if args.init:
+        from kda_sessions.model.loader import _read_safetensors
+
+        state = _read_safetensors(Path(args.init))
+        model.load_state_dict({k: v.float() for k, v in state.items()})
+    model = model.to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    log: dict = {"config": str(CONFIG.name), "params": n_params, "args": vars(args), "steps": []}
+    print(json.dumps({"params": n_params, "device": str(device), "fla": use_fla}), flush=True)
+    log["parity_start"] = parity_check(model, device, use_fla, 512 if args.quick else 2048)
+    print(json.dumps({"parity_start": log["parity_start"]}), flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "conv1d" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "conv1d" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+    )
+    pad_id = tiny_data.PAD_ID if hasattr(tiny_data, "PAD_ID") else 267
+    data = batches(args.seed, "train", args.batch, args.seq, args.workers, pad_id)
+    t0 = time.perf_counter()
+    tokens = 0
+    step = 0
+    model.train()
+    for step in range(1, args.steps + 1):
+        lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        ids, w = next(data)
+        ids, w = ids.to(device, non_blocking=True), w.to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            logits = train_logits(model, ids, use_fla)
+        loss, mine = masked_losses(logits, ids, w)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        tokens += ids.numel()
+        if step % 25 == 0 or step == 1 or step == args.steps:
+            el = time.perf_counter() - t0
+            entry = {"step": step, "loss": round(loss.item(), 4), "assistant_loss": round(mine.item(), 4),
+                     "grad_norm": round(gn.item(), 3), "lr": lr, "tok_per_s": round(tokens / el), "elapsed_s": round(el, 1)}
+            log["steps"].append(entry)
+            print(json.dumps(entry), flush=True)
+        if args.minutes is not None and time.perf_counter() - t0 > args.minutes * 60:
+            break
+    log["steps_done"] = step
+    log["train_seconds"] = time.perf_counter() - t0
+    model.eval()
+    # held-out loss of the training forward (float32 weights), for tools/eval_tiny.py --loss to reproduce
+    rows = heldout_rows(args.seed, 4 if args.quick else 16, args.seq)
+    tot = cnt = 0.0
+    with torch.no_grad():
+        for r_ids, r_mask in rows:
+            ids = torch.tensor([r_ids], device=device)
+            w = torch.tensor([[1.0 if m else 0.0 for m in r_mask]], device=device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = train_logits(model, ids, use_fla)
+            ce = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+            tot += (ce * w[0, 1:]).sum().item()
+            cnt += w[0, 1:].sum().item()
+    log["heldout"] = {"seed": args.seed, "rows": len(rows), "seq": args.seq, "loss": tot / max(cnt, 1.0)}
+    print(json.dumps({"heldout": log["heldout"]}), flush=True)
+    log["parity_end"] = parity_check(model, device, use_fla, 512 if args.quick else 2048)
+    print(json.dumps({"parity_end": log["parity_end"]}), flush=True)
+    model = model.float().cpu()
+    save_model(model, out / "weights", max_shard_bytes=int(args.shard_mb * 2**20))
+    (out / "train_log.json").write_text(json.dumps(log, indent=1))
+
+
+if __name__ == "__main__":
+    main()
