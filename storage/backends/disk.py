@@ -33,7 +33,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
@@ -59,6 +60,7 @@ from .base import (
     stored_generation,
     verify_blob,
 )
+from .disk_pack import PackSet, sha256_hex
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,14 @@ _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _T = TypeVar("_T")
+
+PACK_MIN_BLOBS = 64
+"""A batch with at least this many new blobs is written as one pack file (see disk_pack); smaller batches, such
+as the few pages of one agent turn, stay loose files: one pack per small save would multiply the indexes every
+reader loads for a gain of a few milliseconds (git keeps pushes under `transfer.unpackLimit` = 100 loose alike)."""
+_IO_THREADS = max(1, min(4, os.cpu_count() or 1))
+_PARALLEL_BYTES = 1 << 20  # below this a batch is hashed and read on the calling thread
+_READ_CHUNK_BYTES = 8 << 20  # one read task's share of a pack
 
 
 def _process_start_time() -> float:
@@ -190,18 +200,22 @@ def _read_file(path: Path) -> bytes:
 class DiskStore(BlobStore):
     """Blobs and manifests as files under one root directory; see the module docstring for the layout."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, pack_min_blobs: int = PACK_MIN_BLOBS) -> None:
         """Use `DiskStore.open`, which also creates the layout and removes orphaned temp files."""
+        if pack_min_blobs < 1:
+            raise ValueError(f"pack_min_blobs must be >= 1, got {pack_min_blobs}")
         self.root = Path(root)
         self.url = f"disk:{self.root}"
+        self.pack_min_blobs = pack_min_blobs
         self._blobs = self.root / "blobs"
         self._manifests = self.root / "manifests"
         self._leases = self.root / "leases"
+        self._packs = PackSet(self._blobs / "packs")
 
     @classmethod
-    async def open(cls, root: str | os.PathLike[str]) -> DiskStore:
+    async def open(cls, root: str | os.PathLike[str], *, pack_min_blobs: int = PACK_MIN_BLOBS) -> DiskStore:
         """Create `root` (and its layout) if needed and clean temp files left by crashed writers."""
-        store = cls(Path(root).expanduser())
+        store = cls(Path(root).expanduser(), pack_min_blobs=pack_min_blobs)
         await store._run("open", store.root, store._open_sync)
         return store
 
@@ -216,6 +230,7 @@ class DiskStore(BlobStore):
                 if entry.name.startswith(TMP_PREFIX) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     logger.info("removing orphaned temp file %s", entry.path)
                     Path(entry.path).unlink(missing_ok=True)
+        self._packs.drop_redundant()
 
     async def _run(self, op: str, path: Path, fn: Callable[[], _T]) -> _T:
         """Run blocking `fn` in a worker thread, turning OSError into StoreUnavailable."""
@@ -243,8 +258,7 @@ class DiskStore(BlobStore):
         return await self._run("write", path, partial(self._put_blob_sync, path, data))
 
     def _put_blob_sync(self, path: Path, data: bytes) -> bool:
-        if path.exists():
-            os.utime(path)  # a re-put counts as a use for the GC grace period
+        if self._exists_touch(path.name, path):
             return False
         shard = path.parent
         if not shard.is_dir():
@@ -260,25 +274,55 @@ class DiskStore(BlobStore):
         faults.point("disk.blob.done")
         return written
 
+    def _exists_touch(self, digest: str, path: Path) -> bool:
+        """True if the blob is stored (loose or packed), refreshing its GC grace period: a re-put is a use."""
+        if path.exists():
+            os.utime(path)
+            return True
+        loc = self._packs.locate(digest)
+        if loc is not None:
+            self._packs.touch({loc[0].name})
+            return True
+        return False
+
     async def put_blobs(self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> set[str]:
-        """Store many blobs as one batch: write every temp file, make them durable together, link them into
-        place, make the links durable together. Same guarantees as ``put_blob``, a fraction of the flushes."""
+        """Store many blobs as one batch. At least `pack_min_blobs` new ones: one pack file, fsynced, renamed
+        into place, folder fsynced. Fewer: every temp file written, made durable together, linked into place,
+        links made durable together. Digests are verified on other threads while the batch is written."""
         if not blobs:
             return set()
-        for d, data in blobs.items():
-            await verify_blob(check_digest(d), data, where=f"put into {self.url}")
-        return await self._run("write", self._blobs, partial(self._put_blobs_sync, dict(blobs)))
+        for d in blobs:
+            check_digest(d)
+        return await self._run("write", self._blobs, partial(self._put_blobs_sync, list(blobs.items())))
 
-    def _put_blobs_sync(self, blobs: dict[str, bytes]) -> set[str]:
+    def _put_blobs_sync(self, items: list[tuple[str, bytes]]) -> set[str]:
+        self._packs.refresh()
+        with _Hasher([data for _, data in items]) as hashes:
+
+            def verified(i: int) -> None:
+                actual = hashes.result(i)
+                if actual != items[i][0]:
+                    raise IntegrityError(
+                        f"put into {self.url}: blob {items[i][0]} has sha256 {actual} ({len(items[i][1])} bytes)"
+                    )
+
+            new = [i for i, (d, _) in enumerate(items) if not self._exists_touch(d, self._blob_path(d))]
+            for i in sorted(set(range(len(items))) - set(new)):
+                verified(i)
+            if len(new) >= self.pack_min_blobs:
+                self._packs.write([items[i] for i in new], lambda j: verified(new[j]), TMP_PREFIX)
+                self._packs.refresh()
+                return {items[i][0] for i in new}
+            return self._put_loose_sync([items[i] for i in new], lambda j: verified(new[j]))
+
+    def _put_loose_sync(self, items: list[tuple[str, bytes]], verified: Callable[[int], None]) -> set[str]:
         pending: list[tuple[str, Path, Path]] = []
         written: set[str] = set()
         new_shard = False
         try:
-            for d, data in blobs.items():
+            for j, (d, data) in enumerate(items):
+                verified(j)
                 path = self._blob_path(d)
-                if path.exists():
-                    os.utime(path)  # a re-put counts as a use for the GC grace period
-                    continue
                 if not path.parent.is_dir():
                     path.parent.mkdir(exist_ok=True)
                     new_shard = True
@@ -306,23 +350,137 @@ class DiskStore(BlobStore):
         return written
 
     async def get_blob(self, digest: str) -> bytes:
-        path = self._blob_path(check_digest(digest))
+        return (await self.get_blobs([digest]))[digest]
+
+    async def get_blobs(
+        self, digests: Iterable[str], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> dict[str, bytes]:
+        """Verified bytes of many blobs: one worker thread plans the batch, up to `_IO_THREADS` threads read
+        and hash it (a pack's blobs in file order with read-ahead, loose files one open and one pread each)."""
+        wanted = [check_digest(d) for d in dict.fromkeys(digests)]
+        if not wanted:
+            return {}
+        return await self._run("read", self._blobs, partial(self._get_blobs_sync, wanted, max(1, max_in_flight)))
+
+    def _get_blobs_sync(self, digests: list[str], max_threads: int) -> dict[str, bytes]:
+        self._packs.refresh()
         try:
-            data = await self._run("read", path, partial(_read_file, path))
-        except StoreUnavailable as e:
-            if isinstance(e.__cause__, FileNotFoundError):
-                raise BlobNotFound(digest) from None
-            raise
-        await verify_blob(digest, data, where=f"{self.url} ({path})")
+            return self._read_planned(digests, max_threads)
+        except _PackGone:  # compacted or dropped by a collection since the refresh: its blobs moved
+            self._packs.refresh()
+            return self._read_planned(digests, max_threads)
+
+    def _read_planned(self, digests: list[str], max_threads: int) -> dict[str, bytes]:
+        by_pack: dict[str, list[tuple[str, int, int]]] = {}
+        pack_paths: dict[str, Path] = {}
+        loose: list[str] = []
+        nbytes = 0
+        for d in digests:
+            loc = self._packs.locate(d)
+            if loc is None:
+                loose.append(d)
+                continue
+            pack, off, n = loc
+            by_pack.setdefault(pack.name, []).append((d, off, n))
+            pack_paths[pack.name] = self._packs.path(pack)
+            nbytes += n
+        tasks: list[Callable[[], list[tuple[str, bytes]]]] = []
+        for name, entries in by_pack.items():
+            entries.sort(key=lambda e: e[1])
+            chunk: list[tuple[str, int, int]] = []
+            size = 0
+            for e in entries:
+                chunk.append(e)
+                size += e[2]
+                if size >= _READ_CHUNK_BYTES:
+                    tasks.append(partial(self._read_pack_range, pack_paths[name], chunk))
+                    chunk, size = [], 0
+            if chunk:
+                tasks.append(partial(self._read_pack_range, pack_paths[name], chunk))
+        step = max(1, -(-len(loose) // _IO_THREADS))
+        for i in range(0, len(loose), step):
+            tasks.append(partial(self._read_loose, loose[i : i + step]))
+        threads = min(_IO_THREADS, max_threads, len(tasks))
+        if threads <= 1 or (not loose and nbytes < _PARALLEL_BYTES):
+            results = [t() for t in tasks]
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="disk-read") as ex:
+                results = [f.result() for f in [ex.submit(t) for t in tasks]]
+        return {d: data for part in results for d, data in part}
+
+    def _check(self, digest: str, data: bytes, where: object) -> bytes:
+        actual = sha256_hex(data)
+        if actual != digest:
+            raise IntegrityError(
+                f"{self.url} ({where}): blob {digest} has sha256 {actual} ({len(data)} bytes); corrupt or truncated"
+            )
         return data
+
+    def _read_pack_range(self, path: Path, entries: list[tuple[str, int, int]]) -> list[tuple[str, bytes]]:
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except FileNotFoundError:
+            raise _PackGone(path) from None
+        try:
+            start, end = entries[0][1], entries[-1][1] + entries[-1][2]
+            with contextlib.suppress(AttributeError, OSError):  # read-ahead is a hint
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            out = []
+            for d, off, n in entries:
+                data = os.pread(fd, n, off)
+                out.append((d, self._check(d, data, f"{path} at {off}")))
+            return out
+        finally:
+            os.close(fd)
+
+    def _read_loose(self, digests: list[str]) -> list[tuple[str, bytes]]:
+        out = []
+        for d in digests:
+            path = self._blob_path(d)
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+            except FileNotFoundError:
+                if self._packs.corrupt:
+                    raise IntegrityError(
+                        f"{self.url}: blob {d} is missing and packs {sorted(self._packs.corrupt)} are corrupt "
+                        f"(may have held it)"
+                    ) from None
+                raise BlobNotFound(d) from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise IntegrityError(f"{self.url}: {path} is a symlink; refusing to follow it") from e
+                raise
+            try:
+                size = os.fstat(fd).st_size
+                data = os.pread(fd, size, 0)
+                while len(data) < size:  # short read: keep going (a blob file never changes)
+                    more = os.pread(fd, size - len(data), len(data))
+                    if not more:
+                        break
+                    data += more
+            finally:
+                os.close(fd)
+            out.append((d, self._check(d, data, path)))
+        return out
 
     async def has_blobs(self, digests: Iterable[str]) -> set[str]:
         paths = {d: self._blob_path(check_digest(d)) for d in digests}
-        return await self._run("stat", self._blobs, lambda: {d for d, p in paths.items() if p.is_file()})
+
+        def has() -> set[str]:
+            self._packs.refresh()
+            return {d for d, p in paths.items() if p.is_file() or self._packs.locate(d) is not None}
+
+        return await self._run("stat", self._blobs, has)
 
     async def delete_blob(self, digest: str) -> bool:
         path = self._blob_path(check_digest(digest))
-        return await self._run("delete", path, partial(self._unlink, path))
+
+        def delete() -> bool:
+            loose = self._unlink(path)
+            packed = self._packs.delete(digest, TMP_PREFIX)
+            return loose or packed
+
+        return await self._run("delete", path, delete)
 
     @staticmethod
     def _unlink(path: Path) -> bool:
@@ -343,23 +501,38 @@ class DiskStore(BlobStore):
                         out[entry.name] = entry.stat(follow_symlinks=False)
         return out
 
+    def _scan_all(self) -> tuple[dict[str, os.stat_result], dict[str, float]]:
+        """Loose blobs with their stat, and packed live blobs with their pack's mtime."""
+        self._packs.refresh()
+        packed = {d: pack.mtime for d, pack in self._packs.live().items()}
+        return self._scan_blobs(), packed
+
     async def list_blobs(self) -> list[str]:
-        return list(await self._run("list", self._blobs, self._scan_blobs))
+        loose, packed = await self._run("list", self._blobs, self._scan_all)
+        return list(loose.keys() | packed.keys())
 
     async def touch_blobs(self, digests: Iterable[str]) -> None:
-        paths = [self._blob_path(check_digest(d)) for d in digests]
+        wanted = [check_digest(d) for d in digests]
 
         def touch() -> None:
-            for p in paths:
+            self._packs.refresh()
+            packs: set[str] = set()
+            for d in wanted:
                 with contextlib.suppress(FileNotFoundError):
-                    os.utime(p)
+                    os.utime(self._blob_path(d))
+                loc = self._packs.locate(d)
+                if loc is not None:
+                    packs.add(loc[0].name)
+            self._packs.touch(packs)  # a pack's mtime stands for all of its blobs
 
         await self._run("touch", self._blobs, touch)
 
     async def recent_blobs(self, within_s: float) -> set[str]:
         cutoff = time.time() - within_s
-        found = await self._run("list", self._blobs, self._scan_blobs)
-        return {d for d, st in found.items() if st.st_mtime >= cutoff}
+        loose, packed = await self._run("list", self._blobs, self._scan_all)
+        return {d for d, st in loose.items() if st.st_mtime >= cutoff} | {
+            d for d, mtime in packed.items() if mtime >= cutoff
+        }
 
     # --- manifests ---------------------------------------------------------------------------------------
 
@@ -517,11 +690,38 @@ class DiskStore(BlobStore):
         return await self._run("commit manifest", path, commit)
 
     async def stats(self) -> StoreStats:
-        blobs = await self._run("list", self._blobs, self._scan_blobs)
+        loose, packed = await self._run("list", self._blobs, self._scan_all)
         manifests = await self._run("list", self._manifests, self._scan_manifests)
         return StoreStats(
-            num_blobs=len(blobs),
-            blob_bytes=sum(st.st_size for st in blobs.values()),
+            num_blobs=len(loose.keys() | packed.keys()),
+            # what the disk holds: whole pack files, dead bytes included until compaction
+            blob_bytes=sum(st.st_size for st in loose.values()) + sum(p.size for p in self._packs.packs.values()),
             num_manifests=len(manifests),
             manifest_bytes=sum(manifests.values()),
         )
+
+
+class _PackGone(Exception):
+    """A pack named by the cached index was unlinked (compacted) meanwhile; re-scan and read again."""
+
+
+class _Hasher:
+    """sha256 of many buffers on a few threads, so hashing runs ahead of the writer on another core."""
+
+    def __init__(self, buffers: Sequence[bytes]) -> None:
+        self._buffers = buffers
+        self._pool: ThreadPoolExecutor | None = None
+        self._futures: list[Future[str]] = []
+        if _IO_THREADS > 1 and sum(map(len, buffers)) >= _PARALLEL_BYTES:
+            self._pool = ThreadPoolExecutor(_IO_THREADS, thread_name_prefix="disk-hash")
+            self._futures = [self._pool.submit(sha256_hex, b) for b in buffers]
+
+    def result(self, i: int) -> str:
+        return self._futures[i].result() if self._futures else sha256_hex(self._buffers[i])
+
+    def __enter__(self) -> _Hasher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,335 @@
+"""Pack files of the disk store: one save's new blobs in one file, so a save costs one file, not one per page.
+
+A pack is immutable once named (``ROOT/blobs/packs/pack-<time>-<random>.pack``)::
+
+    header  b"KDAP" | version u8 | 3 zero bytes | count u32 LE | sha256 of the index (32 raw bytes)
+    index   count x (sha256 of the blob: 32 raw bytes | offset u64 LE | length u64 LE)
+    data    the blobs, back to back, in index order
+
+Content addressing is unchanged: every blob keeps its own digest, is deduplicated by it and is verified
+against it on every read. The header and index are checked (magic, version, a count the file size can hold,
+the index's sha256, offsets that tile the data exactly to the end of the file) before anything is allocated
+from them, so a bit flip, truncation or zeroed block anywhere in a pack is an IntegrityError, never wrong data.
+
+Deleting a packed blob appends its digest to ``<pack>.dead`` (not fsynced: a tombstone lost in a crash only
+brings back an unreferenced blob, which the next collection deletes again). A pack whose blobs are all dead is
+unlinked; one that is at least three quarters dead is compacted (live blobs re-verified and written to a new
+pack made durable before the old one is unlinked). Tombstones and compaction hold an flock on
+``packs/.lock``; readers take no lock and re-scan when a pack they knew has gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import secrets
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import faults
+from ..errors import IntegrityError
+
+logger = logging.getLogger(__name__)
+
+PACK_MAGIC = b"KDAP"
+PACK_VERSION = 1
+_HEADER = struct.Struct("<4sB3xI32s")  # magic, version, pad, count, sha256 of the index
+_ENTRY = struct.Struct("<32sQQ")  # raw sha256, offset, length
+PACK_SUFFIX = ".pack"
+DEAD_SUFFIX = ".dead"
+COMPACT_DEAD_FRACTION = 0.75
+"""A pack with at least this fraction of its data bytes dead is rewritten without them."""
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def encode_index(items: Sequence[tuple[str, int]]) -> bytes:
+    """Header + index of a pack holding blobs ``(digest, length)`` in this order."""
+    offset = _HEADER.size + _ENTRY.size * len(items)
+    entries = bytearray()
+    for d, n in items:
+        entries += _ENTRY.pack(bytes.fromhex(d), offset, n)
+        offset += n
+    return _HEADER.pack(PACK_MAGIC, PACK_VERSION, len(items), hashlib.sha256(entries).digest()) + entries
+
+
+def parse_index(read: Callable[[int, int], bytes], size: int, where: str) -> dict[str, tuple[int, int]]:
+    """Validate a pack's header and index (read through ``read(offset, n)``) against its file ``size``;
+    digest -> (offset, length). IntegrityError naming ``where`` on anything inconsistent."""
+    if size < _HEADER.size:
+        raise IntegrityError(f"{where}: pack truncated: {size} bytes, header needs {_HEADER.size}")
+    magic, version, count, index_sha = _HEADER.unpack(read(0, _HEADER.size))
+    if magic != PACK_MAGIC or version != PACK_VERSION:
+        raise IntegrityError(f"{where}: bad pack header (magic {magic!r}, version {version})")
+    if count == 0 or _HEADER.size + count * _ENTRY.size > size:
+        raise IntegrityError(f"{where}: pack claims {count} blobs, which its {size} bytes cannot hold")
+    raw = read(_HEADER.size, count * _ENTRY.size)
+    if len(raw) != count * _ENTRY.size or hashlib.sha256(raw).digest() != index_sha:
+        raise IntegrityError(f"{where}: pack index does not match its checksum; corrupt or truncated")
+    out: dict[str, tuple[int, int]] = {}
+    expect = _HEADER.size + count * _ENTRY.size
+    for d, off, n in _ENTRY.iter_unpack(raw):
+        if off != expect or d.hex() in out:
+            raise IntegrityError(f"{where}: pack index entry at {off} breaks the layout (expected {expect})")
+        out[d.hex()] = (off, n)
+        expect = off + n
+    if expect != size:
+        raise IntegrityError(f"{where}: pack data ends at {expect}, the file has {size} bytes; truncated?")
+    return out
+
+
+def sha256_hex(data: bytes | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass
+class Pack:
+    """What this process knows of one pack file."""
+
+    name: str
+    ino: int
+    size: int
+    mtime: float
+    entries: dict[str, tuple[int, int]]
+    dead: set[str] = field(default_factory=set)
+    dead_file_size: int = 0
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(n for _, n in self.entries.values())
+
+    @property
+    def dead_bytes(self) -> int:
+        return sum(self.entries[d][1] for d in self.dead)
+
+    def live(self) -> Iterator[str]:
+        return (d for d in self.entries if d not in self.dead)
+
+
+class PackSet:
+    """The packs under one folder: a cached index of every pack, refreshed from the folder on demand."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.packs: dict[str, Pack] = {}
+        self.corrupt: dict[str, str] = {}
+        """Pack name -> why its index is unusable (its blobs read as IntegrityError, never as absent data)."""
+        self._mutex = threading.Lock()
+
+    # --- the index ---------------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Pick up packs and tombstones written by anyone since the last call; forget packs that are gone."""
+        if not self.folder.is_dir():
+            return
+        seen: dict[str, os.stat_result] = {}
+        dead_sizes: dict[str, int] = {}
+        for entry in os.scandir(self.folder):
+            stem, ext = os.path.splitext(entry.name)
+            if not entry.name.startswith("pack-"):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                st = entry.stat(follow_symlinks=False)
+                if ext == PACK_SUFFIX:
+                    seen[stem] = st
+                elif ext == DEAD_SUFFIX:
+                    dead_sizes[stem] = st.st_size
+        with self._mutex:
+            for name in set(self.packs) - set(seen):
+                del self.packs[name]
+            for name in set(self.corrupt) - set(seen):
+                del self.corrupt[name]
+        for name, st in seen.items():
+            pack = self.packs.get(name)
+            if pack is None or pack.ino != st.st_ino:
+                if name in self.corrupt:
+                    continue
+                try:
+                    pack = self._load(name, st)
+                except IntegrityError as e:
+                    logger.error("%s", e)
+                    with self._mutex:
+                        self.corrupt[name] = str(e)
+                    continue
+                except FileNotFoundError:
+                    continue
+            pack.mtime = st.st_mtime
+            if dead_sizes.get(name, 0) != pack.dead_file_size:
+                self._read_dead(pack)
+            with self._mutex:
+                self.packs[name] = pack
+
+    def _load(self, name: str, st: os.stat_result) -> Pack:
+        path = self.folder / f"{name}{PACK_SUFFIX}"
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            entries = parse_index(lambda off, n: os.pread(fd, n, off), size, str(path))
+        finally:
+            os.close(fd)
+        return Pack(name, st.st_ino, size, st.st_mtime, entries)
+
+    def _read_dead(self, pack: Pack) -> None:
+        try:
+            raw = (self.folder / f"{pack.name}{DEAD_SUFFIX}").read_bytes()
+        except FileNotFoundError:
+            raw = b""
+        whole = len(raw) - len(raw) % 32  # a torn last append is ignored
+        pack.dead = {raw[i : i + 32].hex() for i in range(0, whole, 32)} & set(pack.entries)
+        pack.dead_file_size = len(raw)
+
+    def locate(self, digest: str) -> tuple[Pack, int, int] | None:
+        """Where a live copy of ``digest`` lies in a pack, or None."""
+        with self._mutex:
+            for pack in self.packs.values():
+                loc = pack.entries.get(digest)
+                if loc is not None and digest not in pack.dead:
+                    return pack, loc[0], loc[1]
+        return None
+
+    def live(self) -> dict[str, Pack]:
+        """Every live packed digest -> a pack holding it."""
+        with self._mutex:
+            return {d: p for p in self.packs.values() for d in p.live()}
+
+    def path(self, pack: Pack) -> Path:
+        return self.folder / f"{pack.name}{PACK_SUFFIX}"
+
+    # --- writing -----------------------------------------------------------------------------------------
+
+    def write(self, items: Sequence[tuple[str, bytes]], verified: Callable[[int], None], tmp_prefix: str) -> None:
+        """Write one pack of ``items`` (digest, bytes) and make it durable; ``verified(i)`` raises if item i's
+        bytes do not match its digest (checked just before they are written). On any error the temp file is
+        closed and removed, never written or fsynced again."""
+        new_folder = not self.folder.is_dir()
+        if new_folder:
+            self.folder.mkdir(exist_ok=True)
+            _fsync_dir(self.folder.parent)
+        name = f"pack-{time.time_ns():x}-{secrets.token_hex(8)}"
+        tmp = self.folder / f"{tmp_prefix}{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+        try:
+            _write_all(fd, encode_index([(d, len(b)) for d, b in items]))
+            for i, (_, data) in enumerate(items):
+                verified(i)
+                _write_all(fd, data)
+            faults.point("disk.blob.written")
+            os.fsync(fd)
+            faults.point("disk.blob.fsynced")
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        try:
+            os.rename(tmp, self.folder / f"{name}{PACK_SUFFIX}")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        faults.point("disk.blob.linked")
+        _fsync_dir(self.folder)
+        faults.point("disk.blob.done")
+
+    def touch(self, packs: set[str]) -> None:
+        for name in packs:
+            with contextlib.suppress(FileNotFoundError):
+                os.utime(self.folder / f"{name}{PACK_SUFFIX}")
+
+    # --- deleting ----------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def delete(self, digest: str, tmp_prefix: str) -> bool:
+        """Tombstone every live packed copy of ``digest``; drop or compact packs that are (mostly) dead."""
+        if not self.folder.is_dir():
+            return False
+        with self._locked():
+            self.refresh()
+            with self._mutex:
+                holders = [p for p in self.packs.values() if digest in p.entries and digest not in p.dead]
+            for pack in holders:
+                fd = os.open(
+                    self.folder / f"{pack.name}{DEAD_SUFFIX}",
+                    os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644,
+                )
+                try:
+                    _write_all(fd, bytes.fromhex(digest))
+                finally:
+                    os.close(fd)
+                pack.dead.add(digest)
+                pack.dead_file_size += 32
+                if len(pack.dead) == len(pack.entries):
+                    self._drop(pack)
+                elif pack.dead_bytes >= COMPACT_DEAD_FRACTION * pack.data_bytes:
+                    self._compact(pack, tmp_prefix)
+        return bool(holders)
+
+    def _drop(self, pack: Pack) -> None:
+        self.path(pack).unlink(missing_ok=True)
+        (self.folder / f"{pack.name}{DEAD_SUFFIX}").unlink(missing_ok=True)
+        with self._mutex:
+            self.packs.pop(pack.name, None)
+
+    def _compact(self, pack: Pack, tmp_prefix: str) -> None:
+        """Rewrite ``pack`` without its dead blobs; a live blob that fails verification is left out (logged):
+        the store then lacks it, so the next save that needs it writes it again."""
+        items: list[tuple[str, bytes]] = []
+        fd = os.open(self.path(pack), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        try:
+            for d in pack.live():
+                off, n = pack.entries[d]
+                data = os.pread(fd, n, off)
+                if sha256_hex(data) == d:
+                    items.append((d, data))
+                else:
+                    logger.error("%s: blob %s is corrupt; not kept by compaction", self.path(pack), d)
+        finally:
+            os.close(fd)
+        if items:
+            self.write(items, lambda i: None, tmp_prefix)
+        self._drop(pack)  # only once the new pack is durable: a crash in between leaves duplicates only
+        self.refresh()
+
+    def drop_redundant(self) -> None:
+        """Unlink packs whose every live blob another pack also holds (left by a crash inside a compaction)."""
+        if not self.folder.is_dir():
+            return
+        with self._locked():
+            self.refresh()
+            with self._mutex:
+                packs = sorted(self.packs.values(), key=lambda p: p.name)
+            for pack in packs:
+                others = {d for p in packs if p is not pack and p.name in self.packs for d in p.live()}
+                if set(pack.live()) <= others:
+                    logger.info("removing pack %s: every live blob is held by another pack", pack.name)
+                    self._drop(pack)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
