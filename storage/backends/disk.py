@@ -1,8 +1,10 @@
-"""`disk:PATH` — the embedded default store: one file per blob, one per manifest.
+"""`disk:PATH` — the embedded default store: a blob is a file of its own (loose) or lies in a pack file with the
+other blobs of its save (see disk_pack); one file per manifest.
 
 Layout::
 
-    ROOT/blobs/ab/abcdef...        blob named by its sha256, sharded by the first two hex characters
+    ROOT/blobs/ab/abcdef...        loose blob named by its sha256, sharded by the first two hex characters
+    ROOT/blobs/packs/pack-*.pack   a batch of at least `PACK_MIN_BLOBS` new blobs; `pack-*.dead` its tombstones
     ROOT/manifests/<session>.json  a session's manifest
     ROOT/leases/<session>.lock     the session's write lease: JSON {owner, fence, pid, host, expires_at}
     ROOT/leases/<session>.fence    the last fencing token handed out for the session
@@ -200,8 +202,10 @@ def _read_file(path: Path) -> bytes:
 class DiskStore(BlobStore):
     """Blobs and manifests as files under one root directory; see the module docstring for the layout."""
 
-    def __init__(self, root: str | os.PathLike[str], *, pack_min_blobs: int = PACK_MIN_BLOBS) -> None:
-        """Use `DiskStore.open`, which also creates the layout and removes orphaned temp files."""
+    def __init__(self, root: str | os.PathLike[str], *, pack_min_blobs: int | None = None) -> None:
+        """Use `DiskStore.open`, which also creates the layout and removes orphaned temp files.
+        `pack_min_blobs` (default `PACK_MIN_BLOBS`): the fewest new blobs of a batch written as one pack."""
+        pack_min_blobs = PACK_MIN_BLOBS if pack_min_blobs is None else pack_min_blobs
         if pack_min_blobs < 1:
             raise ValueError(f"pack_min_blobs must be >= 1, got {pack_min_blobs}")
         self.root = Path(root)
@@ -213,7 +217,7 @@ class DiskStore(BlobStore):
         self._packs = PackSet(self._blobs / "packs")
 
     @classmethod
-    async def open(cls, root: str | os.PathLike[str], *, pack_min_blobs: int = PACK_MIN_BLOBS) -> DiskStore:
+    async def open(cls, root: str | os.PathLike[str], *, pack_min_blobs: int | None = None) -> DiskStore:
         """Create `root` (and its layout) if needed and clean temp files left by crashed writers."""
         store = cls(Path(root).expanduser(), pack_min_blobs=pack_min_blobs)
         await store._run("open", store.root, store._open_sync)

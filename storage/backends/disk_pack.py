@@ -315,11 +315,16 @@ class PackSet:
         self.refresh()
 
     def drop_redundant(self) -> None:
-        """Unlink packs whose every live blob another pack also holds (left by a crash inside a compaction)."""
+        """Unlink packs whose every live blob another pack also holds, and tombstone files whose pack is gone
+        (both left by a crash inside a compaction or a drop)."""
         if not self.folder.is_dir():
             return
         with self._locked():
             self.refresh()
+            for entry in os.scandir(self.folder):
+                stem, ext = os.path.splitext(entry.name)
+                if ext == DEAD_SUFFIX and stem not in self.packs and stem not in self.corrupt:
+                    Path(entry.path).unlink(missing_ok=True)
             with self._mutex:
                 packs = sorted(self.packs.values(), key=lambda p: p.name)
             for pack in packs:
