@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("crash_worker.py")
+STORE_WORKER = Path(__file__).with_name("crash_store_worker.py")
 
 
 class Zygote:
     """One crash_worker.py process; `start(job)` forks a worker, `kill`/`wait` end it."""
 
-    def __init__(self) -> None:
+    def __init__(self, worker: Path = WORKER) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+            [sys.executable, str(worker)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
         )
 
     def start(self, job: dict[str, Any]) -> int:
@@ -129,6 +130,49 @@ class Verifier:
             self.problems.append(f"{sid}: resumed at generation {gen}, last acked {g}")
 
 
+@dataclass
+class StoreVerifier:
+    """Checks the storage-level campaign (crash_store_worker.py): after a kill each session loads at its last
+    acked generation g or at g + 1 (the save in flight committed), with exactly the manifest and blobs that
+    generation must have (the worker compares them, `error` otherwise); missing only if no save was acked;
+    no temp file survives a worker's start."""
+
+    acked: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: {
+        "acks": 0, "resumed_at_ack": 0, "resumed_in_flight": 0, "missing": 0, "corrupt": 0, "temp_files": 0,
+    })
+
+    def feed(self, events: list[dict[str, Any]]) -> None:
+        for e in events:
+            ev, sid = e.get("ev"), e.get("sid", "")
+            if ev == "ack":
+                self.counts["acks"] += 1
+                self.acked[sid] = e["gen"]
+            elif ev == "temps":
+                self.counts["temp_files"] += e["n"]
+                if e["n"]:
+                    self.problems.append(f"{e['n']} temp files left after the store was opened")
+            elif ev == "missing":
+                self.counts["missing"] += 1
+                if sid in self.acked:
+                    self.problems.append(f"{sid}: missing after an acked save at generation {self.acked[sid]}")
+            elif ev == "error":
+                self.counts["corrupt"] += 1
+                self.problems.append(f"{sid}: load failed: {e['type']}: {e['msg']}")
+            elif ev == "resumed":
+                g, gen = self.acked.get(sid, 0), e["gen"]
+                if gen == g:
+                    self.counts["resumed_at_ack"] += 1
+                elif gen == g + 1:
+                    self.counts["resumed_in_flight"] += 1
+                else:
+                    self.problems.append(f"{sid}: resumed at generation {gen}, last acked {g}")
+                self.acked[sid] = gen
+            elif ev == "crash":
+                self.problems.append(f"worker crashed: {e['type']}: {e['msg']}")
+
+
 def temp_files(root: Path) -> list[Path]:
     """Temp files of the disk store left anywhere under `root`."""
     return [p for p in root.rglob(".tmp-*")]
@@ -160,20 +204,26 @@ def run_campaign(
     seed: int = 0,
     sessions: int = 6,
     max_delay_s: float = 0.8,
-) -> Verifier:
+    store_level: bool = False,
+    fault_timeout_s: float = 30.0,
+) -> Any:
     """Kill a worker saving `sessions` sessions once per entry of `plan` (None: SIGKILL after a random delay
     once it is ready; (point, nth): it SIGKILLs itself at that fault point), then run a last verify-only
-    worker. Returns the Verifier that checked every resume."""
+    worker. Returns the Verifier that checked every resume. `store_level`: workers of crash_store_worker.py
+    (no model; checked by a StoreVerifier) instead of crash_worker.py. A worker that has not reached its fault
+    point's nth hit after `fault_timeout_s` (a point hit only at startup, like `disk.lease.written`) is killed
+    where it is."""
     import random
 
     rng = random.Random(seed)
-    z = Zygote()
-    v = Verifier()
+    z = Zygote(STORE_WORKER if store_level else WORKER)
+    v: Verifier | StoreVerifier = StoreVerifier() if store_level else Verifier()
     try:
         for i, fault in enumerate([*plan, "verify"]):
             log = tmp / f"worker{i}.log"
             job = {"store": store, "log": str(log), "sessions": sessions, "rounds": 0, "seed": seed * 1000 + i,
-                   "fault": None if fault in (None, "verify") else list(fault), "verify_only": fault == "verify"}
+                   "fault": None if fault in (None, "verify") else list(fault), "verify_only": fault == "verify",
+                   "gc_every": 7}
             pid = z.start(job)
             if fault == "verify":
                 z.wait(pid)
@@ -182,7 +232,7 @@ def run_campaign(
                 time.sleep(rng.uniform(0.0, max_delay_s))
                 z.kill(pid)
             else:
-                deadline = time.monotonic() + 30
+                deadline = time.monotonic() + fault_timeout_s
                 while not _gone(pid) and time.monotonic() < deadline:
                     time.sleep(0.02)
                 z.kill(pid)
