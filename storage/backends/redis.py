@@ -1,8 +1,9 @@
-"""`redis://host:port/db[?prefix=kda:]` — a shared store in Redis through `redis.asyncio`.
+"""`redis://host:port/db[?prefix=kda:]` — a shared store in Redis through `redis.asyncio`; `?cluster=1` for a
+Redis Cluster (`redis.asyncio.cluster.RedisCluster`, database 0 only).
 
 Keys, all under one prefix (default `kda:`)::
 
-    kda:blob:<digest>            a blob of at most `chunk_size` bytes, written with SET NX (immutable)
+    kda:blob:<digest>            a blob of at most `chunk_size` bytes (4 MiB by default), written with SET NX
     kda:blob:<digest>:<i>        chunk i of a larger blob (chunks of at most 64 MiB)
     kda:blob:<digest>:meta       "<chunks> <total bytes>" of a chunked blob, written LAST with SET NX, so a
                                  partially written chunked blob is never visible as a blob
@@ -12,10 +13,20 @@ Keys, all under one prefix (default `kda:`)::
     kda:lease:{<session>}        "<owner>:<fence>", SET with PX: the session's write lease
     kda:fence:{<session>}        INCR counter of the session's fencing tokens
 
+Blob keys carry no hash tag, so in a cluster blobs (and the chunks of one blob) spread over every slot; each
+blob command touches one key, so redis-py's cluster pipeline splits a batch by node. Only the three session keys
+above ever meet in one command (the Lua scripts), and they share a slot.
+
+Blobs go out in pipelines of about `PIPELINE_BYTES` (small pipelines keep the client's copies in cache and let
+the server work while the next one is packed), up to `max_in_flight` at once on separate connections; each
+batch is hashed (in a worker thread) before it is sent, and read batches are hashed before they are returned.
+A chunked blob's meta key is written only after every chunk is acknowledged.
+
 A manifest is committed by one Lua script that checks the lease and the stored generation (compare-and-set)
 and writes the manifest and the lease together. At connect, a server whose `maxmemory-policy` may evict keys
-(anything but `noeviction`) is refused (StoreError): an evicted blob is a lost session. `?allow_eviction=1`
-overrides this for caches you can afford to lose. `?lease_ttl=SECONDS` sets the lease lifetime.
+(anything but `noeviction`) is refused (StoreError): an evicted blob is a lost session; in a cluster every
+primary is checked. `?allow_eviction=1` overrides this for caches you can afford to lose. `?lease_ttl=SECONDS`
+sets the lease lifetime.
 
 Connection errors and timeouts become StoreUnavailable; the timeouts are short so an unreachable server
 fails fast.
@@ -23,16 +34,22 @@ fails fast.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import anyio
+import anyio.to_thread
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from .. import faults
@@ -46,16 +63,29 @@ from ..errors import (
     StoreError,
     StoreUnavailable,
 )
-from .base import DEFAULT_LEASE_TTL_S, BlobStore, StoreStats, check_digest, check_session_id, verify_blob
+from .base import (
+    DEFAULT_LEASE_TTL_S,
+    DEFAULT_MAX_IN_FLIGHT,
+    BlobStore,
+    StoreStats,
+    check_digest,
+    check_session_id,
+)
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PREFIX = "kda:"
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
-PIPELINE_BYTES = 64 * 1024 * 1024
-"""Roughly how many value bytes one pipeline carries, bounding the client's send buffer."""
+DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+"""Blobs above this are chunked. Small enough that a large blob's chunks spread over connections (and cluster
+nodes) and stay cache-friendly; stored blobs of any earlier chunk size read the same (the meta key says)."""
+PIPELINE_BYTES = 2 * 1024 * 1024
+"""Roughly how many value bytes one pipeline carries. Measured (bench/store_redis.py): 64 MiB pipelines ran
+at a third of the speed of 1-2 MiB ones, which keep the client's copies of the values in cache."""
 DEFAULT_TIMEOUT_S = 5.0
 _TIMES_RETENTION_S = 24 * 3600.0
+_THREAD_HASH_BYTES = 256 * 1024
+"""A batch at least this large is hashed in a worker thread (hashlib releases the GIL) so I/O goes on."""
 _T = TypeVar("_T")
 
 # KEYS: lease, fence. ARGV: owner, ttl ms. -> {1, fence} taken or renewed; {0, "<owner>:<fence>"} busy.
@@ -116,21 +146,75 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
+def _flag(value: str) -> bool:
+    return value.lower() in ("1", "true", "yes")
+
+
+def _mismatches(items: Sequence[tuple[str, bytes | memoryview]]) -> list[tuple[str, str, int]]:
+    """(digest, actual sha256, length) of every item whose bytes do not hash to its digest."""
+    bad = []
+    for d, data in items:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != d:
+            bad.append((d, actual, len(data)))
+    return bad
+
+
+async def _verify(items: Sequence[tuple[str, bytes | memoryview]], *, where: str) -> None:
+    """Raise IntegrityError naming the first item whose sha256 is not its digest (as `base.verify_blob` does);
+    a large batch is hashed in a worker thread."""
+    if sum(len(data) for _, data in items) >= _THREAD_HASH_BYTES:
+        bad = await anyio.to_thread.run_sync(_mismatches, items)
+    else:
+        bad = _mismatches(items)
+    if bad:
+        d, actual, n = bad[0]
+        raise IntegrityError(f"{where}: blob {d} has sha256 {actual} ({n} bytes); corrupt or truncated")
+
+
+async def _run_all(jobs: Iterable[Callable[[], Awaitable[None]]]) -> None:
+    """Run `jobs` concurrently (each bounds itself); raise the first error itself, not an ExceptionGroup.
+    Jobs that have not started when one fails do nothing."""
+    errors: list[Exception] = []
+
+    async def one(job: Callable[[], Awaitable[None]]) -> None:
+        if errors:
+            return
+        try:
+            await job()
+        except Exception as e:
+            errors.append(e)
+
+    async with anyio.create_task_group() as tg:
+        for job in jobs:
+            tg.start_soon(one, job)
+    if errors:
+        raise errors[0]
+
+
 class RedisStore(BlobStore):
-    """Blobs and manifests in one Redis database, under one key prefix; see the module docstring."""
+    """Blobs and manifests in one Redis database or one Redis Cluster, under one key prefix; see the module
+    docstring."""
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: aioredis.Redis | RedisCluster,
         *,
         prefix: str = DEFAULT_PREFIX,
-        chunk_size: int = MAX_CHUNK_BYTES,
+        chunk_size: int = DEFAULT_CHUNK_BYTES,
         url: str = "redis://",
     ) -> None:
-        """Wrap a client created with `decode_responses=False`; prefer `RedisStore.open(url)`."""
+        """Wrap a client (a `Redis` or a `RedisCluster`) created with `decode_responses=False`; prefer
+        `RedisStore.open(url)`."""
         if not 0 < chunk_size <= MAX_CHUNK_BYTES:
             raise ValueError(f"chunk_size must be in (0, {MAX_CHUNK_BYTES}], got {chunk_size}")
-        self._r = client
+        self.cluster = isinstance(client, RedisCluster)
+        if self.cluster and ("{" in prefix or "}" in prefix):
+            raise ValueError(
+                f"prefix {prefix!r} holds a brace: in a Redis Cluster it would be the hash tag of every key, "
+                f"putting the whole store in one slot"
+            )
+        self._r: Any = client
         self.prefix = prefix
         self.chunk_size = chunk_size
         self.url = url
@@ -144,11 +228,12 @@ class RedisStore(BlobStore):
         url: str,
         *,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        chunk_size: int = MAX_CHUNK_BYTES,
+        chunk_size: int = DEFAULT_CHUNK_BYTES,
         ping: bool = True,
     ) -> RedisStore:
-        """Connect to `url` (`redis://` or `rediss://`); the query may set `prefix`, `timeout` (seconds) and
-        `chunk_size`, `lease_ttl` (seconds) and `allow_eviction=1`. With `ping`, an unreachable server raises
+        """Connect to `url` (`redis://` or `rediss://`); the query may set `prefix`, `timeout` (seconds),
+        `chunk_size`, `lease_ttl` (seconds), `allow_eviction=1` and `cluster=1` (the url names any one node of
+        a Redis Cluster; the others are discovered). With `ping`, an unreachable server (or cluster) raises
         StoreUnavailable here, within ~`timeout_s`, and a server that may evict keys raises StoreError."""
         parts = urlsplit(url)
         query = dict(parse_qsl(parts.query))
@@ -156,44 +241,71 @@ class RedisStore(BlobStore):
         timeout_s = float(query.pop("timeout", timeout_s))
         chunk_size = int(query.pop("chunk_size", chunk_size))
         lease_ttl_s = float(query.pop("lease_ttl", DEFAULT_LEASE_TTL_S))
-        allow_eviction = query.pop("allow_eviction", "0").lower() in ("1", "true", "yes")
-        client_url = urlunsplit(parts._replace(query=urlencode(query)))
-        client = aioredis.Redis.from_url(
-            client_url,
-            socket_connect_timeout=timeout_s,
-            socket_timeout=timeout_s,
-            decode_responses=False,
-            retry_on_timeout=False,
-        )
-        store = cls(client, prefix=prefix, chunk_size=chunk_size, url=url)
+        allow_eviction = _flag(query.pop("allow_eviction", "0"))
+        cluster = _flag(query.pop("cluster", "0"))
+        options: dict[str, Any] = {
+            "socket_connect_timeout": timeout_s,
+            "socket_timeout": timeout_s,
+            "decode_responses": False,
+        }
+        client: aioredis.Redis | RedisCluster
+        if cluster:
+            if parts.path.strip("/") not in ("", "0"):
+                raise ValueError(f"a Redis Cluster has only database 0, got {parts.path!r} in {url!r}")
+            client_url = urlunsplit(parts._replace(path="", query=urlencode(query)))
+            # One quick retry (a failover, a moved slot map); not redis-py's default of 3 with backoff up to
+            # seconds, so a cluster that is down fails fast.
+            retry = Retry(ExponentialBackoff(cap=0.2, base=0.05), retries=1)
+            client = RedisCluster.from_url(client_url, retry=retry, **options)
+        else:
+            client_url = urlunsplit(parts._replace(query=urlencode(query)))
+            client = aioredis.Redis.from_url(client_url, retry_on_timeout=False, **options)
+        try:
+            store = cls(client, prefix=prefix, chunk_size=chunk_size, url=url)
+        except BaseException:
+            await client.aclose()
+            raise
         store.lease_ttl_s = lease_ttl_s
         if ping:
             try:
-                await store._call("ping", lambda: client.ping())
+                await store._call("ping", store._ping)
                 await store._check_eviction(allow_eviction)
             except BaseException:
                 await client.aclose()
                 raise
         return store
 
+    async def _ping(self) -> None:
+        if self.cluster:
+            await self._r.initialize()  # discovers the nodes and the slot map
+            await self._r.ping(target_nodes=RedisCluster.PRIMARIES)
+        else:
+            await self._r.ping()
+
     async def _check_eviction(self, allow: bool) -> None:
-        try:
-            reply: dict[Any, Any] = await self._r.config_get("maxmemory-policy")
-        except ResponseError as e:  # CONFIG renamed or disabled (managed Redis): cannot check
-            logger.warning("%s: cannot read maxmemory-policy (%s); make sure it is noeviction", self.url, e)
-            return
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            raise StoreUnavailable(f"{self.url}: config get failed: {e}") from e
-        raw = reply.get(b"maxmemory-policy", reply.get("maxmemory-policy", b"noeviction"))
-        policy = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if policy == "noeviction":
-            return
-        if not allow:
-            raise StoreError(
-                f"{self.url}: maxmemory-policy is {policy!r}, so Redis may evict stored sessions; set it to "
-                f"noeviction, or add ?allow_eviction=1 to the store url to accept losing sessions"
-            )
-        logger.warning("%s: maxmemory-policy is %r; sessions may be evicted (allowed by the url)", self.url, policy)
+        nodes: list[Any] = self._r.get_primaries() if self.cluster else [None]
+        for node in nodes:
+            where = self.url if node is None else f"{self.url} (node {node.name})"
+            try:
+                if node is None:
+                    reply: dict[Any, Any] = await self._r.config_get("maxmemory-policy")
+                else:
+                    reply = await self._r.config_get("maxmemory-policy", target_nodes=node)
+            except ResponseError as e:  # CONFIG renamed or disabled (managed Redis): cannot check
+                logger.warning("%s: cannot read maxmemory-policy (%s); make sure it is noeviction", where, e)
+                continue
+            except (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError) as e:
+                raise StoreUnavailable(f"{where}: config get failed: {e}") from e
+            raw = reply.get(b"maxmemory-policy", reply.get("maxmemory-policy", b"noeviction"))
+            policy = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if policy == "noeviction":
+                continue
+            if not allow:
+                raise StoreError(
+                    f"{where}: maxmemory-policy is {policy!r}, so Redis may evict stored sessions; set it to "
+                    f"noeviction, or add ?allow_eviction=1 to the store url to accept losing sessions"
+                )
+            logger.warning("%s: maxmemory-policy is %r; sessions may be evicted (allowed by the url)", where, policy)
 
     # --- keys and error mapping --------------------------------------------------------------------------
 
@@ -215,6 +327,10 @@ class RedisStore(BlobStore):
     def _fence_key(self, session_id: str) -> str:
         return f"{self.prefix}fence:{{{check_session_id(session_id)}}}"
 
+    def session_keys(self, session_id: str) -> list[str]:
+        """The keys of one session (manifest, lease, fence): one hash tag, so one cluster slot."""
+        return [self._manifest_key(session_id), self._lease_key(session_id), self._fence_key(session_id)]
+
     @property
     def _times_key(self) -> str:
         return f"{self.prefix}blobtimes"
@@ -226,136 +342,223 @@ class RedisStore(BlobStore):
             raise StoreUnavailable(f"{self.url}: {op} failed: {type(e).__name__}: {e}") from e
         except RedisError as e:
             raise StoreUnavailable(f"{self.url}: {op} failed: redis error: {e}") from e
+        except RedisClusterException as e:  # no reachable node, slots not covered
+            raise StoreUnavailable(f"{self.url}: {op} failed: redis cluster: {e}") from e
 
     async def _scan(self, pattern: str) -> list[bytes]:
         async def scan() -> list[bytes]:
-            return [k async for k in self._r.scan_iter(match=pattern, count=1000)]
+            if not self.cluster:
+                return [k async for k in self._r.scan_iter(match=pattern, count=1000)]
+            keys: list[bytes] = []
+            for node in self._r.get_primaries():  # each primary holds its own slots' keys
+                keys += [k async for k in self._r.scan_iter(match=pattern, count=1000, target_nodes=node)]
+            return keys
 
         return await self._call(f"scan {pattern}", scan)
 
     @asynccontextmanager
     async def _pipeline(self) -> AsyncIterator[Any]:
+        # Never MULTI: a cluster pipeline then splits the commands by node and sends to all nodes at once.
         async with self._r.pipeline(transaction=False) as pipe:
             yield pipe
+
+    async def _pipelined(self, op: str, build: Callable[[Any], object]) -> list[Any]:
+        """One non-transactional pipeline: `build(pipe)` queues commands; their replies, in order."""
+
+        async def run() -> list[Any]:
+            async with self._pipeline() as pipe:
+                build(pipe)
+                return list(await pipe.execute())
+
+        return await self._call(op, run)
 
     # --- blobs -------------------------------------------------------------------------------------------
 
     async def put_blob(self, digest: str, data: bytes) -> bool:
         return digest in await self.put_blobs({digest: data})
 
-    async def put_blobs(self, blobs: Mapping[str, bytes], *, max_in_flight: int = 8) -> set[str]:
-        """Small blobs go in pipelines of SET NX (about `PIPELINE_BYTES` each); large ones chunk by chunk,
-        meta key last. `max_in_flight` is unused: pipelining already bounds round trips."""
-        for d, data in blobs.items():
-            await verify_blob(check_digest(d), data, where=f"put into {self.url}")
+    async def put_blobs(
+        self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> set[str]:
+        """Small blobs go in pipelines of SET NX (about `PIPELINE_BYTES` each), large ones chunk by chunk with
+        their meta key last; at most `max_in_flight` pipelines at once. Each batch is verified against its
+        digests before it is sent (IntegrityError: nothing of that batch is written)."""
+        for d in blobs:
+            check_digest(d)
         written: set[str] = set()
-        if blobs:
-            now = time.time()
-            await self._call("touch blobs", lambda: self._r.zadd(self._times_key, dict.fromkeys(blobs, now)))
+        if not blobs:
+            return written
+        now = time.time()
+        await self._call("touch blobs", lambda: self._r.zadd(self._times_key, dict.fromkeys(blobs, now)))
+        limit = anyio.Semaphore(max(1, max_in_flight))
+        where = f"put into {self.url}"
+
+        def put_batch(batch: list[str]) -> Callable[[], Awaitable[None]]:
+            def build(pipe: Any) -> None:
+                for d in batch:
+                    pipe.set(self._blob_key(d), blobs[d], nx=True)
+
+            async def job() -> None:
+                async with limit:
+                    await _verify([(d, blobs[d]) for d in batch], where=where)
+                    results = await self._pipelined("put blobs", build)
+                written.update(d for d, ok in zip(batch, results, strict=True) if ok)
+
+            return job
+
+        def put_large(d: str) -> Callable[[], Awaitable[None]]:
+            async def job() -> None:
+                if await self._put_chunked(d, blobs[d], limit, where):
+                    written.add(d)
+
+            return job
+
         small = [d for d, data in blobs.items() if len(data) <= self.chunk_size]
-        for batch in _batches(small, blobs, PIPELINE_BYTES):
-
-            async def put_batch(batch: list[str] = batch) -> list[Any]:
-                async with self._pipeline() as pipe:
-                    for d in batch:
-                        pipe.set(self._blob_key(d), blobs[d], nx=True)
-                    return list(await pipe.execute())
-
-            results = await self._call("put blobs", put_batch)
-            faults.point("redis.blobs.sent")
-            written.update(d for d, ok in zip(batch, results, strict=True) if ok)
-        for d, data in blobs.items():
-            if len(data) > self.chunk_size and await self._put_chunked(d, data):
-                written.add(d)
+        large = [d for d, data in blobs.items() if len(data) > self.chunk_size]
+        await _run_all([*map(put_batch, _batches(small, blobs, PIPELINE_BYTES)), *map(put_large, large)])
+        faults.point("redis.blobs.sent")
         return written
 
-    async def _put_chunked(self, digest: str, data: bytes) -> bool:
-        if await self._call("exists", lambda: self._r.exists(self._meta_key(digest))):
-            return False
+    async def _put_chunked(self, digest: str, data: bytes, limit: anyio.Semaphore, where: str) -> bool:
+        async with limit:
+            await _verify([(digest, data)], where=where)
+            if await self._call("exists", lambda: self._r.exists(self._meta_key(digest))):
+                return False
         view = memoryview(data)
         n = -(-len(view) // self.chunk_size)
+        per_pipeline = max(1, PIPELINE_BYTES // self.chunk_size)
 
-        async def write() -> bool:
-            # A few chunks per pipeline bounds the client's buffer while keeping round trips few.
-            for start in range(0, n, 4):
-                async with self._pipeline() as pipe:
-                    for i in range(start, min(n, start + 4)):
-                        pipe.set(
-                            self._chunk_key(digest, i), view[i * self.chunk_size : (i + 1) * self.chunk_size]
-                        )
-                    await pipe.execute()
-            return bool(await self._r.set(self._meta_key(digest), f"{n} {len(view)}", nx=True))
+        def put_chunks(start: int) -> Callable[[], Awaitable[None]]:
+            def build(pipe: Any) -> None:
+                for i in range(start, min(n, start + per_pipeline)):
+                    pipe.set(self._chunk_key(digest, i), view[i * self.chunk_size : (i + 1) * self.chunk_size])
 
-        return await self._call(f"put chunked blob {digest}", write)
+            async def job() -> None:
+                async with limit:
+                    await self._pipelined(f"put chunked blob {digest}", build)
+
+            return job
+
+        await _run_all(map(put_chunks, range(0, n, per_pipeline)))
+        # Only now, every chunk acknowledged, does the blob become visible.
+        meta = f"{n} {len(view)}"
+        return bool(await self._call(f"put chunked blob {digest}", lambda: self._r.set(self._meta_key(digest), meta, nx=True)))
 
     async def get_blob(self, digest: str) -> bytes:
         return (await self.get_blobs([digest]))[digest]
 
-    async def get_blobs(self, digests: Iterable[str], *, max_in_flight: int = 8) -> dict[str, bytes]:
+    async def get_blobs(
+        self, digests: Iterable[str], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> dict[str, bytes]:
+        """Pipelines of GETs, at most `max_in_flight` at once, each about `PIPELINE_BYTES` of values (sized by
+        the blobs read so far); chunked blobs are then read chunk by chunk. Every blob is verified."""
         wanted = [check_digest(d) for d in dict.fromkeys(digests)]
-
-        async def fetch() -> list[Any]:
-            async with self._pipeline() as pipe:
-                for d in wanted:
-                    pipe.get(self._blob_key(d))
-                    pipe.get(self._meta_key(d))
-                return list(await pipe.execute())
-
-        results = await self._call("get blobs", fetch)
         out: dict[str, bytes] = {}
-        for i, d in enumerate(wanted):
-            data, meta = results[2 * i], results[2 * i + 1]
-            if data is None and meta is None:
-                raise BlobNotFound(d)
-            if data is None:
-                data = await self._get_chunked(d, meta)
-            await verify_blob(d, data, where=self.url)
-            out[d] = bytes(data)
-        return out
+        chunked: dict[str, bytes] = {}  # digest -> meta record
+        limit = anyio.Semaphore(max(1, max_in_flight))
+        seen = [0, 0]  # blobs read so far, their bytes: sizes the next batch
+        errors: list[Exception] = []
 
-    async def _get_chunked(self, digest: str, meta: bytes) -> bytes:
+        async def fetch(batch: list[str]) -> None:  # holds one `limit` slot, taken by the loop below
+            try:
+                try:
+                    values = await self._pipelined(
+                        "get blobs", lambda pipe: [pipe.get(self._blob_key(d)) for d in batch]
+                    )
+                    absent = [d for d, v in zip(batch, values, strict=True) if v is None]
+                    if absent:
+                        metas = await self._pipelined(
+                            "get blobs", lambda pipe: [pipe.get(self._meta_key(d)) for d in absent]
+                        )
+                        for d, meta in zip(absent, metas, strict=True):
+                            if meta is None:
+                                raise BlobNotFound(d)
+                            chunked[d] = meta
+                finally:
+                    limit.release()
+                found = [(d, v) for d, v in zip(batch, values, strict=True) if v is not None]
+                seen[0] += len(found)
+                seen[1] += sum(len(v) for _, v in found)
+                await _verify(found, where=self.url)
+                out.update(found)
+            except Exception as e:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                errors.append(e)
+
+        async with anyio.create_task_group() as tg:
+            i = 0
+            while i < len(wanted) and not errors:
+                await limit.acquire()
+                avg = seen[1] // seen[0] if seen[0] else PIPELINE_BYTES // 8
+                n = max(1, PIPELINE_BYTES // max(1, avg))
+                tg.start_soon(fetch, wanted[i : i + n])
+                i += n
+        if errors:
+            raise errors[0]
+        for d, meta in chunked.items():
+            out[d] = await self._get_chunked(d, meta, limit)
+        return {d: out[d] for d in wanted}
+
+    async def _get_chunked(self, digest: str, meta: bytes, limit: anyio.Semaphore) -> bytes:
         try:
             n_str, total_str = meta.decode().split()
             n, total = int(n_str), int(total_str)
+            if n < 1 or total < 0:
+                raise ValueError("negative")
         except (UnicodeDecodeError, ValueError) as e:
             raise IntegrityError(f"{self.url}: blob {digest} has a bad chunk record {meta[:64]!r}") from e
+        per_pipeline = max(1, PIPELINE_BYTES // max(1, total // n))
+        chunks: list[bytes | None] = [None] * n
 
-        async def fetch() -> list[Any]:
-            async with self._pipeline() as pipe:
-                for i in range(n):
-                    pipe.get(self._chunk_key(digest, i))
-                return list(await pipe.execute())
+        def fetch(start: int) -> Callable[[], Awaitable[None]]:
+            stop = min(n, start + per_pipeline)
 
-        chunks = await self._call(f"get chunked blob {digest}", fetch)
+            async def job() -> None:
+                async with limit:
+                    got = await self._pipelined(
+                        f"get chunked blob {digest}",
+                        lambda pipe: [pipe.get(self._chunk_key(digest, i)) for i in range(start, stop)],
+                    )
+                chunks[start:stop] = got
+
+            return job
+
+        await _run_all(map(fetch, range(0, n, per_pipeline)))
         missing = [i for i, c in enumerate(chunks) if c is None]
         if missing:
             raise IntegrityError(
                 f"{self.url}: blob {digest} is truncated: chunks {missing[:8]} of {n} missing"
             )
-        data = b"".join(chunks)
+        data = b"".join(c for c in chunks if c is not None)
         if len(data) != total:
             raise IntegrityError(
                 f"{self.url}: blob {digest} has {len(data)} bytes in chunks, expected {total}"
             )
+        await _verify([(digest, data)], where=self.url)
         return data
 
     async def has_blobs(self, digests: Iterable[str]) -> set[str]:
         wanted = [check_digest(d) for d in dict.fromkeys(digests)]
+        if not self.cluster:  # one EXISTS of both keys per blob
+            counts = await self._pipelined(
+                "has blobs", lambda pipe: [pipe.exists(self._blob_key(d), self._meta_key(d)) for d in wanted]
+            )
+            return {d for d, n in zip(wanted, counts, strict=True) if n}
 
-        async def check() -> list[Any]:
-            async with self._pipeline() as pipe:
-                for d in wanted:
-                    pipe.exists(self._blob_key(d), self._meta_key(d))
-                return list(await pipe.execute())
+        def build(pipe: Any) -> None:  # the two keys hash to different slots: one EXISTS each
+            for d in wanted:
+                pipe.exists(self._blob_key(d))
+                pipe.exists(self._meta_key(d))
 
-        return {d for d, n in zip(wanted, await self._call("has blobs", check), strict=True) if n}
+        counts = await self._pipelined("has blobs", build)
+        return {d for i, d in enumerate(wanted) if counts[2 * i] or counts[2 * i + 1]}
 
     async def delete_blob(self, digest: str) -> bool:
         check_digest(digest)
 
         async def delete() -> bool:
             meta = await self._r.get(self._meta_key(digest))
-            # The meta key goes first so the blob is never visible with chunks missing.
+            # The meta key goes first so the blob is never visible with chunks missing. (A cluster client
+            # splits a multi-key DEL by slot.)
             existed = await self._r.delete(self._blob_key(digest), self._meta_key(digest))
             if meta is not None:
                 n = int(meta.split()[0])
@@ -379,20 +582,16 @@ class RedisStore(BlobStore):
         present = await self.has_blobs(digests)
         if present:
             now = time.time()
-            await self._call(
-                "touch blobs", lambda: self._r.zadd(self._times_key, dict.fromkeys(present, now))
-            )
+            await self._call("touch blobs", lambda: self._r.zadd(self._times_key, dict.fromkeys(present, now)))
 
     async def recent_blobs(self, within_s: float) -> set[str]:
         now = time.time()
 
-        async def recent() -> list[Any]:
-            async with self._pipeline() as pipe:
-                pipe.zremrangebyscore(self._times_key, "-inf", now - max(within_s, _TIMES_RETENTION_S))
-                pipe.zrangebyscore(self._times_key, now - within_s, "+inf")
-                return list(await pipe.execute())
+        def build(pipe: Any) -> None:
+            pipe.zremrangebyscore(self._times_key, "-inf", now - max(within_s, _TIMES_RETENTION_S))
+            pipe.zrangebyscore(self._times_key, now - within_s, "+inf")
 
-        return {m.decode() for m in (await self._call("recent blobs", recent))[1]}
+        return {m.decode() for m in (await self._pipelined("recent blobs", build))[1]}
 
     # --- manifests ---------------------------------------------------------------------------------------
 
@@ -434,7 +633,7 @@ class RedisStore(BlobStore):
     async def commit_manifest(
         self, session_id: str, data: bytes, *, expected_generation: int, owner: str, ttl_s: float
     ) -> int:
-        keys = [self._manifest_key(session_id), self._lease_key(session_id), self._fence_key(session_id)]
+        keys = self.session_keys(session_id)
         args: list[Any] = [data, expected_generation, owner, max(1, int(ttl_s * 1000))]
         faults.point("redis.manifest.before")
         ok, value = await self._call(f"commit manifest {session_id}", lambda: self._commit(keys=keys, args=args))
@@ -453,20 +652,13 @@ class RedisStore(BlobStore):
             k for k in await self._scan(f"{_glob_escape(self.prefix)}blob:*") if not k.endswith(b":meta")
         ]
         manifest_keys = await self._scan(f"{_glob_escape(self.prefix)}manifest:{{*}}")
-
-        async def sizes(keys: list[bytes]) -> list[int]:
-            async with self._pipeline() as pipe:
-                for k in keys:
-                    pipe.strlen(k)
-                return [int(n) for n in await pipe.execute()]
-
-        blob_sizes = await self._call("stats", lambda: sizes(blob_keys))
-        manifest_sizes = await self._call("stats", lambda: sizes(manifest_keys))
+        blob_sizes = await self._pipelined("stats", lambda pipe: [pipe.strlen(k) for k in blob_keys])
+        manifest_sizes = await self._pipelined("stats", lambda pipe: [pipe.strlen(k) for k in manifest_keys])
         return StoreStats(
             num_blobs=len(await self.list_blobs()),
-            blob_bytes=sum(blob_sizes),
+            blob_bytes=sum(map(int, blob_sizes)),
             num_manifests=len(manifest_keys),
-            manifest_bytes=sum(manifest_sizes),
+            manifest_bytes=sum(map(int, manifest_sizes)),
         )
 
     async def close(self) -> None:
