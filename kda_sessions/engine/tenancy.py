@@ -67,6 +67,10 @@ class TenantEngine:
     def _get(self, sid: str) -> SessionState | None:
         return self.engine._sessions.get((self.tenant, sid))
 
+    def holds(self, session_id: str) -> bool:
+        """Whether this engine holds the session in memory (resident or moved out), not just in the store."""
+        return self._get(session_id) is not None
+
     def _put(self, s: SessionState) -> None:
         s.tenant = self.tenant
         self.engine._sessions[(self.tenant, s.id)] = s
@@ -217,6 +221,20 @@ class TenantEngine:
             found = True
         if not found:
             raise SessionNotFound(f"no session {session_id!r}")
+
+    async def forget(self, session_id: str) -> bool:
+        """Drop a held session from this engine's memory, leaving the store as it is: its slot, KV pages and
+        checkpoint states are freed and its write lease given back. A saved session can be resumed again from
+        the store; an unsaved one is gone. False if the engine does not hold it or it is answering a call."""
+        s = self._get(session_id)
+        if s is None or s.lock.locked():
+            return False
+        async with s.lock:
+            self.engine._release(s, keep_checkpoint_states=False)
+            self.engine._sessions.pop((self.tenant, session_id), None)
+        if session_id in self.io.snapshots.leased:
+            await self.io.snapshots.release_lease(session_id)
+        return True
 
     def stats(self) -> dict[str, Any]:
         return self.engine.stats()

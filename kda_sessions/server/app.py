@@ -20,6 +20,7 @@ from .middleware import GuardMiddleware
 from .openai_routes import router as openai_router
 from .session_routes import router as session_router
 from .settings import ServerSettings
+from .stateless import StatelessSessions
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ def build_app(engine: Engine | None, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics = Metrics()
     app.state.started = int(time.time())
+    app.state.stateless = StatelessSessions(settings.stateless_session_ttl_s, settings.max_stateless_sessions)
     if engine is not None:
         app.state.engine = engine
     install_error_handlers(app)

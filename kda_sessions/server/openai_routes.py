@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -54,13 +55,22 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     sampling = sampling_args(body, settings)
     headers = {"X-Session-Id": session.id}
     model = body.model or settings.model_name
+    stateless = request.app.state.stateless.use(view, session.id, created=body.session_id is None)
     if body.stream:
         events = stream_completion(request, session, new, sampling, body, tools, model)
-        return EventStream(events, headers=headers)
-    reply = await send_with_tool_choice(session, new, sampling, body.tool_choice)
+        return EventStream(_tracked(stateless, events), headers=headers)
+    async with stateless:
+        reply = await send_with_tool_choice(session, new, sampling, body.tool_choice)
     calls = _checked_calls(request, reply, tools, body.tool_choice)
     lp = logprobs_body(reply.token_ids, reply.logprobs, engine.tokenizer.decode) if body.logprobs else None
     return JSONResponse(completion_body(reply, calls, model, new_completion_id(), lp), headers=headers)
+
+
+async def _tracked(use: AbstractAsyncContextManager[None], events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The stream's events with the session kept from being forgotten until the stream ends."""
+    async with use:
+        async for chunk in events:
+            yield chunk
 
 
 async def open_session(

@@ -9,7 +9,7 @@ pure function of (session, g) (`expected`), so a resume is checked completely by
 the manifest names loads (verified against its hash) and is the one generation g must have.
 
 A job is {"store": url, "log": path, "sessions": n, "fault": [point, nth] | null, "verify_only": bool,
-"gc_every": k}. The worker opens the store (which must remove temp files of killed writers: it logs how many
+"gc_every": k, "pack_min_blobs": m | null}. The worker opens the store (which must remove temp files of killed writers: it logs how many
 are left), takes each session's lease (waiting out a dead writer's), loads and checks every session (events
 `resumed`, `missing`, `error`), logs `ready`, then saves generation g+1 of each session in turn forever,
 logging `ack` after each, and runs a garbage collection (grace 0) every `gc_every` saves.
@@ -133,6 +133,8 @@ def _temp_files(store: str) -> int:
 
 async def _work(job: dict[str, Any], fd: int) -> None:
     snaps = await SnapshotStore.open(job["store"], gc_grace_s=0.0)
+    if job.get("pack_min_blobs") and hasattr(snaps.store, "pack_min_blobs"):
+        snaps.store.pack_min_blobs = job["pack_min_blobs"]  # disk: most saves then write one pack file
     _log(fd, ev="temps", n=_temp_files(job["store"]))
     gens: dict[str, int] = {}
     for i in range(job["sessions"]):

@@ -210,7 +210,8 @@ def run_campaign(
     """Kill a worker saving `sessions` sessions once per entry of `plan` (None: SIGKILL after a random delay
     once it is ready; (point, nth): it SIGKILLs itself at that fault point), then run a last verify-only
     worker. Returns the Verifier that checked every resume. `store_level`: workers of crash_store_worker.py
-    (no model; checked by a StoreVerifier) instead of crash_worker.py. A worker that has not reached its fault
+    (no model; checked by a StoreVerifier) instead of crash_worker.py; every other one writes its saves as disk
+    packs (pack_min_blobs 2). A worker that has not reached its fault
     point's nth hit after `fault_timeout_s` (a point hit only at startup, like `disk.lease.written`) is killed
     where it is."""
     import random
@@ -223,7 +224,7 @@ def run_campaign(
             log = tmp / f"worker{i}.log"
             job = {"store": store, "log": str(log), "sessions": sessions, "rounds": 0, "seed": seed * 1000 + i,
                    "fault": None if fault in (None, "verify") else list(fault), "verify_only": fault == "verify",
-                   "gc_every": 7}
+                   "gc_every": 7, "pack_min_blobs": 2 if i % 2 else None}
             pid = z.start(job)
             if fault == "verify":
                 z.wait(pid)

@@ -1,0 +1,53 @@
+"""Sessions created by stateless chat completions (no session_id) are bounded: forgotten from memory when idle
+past the TTL or beyond the cap (LRU); a saved one resumes from the store, an unsaved one is 404; sessions created
+through /v1/sessions are never forgotten."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from server.server_helpers import start_server
+
+
+def _chat(url: str, text: str, session_id: str | None = None) -> str:
+    body = {"messages": [{"role": "user", "content": text}], "max_tokens": 2, "temperature": 0.0}
+    if session_id is not None:
+        body["session_id"] = session_id
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.headers["X-Session-Id"]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    s = start_server(store=f"disk:{tmp_path_factory.mktemp('store')}", max_stateless_sessions=3,
+                     stateless_session_ttl_s=1.0)
+    yield s
+    s.stop()
+
+
+def test_stateless_sessions_are_bounded_lru(srv):
+    tracker = srv.app.state.stateless
+    before = srv.engine.stats()["sessions_in_memory"]
+    ids = [_chat(srv.url, f"question {i}") for i in range(8)]
+    assert len(tracker) <= 3
+    assert srv.engine.stats()["sessions_in_memory"] <= before + 3
+    held = srv.engine.sessions
+    assert ids[-1] in held and ids[0] not in held  # least recently used forgotten first
+    r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": "again"}], "max_tokens": 2, "session_id": ids[0]})
+    assert r.status_code == 404  # never saved: gone
+
+
+def test_idle_stateless_session_is_forgotten_but_a_saved_one_resumes(srv):
+    sid = _chat(srv.url, "keep me")
+    assert httpx.post(f"{srv.url}/v1/sessions/{sid}/save", timeout=60).status_code == 200
+    explicit = httpx.post(f"{srv.url}/v1/sessions", json={"system": "explicit"}, timeout=60).json()["session_id"]
+    time.sleep(1.5)  # past the TTL
+    _chat(srv.url, "another")  # a stateless request sweeps
+    assert sid not in srv.engine.sessions
+    assert explicit in srv.engine.sessions  # created through /v1/sessions: never forgotten
+    assert _chat(srv.url, "continue", session_id=sid) == sid  # resumed from the store
+    assert srv.app.state.stateless.forgotten >= 1
