@@ -3,12 +3,15 @@
     python bench/load_http.py [--seconds 60 | --quick] [--sessions 64] [--store disk:PATH] [--out FILE]
 
 Starts the server as a child process (tiny-random, CPU, a fresh disk store in a temp dir unless --store is
-given), then runs --sessions workers through ``kda_sessions.client.Client``. Each creates a session and loops
-until the deadline: send a message (max_tokens 8, greedy), then with probability --p-save save it and with
-probability --p-resume resume it (``POST /v1/sessions/{id}/resume``, after at least one save). Reports errors
-(must be zero), requests/s, p50/p99 latency per route, and the server's RSS sampled every second: the first
---warmup fraction of the run is warm-up, then growth = last sample - first sample after warm-up.
-Prints JSON; the exit status is 1 when any request failed.
+given, a RAM tier of --ram-tier-mib), then runs --sessions workers through ``kda_sessions.client.Client``. Each
+creates a session and loops until the deadline: send a message (max_tokens 8, greedy), then with probability
+--p-save save it and with probability --p-resume resume it (``POST /v1/sessions/{id}/resume``, after at least
+one save), and with probability --p-stateless send a stateless ``/v1/chat/completions`` (a short history, no
+session_id: the server creates a session per request and must not keep them all). After --turns messages the
+worker deletes its session and starts a new one, as agents finish tasks: the working set stays bounded, so
+memory must too. Reports errors (must be zero), requests/s, p50/p99 latency per route, and the server's RSS
+sampled every second: the first --warmup fraction of the run is warm-up, then growth = last sample - first
+sample after warm-up. Prints JSON; the exit status is 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -51,9 +54,18 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def start_server(store: str, port: int) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "kda_sessions.cli", "serve", "--model", "tiny-random", "--store", store,
-           "--host", "127.0.0.1", "--port", str(port)]
+SERVE = """
+import sys
+from kda_sessions.engine.config import EngineConfig
+from kda_sessions.server import ServerSettings, run_server
+store, port, ram = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+run_server(ServerSettings(model="tiny-random", store=store, port=port, log_level="warning",
+                          engine=EngineConfig(ram_tier_bytes=ram)))
+"""
+
+
+def start_server(store: str, port: int, ram_tier_bytes: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-c", SERVE, store, str(port), str(ram_tier_bytes)]
     proc = subprocess.Popen(cmd, cwd=common.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -88,18 +100,34 @@ class Recorder:
         return result
 
 
-async def worker(client: Client, rec: Recorder, rng: random.Random, deadline: float, args: argparse.Namespace) -> None:
-    session = await rec.timed("create", client.create_session(system="You are a coding agent."))
-    if session is None:
-        return
-    saved = False
+async def stateless_chat(http: httpx.AsyncClient, rng: random.Random) -> None:
+    messages = [{"role": "system", "content": "You are a coding agent."}]
+    for _ in range(rng.randint(1, 3)):
+        messages += [{"role": "user", "content": rng.choice(MESSAGES)}, {"role": "assistant", "content": "ok"}]
+    messages.append({"role": "user", "content": rng.choice(MESSAGES)})
+    r = await http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0.0})
+    r.raise_for_status()
+
+
+async def worker(client: Client, http: httpx.AsyncClient, rec: Recorder, rng: random.Random, deadline: float,
+                 args: argparse.Namespace) -> None:
     while time.monotonic() < deadline:
-        await rec.timed("messages", session.send(rng.choice(MESSAGES), max_tokens=8, temperature=0.0))
-        if rng.random() < args.p_save:
-            saved = await rec.timed("save", session.save()) is not None or saved
-        if saved and rng.random() < args.p_resume:
-            resumed = await rec.timed("resume", client.resume(session.id))
-            session = resumed or session
+        session = await rec.timed("create", client.create_session(system="You are a coding agent."))
+        if session is None:
+            return
+        saved = False
+        for _ in range(args.turns):
+            if time.monotonic() >= deadline:
+                return
+            await rec.timed("messages", session.send(rng.choice(MESSAGES), max_tokens=8, temperature=0.0))
+            if rng.random() < args.p_save:
+                saved = await rec.timed("save", session.save()) is not None or saved
+            if saved and rng.random() < args.p_resume:
+                resumed = await rec.timed("resume", client.resume(session.id))
+                session = resumed or session
+            if rng.random() < args.p_stateless:
+                await rec.timed("chat_stateless", stateless_chat(http, rng))
+        await rec.timed("delete", client.delete_session(session.id))
 
 
 async def sample_rss(pid: int, samples: list[tuple[float, float]], t0: float, deadline: float) -> None:
@@ -120,11 +148,14 @@ async def run(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
     t0 = time.monotonic()
     deadline = t0 + args.seconds
     limits = httpx.Limits(max_connections=args.sessions + 8)
-    async with Client(url, timeout=300, max_retries=0, transport=httpx.AsyncHTTPTransport(limits=limits)) as client:
+    async with (
+        Client(url, timeout=300, max_retries=0, transport=httpx.AsyncHTTPTransport(limits=limits)) as client,
+        httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http,
+    ):
         async with anyio.create_task_group() as tg:
             tg.start_soon(sample_rss, pid, samples, t0, deadline)
             for _ in range(args.sessions):
-                tg.start_soon(worker, client, rec, random.Random(rng.random()), deadline, args)
+                tg.start_soon(worker, client, http, rec, random.Random(rng.random()), deadline, args)
         stats = await client.astats()
     wall = time.monotonic() - t0
     routes = {
@@ -164,6 +195,9 @@ def main() -> None:
     ap.add_argument("--sessions", type=int, default=64)
     ap.add_argument("--p-save", type=float, default=0.2)
     ap.add_argument("--p-resume", type=float, default=0.1)
+    ap.add_argument("--p-stateless", type=float, default=0.1, help="per message: also one stateless chat completion")
+    ap.add_argument("--turns", type=int, default=16, help="messages per session before it is deleted and replaced")
+    ap.add_argument("--ram-tier-mib", type=int, default=256, help="the server's RAM tier (EngineConfig.ram_tier_bytes)")
     ap.add_argument("--warmup", type=float, default=0.25, help="fraction of the run counted as warm-up")
     ap.add_argument("--store", default=None, help="default: disk: in a fresh temp dir")
     ap.add_argument("--seed", type=int, default=0)
@@ -174,7 +208,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kda-load-") as tmp:
         store = args.store or f"disk:{tmp}/store"
         port = free_port()
-        proc = start_server(store, port)
+        proc = start_server(store, port, args.ram_tier_mib << 20)
         try:
             result = anyio.run(run, args, f"http://127.0.0.1:{port}", proc.pid)
         finally:
