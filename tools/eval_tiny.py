@@ -229,7 +229,7 @@ def resume_check(
     return {"checked": len(items), "match": match, "not_saved": len(records) - len(items)}
 
 
-def library_loss(model: str, spec: str, rows: int, length: int) -> dict[str, Any]:
+def library_loss(model: str, spec: str, rows: int, length: int, device: str = "cpu") -> dict[str, Any]:
     """Masked mean cross-entropy (next-token, over target positions whose mask is 1) of held-out rows."""
     import torch
 
@@ -243,12 +243,13 @@ def library_loss(model: str, spec: str, rows: int, length: int) -> dict[str, Any
         rng = random.Random(data.get("seed", 0))
         made = [make_row(rng, "heldout", data.get("max_len", length)) for _ in range(data.get("n", rows))]
         ids_rows, mask_rows = [r[0] for r in made], [r[1] for r in made]
-    m = load_model(model, device="cpu", dtype=torch.float32)
+    m = load_model(model, device=device, dtype=torch.float32)
     total, count, per_row = 0.0, 0, []
     for ids, mask in zip(ids_rows, mask_rows):
-        logits = m.forward(torch.tensor([ids]))[0]  # [T, vocab]
-        nll = torch.nn.functional.cross_entropy(logits[:-1].float(), torch.tensor(ids[1:]), reduction="none")
-        w = torch.tensor(mask[1:], dtype=torch.float32)
+        logits = m.forward(torch.tensor([ids], device=device))[0]  # [T, vocab]
+        target = torch.tensor(ids[1:], device=device)
+        nll = torch.nn.functional.cross_entropy(logits[:-1].float(), target, reduction="none")
+        w = torch.tensor(mask[1:], dtype=torch.float32, device=device)
         s, c = float((nll * w).sum()), int(w.sum())
         total, count = total + s, count + c
         per_row.append(s / max(c, 1))
@@ -285,14 +286,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     tasks = eval_tasks(args.seed, args.n, args.kind)
     result: dict[str, Any] = {"model": args.model, "n": len(tasks), "seed": args.seed, "kind": args.kind,
                               "stdlib": str(corpus().root)}
+    records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         store = f"disk:{tmp}" if args.resume_check else "memory:"
-        records = asyncio.run(run_eval(args.model, tasks, args.max_tokens, store, args.resume_check, args.device))
-        result["scores"] = summarize(records)
-        if args.resume_check:
+        if tasks:
+            records = asyncio.run(run_eval(args.model, tasks, args.max_tokens, store, args.resume_check, args.device))
+            result["scores"] = summarize(records)
+        if args.resume_check and records:
             result["resume_check"] = resume_check(args.model, store, records, args.max_tokens, args.device)
     if args.loss:
-        result["loss"] = library_loss(args.model, args.loss, args.loss_rows, args.loss_len)
+        result["loss"] = library_loss(args.model, args.loss, args.loss_rows, args.loss_len, args.device)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if args.records:
         result["records"] = [{k: v for k, v in r.items() if k != "outputs_after_save"} | {"task": asdict(t)}

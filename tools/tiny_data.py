@@ -39,7 +39,7 @@ MAX_FILE_BYTES = 200_000
 SKIP_PARTS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__"})
 RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the recall question, at least
 PLAIN_FRACTION = 0.1
-RECALL_FRACTION = 1 / 3
+RECALL_FRACTION = 0.42  # of conversation rows; some cannot place the question: about 1/3 of all rows
 
 TOK = ByteTokenizer()
 GEN_IDS: list[int] = TOK.encode(GENERATION_PROMPT, allow_special=True)

@@ -155,10 +155,15 @@ async def test_rendered_ids_equal_the_engines():
 
 
 def test_eval_runs_two_tasks_on_tiny_random(capsys: pytest.CaptureFixture[str]):
-    result = eval_tiny.main(["--model", "tiny-random", "--n", "2", "--kind", "list_dir", "--max-tokens", "4",
-                             "--resume-check"])
+    result = eval_tiny.main(["--model", "tiny-random", "--n", "2", "--kind", "grep", "--max-tokens", "4"])
     printed = json.loads(capsys.readouterr().out)
     assert result is not None and printed["n"] == 2
     assert set(printed["scores"]["overall"]) >= {"parse", "argument", "fact", "recall", "call_rate"}
-    assert printed["scores"]["list_dir"]["n"] == 2
-    assert printed["resume_check"]["match"] == printed["resume_check"]["checked"]
+    assert printed["scores"]["grep"]["n"] == 2
+
+
+@pytest.mark.slow
+def test_eval_resume_check_matches_in_a_new_process(capsys: pytest.CaptureFixture[str]):
+    eval_tiny.main(["--model", "tiny-random", "--n", "2", "--kind", "recall", "--max-tokens", "8", "--resume-check"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["resume_check"] == {"checked": 2, "match": 2, "not_saved": 0}
