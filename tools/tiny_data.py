@@ -39,7 +39,7 @@ MAX_FILE_BYTES = 200_000
 SKIP_PARTS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__"})
 RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the recall question, at least
 PLAIN_FRACTION = 0.1
-RECALL_FRACTION = 0.42  # of conversation rows; some cannot place the question: about 1/3 of all rows
+RECALL_FRACTION = 0.38  # of conversation rows; some cannot place the question: about 1/3 of all rows
 
 TOK = ByteTokenizer()
 GEN_IDS: list[int] = TOK.encode(GENERATION_PROMPT, allow_special=True)
@@ -400,8 +400,8 @@ def make_row(rng: random.Random, split: str, max_len: int) -> tuple[list[int], l
         return _plain_row(rng, c, split, max_len)
     ids = list(header_ids())
     mask = [0] * len(ids)
-    if len(ids) >= max_len:
-        return ids[:max_len], mask[:max_len]
+    if len(ids) + 400 > max_len:  # no room for a task after the header
+        return _plain_row(rng, c, split, max_len)
     used: set[str] = set()
     recall_row = max_len - len(ids) >= RECALL_DISTANCE + 1200 and rng.random() < RECALL_FRACTION
     pending: tuple[str, str, int] | None = None  # (question, answer, position after the fact's turn)

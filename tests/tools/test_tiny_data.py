@@ -107,7 +107,7 @@ def test_masks_cover_exactly_the_assistant_tokens(max_len: int):
 
 
 def test_rows_are_full_and_a_third_recall():
-    rows = _rows(7, 60, 8192)
+    rows = _rows(7, 120, 8192)
     conv = [ids for ids, _ in rows if not _is_plain(ids)]
     assert sum(len(ids) for ids in conv) / (len(conv) * 8192) > 0.9
     recall = [ids for ids in conv if "Earlier you" in TOK.decode(ids) or "did I give you" in TOK.decode(ids)
