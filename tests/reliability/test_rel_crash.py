@@ -91,7 +91,8 @@ async def test_disk_kills_leave_every_session_whole(tmp_path):
 async def test_redis_kills_leave_every_session_whole(tmp_path, redis_url):
     url = f"{redis_url}?prefix=crash{tmp_path.name[-8:]}:&lease_ttl=0.5"
     plan = random_plan(4, REDIS_POINTS, 1, seed=2)
-    v = run_campaign(url, tmp_path, plan, seed=2)
+    # a restarted worker first waits out its dead predecessor's lease (0.5 s): give it time to save before a kill
+    v = run_campaign(url, tmp_path, plan, seed=2, max_delay_s=2.0)
     _report("redis", v, len(plan))
     assert v.problems == []
     assert v.counts["acks"] > len(plan)
