@@ -1,4 +1,5 @@
-"""Shared fixtures: one real redis-server per test run, started on a free port in a temp dir."""
+"""Shared fixtures: one real redis-server per test run, started on a free port in a temp dir, and (for the
+cluster tests) one 3-node Redis Cluster on loopback."""
 
 from __future__ import annotations
 
@@ -10,7 +11,14 @@ import pytest
 
 # tests/ holds helpers shared by all test folders (redis_server.py)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from redis_server import REDIS_SERVER, start_redis_server, stop_redis_server
+from redis_server import (
+    REDIS_CLI,
+    REDIS_SERVER,
+    start_redis_cluster,
+    start_redis_server,
+    stop_redis_cluster,
+    stop_redis_server,
+)
 
 
 @pytest.fixture(scope="session")
@@ -23,3 +31,16 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"redis://127.0.0.1:{port}/0"
     finally:
         stop_redis_server(proc)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """redis://127.0.0.1:PORT/0?cluster=1 of a 3-node Redis Cluster (3 primaries, no replicas) started on free
+    loopback ports for this test session; the url names one node, the client discovers the others."""
+    if REDIS_SERVER is None or REDIS_CLI is None:
+        pytest.skip("redis-server and redis-cli not found on PATH; install redis-server to run the cluster tests")
+    ports, procs = start_redis_cluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield f"redis://127.0.0.1:{ports[0]}/0?cluster=1"
+    finally:
+        stop_redis_cluster(procs)
