@@ -81,6 +81,9 @@ async def test_cluster_session_saved_by_one_engine_resumes_in_another(cluster_ur
         assert len(all_blob_keys) >= 10
         assert len({await cstore._r.cluster_keyslot(k) for k in all_blob_keys}) > 1
         assert len(blob_keys) >= 2, f"every blob on one node: {list(blob_keys)}"
+        print(f"cluster resume: {len(got.token_ids)} tokens equal, usage {got.usage.prefill_tokens} prefilled / "
+              f"{got.usage.cached_tokens} cached; session keys in {len(slots)} slot; {len(all_blob_keys)} blob keys "
+              f"on {len(blob_keys)} nodes")
 
 
 async def test_cluster_leases_and_compare_and_set(cluster_url: str) -> None:
@@ -126,6 +129,7 @@ async def test_cluster_chunked_blob_spreads_and_deletes_across_nodes(cluster_url
         chunks = await keys_by_node(store, f"{store.prefix}blob:{d}:*")
         assert sum(map(len, chunks.values())) == 12  # 11 chunks + the meta key
         assert len(chunks) >= 2, f"every chunk on one node: {list(chunks)}"
+        print(f"cluster chunks: {sum(map(len, chunks.values())) - 1} chunks + meta on {len(chunks)} nodes")
         assert await store.get_blobs([d, *small]) == {d: data, **small}
         assert await store.has_blobs([d, *small, digest(b"absent")]) == {d, *small}
         assert await store.list_blobs() == sorted([d, *small])
@@ -168,10 +172,12 @@ async def test_cluster_down_is_store_unavailable_fast(tmp_path: Path) -> None:
             with pytest.raises(StoreUnavailable):
                 await op()
             assert time.monotonic() - start < 5.0
+            print(f"cluster down: StoreUnavailable in {time.monotonic() - start:.2f} s")
         start = time.monotonic()
         with pytest.raises(StoreUnavailable):
             await RedisStore.open(url)
         assert time.monotonic() - start < 5.0
+        print(f"cluster down: open is StoreUnavailable in {time.monotonic() - start:.2f} s")
     finally:
         stop_redis_cluster(procs)
         await store.close()
