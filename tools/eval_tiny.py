@@ -89,7 +89,9 @@ def _run_tools(tools: Tools, calls: list[Any]) -> list[dict[str, Any]]:
     return messages
 
 
-async def run_task(engine: Engine, tools: Tools, task: Task, sampling: dict[str, Any], save: bool) -> dict[str, Any]:
+async def run_task(
+    engine: Engine, tools: Tools, task: Task, sampling: dict[str, Any], save: bool, tool_choice: str | None = None
+) -> dict[str, Any]:
     """One task in a new session. With ``save``, the session is saved at the resume point and the input that
     follows it is recorded in ``resume`` (session id + messages), with the outputs after it."""
     s = await engine.create_session_from_messages(task.messages[:-1], tools=TOOL_SCHEMAS)
@@ -99,7 +101,8 @@ async def run_task(engine: Engine, tools: Tools, task: Task, sampling: dict[str,
     if save and task.tool is None:
         await s.save()
         rec["resume"] = {"session_id": s.id, "messages": [question]}
-    r = await s.send_messages([question], **sampling)
+    first = sampling | ({"tool_choice": tool_choice} if tool_choice and task.tool is not None else {})
+    r = await s.send_messages([question], **first)
     replies = [r]
     if task.tool is not None:
         attempted, ok = _check_call_turn(r)
@@ -170,7 +173,8 @@ def _pool_sizes(tasks: list[Task], max_tokens: int) -> dict[str, int]:
 
 
 async def run_eval(
-    model: str, tasks: list[Task], max_tokens: int, store: str, save: bool, device: str = "cpu"
+    model: str, tasks: list[Task], max_tokens: int, store: str, save: bool, device: str = "cpu",
+    tool_choice: str | None = None,
 ) -> list[dict[str, Any]]:
     tools = Tools(corpus().root)
     sampling = {"max_tokens": max_tokens, "temperature": 0.0}
@@ -178,7 +182,7 @@ async def run_eval(
     sizes = _pool_sizes(tasks, max_tokens) if save else {}
     async with await Engine.open(model=model, store=store, device=device, **sizes) as engine:
         for t in tasks:
-            records.append(await run_task(engine, tools, t, sampling, save))
+            records.append(await run_task(engine, tools, t, sampling, save, tool_choice))
             if not save:  # free the pools for the next task (a saved session must stay as saved: see _pool_sizes)
                 for sid in list(engine.sessions):
                     await engine.delete_session(sid)
@@ -276,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--device", default="cpu", help="where the engine runs (cpu is bit-exact for resume)")
     ap.add_argument("--resume-check", action="store_true")
+    ap.add_argument("--tool-choice", default=None, choices=["auto", "required"],
+                    help="for the first turn of tool tasks (default: not passed; 'required' tests the plumbing)")
     ap.add_argument("--loss", default=None, metavar="FILE")
     ap.add_argument("--loss-rows", type=int, default=8)
     ap.add_argument("--loss-len", type=int, default=4096)
@@ -293,7 +299,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as tmp:
         store = f"disk:{tmp}" if args.resume_check else "memory:"
         if tasks:
-            records = asyncio.run(run_eval(args.model, tasks, args.max_tokens, store, args.resume_check, args.device))
+            records = asyncio.run(run_eval(
+                args.model, tasks, args.max_tokens, store, args.resume_check, args.device, args.tool_choice
+            ))
             result["scores"] = summarize(records)
         if args.resume_check and records:
             result["resume_check"] = resume_check(args.model, store, records, args.max_tokens, args.device)

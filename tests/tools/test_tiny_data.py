@@ -163,7 +163,12 @@ def test_eval_runs_two_tasks_on_tiny_random(capsys: pytest.CaptureFixture[str]):
 
 
 @pytest.mark.slow
-def test_eval_resume_check_matches_in_a_new_process(capsys: pytest.CaptureFixture[str]):
-    eval_tiny.main(["--model", "tiny-random", "--n", "2", "--kind", "recall", "--max-tokens", "8", "--resume-check"])
+@pytest.mark.parametrize(
+    "args",
+    [["--kind", "recall"], ["--kind", "list_dir", "--max-tokens", "60", "--tool-choice", "required"]],
+    ids=["recall-saved-before-question", "tool-task-saved-after-call"],
+)
+def test_eval_resume_check_matches_in_a_new_process(args: list[str], capsys: pytest.CaptureFixture[str]):
+    eval_tiny.main(["--model", "tiny-random", "--n", "2", "--max-tokens", "8", "--resume-check", *args])
     printed = json.loads(capsys.readouterr().out)
     assert printed["resume_check"] == {"checked": 2, "match": 2, "not_saved": 0}
