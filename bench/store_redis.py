@@ -1,26 +1,31 @@
-"""Redis store throughput by blob size, against redis-benchmark on the same private server in the same run.
+"""Redis store throughput by blob size, against redis-benchmark on the same private server, interleaved.
 
-    python bench/store_redis.py [--mib 128] [--repeat 3] [--cluster] [--profile]
+    python bench/store_redis.py [--mib 64] [--rounds 5] [--cluster] [--profile]
 
 Starts a private redis-server (or, with ``--cluster``, a 3-node Redis Cluster on loopback) from
-tests/redis_server.py, measures raw SET/GET bandwidth of large values with redis-benchmark, then for each blob
-size writes ``--mib`` MiB of random blobs the way ``SnapshotStore.save`` does (``has_blobs``, ``touch_blobs`` of
-the present ones, ``put_blobs`` of the missing ones) and reads them back with ``get_blobs`` (sha256-verified),
-through a fresh ``RedisStore`` each time. Prints JSON: MB/s (10^6 bytes) per size, best of ``--repeat``, and
-each as a fraction of redis-benchmark's SET / GET figure. ``--profile`` prints a cProfile of one save and one
-load of the 80 KiB size instead.
+tests/redis_server.py. This VM's CPUs are shared and their speed swings within a minute, so every round measures
+raw and store back to back: redis-benchmark SET/GET of 100 KB and of 1 MB values (50 clients, its default; the
+round's raw figure is the better of the two sizes), then for each blob size ``--mib`` MiB of random blobs
+written the way ``SnapshotStore.save`` does (``has_blobs``, ``touch_blobs`` of the present ones, ``put_blobs``
+of the missing ones) and read back with ``get_blobs`` (sha256-verified), through a fresh ``RedisStore`` each
+time. Prints JSON: medians over rounds of MB/s (10^6 bytes) and of the per-round ratios store / raw.
+``--profile`` prints a cProfile of one save and one load of 80 KiB blobs instead. ``--without-sha256`` (analysis
+only) replaces the store's hash checks by a no-op, so the difference shows what hashing costs here.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import hashlib
 import importlib.util
 import json
 import os
 import pstats
 import re
+import resource
 import shutil
+import statistics
 import subprocess
 import tempfile
 import time
@@ -34,6 +39,7 @@ from kda_sessions.storage.backends.redis import RedisStore
 
 REPO = Path(__file__).resolve().parent.parent
 SIZES_KIB = (80, 516, 2048, 98304)  # a tiny-random page, a Kimi-Linear page, 2 MiB, a 96 MiB (chunked) blob
+RAW_SIZES = (100_000, 1_000_000)  # redis-benchmark value sizes; a round's raw figure is the better of the two
 
 
 def redis_helpers() -> Any:
@@ -45,19 +51,44 @@ def redis_helpers() -> Any:
     return mod
 
 
-def redis_benchmark(port: int, size: int, total_mb: int, cluster: bool) -> dict[str, float]:
-    """SET and GET MB/s of `size`-byte values (50 clients, redis-benchmark's default)."""
+def sha256_MBps(size: int = 528384, total: int = 64 << 20) -> float:
+    """sha256 speed of one thread here: every byte saved or loaded is hashed once by the store."""
+    data = [os.urandom(size) for _ in range(total // size)]
+    t = time.perf_counter()
+    for b in data:
+        hashlib.sha256(b).digest()
+    return round(len(data) * size / (time.perf_counter() - t) / 1e6)
+
+
+def server_cpu_s(pids: list[int]) -> float:
+    """CPU seconds (user + system) the redis-server processes have used so far."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def redis_benchmark(port: int, pids: list[int], size: int, total_mb: int, cluster: bool) -> dict[str, Any]:
+    """SET and GET of `size`-byte values (50 clients, redis-benchmark's default): MB/s, and CPU seconds per GB
+    of redis-benchmark itself and of the server(s)."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {}
     n = max(100, total_mb * 1_000_000 // size)
-    cmd = [exe, "-p", str(port), "-t", "set,get", "-d", str(size), "-n", str(n), "-q"]
-    out = subprocess.run([*cmd, "--cluster"] if cluster else cmd, capture_output=True, text=True, check=True).stdout
-    res: dict[str, float] = {}
-    for line in out.replace("\r", "\n").splitlines():
-        m = re.match(r"\s*(SET|GET): ([\d.]+) requests per second", line)
+    res: dict[str, Any] = {}
+    for op in ("set", "get"):
+        cmd = [exe, "-p", str(port), "-t", op, "-d", str(size), "-n", str(n), "-q", *(["--cluster"] if cluster else [])]
+        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        s0 = server_cpu_s(pids)
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        gb = n * size / 1e9
+        m = re.search(rf"{op.upper()}: ([\d.]+) requests per second", out.replace("\r", "\n"))
         if m:
-            res[m.group(1).lower()] = round(float(m.group(2)) * size / 1e6)
+            res[op] = round(float(m.group(1)) * size / 1e6)
+            res[f"{op}_client_cpu_s_per_GB"] = round((c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) / gb, 2)
+            res[f"{op}_server_cpu_s_per_GB"] = round((server_cpu_s(pids) - s0) / gb, 2)
     return res
 
 
@@ -68,34 +99,39 @@ async def save_like_snapshot_store(store: RedisStore, blobs: dict[str, bytes]) -
     await store.put_blobs({d: b for d, b in blobs.items() if d not in stored})
 
 
-async def one_size(url: str, size: int, total: int, repeat: int) -> dict[str, Any]:
-    best_put = best_get = 0.0
-    for _ in range(repeat):
-        blobs = {}
-        for _ in range(max(1, total // size)):
-            b = os.urandom(size)
-            blobs[digest(b)] = b
-        nbytes = sum(map(len, blobs.values()))
-        store = await RedisStore.open(url)
-        try:
-            t = time.perf_counter()
-            await save_like_snapshot_store(store, blobs)
-            best_put = max(best_put, nbytes / (time.perf_counter() - t) / 1e6)
-        finally:
-            await store.close()
-        store = await RedisStore.open(url)
-        try:
-            t = time.perf_counter()
-            got = await store.get_blobs(list(blobs))
-            best_get = max(best_get, nbytes / (time.perf_counter() - t) / 1e6)
-            assert got.keys() == blobs.keys()
-            del got
-            for d in blobs:  # keep the server's memory bounded between rounds
-                await store.delete_blob(d)
-        finally:
-            await store.close()
-    return {"blob_KiB": size // 1024, "blobs": max(1, total // size), "save_MBps": round(best_put),
-            "load_MBps": round(best_get)}
+async def one_size(url: str, pids: list[int], size: int, total: int) -> dict[str, float]:
+    """Save and load MB/s of `total` bytes of random `size`-byte blobs, with this process's and the server(s)'
+    CPU seconds per GB; the blobs are deleted after."""
+    blobs = {}
+    for _ in range(max(1, total // size)):
+        b = os.urandom(size)
+        blobs[digest(b)] = b
+    gb = sum(map(len, blobs.values())) / 1e9
+    out: dict[str, float] = {}
+
+    def account(op: str, wall: float, client: float, server: float) -> None:
+        out[f"{op}_MBps"] = gb * 1e3 / wall
+        out[f"{op}_client_cpu_s_per_GB"] = client / gb
+        out[f"{op}_server_cpu_s_per_GB"] = server / gb
+
+    store = await RedisStore.open(url)
+    try:
+        t, c, sv = time.perf_counter(), time.process_time(), server_cpu_s(pids)
+        await save_like_snapshot_store(store, blobs)
+        account("save", time.perf_counter() - t, time.process_time() - c, server_cpu_s(pids) - sv)
+    finally:
+        await store.close()
+    store = await RedisStore.open(url)
+    try:
+        t, c, sv = time.perf_counter(), time.process_time(), server_cpu_s(pids)
+        got = await store.get_blobs(list(blobs))
+        account("load", time.perf_counter() - t, time.process_time() - c, server_cpu_s(pids) - sv)
+        assert got.keys() == blobs.keys()
+        for d in blobs:  # keep the server's memory bounded between rounds
+            await store.delete_blob(d)
+    finally:
+        await store.close()
+    return out
 
 
 async def profile(url: str, total: int) -> None:
@@ -115,10 +151,15 @@ async def profile(url: str, total: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mib", type=int, default=128, help="MiB written per blob size")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--mib", type=int, default=64, help="MiB written per blob size and round")
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cluster", action="store_true", help="a 3-node Redis Cluster on loopback")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument(
+        "--without-sha256", action="store_true",
+        help="analysis only: replace the store's hash checks by a no-op, to show what they cost (the store "
+        "itself always verifies)",
+    )
     args = ap.parse_args()
     rs = redis_helpers()
     tmp = Path(tempfile.mkdtemp(prefix="store-redis-"))
@@ -130,21 +171,60 @@ def main() -> None:
         ports, procs = [port], [proc]
         url = f"redis://127.0.0.1:{port}/0"
     try:
+        if args.without_sha256:
+            from kda_sessions.storage.backends import redis as redis_backend
+
+            async def no_check(items: Any, *, where: str) -> None:
+                pass
+
+            redis_backend._verify = no_check  # type: ignore[assignment]
         if args.profile:
             anyio.run(profile, url, args.mib * 1048576)
             return
-        raw = {f"{d // 1000}KB": redis_benchmark(ports[0], d, 300, args.cluster) for d in (100_000, 1_000_000)}
-        rows = [anyio.run(one_size, url, kib * 1024, args.mib * 1048576, args.repeat) for kib in SIZES_KIB]
-        raw_set = max(r.get("set", 0) for r in raw.values())
-        raw_get = max(r.get("get", 0) for r in raw.values())
-        for row in rows:
-            row["save_of_raw_set"] = round(row["save_MBps"] / raw_set, 2) if raw_set else None
-            row["load_of_raw_get"] = round(row["load_MBps"] / raw_get, 2) if raw_get else None
+        pids = [p.pid for p in procs]
+        rounds: list[dict[Any, Any]] = []
+        for _ in range(args.rounds):
+            raw = {f"{d // 1000}KB": redis_benchmark(ports[0], pids, d, 1000, args.cluster) for d in RAW_SIZES}
+            rnd: dict[Any, Any] = {
+                "raw": raw,
+                "raw_set": max(r.get("set", 0) for r in raw.values()),
+                "raw_get": max(r.get("get", 0) for r in raw.values()),
+            }
+            for kib in SIZES_KIB:
+                rnd[kib] = anyio.run(one_size, url, pids, kib * 1024, args.mib * 1048576)
+            rounds.append(rnd)
+
+        def med(xs: Any, digits: int = 2) -> float:
+            return round(statistics.median(xs), digits)
+
+        rows = []
+        for kib in SIZES_KIB:
+            row: dict[str, Any] = {"blob_KiB": kib}
+            for key in rounds[0][kib]:
+                row[key] = med((r[kib][key] for r in rounds), 0 if key.endswith("MBps") else 2)
+            if rounds[0]["raw_set"]:
+                row["save_of_raw_set"] = med(r[kib]["save_MBps"] / r["raw_set"] for r in rounds)
+                row["load_of_raw_get"] = med(r[kib]["load_MBps"] / r["raw_get"] for r in rounds)
+            rows.append(row)
+        raw_rows = {
+            size: {key: med((r["raw"][size][key] for r in rounds), 0 if key in ("set", "get") else 2)
+                   for key in rounds[0]["raw"][size]}
+            for size in rounds[0]["raw"]
+        }
         print(json.dumps({
             "store": "cluster of 3" if args.cluster else "single redis-server",
-            "redis_benchmark_MBps": raw,
+            "sha256_checks": not args.without_sha256,
+            "mib_per_size": args.mib,
+            "rounds": args.rounds,
+            "redis_benchmark": {
+                "set_MBps_median": med((r["raw_set"] for r in rounds), 0),
+                "get_MBps_median": med((r["raw_get"] for r in rounds), 0),
+                "by_value_size": raw_rows,
+            },
             "sizes": rows,
+            "sha256_one_thread_MBps": sha256_MBps(),
             "cpus": os.cpu_count(),
+            "loadavg_after": os.getloadavg(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         }, indent=1))
     finally:
