@@ -1,5 +1,7 @@
-"""The backend contract of test_storage_backends.py, run again on a RedisStore over a 3-node Redis Cluster
-(`redis_cluster_url` in tests/conftest.py), with small chunks so that blobs are chunked across nodes."""
+"""The backend contract of test_storage_backends.py and the snapshot store tests of test_storage_snapshot.py
+(save/load, dedup of forks, delete + garbage collection across every primary, fingerprint and integrity checks),
+run again on a RedisStore over a 3-node Redis Cluster (`redis_cluster_url` in tests/conftest.py), with small
+chunks so that blobs are chunked across nodes."""
 
 from __future__ import annotations
 
@@ -19,6 +21,13 @@ from test_storage_backends import (  # noqa: F401  (collected here again, with t
     test_put_is_immutable_nx,
     test_put_with_wrong_digest_is_refused,
     test_touch_and_recent,
+)
+from test_storage_snapshot import (  # noqa: F401  (the same)
+    test_delete_collects_unshared_blobs_only,
+    test_forks_share_blobs_and_are_stored_once,
+    test_gc_spares_recent_blobs_within_grace,
+    test_load_checks_fingerprint_and_integrity,
+    test_save_and_load,
 )
 
 from kda_sessions.storage.backends.base import BlobStore
