@@ -64,13 +64,15 @@ run_server(ServerSettings(model="tiny-random", store=store, port=port, log_level
 """
 
 
-def start_server(store: str, port: int, ram_tier_bytes: int) -> subprocess.Popen[bytes]:
+def start_server(store: str, port: int, ram_tier_bytes: int, log: Path) -> subprocess.Popen[bytes]:
     cmd = [sys.executable, "-c", SERVE, store, str(port), str(ram_tier_bytes)]
-    proc = subprocess.Popen(cmd, cwd=common.REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # stderr to a file: a pipe nobody reads would block the server once its buffer filled
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(cmd, cwd=common.REPO, stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json().get("status") == "ok":
                 return proc
@@ -208,9 +210,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kda-load-") as tmp:
         store = args.store or f"disk:{tmp}/store"
         port = free_port()
-        proc = start_server(store, port, args.ram_tier_mib << 20)
+        log = Path(tmp) / "server.log"
+        proc = start_server(store, port, args.ram_tier_mib << 20, log)
         try:
             result = anyio.run(run, args, f"http://127.0.0.1:{port}", proc.pid)
+            if result["errors"]:
+                result["server_log_tail"] = log.read_text(errors="replace")[-6000:]
         finally:
             proc.terminate()
             try:

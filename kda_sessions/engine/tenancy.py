@@ -124,7 +124,7 @@ class TenantEngine:
         s: SessionState | None = None
         if hit is not None:
             try:
-                s = await self._fork_state(hit.session_id, hit.checkpoint, sid)
+                s = await self._fork_state(hit.session_id, hit.checkpoint, sid, hold_parent=False)
             except (SessionNotFound, CheckpointNotFound):
                 s = None
         if s is None:
@@ -157,8 +157,16 @@ class TenantEngine:
         self.engine.counters["forks"] += 1
         return self._handle(s)
 
-    async def _fork_state(self, parent_id: str, checkpoint: str | None, sid: str) -> SessionState:
-        parent = self._get(parent_id) or (await self.resume(parent_id)).state
+    async def _fork_state(
+        self, parent_id: str, checkpoint: str | None, sid: str, *, hold_parent: bool = True
+    ) -> SessionState:
+        """A new session from ``checkpoint`` of ``parent_id``. A parent this engine does not hold is resumed
+        (and stays held), unless ``hold_parent`` is False (prefix reuse) and the checkpoint is a stored one: then
+        only its bookkeeping is loaded, for this fork, and nothing of it stays (no slot, no lease, not held)."""
+        parent = self._get(parent_id)
+        transient = parent is None and not hold_parent and checkpoint not in (None, "head")
+        if parent is None:
+            parent = await self._load_unheld(parent_id) if transient else (await self.resume(parent_id)).state
         async with parent.lock:
             if checkpoint is None or checkpoint == "head":
                 cp = self.engine._head_checkpoint(parent)
@@ -178,11 +186,23 @@ class TenantEngine:
                 parent=parent_id,
                 next_message_index=cp.num_messages,
             )
-            await self.io.materialize(cp)
-            await self.engine._seat_from_checkpoint(child, cp)
-            if cp.name == "__head__":
-                self.engine._release_checkpoint(cp)
+            try:
+                await self.io.materialize(cp)
+                await self.engine._seat_from_checkpoint(child, cp)
+            finally:
+                if cp.name == "__head__" or transient:  # the child holds what it shares; nothing else does
+                    self.engine._release_checkpoint(cp)
         return child
+
+    async def _load_unheld(self, session_id: str) -> SessionState:
+        """The bookkeeping of a stored session, without a slot, without holding it and without keeping a lease
+        that this load took (a fork from it would otherwise keep it in memory for the engine's life)."""
+        had_lease = session_id in self.io.snapshots.leased
+        s = await self.io.load_session(session_id)
+        if not had_lease and session_id in self.io.snapshots.leased:
+            await self.io.snapshots.release_lease(session_id)
+        s.tenant = self.tenant
+        return s
 
     # -- list, delete ----------------------------------------------------------------------------------------
 

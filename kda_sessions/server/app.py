@@ -15,6 +15,7 @@ from fastapi.responses import PlainTextResponse
 from ..engine.engine import Engine
 from .auth import check_bind
 from .errors import install_error_handlers
+from .inflight import InFlight
 from .metrics import CONTENT_TYPE, Metrics
 from .middleware import GuardMiddleware
 from .openai_routes import router as openai_router
@@ -47,6 +48,7 @@ def build_app(engine: Engine | None, settings: ServerSettings) -> FastAPI:
     app.state.settings = settings
     app.state.metrics = metrics = Metrics()
     app.state.started = int(time.time())
+    app.state.inflight = InFlight()
     app.state.stateless = StatelessSessions(settings.stateless_session_ttl_s, settings.max_stateless_sessions)
     if engine is not None:
         app.state.engine = engine

@@ -26,7 +26,7 @@ from .chat import (
     split_history,
     tool_choice_met,
 )
-from .errors import ApiError, to_api_error
+from .errors import to_api_error
 from .schemas import ChatCompletionRequest
 from .sse import EventStream, sse_data
 
@@ -49,8 +49,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     messages = [m.to_template() for m in body.messages]
     view = await engine.for_tenant(request.scope.get("state", {}).get("tenant"))
     session, new = await open_session(view, body.session_id, messages, tools)
-    if session.state.lock.locked():
-        raise ApiError(409, f"session {session.id!r} is answering another request", "session_busy")
+    inflight = request.app.state.inflight
+    inflight.check(view.tenant, session.id)
     tools = session.state.tools if body.session_id else tools
     sampling = sampling_args(body, settings)
     headers = {"X-Session-Id": session.id}
@@ -58,9 +58,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     stateless = request.app.state.stateless.use(view, session.id, created=body.session_id is None)
     if body.stream:
         events = stream_completion(request, session, new, sampling, body, tools, model)
-        return EventStream(_tracked(stateless, events), headers=headers)
-    async with stateless:
-        reply = await send_with_tool_choice(session, new, sampling, body.tool_choice)
+        return EventStream(inflight.claimed_stream(view.tenant, session.id, _tracked(stateless, events)), headers=headers)
+    with inflight.claim(view.tenant, session.id):
+        async with stateless:
+            reply = await send_with_tool_choice(session, new, sampling, body.tool_choice)
     calls = _checked_calls(request, reply, tools, body.tool_choice)
     lp = logprobs_body(reply.token_ids, reply.logprobs, engine.tokenizer.decode) if body.logprobs else None
     return JSONResponse(completion_body(reply, calls, model, new_completion_id(), lp), headers=headers)

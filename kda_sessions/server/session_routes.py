@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -34,11 +35,15 @@ async def _engine(request: Request) -> TenantEngine:
 
 async def _session(request: Request, session_id: str, *, idle: bool = False) -> Session:
     """The session (loaded from the store if this engine does not hold it). ``idle``: refuse with 409
-    instead of queueing behind a call in progress."""
+    instead of queueing behind a request in progress (see server/inflight.py; claim it with ``_claim``)."""
     s = await (await _engine(request)).resume(session_id)
-    if idle and s.state.lock.locked():
-        raise ApiError(409, f"session {session_id!r} is answering another request", "session_busy")
+    if idle:
+        request.app.state.inflight.check(s.state.tenant, session_id)
     return s
+
+
+def _claim(request: Request, s: Session) -> AbstractContextManager[None]:
+    return request.app.state.inflight.claim(s.state.tenant, s.id)  # type: ignore[no-any-return]
 
 
 def _created(model: Any) -> JSONResponse:
@@ -89,8 +94,10 @@ async def send_messages(session_id: str, body: SendMessages, request: Request) -
     s = await _session(request, session_id, idle=True)
     messages, sampling = body.new_messages(), body.sampling()
     if body.stream:
-        return EventStream(_events(s, messages, sampling), headers={"X-Session-Id": s.id})
-    return await send_with_tool_choice(s, messages, sampling, body.tool_choice)
+        events = request.app.state.inflight.claimed_stream(s.state.tenant, s.id, _events(s, messages, sampling))
+        return EventStream(events, headers={"X-Session-Id": s.id})
+    with _claim(request, s):
+        return await send_with_tool_choice(s, messages, sampling, body.tool_choice)
 
 
 async def _events(s: Session, messages: list[dict[str, Any]], sampling: dict[str, Any]) -> AsyncIterator[bytes]:
@@ -107,13 +114,15 @@ async def _events(s: Session, messages: list[dict[str, Any]], sampling: dict[str
 @router.post("/{session_id}/generate", response_model=Reply)
 async def generate(session_id: str, body: Sampling, request: Request) -> Reply:
     s = await _session(request, session_id, idle=True)
-    return await s.generate(**body.sampling())
+    with _claim(request, s):
+        return await s.generate(**body.sampling())
 
 
 @router.post("/{session_id}/append", response_model=Usage)
 async def append(session_id: str, body: Append, request: Request) -> Usage:
     s = await _session(request, session_id, idle=True)
-    return await s.append(body.tokens)
+    with _claim(request, s):
+        return await s.append(body.tokens)
 
 
 @router.post("/{session_id}/checkpoints", status_code=201, response_model=CheckpointInfo)

@@ -33,11 +33,13 @@ class ServerSettings(BaseModel):
     """max_tokens of a chat completion that names none."""
     served_model_name: str | None = None
     """The id /v1/models reports; default: the model's name."""
-    stateless_session_ttl_s: float = Field(default=300.0, ge=0)
+    stateless_session_ttl_s: float = Field(default=120.0, ge=0)
     """A session created by a chat completion without ``session_id`` is forgotten from memory after this long
     idle (see server/stateless.py); the store keeps it only if the client saved it."""
-    max_stateless_sessions: int = Field(default=256, ge=1)
-    """At most this many such sessions are held; beyond it the least recently used idle ones are forgotten."""
+    max_stateless_sessions: int = Field(default=32, ge=1)
+    """At most this many such sessions are held; beyond it the least recently used idle ones are forgotten. Each
+    holds up to ``engine.max_checkpoints_in_memory`` checkpoint states on the host (40 MiB each at Kimi-Linear's
+    shape), so this bounds their memory."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     log_level: str = "info"
 

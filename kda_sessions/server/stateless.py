@@ -5,7 +5,7 @@ An OpenAI-style client sends its whole history with every request; each such req
 deletes those sessions, so without a bound every request would keep a session (its token history, checkpoint
 states, and a slot and KV pages or, once evicted, a snapshot written to the store) for the life of the server.
 ``StatelessSessions`` forgets such a session from the engine's memory once it has been idle for
-``stateless_session_ttl_s`` or when more than ``max_stateless_sessions`` are held (least recently used first).
+``stateless_session_ttl_s`` (120 s) or when more than ``max_stateless_sessions`` (32) are held (least recently used first).
 Forgetting leaves the store alone: a session the client saved (``POST /v1/sessions/{id}/save``) resumes from
 it; an unsaved one answers 404 afterwards. Sessions created through ``/v1/sessions`` are never forgotten.
 """

@@ -51,3 +51,24 @@ def test_idle_stateless_session_is_forgotten_but_a_saved_one_resumes(srv):
     assert explicit in srv.engine.sessions  # created through /v1/sessions: never forgotten
     assert _chat(srv.url, "continue", session_id=sid) == sid  # resumed from the store
     assert srv.app.state.stateless.forgotten >= 1
+
+
+async def test_prefix_reuse_from_a_stored_session_does_not_hold_it(tmp_path):
+    import kda_sessions as ks
+
+    async with await ks.Engine.open(model="tiny-random", store=f"disk:{tmp_path}", page_size=16) as eng:
+        history = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "hello"}]
+        a = await eng.create_session_from_messages(history)
+        await a.send("run the tests", max_tokens=2)
+        await a.save()
+        msgs = a.messages  # checkpoints sit at the boundaries of messages sent through the session
+        assert await eng.default.forget(a.id)
+        assert not eng.default.holds(a.id) and a.id not in eng.io.snapshots.leased
+        pages_free = eng.pages.num_free
+        b = await eng.create_session_from_messages(msgs)  # starts from a's stored checkpoint
+        assert b.state.parent == a.id  # the prefix was reused
+        assert not eng.default.holds(a.id)  # ... without keeping a in memory
+        assert a.id not in eng.io.snapshots.leased  # ... or its lease
+        await eng.delete_session(b.id)
+        assert eng.pages.num_free == pages_free  # the parent's loaded pages went back with b's
