@@ -349,6 +349,7 @@ class RedisStore(BlobStore):
         async def scan() -> list[bytes]:
             if not self.cluster:
                 return [k async for k in self._r.scan_iter(match=pattern, count=1000)]
+            await self._r.initialize()  # the node list (a no-op once known; after ping=False or a failure, not)
             keys: list[bytes] = []
             for node in self._r.get_primaries():  # each primary holds its own slots' keys
                 keys += [k async for k in self._r.scan_iter(match=pattern, count=1000, target_nodes=node)]
