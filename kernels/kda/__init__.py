@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from torch import Tensor
 
+from ..gate.naive import gate_params, naive_kda_gate
 from .naive import naive_chunk_kda, naive_recurrent_kda
 
 
@@ -21,17 +22,29 @@ def chunk_kda(
     cu_seqlens: Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Chunked KDA forward with fla's arguments (q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay;
     beta [B, T, H]; initial_state [N, H, K, V] float32). Returns ``(o [B, T, H, V], final_state [N, H, K, V] |
-    None, checkpoint_states [M, H, K, V] | None)``; see :mod:`kda_sessions.kernels.kda.naive` for positions."""
+    None, checkpoint_states [M, H, K, V] | None)``; see :mod:`kda_sessions.kernels.kda.naive` for positions.
+
+    With ``use_gate_in_kernel`` (fla's flag) g holds the raw gate logits [B, T, H, K] and the gate is fused:
+    A_log [H], dt_bias [H * K] float32, ``lower_bound`` None for the standard gate, < 0 for the bounded one
+    (:mod:`kda_sessions.kernels.gate.naive`)."""
     if q.is_cuda:
         from .chunk import chunk_kda_triton
 
         return chunk_kda_triton(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-            use_qk_l2norm_in_kernel, checkpoint_positions,
+            use_qk_l2norm_in_kernel, checkpoint_positions, use_gate_in_kernel, A_log, dt_bias, lower_bound,
         )
+    if use_gate_in_kernel:
+        A_log, dt_bias, lower_bound = gate_params(q.shape[2], q.shape[3], A_log, dt_bias, lower_bound)
+        g = naive_kda_gate(g, A_log, dt_bias, lower_bound)
     return naive_chunk_kda(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, checkpoint_positions,

@@ -1,15 +1,22 @@
 """Chunked KDA forward in Triton (inference only: nothing is kept for a backward pass).
 
-Four launches over a table of chunks (at most ``BT`` = 64 tokens each, starting at every sequence's first token;
+Three launches over a table of chunks (at most ``BT`` = 64 tokens each, starting at every sequence's first token;
 a chunk also ends at every requested checkpoint position, so the state there is a chunk-boundary state):
 
-1. ``_prep_kernel``   per (chunk, head): G = in-chunk cumulative log-decay (float32), optional q/k L2 norm.
-2. ``_intra_kernel``  per (chunk, head): L (strict, with beta) and A_qk (causal, with scale) in 16-row sub-chunks,
-   the decay referenced to the row sub-chunk's first token so every exponent is <= 0; (I + L)^-1 by blocks;
-   w = (I + L)^-1 (beta * k * exp(G)), u = (I + L)^-1 (beta * v), kg = k * exp(G_last - G).
-3. ``_state_kernel``  per (sequence, head, V block), sequential over chunks: the state at each chunk start,
+1. ``_intra_kernel``  per (chunk, head): the gate (optional), q/k L2 norm (optional) and G, the in-chunk cumulative
+   log-decay, computed in registers and never stored; L (strict, with beta) and A_qk (causal, with scale) built
+   from 16-token sub-chunks on tensor cores; (I + L)^-1 by 16 x 16 blocks; w = (I + L)^-1 (beta * k * exp(G)),
+   u = (I + L)^-1 (beta * v), kg = k * exp(G_last - G), qg = scale * q * exp(G) and exp(G_last) per chunk.
+2. ``_state_kernel``  per (sequence, head, V block), sequential over chunks: the state at each chunk start,
    v' = u - w S, S <- diag(exp(G_last)) S + kg^T v'; float32 states at checkpoints and at the end.
-4. ``_output_kernel`` per (chunk, head, V block): o = scale (q * exp(G)) S + A_qk v'.
+3. ``_output_kernel`` per (chunk, head, V block): o = qg S + A_qk v'.
+
+Decay factors exp(G_r - G_s) (s <= r) are never formed from exp(G) alone, which underflows. A block of rows in
+sub-chunk i against columns of an earlier sub-chunk j factors through c_(i-1), the cumulative decay at the end of
+sub-chunk i - 1: exp(G_r - c_(i-1)) and exp(c_(i-1) - G_s) are both <= 1. A diagonal block (r, s in the same
+sub-chunk) factors through the midpoint m of the sub-chunk's decay range, so both factors stay within
+exp(span / 2); where some channel's span exceeds ``SPAN_MAX`` that block takes an exact element-wise path.
+With the bounded gate (lb -5) the span of 16 tokens is at most 80, so it never does.
 
 Layout: every activation is packed ``[T_total, H, *]`` (B * T rows without cu_seqlens).
 """
@@ -23,63 +30,111 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..gate.naive import gate_params
+
 BT = 64  # chunk length
 BC = 16  # sub-chunk length
+SPAN_MAX = 120.0  # largest in-sub-chunk decay span (natural log) of the tensor-core diagonal path: e^60 factors
 
 
 @triton.jit
-def _prep_kernel(
-    q, k, g, G, qn, kn, chunk_start, chunk_len,
-    H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, NORM: tl.constexpr,
-):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
-    bos = tl.load(chunk_start + c).to(tl.int64)
-    n_rows = tl.load(chunk_len + c)
-    rows = tl.arange(0, BT)
-    cols = tl.arange(0, BK)
-    m = (rows[:, None] < n_rows) & (cols[None, :] < K)
-    off = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
-    gg = tl.load(g + off, mask=m, other=0.0).to(tl.float32)
-    tl.store(G + off, tl.cumsum(gg, axis=0), mask=m)
-    if NORM:
-        x = tl.load(q + off, mask=m, other=0.0).to(tl.float32)
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-        tl.store(qn + off, x.to(qn.dtype.element_ty), mask=m)
-        x = tl.load(k + off, mask=m, other=0.0).to(tl.float32)
-        x = x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
-        tl.store(kn + off, x.to(kn.dtype.element_ty), mask=m)
-
-
-@triton.jit
-def _load_rows(base, bos, row0, n_rows, h, H: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, R: tl.constexpr):
-    """Rows row0 .. row0 + R of a packed [T, H, W] tensor at head h as float32 [R, BW] (zeros past n_rows)."""
+def _rows(base, bos, row0, n_rows, h, cols, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr):
+    """Rows row0 .. row0 + R of a packed [T, H, W] tensor at head h, columns ``cols``, as float32 (zeros past
+    n_rows)."""
     rows = row0 + tl.arange(0, R)
-    cols = tl.arange(0, BW)
     m = (rows[:, None] < n_rows) & (cols[None, :] < W)
     return tl.load(base + ((bos + rows)[:, None] * H + h) * W + cols[None, :], mask=m, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def _inv_diag(Lbuf, bos, i: tl.constexpr, n_rows, h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """(I + N)^-1 of the i-th diagonal [BC, BC] block N (strictly lower, so N^16 = 0):
-    (I - N)(I + N^2)(I + N^4)(I + N^8)."""
-    rr = tl.arange(0, BC)
-    N1 = _load_rows(Lbuf + i * BC, bos, i * BC, n_rows, h, H, BT, BC, BC)
-    eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
-    X = eye - N1
-    N2 = tl.dot(N1, N1, input_precision="ieee")
-    X = tl.dot(X, eye + N2, input_precision="ieee")
-    N4 = tl.dot(N2, N2, input_precision="ieee")
-    X = tl.dot(X, eye + N4, input_precision="ieee")
-    N8 = tl.dot(N4, N4, input_precision="ieee")
-    return tl.dot(X, eye + N8, input_precision="ieee")
+def _store_rows(base, x, bos, row0, n_rows, h, cols, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr):
+    rows = row0 + tl.arange(0, R)
+    m = (rows[:, None] < n_rows) & (cols[None, :] < W)
+    tl.store(base + ((bos + rows)[:, None] * H + h) * W + cols[None, :], x.to(base.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def _load_blk(Lbuf, bos, i: tl.constexpr, j: tl.constexpr, n_rows, h, H: tl.constexpr, BT: tl.constexpr,
-              BC: tl.constexpr):
-    return _load_rows(Lbuf + j * BC, bos, i * BC, n_rows, h, H, BT, BC, BC)
+def _rnorm(base, bos, row0, n_rows, h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, BC: tl.constexpr):
+    """1 / sqrt(sum(x^2) + 1e-6) of BC rows of a packed [T, H, K] tensor: [BC]."""
+    ss = tl.zeros([BC], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = _rows(base, bos, row0, n_rows, h, k0 + tl.arange(0, BK), H, K, BC)
+        ss += tl.sum(x * x, axis=1)
+    return tl.rsqrt(ss + 1e-6)
+
+
+@triton.jit
+def _beta(beta, bos, row0, n_rows, h, H: tl.constexpr, BC: tl.constexpr):
+    rows = row0 + tl.arange(0, BC)
+    return tl.load(beta + (bos + rows) * H + h, mask=rows < n_rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _sub(q, k, g, A_log, dt_bias, bos, row0, n_rows, h, cols, c_prev, rq, rk, lower_bound,
+         H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, GATE: tl.constexpr):
+    """One sub-chunk's q, k (normalised by rq, rk) [BC, BK], G [BC, BK] (cumulative log-decay from the chunk
+    start) and c [BK], G at its last row. GATE: 0 g is the log-decay, 1 standard gate, 2 bounded gate."""
+    rows = row0 + tl.arange(0, BC)
+    x = _rows(g, bos, row0, n_rows, h, cols, H, K, BC)
+    if GATE != 0:
+        x = x + tl.load(dt_bias + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        if GATE == 1:  # -exp(A_log) * softplus(x), softplus(x) = x above 20
+            x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        else:
+            x = lower_bound * tl.sigmoid(a * x)
+    x = tl.where(rows[:, None] < n_rows, x, 0.0)
+    G = tl.cumsum(x, axis=0) + c_prev[None, :]
+    c = c_prev + tl.sum(x, axis=0)
+    qi = _rows(q, bos, row0, n_rows, h, cols, H, K, BC) * rq[:, None]
+    ki = _rows(k, bos, row0, n_rows, h, cols, H, K, BC) * rk[:, None]
+    return qi, ki, G, c
+
+
+@triton.jit
+def _diag(qi, ki, G, c_prev, c, A, L, SPAN_MAX: tl.constexpr, BC: tl.constexpr):
+    """Adds this K block's share of the diagonal blocks A (q . k) and L (k . k), both with exp(G_r - G_s), for
+    every (r, s) of the sub-chunk (the caller masks s > r)."""
+    span = tl.max(c_prev - c, axis=0)
+    if span <= SPAN_MAX:
+        m = 0.5 * (c_prev + c)  # |G - m| <= span / 2 on every row
+        kr = tl.trans(ki * tl.exp(m[None, :] - G))
+        e = tl.exp(G - m[None, :])
+        A = tl.dot(qi * e, kr, A)
+        L = tl.dot(ki * e, kr, L)
+    else:  # exact, one column s at a time
+        rr = tl.arange(0, BC)
+        for s in range(BC):
+            sel = rr[:, None] == s
+            k_s = tl.sum(tl.where(sel, ki, 0.0), axis=0)
+            G_s = tl.sum(tl.where(sel, G, 0.0), axis=0)
+            e = tl.exp(tl.minimum(G - G_s[None, :], 0.0)) * k_s[None, :]
+            col = rr[None, :] == s
+            A = tl.where(col, A + tl.sum(qi * e, axis=1)[:, None], A)
+            L = tl.where(col, L + tl.sum(ki * e, axis=1)[:, None], L)
+    return A, L
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _inv_unit_lower(N, BC: tl.constexpr, IEEE: tl.constexpr):
+    """(I + N)^-1 of a strictly lower [BC, BC] block N (N^16 = 0): (I - N)(I + N^2)(I + N^4)(I + N^8)."""
+    rr = tl.arange(0, BC)
+    eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+    N2 = _mm(N, N, IEEE)
+    X = _mm(eye - N, eye + N2, IEEE)
+    N4 = _mm(N2, N2, IEEE)
+    X = _mm(X, eye + N4, IEEE)
+    N8 = _mm(N4, N4, IEEE)
+    return _mm(X, eye + N8, IEEE)
 
 
 @triton.jit
@@ -92,119 +147,178 @@ def _store_blk(buf, X, bos, i: tl.constexpr, j: tl.constexpr, n_rows, h, H: tl.c
 
 
 @triton.jit
-def _dot3(a, b, c):
-    return tl.dot(tl.dot(a, b, input_precision="ieee"), c, input_precision="ieee")
-
-
-@triton.jit
 def _intra_kernel(
-    q, k, v, G, beta, Lbuf, Aqk, w, u, kg, chunk_start, chunk_len, scale,
+    q, k, v, g, beta, A_log, dt_bias, qg, kg, w, u, Aqk, dl, chunk_start, chunk_len, scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, SPAN_MAX: tl.constexpr,
+    INV_IEEE: tl.constexpr,
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
     bos = tl.load(chunk_start + c).to(tl.int64)
     n_rows = tl.load(chunk_len + c)
     rr = tl.arange(0, BC)
-    cols = tl.arange(0, BK)
-    kmask = cols < K
+    if NORM:
+        rq0 = _rnorm(q, bos, 0, n_rows, h, H, K, BK, BC)
+        rq1 = _rnorm(q, bos, BC, n_rows, h, H, K, BK, BC)
+        rq2 = _rnorm(q, bos, 2 * BC, n_rows, h, H, K, BK, BC)
+        rq3 = _rnorm(q, bos, 3 * BC, n_rows, h, H, K, BK, BC)
+        rk0 = _rnorm(k, bos, 0, n_rows, h, H, K, BK, BC)
+        rk1 = _rnorm(k, bos, BC, n_rows, h, H, K, BK, BC)
+        rk2 = _rnorm(k, bos, 2 * BC, n_rows, h, H, K, BK, BC)
+        rk3 = _rnorm(k, bos, 3 * BC, n_rows, h, H, K, BK, BC)
+    else:
+        rq0 = tl.full([BC], 1.0, tl.float32)
+        rq1, rq2, rq3, rk0, rk1, rk2, rk3 = rq0, rq0, rq0, rq0, rq0, rq0, rq0
+    b0 = _beta(beta, bos, 0, n_rows, h, H, BC)
+    b1 = _beta(beta, bos, BC, n_rows, h, H, BC)
+    b2 = _beta(beta, bos, 2 * BC, n_rows, h, H, BC)
+    b3 = _beta(beta, bos, 3 * BC, n_rows, h, H, BC)
 
-    # --- L and A_qk, one row sub-chunk at a time
-    for i in tl.static_range(BT // BC):
-        q_i = _load_rows(q, bos, i * BC, n_rows, h, H, K, BK, BC)
-        k_i = _load_rows(k, bos, i * BC, n_rows, h, H, K, BK, BC)
-        G_i = _load_rows(G, bos, i * BC, n_rows, h, H, K, BK, BC)
-        b_i = tl.load(beta + (bos + i * BC + rr) * H + h, mask=i * BC + rr < n_rows, other=0.0).to(tl.float32)
-        # diagonal block, exact per-element decay: exp(G_r - G_j) for j <= r within the sub-chunk
-        Ld = tl.zeros([BC, BC], dtype=tl.float32)
-        Ad = tl.zeros([BC, BC], dtype=tl.float32)
-        for jj in range(0, BC):
-            rj = i * BC + jj
-            jm = cols < tl.where(rj < n_rows, K, 0)
-            k_r = tl.load(k + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0).to(tl.float32)
-            G_r = tl.load(G + ((bos + rj) * H + h) * K + cols, mask=jm, other=0.0)
-            e = tl.exp(tl.minimum(G_i - G_r[None, :], 0.0)) * k_r[None, :]
-            Ld = tl.where(rr[None, :] == jj, tl.sum(k_i * e, axis=1)[:, None], Ld)
-            Ad = tl.where(rr[None, :] == jj, tl.sum(q_i * e, axis=1)[:, None], Ad)
-        Ld = tl.where(rr[:, None] > rr[None, :], Ld, 0.0) * b_i[:, None]
-        Ad = tl.where(rr[:, None] >= rr[None, :], Ad, 0.0) * scale
-        _store_blk(Lbuf, Ld, bos, i, i, n_rows, h, H, BT, BC)
-        _store_blk(Aqk, Ad, bos, i, i, n_rows, h, H, BT, BC)
-        if i > 0:
-            # off-diagonal blocks: anchor at the sub-chunk's first token, between j and r, so both
-            # factors exp(G_r - a) and exp(a - G_j) are <= 1
-            a = tl.load(G + ((bos + i * BC) * H + h) * K + cols, mask=cols < tl.where(i * BC < n_rows, K, 0), other=0.0)
-            ea = tl.exp(tl.minimum(G_i - a[None, :], 0.0))
-            ka = k_i * ea
-            qa = q_i * ea
-            for j in tl.static_range(i):
-                k_j = _load_rows(k, bos, j * BC, n_rows, h, H, K, BK, BC)
-                G_j = _load_rows(G, bos, j * BC, n_rows, h, H, K, BK, BC)
-                kr = tl.trans(k_j * tl.exp(tl.minimum(a[None, :] - G_j, 0.0)))
-                _store_blk(Lbuf, tl.dot(ka, kr) * b_i[:, None], bos, i, j, n_rows, h, H, BT, BC)
-                _store_blk(Aqk, tl.dot(qa, kr) * scale, bos, i, j, n_rows, h, H, BT, BC)
-    tl.debug_barrier()
-
-    # --- (I + L)^-1 for a lower block-triangular L of 4 x 4 blocks
-    X00 = _inv_diag(Lbuf, bos, 0, n_rows, h, H, BT, BC)
-    X11 = _inv_diag(Lbuf, bos, 1, n_rows, h, H, BT, BC)
-    X22 = _inv_diag(Lbuf, bos, 2, n_rows, h, H, BT, BC)
-    X33 = _inv_diag(Lbuf, bos, 3, n_rows, h, H, BT, BC)
-    L10 = _load_blk(Lbuf, bos, 1, 0, n_rows, h, H, BT, BC)
-    L20 = _load_blk(Lbuf, bos, 2, 0, n_rows, h, H, BT, BC)
-    L21 = _load_blk(Lbuf, bos, 2, 1, n_rows, h, H, BT, BC)
-    L30 = _load_blk(Lbuf, bos, 3, 0, n_rows, h, H, BT, BC)
-    L31 = _load_blk(Lbuf, bos, 3, 1, n_rows, h, H, BT, BC)
-    L32 = _load_blk(Lbuf, bos, 3, 2, n_rows, h, H, BT, BC)
-    X10 = -_dot3(X11, L10, X00)
-    X21 = -_dot3(X22, L21, X11)
-    X32 = -_dot3(X33, L32, X22)
-    X20 = -_dot3(X22, L20, X00) - _dot3(X22, L21, X10)
-    X31 = -_dot3(X33, L31, X11) - _dot3(X33, L32, X21)
-    X30 = -_dot3(X33, L30, X00) - _dot3(X33, L31, X10) - _dot3(X33, L32, X20)
-    tl.debug_barrier()
     z = tl.zeros([BC, BC], dtype=tl.float32)
-    _store_blk(Lbuf, X00, bos, 0, 0, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, z, bos, 0, 1, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, z, bos, 0, 2, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, z, bos, 0, 3, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X10, bos, 1, 0, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X11, bos, 1, 1, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, z, bos, 1, 2, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, z, bos, 1, 3, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X20, bos, 2, 0, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X21, bos, 2, 1, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X22, bos, 2, 2, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, z, bos, 2, 3, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X30, bos, 3, 0, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X31, bos, 3, 1, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X32, bos, 3, 2, n_rows, h, H, BT, BC)
-    _store_blk(Lbuf, X33, bos, 3, 3, n_rows, h, H, BT, BC)
-    tl.debug_barrier()
+    A00, A11, A22, A33, A10, A20, A21, A30, A31, A32 = z, z, z, z, z, z, z, z, z, z
+    L00, L11, L22, L33, L10, L20, L21, L30, L31, L32 = z, z, z, z, z, z, z, z, z, z
+    # --- pass 1 over K blocks: the 10 lower [BC, BC] blocks of A_qk and L; qg, kg, exp(G_last); beta k exp(G)
+    # goes to w as scratch for pass 2
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        c_ = tl.zeros([BK], dtype=tl.float32)
+        q0, k0, G0, c0 = _sub(q, k, g, A_log, dt_bias, bos, 0, n_rows, h, cols, c_, rq0, rk0, lower_bound,
+                              H, K, BC, GATE)
+        e = tl.exp(G0)
+        qa0 = q0 * e
+        ka0 = k0 * e
+        kl0 = k0 * tl.exp(c0[None, :] - G0)
+        A00, L00 = _diag(q0, k0, G0, c_, c0, A00, L00, SPAN_MAX, BC)
+        _store_rows(qg, qa0 * scale, bos, 0, n_rows, h, cols, H, K, BC)
+        _store_rows(w, ka0 * b0[:, None], bos, 0, n_rows, h, cols, H, K, BC)
 
-    # --- w, u, kg on full chunk tiles
-    rows = tl.arange(0, BT)
-    rmask = rows < n_rows
-    X = _load_rows(Lbuf, bos, 0, n_rows, h, H, BT, BT, BT)
-    Gc = _load_rows(G, bos, 0, n_rows, h, H, K, BK, BT)
-    kc = _load_rows(k, bos, 0, n_rows, h, H, K, BK, BT)
-    bc = tl.load(beta + (bos + rows) * H + h, mask=rmask, other=0.0).to(tl.float32)
-    G_last = tl.load(G + ((bos + n_rows - 1) * H + h) * K + cols, mask=kmask, other=0.0)
-    off_k = ((bos + rows)[:, None] * H + h) * K + cols[None, :]
-    mk = rmask[:, None] & kmask[None, :]
-    tl.store(w + off_k, tl.dot(X, kc * tl.exp(Gc) * bc[:, None]).to(w.dtype.element_ty), mask=mk)
-    tl.store(kg + off_k, (kc * tl.exp(tl.minimum(G_last[None, :] - Gc, 0.0))).to(kg.dtype.element_ty), mask=mk)
-    vc = _load_rows(v, bos, 0, n_rows, h, H, V, BV, BT)
-    vcols = tl.arange(0, BV)
-    off_v = ((bos + rows)[:, None] * H + h) * V + vcols[None, :]
-    mv = rmask[:, None] & (vcols[None, :] < V)
-    tl.store(u + off_v, tl.dot(X, vc * bc[:, None]).to(u.dtype.element_ty), mask=mv)
+        q1, k1, G1, c1 = _sub(q, k, g, A_log, dt_bias, bos, BC, n_rows, h, cols, c0, rq1, rk1, lower_bound,
+                              H, K, BC, GATE)
+        e = tl.exp(G1 - c0[None, :])
+        qa1 = q1 * e
+        ka1 = k1 * e
+        kl1 = k1 * tl.exp(c1[None, :] - G1)
+        A11, L11 = _diag(q1, k1, G1, c0, c1, A11, L11, SPAN_MAX, BC)
+        r = tl.trans(kl0)
+        A10 = tl.dot(qa1, r, A10)
+        L10 = tl.dot(ka1, r, L10)
+        f = tl.exp(c0)[None, :]
+        _store_rows(qg, qa1 * (f * scale), bos, BC, n_rows, h, cols, H, K, BC)
+        _store_rows(w, ka1 * f * b1[:, None], bos, BC, n_rows, h, cols, H, K, BC)
+
+        q2, k2, G2, c2 = _sub(q, k, g, A_log, dt_bias, bos, 2 * BC, n_rows, h, cols, c1, rq2, rk2, lower_bound,
+                              H, K, BC, GATE)
+        e = tl.exp(G2 - c1[None, :])
+        qa2 = q2 * e
+        ka2 = k2 * e
+        kl2 = k2 * tl.exp(c2[None, :] - G2)
+        A22, L22 = _diag(q2, k2, G2, c1, c2, A22, L22, SPAN_MAX, BC)
+        r = tl.trans(kl0 * tl.exp(c1 - c0)[None, :])
+        A20 = tl.dot(qa2, r, A20)
+        L20 = tl.dot(ka2, r, L20)
+        r = tl.trans(kl1)
+        A21 = tl.dot(qa2, r, A21)
+        L21 = tl.dot(ka2, r, L21)
+        f = tl.exp(c1)[None, :]
+        _store_rows(qg, qa2 * (f * scale), bos, 2 * BC, n_rows, h, cols, H, K, BC)
+        _store_rows(w, ka2 * f * b2[:, None], bos, 2 * BC, n_rows, h, cols, H, K, BC)
+
+        q3, k3, G3, c3 = _sub(q, k, g, A_log, dt_bias, bos, 3 * BC, n_rows, h, cols, c2, rq3, rk3, lower_bound,
+                              H, K, BC, GATE)
+        e = tl.exp(G3 - c2[None, :])
+        qa3 = q3 * e
+        ka3 = k3 * e
+        kl3 = k3 * tl.exp(c3[None, :] - G3)
+        A33, L33 = _diag(q3, k3, G3, c2, c3, A33, L33, SPAN_MAX, BC)
+        r = tl.trans(kl0 * tl.exp(c2 - c0)[None, :])
+        A30 = tl.dot(qa3, r, A30)
+        L30 = tl.dot(ka3, r, L30)
+        r = tl.trans(kl1 * tl.exp(c2 - c1)[None, :])
+        A31 = tl.dot(qa3, r, A31)
+        L31 = tl.dot(ka3, r, L31)
+        r = tl.trans(kl2)
+        A32 = tl.dot(qa3, r, A32)
+        L32 = tl.dot(ka3, r, L32)
+        f = tl.exp(c2)[None, :]
+        _store_rows(qg, qa3 * (f * scale), bos, 3 * BC, n_rows, h, cols, H, K, BC)
+        _store_rows(w, ka3 * f * b3[:, None], bos, 3 * BC, n_rows, h, cols, H, K, BC)
+
+        # kg = k exp(G_last - G); G_last = c3 (padded rows add no decay)
+        _store_rows(kg, kl0 * tl.exp(c3 - c0)[None, :], bos, 0, n_rows, h, cols, H, K, BC)
+        _store_rows(kg, kl1 * tl.exp(c3 - c1)[None, :], bos, BC, n_rows, h, cols, H, K, BC)
+        _store_rows(kg, kl2 * tl.exp(c3 - c2)[None, :], bos, 2 * BC, n_rows, h, cols, H, K, BC)
+        _store_rows(kg, kl3, bos, 3 * BC, n_rows, h, cols, H, K, BC)
+        tl.store(dl + (c.to(tl.int64) * H + h) * K + cols, tl.exp(c3), mask=cols < K)
+
+    # --- masks, beta, scale; A_qk out (the output kernel masks the blocks above the diagonal)
+    causal = rr[:, None] >= rr[None, :]
+    strict = rr[:, None] > rr[None, :]
+    _store_blk(Aqk, tl.where(causal, A00, 0.0) * scale, bos, 0, 0, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A10 * scale, bos, 1, 0, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, tl.where(causal, A11, 0.0) * scale, bos, 1, 1, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A20 * scale, bos, 2, 0, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A21 * scale, bos, 2, 1, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, tl.where(causal, A22, 0.0) * scale, bos, 2, 2, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A30 * scale, bos, 3, 0, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A31 * scale, bos, 3, 1, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A32 * scale, bos, 3, 2, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, tl.where(causal, A33, 0.0) * scale, bos, 3, 3, n_rows, h, H, BT, BC)
+
+    # --- X = (I + L)^-1, L lower block-triangular of 4 x 4 blocks
+    X00 = _inv_unit_lower(tl.where(strict, L00, 0.0) * b0[:, None], BC, INV_IEEE)
+    X11 = _inv_unit_lower(tl.where(strict, L11, 0.0) * b1[:, None], BC, INV_IEEE)
+    X22 = _inv_unit_lower(tl.where(strict, L22, 0.0) * b2[:, None], BC, INV_IEEE)
+    X33 = _inv_unit_lower(tl.where(strict, L33, 0.0) * b3[:, None], BC, INV_IEEE)
+    L10 = L10 * b1[:, None]
+    L20 = L20 * b2[:, None]
+    L21 = L21 * b2[:, None]
+    L30 = L30 * b3[:, None]
+    L31 = L31 * b3[:, None]
+    L32 = L32 * b3[:, None]
+    X10 = -_mm(_mm(X11, L10, INV_IEEE), X00, INV_IEEE)
+    X21 = -_mm(_mm(X22, L21, INV_IEEE), X11, INV_IEEE)
+    X32 = -_mm(_mm(X33, L32, INV_IEEE), X22, INV_IEEE)
+    X20 = -_mm(X22, _mm(L20, X00, INV_IEEE) + _mm(L21, X10, INV_IEEE), INV_IEEE)
+    X31 = -_mm(X33, _mm(L31, X11, INV_IEEE) + _mm(L32, X21, INV_IEEE), INV_IEEE)
+    X30 = -_mm(X33, _mm(L30, X00, INV_IEEE) + _mm(L31, X10, INV_IEEE) + _mm(L32, X20, INV_IEEE), INV_IEEE)
+
+    # --- pass 2: w = X (beta k exp(G)) in place of its scratch, u = X (beta v); operands in the input dtype
+    dt = w.dtype.element_ty
+    Y00, Y11, Y22, Y33 = X00.to(dt), X11.to(dt), X22.to(dt), X33.to(dt)
+    Y10, Y20, Y21, Y30, Y31, Y32 = X10.to(dt), X20.to(dt), X21.to(dt), X30.to(dt), X31.to(dt), X32.to(dt)
+    tl.debug_barrier()  # pass 1's scratch rows come from other threads
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        s0 = _rows(w, bos, 0, n_rows, h, cols, H, K, BC).to(dt)
+        s1 = _rows(w, bos, BC, n_rows, h, cols, H, K, BC).to(dt)
+        s2 = _rows(w, bos, 2 * BC, n_rows, h, cols, H, K, BC).to(dt)
+        s3 = _rows(w, bos, 3 * BC, n_rows, h, cols, H, K, BC).to(dt)
+        o0 = tl.dot(Y00, s0)
+        o1 = tl.dot(Y11, s1, tl.dot(Y10, s0))
+        o2 = tl.dot(Y22, s2, tl.dot(Y21, s1, tl.dot(Y20, s0)))
+        o3 = tl.dot(Y33, s3, tl.dot(Y32, s2, tl.dot(Y31, s1, tl.dot(Y30, s0))))
+        tl.debug_barrier()  # every thread has read this block's scratch before any overwrites it
+        _store_rows(w, o0, bos, 0, n_rows, h, cols, H, K, BC)
+        _store_rows(w, o1, bos, BC, n_rows, h, cols, H, K, BC)
+        _store_rows(w, o2, bos, 2 * BC, n_rows, h, cols, H, K, BC)
+        _store_rows(w, o3, bos, 3 * BC, n_rows, h, cols, H, K, BC)
+    for v0 in range(0, V, BV):
+        cols = v0 + tl.arange(0, BV)
+        s0 = (_rows(v, bos, 0, n_rows, h, cols, H, V, BC) * b0[:, None]).to(dt)
+        s1 = (_rows(v, bos, BC, n_rows, h, cols, H, V, BC) * b1[:, None]).to(dt)
+        s2 = (_rows(v, bos, 2 * BC, n_rows, h, cols, H, V, BC) * b2[:, None]).to(dt)
+        s3 = (_rows(v, bos, 3 * BC, n_rows, h, cols, H, V, BC) * b3[:, None]).to(dt)
+        _store_rows(u, tl.dot(Y00, s0), bos, 0, n_rows, h, cols, H, V, BC)
+        _store_rows(u, tl.dot(Y11, s1, tl.dot(Y10, s0)), bos, BC, n_rows, h, cols, H, V, BC)
+        _store_rows(u, tl.dot(Y22, s2, tl.dot(Y21, s1, tl.dot(Y20, s0))), bos, 2 * BC, n_rows, h, cols, H, V, BC)
+        _store_rows(u, tl.dot(Y33, s3, tl.dot(Y32, s2, tl.dot(Y31, s1, tl.dot(Y30, s0)))), bos, 3 * BC, n_rows, h,
+                    cols, H, V, BC)
 
 
 @triton.jit
 def _state_kernel(
-    w, u, kg, G, vnew, hbuf, h0, ht, hck, chunk_start, chunk_len, chunk_ck, seq_chunks,
+    w, u, kg, dl, vnew, hbuf, h0, ht, hck, chunk_start, chunk_len, chunk_ck, seq_chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr,
 ):
@@ -236,11 +350,11 @@ def _state_kernel(
         off_v = ((bos + rows)[:, None] * H + h) * V + cv[None, :]
         mv = rmask[:, None] & (cv[None, :] < V)
         uc = tl.load(u + off_v, mask=mv, other=0.0).to(tl.float32)
-        g_last = tl.load(G + ((bos + n_rows - 1) * H + h) * K + rk, mask=rk < K, other=0.0)
+        decay = tl.load(dl + (c * H + h) * K + rk, mask=rk < K, other=0.0)
         vn = uc - tl.dot(wc, S.to(wc.dtype))
         vn_lo = vn.to(vnew.dtype.element_ty)
         tl.store(vnew + off_v, vn_lo, mask=mv)
-        S = S * tl.exp(g_last)[:, None] + tl.dot(tl.trans(kc), vn_lo.to(kc.dtype))
+        S = S * decay[:, None] + tl.dot(tl.trans(kc), vn_lo.to(kc.dtype))
         if HAS_CK:
             ck = tl.load(chunk_ck + c)
             if ck >= 0:
@@ -251,7 +365,7 @@ def _state_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, G, Aqk, vnew, hbuf, o, chunk_start, chunk_len, scale,
+    qg, Aqk, vnew, hbuf, o, chunk_start, chunk_len,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
 ):
     c = tl.program_id(0)
@@ -263,8 +377,8 @@ def _output_kernel(
     rk = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
     rmask = rows < n_rows
-    qc = _load_rows(q, bos, 0, n_rows, h, H, K, BK, BT)
-    Gc = _load_rows(G, bos, 0, n_rows, h, H, K, BK, BT)
+    qc = tl.load(qg + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=rmask[:, None] & (rk[None, :] < K),
+                 other=0.0)
     S = tl.load(hbuf + (c.to(tl.int64) * H + h) * K * V + rk[:, None] * V + cv[None, :],
                 mask=(rk[:, None] < K) & (cv[None, :] < V), other=0.0)
     A = tl.load(Aqk + ((bos + rows)[:, None] * H + h) * BT + rows[None, :],
@@ -273,7 +387,7 @@ def _output_kernel(
     off_v = ((bos + rows)[:, None] * H + h) * V + cv[None, :]
     mv = rmask[:, None] & (cv[None, :] < V)
     vn = tl.load(vnew + off_v, mask=mv, other=0.0)
-    acc = tl.dot((qc * tl.exp(Gc)).to(S.dtype), S) * scale
+    acc = tl.dot(qc.to(S.dtype), S)
     acc += tl.dot(A.to(vn.dtype), vn)
     tl.store(o + off_v, acc.to(o.dtype.element_ty), mask=mv)
 
@@ -310,8 +424,10 @@ def _launch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
     output_final_state: bool, bounds: list[int], use_qk_l2norm: bool,
     checkpoint_positions: Sequence[Sequence[int]] | None, tune: dict[str, int] | None = None,
+    gate: tuple[Tensor, Tensor, float | None] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """Packed q, k, g [T, H, K], v [T, H, V], beta [T, H] (contiguous) -> o [T, H, V], final, checkpoints."""
+    """Packed q, k, g [T, H, K], v [T, H, V], beta [T, H] (contiguous) -> o [T, H, V], final, checkpoints.
+    ``gate``: (A_log [H] float32, dt_bias [H * K] float32, lower_bound) when g holds raw gate logits."""
     T, H, K = q.shape
     V = v.shape[-1]
     N = len(bounds) - 1
@@ -322,11 +438,14 @@ def _launch(
     meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
     chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
     chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
-    cfg = {"intra_warps": 4, "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4}
+    cfg: dict[str, int | float] = {
+        "intra_bk": 32, "intra_bv": 32, "intra_warps": 4, "intra_stages": 2, "inv_ieee": 1, "span_max": SPAN_MAX,
+        "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
+    }
     cfg.update(tune or {})
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
-    BVi = max(16, triton.next_power_of_2(V))  # the intra kernel holds the whole V width
+    BVf = max(16, triton.next_power_of_2(V))
 
     final = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
     ckpt = q.new_empty(M, H, K, V, dtype=torch.float32) if checkpoint_positions is not None else None
@@ -336,32 +455,34 @@ def _launch(
             final.copy_(h0 if h0 is not None else torch.zeros_like(final))
         return o, final, ckpt
 
-    G = torch.empty(T, H, K, device=dev, dtype=torch.float32)
-    qn, kn = (torch.empty_like(q), torch.empty_like(k)) if use_qk_l2norm else (q, k)
-    _prep_kernel[(NC, H)](q, k, g, G, qn, kn, chunk_start, chunk_len, H=H, K=K, BK=BK, BT=BT, NORM=use_qk_l2norm)
-
-    Lbuf = torch.empty(T, H, BT, device=dev, dtype=torch.float32)
-    Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
-    w = torch.empty(T, H, K, device=dev, dtype=dt)
+    qg = torch.empty(T, H, K, device=dev, dtype=dt)
     kg = torch.empty(T, H, K, device=dev, dtype=dt)
+    w = torch.empty(T, H, K, device=dev, dtype=dt)
     u = torch.empty(T, H, V, device=dev, dtype=dt)
+    Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
+    dl = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+    A_log, dt_bias, lb = gate if gate is not None else (None, None, None)
+    gate_kind = 0 if gate is None else (1 if lb is None else 2)
     _intra_kernel[(NC, H)](
-        qn, kn, v, G, beta, Lbuf, Aqk, w, u, kg, chunk_start, chunk_len, scale,
-        H=H, K=K, V=V, BK=BK, BV=BVi, BT=BT, BC=BC, num_warps=cfg["intra_warps"],
+        q, k, v, g, beta, A_log, dt_bias, qg, kg, w, u, Aqk, dl, chunk_start, chunk_len, scale,
+        float(lb) if lb is not None else 0.0,
+        H=H, K=K, V=V, BK=min(int(cfg["intra_bk"]), BK), BV=min(int(cfg["intra_bv"]), BVf), BT=BT, BC=BC,
+        NORM=use_qk_l2norm, GATE=gate_kind, SPAN_MAX=float(cfg["span_max"]), INV_IEEE=bool(cfg["inv_ieee"]),
+        num_warps=int(cfg["intra_warps"]), num_stages=int(cfg["intra_stages"]),
     )
 
-    BV = min(cfg["state_bv"], BVi)
+    BV = min(int(cfg["state_bv"]), BVf)
     vnew = torch.empty(T, H, V, device=dev, dtype=dt)
     hbuf = torch.empty(NC, H, K, V, device=dev, dtype=dt)
     _state_kernel[(triton.cdiv(V, BV), N * H)](
-        w, u, kg, G, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
+        w, u, kg, dl, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
-        HAS_CK=M > 0, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
+        HAS_CK=M > 0, num_warps=int(cfg["state_warps"]), num_stages=int(cfg["state_stages"]),
     )
-    BV = min(cfg["out_bv"], BVi)
+    BV = min(int(cfg["out_bv"]), BVf)
     _output_kernel[(NC, H, triton.cdiv(V, BV))](
-        qn, G, Aqk, vnew, hbuf, o, chunk_start, chunk_len, scale,
-        H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, num_warps=cfg["out_warps"],
+        qg, Aqk, vnew, hbuf, o, chunk_start, chunk_len,
+        H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, num_warps=int(cfg["out_warps"]),
     )
     return o, final, ckpt
 
@@ -378,12 +499,18 @@ def chunk_kda_triton(
     cu_seqlens: Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    tune: dict[str, int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Chunked KDA forward (fla's ``chunk_kda`` arguments) plus float32 states at requested positions.
 
     q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay (<= 0, any float dtype); beta [B, T, H];
     initial_state [N, H, K, V] float32; cu_seqlens int [N + 1] (then B = 1). ``checkpoint_positions``: per
-    sequence, ascending positions p in [1, T_n]. Returns ``(o [B, T, H, V] in v's dtype, final_state
+    sequence, ascending positions p in [1, T_n]. With ``use_gate_in_kernel`` g holds the raw gate logits and
+    the kernel computes the log-decay (see :func:`gate_params`). ``tune`` overrides launch parameters. Returns ``(o [B, T, H, V] in v's dtype, final_state
     [N, H, K, V] float32 | None, checkpoint_states [M, H, K, V] float32 | None)``. CUDA tensors, or CPU
     tensors under ``TRITON_INTERPRET=1``.
     """
@@ -416,11 +543,13 @@ def chunk_kda_triton(
     if scale is None:
         scale = K**-0.5
     h0 = initial_state.float().contiguous() if initial_state is not None else None
+    gate = gate_params(H, K, A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
     # [B, T, H, *] -> packed [B * T, H, *]
     o, final, ckpt = _launch(
         q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
         v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H, K).contiguous(),
         beta.reshape(B * T, H).contiguous(), float(scale), h0, output_final_state, bounds,
-        use_qk_l2norm_in_kernel, checkpoint_positions,
+        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate,
     )
     return o.view(B, T, H, V), final, ckpt
+

@@ -12,18 +12,21 @@ from kda_sessions.kernels.kda.naive import naive_recurrent_kda
 from .kernel_helpers import kda_inputs, rel_rms
 
 TOL = 1e-4
-H, K, V = 2, 16, 32
+H, K, V = 2, 32, 32
+SMALL_BLOCKS = {"intra_bk": 16, "intra_bv": 16, "state_bv": 16, "out_bv": 16}  # several K and V blocks
+EXACT_DIAG = {"span_max": -1.0}  # every diagonal block on the element-wise path
 
 
 @pytest.mark.parametrize(
-    "bounded,varlen,h0,l2norm,ckpts",
+    "bounded,varlen,h0,l2norm,ckpts,tune",
     [
-        pytest.param(False, True, True, True, [[5, 37], [1, 63]], id="standard-varlen-h0-l2norm-ckpt"),
-        pytest.param(True, True, False, True, [[37], [64]], id="bounded-varlen-ckpt-at-ends"),
-        pytest.param(True, False, True, False, None, id="bounded-batch2-h0"),
+        pytest.param(False, True, True, True, [[5, 37], [1, 63]], None, id="standard-varlen-h0-l2norm-ckpt"),
+        pytest.param(True, True, False, True, [[37], [64]], SMALL_BLOCKS, id="bounded-varlen-ckpt-at-ends-small-blocks"),
+        pytest.param(True, False, True, False, None, None, id="bounded-batch2-h0"),
+        pytest.param(False, True, True, True, [[20], [2, 50]], EXACT_DIAG, id="standard-varlen-exact-diagonal"),
     ],
 )
-def test_chunk_kda_matches_recurrent(bounded, varlen, h0, l2norm, ckpts):
+def test_chunk_kda_matches_recurrent(bounded, varlen, h0, l2norm, ckpts, tune):
     from kda_sessions.kernels.kda.chunk import chunk_kda_triton
 
     if varlen:  # two sequences packed: 37 and 64 tokens, 37 not a multiple of the chunk
@@ -36,7 +39,7 @@ def test_chunk_kda_matches_recurrent(bounded, varlen, h0, l2norm, ckpts):
     if not l2norm:  # unnormalised keys make the delta rule diverge; scale them down instead
         q, k = q * 0.25, k * 0.25
     init = torch.randn(N, H, K, V) if h0 else None
-    o, final, ck = chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts)
+    o, final, ck = chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts, tune=tune)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts)
     assert rel_rms(o, ro) < TOL
     assert rel_rms(final, rfinal) < TOL
@@ -45,6 +48,43 @@ def test_chunk_kda_matches_recurrent(bounded, varlen, h0, l2norm, ckpts):
         assert rel_rms(ck, rck) < TOL
     else:
         assert ck is None
+
+
+def test_chunk_kda_steep_decay_takes_the_exact_diagonal_path():
+    """Per-step log-decays down to -30: most sub-chunks span far more than SPAN_MAX, some less."""
+    from kda_sessions.kernels.kda.chunk import SPAN_MAX, chunk_kda_triton
+
+    q, k, v, _, beta = kda_inputs(1, 90, H, K, V, False, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    g = -30.0 * torch.rand(1, 90, H, K, generator=gen) ** 3
+    assert (-g[0, :16].sum(0)).max() > SPAN_MAX
+    o, final, _ = chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True)
+    ro, rfinal, _ = naive_recurrent_kda(q, k, v, g, beta, None, None, True, None, True)
+    assert rel_rms(o, ro) < TOL and rel_rms(final, rfinal) < TOL
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
+def test_chunk_kda_gate_in_kernel(lower_bound):
+    """Raw gate logits + A_log + dt_bias in; the same as the naive gate followed by the recurrence, and the CPU
+    dispatch path agrees."""
+    from kda_sessions.kernels import chunk_kda
+    from kda_sessions.kernels.gate.naive import naive_kda_gate
+    from kda_sessions.kernels.kda.chunk import chunk_kda_triton
+
+    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    raw = torch.randn(1, 75, H, K, generator=gen) * 3
+    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(H * K, generator=gen) - 1.0
+    cu = torch.tensor([0, 30, 75])
+    ckpts = [[7, 30], [45]]
+    g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
+    kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    o, final, ck = chunk_kda_triton(q, k, v, raw, beta, None, None, True, cu, True, ckpts, **kw)
+    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, None, True, cu, True, ckpts)
+    assert rel_rms(o, ro) < TOL and rel_rms(final, rfinal) < TOL and rel_rms(ck, rck) < TOL
+    co, cfinal, cck = chunk_kda(q, k, v, raw, beta, None, None, True, cu, True, ckpts, **kw)
+    assert rel_rms(co, ro) < 1e-5 and rel_rms(cfinal, rfinal) < 1e-5 and rel_rms(cck, rck) < 1e-5
 
 
 def test_chunk_kda_checkpoints_leave_output_alone():
