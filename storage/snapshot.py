@@ -76,6 +76,9 @@ class SnapshotStore:
         self.gc_grace_s = gc_grace_s
         self._pinned: Counter[str] = Counter()
         self._gc_lock = anyio.Lock()
+        # every digest pinned at any moment of the running collection: a save may commit and unpin after the
+        # collection's scans but before it reaches the blob (its manifest and touch postdate those scans)
+        self._pinned_during_gc: set[str] | None = None
         self.owner = secrets.token_hex(16)
         """This store's identity as a lease holder."""
         self.lease_ttl_s = store.lease_ttl_s
@@ -97,6 +100,8 @@ class SnapshotStore:
     def _pin(self, digests: Iterable[str]) -> Iterator[None]:
         pinned = list(digests)
         self._pinned.update(pinned)
+        if self._pinned_during_gc is not None:
+            self._pinned_during_gc.update(pinned)
         try:
             yield
         finally:
@@ -252,28 +257,35 @@ class SnapshotStore:
         If any manifest cannot be read or parsed, nothing is deleted: its references are unknown.
         """
         async with self._gc_lock:
-            referenced: set[str] = set()
-            for sid in await self.store.list_manifests():
-                try:
-                    raw = await self.store.get_manifest(sid)
-                except ManifestNotFound:  # deleted meanwhile: references nothing
-                    continue
-                try:
-                    referenced |= SessionManifest.loads(raw).blob_digests()
-                except (IntegrityError, IncompatibleSnapshot) as e:
-                    logger.warning("garbage collection skipped: manifest of %s is unreadable (%s)", sid, e)
-                    return GcResult(0, 0)
-            recent = await self.store.recent_blobs(self.gc_grace_s)
-            candidates = [d for d in await self.store.list_blobs() if d not in referenced]
-            deleted = protected = 0
-            for d in candidates:
-                # Pins are checked right before each delete: a save may have started since the scan.
-                if d in self._pinned or d in recent:
-                    protected += 1
-                    continue
-                if await self.store.delete_blob(d):
-                    deleted += 1
-            return GcResult(deleted, protected)
+            self._pinned_during_gc = set(self._pinned)
+            try:
+                return await self._collect_garbage(self._pinned_during_gc)
+            finally:
+                self._pinned_during_gc = None
+
+    async def _collect_garbage(self, pinned: set[str]) -> GcResult:
+        referenced: set[str] = set()
+        for sid in await self.store.list_manifests():
+            try:
+                raw = await self.store.get_manifest(sid)
+            except ManifestNotFound:  # deleted meanwhile: references nothing
+                continue
+            try:
+                referenced |= SessionManifest.loads(raw).blob_digests()
+            except (IntegrityError, IncompatibleSnapshot) as e:
+                logger.warning("garbage collection skipped: manifest of %s is unreadable (%s)", sid, e)
+                return GcResult(0, 0)
+        recent = await self.store.recent_blobs(self.gc_grace_s)
+        candidates = [d for d in await self.store.list_blobs() if d not in referenced]
+        deleted = protected = 0
+        for d in candidates:
+            # Pins are checked right before each delete: a save may have started since the scan.
+            if d in pinned or d in recent:
+                protected += 1
+                continue
+            if await self.store.delete_blob(d):
+                deleted += 1
+        return GcResult(deleted, protected)
 
     async def stats(self) -> StoreStats:
         """Counts and bytes currently in the store."""
