@@ -63,6 +63,7 @@ def _shim() -> None:
 
 
 _shim()
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # steady steps, no refragmenting
 sys.path.append(str(REPO))  # for `tools`, after the shim so it cannot shadow it
 
 import torch
@@ -144,10 +145,13 @@ def _mla(layer: MLAttention, x: Tensor) -> Tensor:
     latent = torch.cat([layer.kv_a_layernorm(kv_a[..., :r]), kv_a[..., r:]], dim=-1)
     kv = layer.kv_b_proj(latent[..., :r]).view(B, T, H, dn + dv)
     k = torch.cat([kv[..., :dn], latent[:, :, None, r:].expand(B, T, H, dr)], dim=-1)
+    # v zero-padded to the q/k head size: flash attention needs one head size (dv 64 < 96 otherwise sends
+    # SDPA to a slower kernel); the padded columns of the output are zeros and are cut off
+    v = F.pad(kv[..., dn:], (0, dn + dr - dv))
     o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), kv[..., dn:].transpose(1, 2), is_causal=True, scale=layer.scale
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=layer.scale
     )
-    return layer.o_proj(o.transpose(1, 2).reshape(B, T, H * dv))
+    return layer.o_proj(o[..., :dv].transpose(1, 2).reshape(B, T, H * dv))
 
 
 def train_logits(model: HybridModel, ids: Tensor, use_fla: bool) -> Tensor:
@@ -272,12 +276,15 @@ def main() -> None:
     t0 = time.perf_counter()
     tokens = 0
     step = 0
+    waited = 0.0  # seconds spent waiting for the data workers
     model.train()
     for step in range(1, args.steps + 1):
         lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
         for group in opt.param_groups:
             group["lr"] = lr
+        t_wait = time.perf_counter()
         ids, w = next(data)
+        waited += time.perf_counter() - t_wait
         ids, w = ids.to(device, non_blocking=True), w.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = train_logits(model, ids, use_fla)
@@ -290,7 +297,8 @@ def main() -> None:
         if step % 25 == 0 or step == 1 or step == args.steps:
             el = time.perf_counter() - t0
             entry = {"step": step, "loss": round(loss.item(), 4), "assistant_loss": round(mine.item(), 4),
-                     "grad_norm": round(gn.item(), 3), "lr": lr, "tok_per_s": round(tokens / el), "elapsed_s": round(el, 1)}
+                     "grad_norm": round(gn.item(), 3), "lr": lr, "tok_per_s": round(tokens / el), "elapsed_s": round(el, 1),
+                     "data_wait_s": round(waited, 1)}
             log["steps"].append(entry)
             print(json.dumps(entry), flush=True)
         if args.minutes is not None and time.perf_counter() - t0 > args.minutes * 60:
@@ -313,6 +321,10 @@ def main() -> None:
             tot += (ce * w[0, 1:]).sum().item()
             cnt += w[0, 1:].sum().item()
     log["heldout"] = {"seed": args.seed, "rows": len(rows), "seq": args.seq, "loss": tot / max(cnt, 1.0)}
+    # the rows themselves: they depend on the machine's stdlib, so eval_tiny --loss needs them, not a seed
+    (out / "heldout_rows.json").write_text(json.dumps(
+        {"ids": [r[0] for r in rows], "mask": [r[1] for r in rows], "loss": log["heldout"]["loss"]}
+    ))
     print(json.dumps({"heldout": log["heldout"]}), flush=True)
     log["parity_end"] = parity_check(model, device, use_fla, 512 if args.quick else 2048)
     print(json.dumps({"parity_end": log["parity_end"]}), flush=True)
