@@ -25,6 +25,7 @@ the run is reproducible up to GPU non-determinism. ``--minutes`` caps the wall t
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import multiprocessing as mp
@@ -32,6 +33,8 @@ import os
 import random
 import sys
 import time
+from array import array
+from collections import deque
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -188,20 +191,38 @@ def _row(args: tuple[int, str, int]) -> tuple[list[int], list[int]]:
     raise RuntimeError(f"no row for seed {seed}")
 
 
-def batches(seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int):
-    """Endless batches (ids [B, T] int64, weights [B, T] float32), rows from seeds seed*10**9 + i."""
+def _packed_row(args: tuple[int, str, int]) -> tuple[bytes, bytes]:
+    """A row as compact bytes (uint16 ids, uint8 mask): cheap to send back from a worker."""
+    ids, mask = _row(args)
+    return array("H", ids).tobytes(), bytes(mask)
+
+
+def batches(seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int, prefetch: int = 4):
+    """Endless batches (ids [B, T] int64, weights [B, T] float32), rows from seeds seed*10**9 + i.
+
+    At most ``prefetch`` batches of rows are in flight: an unbounded ``imap`` lets the workers run ahead and the
+    parent spends its time (and the GIL) unpickling rows nobody needs yet, which slowed training steadily."""
     base = seed * 10**9 + (0 if split == "train" else 5 * 10**8)
-    jobs = ((base + i, split, seq) for i in range(10**8))
+    jobs = ((base + i, split, seq) for i in itertools.count())
     pool = mp.get_context("fork").Pool(workers) if workers > 0 else None
-    rows = pool.imap(_row, jobs, chunksize=4) if pool else map(_row, jobs)
+    pending: deque = deque()
+
+    def submit() -> None:
+        job = next(jobs)
+        pending.append(pool.apply_async(_packed_row, (job,)) if pool else _packed_row(job))
+
+    for _ in range(prefetch * batch):
+        submit()
     while True:
         ids = torch.full((batch, seq), pad_id, dtype=torch.long)
         w = torch.full((batch, seq), PAD_WEIGHT)
         for b in range(batch):
-            r_ids, r_mask = next(rows)
-            n = len(r_ids)
-            ids[b, :n] = torch.tensor(r_ids)
-            m = torch.tensor(r_mask, dtype=torch.float32)
+            head = pending.popleft()
+            r_ids, r_mask = head.get() if pool else head
+            submit()
+            n = len(r_mask)
+            ids[b, :n] = torch.frombuffer(bytearray(r_ids), dtype=torch.uint16).long()
+            m = torch.frombuffer(bytearray(r_mask), dtype=torch.uint8)
             w[b, :n] = torch.where(m > 0, 1.0, CONTEXT_WEIGHT)
         yield ids, w
 
