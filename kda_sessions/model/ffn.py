@@ -8,6 +8,10 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 
+DENSE_ROUTING_MAX_TOKENS = 64
+"""On a GPU, batches of at most this many tokens (decode) run every expert instead of gathering tokens per
+expert, which needs the chosen experts on the host."""
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -78,11 +82,26 @@ class MoE(nn.Module):
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = (weights * self.scale).to(x.dtype)
-        out = torch.zeros_like(x)
-        # loop over experts that received tokens; host sync is fine here (CPU path and prefill)
-        for e in torch.unique(chosen).tolist():
-            rows, slot = (chosen == e).nonzero(as_tuple=True)
-            out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
+        if x.is_cuda and x.shape[0] <= DENSE_ROUTING_MAX_TOKENS:
+            out = self._all_experts(x, chosen, weights)
+        else:
+            out = torch.zeros_like(x)
+            # loop over experts that received tokens; the host sync is fine on a CPU and in a long prefill
+            for e in torch.unique(chosen).tolist():
+                rows, slot = (chosen == e).nonzero(as_tuple=True)
+                out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
+        return out
+
+    def _all_experts(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """Every expert on every token, each scaled by its routing weight (zero where not chosen): no host sync
+        and fixed shapes, so a decode step can be captured in a CUDA graph. For a few tokens this reads the same
+        expert weights as the sparse loop (nearly every expert is chosen by someone) and the extra FLOPs are
+        negligible."""
+        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
+        dense.scatter_(1, chosen, weights)  # [T, E]
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + expert(x) * dense[:, e, None]
         return out

@@ -6,6 +6,7 @@ import torch
 
 from kda_sessions.config import ConfigError, ModelConfig
 from kda_sessions.model import CheckpointError, load_model, save_model
+from kda_sessions.model.ffn import MoE
 from kda_sessions.model.loader import BUILTIN_DIR
 
 from .helpers import Runner
@@ -143,3 +144,20 @@ def test_bounded_gate_model_runs(tmp_path, model):
     m = load_model(tmp_path)
     out = m(torch.arange(20).view(1, 20))
     assert torch.isfinite(out).all() and not torch.allclose(out, model(torch.arange(20).view(1, 20)))
+
+
+def test_moe_dense_routing_matches_the_sparse_loop() -> None:
+    """The GPU decode path (every expert, weights zero where not chosen) equals the per-expert gather loop."""
+    model = load_model("tiny-random")
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    x = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    sparse = moe(x)
+    scores = torch.sigmoid(x @ moe.gate.weight.t())
+    _, chosen = torch.topk(scores + moe.gate.e_score_correction_bias, moe.top_k, dim=-1)
+    w = scores.gather(-1, chosen)
+    w = w / w.sum(-1, keepdim=True) * moe.scale
+    dense = moe._all_experts(x, chosen, w)
+    assert moe.shared_experts is not None
+    dense = dense + moe.shared_experts(x)
+    assert torch.allclose(dense, sparse, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(dense, moe.shared_experts(x))  # routed experts contributed
