@@ -74,6 +74,7 @@ class LeaseKeeper:
     async def renew_once(self) -> int:
         """Renew the lease of every session this engine holds and its store has leased; how many were."""
         renewed = 0
+        failed: list[tuple[str, Exception]] = []
         held = set(self.engine._sessions)
         for tenant, view in list(self.engine.spaces.items()):
             snaps = view.io.snapshots
@@ -91,9 +92,12 @@ class LeaseKeeper:
                     await self._drop(snaps, sid)
                 except Exception as e:  # StoreUnavailable and the like: try again next round
                     self.failures += 1
-                    log.warning("session %s: lease renewal failed, retrying in %.1f s: %s", sid, self.interval_s(), e)
+                    failed.append((sid, e))
                 else:
                     renewed += 1
+        if failed:  # one line per round, not one per session: a store outage would flood the log
+            log.warning("lease renewal failed for %d sessions, retrying in %.1f s (first: %s: %s)",
+                        len(failed), self.interval_s(), failed[0][0], failed[0][1])
         self.renewals += renewed
         return renewed
 
