@@ -62,14 +62,11 @@ from .base import (
     stored_generation,
     verify_blob,
 )
-from .disk_pack import PackSet, sha256_hex
+from .disk_pack import _O_CLOEXEC, _O_NOFOLLOW, PackSet, fsync_dir, sha256_hex
 
 logger = logging.getLogger(__name__)
 
 TMP_PREFIX = ".tmp-"
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _T = TypeVar("_T")
 
 PACK_MIN_BLOBS = 64
@@ -129,14 +126,6 @@ def _durable(paths: list[Path]) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_temp(directory: Path, data: bytes, points: tuple[str, str] | None = None, *, sync: bool = True) -> Path:
@@ -267,14 +256,14 @@ class DiskStore(BlobStore):
         shard = path.parent
         if not shard.is_dir():
             shard.mkdir(exist_ok=True)
-            _fsync_dir(shard.parent)
+            fsync_dir(shard.parent)
         tmp = _write_temp(shard, data, ("disk.blob.written", "disk.blob.fsynced"))
         try:
             written = _link(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
         faults.point("disk.blob.linked")
-        _fsync_dir(shard)
+        fsync_dir(shard)
         faults.point("disk.blob.done")
         return written
 
@@ -346,7 +335,7 @@ class DiskStore(BlobStore):
                 _durable(dirs[:1])  # one syncfs covers every directory of this filesystem
             else:
                 for p in dirs:
-                    _fsync_dir(p)
+                    fsync_dir(p)
             faults.point("disk.blob.done")
         finally:
             for _, _, tmp in pending:
@@ -553,7 +542,7 @@ class DiskStore(BlobStore):
             tmp.unlink(missing_ok=True)
             raise
         faults.point("disk.manifest.renamed")
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         faults.point("disk.manifest.done")
 
     async def get_manifest(self, session_id: str) -> bytes:
@@ -585,7 +574,7 @@ class DiskStore(BlobStore):
         def delete() -> bool:
             existed = self._unlink(path)
             if existed:
-                _fsync_dir(path.parent)  # a deleted session must not come back after a crash
+                fsync_dir(path.parent)  # a deleted session must not come back after a crash
             return existed
 
         return await self._run("delete", path, delete)
@@ -641,7 +630,7 @@ class DiskStore(BlobStore):
                 fence = 1
             tmp = _write_temp(self._leases, str(fence).encode())
             os.replace(tmp, fence_path)
-            _fsync_dir(self._leases)
+            fsync_dir(self._leases)
         body = {"owner": owner, "fence": fence, "pid": os.getpid(), "host": _HOST, "expires_at": time.time() + ttl_s}
         # Never fsynced: after a power loss every lease is void anyway (its process is gone).
         tmp = _write_temp(self._leases, json.dumps(body).encode(), sync=False)

@@ -52,7 +52,8 @@ _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """fsync a directory (makes the links and renames inside it durable)."""
     fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -221,7 +222,7 @@ class PackSet:
         new_folder = not self.folder.is_dir()
         if new_folder:
             self.folder.mkdir(exist_ok=True)
-            _fsync_dir(self.folder.parent)
+            fsync_dir(self.folder.parent)
         name = f"pack-{time.time_ns():x}-{secrets.token_hex(8)}"
         tmp = self.folder / f"{tmp_prefix}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
@@ -244,7 +245,7 @@ class PackSet:
             tmp.unlink(missing_ok=True)
             raise
         faults.point("disk.blob.linked")
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         faults.point("disk.blob.done")
 
     def touch(self, packs: set[str]) -> None:
