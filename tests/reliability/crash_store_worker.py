@@ -18,18 +18,15 @@ logging `ack` after each, and runs a garbage collection (grace 0) every `gc_ever
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import anyio
 import torch
+import zygote  # a sibling: this file runs as a script
 
-from kda_sessions.storage import CheckpointRecord, ModelFingerprint, SessionManifest, SnapshotStore, faults
+from kda_sessions.storage import CheckpointRecord, ModelFingerprint, SessionManifest, SnapshotStore
 from kda_sessions.storage.blobs import digest, encode_tensor, encode_tensors
 from kda_sessions.storage.errors import (
     ManifestNotFound,
@@ -42,10 +39,6 @@ from kda_sessions.storage.errors import (
 PAGE = 4  # tokens per page
 WINDOW = 6  # pages a manifest names at most: older pages become garbage
 FINGERPRINT = ModelFingerprint(model_id="crash", config_hash="c", dtype="float32", page_size=PAGE)
-
-
-def _log(fd: int, **event: Any) -> None:
-    os.write(fd, (json.dumps(event) + "\n").encode())
 
 
 def _seed(*parts: object) -> int:
@@ -88,19 +81,6 @@ def expected(sid: str, gen: int) -> tuple[SessionManifest, dict[str, bytes]]:
     return m, blobs
 
 
-def _install_fault(point: str, nth: int) -> None:
-    hits = 0
-
-    def hook(name: str) -> None:
-        nonlocal hits
-        if name == point:
-            hits += 1
-            if hits >= nth:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    faults.hook = hook
-
-
 async def _with_retry(fn: Any) -> Any:
     """Call fn(), retrying while a killed writer's lease has not expired (or the store is briefly down)."""
     deadline = time.monotonic() + 30
@@ -135,7 +115,7 @@ async def _work(job: dict[str, Any], fd: int) -> None:
     snaps = await SnapshotStore.open(job["store"], gc_grace_s=0.0)
     if job.get("pack_min_blobs") and hasattr(snaps.store, "pack_min_blobs"):
         snaps.store.pack_min_blobs = job["pack_min_blobs"]  # disk: most saves then write one pack file
-    _log(fd, ev="temps", n=_temp_files(job["store"]))
+    zygote.log(fd, ev="temps", n=_temp_files(job["store"]))
     gens: dict[str, int] = {}
     for i in range(job["sessions"]):
         sid = f"sess{i}"
@@ -143,18 +123,18 @@ async def _work(job: dict[str, Any], fd: int) -> None:
         try:
             gen, problem = await _check(snaps, sid)
         except ManifestNotFound:
-            _log(fd, ev="missing", sid=sid)
+            zygote.log(fd, ev="missing", sid=sid)
             gens[sid] = 0
             continue
         except StoreError as e:  # IntegrityError included: a corrupt load
-            _log(fd, ev="error", sid=sid, type=type(e).__name__, msg=str(e)[:300])
+            zygote.log(fd, ev="error", sid=sid, type=type(e).__name__, msg=str(e)[:300])
             return
         if problem is not None:
-            _log(fd, ev="error", sid=sid, type="WrongContent", msg=f"generation {gen}: {problem}")
+            zygote.log(fd, ev="error", sid=sid, type="WrongContent", msg=f"generation {gen}: {problem}")
             return
-        _log(fd, ev="resumed", sid=sid, gen=gen)
+        zygote.log(fd, ev="resumed", sid=sid, gen=gen)
         gens[sid] = gen
-    _log(fd, ev="ready")
+    zygote.log(fd, ev="ready")
     if job.get("verify_only"):
         return
     saves = 0
@@ -163,35 +143,16 @@ async def _work(job: dict[str, Any], fd: int) -> None:
             m, blobs = expected(sid, gen + 1)
             result = await _with_retry(lambda m=m, blobs=blobs, gen=gen: snaps.save(m, blobs, expected_generation=gen))
             gens[sid] = result.generation
-            _log(fd, ev="ack", sid=sid, gen=result.generation)
+            zygote.log(fd, ev="ack", sid=sid, gen=result.generation)
             saves += 1
             if job.get("gc_every") and saves % job["gc_every"] == 0:
                 await snaps.collect_garbage()
 
 
-def _run_worker(job: dict[str, Any]) -> None:
-    fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    if job.get("fault"):
-        _install_fault(*job["fault"])
-    try:
-        anyio.run(_work, job, fd)
-    except BaseException as e:
-        _log(fd, ev="crash", type=type(e).__name__, msg=str(e)[:300])
-        os._exit(3)
-    os._exit(0)
-
-
 def main() -> None:
     torch.set_num_threads(1)
     expected("warm", 3)  # import and initialise lazily loaded parts once, in the zygote
-    for line in sys.stdin:
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _run_worker(job)
-        print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(f"exit {pid} {status}", flush=True)
+    zygote.serve(_work)
 
 
 if __name__ == "__main__":

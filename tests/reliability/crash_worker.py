@@ -13,11 +13,7 @@ reaches that storage fault point (see kda_sessions.storage.faults).
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import signal
-import sys
 import time
 from typing import Any
 
@@ -26,32 +22,15 @@ import torch
 torch.set_num_threads(1)  # before any op: no OpenMP thread pool exists when we fork
 
 import anyio  # noqa: E402
+import zygote  # noqa: E402  (a sibling: this file runs as a script)
 
 import kda_sessions as ks  # noqa: E402
 from kda_sessions.errors import SnapshotConflict  # noqa: E402
 from kda_sessions.model import load_model  # noqa: E402
-from kda_sessions.storage import faults  # noqa: E402
 
 # Pools big enough that the engine never evicts a session (an eviction is a save nobody acks, which the
 # verifier would rightly report as a generation skipped): 8192 pages hold ~2,000 saves of 6 sessions.
 ENGINE_ARGS: dict[str, Any] = {"page_size": 16, "max_active_sessions": 16, "num_pages": 8192, "ram_tier_bytes": 0}
-
-
-def _log(fd: int, **event: Any) -> None:
-    os.write(fd, (json.dumps(event) + "\n").encode())
-
-
-def _install_fault(point: str, nth: int) -> None:
-    hits = 0
-
-    def hook(name: str) -> None:
-        nonlocal hits
-        if name == point:
-            hits += 1
-            if hits >= nth:
-                os.kill(os.getpid(), signal.SIGKILL)
-
-    faults.hook = hook
 
 
 async def _retry(fn: Any, fd: int, sid: str) -> Any:
@@ -65,7 +44,7 @@ async def _retry(fn: Any, fd: int, sid: str) -> Any:
         except (ks.StoreUnavailable, ks.SessionBusy) as e:
             if time.monotonic() > deadline:
                 raise
-            _log(fd, ev="retry", sid=sid, type=type(e).__name__)
+            zygote.log(fd, ev="retry", sid=sid, type=type(e).__name__)
             await anyio.sleep(0.05)
 
 
@@ -78,17 +57,17 @@ async def _work(job: dict[str, Any], fd: int) -> None:
             try:
                 s = await _retry(lambda sid=sid: eng.resume(sid), fd, sid)
             except ks.SessionNotFound:
-                _log(fd, ev="missing", sid=sid)
+                zygote.log(fd, ev="missing", sid=sid)
                 sessions.append(await eng.create_session(session_id=sid))
                 continue
             except Exception as e:  # a corrupt load: the verifier counts it as a failure
-                _log(fd, ev="error", sid=sid, type=type(e).__name__, msg=str(e)[:300])
+                zygote.log(fd, ev="error", sid=sid, type=type(e).__name__, msg=str(e)[:300])
                 continue
             tokens, gen = list(s.state.tokens), s.state.generation
             nxt = (await s.generate(max_tokens=4, ignore_eos=True)).token_ids
-            _log(fd, ev="resumed", sid=sid, gen=gen, tokens=tokens, next=nxt)
+            zygote.log(fd, ev="resumed", sid=sid, gen=gen, tokens=tokens, next=nxt)
             sessions.append(s)
-        _log(fd, ev="ready")
+        zygote.log(fd, ev="ready")
         if job.get("verify_only"):
             return
         r = 0
@@ -99,32 +78,13 @@ async def _work(job: dict[str, Any], fd: int) -> None:
                 await _retry(s.save, fd, s.id)
                 tokens, gen = list(s.state.tokens), s.state.generation
                 nxt = (await s.generate(max_tokens=4, ignore_eos=True)).token_ids
-                _log(fd, ev="ack", sid=s.id, gen=gen, tokens=tokens, next=nxt)
-        _log(fd, ev="done")
-
-
-def _run_worker(job: dict[str, Any]) -> None:
-    fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    if job.get("fault"):
-        _install_fault(*job["fault"])
-    try:
-        anyio.run(_work, job, fd)
-    except BaseException as e:
-        _log(fd, ev="crash", type=type(e).__name__, msg=str(e)[:300])
-        os._exit(3)
-    os._exit(0)
+                zygote.log(fd, ev="ack", sid=s.id, gen=gen, tokens=tokens, next=nxt)
+        zygote.log(fd, ev="done")
 
 
 def main() -> None:
     load_model("tiny-random")  # warm lazy initialisation once, in the zygote
-    for line in sys.stdin:
-        job = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            _run_worker(job)
-        print(f"pid {pid}", flush=True)
-        _, status = os.waitpid(pid, 0)
-        print(f"exit {pid} {status}", flush=True)
+    zygote.serve(_work)
 
 
 if __name__ == "__main__":
