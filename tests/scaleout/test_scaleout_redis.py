@@ -1,7 +1,8 @@
 """Scale-out on one shared Redis: two servers (two uvicorn instances, each with its own Engine, in their own
 threads and event loops) use the same store; a session saved through one resumes through the other and
-continues exactly as it would have where it was saved. The same over a 3-node Redis Cluster:
-test_scaleout_redis_cluster.py."""
+continues exactly as it would have where it was saved. Every test runs twice: on one redis-server and on a
+3-node Redis Cluster started on loopback (`redis_cluster_url`); test_scaleout_redis_cluster.py covers the
+cluster's key layout, leases and faults."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ SAMPLING = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 LEASE_TTL_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def two_servers(redis_url: str) -> Iterator[tuple[ServerThread, ServerThread]]:
-    store = f"{redis_url}?prefix=scaleout-{uuid.uuid4().hex[:8]}:&lease_ttl={LEASE_TTL_S}"
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def two_servers(request: pytest.FixtureRequest) -> Iterator[tuple[ServerThread, ServerThread]]:
+    options = f"prefix=scaleout-{uuid.uuid4().hex[:8]}:&lease_ttl={LEASE_TTL_S}"
+    if request.param == "redis":
+        store = f"{request.getfixturevalue('redis_url')}?{options}"
+    else:
+        store = f"{request.getfixturevalue('redis_cluster_url')}&{options}"
     a = start_server(store=store)
     try:
         b = start_server(store=store)
