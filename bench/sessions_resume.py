@@ -10,7 +10,8 @@ For each model and context length N (random byte tokens, a fresh seed per N so n
               engine's RAM tier: ``resume(id)`` + ``generate(max_tokens=1)``;
   disk        a NEW engine on the same ``disk:`` store, OS page cache dropped first: resume + generate(1);
   redis       the snapshot copied into a private redis-server, a NEW engine on it: resume + generate(1).
-Store throughput is measured on the storage layer (``SnapshotStore.save`` / ``load_blobs`` of the whole snapshot,
+Store throughput is measured on the storage layer (``SnapshotStore.save(verified=True)``, as the engine calls it, /
+``load_blobs`` of the whole snapshot,
 fresh store objects without a RAM tier, page cache dropped before disk reads).
 """
 
@@ -103,7 +104,7 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
     row["disk_load_MBps"] = nbytes / t.s / 1e6
     dst = await SnapshotStore.open(f"disk:{root / 'copy'}")
     with Timer() as t:
-        await dst.save(manifest, blobs)
+        await dst.save(manifest, blobs, verified=True)  # as the engine saves: blobs named by their own hash
     await dst.close()
     row["disk_save_MBps"] = nbytes / t.s / 1e6
     shutil.rmtree(root / "copy", ignore_errors=True)
@@ -112,7 +113,7 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
     if redis_url is not None:
         dst = await SnapshotStore.open(redis_url)
         with Timer() as t:
-            await dst.save(manifest, blobs)
+            await dst.save(manifest, blobs, verified=True)
         await dst.close()
         row["redis_save_MBps"] = nbytes / t.s / 1e6
         src = await SnapshotStore.open(redis_url)

@@ -127,14 +127,21 @@ class SnapshotStore:
         return await self.store.release_lease(check_session_id(session_id), self.owner)
 
     async def save(
-        self, manifest: SessionManifest, blobs: Mapping[str, bytes], *, expected_generation: int | None = None
+        self,
+        manifest: SessionManifest,
+        blobs: Mapping[str, bytes],
+        *,
+        expected_generation: int | None = None,
+        verified: bool = False,
     ) -> SaveResult:
         """Make `manifest` durable: write the blobs the store lacks, then the manifest.
 
         `blobs` maps digest -> bytes and may omit blobs the store already holds (they are reused). Raises
         ValueError if `blobs` holds a blob the manifest does not reference, StoreError if the manifest
         references a blob that is neither given nor stored, IntegrityError if a digest does not match its
-        bytes. Returns once the manifest is committed.
+        bytes (not checked with `verified=True`: the caller named every blob by hashing these very bytes, as
+        the engine does, so the store skips a second hash pass; every load verifies regardless). Returns once
+        the manifest is committed.
 
         With `expected_generation` (the generation this writer loaded or last saved; 0 for a new session) the
         manifest is committed by compare-and-set under the session's lease: SessionBusy if another owner holds
@@ -160,13 +167,13 @@ class SnapshotStore:
             # Refresh reused blobs so a concurrent GC in another process leaves them alone (grace period).
             await self.store.touch_blobs(stored)
             to_write = {d: blobs[d] for d in missing}
-            written = await self.store.put_blobs(to_write, max_in_flight=self.max_in_flight)
+            written = await self.store.put_blobs(to_write, max_in_flight=self.max_in_flight, verified=verified)
             if expected_generation is None:
                 data = manifest.dumps()
                 await self.store.put_manifest(manifest.session_id, data)
             else:
                 manifest, data = await self._commit(manifest, expected_generation)
-            await self._repair_after_commit(manifest, referenced, blobs)
+            await self._repair_after_commit(manifest, referenced, blobs, verified)
         return SaveResult(
             blobs_written=len(written),
             bytes_written=sum(len(blobs[d]) for d in written),
@@ -199,7 +206,7 @@ class SnapshotStore:
         return manifest, data
 
     async def _repair_after_commit(
-        self, manifest: SessionManifest, referenced: set[str], blobs: Mapping[str, bytes]
+        self, manifest: SessionManifest, referenced: set[str], blobs: Mapping[str, bytes], verified: bool = False
     ) -> None:
         """Re-write blobs a racing GC removed between our has_blobs and our commit (if we hold their bytes)."""
         lost = referenced - await self.store.has_blobs(referenced)
@@ -207,7 +214,7 @@ class SnapshotStore:
             return
         unrecoverable = lost - set(blobs)
         await self.store.put_blobs(
-            {d: blobs[d] for d in lost - unrecoverable}, max_in_flight=self.max_in_flight
+            {d: blobs[d] for d in lost - unrecoverable}, max_in_flight=self.max_in_flight, verified=verified
         )
         if unrecoverable:
             raise StoreError(

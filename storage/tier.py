@@ -102,9 +102,9 @@ class TieredStore(BlobStore):
         return written
 
     async def put_blobs(
-        self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+        self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
     ) -> set[str]:
-        written = await self.store.put_blobs(blobs, max_in_flight=max_in_flight)
+        written = await self.store.put_blobs(blobs, max_in_flight=max_in_flight, verified=verified)
         for d, data in blobs.items():
             self.tier.put(d, data)
         return written

@@ -119,9 +119,12 @@ class BlobStore(ABC):
         """Blobs written or touched in the last `within_s` seconds (by any process)."""
 
     async def put_blobs(
-        self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+        self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
     ) -> set[str]:
-        """Store many blobs, at most `max_in_flight` at once; returns the digests actually written."""
+        """Store many blobs, at most `max_in_flight` at once; returns the digests actually written.
+
+        `verified=True` says the caller computed every digest from these very bytes (the engine names each blob
+        by hashing it): a backend may then skip its own hash pass. Loads always verify."""
         written: set[str] = set()
         limit = anyio.Semaphore(max(1, max_in_flight))
 

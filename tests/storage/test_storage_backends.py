@@ -63,6 +63,26 @@ async def test_put_with_wrong_digest_is_refused(store: BlobStore) -> None:
     assert await store.list_blobs() == []
 
 
+@pytest.mark.parametrize("data", [SMALL, LARGE], ids=["small", "large"])
+async def test_put_blobs_checks_digests_unless_the_caller_verified_them(store: BlobStore, data: bytes) -> None:
+    wrong = digest(data + b"!")
+    with pytest.raises(IntegrityError):
+        await store.put_blobs({wrong: data})
+    assert await store.list_blobs() == []
+    # verified=True: the caller vouches (the engine hashes what it names); the store skips its hash pass on
+    # disk and Redis, but a load still verifies, so a lie never comes back as data
+    try:
+        await store.put_blobs({wrong: data}, verified=True)
+    except IntegrityError:
+        assert isinstance(store, MemoryStore)  # it checks anyway (not a throughput path)
+    else:
+        with pytest.raises(IntegrityError, match=wrong):
+            await store.get_blob(wrong)
+    good = digest(data)
+    assert await store.put_blobs({good: data}, verified=True) == {good}
+    assert await store.get_blob(good) == data
+
+
 @pytest.mark.parametrize("truncate", [False, True], ids=["flipped-byte", "truncated"])
 @pytest.mark.parametrize("data", [SMALL, LARGE], ids=["small", "large"])
 async def test_corrupt_blob_raises_integrity_error(store: BlobStore, data: bytes, truncate: bool) -> None:
