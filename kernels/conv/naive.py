@@ -32,9 +32,10 @@ def naive_causal_conv(
     at: list[Tensor] = []
     for n in range(N):
         seq = torch.cat([tail[n].to(x.dtype), x[bounds[n] : bounds[n + 1]]])  # [W - 1 + T_n, D]
-        # conv1d is a cross-correlation: y_t = sum_w weight[:, w] * seq[t + w]
-        y = F.conv1d(seq.t().unsqueeze(0).float(), weight.float().unsqueeze(1), groups=D)[0].t()
-        ys.append(F.silu(y).to(x.dtype))
+        if seq.shape[0] >= W:  # a sequence with no new token has no output and keeps its tail
+            # conv1d is a cross-correlation: y_t = sum_w weight[:, w] * seq[t + w]
+            y = F.conv1d(seq.t().unsqueeze(0).float(), weight.float().unsqueeze(1), groups=D)[0].t()
+            ys.append(F.silu(y).to(x.dtype))
         tails.append(seq[seq.shape[0] - (W - 1) :])
         if tail_positions is not None:
             at.extend(seq[p : p + W - 1] for p in tail_positions[n])

@@ -30,6 +30,23 @@ def test_conv_prefill_varlen_with_tail_positions():
     assert rel_rms(y, ry) < TOL and torch.equal(t, rt) and torch.equal(ck, rck)
 
 
+def test_conv_empty_sequence_keeps_its_tail():
+    """A sequence with no new token inside cu_seqlens: no output rows, its tail unchanged, on both paths."""
+    from kda_sessions.kernels.conv.triton_conv import causal_conv_triton
+
+    gen = torch.Generator().manual_seed(2)
+    D, W = 16, 4
+    cu = torch.tensor([0, 2, 2, 5])
+    x = torch.randn(5, D, generator=gen)
+    w = torch.randn(D, W, generator=gen)
+    tail = torch.randn(3, W - 1, D, generator=gen)
+    pos = [[1], [0], [3]]
+    ry, rt, rck = naive_causal_conv(x, w, tail, cu, pos)
+    assert ry.shape == (5, D) and torch.equal(rt[1], tail[1]) and torch.equal(rck[1], tail[1])
+    y, t, ck = causal_conv_triton(x, w, tail, cu, pos)
+    assert rel_rms(y, ry) < TOL and torch.equal(t, rt) and torch.equal(ck, rck)
+
+
 def test_conv_decode():
     from kda_sessions.kernels.conv.triton_conv import causal_conv_triton
 
