@@ -1,0 +1,181 @@
+"""MLA decode over a paged latent cache in Triton, kv_b_proj absorbed (flash-decoding).
+
+Every program takes one sequence's split of the context and all H heads, so each cached row [r + dr] is read
+once and serves every head (the cache is shared by the heads, like MQA). Splits hold float32 partial results
+(unnormalised latent sum, running max, running denominator); a second launch merges them. The number of splits
+comes from the page table's capacity, not from ``seq_lens``, so there is no host sync (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _split_kernel(
+    q_lat, q_pe, kv, page_table, seq_lens, acc_out, m_out, l_out, sm_scale, max_pages, tokens_per_split,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
+    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, NSPLIT,
+    ALIGN: tl.constexpr, TRANS: tl.constexpr,
+):
+    # head blocks vary fastest, so the programs that share a split's cache rows run together (one DRAM read)
+    hb = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.program_id(2)
+    L = tl.load(seq_lens + n)
+    start = s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, L)
+    rh = hb * BH + tl.arange(0, BH)
+    rr = tl.arange(0, BR)
+    rd = tl.arange(0, BDR)
+    mh = rh < H
+    ql = tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R), other=0.0)
+    qp = tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR), other=0.0)
+    m_i = tl.full([BH], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    pt = page_table + n.to(tl.int64) * max_pages
+    base = (n * NSPLIT + s) * H + rh
+    if TRANS:
+        # tokens on the rows: scores^T = c q^T [BN, BH] and acc^T += c^T p^T [BR, BH], so both products have a
+        # row count (BN, BR) that the Hopper warpgroup MMA takes
+        qlt = tl.trans(ql)
+        qpt = tl.trans(qp)
+        acct = tl.zeros([BR, BH], dtype=tl.float32)
+        for t0 in range(start, end, BN):
+            tok = t0 + tl.arange(0, BN)
+            mt = tok < end
+            page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+            row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
+            c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
+            pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
+            sc = tl.dot(c, qlt) + tl.dot(pe, qpt)  # [BN, BH]
+            sc = tl.where(mt[:, None], sc * sm_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            p = tl.exp2(sc - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acct = acct * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype))
+            m_i = m_new
+        tl.store(acc_out + base[None, :].to(tl.int64) * R + rr[:, None], acct,
+                 mask=mh[None, :] & (rr[:, None] < R))
+    else:
+        acc = tl.zeros([BH, BR], dtype=tl.float32)
+        for t0 in range(start, end, BN):
+            tok = t0 + tl.arange(0, BN)
+            mt = tok < end
+            page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+            # [BN] offset of each token's cache row; the hint lets the loads be 16-byte vectors
+            row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
+            c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
+            pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
+            sc = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(pe))  # [BH, BN]
+            sc = tl.where(mt[None, :], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+            m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+            p = tl.exp2(sc - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            m_i = m_new
+        tl.store(acc_out + base[:, None].to(tl.int64) * R + rr[None, :], acc, mask=mh[:, None] & (rr[None, :] < R))
+    tl.store(m_out + base, m_i, mask=mh)
+    tl.store(l_out + base, l_i, mask=mh)
+
+
+@triton.jit
+def _combine_kernel(
+    acc_in, m_in, l_in, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+):
+    """One pass over the splits with a running max: out = sum_s 2^(m_s - m) acc_s / sum_s 2^(m_s - m) l_s."""
+    h = tl.program_id(0)
+    n = tl.program_id(1)
+    rs = tl.arange(0, BS)
+    rr = tl.program_id(2) * BR + tl.arange(0, BR)
+    m_run = tl.full([1], -1e30, dtype=tl.float32)
+    num = tl.zeros([BR], dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        ms = s0 + rs < NSPLIT
+        idx = (n * NSPLIT + s0 + rs) * H + h
+        m_s = tl.load(m_in + idx, mask=ms, other=-1e30)
+        m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
+        wgt = tl.exp2(m_s - m_new)
+        a = tl.load(acc_in + idx[:, None].to(tl.int64) * R + rr[None, :], mask=ms[:, None] & (rr[None, :] < R),
+                    other=0.0)
+        alpha = tl.exp2(m_run - m_new)
+        num = num * alpha + tl.sum(wgt[:, None] * a, axis=0)
+        den = den * alpha + tl.sum(wgt * tl.load(l_in + idx, mask=ms, other=0.0), axis=0)
+        m_run = m_new
+    o = num / den
+    tl.store(out + (n * H + h) * R + rr, o.to(out.dtype.element_ty), mask=rr < R)
+
+
+def _num_splits(N: int, capacity: int, sm_count: int) -> int:
+    """Enough (sequence, split) programs to fill the GPU twice, each at least 512 tokens of capacity."""
+    return max(1, min(triton.cdiv(2 * sm_count, max(N, 1)), triton.cdiv(capacity, 512)))
+
+
+def _launch(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
+    num_splits: int | None = None, BN: int = 64, BH: int | None = None, num_warps: int = 4, num_stages: int = 3,
+    trans: bool = False,
+) -> Tensor:
+    """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]."""
+    N, H, R = q_lat.shape
+    DR = q_pe.shape[-1]
+    P = kv_pages.shape[1]
+    max_pages = page_table.shape[1]
+    out = torch.empty_like(q_lat)
+    if N == 0:
+        return out
+    if num_splits is None:
+        sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
+        num_splits = _num_splits(N, max_pages * P, sm)
+    tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
+    num_splits = triton.cdiv(max_pages * P, tps)
+    acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
+    m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
+    lsum = torch.empty_like(m)
+    BH = BH or max(16, triton.next_power_of_2(H))
+    BR = triton.next_power_of_2(R)
+    align = 1
+    while align < 8 and (R + DR) % (2 * align) == 0:
+        align *= 2
+    _split_kernel[(triton.cdiv(H, BH), num_splits, N)](
+        q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps,
+        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN, NSPLIT=num_splits,
+        ALIGN=align, TRANS=trans, num_warps=num_warps, num_stages=num_stages,
+    )
+    BRC = min(BR, 64)  # the merge runs over r blocks too: H * N programs alone are too few for one sequence
+    _combine_kernel[(H, N, triton.cdiv(R, BRC))](acc, m, lsum, out, num_splits, H=H, R=R, BR=BRC, BS=16,
+                                                 num_warps=2)
+    return out
+
+
+def mla_decode_paged_triton(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
+    num_splits: int | None = None,
+) -> Tensor:
+    """One query per sequence over its paged latent cache (kv_b_proj absorbed).
+
+    q_lat [N, H, r] (q_nope @ W_uk per head), q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] in q's dtype,
+    page_table [N, max_pages] int32, seq_lens [N] int (>= 1, the new token included). Returns the
+    attention-weighted latent [N, H, r] in q_lat's dtype. ``num_splits`` overrides the split heuristic.
+    """
+    N, H, R = q_lat.shape
+    if q_pe.shape[:2] != (N, H):
+        raise ValueError(f"q_pe must be [N, H, dr] with N, H={N, H}, got {tuple(q_pe.shape)}")
+    DR = q_pe.shape[-1]
+    if kv_pages.dim() != 3 or kv_pages.shape[-1] != R + DR:
+        raise ValueError(f"kv_pages must be [num_pages, P, r + dr={R + DR}], got {tuple(kv_pages.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != N or seq_lens.shape != (N,):
+        raise ValueError(f"page_table must be [N={N}, max_pages] and seq_lens [N], got {tuple(page_table.shape)}, "
+                         f"{tuple(seq_lens.shape)}")
+    return _launch(
+        q_lat.contiguous(), q_pe.to(q_lat.dtype).contiguous(), kv_pages.contiguous(), page_table.contiguous(),
+        seq_lens.contiguous(), float(scale), num_splits,
+    )
