@@ -6,8 +6,9 @@
 # $1 minutes of training (leave ~1 min of the 10-minute call for start-up, the held-out pass and saving),
 # $2 scheduled steps, $3 extra train_tiny.py arguments. Reads, when carried: .out/tcache/tcache.tar.xz (a Triton
 # cache from an earlier call: without it fla's kernels compile and autotune for ~400 s on the first step) and
-# .out/init (weights to continue from). Writes to $OUT: run/{train_log.json,heldout_rows.json,weights/*}
-# and tcache.tar.xz (8 files at most come back: keep it that way).
+# .out/init (weights to continue from). Writes to $OUT: run/weights/* (5 files), meta.tar (train_log.json and
+# heldout_rows.json) and the Triton cache as tcache.tar.xz.part-aa, -ab (15 MiB parts: at most 8 files of at most
+# 16 MiB come back). Restore it next time with: mkdir -p .out/tcache && cp /work/.device/N/tcache.tar.xz.part-* .out/tcache/
 #
 # .whl/train holds the cp312 wheels the machine lacks: pydantic, pydantic-core, annotated-types,
 # typing-inspection, typing-extensions, jinja2, markupsafe, safetensors, fla-core==0.6.0, einops
@@ -19,12 +20,16 @@ extra=${3:-}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/train/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
 mkdir -p /tmp/tc
-if [ -f .out/tcache/tcache.tar.xz ]; then tar xJf .out/tcache/tcache.tar.xz -C /tmp; fi
+if ls .out/tcache/tcache.tar.xz.part-* >/dev/null 2>&1; then cat .out/tcache/tcache.tar.xz.part-* | tar xJ -C /tmp; fi
 init=()
 if [ -d .out/init ]; then init=(--init .out/init); fi
 # the call's own limit is 600 s: stop training in time to save
 timeout 585 python3 tools/train_tiny.py --out "$OUT/run" --steps "$steps" --minutes "$minutes" --workers 14 \
     "${init[@]}" $extra
 rc=$?
-tar cJf "$OUT/tcache.tar.xz" -C /tmp tc
+if [ -f "$OUT/run/train_log.json" ]; then
+  tar cf "$OUT/meta.tar" -C "$OUT/run" train_log.json $(cd "$OUT/run" && ls heldout_rows.json 2>/dev/null)
+  rm -f "$OUT/run/train_log.json" "$OUT/run/heldout_rows.json"
+fi
+tar cJf /tmp/tcache.tar.xz -C /tmp tc && split -b 15m /tmp/tcache.tar.xz "$OUT/tcache.tar.xz.part-"
 exit $rc
