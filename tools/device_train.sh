@@ -4,7 +4,7 @@
 #   run(command="bash tools/device_train.sh 8.5 2000", carry=[".whl/train", ".out/tcache", ".out/init"])
 #
 # $1 minutes of training (leave ~1 min of the 10-minute call for start-up, the held-out pass and saving),
-# $2 scheduled steps, $3 extra train_tiny.py arguments. Reads, when carried: .out/tcache/tcache.tar.xz (a Triton
+# $2 scheduled steps, $3 extra train_tiny.py arguments. Reads, when carried: .out/tcache/tcache.tar.xz.part-* (a Triton
 # cache from an earlier call: without it fla's kernels compile and autotune for ~400 s on the first step) and
 # .out/init (weights to continue from). Writes to $OUT: run/weights/* (5 files), meta.tar (train_log.json and
 # heldout_rows.json) and the Triton cache as tcache.tar.xz.part-aa, -ab (15 MiB parts: at most 8 files of at most
