@@ -37,6 +37,7 @@ from .manifest import ModelFingerprint, SessionManifest
 from .tier import RamTier, TieredStore
 
 logger = logging.getLogger(__name__)
+_GC_BATCH = 256  # candidates checked for fresh touches at a time, right before their deletes
 
 DEFAULT_GC_GRACE_S = 600.0
 
@@ -283,15 +284,21 @@ class SnapshotStore:
                 logger.warning("garbage collection skipped: manifest of %s is unreadable (%s)", sid, e)
                 return GcResult(0, 0)
         recent = await self.store.recent_blobs(self.gc_grace_s)
-        candidates = [d for d in await self.store.list_blobs() if d not in referenced]
-        deleted = protected = 0
-        for d in candidates:
-            # Pins are checked right before each delete: a save may have started since the scan.
-            if d in pinned or d in recent:
-                protected += 1
-                continue
-            if await self.store.delete_blob(d):
-                deleted += 1
+        unreferenced = [d for d in await self.store.list_blobs() if d not in referenced]
+        candidates = [d for d in unreferenced if d not in recent]
+        deleted = 0
+        protected = len(unreferenced) - len(candidates)
+        for i in range(0, len(candidates), _GC_BATCH):
+            batch = candidates[i : i + _GC_BATCH]
+            # Asked again right before the deletes: a save in another process may have touched a blob since the
+            # scans (it touches what it reuses before it commits); pins cover this process's saves.
+            fresh = await self.store.recently_touched(batch, self.gc_grace_s)
+            for d in batch:
+                if d in pinned or d in fresh:
+                    protected += 1
+                    continue
+                if await self.store.delete_blob(d):
+                    deleted += 1
         return GcResult(deleted, protected)
 
     async def stats(self) -> StoreStats:

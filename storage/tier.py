@@ -151,6 +151,9 @@ class TieredStore(BlobStore):
     async def recent_blobs(self, within_s: float) -> set[str]:
         return await self.store.recent_blobs(within_s)
 
+    async def recently_touched(self, digests: Iterable[str], within_s: float) -> set[str]:
+        return await self.store.recently_touched(digests, within_s)
+
     async def put_manifest(self, session_id: str, data: bytes) -> None:
         await self.store.put_manifest(session_id, data)
 

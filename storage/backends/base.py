@@ -118,6 +118,11 @@ class BlobStore(ABC):
     async def recent_blobs(self, within_s: float) -> set[str]:
         """Blobs written or touched in the last `within_s` seconds (by any process)."""
 
+    async def recently_touched(self, digests: Iterable[str], within_s: float) -> set[str]:
+        """The subset of `digests` written or touched in the last `within_s` seconds (by any process). Backends
+        answer for just these digests, cheaply, so a garbage collection can ask again right before deleting."""
+        return set(digests) & await self.recent_blobs(within_s)
+
     async def put_blobs(
         self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
     ) -> set[str]:

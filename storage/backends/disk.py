@@ -525,6 +525,27 @@ class DiskStore(BlobStore):
 
         await self._run("touch", self._blobs, touch)
 
+    async def recently_touched(self, digests: Iterable[str], within_s: float) -> set[str]:
+        wanted = [check_digest(d) for d in digests]
+        cutoff = time.time() - within_s
+
+        def check() -> set[str]:
+            self._packs.refresh()
+            out = set()
+            for d in wanted:
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(self._blob_path(d)).st_mtime >= cutoff:
+                        out.add(d)
+                        continue
+                loc = self._packs.locate(d)
+                if loc is not None:
+                    with contextlib.suppress(FileNotFoundError):  # a pack's mtime stands for all of its blobs
+                        if os.stat(self._packs.path(loc[0])).st_mtime >= cutoff:
+                            out.add(d)
+            return out
+
+        return await self._run("list", self._blobs, check)
+
     async def recent_blobs(self, within_s: float) -> set[str]:
         cutoff = time.time() - within_s
         loose, packed = await self._run("list", self._blobs, self._scan_all)

@@ -53,6 +53,10 @@ class MemoryStore(BlobStore):
             if check_digest(d) in self._blobs:
                 self._touched[d] = now
 
+    async def recently_touched(self, digests: Iterable[str], within_s: float) -> set[str]:
+        cutoff = time.time() - within_s
+        return {d for d in digests if self._touched.get(d, -1.0) >= cutoff}
+
     async def recent_blobs(self, within_s: float) -> set[str]:
         cutoff = time.time() - within_s
         return {d for d, t in self._touched.items() if t >= cutoff}

@@ -589,6 +589,14 @@ class RedisStore(BlobStore):
             now = time.time()
             await self._call("touch blobs", lambda: self._r.zadd(self._times_key, dict.fromkeys(present, now)))
 
+    async def recently_touched(self, digests: Iterable[str], within_s: float) -> set[str]:
+        wanted = [check_digest(d) for d in digests]
+        if not wanted:
+            return set()
+        cutoff = time.time() - within_s
+        scores = await self._call("touch times", lambda: self._r.zmscore(self._times_key, wanted))
+        return {d for d, t in zip(wanted, scores, strict=True) if t is not None and float(t) >= cutoff}
+
     async def recent_blobs(self, within_s: float) -> set[str]:
         now = time.time()
 

@@ -10,6 +10,7 @@ from storage_helpers import FINGERPRINT, make_snapshot
 
 from kda_sessions.storage.backends.base import BlobStore
 from kda_sessions.storage.backends.memory import MemoryStore
+from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import (
     BlobNotFound,
     IncompatibleSnapshot,
@@ -161,3 +162,30 @@ async def test_open_by_url_with_ram_tier(tmp_path: Path) -> None:
         await snaps.save(m, blobs)
     async with await SnapshotStore.open(f"disk:{tmp_path}") as again:
         assert (await again.load_manifest("a")) == m
+
+
+@pytest.mark.parametrize("touched", [True, False], ids=["touched-after-scan", "untouched"])
+async def test_gc_spares_a_blob_another_process_touched_after_its_scans(store: BlobStore, touched: bool) -> None:
+    """A save in another process (no shared pins) touches a blob it reuses after this collection took its
+    `recent_blobs` snapshot and listed the blobs: the fresh check right before the delete must spare it."""
+    snaps = SnapshotStore(store, gc_grace_s=0.5)
+    data = b"reused page " * 100
+    d = digest(data)
+    await store.put_blob(d, data)
+    await anyio.sleep(0.7)  # older than the grace period, referenced by no manifest: a candidate
+    list_blobs = store.list_blobs
+
+    async def list_then_other_process_touches() -> list[str]:
+        listed = await list_blobs()
+        if touched:
+            await store.touch_blobs([d])
+        return listed
+
+    store.list_blobs = list_then_other_process_touches  # type: ignore[method-assign]
+    result = await snaps.collect_garbage()
+    if touched:
+        assert result.blobs_deleted == 0 and result.blobs_protected == 1
+        assert await store.get_blob(d) == data
+    else:
+        assert result.blobs_deleted == 1
+        assert d not in await store.list_blobs()
