@@ -121,6 +121,35 @@ def _causal_conv(x: Tensor, weight: Tensor) -> Tensor:
     return F.silu(y).to(x.dtype)
 
 
+def trim_fla_autotune(keep: int) -> int:
+    """Keep at most ``keep`` configs in each of fla's autotuned kernels (0: all of them).
+
+    fla 0.6.0 autotunes every kernel of its forward and backward over 6-24 configs; on a fresh machine that is
+    ~400 s of compiling before the first step (docs/tiny.md). The configs kept are those nearest 4 warps and 2
+    stages, which fit in shared memory for any head size; Triton still picks the faster of the ones left.
+    Returns the number of kernels trimmed."""
+    import fla.ops.kda  # noqa: F401  (imports every kernel module chunk_kda uses)
+    from triton.runtime.autotuner import Autotuner
+
+    if keep <= 0:
+        return 0
+    trimmed = 0
+    seen: set[int] = set()
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.ops") or mod is None:
+            continue
+        for obj in list(vars(mod).values()):
+            for _ in range(4):  # an autotuner may sit under @triton.heuristics: follow .fn down
+                if isinstance(obj, Autotuner):
+                    if id(obj) not in seen and len(obj.configs) > keep:
+                        obj.configs = sorted(obj.configs, key=lambda c: (abs(c.num_warps - 4), abs(c.num_stages - 2)))[:keep]
+                        trimmed += 1
+                    seen.add(id(obj))
+                    break
+                obj = getattr(obj, "fn", None)
+    return trimmed
+
+
 def _kda(layer: KDAAttention, x: Tensor, use_fla: bool) -> Tensor:
     B, T, _ = x.shape
     H, K, V = layer.H, layer.K, layer.V
@@ -256,11 +285,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--start-step", type=int, default=0,
+                    help="continue the schedule of an earlier run from this step (with --init; warm-up restarts, 20 steps)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     ap.add_argument("--init", default=None, help="a directory written by save_model to start from")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on a CPU")
     ap.add_argument("--shard-mb", type=float, default=15.0)
+    ap.add_argument("--autotune-configs", type=int, default=2, help="fla configs kept per kernel (0: all)")
     args = ap.parse_args()
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
@@ -282,7 +314,8 @@ def main() -> None:
     model = model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     log: dict = {"config": str(CONFIG.name), "params": n_params, "args": vars(args), "steps": []}
-    print(json.dumps({"params": n_params, "device": str(device), "fla": use_fla}), flush=True)
+    trimmed = trim_fla_autotune(args.autotune_configs) if use_fla else 0
+    print(json.dumps({"params": n_params, "device": str(device), "fla": use_fla, "autotune_trimmed": trimmed}), flush=True)
     log["parity_start"] = parity_check(model, device, use_fla, 512 if args.quick else 2048)
     print(json.dumps({"parity_start": log["parity_start"]}), flush=True)
 
@@ -293,14 +326,17 @@ def main() -> None:
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
     )
     pad_id = tiny_data.PAD_ID if hasattr(tiny_data, "PAD_ID") else 267
-    data = batches(args.seed, "train", args.batch, args.seq, args.workers, pad_id)
+    # a continued run draws other rows than the run it continues (seed + start step)
+    data = batches(args.seed * 1000 + args.start_step, "train", args.batch, args.seq, args.workers, pad_id)
     t0 = time.perf_counter()
     tokens = 0
     step = 0
     waited = 0.0  # seconds spent waiting for the data workers
     model.train()
-    for step in range(1, args.steps + 1):
-        lr = args.lr * min(1.0, step / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
+    first = args.start_step + 1
+    for step in range(first, args.steps + 1):
+        warm = (step - args.start_step) / 20 if args.start_step else step / args.warmup
+        lr = args.lr * min(1.0, warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
         for group in opt.param_groups:
             group["lr"] = lr
         t_wait = time.perf_counter()
@@ -315,7 +351,7 @@ def main() -> None:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens += ids.numel()
-        if step % 25 == 0 or step == 1 or step == args.steps:
+        if step % 25 == 0 or step == first or step == args.steps:
             el = time.perf_counter() - t0
             entry = {"step": step, "loss": round(loss.item(), 4), "assistant_loss": round(mine.item(), 4),
                      "grad_norm": round(gn.item(), 3), "lr": lr, "tok_per_s": round(tokens / el), "elapsed_s": round(el, 1),
