@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One training call on the GPU machine (the device tool), as learned on 2026-11-30 (docs/tiny.md):
 #
-#   run(command="bash tools/device_train.sh 8.5 2000", carry=[".whl/train", ".out/tcache", ".out/init"])
+#   run(command="bash tools/device_train.sh 7.6 2400 '--seq 4096 --warmup 100'", carry=[".whl/train", ".out/tcache", ".out/init"])
 #
 # $1 minutes of training (leave ~1 min of the 10-minute call for start-up, the held-out pass and saving),
 # $2 scheduled steps, $3 extra train_tiny.py arguments. Reads, when carried: .out/tcache/tcache.tar.xz.part-* (a Triton
@@ -24,12 +24,12 @@ if ls .out/tcache/tcache.tar.xz.part-* >/dev/null 2>&1; then cat .out/tcache/tca
 init=()
 if [ -d .out/init ]; then init=(--init .out/init); fi
 # the call's own limit is 600 s: stop training in time to save
-timeout 585 python3 tools/train_tiny.py --out "$OUT/run" --steps "$steps" --minutes "$minutes" --workers 14 \
+timeout 560 python3 tools/train_tiny.py --out "$OUT/run" --steps "$steps" --minutes "$minutes" --workers 14 \
     "${init[@]}" $extra
 rc=$?
 if [ -f "$OUT/run/train_log.json" ]; then
   tar cf "$OUT/meta.tar" -C "$OUT/run" train_log.json $(cd "$OUT/run" && ls heldout_rows.json 2>/dev/null)
   rm -f "$OUT/run/train_log.json" "$OUT/run/heldout_rows.json"
 fi
-tar cJf /tmp/tcache.tar.xz -C /tmp tc && split -b 15m /tmp/tcache.tar.xz "$OUT/tcache.tar.xz.part-"
+tar cf - -C /tmp tc | xz -T0 -2 > /tmp/tcache.tar.xz && split -b 15m /tmp/tcache.tar.xz "$OUT/tcache.tar.xz.part-"
 exit $rc
