@@ -1,0 +1,128 @@
+"""The unmeasured kernel candidates of bench/candidates against the naive twins, under TRITON_INTERPRET=1.
+
+A candidate may replace its kernel in kernels/ only if these pass and the device run shows it correct and faster.
+Tolerances: relative RMS error 1e-4 for chunk_kda (as tests/kernels/test_kda_triton.py), 1e-5 for MLA decode with
+float32 partials, 1e-2 with bf16 partials (float32 inputs; the interpreter computes dots in float32)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from kda_sessions.kernels.kda.naive import naive_recurrent_kda
+from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
+
+from .kernel_helpers import kda_inputs, rel_rms
+
+CANDIDATES = Path(__file__).resolve().parents[2] / "bench" / "candidates"
+H, K, V = 2, 32, 32
+
+
+def load_candidate(stem: str, package: str) -> ModuleType:
+    """bench/candidates/<stem>.py as a module of ``package``, so that its relative imports resolve."""
+    name = f"{package}._candidate_{stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, CANDIDATES / f"{stem}.py")
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize(
+    "bounded,varlen,h0,ckpts,tune",
+    [
+        pytest.param(False, True, True, [[5, 37], [1, 63]], None, id="standard-varlen-h0-ckpt"),
+        pytest.param(True, True, False, [[37], [64]], {"intra_bk": 16, "state_bv": 16, "out_bv": 16},
+                     id="bounded-varlen-small-blocks"),
+        pytest.param(False, False, True, None, {"split": 1}, id="standard-batch2-wu-kernel"),
+        pytest.param(False, True, True, [[20], [2, 50]], {"span_max": -1.0, "split": 1},
+                     id="standard-varlen-exact-diagonal-wu-kernel"),
+    ],
+)
+def test_chunk_v3_matches_recurrent(bounded, varlen, h0, ckpts, tune):
+    chunk_v3 = load_candidate("chunk_v3", "kda_sessions.kernels.kda")
+    if varlen:
+        q, k, v, g, beta = kda_inputs(1, 101, H, K, V, bounded, seed=1)
+        cu = torch.tensor([0, 37, 101])
+    else:
+        q, k, v, g, beta = kda_inputs(2, 70, H, K, V, bounded, seed=2)
+        cu = None
+    init = torch.randn(2, H, K, V) if h0 else None
+    o, final, ck = chunk_v3.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, True, ckpts, tune=tune)
+    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, True, ckpts)
+    assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4
+    if ckpts is not None:
+        assert rel_rms(ck, rck) < 1e-4
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
+def test_chunk_v3_gate_in_kernel(lower_bound):
+    from kda_sessions.kernels.gate.naive import naive_kda_gate
+
+    chunk_v3 = load_candidate("chunk_v3", "kda_sessions.kernels.kda")
+    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    raw = torch.randn(1, 75, H, K, generator=gen) * 3
+    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(H * K, generator=gen) - 1.0
+    cu = torch.tensor([0, 30, 75])
+    ckpts = [[7, 30], [45]]
+    g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
+    o, final, ck = chunk_v3.chunk_kda_triton(q, k, v, raw, beta, None, None, True, cu, True, ckpts,
+                                             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                             lower_bound=lower_bound)
+    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, None, True, cu, True, ckpts)
+    assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4 and rel_rms(ck, rck) < 1e-4
+
+
+def _mla_case(P: int, seed: int = 2):
+    gen = torch.Generator().manual_seed(seed)
+    N, Hm, R, DR = 3, 4, 32, 16
+    lens = [1, 37, 80]
+    max_pages = -(-max(lens) // P)
+    kv = torch.randn(N * max_pages + 2, P, R + DR, generator=gen)
+    pt = torch.randperm(N * max_pages + 2, generator=gen)[: N * max_pages].view(N, max_pages).int()
+    sl = torch.tensor(lens)
+    ql, qp = torch.randn(N, Hm, R, generator=gen), torch.randn(N, Hm, DR, generator=gen)
+    return ql, qp, kv, pt, sl, 0.1
+
+
+V3_CASES = [  # (P, num_splits, launch parameters): page-aligned tiles, gathered tiles, empty splits, bf16 partials
+    (32, None, {"BN": 16}),
+    (32, 3, {"BN": 16, "trans": False}),
+    (8, 1, {"BN": 16}),
+    (16, 7, {"BN": 16, "page_tile": False}),
+    (16, 5, {"BN": 16, "trans": False, "page_tile": True}),
+    (32, 4, {"BN": 32, "part_bf16": True}),
+    (4, 2, {"BN": 16, "trans": False, "part_bf16": True}),
+]
+
+
+@pytest.mark.parametrize("P,num_splits,cfg", V3_CASES, ids=lambda x: str(x).replace(" ", ""))
+def test_mla_decode_v3(P, num_splits, cfg):
+    v3 = load_candidate("paged_decode_v3", "kda_sessions.kernels.mla")
+    args = _mla_case(P)
+    o = v3._launch(*args, num_splits, **cfg)
+    tol = 1e-2 if cfg.get("part_bf16") else 1e-5
+    assert rel_rms(o, naive_mla_decode_paged(*args)) < tol
+
+
+@pytest.mark.parametrize("trans", [False, True], ids=["heads-on-rows", "tokens-on-rows"])
+def test_mla_decode_v2(trans):
+    v2 = load_candidate("paged_decode_v2", "kda_sessions.kernels.mla")
+    args = _mla_case(16)
+    o = v2._launch(*args, 3, BN=16, trans=trans)
+    assert rel_rms(o, naive_mla_decode_paged(*args)) < 1e-5
+
+
+def test_mla_decode_v3_public_entry():
+    v3 = load_candidate("paged_decode_v3", "kda_sessions.kernels.mla")
+    args = _mla_case(16, seed=5)
+    assert rel_rms(v3.mla_decode_paged_triton(*args), naive_mla_decode_paged(*args)) < 1e-5
