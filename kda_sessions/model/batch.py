@@ -19,6 +19,10 @@ class StatePools:
     conv: list[Tensor]
     kv: list[Tensor]
     page_size: int
+    scratch_slot: int | None = None
+    """A KDA/conv slot that no session owns: padded rows of a CUDA-graph decode batch read and write it."""
+    scratch_page: int | None = None
+    """A KV page that no session owns: padded rows write their latent row there."""
 
     @property
     def num_slots(self) -> int:
@@ -75,6 +79,36 @@ class ForwardBatch:
     @property
     def is_decode(self) -> bool:
         return all(t == 1 for t in self.num_new) and not self.checkpoint_positions
+
+
+@dataclass
+class DecodeInputs:
+    """Device tensors of a decode step (one new token per sequence), enough for the step to run without a host
+    sync or a host-to-device copy, so it can be captured in a CUDA graph and replayed with new contents.
+
+    input_ids [N] int, slots [N] int (KDA/conv slot), page_table [N, max_pages] int32, seq_lens [N] int32
+    (tokens in the context including the new one, so the new token sits at position seq_lens - 1),
+    cu_seqlens [N + 1] int64 (arange: one token each).
+    """
+
+    input_ids: Tensor
+    slots: Tensor
+    page_table: Tensor
+    seq_lens: Tensor
+    cu_seqlens: Tensor
+
+    @staticmethod
+    def from_batch(batch: ForwardBatch) -> DecodeInputs:
+        """The eager path's inputs: one host-to-device copy (seq_lens) on top of the batch's tensors."""
+        assert batch.is_decode
+        seq_lens = torch.tensor([s + 1 for s in batch.start], dtype=torch.int32, device=batch.input_ids.device)
+        return DecodeInputs(batch.input_ids, batch.slots, batch.page_table, seq_lens, batch.cu_seqlens)
+
+    def kv_rows(self, page_size: int) -> Tensor:
+        """[N] int64 flat row (page * P + offset) of each new token in the paged cache, computed on the device."""
+        pos = self.seq_lens.long() - 1  # [N]
+        page = self.page_table.gather(1, (pos // page_size)[:, None]).squeeze(1).long()  # [N]
+        return page * page_size + pos % page_size
 
 
 @dataclass

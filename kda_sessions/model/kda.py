@@ -48,6 +48,8 @@ class KDAAttention(nn.Module):
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """x [T, D] packed. Reads and writes ``state`` [S, H, K, V] and ``conv_state`` [S, W - 1, Dc] at the
         batch's slots. Returns (y [T, D], kda states at checkpoints [M, H, K, V], conv tails [M, W - 1, Dc])."""
+        if batch.is_decode:
+            return self.decode(x, batch.slots, batch.cu_seqlens, state, conv_state), None, None
         T = x.shape[0]
         H, K, V = self.H, self.K, self.V
         slots = batch.slots
@@ -56,28 +58,46 @@ class KDAAttention(nn.Module):
             qkv, self.conv_weight(), conv_state[slots], batch.cu_seqlens, batch.checkpoint_positions
         )
         conv_state[slots] = new_tail
+        q, k, v, g, beta = self._qkv_gate(x, qkv)
+        o, final, ck_state = chunk_kda(
+            q, k, v, g, beta, initial_state=state[slots], output_final_state=True,
+            cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
+            checkpoint_positions=batch.checkpoint_positions,
+        )
+        assert final is not None
+        state[slots] = final
+        return self._output(x, o), ck_state, ck_tail
+
+    def decode(self, x: Tensor, slots: Tensor, cu_seqlens: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
+        """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], slots [N] int,
+        cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D]."""
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, Dc]
+        qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)
+        conv_state[slots] = new_tail
+        q, k, v, g, beta = self._qkv_gate(x, qkv)
+        o, _ = fused_recurrent_kda(
+            q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+            state_pool=state, slot_indices=slots,
+        )
+        return self._output(x, o)
+
+    def _qkv_gate(self, x: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Post-conv qkv [T, Dc] -> q, k [1, T, H, K], v [1, T, H, V], g [1, T, H, K] float32, beta [1, T, H]."""
+        T = x.shape[0]
+        H, K, V = self.H, self.K, self.V
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
         g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
         # [T, H*K] -> [1, T, H, K]: packed sequences are one varlen batch
         q, k, v = q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, H, V)
-        g, beta = g.unsqueeze(0), beta.unsqueeze(0)
-        ck_state = None
-        if batch.is_decode:
-            o, _ = fused_recurrent_kda(
-                q, k, v, g, beta, cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
-                state_pool=state, slot_indices=slots,
-            )
-        else:
-            o, final, ck_state = chunk_kda(
-                q, k, v, g, beta, initial_state=state[slots], output_final_state=True,
-                cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
-                checkpoint_positions=batch.checkpoint_positions,
-            )
-            assert final is not None
-            state[slots] = final
+        return q, k, v, g.unsqueeze(0), beta.unsqueeze(0)
+
+    def _output(self, x: Tensor, o: Tensor) -> Tensor:
+        """o [1, T, H, V] -> gated head norm -> o_proj -> [T, D]."""
+        T = x.shape[0]
+        H, V = self.H, self.V
         o = self.o_norm(o[0]) * torch.sigmoid(self.g_b_proj(self.g_a_proj(x)).view(T, H, V))  # [T, H, V]
-        return self.o_proj(o.reshape(T, H * V).to(x.dtype)), ck_state, ck_tail
+        return self.o_proj(o.reshape(T, H * V).to(x.dtype))
 
 
 class _HeadNorm(nn.Module):

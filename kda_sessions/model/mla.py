@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels import mla_decode_paged
 from ..kernels.mla import gather_latent
-from .batch import ForwardBatch
+from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
 
 
@@ -37,20 +37,37 @@ class MLAttention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
+    def _project(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, D] -> (q [T, H, dn + dr], latent [T, r + dr]: the normed c and k_pe, what the cache keeps)."""
+        T = x.shape[0]
+        r = self.r
+        q = self._query(x).view(T, self.H, self.dn + self.dr)
+        kv_a = self.kv_a_proj_with_mqa(x)
+        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [T, r + dr]
+        return q, latent
+
     def forward(self, x: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> Tensor:
         """x [T, D] packed; appends each new token's latent row to ``kv_pages`` [num_pages, P, r + dr] at its
         position, then attends. Returns [T, D]."""
-        T = x.shape[0]
-        H, r = self.H, self.r
-        q = self._query(x).view(T, H, self.dn + self.dr)
-        kv_a = self.kv_a_proj_with_mqa(x)
-        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [T, r + dr]
-        self._write(latent, batch, kv_pages)
         if batch.is_decode:
-            o = self._decode(q, batch, kv_pages)
-        else:
-            o = self._prefill(q, batch, kv_pages)
-        return self.o_proj(o.reshape(T, H * self.dv))
+            inp = DecodeInputs.from_batch(batch)
+            rows = batch.kv_rows if batch.kv_rows is not None else inp.kv_rows(kv_pages.shape[1])
+            return self.decode(x, inp.page_table, inp.seq_lens, rows, kv_pages)
+        T = x.shape[0]
+        q, latent = self._project(x)
+        self._write(latent, batch, kv_pages)
+        o = self._prefill(q, batch, kv_pages)
+        return self.o_proj(o.reshape(T, self.H * self.dv))
+
+    def decode(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor) -> Tensor:
+        """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], page_table [N, max_pages]
+        int32, seq_lens [N] int32 (the new token included), kv_rows [N] int64 flat cache row of each new token.
+        Writes the new latent rows into ``kv_pages`` and returns [N, D]."""
+        N = x.shape[0]
+        q, latent = self._project(x)
+        kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
+        o = self._decode(q, page_table, seq_lens, kv_pages)
+        return self.o_proj(o.reshape(N, self.H * self.dv))
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
         idx = batch.kv_rows
@@ -83,13 +100,12 @@ class MLAttention(nn.Module):
             offset += t
         return torch.cat(outs)
 
-    def _decode(self, q: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> Tensor:
-        """Weight absorption: attend on the latent directly, then map to values."""
+    def _decode(self, q: Tensor, page_table: Tensor, seq_lens: Tensor, kv_pages: Tensor) -> Tensor:
+        """Weight absorption: attend on the latent directly, then map to values. q [N, H, dn + dr] -> [N, H, dv]."""
         H, dn, dv, r = self.H, self.dn, self.dv, self.r
         w = self.kv_b_proj.weight.view(H, dn + dv, r)
         q_lat = torch.einsum("nhd,hdr->nhr", q[..., :dn], w[:, :dn])  # [N, H, r]
-        seq_lens = torch.tensor([s + 1 for s in batch.start], dtype=torch.int32, device=q.device)
         o_lat = mla_decode_paged(
-            q_lat, q[..., dn:].contiguous(), kv_pages, batch.page_table, seq_lens, self.scale
+            q_lat, q[..., dn:].contiguous(), kv_pages, page_table, seq_lens, self.scale
         )  # [N, H, r]
         return torch.einsum("nhr,hvr->nhv", o_lat.to(q.dtype), w[:, dn:])

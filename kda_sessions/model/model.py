@@ -2,7 +2,9 @@
 
 ``step(batch, pools)`` runs a batch of sequences of any lengths from their pooled states (prefill, or decode
 when every sequence feeds one token) and returns logits plus states at requested checkpoint positions;
-``forward(input_ids [B, T])`` runs fresh sequences and returns logits [B, T, vocab].
+``forward(input_ids [B, T])`` runs fresh sequences and returns logits [B, T, vocab]. ``decode(inputs, pools)``
+is the decode step over device tensors only, the function a CUDA graph captures (``graphs.DecodeGraphs``);
+``step`` runs decode batches through the same code.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .batch import CheckpointStates, ForwardBatch, StatePools
+from .batch import CheckpointStates, DecodeInputs, ForwardBatch, StatePools
 from .ffn import MoE, RMSNorm, SwiGLU
 from .kda import KDAAttention
 from .mla import MLAttention
@@ -58,23 +60,31 @@ class HybridModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
-    def allocate_pools(self, num_slots: int, num_pages: int, page_size: int) -> StatePools:
-        """Zeroed pools: KDA states [S, H, K, V] float32 and conv tails per KDA layer, latent pages per MLA layer."""
+    def allocate_pools(self, num_slots: int, num_pages: int, page_size: int, scratch: bool = True) -> StatePools:
+        """Zeroed pools: KDA states [S, H, K, V] float32 and conv tails per KDA layer, latent pages per MLA layer.
+        With ``scratch`` one more slot (index ``num_slots``) and page (index ``num_pages``) are allocated for the
+        padded rows of CUDA-graph decode batches; callers never hand them out."""
         cfg, dev = self.config, self.device
         H, K = cfg.kda_heads, cfg.kda_head_dim
         Dc = 3 * H * K
         nk, nm = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)
+        S, NP = num_slots + int(scratch), num_pages + int(scratch)
         return StatePools(
-            kda=[torch.zeros(num_slots, H, K, K, dtype=torch.float32, device=dev) for _ in range(nk)],
-            conv=[torch.zeros(num_slots, cfg.conv_size - 1, Dc, dtype=self.dtype, device=dev) for _ in range(nk)],
-            kv=[torch.zeros(num_pages, page_size, cfg.latent_dim, dtype=self.dtype, device=dev) for _ in range(nm)],
+            kda=[torch.zeros(S, H, K, K, dtype=torch.float32, device=dev) for _ in range(nk)],
+            conv=[torch.zeros(S, cfg.conv_size - 1, Dc, dtype=self.dtype, device=dev) for _ in range(nk)],
+            kv=[torch.zeros(NP, page_size, cfg.latent_dim, dtype=self.dtype, device=dev) for _ in range(nm)],
             page_size=page_size,
+            scratch_slot=num_slots if scratch else None,
+            scratch_page=num_pages if scratch else None,
         )
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, pools: StatePools) -> tuple[Tensor, CheckpointStates | None]:
         """Run the batch; returns logits [N, vocab] (each sequence's last token) or [T_total, vocab] with
         ``all_logits``, and the states at ``batch.checkpoint_positions`` (None when none were asked)."""
+        if batch.is_decode:
+            inp = DecodeInputs.from_batch(batch)
+            return self._decode(inp, pools, batch.kv_rows), None
         x = self.model.embed_tokens(batch.input_ids)  # [T_total, D]
         ck_kda: list[Tensor] = []
         ck_conv: list[Tensor] = []
@@ -101,6 +111,31 @@ class HybridModel(nn.Module):
         if batch.checkpoint_positions is not None:
             checkpoints = CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))
         return logits, checkpoints
+
+    @torch.inference_mode()
+    def decode(self, inp: DecodeInputs, pools: StatePools) -> Tensor:
+        """The graph-safe decode step: one new token per sequence, every input a device tensor of ``inp``; no
+        host sync and no shape that depends on values, so it can be captured in a CUDA graph. Returns logits
+        [N, vocab] float32."""
+        return self._decode(inp, pools, None)
+
+    def _decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None) -> Tensor:
+        if kv_rows is None:
+            kv_rows = inp.kv_rows(pools.page_size)  # [N] on the device
+        x = self.model.embed_tokens(inp.input_ids)  # [N, D]
+        ik = im = 0
+        for layer in self.model.layers:
+            assert isinstance(layer, DecoderLayer)
+            h = layer.input_layernorm(x)
+            if isinstance(layer.self_attn, KDAAttention):
+                h = layer.self_attn.decode(h, inp.slots, inp.cu_seqlens, pools.kda[ik], pools.conv[ik])
+                ik += 1
+            else:
+                h = layer.self_attn.decode(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im])
+                im += 1
+            x = x + h
+            x = x + layer.ffn(layer.post_attention_layernorm(x))
+        return self.lm_head(self.model.norm(x)).float()
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor) -> Tensor:
