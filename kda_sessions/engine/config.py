@@ -34,3 +34,6 @@ class EngineConfig(BaseModel):
     session stays its own however long it idles; a process that dies without closing leaves its leases to expire
     after this long (on disk at once, when the holder was a dead process of the same host), and only then can
     another engine save the session. Shorter means a faster takeover after a crash and more renewal traffic."""
+    cuda_graphs: bool = True
+    """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
+    4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from ..model import ForwardBatch, HybridModel, StatePools
+from ..model.graphs import DecodeGraphs
 from ..sessions.state import SessionState
 from ..tokenizer import Tokenizer
 from .pool import PageAllocator
@@ -32,6 +33,7 @@ class Runner:
         tokenizer: Tokenizer,
         mutex: threading.RLock,
         deliver: Callable[[list[Work], list[tuple[Work, int]]], None],
+        cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -45,6 +47,9 @@ class Runner:
         self.steps = 0
         self.tokens_prefilled = 0
         self.tokens_decoded = 0
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs and model.device.type == "cuda" and pools.scratch_slot is not None:
+            self.graphs = DecodeGraphs(model, pools, capture_lock=mutex)
         self.thread = threading.Thread(target=self._main, name="kda-engine", daemon=True)
 
     def start(self) -> None:
@@ -177,15 +182,22 @@ class Runner:
         for w in works:
             self._ensure_pages(w.session, w.session.num_cached + 1)
         sessions = [w.session for w in works]
-        batch = ForwardBatch(
-            input_ids=torch.tensor([s.tokens[s.num_cached] for s in sessions], dtype=torch.long, device=self.model.device),
-            num_new=[1] * len(works),
-            start=[s.num_cached for s in sessions],
-            slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
-            page_table=self._table(sessions),
-            kv_rows=self._rows(sessions, [1] * len(sessions)),
-        )
-        logits, _ = self.model.step(batch, self.pools)
+        ids = [s.tokens[s.num_cached] for s in sessions]
+        if self.graphs is not None and self.graphs.accepts(len(sessions)):
+            # static buffers + a replayed CUDA graph: no per-step tensors, no host sync before sampling
+            slots = [s.slot for s in sessions]
+            assert all(slot is not None for slot in slots)
+            logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in sessions], [s.pages for s in sessions])  # type: ignore[arg-type]
+        else:
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
+                num_new=[1] * len(works),
+                start=[s.num_cached for s in sessions],
+                slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
+                page_table=self._table(sessions),
+                kv_rows=self._rows(sessions, [1] * len(sessions)),
+            )
+            logits, _ = self.model.step(batch, self.pools)
         for i, w in enumerate(works):
             w.session.num_cached += 1
             self.tokens_decoded += 1

@@ -50,8 +50,6 @@ class KDAAttention(nn.Module):
         batch's slots. Returns (y [T, D], kda states at checkpoints [M, H, K, V], conv tails [M, W - 1, Dc])."""
         if batch.is_decode:
             return self.decode(x, batch.slots, batch.cu_seqlens, state, conv_state), None, None
-        T = x.shape[0]
-        H, K, V = self.H, self.K, self.V
         slots = batch.slots
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, Dc]
         qkv, new_tail, ck_tail = causal_conv(

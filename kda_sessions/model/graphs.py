@@ -1,0 +1,204 @@
+"""CUDA graphs for the decode step: capture ``HybridModel.decode`` once per (batch bucket, page-table width) and
+replay it, so a decode step costs one graph launch instead of ~1,000 kernel launches from Python.
+
+A decode batch of N sequences is padded up to its bucket (1, 2, 4, ... ``max_batch``) with dummy rows that feed
+token 0 from the pools' scratch slot and scratch page (context length 1), so they touch no session's state.
+Page tables are padded to a width bucket (a power of two pages, at least ``min_width``, at most the pool's page
+count); a sequence that outgrows its width is served by the graph of the next width, captured on first use.
+Every input lives in one static int32 device buffer per graph, filled from a pinned host buffer by one copy;
+page-table rows that did not change since the last step (same page list, same length) are not rewritten.
+
+Without graphs (a CPU model, ``enabled=False``, or a capture that failed) ``run`` executes the same static-buffer
+step eagerly, which is what the CPU tests check against ``HybridModel.step``.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .batch import DecodeInputs, StatePools
+from .ffn import DENSE_ROUTING_MAX_TOKENS
+from .model import HybridModel
+
+log = logging.getLogger(__name__)
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """1, 2, 4, ... up to ``max_batch`` (included even when not a power of two)."""
+    out = [1]
+    while out[-1] * 2 <= max_batch:
+        out.append(out[-1] * 2)
+    if out[-1] != max_batch:
+        out.append(max_batch)
+    return out
+
+
+@dataclass
+class _Static:
+    """The static inputs of one bucket: bs rows, width pages per row, all in one int32 device buffer
+    [bs * (3 + width)] (ids | slots | seq_lens | page table rows), its host twin (pinned on CUDA), and the
+    captured graph with its output logits [bs, vocab]."""
+
+    bs: int
+    width: int
+    ints: Tensor
+    host: Tensor
+    inputs: DecodeInputs
+    graph: torch.cuda.CUDAGraph | None = None
+    out: Tensor | None = None
+    copied: torch.cuda.Event | None = None
+    rows: list[tuple[list[int] | None, int]] = field(default_factory=list)
+    """Per page-table row: the page list last written there (kept alive so its identity is a safe key) and
+    its length then. Session page lists only grow in place, so the same list at the same length is unchanged."""
+
+
+class DecodeGraphs:
+    """Decode steps of up to ``max_batch`` sequences from static buffers, replayed from CUDA graphs on a GPU.
+
+    ``run`` takes host lists and returns logits [N, vocab] float32; on CUDA the tensor is the graph's static
+    output, valid until the next ``run``.
+    """
+
+    def __init__(
+        self, model: HybridModel, pools: StatePools, max_batch: int = DENSE_ROUTING_MAX_TOKENS,
+        enabled: bool = True, min_width: int = 16, capture_lock: AbstractContextManager | None = None,
+    ) -> None:
+        if pools.scratch_slot is None or pools.scratch_page is None:
+            raise ValueError("DecodeGraphs needs pools with a scratch slot and page (allocate_pools(scratch=True))")
+        # above DENSE_ROUTING_MAX_TOKENS the MoE gathers tokens per expert on the host: not capturable
+        self.max_batch = max(1, min(max_batch, DENSE_ROUTING_MAX_TOKENS))
+        self.buckets = batch_buckets(self.max_batch)
+        self.model = model
+        self.pools = pools
+        self.device = model.device
+        self.use_graphs = enabled and self.device.type == "cuda"
+        self.min_width = min_width
+        self.capture_lock = capture_lock or nullcontext()
+        """Held while warming up and capturing (the engine's pool mutex keeps other threads off the device)."""
+        usable_pages = pools.kv[0].shape[0] - 1 if pools.kv else 1
+        self.max_width = max(1, usable_pages)
+        self._static: dict[tuple[int, int], _Static] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.replays = 0
+        self.captures = 0
+        self.eager_runs = 0
+
+    def accepts(self, n: int) -> bool:
+        return 1 <= n <= self.max_batch
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def width(self, max_pages: int) -> int:
+        w = self.min_width
+        while w < max_pages:
+            w *= 2
+        return max(min(w, self.max_width), max_pages)
+
+    @torch.inference_mode()
+    def run(self, input_ids: list[int], slots: list[int], seq_lens: list[int], pages: list[list[int]]) -> Tensor:
+        """One decode step: sequence n feeds ``input_ids[n]`` at position ``seq_lens[n] - 1`` from KDA slot
+        ``slots[n]``, its context in ``pages[n]`` (at least ceil(seq_lens[n] / P) pages, allocated by the
+        caller). Returns logits [N, vocab] float32."""
+        N = len(input_ids)
+        if not self.accepts(N) or not (len(slots) == len(seq_lens) == len(pages) == N):
+            raise ValueError(f"need 1..{self.max_batch} sequences with one entry each, got {N}, {len(slots)}, "
+                             f"{len(seq_lens)}, {len(pages)}")
+        st = self._get(self.bucket(N), self.width(max(len(p) for p in pages)))
+        if st.graph is None and self.use_graphs:
+            with self.capture_lock:
+                self._capture(st)
+        self._fill(st, input_ids, slots, seq_lens, pages)
+        if st.graph is not None:
+            st.graph.replay()
+            self.replays += 1
+            assert st.out is not None
+            return st.out[:N]
+        self.eager_runs += 1
+        return self.model.decode(st.inputs, self.pools)[:N]
+
+    # -- static buffers --------------------------------------------------------------------------------------
+
+    def _get(self, bs: int, width: int) -> _Static:
+        key = (bs, width)
+        if key not in self._static:
+            ints = torch.empty(bs * (3 + width), dtype=torch.int32, device=self.device)
+            host = torch.empty(ints.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            inputs = DecodeInputs(
+                input_ids=ints[:bs],
+                slots=ints[bs : 2 * bs],
+                seq_lens=ints[2 * bs : 3 * bs],
+                page_table=ints[3 * bs :].view(bs, width),  # contiguous [bs, width]
+                cu_seqlens=torch.arange(bs + 1, dtype=torch.long, device=self.device),
+            )
+            st = _Static(bs, width, ints, host, inputs, rows=[(None, 0)] * bs)
+            self._fill(st, [], [], [], [])  # every row a dummy
+            self._static[key] = st
+        return self._static[key]
+
+    def _fill(self, st: _Static, ids: list[int], slots: list[int], lens: list[int], pages: list[list[int]]) -> None:
+        """Write the host buffer (real rows, then dummies on the scratch slot and page) and copy it over."""
+        if st.copied is not None:
+            st.copied.synchronize()  # the previous copy out of the host buffer has finished
+        bs, N = st.bs, len(ids)
+        scratch_slot, scratch_page = self.pools.scratch_slot, self.pools.scratch_page
+        assert scratch_slot is not None and scratch_page is not None
+        h = st.host.numpy()
+        h[:N] = ids
+        h[N:bs] = 0
+        h[bs : bs + N] = slots
+        h[bs + N : 2 * bs] = scratch_slot
+        h[2 * bs : 2 * bs + N] = lens
+        h[2 * bs + N : 3 * bs] = 1
+        table = h[3 * bs :].reshape(bs, st.width)
+        for i in range(bs):
+            p = pages[i] if i < N else None
+            last, n_last = st.rows[i]
+            if p is None:
+                if last is not None or n_last == 0:
+                    table[i] = scratch_page
+                    st.rows[i] = (None, -1)
+                continue
+            if p is last and n_last <= len(p):
+                table[i, n_last : len(p)] = p[n_last:]  # only the pages appended since the last step
+            else:
+                table[i, : len(p)] = p
+                table[i, len(p) :] = scratch_page
+            st.rows[i] = (p, len(p))
+        if self.device.type == "cuda":
+            st.ints.copy_(st.host, non_blocking=True)
+            st.copied = torch.cuda.Event()
+            st.copied.record()
+        else:
+            st.ints.copy_(st.host)
+
+    # -- capture -------------------------------------------------------------------------------------------
+
+    def _capture(self, st: _Static) -> None:
+        """Warm up (Triton compiles on first call, cuBLAS picks its kernels), then capture into the shared
+        private pool. The warm-up runs on dummy rows only (scratch slot and page), so no session moves. A failed
+        capture turns graphs off and leaves the eager static path."""
+        self._fill(st, [], [], [], [])
+        try:
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self.model.decode(st.inputs, self.pools)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+                out = self.model.decode(st.inputs, self.pools)
+        except Exception:
+            log.warning("CUDA graph capture failed for batch %d, width %d: decode runs eagerly", st.bs, st.width,
+                        exc_info=True)
+            self.use_graphs = False
+            return
+        st.graph, st.out = graph, out
+        self.captures += 1
+        log.info("captured the decode step for batch %d, page-table width %d", st.bs, st.width)
