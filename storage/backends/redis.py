@@ -71,6 +71,7 @@ from .base import (
     check_digest,
     check_session_id,
 )
+from .redis_bulk import REDIRECTED, Item, Lane, Lanes, ReplyError
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ PIPELINE_BYTES = 2 * 1024 * 1024
 at a third of the speed of 1-2 MiB ones, which keep the client's copies of the values in cache."""
 DEFAULT_TIMEOUT_S = 5.0
 _TIMES_RETENTION_S = 24 * 3600.0
+BULK_LANES = 2
+"""Lanes (threads, each with its own connection) a bulk save or load spreads over; see redis_bulk.py."""
 _THREAD_HASH_BYTES = 256 * 1024
 """A batch at least this large is hashed in a worker thread (hashlib releases the GIL) so I/O goes on."""
 _T = TypeVar("_T")
@@ -128,16 +131,16 @@ return {1, fence}
 """
 
 
-def _batches(digests: list[str], blobs: Mapping[str, bytes], max_bytes: int) -> Iterator[list[str]]:
-    """Split `digests` into runs whose blobs total at most `max_bytes` (a single larger blob goes alone)."""
-    batch: list[str] = []
+def _batches(todo: list[int], sizes: Sequence[int], max_bytes: int) -> Iterator[list[int]]:
+    """Split the indices `todo` into runs whose sizes total at most `max_bytes` (a larger item goes alone)."""
+    batch: list[int] = []
     size = 0
-    for d in digests:
-        if batch and size + len(blobs[d]) > max_bytes:
+    for i in todo:
+        if batch and size + sizes[i] > max_bytes:
             yield batch
             batch, size = [], 0
-        batch.append(d)
-        size += len(blobs[d])
+        batch.append(i)
+        size += sizes[i]
     if batch:
         yield batch
 
@@ -221,6 +224,12 @@ class RedisStore(BlobStore):
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._release = client.register_script(_RELEASE_LUA)
         self._commit = client.register_script(_COMMIT_LUA)
+        if isinstance(client, RedisCluster):
+            kwargs = client.get_connection_kwargs()
+            connection_class = kwargs.get("connection_class", aioredis.Connection)
+        else:
+            kwargs, connection_class = client.connection_pool.connection_kwargs, client.connection_pool.connection_class
+        self._lanes = Lanes.for_client(connection_class, kwargs, float(kwargs.get("socket_timeout") or DEFAULT_TIMEOUT_S))
 
     @classmethod
     async def open(
@@ -344,6 +353,8 @@ class RedisStore(BlobStore):
             raise StoreUnavailable(f"{self.url}: {op} failed: redis error: {e}") from e
         except RedisClusterException as e:  # no reachable node, slots not covered
             raise StoreUnavailable(f"{self.url}: {op} failed: redis cluster: {e}") from e
+        except ReplyError as e:  # an error reply on a bulk lane
+            raise StoreUnavailable(f"{self.url}: {op} failed: redis error: {e}") from e
 
     async def _scan(self, pattern: str) -> list[bytes]:
         async def scan() -> list[bytes]:
@@ -381,9 +392,11 @@ class RedisStore(BlobStore):
     async def put_blobs(
         self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
     ) -> set[str]:
-        """Small blobs go in pipelines of SET NX (about `PIPELINE_BYTES` each), large ones chunk by chunk with
-        their meta key last; at most `max_in_flight` pipelines at once. Each batch is verified against its
-        digests before it is sent (IntegrityError: nothing of that batch is written), unless `verified`."""
+        """SET NX of each blob of at most `chunk_size` bytes; a larger blob (unless its meta key exists) as
+        chunks, then its meta key with SET NX once every chunk is acknowledged. Through the bulk lanes where the
+        connection allows (redis_bulk.py), else pipelines of about `PIPELINE_BYTES`; at most `max_in_flight` at
+        once either way. Unless `verified`, each batch is hashed before it is sent (IntegrityError: nothing of
+        that batch is written) and a large blob before any of its chunks."""
         for d in blobs:
             check_digest(d)
         written: set[str] = set()
@@ -391,63 +404,35 @@ class RedisStore(BlobStore):
             return written
         now = time.time()
         await self._call("touch blobs", lambda: self._r.zadd(self._times_key, dict.fromkeys(blobs, now)))
-        limit = anyio.Semaphore(max(1, max_in_flight))
         where = f"put into {self.url}"
-
-        def put_batch(batch: list[str]) -> Callable[[], Awaitable[None]]:
-            def build(pipe: Any) -> None:
-                for d in batch:
-                    pipe.set(self._blob_key(d), blobs[d], nx=True)
-
-            async def job() -> None:
-                async with limit:
-                    if not verified:
-                        await _verify([(d, blobs[d]) for d in batch], where=where)
-                    results = await self._pipelined("put blobs", build)
-                written.update(d for d, ok in zip(batch, results, strict=True) if ok)
-
-            return job
-
-        def put_large(d: str) -> Callable[[], Awaitable[None]]:
-            async def job() -> None:
-                if await self._put_chunked(d, blobs[d], limit, where, verified):
-                    written.add(d)
-
-            return job
-
-        small = [d for d, data in blobs.items() if len(data) <= self.chunk_size]
         large = [d for d, data in blobs.items() if len(data) > self.chunk_size]
-        await _run_all([*map(put_batch, _batches(small, blobs, PIPELINE_BYTES)), *map(put_large, large)])
+        if large and not verified:
+            await _verify([(d, blobs[d]) for d in large], where=where)
+        if large:
+            metas = await self._pipelined("exists", lambda pipe: [pipe.exists(self._meta_key(d)) for d in large])
+            large = [d for d, n in zip(large, metas, strict=True) if not n]
+        items: list[Item] = []
+        for d, data in blobs.items():
+            if len(data) <= self.chunk_size:
+                items.append((self._blob_key(d), data, None if verified else d, True))
+        for d in large:  # chunks are overwritten (not NX): a dead writer may have left chunks of another size
+            view = memoryview(blobs[d])
+            for i in range(-(-len(view) // self.chunk_size)):
+                items.append((self._chunk_key(d, i), view[i * self.chunk_size : (i + 1) * self.chunk_size], None, False))
+        ok = await self._set_many("put blobs", items, max_in_flight)
+        skip = len(self.prefix) + len("blob:")
+        written.update(key[skip:] for (key, _, _, nx), r in zip(items, ok, strict=True) if nx and r)
+        if large:  # only now, every chunk acknowledged, does a chunked blob become visible
+            metas_ok = await self._pipelined(
+                "put chunked blobs",
+                lambda pipe: [
+                    pipe.set(self._meta_key(d), f"{-(-len(blobs[d]) // self.chunk_size)} {len(blobs[d])}", nx=True)
+                    for d in large
+                ],
+            )
+            written.update(d for d, r in zip(large, metas_ok, strict=True) if r)
         faults.point("redis.blobs.sent")
         return written
-
-    async def _put_chunked(
-        self, digest: str, data: bytes, limit: anyio.Semaphore, where: str, verified: bool = False
-    ) -> bool:
-        async with limit:
-            if not verified:
-                await _verify([(digest, data)], where=where)
-            if await self._call("exists", lambda: self._r.exists(self._meta_key(digest))):
-                return False
-        view = memoryview(data)
-        n = -(-len(view) // self.chunk_size)
-        per_pipeline = max(1, PIPELINE_BYTES // self.chunk_size)
-
-        def put_chunks(start: int) -> Callable[[], Awaitable[None]]:
-            def build(pipe: Any) -> None:
-                for i in range(start, min(n, start + per_pipeline)):
-                    pipe.set(self._chunk_key(digest, i), view[i * self.chunk_size : (i + 1) * self.chunk_size])
-
-            async def job() -> None:
-                async with limit:
-                    await self._pipelined(f"put chunked blob {digest}", build)
-
-            return job
-
-        await _run_all(map(put_chunks, range(0, n, per_pipeline)))
-        # Only now, every chunk acknowledged, does the blob become visible.
-        meta = f"{n} {len(view)}"
-        return bool(await self._call(f"put chunked blob {digest}", lambda: self._r.set(self._meta_key(digest), meta, nx=True)))
 
     async def get_blob(self, digest: str) -> bytes:
         return (await self.get_blobs([digest]))[digest]
@@ -455,55 +440,21 @@ class RedisStore(BlobStore):
     async def get_blobs(
         self, digests: Iterable[str], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     ) -> dict[str, bytes]:
-        """Pipelines of GETs, at most `max_in_flight` at once, each about `PIPELINE_BYTES` of values (sized by
-        the blobs read so far); chunked blobs are then read chunk by chunk. Every blob is verified."""
+        """One GET per blob (bulk lanes or pipelines, at most `max_in_flight` at once); the chunk records of
+        the blobs that were absent; then the chunks of the chunked ones. Every blob is verified."""
         wanted = [check_digest(d) for d in dict.fromkeys(digests)]
-        out: dict[str, bytes] = {}
-        chunked: dict[str, bytes] = {}  # digest -> meta record
-        limit = anyio.Semaphore(max(1, max_in_flight))
-        seen = [0, 0]  # blobs read so far, their bytes: sizes the next batch
-        errors: list[Exception] = []
-
-        async def fetch(batch: list[str]) -> None:  # holds one `limit` slot, taken by the loop below
-            try:
-                try:
-                    values = await self._pipelined(
-                        "get blobs", lambda pipe: [pipe.get(self._blob_key(d)) for d in batch]
-                    )
-                    absent = [d for d, v in zip(batch, values, strict=True) if v is None]
-                    if absent:
-                        metas = await self._pipelined(
-                            "get blobs", lambda pipe: [pipe.get(self._meta_key(d)) for d in absent]
-                        )
-                        for d, meta in zip(absent, metas, strict=True):
-                            if meta is None:
-                                raise BlobNotFound(d)
-                            chunked[d] = meta
-                finally:
-                    limit.release()
-                found = [(d, v) for d, v in zip(batch, values, strict=True) if v is not None]
-                seen[0] += len(found)
-                seen[1] += sum(len(v) for _, v in found)
-                await _verify(found, where=self.url)
-                out.update(found)
-            except Exception as e:  # re-raised below as itself, not wrapped in an ExceptionGroup
-                errors.append(e)
-
-        async with anyio.create_task_group() as tg:
-            i = 0
-            while i < len(wanted) and not errors:
-                await limit.acquire()
-                avg = seen[1] // seen[0] if seen[0] else PIPELINE_BYTES // 8
-                n = max(1, PIPELINE_BYTES // max(1, avg))
-                tg.start_soon(fetch, wanted[i : i + n])
-                i += n
-        if errors:
-            raise errors[0]
-        for d, meta in chunked.items():
-            out[d] = await self._get_chunked(d, meta, limit)
+        values = await self._get_many("get blobs", [self._blob_key(d) for d in wanted], wanted, max_in_flight)
+        out = {d: v for d, v in zip(wanted, values, strict=True) if v is not None}
+        absent = [d for d in wanted if d not in out]
+        if absent:
+            metas = await self._pipelined("get blobs", lambda pipe: [pipe.get(self._meta_key(d)) for d in absent])
+            for d, meta in zip(absent, metas, strict=True):
+                if meta is None:
+                    raise BlobNotFound(d)
+                out[d] = await self._get_chunked(d, meta, max_in_flight)
         return {d: out[d] for d in wanted}
 
-    async def _get_chunked(self, digest: str, meta: bytes, limit: anyio.Semaphore) -> bytes:
+    async def _get_chunked(self, digest: str, meta: bytes, max_in_flight: int) -> bytes:
         try:
             n_str, total_str = meta.decode().split()
             n, total = int(n_str), int(total_str)
@@ -511,35 +462,119 @@ class RedisStore(BlobStore):
                 raise ValueError("negative")
         except (UnicodeDecodeError, ValueError) as e:
             raise IntegrityError(f"{self.url}: blob {digest} has a bad chunk record {meta[:64]!r}") from e
-        per_pipeline = max(1, PIPELINE_BYTES // max(1, total // n))
-        chunks: list[bytes | None] = [None] * n
-
-        def fetch(start: int) -> Callable[[], Awaitable[None]]:
-            stop = min(n, start + per_pipeline)
-
-            async def job() -> None:
-                async with limit:
-                    got = await self._pipelined(
-                        f"get chunked blob {digest}",
-                        lambda pipe: [pipe.get(self._chunk_key(digest, i)) for i in range(start, stop)],
-                    )
-                chunks[start:stop] = got
-
-            return job
-
-        await _run_all(map(fetch, range(0, n, per_pipeline)))
+        keys = [self._chunk_key(digest, i) for i in range(n)]
+        chunks = await self._get_many(f"get chunked blob {digest}", keys, [None] * n, max_in_flight)
         missing = [i for i, c in enumerate(chunks) if c is None]
         if missing:
-            raise IntegrityError(
-                f"{self.url}: blob {digest} is truncated: chunks {missing[:8]} of {n} missing"
-            )
+            raise IntegrityError(f"{self.url}: blob {digest} is truncated: chunks {missing[:8]} of {n} missing")
         data = b"".join(c for c in chunks if c is not None)
         if len(data) != total:
-            raise IntegrityError(
-                f"{self.url}: blob {digest} has {len(data)} bytes in chunks, expected {total}"
-            )
+            raise IntegrityError(f"{self.url}: blob {digest} has {len(data)} bytes in chunks, expected {total}")
         await _verify([(digest, data)], where=self.url)
         return data
+
+    # --- bulk transport: lanes, or redis-py pipelines as the fallback ---------------------------------------
+
+    async def _set_many(self, op: str, items: list[Item], max_in_flight: int) -> list[bool]:
+        """SET (NX where the item says) of every item; True where it was written. An item with a digest is
+        hashed before its batch is sent."""
+        results: list[Any] = [REDIRECTED] * len(items)
+        if self._lanes is not None:
+            results = await self._on_lanes(
+                op, [key for key, *_ in items], lambda lane, idx: lane.set_many([items[i] for i in idx], PIPELINE_BYTES),
+                max_in_flight,
+            )
+        todo = [i for i, r in enumerate(results) if r == REDIRECTED]
+        if todo:  # no lanes, or a cluster moved a slot: redis-py follows redirects
+            limit = anyio.Semaphore(max(1, max_in_flight))
+
+            def job(batch: list[int]) -> Callable[[], Awaitable[None]]:
+                def build(pipe: Any) -> None:
+                    for i in batch:
+                        key, value, _, nx = items[i]
+                        pipe.set(key, value, nx=nx)
+
+                async def run() -> None:
+                    async with limit:
+                        checks = [(d, value) for _, value, d, _ in (items[i] for i in batch) if d is not None]
+                        await _verify(checks, where=f"put into {self.url}")
+                        got = await self._pipelined(op, build)
+                    for i, r in zip(batch, got, strict=True):
+                        results[i] = r
+
+                return run
+
+            await _run_all(map(job, _batches(todo, [len(items[i][1]) for i in range(len(items))], PIPELINE_BYTES)))
+        return [bool(r) for r in results]
+
+    async def _get_many(
+        self, op: str, keys: list[str], digests: Sequence[str | None], max_in_flight: int
+    ) -> list[bytes | None]:
+        """GET of every key, None where absent; a value whose digest is given is verified (IntegrityError)."""
+        results: list[Any] = [REDIRECTED] * len(keys)
+        if self._lanes is not None:
+            where = self.url
+            results = await self._on_lanes(
+                op, keys,
+                lambda lane, idx: lane.get([keys[i] for i in idx], [digests[i] for i in idx], PIPELINE_BYTES, where),
+                max_in_flight,
+            )
+        todo = [i for i, r in enumerate(results) if r == REDIRECTED]
+        if todo:
+            limit = anyio.Semaphore(max(1, max_in_flight))
+            per = max(1, PIPELINE_BYTES // max(1, self.chunk_size // 8))
+
+            def job(batch: list[int]) -> Callable[[], Awaitable[None]]:
+                async def run() -> None:
+                    async with limit:
+                        got = await self._pipelined(op, lambda pipe: [pipe.get(keys[i]) for i in batch])
+                    found = [(digests[i], v) for i, v in zip(batch, got, strict=True) if v is not None]
+                    await _verify([(d, v) for d, v in found if d is not None], where=self.url)
+                    for i, v in zip(batch, got, strict=True):
+                        results[i] = v
+
+                return run
+
+            await _run_all(job(todo[i : i + per]) for i in range(0, len(todo), per))
+        return results
+
+    async def _on_lanes(
+        self, op: str, keys: list[str], work: Callable[[Lane, list[int]], list[Any]], max_in_flight: int
+    ) -> list[Any]:
+        """`work(lane, indices)` in worker threads, one lane each: the keys grouped by the server that holds
+        them, each group dealt round-robin over up to `BULK_LANES` (and `max_in_flight`) lanes in all. The
+        per-key results, in order."""
+        assert self._lanes is not None
+        lanes = self._lanes
+        groups: dict[tuple[str, int], list[int]] = {}
+        if self.cluster:
+            await self._call(op, self._r.initialize)  # the slot map (a no-op once known)
+            for i, key in enumerate(keys):
+                node = self._r.get_node_from_key(key)
+                groups.setdefault((node.host, int(node.port)), []).append(i)
+        elif keys:
+            kw = self._r.connection_pool.connection_kwargs
+            groups[(kw.get("host", "localhost"), int(kw.get("port", 6379)))] = list(range(len(keys)))
+        per_group = -(-max(1, min(max_in_flight, BULK_LANES)) // max(1, len(groups)))
+        results: list[Any] = [None] * len(keys)
+
+        def one(addr: tuple[str, int], idx: list[int]) -> None:
+            lane = lanes.take(*addr)
+            try:
+                got = work(lane, idx)
+            except BaseException:
+                lane.close()  # its state is unknown: replies may be unread
+                raise
+            lanes.give(*addr, lane)
+            for i, r in zip(idx, got, strict=True):
+                results[i] = r
+
+        def job(addr: tuple[str, int], idx: list[int]) -> Callable[[], Awaitable[None]]:
+            return lambda: anyio.to_thread.run_sync(one, addr, idx)
+
+        parts = [(a, idx[j::per_group]) for a, idx in groups.items() for j in range(min(per_group, len(idx)))]
+        await self._call(op, lambda: _run_all(job(a, idx) for a, idx in parts))
+        return results
 
     async def has_blobs(self, digests: Iterable[str]) -> set[str]:
         wanted = [check_digest(d) for d in dict.fromkeys(digests)]
@@ -675,4 +710,6 @@ class RedisStore(BlobStore):
         )
 
     async def close(self) -> None:
+        if self._lanes is not None:
+            self._lanes.close()
         await self._r.aclose()

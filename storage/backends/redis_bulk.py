@@ -1,0 +1,248 @@
+"""Bulk blob traffic for RedisStore: SET NX and GET of large values over blocking sockets in worker threads.
+
+redis.asyncio spends most of a save or load on copies and framing in Python (it joins every pipeline into one
+bytes object, its reader copies each reply into a buffer and out again, and the event loop pauses and resumes
+the socket every 128 KiB). Here each *lane* is one connection made and authenticated by redis-py's own (sync)
+`Connection` (AUTH, SELECT, HELLO as the url says); its socket is then driven directly, one thread per lane:
+
+- a command is framed by hand (RESP) and sent with `sendmsg` of [header, value, trailer], the value a
+  memoryview of the caller's bytes: no copy in Python, the kernel takes the bytes straight from the blob;
+- a reply header is read by peeking for its CRLF; a value is received with `MSG_WAITALL` into a fresh bytes
+  object of its exact length: one copy (kernel to Python), and nothing to join or slice after;
+- sha256 runs in the same thread (hashlib releases the GIL), so lanes hash and move bytes in parallel.
+
+Timeouts are the socket's own (SO_RCVTIMEO / SO_SNDTIMEO) so a dead server fails as fast as through redis-py.
+Plain TCP only: TLS and unix-socket stores keep redis-py's pipelines (`Lanes.for_client` returns None). A lane
+that saw any error is closed, never reused. A MOVED or ASK reply (a cluster resharding) is not an error here:
+the item is reported as redirected and the store sends it again through redis-py, which follows the redirect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from redis.asyncio.connection import Connection as AsyncConnection
+from redis.connection import Connection as SyncConnection
+
+from ..errors import IntegrityError, StoreUnavailable
+
+REDIRECTED = "redirected"
+"""The per-item result of a command answered with MOVED or ASK."""
+_IOV_MAX = 512  # buffers per sendmsg; Linux allows 1024
+_PEEK = 64
+
+
+Item = tuple[str, bytes | memoryview, str | None, bool]
+"""A value to SET: key, value, the digest to check it against first (or None), NX."""
+
+
+class ReplyError(Exception):
+    """An error reply ("-ERR ...") other than a redirect."""
+
+
+def frame(name: bytes, key: bytes, *rest: bytes | memoryview) -> list[bytes | memoryview]:
+    """The RESP array of one command, as buffers for `sendmsg` (values are passed through, not copied)."""
+    out: list[bytes | memoryview] = [b"*%d\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (2 + len(rest), len(name), name, len(key), key)]
+    for r in rest:
+        out.append(b"$%d\r\n" % len(r))
+        out.append(r)
+        out.append(b"\r\n")
+    return out
+
+
+class Lane:
+    """One blocking connection, used by one thread at a time."""
+
+    def __init__(self, conn: SyncConnection, timeout_s: float) -> None:
+        conn.connect()  # redis-py's handshake: AUTH, SELECT, HELLO
+        sock = getattr(conn, "_sock", None)
+        if not isinstance(sock, socket.socket):
+            conn.disconnect()
+            raise StoreUnavailable(f"redis-py {type(conn).__name__} exposes no socket")
+        self.conn = conn
+        self.sock = sock
+        sock.settimeout(None)  # blocking; the kernel enforces the timeouts below (MSG_WAITALL needs this)
+        tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+    def close(self) -> None:
+        self.conn.disconnect()
+
+    def send(self, bufs: list[bytes | memoryview]) -> None:
+        views = [memoryview(b).cast("B") for b in bufs]
+        i = 0
+        while i < len(views):
+            n = self.sock.sendmsg(views[i : i + _IOV_MAX])
+            while n and i < len(views):
+                if n >= len(views[i]):
+                    n -= len(views[i])
+                    i += 1
+                else:
+                    views[i] = views[i][n:]
+                    n = 0
+
+    def _recv(self, n: int, flags: int = 0) -> bytes:
+        data = self.sock.recv(n, flags)
+        if not data:
+            raise ConnectionError("the server closed the connection")
+        return data
+
+    def header(self) -> bytes:
+        """The next reply's first line, without its CRLF."""
+        p = self._recv(_PEEK, socket.MSG_PEEK)
+        while (j := p.find(b"\r\n")) < 0:  # a header split across segments: wait for one more byte
+            p = self._recv(len(p) + 1, socket.MSG_PEEK | socket.MSG_WAITALL)
+        self._exact(j + 2)
+        return p[:j]
+
+    def _exact(self, n: int) -> bytes:
+        if n == 0:
+            return b""
+        data = self._recv(n, socket.MSG_WAITALL)
+        if len(data) == n:
+            return data
+        parts = [data]  # a signal or a slow sender cut MSG_WAITALL short
+        got = len(data)
+        while got < n:
+            parts.append(self._recv(n - got, socket.MSG_WAITALL))
+            got += len(parts[-1])
+        return b"".join(parts)
+
+    def reply(self) -> bytes | str | None:
+        """One reply: a bulk string's bytes, None for nil, "OK"-like status text, or REDIRECTED.
+        Raises ReplyError for any other error reply."""
+        h = self.header()
+        kind = h[:1]
+        if kind == b"$":
+            n = int(h[1:])
+            if n < 0:
+                return None
+            data = self._exact(n)
+            self._exact(2)
+            return data
+        if kind == b"+":
+            return h[1:].decode()
+        if kind == b"_":  # RESP3 null
+            return None
+        if kind == b"-":
+            if h.startswith((b"-MOVED ", b"-ASK ")):
+                return REDIRECTED
+            raise ReplyError(h[1:].decode(errors="replace"))
+        raise ReplyError(f"unexpected reply {h[:64]!r}")
+
+    def set_many(self, items: Sequence[Item], batch_bytes: int) -> list[Any]:
+        """SET key value [NX] for each (key, value, digest to check first or None, nx): True written, False
+        present (NX), or REDIRECTED. A batch of about `batch_bytes` is hashed before any of it is sent; replies
+        are read one batch behind, so the server stores one batch while the next is hashed and sent."""
+        out: list[Any] = []
+        pending = 0
+        start = 0
+        while start < len(items):
+            stop, size = start, 0
+            while stop < len(items) and (stop == start or size + len(items[stop][1]) <= batch_bytes):
+                size += len(items[stop][1])
+                stop += 1
+            batch = items[start:stop]
+            check_digests([(d, v) for _, v, d, _ in batch if d is not None], where="put")
+            bufs: list[bytes | memoryview] = []
+            for key, value, _, nx in batch:
+                bufs += frame(b"SET", key.encode(), value, *((b"NX",) if nx else ()))
+            self.send(bufs)
+            out += [self._set_reply() for _ in range(pending)]
+            pending = len(batch)
+            start = stop
+        out += [self._set_reply() for _ in range(pending)]
+        return out
+
+    def _set_reply(self) -> Any:
+        r = self.reply()
+        return r if r == REDIRECTED else r is not None
+
+    def get(self, keys: Sequence[str], digests: Sequence[str | None], batch_bytes: int, where: str) -> list[Any]:
+        """GET of each key: the value (checked against its digest unless None), None if absent, or REDIRECTED.
+        Batches hold about `batch_bytes` of values (sized by the values read so far); the GETs of the next
+        batch go out before the replies of this one are read, so the server never waits for the client."""
+        out: list[Any] = []
+        seen = [0, 0]  # values read, their bytes
+
+        def next_batch(start: int) -> range:
+            avg = seen[1] // seen[0] if seen[0] else batch_bytes // 8
+            stop = min(len(keys), start + max(1, batch_bytes // max(1, avg)))
+            self.send([b for i in range(start, stop) for b in frame(b"GET", keys[i].encode())])
+            return range(start, stop)
+
+        batch = next_batch(0) if keys else range(0)
+        while batch:
+            ahead = next_batch(batch.stop) if batch.stop < len(keys) else range(0)
+            for i in batch:
+                value = self.reply()
+                if isinstance(value, bytes):
+                    seen[0] += 1
+                    seen[1] += len(value)
+                    d = digests[i]
+                    if d is not None:
+                        check_digests([(d, value)], where=where)
+                out.append(value)
+            batch = ahead
+        return out
+
+
+def check_digests(items: Sequence[tuple[str, bytes | memoryview]], *, where: str) -> None:
+    """IntegrityError for the first item whose sha256 is not its digest (as `base.verify_blob` words it)."""
+    for d, data in items:
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != d:
+            raise IntegrityError(f"{where}: blob {d} has sha256 {actual} ({len(data)} bytes); corrupt or truncated")
+
+
+class Lanes:
+    """A pool of lanes per server address ("host:port"), shared by the threads of one store."""
+
+    def __init__(self, connection_kwargs: dict[str, Any], timeout_s: float) -> None:
+        self.kwargs = connection_kwargs
+        self.timeout_s = timeout_s
+        self._free: dict[str, list[Lane]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @classmethod
+    def for_client(cls, connection_class: object, kwargs: dict[str, Any], timeout_s: float) -> Lanes | None:
+        """Lanes for a client whose connections are plain TCP (`redis.asyncio.connection.Connection` exactly),
+        else None: TLS and unix sockets stay on redis-py's pipelines."""
+        if connection_class is not AsyncConnection:
+            return None
+        if kwargs.get("credential_provider") is not None:
+            return None
+        keep = ("db", "username", "password", "protocol", "client_name")
+        return cls({k: kwargs[k] for k in keep if kwargs.get(k) is not None}, timeout_s)
+
+    def take(self, host: str, port: int) -> Lane:
+        with self._lock:
+            free = self._free.get(f"{host}:{port}")
+            if free:
+                return free.pop()
+        conn = SyncConnection(
+            host=host, port=port, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, **self.kwargs
+        )
+        return Lane(conn, self.timeout_s)
+
+    def give(self, host: str, port: int, lane: Lane) -> None:
+        with self._lock:
+            if not self._closed:
+                self._free.setdefault(f"{host}:{port}", []).append(lane)
+                return
+        lane.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            lanes = [lane for free in self._free.values() for lane in free]
+            self._free.clear()
+        for lane in lanes:
+            lane.close()
