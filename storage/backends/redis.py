@@ -578,18 +578,15 @@ class RedisStore(BlobStore):
 
     async def has_blobs(self, digests: Iterable[str]) -> set[str]:
         wanted = [check_digest(d) for d in dict.fromkeys(digests)]
-        if not self.cluster:  # one EXISTS of both keys per blob
-            counts = await self._pipelined(
-                "has blobs", lambda pipe: [pipe.exists(self._blob_key(d), self._meta_key(d)) for d in wanted]
-            )
-            return {d for d, n in zip(wanted, counts, strict=True) if n}
-
-        def build(pipe: Any) -> None:  # the two keys hash to different slots: one EXISTS each
-            for d in wanted:
-                pipe.exists(self._blob_key(d))
-                pipe.exists(self._meta_key(d))
-
-        counts = await self._pipelined("has blobs", build)
+        keys = [k for d in wanted for k in (self._blob_key(d), self._meta_key(d))]  # one EXISTS per key: two slots
+        counts: list[Any] = [REDIRECTED] * len(keys)
+        if self._lanes is not None:
+            counts = await self._on_lanes("has blobs", keys, lambda lane, idx: lane.exists([keys[i] for i in idx]), 1)
+        todo = [i for i, n in enumerate(counts) if n == REDIRECTED]
+        if todo:
+            got = await self._pipelined("has blobs", lambda pipe: [pipe.exists(keys[i]) for i in todo])
+            for i, n in zip(todo, got, strict=True):
+                counts[i] = n
         return {d for i, d in enumerate(wanted) if counts[2 * i] or counts[2 * i + 1]}
 
     async def delete_blob(self, digest: str) -> bool:

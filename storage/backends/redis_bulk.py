@@ -114,27 +114,28 @@ class Lane:
             got += len(parts[-1])
         return b"".join(parts)
 
-    def reply(self) -> bytes | str | None:
-        """One reply: a bulk string's bytes, None for nil, "OK"-like status text, or REDIRECTED.
+    def reply(self) -> bytes | str | int | None:
+        """One reply: a bulk string's bytes, None for nil, an integer, "OK"-like status text, or REDIRECTED.
         Raises ReplyError for any other error reply."""
         h = self.header()
-        kind = h[:1]
-        if kind == b"$":
-            n = int(h[1:])
-            if n < 0:
-                return None
+        if h[:1] == b"$" and (n := int(h[1:])) >= 0:
             data = self._exact(n)
             self._exact(2)
             return data
-        if kind == b"+":
-            return h[1:].decode()
-        if kind == b"_":  # RESP3 null
-            return None
-        if kind == b"-":
-            if h.startswith((b"-MOVED ", b"-ASK ")):
-                return REDIRECTED
-            raise ReplyError(h[1:].decode(errors="replace"))
-        raise ReplyError(f"unexpected reply {h[:64]!r}")
+        return parse_line(h)
+
+    def line_replies(self, count: int) -> list[bytes | str | int | None]:
+        """`count` replies that are one line each (status, integer, nil, error: the replies of SET and EXISTS),
+        read in as few system calls as the socket allows."""
+        buf = b""
+        lines: list[bytes] = []
+        while len(lines) < count:
+            buf += self._recv(1 << 16)
+            *done, buf = buf.split(b"\r\n")
+            lines += done
+        if len(lines) > count or buf:
+            raise ReplyError(f"{len(lines) - count} replies more than the {count} commands sent")
+        return [parse_line(h) for h in lines]
 
     def set_many(self, items: Sequence[Item], batch_bytes: int) -> list[Any]:
         """SET key value [NX] for each (key, value, digest to check first or None, nx): True written, False
@@ -154,15 +155,20 @@ class Lane:
             for key, value, _, nx in batch:
                 bufs += frame(b"SET", key.encode(), value, *((b"NX",) if nx else ()))
             self.send(bufs)
-            out += [self._set_reply() for _ in range(pending)]
+            out += self.line_replies(pending)
             pending = len(batch)
             start = stop
-        out += [self._set_reply() for _ in range(pending)]
-        return out
+        out += self.line_replies(pending)
+        return [r if r == REDIRECTED else r is not None for r in out]
 
-    def _set_reply(self) -> Any:
-        r = self.reply()
-        return r if r == REDIRECTED else r is not None
+    def exists(self, keys: Sequence[str]) -> list[Any]:
+        """EXISTS of each key (one key per command, so any cluster node takes it): 1, 0 or REDIRECTED."""
+        out: list[Any] = []
+        for start in range(0, len(keys), 4096):
+            batch = keys[start : start + 4096]
+            self.send([b for k in batch for b in frame(b"EXISTS", k.encode())])
+            out += self.line_replies(len(batch))
+        return out
 
     def get(self, keys: Sequence[str], digests: Sequence[str | None], batch_bytes: int, where: str) -> list[Any]:
         """GET of each key: the value (checked against its digest unless None), None if absent, or REDIRECTED.
@@ -191,6 +197,23 @@ class Lane:
                 out.append(value)
             batch = ahead
         return out
+
+
+def parse_line(h: bytes) -> str | int | None:
+    """A one-line reply without its CRLF: status text, an integer, None (nil), or REDIRECTED; ReplyError for
+    another error or a bulk string that is not nil."""
+    kind = h[:1]
+    if kind == b"+":
+        return h[1:].decode()
+    if kind == b":":
+        return int(h[1:])
+    if h in (b"$-1", b"_"):  # RESP2 / RESP3 nil
+        return None
+    if kind == b"-":
+        if h.startswith((b"-MOVED ", b"-ASK ")):
+            return REDIRECTED
+        raise ReplyError(h[1:].decode(errors="replace"))
+    raise ReplyError(f"unexpected reply {h[:64]!r}")
 
 
 def check_digests(items: Sequence[tuple[str, bytes | memoryview]], *, where: str) -> None:
