@@ -2,8 +2,15 @@
 """Kernel benchmark on a CUDA device: correctness against the naive twins at Kimi shapes, and timings side by
 side with fla-core (when importable). Prints one JSON document; ``--out FILE`` also writes it there.
 
-    python bench/kernels.py --out $OUT/kernels.json [--quick] [--only check,chunk,decode,mla,tune]
-        [--warm-procs 6] [--fla-bg] [--old .out/chunk_v1.py] [--save-cache $OUT/tcache.tar.xz]
+    python bench/kernels.py --out $OUT/kernels.json [--quick] [--only check,chunk,decode,mla,mlasweep,tune]
+        [--warm-procs 6] [--fla-bg] [--old bench/candidates/chunk_v3.py] [--old-tune '[{"split": 1}]']
+        [--mla-cand bench/candidates/paged_decode_v3.py] [--deadline 330] [--save-cache $OUT/tcache.tar.xz]
+
+``--old`` and ``--mla-cand`` name other versions of kernels/kda/chunk.py and kernels/mla/paged_decode.py (files
+anywhere, imported as modules of the kernels package so their relative imports resolve); they are checked against
+the twins and timed beside the current kernels. MLA decode is timed eagerly and as CUDA-graph replays (what the
+engine runs: no host launch cost; the inputs cycle through copies larger than L2 so every replay reads DRAM).
+Without CUDA (``TRITON_INTERPRET=1``) ``--quick`` runs every part at tiny shapes on the CPU as a smoke test.
 
 ``--warm-procs`` compiles the kernel variants in parallel processes first (they share TRITON_CACHE_DIR), and
 ``--fla-bg`` lets fla autotune in one more process meanwhile; the timings start only after all of them end.
@@ -14,7 +21,9 @@ package is not installed, so the device needs only torch and triton.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -58,11 +67,13 @@ from kda_sessions.kernels.kda.chunk import SPAN_MAX, chunk_kda_triton
 from kda_sessions.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
 from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
-from kda_sessions.kernels.mla.paged_decode import mla_decode_paged_triton
 
 H, K, V = 32, 128, 128
 DEV = "cuda"
 T_CHECK = 2048
+R_MLA, DR_MLA = 512, 64  # latent and rope widths of the MLA cache rows
+DTYPE = torch.bfloat16
+SMOKE = False  # tiny shapes on the CPU (TRITON_INTERPRET=1): set by configure()
 
 # launch-parameter variants timed by --only tune (the first of each list is the default in the launchers)
 CHUNK_VARIANTS: list[dict] = [
@@ -76,14 +87,72 @@ MLA_VARIANTS: list[dict] = [
 ]
 
 
+def mla_cand_grid() -> list[dict]:
+    """Compiled variants of an MLA candidate swept by --only mlasweep (split counts and partial dtype come after)."""
+    if SMOKE:
+        return [{"BN": 16, "trans": t, "num_warps": 4, "num_stages": 2} for t in (True, False)]
+    return [{"trans": t, "BN": bn, "num_warps": w, "num_stages": st}
+            for t in (True, False) for bn in (64, 32) for w in (4, 8) for st in (2, 3, 4)]
+
+
+def configure(smoke: bool) -> None:
+    """Tiny shapes on the CPU for a smoke run of every part (the Triton kernels through the interpreter)."""
+    global H, K, V, DEV, T_CHECK, R_MLA, DR_MLA, DTYPE, SMOKE
+    if smoke:
+        H, K, V, DEV, T_CHECK, R_MLA, DR_MLA, DTYPE, SMOKE = 2, 32, 32, "cpu", 160, 32, 16, torch.float32, True
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
 def bench(fn: Callable[[], object], rep: int = 200) -> float:
-    """Median milliseconds (triton's do_bench: events, L2 flushed between runs)."""
+    """Median milliseconds (triton's do_bench: events, L2 flushed between runs); one timed call on the CPU."""
+    if SMOKE:
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
+
+
+def bench_graph(calls: list[Callable[[], object]], rep: int = 100) -> float:
+    """Milliseconds per call of one CUDA graph that runs ``calls`` back to back: what a captured decode step pays
+    (no host launch cost). Callers cycle through inputs larger than L2, so every call reads DRAM."""
+    if SMOKE:
+        return bench(lambda: [c() for c in calls]) / len(calls)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    ms = bench(graph.replay, rep=rep) / len(calls)
+    del graph
+    return ms
+
+
+def compiled_stats(jit_fn, seen: set) -> list[dict]:
+    """Registers, spills and shared memory of the kernels ``jit_fn`` compiled since ``seen`` (updated)."""
+    out = []
+    try:
+        for entry in jit_fn.device_caches.values():
+            for kern in entry[0].values():
+                if id(kern) in seen:
+                    continue
+                seen.add(id(kern))
+                md = kern.metadata
+                out.append({"regs": getattr(kern, "n_regs", None), "spills": getattr(kern, "n_spills", None),
+                            "shared": getattr(md, "shared", None), "warps": getattr(md, "num_warps", None),
+                            "stages": getattr(md, "num_stages", None)})
+    except Exception as e:  # the cache layout differs between Triton versions
+        out.append({"error": repr(e)[:200]})
+    return out
 
 
 def gate_inputs(B: int, T: int, seed: int):
@@ -94,7 +163,8 @@ def gate_inputs(B: int, T: int, seed: int):
     return raw, A_log, dt_bias
 
 
-def kda_inputs(B: int, T: int, bounded: bool, seed: int = 0, dtype: torch.dtype = torch.bfloat16):
+def kda_inputs(B: int, T: int, bounded: bool, seed: int = 0, dtype: torch.dtype | None = None):
+    dtype = dtype or DTYPE
     g_ = torch.Generator(device=DEV).manual_seed(seed)
     q = torch.randn(B, T, H, K, device=DEV, generator=g_).to(dtype)
     k = torch.randn(B, T, H, K, device=DEV, generator=g_).to(dtype)
@@ -115,25 +185,49 @@ def load_fla():
         return None, None
 
 
-def load_old(paths: str | None) -> dict:
-    """Previous versions of kernels/kda/chunk.py (e.g. .out/chunk_v1.py,.out/chunk_v2.py) by file stem, for
-    before/after in one run."""
+def load_module(path: str, package: str):
+    """A kernel file anywhere as a module of ``package`` (so ``from ..gate.naive import`` resolves)."""
+    name = f"{package}._bench_{Path(path).stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def load_old(paths: str | None, tunes: list[dict] | None = None) -> dict:
+    """Other versions of kernels/kda/chunk.py (e.g. bench/candidates/chunk_v3.py) by file stem, for before/after
+    in one run; each of ``tunes`` adds the same function with those launch parameters as ``stem+k=v``."""
     out = {}
     for path in (paths or "").split(","):
         if not path or not Path(path).exists():
             continue
-        spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        out[Path(path).stem] = mod.chunk_kda_triton
+        fn = load_module(path, "kda_sessions.kernels.kda").chunk_kda_triton
+        out[Path(path).stem] = fn
+        for t in tunes or []:
+            out[Path(path).stem + "+" + ",".join(f"{k}={v}" for k, v in t.items())] = functools.partial(fn, tune=t)
     return out
 
 
-def check_chunk(fla_chunk, old_chunk) -> dict:
+def load_mla(paths: str | None) -> dict:
+    """The current MLA decode module as "current" plus the candidates (bench/candidates/paged_decode_v*.py)."""
+    from kda_sessions.kernels.mla import paged_decode
+
+    out = {"current": paged_decode}
+    for path in (paths or "").split(","):
+        if path and Path(path).exists():
+            out[Path(path).stem] = load_module(path, "kda_sessions.kernels.mla")
+    return out
+
+
+def check_chunk(old_chunk: dict) -> dict:
     out: dict = {}
-    cu = torch.tensor([0, 700, 1301, T_CHECK], device=DEV, dtype=torch.int32)
-    ck = [[1, 64, 333, 700], [5], [17, 640, 747]]
+    T = T_CHECK
+    cu = torch.tensor([0, T * 700 // 2048, T * 1301 // 2048, T], device=DEV, dtype=torch.int32)
+    lens = (cu[1:] - cu[:-1]).tolist()
+    ck = [[1, lens[0] // 3, lens[0] // 2, lens[0]], [5], [17, lens[2] - 7, lens[2]]]
     h0 = torch.randn(3, H, K, V, device=DEV) * 0.1
     for bounded in (False, True):
         q, k, v, g, beta = kda_inputs(1, T_CHECK, bounded, seed=1)
@@ -151,23 +245,31 @@ def check_chunk(fla_chunk, old_chunk) -> dict:
         for name, old in old_chunk.items():
             o, f, c = old(q, k, v, g, beta, None, h0, True, cu, True, ck)
             out[key][name] = {"o": rel(o, ro), "final": rel(f, rf), "checkpoints": rel(c, rc)}
-    if fla_chunk is not None:  # one sequence, no cu_seqlens: fla's autotuning of the varlen forms takes minutes
-        q, k, v, g, beta = kda_inputs(1, T_CHECK, False, seed=1)
-        ro, rf, _ = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), None, h0[:1], True, None, True)
-        o, f, _ = chunk_kda_triton(q, k, v, g, beta, None, h0[:1], True, None, True)
-        fo, ff = fla_chunk(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0[:1], output_final_state=True,
-                           use_qk_l2norm_in_kernel=True)
-        out["single_T2048_h0"] = {"o": rel(o, ro), "final": rel(f, rf), "fla_o": rel(fo, ro), "fla_final": rel(ff, rf)}
+            o, f, c = old(q, k, v, raw, beta, None, h0, True, cu, True, ck, use_gate_in_kernel=True, A_log=A_log,
+                          dt_bias=dt_bias, lower_bound=lb)
+            out[key][name + " gate_in_kernel"] = {"o": rel(o, ro), "final": rel(f, rf), "checkpoints": rel(c, rc)}
     # short recurrent reference for the twin itself (T small: the loop is slow)
     q, k, v, g, beta = kda_inputs(1, 200, False, seed=2)
     o, f, _ = chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True)
     ro, rf, _ = naive_recurrent_kda(q.float(), k.float(), v.float(), g, beta.float(), None, None, True, None, True)
     out["vs_recurrent_T200"] = {"o": rel(o, ro), "final": rel(f, rf)}
     # how often the benchmark's standard gate sends a (16-token sub-chunk, head, 32-channel block) to the exact path
-    _, _, _, g, _ = kda_inputs(1, 32768, False, seed=4)
-    span = -g.view(32768 // 16, 16, H, K // 32, 32).sum(1).amin(-1)  # [sub-chunks, H, K blocks] = max over channels
+    TL = 1024 if SMOKE else 32768
+    _, _, _, g, _ = kda_inputs(1, TL, False, seed=4)
+    span = -g.view(TL // 16, 16, H, K // 32, 32).sum(1).amin(-1)  # [sub-chunks, H, K blocks] = max over channels
     out["exact_path_fraction_T32K"] = float((span > SPAN_MAX).float().mean())
     return out
+
+
+def check_fla(fla_chunk) -> dict:
+    """One sequence, no cu_seqlens (fla's autotuning of the varlen forms takes minutes): ours and fla's vs the twin."""
+    h0 = torch.randn(1, H, K, V, device=DEV) * 0.1
+    q, k, v, g, beta = kda_inputs(1, T_CHECK, False, seed=1)
+    ro, rf, _ = naive_chunk_kda(q.float(), k.float(), v.float(), g, beta.float(), None, h0, True, None, True)
+    o, f, _ = chunk_kda_triton(q, k, v, g, beta, None, h0, True, None, True)
+    fo, ff = fla_chunk(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                       use_qk_l2norm_in_kernel=True)
+    return {"o": rel(o, ro), "final": rel(f, rf), "fla_o": rel(fo, ro), "fla_final": rel(ff, rf)}
 
 
 def check_decode() -> dict:
@@ -197,43 +299,74 @@ def check_conv() -> dict:
     return {"y": rel(y, ry), "tail": rel(t, rt), "tails_at": rel(c, rc)}
 
 
-def mla_setup(lens: list[int], P: int = 64, R: int = 512, DR: int = 64, seed: int = 0):
+def mla_setup(lens: list[int], copies: int = 1, seed: int = 0, P: int | None = None) -> list[tuple]:
+    """``copies`` decode steps over distinct random pages of one bf16 pool: each (q_lat [N, H, r], q_pe [N, H, dr],
+    kv_pages [num_pages, P, r + dr], page_table [N, max_pages] int32, seq_lens [N] int32, scale)."""
+    P = P or (16 if SMOKE else 64)
     g_ = torch.Generator(device=DEV).manual_seed(seed)
     N = len(lens)
     max_pages = max(math.ceil(L / P) for L in lens)
-    total_pages = sum(math.ceil(L / P) for L in lens) + 8
-    kv = torch.randn(total_pages, P, R + DR, device=DEV, generator=g_).bfloat16()
+    per_copy = sum(math.ceil(L / P) for L in lens)
+    total_pages = copies * per_copy + 8
+    kv = torch.randn(total_pages, P, R_MLA + DR_MLA, device=DEV, generator=g_).to(DTYPE)
     perm = torch.randperm(total_pages, device=DEV, generator=g_).int()
-    pt = torch.zeros(N, max_pages, device=DEV, dtype=torch.int32)
-    used = 0
-    for n, L in enumerate(lens):
-        np_ = math.ceil(L / P)
-        pt[n, :np_] = perm[used : used + np_]
-        used += np_
-    ql = torch.randn(N, H, R, device=DEV, generator=g_).bfloat16()
-    qp = torch.randn(N, H, DR, device=DEV, generator=g_).bfloat16()
     sl = torch.tensor(lens, device=DEV, dtype=torch.int32)
-    return ql, qp, kv, pt, sl, (128 + 64) ** -0.5
-
-
-def check_mla() -> dict:
-    from kda_sessions.kernels.mla import paged_decode as mla_mod
-
-    out: dict = {}
-    for P in (16, 64):
-        args = mla_setup([1, 1000, 5000, 33000], P=P)
-        ro = naive_mla_decode_paged(args[0].float(), args[1].float(), args[2].float(), *args[3:])
-        out[f"P{P}"] = rel(mla_decode_paged_triton(*args), ro)
-        for i, cfg in enumerate(MLA_VARIANTS[1:], 1):
-            out[f"P{P}_variant{i}"] = rel(mla_mod._launch(*args, **cfg), ro)
+    out = []
+    used = 0
+    for _ in range(copies):
+        pt = torch.zeros(N, max_pages, device=DEV, dtype=torch.int32)
+        for n, L in enumerate(lens):
+            np_ = math.ceil(L / P)
+            pt[n, :np_] = perm[used : used + np_]
+            used += np_
+        ql = torch.randn(N, H, R_MLA, device=DEV, generator=g_).to(DTYPE)
+        qp = torch.randn(N, H, DR_MLA, device=DEV, generator=g_).to(DTYPE)
+        out.append((ql, qp, kv, pt, sl, (128 + 64) ** -0.5))
     return out
 
 
-def copy_bandwidth() -> float:
-    x = torch.empty(2 * 1024**3, dtype=torch.uint8, device=DEV)
+def mla_check_cfgs(name: str, mod) -> list[dict]:
+    """Launch parameters of each MLA module that the correctness check covers (all that the timings use)."""
+    if name == "current":
+        return [{}, *MLA_VARIANTS[1:2]]
+    params = inspect.signature(mod._launch).parameters
+    if "waves" in params:  # v3 and later: the whole sweep grid, plus bf16 partials and many splits
+        return [{}, *mla_cand_grid(), {"part_bf16": True}, {"waves": 4.0, "part_bf16": True},
+                {"page_tile": False}, {"num_splits": 1}]
+    if "trans" in params:
+        return [{}, {"trans": True}]
+    return [{}]
+
+
+def check_mla(mods: dict) -> dict:
+    """Every MLA module and launch variant against the float32 twin, sequences of 1 .. 33000 tokens (P 16 and 64)."""
+    out: dict = {}
+    lens = [1, 100, 300, 1000] if SMOKE else [1, 1000, 5000, 33000]
+    for P in (16, 64):
+        args = mla_setup(lens, P=P)[0]
+        ro = naive_mla_decode_paged(args[0].float(), args[1].float(), args[2].float(), *args[3:])
+        for name, mod in mods.items():
+            cfgs = mla_check_cfgs(name, mod) if P == 64 else [{}]
+            errs = {}
+            for cfg in cfgs:
+                key = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
+                try:
+                    errs[key] = rel(mod._launch(*args, **cfg), ro)
+                except Exception as e:
+                    errs[key] = repr(e)[:300]
+            num = [e for e in errs.values() if isinstance(e, float)]
+            out[f"{name} P{P}"] = {"max": max(num) if num else None, "all_ran": len(num) == len(errs), **errs}
+    return out
+
+
+def copy_bandwidth() -> dict:
+    """Device-to-device copy (read + write bytes) and a read-only reduction, TB/s."""
+    x = torch.empty((16 if SMOKE else 2048) * 1024**2, dtype=torch.uint8, device=DEV)
     y = torch.empty_like(x)
     ms = bench(lambda: y.copy_(x), rep=100)
-    return 2 * x.numel() / (ms * 1e-3) / 1e12
+    xs = x.view(torch.int32)
+    ms_read = bench(lambda: xs.sum(), rep=100)
+    return {"copy": 2 * x.numel() / (ms * 1e-3) / 1e12, "read_sum": x.numel() / (ms_read * 1e-3) / 1e12}
 
 
 def time_chunk(fla_chunk, old_chunk: dict, Ts: list[int], cfg: dict | None = None) -> list[dict]:
@@ -313,20 +446,110 @@ def time_decode(fla_rec) -> list[dict]:
     return rows
 
 
-def time_mla(bw_tb_s: float, cfg: dict | None = None) -> list[dict]:
-    from kda_sessions.kernels.mla import paged_decode as mla_mod
+def mla_contexts() -> list[list[int]]:
+    """Context lengths of the MLA timings: 32K, 128K and 1M tokens of one sequence, 32 sequences of 32K."""
+    if SMOKE:
+        return [[300], [1000], [2000], [300] * 3]
+    return [[32768], [131072], [1048576], [32768] * 32]
 
+
+def mla_case(lens: list[int]) -> tuple[list[tuple], int, int]:
+    """Input sets for one context (enough copies that a graph cycling through them exceeds L2 twice over), the
+    number of calls per graph, and the cache bytes one call reads."""
+    bytes_ = sum(lens) * (R_MLA + DR_MLA) * DTYPE.itemsize
+    copies = 1 if SMOKE else max(1, math.ceil(128e6 / bytes_))
+    return mla_setup(lens, copies=copies), 1 if SMOKE else max(copies, 4), bytes_
+
+
+def mla_row(fn: Callable, sets: list[tuple], calls: int, bytes_: int, bw: float, eager: bool = True) -> dict:
+    """Graph-replay (and eager) time of one call ``fn(*args)`` with its bytes/s against the copy bandwidth."""
+    row: dict = {}
+    ms = bench_graph([functools.partial(fn, *sets[i % len(sets)]) for i in range(calls)])
+    row["graph_us"], row["graph_TB_s"] = ms * 1e3, bytes_ / ms / 1e9
+    row["graph_of_copy_bw"] = row["graph_TB_s"] / bw
+    if eager:
+        ms = bench(lambda: fn(*sets[0]))
+        row["eager_us"], row["eager_of_copy_bw"] = ms * 1e3, bytes_ / ms / 1e9 / bw
+    return row
+
+
+def time_mla(bw: float, mods: dict) -> list[dict]:
+    """Current MLA decode and each candidate with their defaults (and the variants the check names), per context."""
     rows = []
-    for lens in ([32768], [131072], [1048576], [32768] * 32):
-        args = mla_setup(lens)
-        ms = bench(lambda args=args: mla_mod._launch(*args, **(cfg or {})))
-        bytes_ = sum(lens) * (512 + 64) * 2
-        tb = bytes_ / (ms * 1e-3) / 1e12
-        rows.append({"N": len(lens), "context": lens[0], "cfg": cfg, "us": ms * 1e3, "TB_s": tb,
-                     "fraction_of_copy_bw": tb / bw_tb_s if bw_tb_s else None})
-        del args
-        torch.cuda.empty_cache()
+    for lens in mla_contexts():
+        sets, calls, bytes_ = mla_case(lens)
+        for name, mod in mods.items():
+            cfgs = [{}] if name != "current" and "waves" in inspect.signature(mod._launch).parameters else \
+                mla_check_cfgs(name, mod)
+            for cfg in cfgs:
+                row = {"N": len(lens), "context": lens[0], "impl": name, "cfg": cfg}
+                try:
+                    row.update(mla_row(functools.partial(mod._launch, **cfg), sets, calls, bytes_, bw))
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+        del sets
+        if not SMOKE:
+            torch.cuda.empty_cache()
     return rows
+
+
+def mla_sweep(bw: float, mods: dict, deadline: float) -> dict:
+    """Launch parameters of each candidate with a ``waves`` parameter (v3): stage 1 times every compiled variant
+    at 1M x 1 and 32K x 32 with the default splits; stage 2 times the best three at every context with 0.5 .. 4
+    waves of splits and float32 or bf16 partials. Graph replays only."""
+    out: dict = {}
+    sm = 4 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    for name, mod in mods.items():
+        if "waves" not in inspect.signature(mod._launch).parameters:
+            continue
+        res: dict = {"stage1": [], "stage2": []}
+        out[name] = res
+        seen: set = set()
+        ctx = mla_contexts()
+        score: dict = {}
+        for lens in (ctx[2], ctx[3]):
+            sets, calls, bytes_ = mla_case(lens)
+            for cfg in mla_cand_grid():
+                row: dict = {"N": len(lens), "context": lens[0], **cfg}
+                try:
+                    row.update(mla_row(functools.partial(mod._launch, **cfg), sets, calls, bytes_, bw, eager=False))
+                    row["compiled"] = compiled_stats(mod._split_kernel, seen)
+                    key = json.dumps(cfg, sort_keys=True)
+                    score[key] = score.get(key, 0.0) + row["graph_of_copy_bw"]
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                res["stage1"].append(row)
+            del sets
+            if time.time() > deadline:
+                res["stopped"] = "deadline in stage 1"
+                return out
+        top = [json.loads(k) for k, _ in sorted(score.items(), key=lambda kv: -kv[1])[:3]]
+        res["stage1_top"] = top
+        best: dict = {}
+        for lens in ctx:
+            sets, calls, bytes_ = mla_case(lens)
+            cap = sets[0][3].shape[1] * sets[0][2].shape[1]
+            variants = [{**cfg, "num_splits": mod._num_splits(len(lens), cap, sm, w, 128), "part_bf16": pb}
+                        for cfg in top for w in (0.5, 1.0, 2.0, 4.0) for pb in (False, True)]
+            variants += [{**top[0], "page_tile": False}] if top else []
+            for cfg in variants:
+                row = {"N": len(lens), "context": lens[0], **cfg}
+                try:
+                    row.update(mla_row(functools.partial(mod._launch, **cfg), sets, calls, bytes_, bw, eager=False))
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                res["stage2"].append(row)
+                if "graph_us" in row and row["graph_us"] < best.get(lens[0] * 100 + len(lens), {}).get("graph_us", 1e30):
+                    best[lens[0] * 100 + len(lens)] = row
+            del sets
+            if not SMOKE:
+                torch.cuda.empty_cache()
+            if time.time() > deadline:
+                res["stopped"] = "deadline in stage 2"
+                break
+        res["best_per_context"] = list(best.values())
+    return out
 
 
 def tune(bw_tb_s: float) -> dict:
@@ -337,7 +560,7 @@ def tune(bw_tb_s: float) -> dict:
     best_1m = (float("inf"), MLA_VARIANTS[0])
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     for lens in ([1048576], [131072], [32768] * 32, [32768]):
-        args = mla_setup(lens)
+        args = mla_setup(lens)[0]
         bytes_ = sum(lens) * (512 + 64) * 2
         for cfg in MLA_VARIANTS:
             for waves in (1, 2, 4):  # 2: the launcher's default
@@ -377,39 +600,59 @@ def tune(bw_tb_s: float) -> dict:
     return out
 
 
-def warm(part: int, parts: int, old_path: str | None) -> None:
-    """Compile this process's share of the kernel variants (one small launch each) into TRITON_CACHE_DIR."""
-    from kda_sessions.kernels.mla import paged_decode as mla_mod
-
+def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths: str | None) -> list[Callable]:
+    """One small launch per compiled form that the chosen parts use, in a fixed order (each warm process takes
+    every k-th)."""
+    jobs: list[Callable] = []
     q, k, v, g, beta = kda_inputs(1, 256, False, seed=9)
-    for cfg in CHUNK_VARIANTS[part::parts]:
-        chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
-    if part == 0:  # the forms the checks use: varlen + h0 + checkpoints, gate in kernel, exact path
-        cu = torch.tensor([0, 100, 256], device=DEV, dtype=torch.int32)
-        h0 = torch.zeros(2, H, K, V, device=DEV)
-        chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]])
-        chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]], tune={"span_max": -1.0})
-    if part == 1 % parts:
-        raw, A_log, dt_bias = gate_inputs(1, 256, 3)
-        cu = torch.tensor([0, 100, 256], device=DEV, dtype=torch.int32)
-        h0 = torch.zeros(2, H, K, V, device=DEV)
+    raw, A_log, dt_bias = gate_inputs(1, 256, 3)
+    cu = torch.tensor([0, 100, 256], device=DEV, dtype=torch.int32)
+    h0 = torch.zeros(2, H, K, V, device=DEV)
+
+    def chunk_forms(fn: Callable) -> list[Callable]:
+        forms = [lambda: fn(q, k, v, g, beta, None, None, True, None, True),
+                 lambda: fn(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]])]
         for lb in (None, -5.0):
-            chunk_kda_triton(q, k, v, raw, beta, None, h0, True, cu, True, [[5], [7]], use_gate_in_kernel=True,
-                             A_log=A_log, dt_bias=dt_bias, lower_bound=lb)
-            chunk_kda_triton(q, k, v, raw, beta, None, None, True, None, True, use_gate_in_kernel=True,
-                             A_log=A_log, dt_bias=dt_bias, lower_bound=lb)
-    olds = list(load_old(old_path).values())
-    for old in olds[part::parts]:
-        cu = torch.tensor([0, 100, 256], device=DEV, dtype=torch.int32)
-        old(q, k, v, g, beta, None, None, True, None, True)
-        old(q, k, v, g, beta, None, torch.zeros(2, H, K, V, device=DEV), True, cu, True, [[5], [7]])
-    args = mla_setup([32768])
-    for cfg in MLA_VARIANTS[part::parts]:
-        mla_mod._launch(*args, 8, **cfg)
-    args = mla_setup([1, 1000, 5000, 33000], P=16)  # the check's page size
-    for cfg in MLA_VARIANTS[part::parts]:
-        mla_mod._launch(*args, **cfg)
-    torch.cuda.synchronize()
+            kw = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias, "lower_bound": lb}
+            forms += [lambda kw=kw: fn(q, k, v, raw, beta, None, h0, True, cu, True, [[5], [7]], **kw),
+                      lambda kw=kw: fn(q, k, v, raw, beta, None, None, True, None, True, **kw)]
+        return forms
+
+    if parts & {"check", "chunk", "tune"}:
+        jobs += chunk_forms(chunk_kda_triton)
+        jobs.append(lambda: chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]],
+                                             tune={"span_max": -1.0}))
+        for old in load_old(old_path, old_tunes).values():
+            jobs += chunk_forms(old)
+    if "tune" in parts:
+        jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
+                 for cfg in CHUNK_VARIANTS[1:]]
+    if parts & {"check", "mla", "mlasweep", "tune"}:
+        small = mla_setup([1, 1000])[0]
+        small16 = mla_setup([1, 1000], P=16)[0]
+        for name, mod in load_mla(mla_paths).items():
+            cfgs = mla_check_cfgs(name, mod)
+            if "waves" in inspect.signature(mod._launch).parameters and "mlasweep" in parts:
+                cfgs += [{**c, "part_bf16": True} for c in mla_cand_grid()]
+            jobs += [lambda mod=mod, cfg=cfg: mod._launch(*small, **cfg) for cfg in cfgs]
+            jobs.append(lambda mod=mod: mod._launch(*small16))
+        if "tune" in parts:
+            from kda_sessions.kernels.mla import paged_decode as mla_mod
+
+            jobs += [lambda cfg=cfg: mla_mod._launch(*small, **cfg) for cfg in MLA_VARIANTS]
+    return jobs
+
+
+def warm(part: int, parts: int, a: argparse.Namespace) -> None:
+    """Compile this process's share of the kernel forms into TRITON_CACHE_DIR."""
+    jobs = warm_jobs(set(a.only.split(",")), a.old, json.loads(a.old_tune), a.mla_cand)
+    for job in jobs[part::parts]:
+        try:
+            job()
+        except Exception as e:  # the timed run reports it
+            print(f"warm: {e!r}"[:300], file=sys.stderr)
+    if not SMOKE:
+        torch.cuda.synchronize()
 
 
 def fla_warm() -> None:
@@ -439,46 +682,61 @@ def fla_warm() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", default="check,chunk,decode,mla")
+    ap.add_argument("--quick", action="store_true", help="chunk at 8K only; without CUDA: tiny shapes on the CPU")
+    ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,chunk,mla,mlasweep,decode,tune")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core (its autotuning takes minutes)")
-    ap.add_argument("--old", default=None, help="a previous chunk.py to time beside the current one")
+    ap.add_argument("--old", default=None, help="other chunk.py files to check and time beside the current one")
+    ap.add_argument("--old-tune", default="[]", help="JSON list of launch parameters to time each --old with too")
+    ap.add_argument("--mla-cand", default=None, help="other paged_decode.py files to check and time beside it")
+    ap.add_argument("--deadline", type=float, default=1e9, help="seconds after start: later steps are skipped")
     ap.add_argument("--warm-procs", type=int, default=0, help="compile the variants in this many processes first")
     ap.add_argument("--fla-bg", action="store_true", help="let fla autotune in a process of its own meanwhile")
-    ap.add_argument("--fla-wait", type=float, default=110.0, help="seconds to wait for --fla-bg at most")
+    ap.add_argument("--fla-wait", type=float, default=110.0,
+                    help="seconds after start to wait for --fla-bg at most (the checks run meanwhile)")
     ap.add_argument("--warm-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--fla-warm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save-cache", default=None, help="tar.xz of TRITON_CACHE_DIR at the end")
     a = ap.parse_args()
+    configure(a.quick and not torch.cuda.is_available())
     if a.warm_part is not None:
         wpart, wparts = (int(x) for x in a.warm_part.split("/"))
-        warm(wpart, wparts, a.old)
+        warm(wpart, wparts, a)
         return
     if a.fla_warm:
         fla_warm()
         return
     t_start = time.time()
+    parts = set(a.only.split(","))
+    if SMOKE:
+        parts.discard("decode")  # CUDA graphs and fla only
+        parts.discard("tune")
     # also with --no-fla: then fla only fills the cache (carried to a later run)
-    fla_proc = subprocess.Popen([sys.executable, __file__, "--fla-warm"]) if a.fla_bg else None
-    procs = []
-    for i in range(a.warm_procs):
-        cmd = [sys.executable, __file__, "--warm-part", f"{i}/{a.warm_procs}"] + (["--old", a.old] if a.old else [])
-        procs.append(subprocess.Popen(cmd))
+    fla_proc = subprocess.Popen([sys.executable, __file__, "--fla-warm"]) if a.fla_bg and not SMOKE else None
+    fwd = ["--only", a.only, "--old-tune", a.old_tune] + (["--old", a.old] if a.old else []) + \
+        (["--mla-cand", a.mla_cand] if a.mla_cand else []) + (["--quick"] if a.quick else [])
+    procs = [subprocess.Popen([sys.executable, __file__, "--warm-part", f"{i}/{a.warm_procs}", *fwd])
+             for i in range(a.warm_procs)]
     for p in procs:
         p.wait()
-    if fla_proc is not None:
+
+    def wait_fla() -> str:
+        if fla_proc is None:
+            return "no background fla"
         try:
             fla_proc.wait(timeout=max(1.0, a.fla_wait - (time.time() - t_start)))
+            return f"fla warm-up ended at {time.time() - t_start:.0f} s"
         except subprocess.TimeoutExpired:
             fla_proc.kill()
             fla_proc.wait()
-            print("fla warm-up stopped at --fla-wait", file=sys.stderr)
-    parts = set(a.only.split(","))
-    fla_chunk, fla_rec = (None, None) if a.no_fla else load_fla()
-    old_chunk = load_old(a.old)
+            return f"fla warm-up stopped at --fla-wait {a.fla_wait:.0f} s"
+
+    fla_chunk, fla_rec = (None, None) if a.no_fla or SMOKE else load_fla()
+    old_chunk = load_old(a.old, json.loads(a.old_tune))
+    mla_mods = load_mla(a.mla_cand)
     res: dict = {
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-        "fla": None, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "warm_s": time.time() - t_start,
+        "device": "cpu (interpreter smoke)" if SMOKE else torch.cuda.get_device_name(), "torch": torch.__version__,
+        "triton": triton.__version__, "fla": None, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "warm_s": time.time() - t_start, "argv": sys.argv[1:],
     }
     try:
         import fla  # type: ignore
@@ -486,35 +744,51 @@ def main() -> None:
         res["fla"] = getattr(fla, "__version__", "?")
     except Exception:
         pass
+
+    def bw() -> float:
+        b = res.get("bandwidth_TB_s")
+        return b["copy"] if isinstance(b, dict) and "copy" in b else 4.2
+
     steps: list[tuple[str, Callable[[], object]]] = []
-    if "check" in parts:
-        steps += [("check_chunk", lambda: check_chunk(fla_chunk, old_chunk)), ("check_decode", check_decode),
-                  ("check_conv", check_conv), ("check_mla", check_mla)]
-    steps.append(("copy_bw_TB_s", copy_bandwidth))
+    if "check" in parts:  # correctness only: fla may still be autotuning on the same GPU meanwhile
+        steps += [("check_chunk", lambda: check_chunk(old_chunk)), ("check_mla", lambda: check_mla(mla_mods)),
+                  ("check_decode", check_decode), ("check_conv", check_conv)]
+    steps.append(("fla_warm", wait_fla))
+    if "check" in parts and fla_chunk is not None:
+        steps.append(("check_fla", lambda: check_fla(fla_chunk)))
+    steps.append(("bandwidth_TB_s", copy_bandwidth))
     if "tune" in parts:  # first, so that the tables below use the best variant of this run
-        steps.append(("tune", lambda: tune(res.get("copy_bw_TB_s") or 4.2)))
+        steps.append(("tune", lambda: tune(bw())))
 
     def best(key: str):
         t = res.get("tune")
         return t.get(key) if isinstance(t, dict) else None
 
-    if "chunk" in parts:
-        Ts = [8192] if a.quick else [8192, 32768, 131072]
-        steps.append(("chunk_kda", lambda: time_chunk(fla_chunk, old_chunk, Ts, best("chunk_best"))))
     if "mla" in parts:
-        steps.append(("mla_decode", lambda: time_mla(res.get("copy_bw_TB_s") or 4.2, best("mla_best"))))
+        steps.append(("mla_decode", lambda: time_mla(bw(), mla_mods)))
+    if "chunk" in parts:
+        Ts = ([512] if SMOKE else [8192]) if a.quick else [8192, 32768, 131072]
+        steps.append(("chunk_kda", lambda: time_chunk(fla_chunk, old_chunk, Ts, best("chunk_best"))))
+    if "mlasweep" in parts:
+        steps.append(("mla_sweep", lambda: mla_sweep(bw(), mla_mods, t_start + a.deadline)))
     if "decode" in parts:
         steps.append(("decode", lambda: time_decode(fla_rec)))
     for name, fn in steps:
         t0 = time.time()
+        if t0 - t_start > a.deadline and name != "fla_warm":
+            res[name] = "skipped: --deadline"
+            continue
         try:
             res[name] = fn()
         except Exception:
             res[name] = {"error": traceback.format_exc()[-2000:]}
         print(f"[{name}] {time.time() - t0:.1f}s", file=sys.stderr, flush=True)
+        res["elapsed_s"] = time.time() - t_start
         if a.out:
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
+    if fla_proc is not None and fla_proc.poll() is None:
+        fla_proc.kill()
     if a.save_cache:
         cache = os.environ.get("TRITON_CACHE_DIR", str(Path.home() / ".triton" / "cache"))
         with tarfile.open(a.save_cache, "w:xz", preset=1) as tar:

@@ -29,7 +29,9 @@ _LOG2E = 1.4426950408889634
 _EMPTY = -1.0e30  # log-sum-exp of a split with no tokens
 
 
-@triton.jit
+# integer arguments that vary from call to call are not specialised (divisibility by 16): one compiled kernel per
+# launch configuration, whatever the page table's capacity or the split count
+@triton.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
 def _split_kernel(
     q_lat, q_pe, kv, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split, NSPLIT,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
@@ -104,7 +106,7 @@ def _split_kernel(
     tl.store(lse_part + base, lse, mask=mh)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(
     o_part, lse_part, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
 ):
