@@ -66,6 +66,7 @@ class Lane:
             raise StoreUnavailable(f"redis-py {type(conn).__name__} exposes no socket")
         self.conn = conn
         self.sock = sock
+        self.rest = b""  # bytes received past the replies read so far (line_replies only)
         sock.settimeout(None)  # blocking; the kernel enforces the timeouts below (MSG_WAITALL needs this)
         tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
@@ -126,16 +127,13 @@ class Lane:
 
     def line_replies(self, count: int) -> list[bytes | str | int | None]:
         """`count` replies that are one line each (status, integer, nil, error: the replies of SET and EXISTS),
-        read in as few system calls as the socket allows."""
-        buf = b""
-        lines: list[bytes] = []
-        while len(lines) < count:
+        read in as few system calls as the socket allows. What arrived of later replies is kept for the next
+        call (`self.rest`); an operation ends with it empty, so `reply()` never misses bytes."""
+        buf = self.rest
+        while len(lines := buf.split(b"\r\n")) <= count:  # the last element is an unfinished line
             buf += self._recv(1 << 16)
-            *done, buf = buf.split(b"\r\n")
-            lines += done
-        if len(lines) > count or buf:
-            raise ReplyError(f"{len(lines) - count} replies more than the {count} commands sent")
-        return [parse_line(h) for h in lines]
+        self.rest = b"\r\n".join(lines[count:])
+        return [parse_line(h) for h in lines[:count]]
 
     def set_many(self, items: Sequence[Item], batch_bytes: int) -> list[Any]:
         """SET key value [NX] for each (key, value, digest to check first or None, nx): True written, False
@@ -159,7 +157,12 @@ class Lane:
             pending = len(batch)
             start = stop
         out += self.line_replies(pending)
+        self._done()
         return [r if r == REDIRECTED else r is not None for r in out]
+
+    def _done(self) -> None:
+        if self.rest:
+            raise ReplyError(f"more replies than commands sent: {self.rest[:64]!r}")
 
     def exists(self, keys: Sequence[str]) -> list[Any]:
         """EXISTS of each key (one key per command, so any cluster node takes it): 1, 0 or REDIRECTED."""
@@ -168,6 +171,7 @@ class Lane:
             batch = keys[start : start + 4096]
             self.send([b for k in batch for b in frame(b"EXISTS", k.encode())])
             out += self.line_replies(len(batch))
+        self._done()
         return out
 
     def get(self, keys: Sequence[str], digests: Sequence[str | None], batch_bytes: int, where: str) -> list[Any]:
