@@ -1,16 +1,22 @@
-"""End-to-end decode benchmark on a CUDA device: time per output token (one ``HybridModel.step`` of batch 1) at
-long contexts, for the hybrid KDA + MLA model and an all-MLA model of the same size, plus one correctness smoke
-(the built-in ``tiny-random`` on CUDA vs CPU).
+"""End-to-end decode benchmark on a CUDA device: time per output token (one decode step of batch 1) at long
+contexts, for the hybrid KDA + MLA model and an all-MLA model of the same size, plus correctness smokes (the
+built-in ``tiny-random`` on CUDA vs CPU, and CUDA-graph replay vs eager).
+
+Each case times up to three ways of running the same step (``--graphs``): ``eager`` (``HybridModel.step``, kernels
+launched from Python), ``static`` (``DecodeGraphs`` with graphs off: the static-buffer step, run eagerly) and
+``graph`` (``DecodeGraphs``: fill the static buffers, replay the captured graph), plus ``replay_only``: the GPU
+time of back-to-back replays measured with CUDA events (no host work in it).
 
 The context is not prefilled: the latent KV pages are filled with random bf16 values and the KDA states with
 small random fp32 values (content does not change the cost), then each step feeds one token at position L.
 
-    PYTHONUNBUFFERED=1 python3 bench/e2e_gpu.py --out $OUT/e2e.json        # on the device
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/train/*.whl
+    PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 bench/e2e_gpu.py --out $OUT/e2e.json    # on the device
     python bench/e2e_gpu.py --device cpu --quick                           # tiny sizes, to check the script
 
 Imports the package through a shim (``/tmp/kda_e2e_shim/kda_sessions`` with links to the model, config and the
 kernels/ and storage/ folders and an empty ``__init__``), so that neither an install nor the server's
-dependencies are needed; pydantic is taken from ``.whl/e2e`` when the interpreter lacks it.
+dependencies are needed; pydantic is taken from ``.whl/train`` when the interpreter lacks it.
 Results are written to ``--out`` after every case; a time guard stops starting new cases after ``--budget`` s.
 """
 
@@ -41,7 +47,7 @@ def _import_pydantic() -> str:
         pass
     site = Path("/tmp/kda_e2e_site")
     site.mkdir(parents=True, exist_ok=True)
-    for whl in sorted((REPO / ".whl" / "e2e").glob("*.whl")):
+    for whl in sorted((REPO / ".whl" / "train").glob("*.whl")):
         with zipfile.ZipFile(whl) as z:
             z.extractall(site)
     sys.path.append(str(site))  # after site-packages: only what is missing comes from here
@@ -85,6 +91,7 @@ import torch  # noqa: E402
 from kda_sessions.config import ModelConfig  # noqa: E402
 from kda_sessions.kernels import mla_decode_paged  # noqa: E402
 from kda_sessions.model import ForwardBatch, HybridModel, StatePools, load_model  # noqa: E402
+from kda_sessions.model.graphs import DecodeGraphs  # noqa: E402
 
 RESULTS: dict = {}
 OUT_PATH: Path | None = None
@@ -190,7 +197,26 @@ def fill_pools(pools: StatePools, gen: torch.Generator) -> None:
             t.normal_(0.0, 0.1, generator=gen)
 
 
-def decode_case(model: HybridModel, L: int, batch: int, P: int, warmup: int, steps: int, device: str) -> dict:
+def timed(fn, steps: int, device: str) -> list[float]:
+    """Wall-clock ms of each call, synchronized around it."""
+    times = []
+    for _ in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def stats(times: list[float]) -> dict:
+    return {"ms_median": round(statistics.median(times), 4), "ms_min": round(min(times), 4),
+            "ms_max": round(max(times), 4), "steps": len(times)}
+
+
+def decode_case(
+    model: HybridModel, L: int, batch: int, P: int, warmup: int, steps: int, device: str, modes: list[str]
+) -> dict:
     cfg = model.config
     pages_per_seq = -(-(L + 1) // P)
     n_kda, n_mla = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)
@@ -209,49 +235,73 @@ def decode_case(model: HybridModel, L: int, batch: int, P: int, warmup: int, ste
     assert fb.is_decode
     pool_bytes = sum(t.numel() * t.element_size() for t in pools.kv + pools.kda + pools.conv)
     kv_bytes = sum(t.numel() * t.element_size() for t in pools.kv)
-    sync(device)
-    for _ in range(warmup):
-        logits, _ = model.step(fb, pools)
-    sync(device)
-    finite = bool(torch.isfinite(logits).all())
-    times = []
-    for _ in range(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        model.step(fb, pools)
-        sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    out = {
-        "L": L, "batch": batch, "page_size": P, "pages_per_seq": pages_per_seq,
-        "tpot_ms_median": statistics.median(times), "tpot_ms_min": min(times), "tpot_ms_max": max(times),
-        "steps": steps, "logits_finite": finite, "kda_layers": n_kda, "mla_layers": n_mla,
-        "pool_bytes": pool_bytes, "kv_pool_bytes": kv_bytes,
+    out: dict = {
+        "L": L, "batch": batch, "page_size": P, "pages_per_seq": pages_per_seq, "kda_layers": n_kda,
+        "mla_layers": n_mla, "pool_bytes": pool_bytes, "kv_pool_bytes": kv_bytes,
     }
+    host = {"ids": ids.tolist(), "slots": list(range(batch)), "lens": [L + 1] * batch, "pages": table.tolist()}
+    # every mode starts from the same states, so the first step's logits of the modes can be compared
+    saved = [t.clone() for t in pools.kda + pools.conv]
+    first: dict[str, torch.Tensor] = {}
+    for mode in modes:
+        for t, v in zip(pools.kda + pools.conv, saved):
+            t.copy_(v)
+        capture_s = 0.0
+        if mode == "eager":
+            def step() -> torch.Tensor:
+                return model.step(fb, pools)[0]
+        else:
+            graphs = DecodeGraphs(model, pools, enabled=mode == "graph")
+            if mode == "graph" and not graphs.use_graphs:
+                out["graph"] = "not on this device"
+                continue
+
+            def step(graphs: DecodeGraphs = graphs) -> torch.Tensor:
+                return graphs.run(host["ids"], host["slots"], host["lens"], host["pages"])
+        t0 = time.perf_counter()
+        first[mode] = step().float().clone()  # a graph is captured here (warm-up on scratch rows only)
+        sync(device)
+        capture_s = time.perf_counter() - t0
+        for _ in range(warmup):
+            last = step()
+        sync(device)
+        r = stats(timed(step, steps, device))
+        r["logits_finite"] = bool(torch.isfinite(last).all())
+        r["first_call_s"] = round(capture_s, 2)
+        if mode == "graph":
+            r["replays"], r["captures"] = graphs.replays, graphs.captures
+            g = graphs.graph_for(batch, pages_per_seq)
+            if g is not None:  # the GPU time of the step alone: back-to-back replays between two events
+                n_rep = max(steps, 20)
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+                for _ in range(n_rep):
+                    g.replay()
+                e1.record()
+                e1.synchronize()
+                r["replay_only_ms"] = round(e0.elapsed_time(e1) / n_rep, 4)
+        out[mode] = r
+    if "eager" in first:
+        for mode in first:
+            if mode != "eager":
+                out[f"{mode}_vs_eager_first_step_rel"] = rel(first[mode], first["eager"])
+                out[f"{mode}_vs_eager_argmax_agree"] = bool(torch.equal(first[mode].argmax(-1), first["eager"].argmax(-1)))
     if device == "cuda":
         out["mem_allocated_bytes"] = torch.cuda.memory_allocated()
         out["mem_peak_bytes"] = torch.cuda.max_memory_allocated()
     # one MLA layer's paged-decode kernel alone at this context (the part of the step that grows with L)
     if n_mla:
-        H, r, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        q_lat = torch.randn(batch, H, r, device=device, generator=gen).to(model.dtype)
+        H, r_, dr = cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+        q_lat = torch.randn(batch, H, r_, device=device, generator=gen).to(model.dtype)
         q_pe = torch.randn(batch, H, dr, device=device, generator=gen).to(model.dtype)
         lens = torch.full((batch,), L + 1, dtype=torch.int32, device=device)
         scale = (cfg.qk_nope_head_dim + dr) ** -0.5
         for _ in range(3):
             mla_decode_paged(q_lat, q_pe, pools.kv[0], table, lens, scale)
-        sync(device)
-        kt = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            mla_decode_paged(q_lat, q_pe, pools.kv[0], table, lens, scale)
-            sync(device)
-            kt.append((time.perf_counter() - t0) * 1e3)
+        kt = timed(lambda: mla_decode_paged(q_lat, q_pe, pools.kv[0], table, lens, scale), steps, device)
         out["mla_kernel_one_layer_ms_median"] = statistics.median(kt)
         out["mla_kernel_one_layer_GBps"] = batch * (L + 1) * cfg.latent_dim * 2 / (statistics.median(kt) * 1e-3) / 1e9
-    del pools
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return out
+    return out  # the pools and graphs go with this frame; the next case empties the cache first
 
 
 # ---------------------------------------------------------------- correctness smoke
@@ -301,6 +351,52 @@ def smoke(device: str) -> dict:
     }
 
 
+def smoke_graphs(device: str, steps: int = 6) -> dict:
+    """``tiny-random`` (float32) on this device: 5 sequences prefilled to mixed lengths, then decode steps of 3
+    and 5 sequences (padded to buckets 4 and 8) through the graph runner, the eager static path and
+    ``HybridModel.step``, each on its own copy of the pools."""
+    model = load_model("tiny-random", device=device, dtype=torch.float32)
+    P, contexts = 16, [3, 14, 15, 45, 70]
+    per_seq = 8
+    pools = model.allocate_pools(len(contexts), len(contexts) * per_seq, P)
+    pages = [list(range(n * per_seq, (n + 1) * per_seq)) for n in range(len(contexts))]
+    g = torch.Generator().manual_seed(5)
+    for n, L in enumerate(contexts):
+        fb = ForwardBatch(
+            input_ids=torch.randint(0, 272, (L,), generator=g).to(device), num_new=[L], start=[0],
+            slots=torch.tensor([n], device=device), page_table=torch.tensor([pages[n]], dtype=torch.int32, device=device),
+        )
+        model.step(fb, pools)
+    copies = {m: StatePools([t.clone() for t in pools.kda], [t.clone() for t in pools.conv],
+                            [t.clone() for t in pools.kv], P, pools.scratch_slot, pools.scratch_page)
+              for m in ("graph", "static", "eager")}
+    runners = {"graph": DecodeGraphs(model, copies["graph"]), "static": DecodeGraphs(model, copies["static"], enabled=False)}
+    lengths = list(contexts)
+    res: dict = {"graph_vs_static_rel": [], "graph_vs_eager_rel": [], "argmax_agree": []}
+    for step in range(steps):
+        seqs = [0, 1, 2, 3, 4] if step % 2 else [4, 1, 0]
+        ids = torch.randint(0, 272, (len(seqs),), generator=g).tolist()
+        lens = [lengths[s] + 1 for s in seqs]
+        out = {m: r.run(ids, seqs, lens, [pages[s] for s in seqs]).float().clone() for m, r in runners.items()}
+        fb = ForwardBatch(
+            input_ids=torch.tensor(ids, device=device), num_new=[1] * len(seqs), start=[lengths[s] for s in seqs],
+            slots=torch.tensor(seqs, device=device),
+            page_table=torch.tensor([pages[s] for s in seqs], dtype=torch.int32, device=device),
+        )
+        out["eager"] = model.step(fb, copies["eager"])[0]
+        for s in seqs:
+            lengths[s] += 1
+        res["graph_vs_static_rel"].append(rel(out["graph"], out["static"]))
+        res["graph_vs_eager_rel"].append(rel(out["graph"], out["eager"]))
+        res["argmax_agree"].append(bool(torch.equal(out["graph"].argmax(-1), out["eager"].argmax(-1))))
+    n = pools.kda[0].shape[0] - 1 if pools.kda else 0  # the scratch slot is excluded: padded rows race there
+    res["kda_pool_graph_vs_static_rel"] = max(rel(a[:n], b[:n]) for a, b in zip(copies["graph"].kda, copies["static"].kda))
+    res["replays"], res["captures"], res["eager_runs"] = (runners["graph"].replays, runners["graph"].captures,
+                                                          runners["graph"].eager_runs)
+    res["graphs_used"] = runners["graph"].use_graphs
+    return res
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -311,15 +407,19 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny config and short contexts (a CPU check)")
     ap.add_argument("--dense", action="store_true", help="dense FFN everywhere instead of MoE")
     ap.add_argument("--out", type=Path)
-    ap.add_argument("--budget", type=float, default=240.0, help="start no new case after this many seconds")
+    ap.add_argument("--budget", type=float, default=150.0, help="start no new case after this many seconds")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--graphs", choices=["both", "off", "on"], default="both",
+                    help="both: eager, static and graph replay in each case; off: eager only; on: graph only")
+    ap.add_argument("--batch8", action="store_true", help="also batch 8 at 128K (after the batch-1 cases)")
     args = ap.parse_args()
     OUT_PATH = args.out
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device")
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    modes = {"both": ["eager", "static", "graph"], "off": ["eager"], "on": ["graph"]}[args.graphs]
     Ls = [64, 1024, 4096] if args.quick else [8192, 131072, 524288]
     L_b8 = 1024 if args.quick else 131072
     steps = 3 if args.quick else args.steps
@@ -332,6 +432,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
         "dtype": str(dtype),
         "ffn": "dense" if args.dense else "moe",
+        "modes": modes,
         "cases": {},
         "errors": {},
     })
@@ -385,25 +486,39 @@ def main() -> None:
                 torch.cuda.empty_cache()
         dump()
 
+    if args.graphs != "off":
+        case("smoke_graphs_tiny_random", lambda: smoke_graphs(dev))
     for kind in ("hybrid", "all_mla"):
         for L in Ls:
-            case(f"{kind}_L{L}_b1", lambda kind=kind, L=L: decode_case(get_model(kind), L, 1, 64, args.warmup, steps, dev))
+            case(f"{kind}_L{L}_b1",
+                 lambda kind=kind, L=L: decode_case(get_model(kind), L, 1, 64, args.warmup, steps, dev, modes))
     case("smoke_tiny_random_cuda_vs_cpu", lambda: smoke(dev))
-    for kind in ("hybrid", "all_mla"):
-        case(f"{kind}_L{L_b8}_b8", lambda kind=kind: decode_case(get_model(kind), L_b8, 8, 64, args.warmup, steps, dev))
+    if args.batch8:
+        for kind in ("hybrid", "all_mla"):
+            case(f"{kind}_L{L_b8}_b8",
+                 lambda kind=kind: decode_case(get_model(kind), L_b8, 8, 64, args.warmup, steps, dev, modes))
 
-    # summary table
+    # summary table: median ms per output token by mode, and the replay-only GPU time
     rows = []
     for L in Ls:
-        h = RESULTS["cases"].get(f"hybrid_L{L}_b1", {}).get("tpot_ms_median")
-        m = RESULTS["cases"].get(f"all_mla_L{L}_b1", {}).get("tpot_ms_median")
-        rows.append({"L": L, "hybrid_ms": h, "all_mla_ms": m, "all_mla_over_hybrid": (m / h) if h and m else None})
+        row: dict = {"L": L}
+        for kind in ("hybrid", "all_mla"):
+            c = RESULTS["cases"].get(f"{kind}_L{L}_b1", {})
+            for mode in modes:
+                if isinstance(c.get(mode), dict):
+                    row[f"{kind}_{mode}_ms"] = c[mode]["ms_median"]
+            if isinstance(c.get("graph"), dict) and "replay_only_ms" in c["graph"]:
+                row[f"{kind}_replay_only_ms"] = c["graph"]["replay_only_ms"]
+        for mode in [*modes, "replay_only"]:
+            h, m = row.get(f"hybrid_{mode}_ms"), row.get(f"all_mla_{mode}_ms")
+            if h and m:
+                row[f"all_mla_over_hybrid_{mode}"] = round(m / h, 3)
+        rows.append(row)
     RESULTS["summary"] = rows
     dump()
     for r in rows:
-        log(f"L {r['L']:>7}: hybrid {r['hybrid_ms']} ms, all-MLA {r['all_mla_ms']} ms, ratio {r['all_mla_over_hybrid']}")
+        log(json.dumps(r))
     log(f"errors: {list(RESULTS['errors'])}")
-
 
 if __name__ == "__main__":
     main()

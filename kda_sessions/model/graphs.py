@@ -100,6 +100,11 @@ class DecodeGraphs:
             w *= 2
         return max(min(w, self.max_width), max_pages)
 
+    def graph_for(self, n: int, max_pages: int) -> torch.cuda.CUDAGraph | None:
+        """The captured graph that serves n sequences of at most ``max_pages`` pages (None before capture)."""
+        st = self._static.get((self.bucket(n), self.width(max_pages)))
+        return st.graph if st is not None else None
+
     @torch.inference_mode()
     def run(self, input_ids: list[int], slots: list[int], seq_lens: list[int], pages: list[list[int]]) -> Tensor:
         """One decode step: sequence n feeds ``input_ids[n]`` at position ``seq_lens[n] - 1`` from KDA slot
