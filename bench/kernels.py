@@ -197,16 +197,17 @@ def load_module(path: str, package: str):
     return sys.modules[name]
 
 
-def load_old(paths: str | None, tunes: list[dict] | None = None) -> dict:
+def load_old(paths: str | None, tunes: list[dict] | dict[str, list[dict]] | None = None) -> dict:
     """Other versions of kernels/kda/chunk.py (e.g. bench/candidates/chunk_v3.py) by file stem, for before/after
-    in one run; each of ``tunes`` adds the same function with those launch parameters as ``stem+k=v``."""
+    in one run; each of ``tunes`` (a list for every file, or lists by stem) adds the same function with those
+    launch parameters as ``stem+k=v``."""
     out = {}
     for path in (paths or "").split(","):
         if not path or not Path(path).exists():
             continue
         fn = load_module(path, "kda_sessions.kernels.kda").chunk_kda_triton
         out[Path(path).stem] = fn
-        for t in tunes or []:
+        for t in (tunes.get(Path(path).stem, []) if isinstance(tunes, dict) else tunes or []):
             out[Path(path).stem + "+" + ",".join(f"{k}={v}" for k, v in t.items())] = functools.partial(fn, tune=t)
     return out
 
@@ -609,21 +610,24 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
     cu = torch.tensor([0, 100, 256], device=DEV, dtype=torch.int32)
     h0 = torch.zeros(2, H, K, V, device=DEV)
 
-    def chunk_forms(fn: Callable) -> list[Callable]:
+    def chunk_forms(fn: Callable, gate_plain: bool) -> list[Callable]:
+        """What check_chunk and time_chunk run: plain, varlen + h0 + checkpoints, the gate fused (both kinds)
+        on the varlen form, and (for the current kernel, whose gate-fused forms are timed) without varlen."""
         forms = [lambda: fn(q, k, v, g, beta, None, None, True, None, True),
                  lambda: fn(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]])]
         for lb in (None, -5.0):
             kw = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias, "lower_bound": lb}
-            forms += [lambda kw=kw: fn(q, k, v, raw, beta, None, h0, True, cu, True, [[5], [7]], **kw),
-                      lambda kw=kw: fn(q, k, v, raw, beta, None, None, True, None, True, **kw)]
+            forms.append(lambda kw=kw: fn(q, k, v, raw, beta, None, h0, True, cu, True, [[5], [7]], **kw))
+            if gate_plain:
+                forms.append(lambda kw=kw: fn(q, k, v, raw, beta, None, None, True, None, True, **kw))
         return forms
 
     if parts & {"check", "chunk", "tune"}:
-        jobs += chunk_forms(chunk_kda_triton)
+        jobs += chunk_forms(chunk_kda_triton, True)
         jobs.append(lambda: chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]],
                                              tune={"span_max": -1.0}))
         for old in load_old(old_path, old_tunes).values():
-            jobs += chunk_forms(old)
+            jobs += chunk_forms(old, False)
     if "tune" in parts:
         jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
                  for cfg in CHUNK_VARIANTS[1:]]
@@ -686,7 +690,7 @@ def main() -> None:
     ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,chunk,mla,mlasweep,decode,tune")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core (its autotuning takes minutes)")
     ap.add_argument("--old", default=None, help="other chunk.py files to check and time beside the current one")
-    ap.add_argument("--old-tune", default="[]", help="JSON list of launch parameters to time each --old with too")
+    ap.add_argument("--old-tune", default="[]", help="launch parameters to time each --old with too: a JSON list, or lists by file stem")
     ap.add_argument("--mla-cand", default=None, help="other paged_decode.py files to check and time beside it")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after start: later steps are skipped")
     ap.add_argument("--warm-procs", type=int, default=0, help="compile the variants in this many processes first")
