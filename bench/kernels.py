@@ -683,6 +683,48 @@ def fla_warm() -> None:
     torch.cuda.synchronize()
 
 
+def summary(res: dict) -> str:
+    """A few lines for a terminal: worst check errors, chunk throughput, MLA fractions of the copy bandwidth."""
+    lines = [f"elapsed {res.get('elapsed_s', 0):.0f} s, warm {res.get('warm_s', 0):.0f} s, {res.get('fla_warm')}",
+             f"bandwidth {res.get('bandwidth_TB_s')}"]
+    cm = res.get("check_mla")
+    if isinstance(cm, dict):
+        lines.append("check_mla max: " + ", ".join(f"{k} {v.get('max') or 0:.1e}{'' if v.get('all_ran') else ' ERR'}"
+                                                   for k, v in cm.items() if isinstance(v, dict)))
+    cc = res.get("check_chunk")
+    if isinstance(cc, dict):
+        for key in ("standard", "bounded"):
+            errs = cc.get(key) or {}
+            ours = max((e for e in errs.values() if isinstance(e, float)), default=0.0)
+            worst = {n: max(x for x in e.values() if isinstance(x, float)) for n, e in errs.items()
+                     if isinstance(e, dict)}
+            lines.append(f"check_chunk {key} max of o/final/ckpt: ours {ours:.1e}, " +
+                         ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
+    if isinstance(res.get("check_fla"), dict):
+        lines.append(f"check_fla {res['check_fla']}")
+    for row in res.get("chunk_kda") or []:
+        if isinstance(row, dict):
+            lines.append("chunk T {}: ".format(row.get("T")) + ", ".join(
+                f"{k[:-7]} {v:.2f}" for k, v in row.items() if k.endswith("_Mtok_s")) + " M tok/s")
+    for row in res.get("mla_decode") or []:
+        if isinstance(row, dict):
+            lines.append(f"mla {row.get('N')}x{row.get('context')} {row.get('impl')} {row.get('cfg')}: graph "
+                         f"{row.get('graph_us', 0):.1f} us {row.get('graph_of_copy_bw', 0):.0%}, eager "
+                         f"{row.get('eager_us', 0):.1f} us {row.get('error', '')}")
+    for name, sw in (res.get("mla_sweep") or {}).items():
+        if isinstance(sw, dict):
+            lines.append(f"sweep {name} top {sw.get('stage1_top')} {sw.get('stopped', '')}")
+            for row in sw.get("best_per_context", []):
+                lines.append(f"  best {row['N']}x{row['context']}: {row['graph_us']:.1f} us "
+                             f"{row['graph_of_copy_bw']:.0%} " + json.dumps({k: row[k] for k in row if k in (
+                                 "BN", "trans", "num_warps", "num_stages", "num_splits", "part_bf16", "page_tile")}))
+    for row in res.get("decode") or []:
+        if isinstance(row, dict):
+            lines.append(f"decode N {row.get('N')}: pool {row.get('ours_pool_us', 0):.1f} us, graph "
+                         f"{row.get('ours_graph_replay_us', 0):.1f} us, fla {row.get('fla_us', 0):.1f} us")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
@@ -798,6 +840,10 @@ def main() -> None:
         with tarfile.open(a.save_cache, "w:xz", preset=1) as tar:
             tar.add(cache, arcname="tcache")
     print(json.dumps(res, indent=1))
+    try:
+        print(summary(res), file=sys.stderr)
+    except Exception:
+        print(traceback.format_exc()[-1000:], file=sys.stderr)
 
 
 if __name__ == "__main__":
