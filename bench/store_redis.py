@@ -69,16 +69,28 @@ def server_cpu_s(pids: list[int]) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
-def redis_benchmark(port: int, pids: list[int], size: int, total_mb: int, cluster: bool) -> dict[str, Any]:
+def redis_benchmark(
+    port: int, pids: list[int], size: int, total_mb: int, cluster: bool, fresh: bool = False
+) -> dict[str, Any]:
     """SET and GET of `size`-byte values (50 clients, redis-benchmark's default): MB/s, and CPU seconds per GB
-    of redis-benchmark itself and of the server(s)."""
+    of redis-benchmark itself and of the server(s).
+
+    redis-benchmark's plain SET overwrites one key ("key:__rand_int__") again and again and its GET reads that
+    one value: the server reuses one allocation that stays in cache. A store never does that (every blob is a
+    new key; a load reads distinct values), so with `fresh` the keys are drawn from a keyspace (`-r`): SET
+    allocates a new value per key like a save, and GET reads a keyspace of distinct values filled first by a
+    SET of five times as many requests (99.3% of keys present). The caller flushes these keys after."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {}
     n = max(100, total_mb * 1_000_000 // size)
+    space = ["-r", str(n // 5 if fresh else 0)] if fresh else []
     res: dict[str, Any] = {}
     for op in ("set", "get"):
-        cmd = [exe, "-p", str(port), "-t", op, "-d", str(size), "-n", str(n), "-q", *(["--cluster"] if cluster else [])]
+        cmd = [exe, "-p", str(port), "-t", op, "-d", str(size), "-n", str(n), "-q", *space,
+               *(["--cluster"] if cluster else [])]
+        if fresh and op == "set":
+            cmd[cmd.index("-r") + 1] = str(10**8)  # every SET a new key
         c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         s0 = server_cpu_s(pids)
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -89,14 +101,38 @@ def redis_benchmark(port: int, pids: list[int], size: int, total_mb: int, cluste
             res[op] = round(float(m.group(1)) * size / 1e6)
             res[f"{op}_client_cpu_s_per_GB"] = round((c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime) / gb, 2)
             res[f"{op}_server_cpu_s_per_GB"] = round((server_cpu_s(pids) - s0) / gb, 2)
+        if fresh and op == "set":  # fill the GET keyspace: 5x its size in random SETs
+            fill = [exe, "-p", str(port), "-t", "set", "-d", str(size), "-n", str(n), "-q", *space,
+                    *(["--cluster"] if cluster else [])]
+            subprocess.run(fill, capture_output=True, check=True)
     return res
+
+
+def flush_benchmark_keys(ports: list[int]) -> None:
+    """Drop redis-benchmark's keys ("key:*") so they do not weigh on the next measurement."""
+    import redis
+
+    for port in ports:
+        r = redis.Redis(port=port)
+        try:
+            pipe = r.pipeline(transaction=False)
+            for k in r.scan_iter(match="key:*", count=1000):
+                pipe.delete(k)  # one key per DEL: a cluster node refuses keys of several slots in one
+            pipe.execute()
+        finally:
+            r.close()
+
+
+HASH_SAVES = False
+"""--hash-saves: put_blobs hashes every blob again (verified=False); the engine names blobs by hashing them and
+saves with verified=True, which is the default here."""
 
 
 async def save_like_snapshot_store(store: RedisStore, blobs: dict[str, bytes]) -> None:
     """What SnapshotStore.save does with the blobs of a snapshot (the manifest commit is a few KiB more)."""
     stored = await store.has_blobs(blobs)
     await store.touch_blobs(stored)
-    await store.put_blobs({d: b for d, b in blobs.items() if d not in stored})
+    await store.put_blobs({d: b for d, b in blobs.items() if d not in stored}, verified=not HASH_SAVES)
 
 
 async def one_size(url: str, pids: list[int], size: int, total: int) -> dict[str, float]:
@@ -155,12 +191,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cluster", action="store_true", help="a 3-node Redis Cluster on loopback")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--hash-saves", action="store_true", help="put_blobs(verified=False): hash every blob saved")
     ap.add_argument(
         "--without-sha256", action="store_true",
         help="analysis only: replace the store's hash checks by a no-op, to show what they cost (the store "
         "itself always verifies)",
     )
     args = ap.parse_args()
+    global HASH_SAVES
+    HASH_SAVES = args.hash_saves
     rs = redis_helpers()
     tmp = Path(tempfile.mkdtemp(prefix="store-redis-"))
     if args.cluster:
@@ -173,11 +212,16 @@ def main() -> None:
     try:
         if args.without_sha256:
             from kda_sessions.storage.backends import redis as redis_backend
+            from kda_sessions.storage.backends import redis_bulk
 
             async def no_check(items: Any, *, where: str) -> None:
                 pass
 
+            def no_check_bulk(items: Any, *, where: str) -> None:
+                pass
+
             redis_backend._verify = no_check  # type: ignore[assignment]
+            redis_bulk.check_digests = no_check_bulk
         if args.profile:
             anyio.run(profile, url, args.mib * 1048576)
             return
@@ -185,10 +229,17 @@ def main() -> None:
         rounds: list[dict[Any, Any]] = []
         for _ in range(args.rounds):
             raw = {f"{d // 1000}KB": redis_benchmark(ports[0], pids, d, 1000, args.cluster) for d in RAW_SIZES}
+            fresh = {}
+            for d in RAW_SIZES:
+                fresh[f"{d // 1000}KB"] = redis_benchmark(ports[0], pids, d, 1000, args.cluster, fresh=True)
+                flush_benchmark_keys(ports)
             rnd: dict[Any, Any] = {
                 "raw": raw,
                 "raw_set": max(r.get("set", 0) for r in raw.values()),
                 "raw_get": max(r.get("get", 0) for r in raw.values()),
+                "fresh": fresh,
+                "fresh_set": max(r.get("set", 0) for r in fresh.values()),
+                "fresh_get": max(r.get("get", 0) for r in fresh.values()),
             }
             for kib in SIZES_KIB:
                 rnd[kib] = anyio.run(one_size, url, pids, kib * 1024, args.mib * 1048576)
@@ -205,6 +256,9 @@ def main() -> None:
             if rounds[0]["raw_set"]:
                 row["save_of_raw_set"] = med(r[kib]["save_MBps"] / r["raw_set"] for r in rounds)
                 row["load_of_raw_get"] = med(r[kib]["load_MBps"] / r["raw_get"] for r in rounds)
+            if rounds[0]["fresh_set"]:
+                row["save_of_fresh_set"] = med(r[kib]["save_MBps"] / r["fresh_set"] for r in rounds)
+                row["load_of_fresh_get"] = med(r[kib]["load_MBps"] / r["fresh_get"] for r in rounds)
             rows.append(row)
         raw_rows = {
             size: {key: med((r["raw"][size][key] for r in rounds), 0 if key in ("set", "get") else 2)
@@ -221,6 +275,16 @@ def main() -> None:
                 "get_MBps_median": med((r["raw_get"] for r in rounds), 0),
                 "by_value_size": raw_rows,
             },
+            "redis_benchmark_fresh_keys": {
+                "set_MBps_median": med((r["fresh_set"] for r in rounds), 0),
+                "get_MBps_median": med((r["fresh_get"] for r in rounds), 0),
+                "by_value_size": {
+                    size: {key: med((r["fresh"][size][key] for r in rounds), 0 if key in ("set", "get") else 2)
+                           for key in rounds[0]["fresh"][size]}
+                    for size in rounds[0]["fresh"]
+                },
+            },
+            "saves_hash": HASH_SAVES,
             "sizes": rows,
             "sha256_one_thread_MBps": sha256_MBps(),
             "cpus": os.cpu_count(),
