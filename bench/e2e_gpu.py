@@ -176,6 +176,8 @@ def build_model(cfg: ModelConfig, device: str, dtype: torch.dtype) -> HybridMode
     bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
     if bad:
         raise RuntimeError(f"non-finite parameters: {bad[:5]}")
+    if device == "cuda":
+        model.stack_experts()  # every mode (eager, static, graph) then runs the same batched MoE decode
     return model
 
 

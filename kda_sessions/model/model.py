@@ -60,6 +60,13 @@ class HybridModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
 
+    def stack_experts(self) -> None:
+        """Stack every MoE layer's routed experts (``MoE.stack_experts``: memory-neutral views) so decode batches
+        on a GPU run them in batched matmuls; done once before decode steps are captured in CUDA graphs."""
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.stack_experts()
+
     def allocate_pools(self, num_slots: int, num_pages: int, page_size: int, scratch: bool = True) -> StatePools:
         """Zeroed pools: KDA states [S, H, K, V] float32 and conv tails per KDA layer, latent pages per MLA layer.
         With ``scratch`` one more slot (index ``num_slots``) and page (index ``num_pages``) are allocated for the

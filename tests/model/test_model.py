@@ -161,3 +161,29 @@ def test_moe_dense_routing_matches_the_sparse_loop() -> None:
     dense = dense + moe.shared_experts(x)
     assert torch.allclose(dense, sparse, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(dense, moe.shared_experts(x))  # routed experts contributed
+
+
+@pytest.mark.parametrize("T", [1, 2, 16], ids=lambda t: f"T{t}")
+def test_moe_stacked_experts_match_the_sparse_loop(T: int) -> None:
+    """stack_experts keeps the weights (the experts view the stacked tensors) and the stacked decode path (gather
+    of the chosen experts for few tokens, every expert batched for more) equals the per-expert loop."""
+    model = load_model("tiny-random")
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    before = {n: t.clone() for n, t in moe.state_dict().items()}
+    x = torch.randn(T, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    sparse = moe(x)
+    moe.stack_experts()
+    after = moe.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    stacked = moe._stacked_weights()
+    assert stacked is not None
+    scores = torch.sigmoid(x @ moe.gate.weight.t())
+    _, chosen = torch.topk(scores + moe.gate.e_score_correction_bias, moe.top_k, dim=-1)
+    w = scores.gather(-1, chosen)
+    w = w / w.sum(-1, keepdim=True) * moe.scale
+    routed = moe._stacked_experts(x, chosen, w, *stacked)
+    assert moe.shared_experts is not None
+    assert torch.allclose(routed + moe.shared_experts(x), sparse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(moe(x), sparse)  # the CPU path is the loop, unchanged
+    model.to(torch.float64)  # breaks the views: the stacked path turns itself off
+    assert moe._stacked_weights() is None
