@@ -157,7 +157,7 @@ class MoE(nn.Module):
         Fw = F2 // 2
         if 3 * T * k < E:
             idx = chosen.reshape(-1)  # [T * k]
-            xr = x.repeat_interleave(k, dim=0)  # [T * k, D]
+            xr = x[:, None, :].expand(T, k, D).reshape(T * k, D)  # each token once per chosen expert
             h = torch.bmm(w13.index_select(0, idx), xr[:, :, None])[..., 0]  # [T * k, 2F]
             a = F.silu(h[:, :Fw]) * h[:, Fw:]  # [T * k, F]
             y = torch.bmm(w2.index_select(0, idx), a[:, :, None])[..., 0]  # [T * k, D]
