@@ -90,9 +90,14 @@ MLA_VARIANTS: list[dict] = [
 def mla_cand_grid() -> list[dict]:
     """Compiled variants of an MLA candidate swept by --only mlasweep (split counts and partial dtype come after)."""
     if SMOKE:
-        return [{"BN": 16, "trans": t, "num_warps": 4, "num_stages": 2} for t in (True, False)]
-    return [{"trans": t, "BN": bn, "num_warps": w, "num_stages": st}
-            for t in (True, False) for bn in (64, 32) for w in (4, 8) for st in (2, 3, 4)]
+        return [{"BN": 16, "tma": True, "num_warps": 4, "num_stages": 2}] + \
+            [{"BN": 16, "trans": t, "num_warps": 4, "num_stages": 2} for t in (True, False)]
+    tma = [(bn, w, st) for bn in (64, 32) for w in (8, 4) for st in (2, 3)]
+    trans = [(64, 4, 2), (64, 8, 2), (64, 4, 3), (64, 8, 3), (32, 4, 3), (32, 8, 3), (32, 4, 4)]
+    rows = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2)]  # heads on the rows, as the current kernel
+    return ([{"tma": True, "BN": bn, "num_warps": w, "num_stages": st} for bn, w, st in tma] +
+            [{"trans": True, "BN": bn, "num_warps": w, "num_stages": st} for bn, w, st in trans] +
+            [{"trans": False, "BN": bn, "num_warps": w, "num_stages": st} for bn, w, st in rows])
 
 
 def configure(smoke: bool) -> None:
@@ -333,7 +338,7 @@ def mla_check_cfgs(name: str, mod) -> list[dict]:
     params = inspect.signature(mod._launch).parameters
     if "waves" in params:  # v3 and later: the whole sweep grid, plus bf16 partials and many splits
         return [{}, *mla_cand_grid(), {"part_bf16": True}, {"waves": 4.0, "part_bf16": True},
-                {"page_tile": False}, {"num_splits": 1}]
+                {"tma": False, "page_tile": False}, {"num_splits": 1}]
     if "trans" in params:
         return [{}, {"trans": True}]
     return [{}]

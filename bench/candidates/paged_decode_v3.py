@@ -2,6 +2,11 @@
 
 Changes against ``kernels/mla/paged_decode.py`` (each one a launch parameter, so one device run can compare them):
 
+- ``tma`` (default): tokens on the rows, and whole page-aligned tiles copied by TMA from tensor descriptors over the
+  cache viewed as [num_pages * P, r + dr] (the latent as two [BN, r / 2] boxes, k_pe as one [BN, dr]): no
+  per-thread addresses (the pointer kernels sit at 255 registers with spills on sm_90), both products on warpgroup
+  MMAs with operands in shared memory; the split's partial last tile through masked loads, so rows past a
+  sequence's end are never read. Falls back to the pointer kernel where the shapes do not fit (``_tma_ok``).
 - ``trans``: tokens on the rows of both products (scores^T = c q^T [BN, BH], acc^T += c^T p^T [R, BH]), the shapes
   Hopper's warpgroup MMA takes with both operands in shared memory, so q no longer occupies registers.
 - ``page_tile``: when BN divides the page size every tile lies in one page: one page-table load per tile and
@@ -106,6 +111,80 @@ def _split_kernel(
     tl.store(lse_part + base, lse, mask=mh)
 
 
+@triton.jit
+def _tile_t(c0, c1, pe, qt0, qt1, qpt, mt, m_i, l_i, acc0, acc1, sm_scale):
+    """One tile, tokens on the rows: c0, c1 the two halves of the latent [BN, R / 2], pe [BN, DR], mt [BN] valid
+    rows (the others must be finite: they get weight 0)."""
+    sc = tl.dot(c0, qt0) + tl.dot(c1, qt1) + tl.dot(pe, qpt)  # [BN, BH]
+    sc = tl.where(mt[:, None], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+    m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+    p = tl.exp2(sc - m_new[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+    pb = p.to(c0.dtype)
+    acc0 = acc0 * alpha[None, :] + tl.dot(tl.trans(c0), pb)
+    acc1 = acc1 * alpha[None, :] + tl.dot(tl.trans(c1), pb)
+    return m_new, l_i, acc0, acc1
+
+
+@triton.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+def _split_kernel_tma(
+    q_lat, q_pe, kv, c_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages,
+    tokens_per_split, NSPLIT,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr, BH: tl.constexpr, BN: tl.constexpr,
+    ALIGN: tl.constexpr,
+):
+    """Tokens on the rows, whole tiles through TMA (one page-table load and two [BN, R / 2] + one [BN, DR] box
+    copies per tile, no per-thread addresses); the split's last partial tile, if any, through masked loads (the
+    rows past the sequence's end may hold anything, NaN included, so they are never loaded)."""
+    hb = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.program_id(2)
+    L = tl.load(seq_lens + n)
+    start = s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, L)
+    full_end = start + tl.maximum(end - start, 0) // BN * BN
+    RH: tl.constexpr = R // 2
+    rh = hb * BH + tl.arange(0, BH)
+    r0 = tl.arange(0, RH)
+    rd = tl.arange(0, DR)
+    rn = tl.arange(0, BN)
+    mh = rh < H
+    qrow = q_lat + (n * H + rh[:, None]) * R
+    qt0 = tl.trans(tl.load(qrow + r0[None, :], mask=mh[:, None], other=0.0))  # [RH, BH]
+    qt1 = tl.trans(tl.load(qrow + RH + r0[None, :], mask=mh[:, None], other=0.0))
+    qpt = tl.trans(tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None], other=0.0))
+    m_i = tl.full([BH], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc0 = tl.zeros([RH, BH], dtype=tl.float32)
+    acc1 = tl.zeros([RH, BH], dtype=tl.float32)
+    pt = page_table + n.to(tl.int64) * max_pages
+    all_rows = rn < BN
+    for t0 in range(start, full_end, BN):
+        row = tl.load(pt + t0 // P) * P + t0 % P  # the tile's first row in the [num_pages * P, R + DR] view
+        c0 = c_desc.load([row, 0])
+        c1 = c_desc.load([row, RH])
+        pe = pe_desc.load([row, R])
+        m_i, l_i, acc0, acc1 = _tile_t(c0, c1, pe, qt0, qt1, qpt, all_rows, m_i, l_i, acc0, acc1, sm_scale)
+    if full_end < end:
+        tok = full_end + rn
+        mt = tok < end
+        page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+        row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
+        c0 = tl.load(kv + row[:, None] + r0[None, :], mask=mt[:, None], other=0.0)
+        c1 = tl.load(kv + row[:, None] + RH + r0[None, :], mask=mt[:, None], other=0.0)
+        pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None], other=0.0)
+        m_i, l_i, acc0, acc1 = _tile_t(c0, c1, pe, qt0, qt1, qpt, mt, m_i, l_i, acc0, acc1, sm_scale)
+    nonempty = l_i > 0.0
+    inv = 1.0 / tl.where(nonempty, l_i, 1.0)
+    lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), -1.0e30)
+    base = (n * NSPLIT + s) * H + rh
+    optr = o_part + base[None, :].to(tl.int64) * R + r0[:, None]
+    tl.store(optr, (acc0 * inv[None, :]).to(o_part.dtype.element_ty), mask=mh[None, :])
+    tl.store(optr + RH, (acc1 * inv[None, :]).to(o_part.dtype.element_ty), mask=mh[None, :])
+    tl.store(lse_part + base, lse, mask=mh)
+
+
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(
     o_part, lse_part, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
@@ -143,11 +222,19 @@ def _num_splits(N: int, capacity: int, sm_count: int, waves: float = 2.0, min_to
     return max(1, min(triton.cdiv(int(waves * sm_count), max(N, 1)), triton.cdiv(capacity, min_tokens)))
 
 
+def _tma_ok(R: int, DR: int, P: int, BN: int) -> bool:
+    """The TMA kernel's shape rules: page-aligned tiles, power-of-two halves of r and dr."""
+    def pow2(x: int) -> bool:
+        return x >= 8 and x & (x - 1) == 0
+
+    return P % BN == 0 and R % 2 == 0 and pow2(R // 2) and pow2(DR)
+
+
 def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
-    num_splits: int | None = None, BN: int = 64, BH: int | None = None, num_warps: int = 4, num_stages: int = 3,
+    num_splits: int | None = None, BN: int = 64, BH: int | None = None, num_warps: int = 8, num_stages: int = 2,
     trans: bool = True, page_tile: bool = True, part_bf16: bool = False, waves: float = 2.0,
-    merge_br: int = 64, merge_warps: int = 2,
+    merge_br: int = 64, merge_warps: int = 2, tma: bool = True,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]."""
     N, H, R = q_lat.shape
@@ -170,12 +257,24 @@ def _launch(
     align = 1
     while align < 8 and (R + DR) % (2 * align) == 0:
         align *= 2
-    _split_kernel[(triton.cdiv(H, BH), num_splits, N)](
-        q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps, num_splits,
-        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN,
-        ALIGN=align, TRANS=trans, PAGE_TILE=page_tile and P % BN == 0,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    grid = (triton.cdiv(H, BH), num_splits, N)
+    if tma and _tma_ok(R, DR, P, BN):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        kv2 = kv_pages.view(-1, R + DR)  # [num_pages * P, r + dr]: a tile is BN consecutive rows of one page
+        _split_kernel_tma[grid](
+            q_lat, q_pe, kv_pages, TensorDescriptor.from_tensor(kv2, [BN, R // 2]),
+            TensorDescriptor.from_tensor(kv2, [BN, DR]), page_table, seq_lens, o_part, lse, scale * _LOG2E,
+            max_pages, tps, num_splits, H=H, R=R, DR=DR, P=P, BH=BH, BN=BN, ALIGN=align,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        _split_kernel[grid](
+            q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps, num_splits,
+            H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN,
+            ALIGN=align, TRANS=trans, PAGE_TILE=page_tile and P % BN == 0,
+            num_warps=num_warps, num_stages=num_stages,
+        )
     BRC = min(BR, merge_br)  # the merge runs over r blocks too: H * N programs alone are too few for one sequence
     _combine_kernel[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=16,
                                                  num_warps=merge_warps)

@@ -94,7 +94,8 @@ def _mla_case(P: int, seed: int = 2):
     return ql, qp, kv, pt, sl, 0.1
 
 
-V3_CASES = [  # (P, num_splits, launch parameters): page-aligned tiles, gathered tiles, empty splits, bf16 partials
+V3_CASES = [  # pointer kernel: (P, num_splits, launch parameters): page-aligned tiles, gathered tiles, empty splits,
+    # bf16 partials (the TMA kernel has its own test below)
     (32, None, {"BN": 16}),
     (32, 3, {"BN": 16, "trans": False}),
     (8, 1, {"BN": 16}),
@@ -109,7 +110,7 @@ V3_CASES = [  # (P, num_splits, launch parameters): page-aligned tiles, gathered
 def test_mla_decode_v3(P, num_splits, cfg):
     v3 = load_candidate("paged_decode_v3", "kda_sessions.kernels.mla")
     args = _mla_case(P)
-    o = v3._launch(*args, num_splits, **cfg)
+    o = v3._launch(*args, num_splits, tma=False, **cfg)
     tol = 1e-2 if cfg.get("part_bf16") else 1e-5
     assert rel_rms(o, naive_mla_decode_paged(*args)) < tol
 
@@ -126,3 +127,18 @@ def test_mla_decode_v3_public_entry():
     v3 = load_candidate("paged_decode_v3", "kda_sessions.kernels.mla")
     args = _mla_case(16, seed=5)
     assert rel_rms(v3.mla_decode_paged_triton(*args), naive_mla_decode_paged(*args)) < 1e-5
+
+
+@pytest.mark.parametrize("P,num_splits,BN", [(16, None, 16), (32, 3, 16), (16, 7, 16), (32, 1, 32)],
+                         ids=lambda x: str(x))
+def test_mla_decode_v3_tma(P, num_splits, BN):
+    """Whole tiles through tensor descriptors, the partial last tile of a split through masked loads; the cache
+    rows past every sequence's end hold NaN, which must not reach the output."""
+    v3 = load_candidate("paged_decode_v3", "kda_sessions.kernels.mla")
+    ql, qp, kv, pt, sl, scale = _mla_case(P)
+    ref = naive_mla_decode_paged(ql, qp, kv, pt, sl, scale)
+    for n, length in enumerate(sl.tolist()):  # poison the unused rows of every sequence's last page
+        last = int(pt[n, (length - 1) // P])
+        kv[last, (length - 1) % P + 1 :] = float("nan")
+    o = v3._launch(ql, qp, kv, pt, sl, scale, num_splits, BN=BN, tma=True, part_bf16=BN == 32)
+    assert rel_rms(o, ref) < (1e-2 if BN == 32 else 1e-5)
