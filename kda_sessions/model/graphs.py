@@ -41,8 +41,8 @@ def batch_buckets(max_batch: int) -> list[int]:
 @dataclass
 class _Static:
     """The static inputs of one bucket: bs rows, width pages per row, all in one int32 device buffer
-    [bs * (3 + width)] (ids | slots | seq_lens | page table rows), its host twin (pinned on CUDA), and the
-    captured graph with its output logits [bs, vocab]."""
+    (ids | slots | seq_lens | page table rows, each part 16-byte aligned), its host twin (pinned on CUDA), and
+    the captured graph with its output logits [bs, vocab]."""
 
     bs: int
     width: int
@@ -134,13 +134,14 @@ class DecodeGraphs:
     def _get(self, bs: int, width: int) -> _Static:
         key = (bs, width)
         if key not in self._static:
-            ints = torch.empty(bs * (3 + width), dtype=torch.int32, device=self.device)
+            b4 = -(-bs // 4) * 4  # each part starts 16-byte aligned
+            ints = torch.empty(3 * b4 + bs * width, dtype=torch.int32, device=self.device)
             host = torch.empty(ints.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             inputs = DecodeInputs(
                 input_ids=ints[:bs],
-                slots=ints[bs : 2 * bs],
-                seq_lens=ints[2 * bs : 3 * bs],
-                page_table=ints[3 * bs :].view(bs, width),  # contiguous [bs, width]
+                slots=ints[b4 : b4 + bs],
+                seq_lens=ints[2 * b4 : 2 * b4 + bs],
+                page_table=ints[3 * b4 :].view(bs, width),  # contiguous [bs, width]
                 cu_seqlens=torch.arange(bs + 1, dtype=torch.long, device=self.device),
             )
             st = _Static(bs, width, ints, host, inputs, rows=[(None, 0)] * bs)
@@ -153,16 +154,17 @@ class DecodeGraphs:
         if st.copied is not None:
             st.copied.synchronize()  # the previous copy out of the host buffer has finished
         bs, N = st.bs, len(ids)
+        b4 = -(-bs // 4) * 4
         scratch_slot, scratch_page = self.pools.scratch_slot, self.pools.scratch_page
         assert scratch_slot is not None and scratch_page is not None
         h = st.host.numpy()
+        h[: 3 * b4] = 0
         h[:N] = ids
-        h[N:bs] = 0
-        h[bs : bs + N] = slots
-        h[bs + N : 2 * bs] = scratch_slot
-        h[2 * bs : 2 * bs + N] = lens
-        h[2 * bs + N : 3 * bs] = 1
-        table = h[3 * bs :].reshape(bs, st.width)
+        h[b4 : b4 + N] = slots
+        h[b4 + N : b4 + bs] = scratch_slot
+        h[2 * b4 : 2 * b4 + N] = lens
+        h[2 * b4 + N : 2 * b4 + bs] = 1
+        table = h[3 * b4 :].reshape(bs, st.width)
         for i in range(bs):
             p = pages[i] if i < N else None
             last, n_last = st.rows[i]

@@ -40,6 +40,14 @@ class Sessions:
         self.lengths = [0] * num_slots
         self.next_page = num_pages - 1  # hand pages out from the top, so tables are not the identity
 
+    def clone(self) -> Sessions:
+        """The same sessions over copied pools (the model is shared, not copied)."""
+        other = copy.copy(self)
+        other.pools = copy.deepcopy(self.pools)
+        other.pages = [list(p) for p in self.pages]
+        other.lengths = list(self.lengths)
+        return other
+
     def grow(self, s: int, total: int) -> None:
         while len(self.pages[s]) * P < total:
             self.pages[s].append(self.next_page)
@@ -47,9 +55,10 @@ class Sessions:
 
     def prefill(self, s: int, ids: list[int]) -> None:
         self.grow(s, self.lengths[s] + len(ids))
+        dev = self.model.device
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids), num_new=[len(ids)], start=[self.lengths[s]], slots=torch.tensor([s]),
-            page_table=torch.tensor([self.pages[s]], dtype=torch.int32),
+            input_ids=torch.tensor(ids, device=dev), num_new=[len(ids)], start=[self.lengths[s]],
+            slots=torch.tensor([s], device=dev), page_table=torch.tensor([self.pages[s]], dtype=torch.int32, device=dev),
         )
         self.model.step(batch, self.pools)
         self.lengths[s] += len(ids)
@@ -64,12 +73,13 @@ class Sessions:
         assert scratch_slot is not None and scratch_page is not None
         rows = [self.pages[s] + [scratch_page] * (width - len(self.pages[s])) for s in seqs]
         rows += [[scratch_page] * width] * dummies
+        dev = self.model.device
         batch = ForwardBatch(
-            input_ids=torch.tensor(ids + [0] * dummies),
+            input_ids=torch.tensor(ids + [0] * dummies, device=dev),
             num_new=[1] * (len(seqs) + dummies),
             start=[self.lengths[s] for s in seqs] + [0] * dummies,
-            slots=torch.tensor(seqs + [scratch_slot] * dummies),
-            page_table=torch.tensor(rows, dtype=torch.int32),
+            slots=torch.tensor(seqs + [scratch_slot] * dummies, device=dev),
+            page_table=torch.tensor(rows, dtype=torch.int32, device=dev),
         )
         logits, _ = self.model.step(batch, self.pools)
         for s in seqs:
@@ -95,7 +105,7 @@ def twins(model: HybridModel, contexts: list[int], seed: int) -> tuple[Sessions,
     a = Sessions(model, len(contexts), 64)
     for s, n in enumerate(contexts):
         a.prefill(s, torch.randint(0, 272, (n,), generator=g).tolist())
-    return a, copy.deepcopy(a)
+    return a, a.clone()
 
 
 def test_buckets():
@@ -125,7 +135,7 @@ def test_full_bucket_is_bit_identical_to_step(model, contexts):
                          ids=["3of4-bucket4", "5of6-bucket8"])
 def test_padded_rows_write_only_scratch(model, contexts, active):
     eager, static = twins(model, contexts, seed=11)
-    unpadded = copy.deepcopy(eager)
+    unpadded = eager.clone()
     graphs = DecodeGraphs(model, static.pools, enabled=False)
     dummies = graphs.bucket(len(active)) - len(active)
     assert dummies > 0
@@ -210,7 +220,7 @@ def test_graph_replay_equals_eager_on_cuda():
     model = load_model("tiny-random", device="cuda", dtype=torch.float32)
     contexts = [3, 14, 15, 45, 70]
     replay, eager = twins(model, contexts, seed=5)
-    static = copy.deepcopy(eager)
+    static = eager.clone()
     graphs = DecodeGraphs(model, replay.pools)
     plain = DecodeGraphs(model, static.pools, enabled=False)
     assert graphs.use_graphs
