@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -272,6 +273,7 @@ def decode_case(
         r["first_call_s"] = round(capture_s, 2)
         if mode == "graph":
             r["replays"], r["captures"] = graphs.replays, graphs.captures
+            r["capture_error"] = graphs.capture_error
             g = graphs.graph_for(batch, pages_per_seq)
             if g is not None:  # the GPU time of the step alone: back-to-back replays between two events
                 n_rep = max(steps, 20)
@@ -396,6 +398,7 @@ def smoke_graphs(device: str, steps: int = 6) -> dict:
     res["replays"], res["captures"], res["eager_runs"] = (runners["graph"].replays, runners["graph"].captures,
                                                           runners["graph"].eager_runs)
     res["graphs_used"] = runners["graph"].use_graphs
+    res["capture_error"] = runners["graph"].capture_error
     return res
 
 
@@ -417,6 +420,7 @@ def main() -> None:
     ap.add_argument("--batch8", action="store_true", help="also batch 8 at 128K (after the batch-1 cases)")
     args = ap.parse_args()
     OUT_PATH = args.out
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     dev = args.device
     if dev == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device")

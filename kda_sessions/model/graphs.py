@@ -89,6 +89,7 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
         self.eager_runs = 0
+        self.capture_error: str | None = None
 
     def accepts(self, n: int) -> bool:
         return 1 <= n <= self.max_batch
@@ -203,9 +204,10 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
                 out = self.model.decode(st.inputs, self.pools)
-        except Exception:
+        except Exception as e:
             log.warning("CUDA graph capture failed for batch %d, width %d: decode runs eagerly", st.bs, st.width,
                         exc_info=True)
+            self.capture_error = f"{type(e).__name__}: {e}"
             self.use_graphs = False
             return
         st.graph, st.out = graph, out
