@@ -211,8 +211,7 @@ def main() -> None:
         url = f"redis://127.0.0.1:{port}/0"
     try:
         if args.without_sha256:
-            from kda_sessions.storage.backends import redis as redis_backend
-            from kda_sessions.storage.backends import redis_bulk
+            from kda_sessions.storage.backends import redis_bulk, redis_io
 
             async def no_check(items: Any, *, where: str) -> None:
                 pass
@@ -220,7 +219,7 @@ def main() -> None:
             def no_check_bulk(items: Any, *, where: str) -> None:
                 pass
 
-            redis_backend._verify = no_check  # type: ignore[assignment]
+            redis_io.verify = no_check  # type: ignore[assignment]
             redis_bulk.check_digests = no_check_bulk
         if args.profile:
             anyio.run(profile, url, args.mib * 1048576)

@@ -107,9 +107,9 @@ async def test_server_gone_mid_use_is_store_unavailable(tmp_path) -> None:  # ty
 async def test_many_small_blobs_span_several_pipelines(
     rstore: RedisStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kda_sessions.storage.backends import redis as redis_mod
+    from kda_sessions.storage.backends import redis_io
 
-    monkeypatch.setattr(redis_mod, "PIPELINE_BYTES", 64)
+    monkeypatch.setattr(redis_io, "PIPELINE_BYTES", 64)
     items = {digest(bytes([i]) * 30): bytes([i]) * 30 for i in range(10)}
     assert await rstore.put_blobs(items) == set(items)
     assert await rstore.put_blobs(items) == set()

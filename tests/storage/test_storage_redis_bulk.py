@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from storage_helpers import FINGERPRINT, make_snapshot, open_redis
 
-from kda_sessions.storage.backends import redis_bulk
+from kda_sessions.storage.backends import redis_bulk, redis_io
 from kda_sessions.storage.backends.redis import RedisStore
 from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import ManifestNotFound, StoreUnavailable
@@ -35,10 +35,10 @@ AWKWARD = [
 async def rstore(request: pytest.FixtureRequest, redis_url: str, redis_prefix: str) -> AsyncIterator[RedisStore]:
     """A RedisStore chunking above 1000 bytes, with its bulk lanes, or without (redis-py pipelines only)."""
     s = await open_redis(redis_url, redis_prefix, chunk_size=CHUNK)
-    assert s._lanes is not None  # a plain TCP url gets lanes
+    assert s._io.lanes is not None  # a plain TCP url gets lanes
     if request.param == "pipelines":
-        s._lanes.close()
-        s._lanes = None
+        s._io.lanes.close()
+        s._io.lanes = None
     try:
         yield s
     finally:
@@ -68,9 +68,9 @@ async def test_lanes_read_what_redis_py_wrote(redis_url: str, redis_prefix: str)
     writer = await open_redis(redis_url, redis_prefix, chunk_size=CHUNK)
     reader = await open_redis(redis_url, redis_prefix, chunk_size=CHUNK)
     try:
-        assert writer._lanes is not None
-        writer._lanes.close()
-        writer._lanes = None
+        assert writer._io.lanes is not None
+        writer._io.lanes.close()
+        writer._io.lanes = None
         await writer.put_blobs(blobs)
         assert await reader.get_blobs(list(blobs)) == blobs
     finally:
@@ -92,7 +92,7 @@ async def test_resp3_connections(redis_url: str, redis_prefix: str) -> None:
 async def test_redirected_items_go_through_redis_py(rstore: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """A MOVED / ASK reply (a cluster resharding) is reported per item; the store sends those items again
     through redis-py, which follows redirects. Simulated: every other item comes back redirected."""
-    if rstore._lanes is None:
+    if rstore._io.lanes is None:
         pytest.skip("lanes only")
     real_set, real_get = redis_bulk.Lane.set_many, redis_bulk.Lane.get
 
@@ -114,7 +114,7 @@ async def test_redirected_items_go_through_redis_py(rstore: RedisStore, monkeypa
 async def test_connection_broken_mid_save_leaves_no_manifest(
     rstore: RedisStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if rstore._lanes is None:
+    if rstore._io.lanes is None:
         pytest.skip("lanes only")
     snaps = SnapshotStore(rstore)
     m, blobs = make_snapshot("s1", num_tokens=40)
@@ -128,9 +128,7 @@ async def test_connection_broken_mid_save_leaves_no_manifest(
             self.sock.shutdown(2)
         real_send(self, bufs)
 
-    from kda_sessions.storage.backends import redis as redis_mod
-
-    monkeypatch.setattr(redis_mod, "PIPELINE_BYTES", 256)  # several batches per lane
+    monkeypatch.setattr(redis_io, "PIPELINE_BYTES", 256)  # several batches per lane
     monkeypatch.setattr(redis_bulk.Lane, "send", break_after_first)
     with pytest.raises(StoreUnavailable):
         await snaps.save(m, blobs)
@@ -143,11 +141,9 @@ async def test_connection_broken_mid_save_leaves_no_manifest(
 
 
 async def test_many_lanes_and_batches(rstore: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kda_sessions.storage.backends import redis as redis_mod
-
-    monkeypatch.setattr(redis_mod, "PIPELINE_BYTES", 300)
-    monkeypatch.setattr(redis_mod, "SAVE_LANES", 3)
-    monkeypatch.setattr(redis_mod, "LOAD_LANES", 3)
+    monkeypatch.setattr(redis_io, "PIPELINE_BYTES", 300)
+    monkeypatch.setattr(redis_io, "SAVE_LANES", 3)
+    monkeypatch.setattr(redis_io, "LOAD_LANES", 3)
     blobs = {digest(b): b for b in (os.urandom(n) for n in range(0, 4000, 37))}
     assert await rstore.put_blobs(blobs, verified=True) == set(blobs)
     assert await rstore.get_blobs(reversed(list(blobs))) == blobs
