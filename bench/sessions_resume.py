@@ -12,13 +12,16 @@ For each model and context length N (random byte tokens, a fresh seed per N so n
   redis       the snapshot copied into a private redis-server, a NEW engine on it: resume + generate(1).
 Store throughput is measured on the storage layer (``SnapshotStore.save(verified=True)``, as the engine calls it, /
 ``load_blobs`` of the whole snapshot,
-fresh store objects without a RAM tier, page cache dropped before disk reads).
+fresh store objects without a RAM tier, page cache dropped before disk reads). Redis: REDIS_ROUNDS rounds, each
+right after redis-benchmark SET/GET of 1 MB values on the same server, with its one key and with fresh keys
+(bench/store_redis.py says why both); medians of MB/s and of the per-round ratios.
 """
 
 from __future__ import annotations
 
 import argparse
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -111,16 +114,10 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
 
     tokens = {"ram": r_ram.token_ids, "disk": r_disk.token_ids}
     if redis_url is not None:
-        dst = await SnapshotStore.open(redis_url)
-        with Timer() as t:
-            await dst.save(manifest, blobs, verified=True)
+        row.update(await redis_rounds(redis_url, manifest, blobs, digests))
+        dst = await SnapshotStore.open(redis_url)  # the copy the new engine resumes from
+        await dst.save(manifest, blobs, verified=True)
         await dst.close()
-        row["redis_save_MBps"] = nbytes / t.s / 1e6
-        src = await SnapshotStore.open(redis_url)
-        with Timer() as t:
-            await src.load_blobs(digests)
-        await src.close()
-        row["redis_load_MBps"] = nbytes / t.s / 1e6
         eng = await common.open_engine(model, redis_url, notes)
         try:
             row["redis_s"], r_redis = await ttft_resume(eng, sid)
@@ -134,12 +131,54 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
     return row
 
 
+REDIS_ROUNDS = 3
+REDIS_PIDS: list[int] = []  # the private redis-server, for store_redis.redis_benchmark's CPU accounting
+
+
+async def redis_rounds(redis_url: str, manifest: Any, blobs: dict[str, bytes], digests: list[str]) -> dict[str, Any]:
+    """Whole-snapshot Redis save and load, each round right after redis-benchmark SET/GET of 1 MB values on
+    the same server (one key, its default, and fresh keys, as a store writes): medians over REDIS_ROUNDS of
+    MB/s and of the per-round ratios. Saves go to a scratch database, flushed after each round."""
+    import redis
+    import store_redis
+
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    scratch = redis_url.rsplit("/", 1)[0] + "/15"
+    nbytes = sum(len(b) for b in blobs.values())
+    per: dict[str, list[float]] = {}
+    for _ in range(REDIS_ROUNDS):
+        one = store_redis.redis_benchmark(port, REDIS_PIDS, 1_000_000, 500, False)
+        fresh = store_redis.redis_benchmark(port, REDIS_PIDS, 1_000_000, 500, False, fresh=True)
+        store_redis.flush_benchmark_keys([port])
+        dst = await SnapshotStore.open(scratch)
+        with Timer() as t:
+            await dst.save(manifest, blobs, verified=True)
+        await dst.close()
+        save = nbytes / t.s / 1e6
+        src = await SnapshotStore.open(scratch)
+        with Timer() as t:
+            await src.load_blobs(digests)
+        await src.close()
+        load = nbytes / t.s / 1e6
+        redis.Redis(port=port, db=15).flushdb()
+        for key, v in {
+            "redis_save_MBps": save, "redis_load_MBps": load,
+            "raw_redis_set_MBps": one["set"], "raw_redis_get_MBps": one["get"],
+            "raw_redis_fresh_set_MBps": fresh["set"], "raw_redis_fresh_get_MBps": fresh["get"],
+            "redis_save_of_set": save / one["set"], "redis_load_of_get": load / one["get"],
+            "redis_save_of_fresh_set": save / fresh["set"], "redis_load_of_fresh_get": load / fresh["get"],
+        }.items():
+            per.setdefault(key, []).append(v)
+    return {key: statistics.median(v) for key, v in per.items()}
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     notes: list[str] = []
     root = Path(tempfile.mkdtemp(prefix="ksbench_resume_", dir=args.tmp))
     result: dict[str, Any] = {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "notes": notes}
     rs = common.redis_helpers()
     port, proc = rs.start_redis_server(root / "redis")
+    REDIS_PIDS[:] = [proc.pid]
     try:
         result["raw_disk"] = common.raw_disk_bandwidth(root / "dd", mib=128 if args.quick else 512)
         result["raw_redis"] = common.raw_redis_bandwidth(port, total_mb=50 if args.quick else 200)
