@@ -185,9 +185,10 @@ class Runner:
         ids = [s.tokens[s.num_cached] for s in sessions]
         if self.graphs is not None and self.graphs.accepts(len(sessions)):
             # static buffers + a replayed CUDA graph: no per-step tensors, no host sync before sampling
-            slots = [s.slot for s in sessions]
-            assert all(slot is not None for slot in slots)
-            logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in sessions], [s.pages for s in sessions])  # type: ignore[arg-type]
+            slots = [s.slot for s in sessions if s.slot is not None]
+            assert len(slots) == len(sessions)
+            lens = [s.num_cached + 1 for s in sessions]
+            logits = self.graphs.run(ids, slots, lens, [s.pages for s in sessions])
         else:
             batch = ForwardBatch(
                 input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
