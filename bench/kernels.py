@@ -538,7 +538,8 @@ def mla_sweep(bw: float, mods: dict, deadline: float) -> dict:
             cap = sets[0][3].shape[1] * sets[0][2].shape[1]
             variants = [{**cfg, "num_splits": mod._num_splits(len(lens), cap, sm, w, 128), "part_bf16": pb}
                         for cfg in top for w in (0.5, 1.0, 2.0, 4.0) for pb in (False, True)]
-            variants += [{**top[0], "page_tile": False}] if top else []
+            if top:  # the same tiles through gathered pointer loads
+                variants.append({**top[0], "tma": False, "page_tile": False})
             for cfg in variants:
                 row = {"N": len(lens), "context": lens[0], **cfg}
                 try:
@@ -707,23 +708,24 @@ def summary(res: dict) -> str:
                          ", ".join(f"{n} {e:.1e}" for n, e in worst.items()))
     if isinstance(res.get("check_fla"), dict):
         lines.append(f"check_fla {res['check_fla']}")
-    for row in res.get("chunk_kda") or []:
+    for row in res.get("chunk_kda") if isinstance(res.get("chunk_kda"), list) else []:
         if isinstance(row, dict):
             lines.append("chunk T {}: ".format(row.get("T")) + ", ".join(
                 f"{k[:-7]} {v:.2f}" for k, v in row.items() if k.endswith("_Mtok_s")) + " M tok/s")
-    for row in res.get("mla_decode") or []:
+    for row in res.get("mla_decode") if isinstance(res.get("mla_decode"), list) else []:
         if isinstance(row, dict):
             lines.append(f"mla {row.get('N')}x{row.get('context')} {row.get('impl')} {row.get('cfg')}: graph "
                          f"{row.get('graph_us', 0):.1f} us {row.get('graph_of_copy_bw', 0):.0%}, eager "
                          f"{row.get('eager_us', 0):.1f} us {row.get('error', '')}")
-    for name, sw in (res.get("mla_sweep") or {}).items():
+    sweeps = res.get("mla_sweep")
+    for name, sw in (sweeps.items() if isinstance(sweeps, dict) else []):
         if isinstance(sw, dict):
             lines.append(f"sweep {name} top {sw.get('stage1_top')} {sw.get('stopped', '')}")
             for row in sw.get("best_per_context", []):
                 lines.append(f"  best {row['N']}x{row['context']}: {row['graph_us']:.1f} us "
                              f"{row['graph_of_copy_bw']:.0%} " + json.dumps({k: row[k] for k in row if k in (
                                  "BN", "trans", "num_warps", "num_stages", "num_splits", "part_bf16", "page_tile")}))
-    for row in res.get("decode") or []:
+    for row in res.get("decode") if isinstance(res.get("decode"), list) else []:
         if isinstance(row, dict):
             lines.append(f"decode N {row.get('N')}: pool {row.get('ours_pool_us', 0):.1f} us, graph "
                          f"{row.get('ours_graph_replay_us', 0):.1f} us, fla {row.get('fla_us', 0):.1f} us")
