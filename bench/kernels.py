@@ -485,8 +485,8 @@ def time_mla(bw: float, mods: dict) -> list[dict]:
     for lens in mla_contexts():
         sets, calls, bytes_ = mla_case(lens)
         for name, mod in mods.items():
-            cfgs = [{}] if name != "current" and "waves" in inspect.signature(mod._launch).parameters else \
-                mla_check_cfgs(name, mod)
+            cfgs = [{}, {"tma": False}] if name != "current" and "waves" in inspect.signature(
+                mod._launch).parameters else mla_check_cfgs(name, mod)
             for cfg in cfgs:
                 row = {"N": len(lens), "context": lens[0], "impl": name, "cfg": cfg}
                 try:
