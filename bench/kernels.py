@@ -92,7 +92,8 @@ def mla_cand_grid() -> list[dict]:
     if SMOKE:
         return [{"BN": 16, "tma": True, "num_warps": 4, "num_stages": 2}] + \
             [{"BN": 16, "trans": t, "num_warps": 4, "num_stages": 2} for t in (True, False)]
-    tma = [(bn, w, st) for bn in (64, 32) for w in (8, 4) for st in (2, 3)]
+    # BN 32 through TMA spills 0.7-1 KB per thread with 4 warps on sm_90 (bench/candidates/aot_sm90.py): left out
+    tma = [(64, 8, 2), (64, 8, 3), (64, 4, 2), (64, 4, 3), (32, 8, 2)]
     trans = [(64, 4, 2), (64, 8, 2), (64, 4, 3), (64, 8, 3), (32, 4, 3), (32, 8, 3), (32, 4, 4)]
     rows = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2)]  # heads on the rows, as the current kernel
     return ([{"tma": True, "BN": bn, "num_warps": w, "num_stages": st} for bn, w, st in tma] +
