@@ -249,15 +249,16 @@ class Lanes:
         keep = ("db", "username", "password", "protocol", "client_name")
         return cls({k: kwargs[k] for k in keep if kwargs.get(k) is not None}, timeout_s)
 
-    def take(self, host: str, port: int) -> Lane:
+    def take(self, host: str, port: int, *, fresh: bool = False) -> tuple[Lane, bool]:
+        """A lane to `host:port`, and whether it was idle in the pool (its server may have closed it since)."""
         with self._lock:
             free = self._free.get(f"{host}:{port}")
-            if free:
-                return free.pop()
+            if free and not fresh:
+                return free.pop(), True
         conn = SyncConnection(
             host=host, port=port, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, **self.kwargs
         )
-        return Lane(conn, self.timeout_s)
+        return Lane(conn, self.timeout_s), False
 
     def give(self, host: str, port: int, lane: Lane) -> None:
         with self._lock:

@@ -243,9 +243,21 @@ class RedisIO:
         results: list[Any] = [None] * len(keys)
 
         def one(addr: tuple[str, int], idx: list[int]) -> None:
-            lane = pool.take(*addr)
+            lane, pooled = pool.take(*addr)
             try:
                 got = work(lane, idx)
+            except ConnectionError:  # reset, broken pipe, closed; not a timeout (that would double the wait)
+                lane.close()
+                if not pooled:
+                    raise
+                # An idle connection the server dropped (a restart, its idle timeout): once more on a new one.
+                # Every lane command is idempotent (SET NX, chunk SETs of the same bytes, GET, EXISTS).
+                lane, _ = pool.take(*addr, fresh=True)
+                try:
+                    got = work(lane, idx)
+                except BaseException:
+                    lane.close()
+                    raise
             except BaseException:
                 lane.close()  # its state is unknown: replies may be unread
                 raise

@@ -3,11 +3,13 @@ redis-py, chunk boundaries, the fallback to redis-py pipelines, RESP3, and a con
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 from storage_helpers import FINGERPRINT, make_snapshot, open_redis
 
 from kda_sessions.storage.backends import redis_bulk, redis_io
@@ -147,3 +149,22 @@ async def test_many_lanes_and_batches(rstore: RedisStore, monkeypatch: pytest.Mo
     blobs = {digest(b): b for b in (os.urandom(n) for n in range(0, 4000, 37))}
     assert await rstore.put_blobs(blobs, verified=True) == set(blobs)
     assert await rstore.get_blobs(reversed(list(blobs))) == blobs
+
+
+async def test_idle_lanes_survive_a_server_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from redis_server import start_redis_server, stop_redis_server
+
+    port, proc = start_redis_server(tmp_path)
+    store = await RedisStore.open(f"redis://127.0.0.1:{port}/0?timeout=2")
+    try:
+        blobs = {digest(b): b for b in AWKWARD}
+        assert await store.put_blobs(blobs) == set(blobs)  # the lanes are now idle in the pool
+        stop_redis_server(proc)
+        port, proc = start_redis_server(tmp_path, port=port)
+        with contextlib.suppress(RedisConnectionError):  # redis-py's own pool fails once, then reconnects
+            await store._r.ping()
+        assert await store.put_blobs(blobs) == set(blobs)  # stale lanes replaced; an empty server: all written
+        assert await store.get_blobs(list(blobs)) == blobs
+    finally:
+        stop_redis_server(proc)
+        await store.close()
