@@ -2,6 +2,7 @@
 
     python bench/candidates/aot_sm90.py mla bench/candidates/paged_decode_v3.py '[{"tma": true, "num_warps": 8}]'
     python bench/candidates/aot_sm90.py intra bench/candidates/chunk_v3.py '[{"num_warps": 4, "BK": 32}]'
+    python bench/candidates/aot_sm90.py intra bench/candidates/chunk_v4.py '[{"part": 1}, {"part": 2}]'
 
 One JSON line per variant: registers and stack (spill) bytes per thread from the cubin, shared memory, and counts
 in the TTGIR of warpgroup MMAs (``wgmma``), mma.sync dots (``mma_v2``), TMA copies, cp.async copies and layout
@@ -85,7 +86,7 @@ def intra(mod, cfg: dict) -> dict:
     params = inspect.signature(fn.fn).parameters
     const = {"H": 32, "K": 128, "V": 128, "BK": cfg.get("BK", 32), "BV": cfg.get("BV", 32), "BT": 64, "BC": 16,
              "NORM": True, "GATE": 0, "SPAN_MAX": 160.0, "INV_IEEE": True, "SPLIT": cfg.get("split", False),
-             "A_log": None, "dt_bias": None}
+             "A_log": None, "dt_bias": None, "PART": cfg.get("part", 0)}
     if not const["SPLIT"]:
         const["Xb"] = None
     const = {k: v for k, v in const.items() if k in params}

@@ -46,8 +46,9 @@ def load_candidate(stem: str, package: str) -> ModuleType:
                      id="standard-varlen-exact-diagonal-wu-kernel"),
     ],
 )
-def test_chunk_v3_matches_recurrent(bounded, varlen, h0, ckpts, tune):
-    chunk_v3 = load_candidate("chunk_v3", "kda_sessions.kernels.kda")
+@pytest.mark.parametrize("stem", ["chunk_v3", "chunk_v4"])
+def test_chunk_candidate_matches_recurrent(stem, bounded, varlen, h0, ckpts, tune):
+    chunk_v3 = load_candidate(stem, "kda_sessions.kernels.kda")
     if varlen:
         q, k, v, g, beta = kda_inputs(1, 101, H, K, V, bounded, seed=1)
         cu = torch.tensor([0, 37, 101])
@@ -62,11 +63,12 @@ def test_chunk_v3_matches_recurrent(bounded, varlen, h0, ckpts, tune):
         assert rel_rms(ck, rck) < 1e-4
 
 
+@pytest.mark.parametrize("stem", ["chunk_v3", "chunk_v4"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
-def test_chunk_v3_gate_in_kernel(lower_bound):
+def test_chunk_candidate_gate_in_kernel(stem, lower_bound):
     from kda_sessions.kernels.gate.naive import naive_kda_gate
 
-    chunk_v3 = load_candidate("chunk_v3", "kda_sessions.kernels.kda")
+    chunk_v3 = load_candidate(stem, "kda_sessions.kernels.kda")
     q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
     gen = torch.Generator().manual_seed(10)
     raw = torch.randn(1, 75, H, K, generator=gen) * 3
