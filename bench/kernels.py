@@ -333,6 +333,17 @@ def mla_setup(lens: list[int], copies: int = 1, seed: int = 0, P: int | None = N
     return out
 
 
+def mla_fake(lens: list[int]) -> tuple:
+    """The shapes of a context (page-table width, sequences) over a pool of 8 pages, one token per sequence: the
+    same compiled specialisation as the real inputs at no cost."""
+    P = 16 if SMOKE else 64
+    N = len(lens)
+    kv = torch.zeros(8, P, R_MLA + DR_MLA, device=DEV, dtype=DTYPE)
+    pt = torch.zeros(N, math.ceil(max(lens) / P), device=DEV, dtype=torch.int32)
+    q = torch.zeros(N, H, R_MLA, device=DEV, dtype=DTYPE), torch.zeros(N, H, DR_MLA, device=DEV, dtype=DTYPE)
+    return (*q, kv, pt, torch.ones(N, device=DEV, dtype=torch.int32), (128 + 64) ** -0.5)
+
+
 def mla_check_cfgs(name: str, mod) -> list[dict]:
     """Launch parameters of each MLA module that the correctness check covers (all that the timings use)."""
     if name == "current":
@@ -640,14 +651,21 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
         jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
                  for cfg in CHUNK_VARIANTS[1:]]
     if parts & {"check", "mla", "mlasweep", "tune"}:
-        small = mla_setup([1, 1000])[0]
-        small16 = mla_setup([1, 1000], P=16)[0]
+        lens = [1, 100, 300, 1000] if SMOKE else [1, 1000, 5000, 33000]
+        small = mla_setup(lens)[0]  # the check's shapes
+        small16 = mla_setup(lens, P=16)[0]
         for name, mod in load_mla(mla_paths).items():
             cfgs = mla_check_cfgs(name, mod)
             if "waves" in inspect.signature(mod._launch).parameters and "mlasweep" in parts:
                 cfgs += [{**c, "part_bf16": True} for c in mla_cand_grid()]
             jobs += [lambda mod=mod, cfg=cfg: mod._launch(*small, **cfg) for cfg in cfgs]
             jobs.append(lambda mod=mod: mod._launch(*small16))
+            # the timed shapes, specialised as timed (split counts and page-table widths) but one token each
+            timed = [{}, {"tma": False}] if "waves" in inspect.signature(mod._launch).parameters else \
+                mla_check_cfgs(name, mod)
+            for ctx in mla_contexts() if "mla" in parts else []:
+                fake = mla_fake(ctx)
+                jobs += [lambda mod=mod, cfg=cfg, fake=fake: mod._launch(*fake, **cfg) for cfg in timed]
         if "tune" in parts:
             from kda_sessions.kernels.mla import paged_decode as mla_mod
 
