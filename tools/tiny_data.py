@@ -39,7 +39,8 @@ MAX_FILE_BYTES = 200_000
 SKIP_PARTS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__"})
 RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the recall question, at least
 PLAIN_FRACTION = 0.1
-RECALL_FRACTION = 0.38  # of conversation rows; some cannot place the question: about 1/3 of all rows
+RENAMED_FRACTION = 0.5  # of train conversation rows: a project of real files under random names (RenamedCorpus)
+RECALL_FRACTION = 0.6  # of conversation rows (each with 1-3 recall questions; some cannot be placed)
 
 TOK = ByteTokenizer()
 GEN_IDS: list[int] = TOK.encode(GENERATION_PROMPT, allow_special=True)
@@ -143,6 +144,107 @@ class Corpus:
 @lru_cache(maxsize=4)
 def corpus(root: str | None = None) -> Corpus:
     return Corpus(root)
+
+
+@lru_cache(maxsize=1)
+def _name_words() -> tuple[str, ...]:
+    """Lower-case words of the corpus's definition names: the stuff random project names are made of."""
+    c = corpus()
+    words = {w for rel in c.files["train"] for _, n in c.defs(rel) for w in n.lower().split("_") if w.isalpha()}
+    return tuple(sorted(w for w in words if 3 <= len(w) <= 9))
+
+
+class RenamedCorpus:
+    """A fresh project made of real train-split stdlib files and directory listings under random names.
+
+    With only ~100 stdlib directories and ~1,500 files, the model can answer a training question by recalling
+    a memorised name instead of copying it from the question, and then fails on held-out names (run 2 of
+    docs/tiny.md wrote ``importlib/metadata`` for ``importlib``). Here every file and directory a row can use
+    gets a random path, so only copying works. The tools still run for real: each file is written (same bytes)
+    and each listed directory created (same entry names, empty) under a per-process temp root when a tool first
+    touches it. Offers the parts of ``Corpus`` that episodes use; every path is in the "train" split."""
+
+    def __init__(self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12) -> None:
+        import os
+        import shutil
+        import tempfile
+
+        root = Path(tempfile.gettempdir()) / f"tiny_ws_{os.getpid()}"
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+        self.root = root.resolve()
+        self.tools = Tools(self.root)
+        self.base = base
+        words = _name_words()
+
+        def name() -> str:
+            k = rng.random()
+            w = rng.choice(words)
+            return w if k < 0.3 else f"{w}_{rng.choice(words)}" if k < 0.8 else f"{w}{rng.randrange(2, 100)}"
+
+        taken: dict[str, str] = {}  # path -> "holder" (a folder of renamed files), "file" or "listing"
+
+        def fresh(make: Any, kind: str) -> str:
+            while True:
+                n = make()
+                clash = n in taken or any(t.startswith(n + "/") for t in taken) or any(
+                    n.startswith(t + "/") and k != "holder" for t, k in taken.items()
+                )
+                if not clash:
+                    taken[n] = kind
+                    return n
+
+        dir_names = [fresh(lambda: name() if rng.random() < 0.7 else f"{name()}/{name()}", "holder") for _ in range(n_dirs)]
+        self.real: dict[str, str] = {}  # alias -> real rel (files) or real dir
+        files = []
+        for rel in rng.sample(base.files["train"], min(n_files, len(base.files["train"]))):
+            real_base = rel.rsplit("/", 1)[-1]
+
+            def make_file(real_base: str = real_base) -> str:
+                d = rng.choice(dir_names)
+                return f"{d}/{real_base if rng.random() < 0.4 else name() + '.py'}"
+
+            alias = fresh(make_file, "file")
+            self.real[alias] = rel
+            files.append(alias)
+        self.files = {"train": files, "heldout": []}
+        self.texts = {a: base.texts[r] for a, r in self.real.items()}
+        real_dirs = [d for d in base.dirs["train"] if d != "."]
+        self.dirs: dict[str, list[str]] = {"train": [], "heldout": []}
+        for d in rng.sample(real_dirs, min(n_dirs, len(real_dirs))):
+            alias = fresh(lambda: name() if rng.random() < 0.6 else f"{name()}/{name()}", "listing")
+            self.real[alias] = d
+            self.dirs["train"].append(alias)
+        self._made: set[str] = set()
+
+    def _make(self, alias: str) -> None:
+        if alias in self._made or alias not in self.real:
+            return
+        self._made.add(alias)
+        p = self.root / alias
+        if alias in self.texts:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(self.texts[alias].encode("utf-8"))
+            return
+        p.mkdir(parents=True, exist_ok=True)
+        for e in self.base.entries(self.real[alias]):
+            if e.endswith("/"):
+                (p / e[:-1]).mkdir(exist_ok=True)
+            elif e:
+                (p / e).touch()
+
+    def call(self, name: str, **args: str) -> str:
+        self._make(args.get("path", ""))
+        return self.tools.call(name, args)
+
+    def read_len(self, rel: str) -> int:
+        return self.base.read_len(self.real[rel])
+
+    def defs(self, rel: str) -> list[tuple[str, str]]:
+        return self.base.defs(self.real[rel])
+
+    def entries(self, d: str) -> list[str]:
+        return self.call("list_dir", path=d).split("\n")
 
 
 # ---- rendering ----------------------------------------------------------------------------------------------
@@ -395,43 +497,52 @@ def make_row(rng: random.Random, split: str, max_len: int) -> tuple[list[int], l
     (mask all 1). The conversation's mask is 1 on the assistant's content, tool-call tokens and <|im_end|>."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    c = corpus()
+    c: Any = corpus()
     if rng.random() < PLAIN_FRACTION:
         return _plain_row(rng, c, split, max_len)
+    if split == "train" and rng.random() < RENAMED_FRACTION:
+        c = RenamedCorpus(rng, c)
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header
         return _plain_row(rng, c, split, max_len)
     used: set[str] = set()
     recall_row = max_len - len(ids) >= RECALL_DISTANCE + 1200 and rng.random() < RECALL_FRACTION
-    pending: tuple[str, str, int] | None = None  # (question, answer, position after the fact's turn)
+    # recall questions to place: [ids, mask, target position, earliest position], 1-3 per recall row (each is a few tokens of
+    # loss in thousands: one per row taught too little long-range recall, docs/tiny.md run 2)
+    pending: list[list[Any]] = []
     if recall_row:
-        source: _Episode | None
-        if rng.random() < 0.4:
-            source = _note_episode(rng, c, split)
-        else:
-            source = _episode(rng, c, split, min(2500, max_len - len(ids) - RECALL_DISTANCE - 300), used)
-        if source is not None and source.recall:
-            # the recall question goes somewhere between RECALL_DISTANCE after the source and the row's end
+        for j in range(rng.choice((1, 2, 3))):
+            room = max_len - len(ids) - RECALL_DISTANCE - 300 - 120 * (j + 1)
+            if room < 150:
+                break
+            source: _Episode | None
+            if j > 0 or rng.random() < 0.4:
+                source = _note_episode(rng, c, split)
+            else:
+                source = _episode(rng, c, split, min(2500, room), used)
+            if source is None or not source.recall or len(source.ids) > room:
+                continue
             ids += source.ids
             mask += source.mask
             q, a, _ = rng.choice(source.recall)
-            pending = (q, a, len(ids))
-    recall_ids: list[int] = []
-    recall_mask: list[int] = []
-    if pending is not None:
-        _, recall_ids, recall_mask = _recall_episode(pending[0], pending[1])
-        room = max_len - len(ids) - len(recall_ids)
-        target = pending[2] + RECALL_DISTANCE + (rng.randrange(max(1, room - RECALL_DISTANCE)) if room > RECALL_DISTANCE else 0)
+            _, q_ids, q_mask = _recall_episode(q, a)
+            pending.append([q_ids, q_mask, len(ids) + RECALL_DISTANCE, len(ids) + RECALL_DISTANCE])
+    if pending:
+        reserve_all = sum(len(p[0]) for p in pending)
+        for p in pending:  # each question somewhere between its earliest position and the row's end
+            slack = max_len - reserve_all - p[2]
+            p[2] += rng.randrange(slack) if slack > 1 else 0
+        pending.sort(key=lambda p: p[2])
     misses = 0
     while misses < 3:
-        reserve = len(recall_ids) if pending is not None else 0
-        budget = max_len - len(ids) - reserve
-        if pending is not None and len(ids) >= target:
-            ids += recall_ids
-            mask += recall_mask
-            pending = None
+        reserve = sum(len(p[0]) for p in pending)
+        if pending and len(ids) >= pending[0][2]:
+            q_ids, q_mask, _, _ = pending.pop(0)
+            ids += q_ids
+            mask += q_mask
             continue
+        budget = max_len - len(ids) - reserve
         if budget < 200:
             break
         ep = _episode(rng, c, split, budget, used)
@@ -440,9 +551,10 @@ def make_row(rng: random.Random, split: str, max_len: int) -> tuple[list[int], l
             continue
         ids += ep.ids
         mask += ep.mask
-    if pending is not None and len(ids) - pending[2] >= RECALL_DISTANCE and len(ids) + len(recall_ids) <= max_len:
-        ids += recall_ids
-        mask += recall_mask
+    for q_ids, q_mask, _, earliest in pending:  # the rest, if the row ran long enough and they fit
+        if len(ids) >= earliest and len(ids) + len(q_ids) <= max_len:
+            ids += q_ids
+            mask += q_mask
     assert len(ids) == len(mask) <= max_len
     return ids, mask
 
