@@ -426,6 +426,25 @@ def time_chunk(fla_chunk, old_chunk: dict, Ts: list[int], cfg: dict | None = Non
     return rows
 
 
+def profile_chunk(old_chunk: dict) -> dict:
+    """Per-kernel CUDA time of 5 calls at T 32K: ours and every --old version (where the time goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    T = 512 if SMOKE else 32768
+    q, k, v, g, beta = kda_inputs(1, T, False, seed=4)
+    out = {}
+    for name, fn in {"ours": chunk_kda_triton, **old_chunk}.items():
+        fn(q, k, v, g, beta, None, None, True, None, True)
+        with profile(activities=[ProfilerActivity.CPU if SMOKE else ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                fn(q, k, v, g, beta, None, None, True, None, True)
+            if not SMOKE:
+                torch.cuda.synchronize()
+        out[name] = prof.key_averages().table(sort_by="self_cpu_time_total" if SMOKE else "cuda_time_total",
+                                              row_limit=8)
+    return out
+
+
 def time_decode(fla_rec) -> list[dict]:
     rows = []
     for N in (1, 32, 256):
@@ -842,6 +861,8 @@ def main() -> None:
     if "chunk" in parts:
         Ts = ([512] if SMOKE else [8192]) if a.quick else [8192, 32768, 131072]
         steps.append(("chunk_kda", lambda: time_chunk(fla_chunk, old_chunk, Ts, best("chunk_best"))))
+    if "chunk" in parts:
+        steps.append(("chunk_profile_T32K_x5", lambda: profile_chunk(old_chunk)))
     if "mlasweep" in parts:
         steps.append(("mla_sweep", lambda: mla_sweep(bw(), mla_mods, t_start + a.deadline)))
     if "decode" in parts:
