@@ -552,7 +552,8 @@ def mla_sweep(bw: float, mods: dict, deadline: float) -> dict:
                 row: dict = {"N": len(lens), "context": lens[0], **cfg}
                 try:
                     row.update(mla_row(functools.partial(mod._launch, **cfg), sets, calls, bytes_, bw, eager=False))
-                    row["compiled"] = compiled_stats(mod._split_kernel, seen)
+                    row["compiled"] = [st for kern in (mod._split_kernel, getattr(mod, "_split_kernel_tma", None))
+                                       if kern is not None for st in compiled_stats(kern, seen)]
                     key = json.dumps(cfg, sort_keys=True)
                     score[key] = score.get(key, 0.0) + row["graph_of_copy_bw"]
                 except Exception as e:
