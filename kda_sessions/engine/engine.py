@@ -75,7 +75,10 @@ class Engine:
         self.spaces: dict[str | None, TenantEngine] = {None: TenantEngine(self, None, SnapshotIO(self, snapshots))}
         self._spaces_lock = anyio.Lock()
         self._token = anyio.lowlevel.current_token()
-        self.runner = Runner(model, self.pools, self.pages, self.scheduler, tokenizer, self.mutex, self._deliver_from_thread)
+        self.runner = Runner(
+            model, self.pools, self.pages, self.scheduler, tokenizer, self.mutex, self._deliver_from_thread,
+            cuda_graphs=config.cuda_graphs,
+        )
         self.counters = {"prefill_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "resumes": 0, "forks": 0, "saves": 0}
         self.resume_seconds: list[float] = []
         self.closed = False
