@@ -2,7 +2,7 @@
 
     python bench/candidates/aot_sm90.py mla bench/candidates/paged_decode_v3.py '[{"tma": true, "num_warps": 8}]'
     python bench/candidates/aot_sm90.py intra bench/candidates/chunk_v3.py '[{"num_warps": 4, "BK": 32}]'
-    python bench/candidates/aot_sm90.py intra bench/candidates/chunk_v4.py '[{"part": 1}, {"part": 2}]'
+    python bench/candidates/aot_sm90.py intra kernels/kda/chunk.py '[{"part": 1}, {"part": 2}]'
 
 One JSON line per variant: registers and stack (spill) bytes per thread from the cubin, shared memory, and counts
 in the TTGIR of warpgroup MMAs (``wgmma``), mma.sync dots (``mma_v2``), TMA copies, cp.async copies and layout
