@@ -235,6 +235,8 @@ class RedisIO:
             await self.call(op, self.r.initialize)  # the slot map (a no-op once known)
             for i, key in enumerate(keys):
                 node = self.r.get_node_from_key(key)
+                if node is None:
+                    raise StoreUnavailable(f"{self.url}: {op} failed: redis cluster: no node serves the slot of {key}")
                 groups.setdefault((node.host, int(node.port)), []).append(i)
         elif keys:
             kw = self.r.connection_pool.connection_kwargs
