@@ -243,8 +243,12 @@ class RedisStore(BlobStore):
 
     async def has_blobs(self, digests: Iterable[str]) -> set[str]:
         wanted = [check_digest(d) for d in dict.fromkeys(digests)]
-        keys = [k for d in wanted for k in (self._blob_key(d), self._meta_key(d))]
-        counts = await self._io.exists_many("has blobs", keys)
+        if not self.cluster:  # one EXISTS of both keys per blob
+            counts = await self._io.exists_many("has blobs", [(self._blob_key(d), self._meta_key(d)) for d in wanted])
+            return {d for d, n in zip(wanted, counts, strict=True) if n}
+        # The two keys hash to different slots: one EXISTS each.
+        groups = [(k,) for d in wanted for k in (self._blob_key(d), self._meta_key(d))]
+        counts = await self._io.exists_many("has blobs", groups)
         return {d for i, d in enumerate(wanted) if counts[2 * i] or counts[2 * i + 1]}
 
     async def delete_blob(self, digest: str) -> bool:

@@ -164,12 +164,12 @@ class Lane:
         if self.rest:
             raise ReplyError(f"more replies than commands sent: {self.rest[:64]!r}")
 
-    def exists(self, keys: Sequence[str]) -> list[Any]:
-        """EXISTS of each key (one key per command, so any cluster node takes it): 1, 0 or REDIRECTED."""
+    def exists(self, groups: Sequence[tuple[str, ...]]) -> list[Any]:
+        """One EXISTS per group of keys (keys of one slot, in a cluster): how many exist, or REDIRECTED."""
         out: list[Any] = []
-        for start in range(0, len(keys), 4096):
-            batch = keys[start : start + 4096]
-            self.send([b for k in batch for b in frame(b"EXISTS", k.encode())])
+        for start in range(0, len(groups), 4096):
+            batch = groups[start : start + 4096]
+            self.send([b for g in batch for b in frame(b"EXISTS", *(k.encode() for k in g))])
             out += self.line_replies(len(batch))
         self._done()
         return out

@@ -274,14 +274,16 @@ class RedisIO:
         await self.call(op, lambda: run_all(job(a, idx) for a, idx in parts))
         return results
 
-    async def exists_many(self, op: str, keys: list[str]) -> list[int]:
-        """EXISTS of each key, one key per command (in a cluster, keys of one digest are in two slots)."""
-        counts: list[Any] = [REDIRECTED] * len(keys)
+    async def exists_many(self, op: str, groups: Sequence[tuple[str, ...]]) -> list[int]:
+        """How many keys of each group exist, one EXISTS per group; in a cluster a group's keys must share a
+        slot (the lanes route a group by its first key)."""
+        counts: list[Any] = [REDIRECTED] * len(groups)
         if self.lanes is not None:
-            counts = await self.on_lanes(op, keys, lambda lane, idx: lane.exists([keys[i] for i in idx]), 1)
+            first = [g[0] for g in groups]
+            counts = await self.on_lanes(op, first, lambda lane, idx: lane.exists([groups[i] for i in idx]), 1)
         todo = [i for i, n in enumerate(counts) if n == REDIRECTED]
         if todo:
-            got = await self.pipelined(op, lambda pipe: [pipe.exists(keys[i]) for i in todo])
+            got = await self.pipelined(op, lambda pipe: [pipe.exists(*groups[i]) for i in todo])
             for i, n in zip(todo, got, strict=True):
                 counts[i] = n
         return [int(n) for n in counts]
