@@ -1,4 +1,4 @@
-"""Bulk blob traffic for RedisStore: SET NX and GET of large values over blocking sockets in worker threads.
+"""Bulk blob traffic for RedisStore: SET NX, GET and EXISTS of many keys over blocking sockets in worker threads.
 
 redis.asyncio spends most of a save or load on copies and framing in Python (it joins every pipeline into one
 bytes object, its reader copies each reply into a buffer and out again, and the event loop pauses and resumes
@@ -13,7 +13,8 @@ the socket every 128 KiB). Here each *lane* is one connection made and authentic
 
 Timeouts are the socket's own (SO_RCVTIMEO / SO_SNDTIMEO) so a dead server fails as fast as through redis-py.
 Plain TCP only: TLS and unix-socket stores keep redis-py's pipelines (`Lanes.for_client` returns None). A lane
-that saw any error is closed, never reused. A MOVED or ASK reply (a cluster resharding) is not an error here:
+that saw any error is closed, never reused (redis_io.py gives an idle pooled lane whose server dropped it one
+retry on a new connection: every lane command is idempotent). A MOVED or ASK reply (a cluster resharding) is not an error here:
 the item is reported as redirected and the store sends it again through redis-py, which follows the redirect.
 """
 
