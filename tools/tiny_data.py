@@ -41,6 +41,7 @@ RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the reca
 PLAIN_FRACTION = 0.1
 RENAMED_FRACTION = 0.5  # of train conversation rows: a project of real files under random names (RenamedCorpus)
 RECALL_FRACTION = 0.6  # of conversation rows (each with 1-3 recall questions; some cannot be placed)
+DENSE_RECALL_FRACTION = 0.4  # of recall rows: 4-8 facts (notes and short tool results) and a question for each
 
 TOK = ByteTokenizer()
 GEN_IDS: list[int] = TOK.encode(GENERATION_PROMPT, allow_special=True)
@@ -512,15 +513,16 @@ def make_row(rng: random.Random, split: str, max_len: int) -> tuple[list[int], l
     # loss in thousands: one per row taught too little long-range recall, docs/tiny.md run 2)
     pending: list[list[Any]] = []
     if recall_row:
-        for j in range(rng.choice((1, 2, 3))):
-            room = max_len - len(ids) - RECALL_DISTANCE - 300 - 120 * (j + 1)
-            if room < 150:
+        dense = rng.random() < DENSE_RECALL_FRACTION  # many facts up front, many questions later
+        for j in range(rng.randrange(4, 9) if dense else rng.choice((1, 2, 3))):
+            room = max_len - len(ids) - RECALL_DISTANCE - (100 if dense else 300) - 70 * (j + 1)
+            if room < 100:
                 break
             source: _Episode | None
-            if j > 0 or rng.random() < 0.4:
+            if (j > 0 and not dense) or rng.random() < (0.65 if dense else 0.4):
                 source = _note_episode(rng, c, split)
             else:
-                source = _episode(rng, c, split, min(2500, room), used)
+                source = _episode(rng, c, split, min(220 if dense else 2500, room), used)
             if source is None or not source.recall or len(source.ids) > room:
                 continue
             ids += source.ids
@@ -546,6 +548,10 @@ def make_row(rng: random.Random, split: str, max_len: int) -> tuple[list[int], l
         if budget < 200:
             break
         ep = _episode(rng, c, split, budget, used)
+        if ep is None and pending:  # tool tasks no longer fit: short notes carry the row to the questions
+            ep = _note_episode(rng, c, split)
+            if len(ep.ids) > budget:
+                ep = None
         if ep is None:
             misses += 1
             continue
