@@ -7,6 +7,10 @@ launched from Python), ``static`` (``DecodeGraphs`` with graphs off: the static-
 ``graph`` (``DecodeGraphs``: fill the static buffers, replay the captured graph), plus ``replay_only``: the GPU
 time of back-to-back replays measured with CUDA events (no host work in it).
 
+Every mode reads the same page table: the pages padded with the scratch page to the width ``DecodeGraphs`` picks
+(a power of two, at least 16 pages), since the MLA decode kernel's split schedule, and so the order of its float
+sums, follows the table width (``eager_bare_table_vs_eager_first_step_rel``: the eager step over the bare table).
+
 The context is not prefilled: the latent KV pages are filled with random bf16 values and the KDA states with
 small random fp32 values (content does not change the cost), then each step feeds one token at position L.
 
@@ -230,16 +234,22 @@ def decode_case(
     gen = torch.Generator(device=device).manual_seed(1)
     fill_pools(pools, gen)
     table = torch.arange(batch * pages_per_seq, dtype=torch.int32, device=device).view(batch, pages_per_seq)
+    # eager runs over the table the static and graph modes build: the pages padded with the scratch page to the
+    # bucketed width. The MLA decode kernel takes its split schedule from the width, so over the bare table it
+    # sums in another order, and this bf16 random MoE model turns those last bits into ~0.2 relative logits
+    width = DecodeGraphs(model, pools, enabled=False).width(pages_per_seq)
+    padded = torch.full((batch, width), pools.scratch_page or 0, dtype=torch.int32, device=device)
+    padded[:, :pages_per_seq] = table
     ids = torch.randint(0, cfg.vocab_size, (batch,), device=device, generator=gen)
     fb = ForwardBatch(
         input_ids=ids, num_new=[1] * batch, start=[L] * batch,
-        slots=torch.arange(batch, device=device), page_table=table,
+        slots=torch.arange(batch, device=device), page_table=padded,
     )
     assert fb.is_decode
     pool_bytes = sum(t.numel() * t.element_size() for t in pools.kv + pools.kda + pools.conv)
     kv_bytes = sum(t.numel() * t.element_size() for t in pools.kv)
     out: dict = {
-        "L": L, "batch": batch, "page_size": P, "pages_per_seq": pages_per_seq, "kda_layers": n_kda,
+        "L": L, "batch": batch, "page_size": P, "pages_per_seq": pages_per_seq, "table_width": width, "kda_layers": n_kda,
         "mla_layers": n_mla, "pool_bytes": pool_bytes, "kv_pool_bytes": kv_bytes,
     }
     host = {"ids": ids.tolist(), "slots": list(range(batch)), "lens": [L + 1] * batch, "pages": table.tolist()}
@@ -290,6 +300,14 @@ def decode_case(
             if mode != "eager":
                 out[f"{mode}_vs_eager_first_step_rel"] = rel(first[mode], first["eager"])
                 out[f"{mode}_vs_eager_argmax_agree"] = bool(torch.equal(first[mode].argmax(-1), first["eager"].argmax(-1)))
+        if width != pages_per_seq:  # the same first step over the bare table: only the kernel's split schedule differs
+            for t, v in zip(pools.kda + pools.conv, saved):
+                t.copy_(v)
+            bare = ForwardBatch(input_ids=ids, num_new=[1] * batch, start=[L] * batch,
+                                slots=torch.arange(batch, device=device), page_table=table)
+            lg = model.step(bare, pools)[0].float()
+            out["eager_bare_table_vs_eager_first_step_rel"] = rel(lg, first["eager"])
+            out["eager_bare_table_vs_eager_argmax_agree"] = bool(torch.equal(lg.argmax(-1), first["eager"].argmax(-1)))
     if device == "cuda":
         out["mem_allocated_bytes"] = torch.cuda.memory_allocated()
         out["mem_peak_bytes"] = torch.cuda.max_memory_allocated()

@@ -11,12 +11,16 @@ slot and page); the padded and unpadded steps are compared with a tolerance and 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 
 from kda_sessions.model import ForwardBatch, HybridModel, StatePools, load_model
 from kda_sessions.model.graphs import DecodeGraphs, batch_buckets
+
+if not torch.cuda.is_available():  # Triton reads it when first imported (torch imports it lazily, later)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 P = 16
 
@@ -63,12 +67,13 @@ class Sessions:
         self.model.step(batch, self.pools)
         self.lengths[s] += len(ids)
 
-    def eager_decode(self, seqs: list[int], ids: list[int], dummies: int = 0) -> torch.Tensor:
+    def eager_decode(self, seqs: list[int], ids: list[int], dummies: int = 0, width: int | None = None) -> torch.Tensor:
         """``HybridModel.step`` on one token each; ``dummies`` extra rows spelled out on the scratch slot and
-        page (start 0), as DecodeGraphs pads."""
+        page (start 0), as DecodeGraphs pads. The page table is ``width`` pages wide (rows padded with the scratch
+        page), by default the most pages any of the sequences holds."""
         for s in seqs:
             self.grow(s, self.lengths[s] + 1)
-        width = max(len(self.pages[s]) for s in seqs)
+        width = width or max(len(self.pages[s]) for s in seqs)
         scratch_slot, scratch_page = self.pools.scratch_slot, self.pools.scratch_page
         assert scratch_slot is not None and scratch_page is not None
         rows = [self.pages[s] + [scratch_page] * (width - len(self.pages[s])) for s in seqs]
@@ -181,6 +186,59 @@ def test_width_growth_and_bucket_change(model):
     assert pools_equal(eager.pools, static.pools)
     widths = {w for _, w in graphs._static}
     assert len(widths) >= 2 and {bs for bs, _ in graphs._static} == {1, 2, 4}
+
+
+def use_triton_paged_decode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route the model's MLA decode through ``mla_decode_paged_triton`` (the function ``mla_decode_paged`` hands
+    CUDA tensors to) under Triton's interpreter, so the split schedule follows the table width as on a GPU."""
+    tl = pytest.importorskip("triton.language")
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.max, InterpretedFunction):
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 was set")
+    from kda_sessions.kernels.mla import paged_decode
+
+    monkeypatch.setattr("kda_sessions.model.mla.mla_decode_paged", paged_decode.mla_decode_paged_triton)
+
+
+# (MLA backend, contexts spanning 1..34 pages, the decoding sequences); P = 16, every table bucketed to 64 pages
+WIDE = {
+    "naive-8of8": ("naive", [3, 17, 31, 47, 64, 90, 111, 140], [0, 1, 2, 3, 4, 5, 6, 7]),
+    "naive-5of8": ("naive", [15, 47, 2, 111, 200, 33], [4, 1, 3, 0, 5]),
+    "triton-3of4": ("triton", [30, 530, 95, 62], [3, 1, 0]),
+    "triton-4of4": ("triton", [15, 47, 111, 200], [0, 1, 2, 3]),
+}
+
+
+@pytest.mark.parametrize("backend,contexts,active", WIDE.values(), ids=list(WIDE))
+def test_wide_page_table_matches_step(model, monkeypatch, backend, contexts, active):
+    """Batches of 3..8 sequences of different lengths, the page-table width bucketed well above the pages any
+    of them holds (the GPU bench's batch 8 at 128K: 2049 pages in a 4096-wide table). The static step equals
+    ``HybridModel.step`` over the same rows and width bit for bit, and the step over the unpadded table (what
+    the bench compared) up to rounding: with Triton the width sets the split schedule (here 2 splits of 512
+    tokens against 1, or 2 of 320), so only the order of the float sums differs."""
+    if backend == "triton":
+        use_triton_paged_decode(monkeypatch)
+    same, static = twins(model, contexts, seed=len(active))
+    exact = same.clone()
+    graphs = DecodeGraphs(model, static.pools, enabled=False, min_width=64)
+    dummies = graphs.bucket(len(active)) - len(active)
+    g = torch.Generator().manual_seed(10)
+    for _ in range(3):  # the sequences of context 15, 47, 111 cross a page boundary
+        ids = torch.randint(0, 272, (len(active),), generator=g).tolist()
+        for s in active:
+            same.grow(s, same.lengths[s] + 1)
+        needed = max(len(same.pages[s]) for s in active)
+        width = graphs.width(needed)
+        assert width == 64 > needed
+        a = same.eager_decode(active, ids, dummies=dummies, width=width)
+        b = static.static_decode(graphs, active, ids)
+        c = exact.eager_decode(active, ids)
+        assert torch.equal(a, b)
+        assert pools_equal(same.pools, static.pools)
+        assert rel_err(b, c) < 1e-5
+        assert torch.equal(b.argmax(-1), c.argmax(-1))
+    assert graphs.eager_runs == 3 and list(graphs._static) == [(graphs.bucket(len(active)), 64)]
 
 
 def test_runner_uses_the_static_path(model):
