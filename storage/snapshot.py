@@ -166,7 +166,8 @@ class SnapshotStore:
                     f"neither given nor stored"
                 )
             # Refresh reused blobs so a concurrent GC in another process leaves them alone (grace period).
-            await self.store.touch_blobs(stored)
+            if stored:
+                await self.store.touch_blobs(stored)
             to_write = {d: blobs[d] for d in missing}
             written = await self.store.put_blobs(to_write, max_in_flight=self.max_in_flight, verified=verified)
             if expected_generation is None:

@@ -21,6 +21,8 @@ pack made durable before the old one is unlinked). Tombstones and compaction hol
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import hashlib
 import logging
@@ -50,6 +52,39 @@ COMPACT_DEAD_FRACTION = 0.75
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+WRITEBACK_CHUNK_BYTES = 1 << 20
+"""A pack's bytes are handed to the disk every this many bytes while the rest is still being written (see
+`start_writeback`), so its fsync waits for the last chunk instead of the whole file: 20 MiB packs took 18 ms
+to write and fsync without this, 9 ms with it, on the benchmark VM (1 MiB beat 0.5, 2, 4 and 8 MiB there)."""
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages in the range, do not wait
+
+
+def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn  # type: ignore[no-any-return]
+
+
+_LIBC_SYNC_FILE_RANGE = _load_sync_file_range()
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``length`` bytes of ``fd`` from ``offset`` back to the disk without waiting for them
+    (Linux sync_file_range(2), SYNC_FILE_RANGE_WRITE). Only a head start for the fsync that must still follow:
+    it promises no durability and waits for nothing. A system without the call makes this a no-op; an I/O error
+    it reports is raised, so the file is abandoned like after a failed write (never fsynced and trusted)."""
+    if _LIBC_SYNC_FILE_RANGE is None:
+        return
+    if _LIBC_SYNC_FILE_RANGE(fd, offset, length, _SYNC_FILE_RANGE_WRITE) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE, errno.EPERM):
+            return  # not offered here (a sandbox, another kernel): the fsync does all of the work
+        raise OSError(code, os.strerror(code))
 
 
 def fsync_dir(path: Path) -> None:
@@ -227,10 +262,16 @@ class PackSet:
         tmp = self.folder / f"{tmp_prefix}{os.getpid()}-{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
         try:
-            _write_all(fd, encode_index([(d, len(b)) for d, b in items]))
+            index = encode_index([(d, len(b)) for d, b in items])
+            _write_all(fd, index)
+            written = flushed = len(index)
             for i, (_, data) in enumerate(items):
                 verified(i)
                 _write_all(fd, data)
+                written += len(data)
+                if written - flushed >= WRITEBACK_CHUNK_BYTES:
+                    start_writeback(fd, flushed, written - flushed)
+                    flushed = written
             faults.point("disk.blob.written")
             os.fsync(fd)
             faults.point("disk.blob.fsynced")
