@@ -15,6 +15,25 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-random", help="built-in name or Kimi-Linear checkpoint directory")
     p.add_argument("--store", default="disk:", help="disk:PATH (default: user cache dir), redis://host:port/db, memory:")
     p.add_argument("--device", default="cpu")
+    g = p.add_argument_group("engine (EngineConfig; defaults in kda_sessions/engine/config.py)")
+    g.add_argument("--max-active-sessions", type=int, default=None, help="KDA state slots in the pools")
+    g.add_argument("--num-pages", type=int, default=None, help="MLA latent KV pages in the pool")
+    g.add_argument("--page-size", type=int, default=None, help="tokens per KV page")
+    g.add_argument("--ram-tier-mib", type=int, default=None, help="host-RAM cache of snapshot blobs, MiB")
+    g.add_argument("--lease-ttl", type=float, default=None, help="seconds a session's write lease lasts")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode (GPU only)")
+
+
+def _engine_config(args: argparse.Namespace) -> Any:
+    """The EngineConfig the flags ask for (validated: a bad value is a one-line error naming the field)."""
+    from .engine.config import EngineConfig
+
+    fields = {
+        "max_active_sessions": args.max_active_sessions, "num_pages": args.num_pages, "page_size": args.page_size,
+        "ram_tier_bytes": None if args.ram_tier_mib is None else args.ram_tier_mib << 20,
+        "lease_ttl_s": args.lease_ttl, "cuda_graphs": False if args.enforce_eager else None,
+    }
+    return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -97,7 +116,8 @@ async def _chat(args: argparse.Namespace) -> None:
     from .engine.engine import Engine
     from .engine.types import Done, TokenDelta, ToolCallEvent
 
-    async with await Engine.open(model=args.model, store=args.store, device=args.device) as engine:
+    async with await Engine.open(model=args.model, store=args.store, device=args.device,
+                                 config=_engine_config(args)) as engine:
         async with _Progress("loading session"):
             s = await engine.resume(args.session) if args.session else await engine.create_session(system=args.system)
         print(f"session {s.id} ({s.num_tokens} tokens). Commands: /save, /checkpoint NAME, /fork NAME, /quit", file=sys.stderr)
@@ -139,7 +159,8 @@ async def _chat(args: argparse.Namespace) -> None:
 async def _sessions(args: argparse.Namespace) -> None:
     from .engine.engine import Engine
 
-    async with await Engine.open(model=args.model, store=args.store, device=args.device) as engine:
+    async with await Engine.open(model=args.model, store=args.store, device=args.device,
+                                 config=_engine_config(args)) as engine:
         if args.action == "ls":
             for info in await engine.list_sessions():
                 print(f"{info.session_id}\t{info.num_tokens} tokens\tcheckpoints: {', '.join(info.checkpoints) or '-'}")
@@ -159,7 +180,8 @@ async def _bench(args: argparse.Namespace) -> None:
 
     tokens = [(i * 31) % 250 for i in range(args.context)]
     out: dict[str, Any] = {"context": args.context, "model": args.model}
-    async with await Engine.open(model=args.model, store="memory:", device=args.device) as engine:
+    async with await Engine.open(model=args.model, store="memory:", device=args.device,
+                                 config=_engine_config(args)) as engine:
         s = await engine.create_session()
         t0 = time.perf_counter()
         await s.append(tokens)
@@ -191,13 +213,14 @@ def main(argv: list[str] | None = None) -> int:
             from .server import run_server
             from .server.settings import ServerSettings
 
-            run_server(ServerSettings(model=args.model, store=args.store, device=args.device, host=args.host, port=args.port, api_keys=args.api_key))
+            run_server(ServerSettings(model=args.model, store=args.store, device=args.device, host=args.host,
+                                      port=args.port, api_keys=args.api_key, engine=_engine_config(args)))
         elif args.cmd == "chat":
             anyio.run(_chat, args)
         elif args.cmd == "demo":
             from .demo import run_demo
 
-            anyio.run(lambda: run_demo(args.dir, model=args.model, store=args.store))
+            anyio.run(lambda: run_demo(args.dir, model=args.model, store=args.store, config=_engine_config(args)))
         elif args.cmd == "sessions":
             anyio.run(_sessions, args)
         elif args.cmd == "bench":

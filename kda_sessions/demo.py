@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .engine.config import EngineConfig
 from .engine.engine import Engine
 from .tools import TOOL_SCHEMAS, Tools
 
@@ -28,6 +29,7 @@ async def run_demo(
     store: str = "disk:",
     say: Callable[[str], None] = print,
     max_tokens: int = 16,
+    config: EngineConfig | None = None,
 ) -> dict[str, Any]:
     root = Path(folder) if folder else Path(__file__).resolve().parent
     tools = Tools(root)
@@ -38,7 +40,7 @@ async def run_demo(
         say("(tiny-random has random weights: its words are noise; the tool calls below are scripted when the "
             "model makes none, and every tool result is real)")
     sampling = {"max_tokens": max_tokens, "temperature": 0.0}
-    async with await Engine.open(model=model, store=store) as engine:
+    async with await Engine.open(model=model, store=store, config=config) as engine:
         s = await engine.create_session(system=SYSTEM, tools=TOOL_SCHEMAS)
         r = await s.send(f"Explore the project in {root.name}/ and tell me what it does.", **sampling)
         say(f"[{s.id}] user asks; assistant: {r.text[:60]!r} ({r.usage.prefill_tokens} tokens prefilled)")
@@ -66,7 +68,7 @@ async def run_demo(
         tokens = list(s.state.tokens)
 
     # a NEW engine: the session comes back from the store, no prefill
-    async with await Engine.open(model=model, store=store) as engine:
+    async with await Engine.open(model=model, store=store, config=config) as engine:
         t0 = time.perf_counter()
         s2 = await engine.resume(sid)
         r = await s2.send("What next?", max_tokens=1)
@@ -83,7 +85,7 @@ async def run_demo(
         await b.save()
 
     # the same context re-prefilled from scratch, in an engine with nothing stored
-    async with await Engine.open(model=model, store="memory:") as engine:
+    async with await Engine.open(model=model, store="memory:", config=config) as engine:
         fresh = await engine.create_session()
         t0 = time.perf_counter()
         await fresh.append(tokens)

@@ -1,0 +1,34 @@
+"""The CLI's engine flags reach EngineConfig, and a bad value is a one-line typed error naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from kda_sessions import cli
+
+
+def test_engine_flags_build_the_config():
+    args = cli._parser().parse_args([
+        "serve", "--lease-ttl", "2.5", "--enforce-eager", "--page-size", "16", "--num-pages", "128",
+        "--max-active-sessions", "3", "--ram-tier-mib", "5",
+    ])
+    c = cli._engine_config(args)
+    assert (c.lease_ttl_s, c.cuda_graphs, c.page_size, c.num_pages, c.max_active_sessions) == (2.5, False, 16, 128, 3)
+    assert c.ram_tier_bytes == 5 << 20
+
+
+def test_no_flags_keep_the_defaults():
+    from kda_sessions.engine.config import EngineConfig
+
+    assert cli._engine_config(cli._parser().parse_args(["chat"])) == EngineConfig()
+
+
+def test_a_bad_flag_value_names_the_field(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["bench", "--context", "8", "--page-size", "0"]) == 1
+    err = capsys.readouterr().err
+    assert "ValidationError" in err and "page_size" in err
+
+
+def test_bench_runs_with_engine_flags(capsys: pytest.CaptureFixture[str]):
+    assert cli.main(["bench", "--context", "80", "--page-size", "16", "--max-active-sessions", "4"]) == 0
+    assert '"resume_speedup"' in capsys.readouterr().out
