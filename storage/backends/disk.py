@@ -297,13 +297,12 @@ class DiskStore(BlobStore):
 
     def _exists_touch(self, digest: str) -> bool:
         """True if the blob is stored (loose or packed), refreshing its GC grace period: a re-put is a use."""
-        path = self._blob_file(digest)
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)
-            return True
-        loc = self._packs.locate(digest)
+        loc = self._packs.locate(digest)  # one dict lookup: before the stat, which most saves' blobs miss
         if loc is not None:
             self._packs.touch({loc[0].name})
+            return True
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(self._blob_file(digest))
             return True
         return False
 
@@ -495,7 +494,7 @@ class DiskStore(BlobStore):
 
         def has() -> set[str]:
             self._packs.refresh()
-            return {d for d in wanted if _is_file(self._blob_file(d)) or self._packs.locate(d) is not None}
+            return {d for d in wanted if self._packs.locate(d) is not None or _is_file(self._blob_file(d))}
 
         return await self._run("stat", self._blobs, has)
 

@@ -167,6 +167,9 @@ class PackSet:
         self.packs: dict[str, Pack] = {}
         self.corrupt: dict[str, str] = {}
         """Pack name -> why its index is unusable (its blobs read as IntegrityError, never as absent data)."""
+        self._where: dict[str, str] = {}
+        """Digest -> name of a pack that holds it, for every digest of every known pack (live there unless
+        tombstoned since): `locate` is one lookup however many packs there are."""
         self._mutex = threading.Lock()
 
     # --- the index ---------------------------------------------------------------------------------------
@@ -189,7 +192,7 @@ class PackSet:
                     dead_sizes[stem] = st.st_size
         with self._mutex:
             for name in set(self.packs) - set(seen):
-                del self.packs[name]
+                self._forget(self.packs[name])
             for name in set(self.corrupt) - set(seen):
                 del self.corrupt[name]
         for name, st in seen.items():
@@ -210,7 +213,12 @@ class PackSet:
             if dead_sizes.get(name, 0) != pack.dead_file_size:
                 self._read_dead(pack)
             with self._mutex:
-                self.packs[name] = pack
+                old = self.packs.get(name)
+                if old is not pack:
+                    if old is not None:
+                        self._forget(old)
+                    self.packs[name] = pack
+                    self._remember(pack)
 
     def _load(self, name: str, st: os.stat_result) -> Pack:
         path = self.folder / f"{name}{PACK_SUFFIX}"
@@ -231,10 +239,38 @@ class PackSet:
         pack.dead = {raw[i : i + 32].hex() for i in range(0, whole, 32)} & set(pack.entries)
         pack.dead_file_size = len(raw)
 
+    def _remember(self, pack: Pack) -> None:
+        """Index ``pack``'s digests (caller holds the mutex and has put it in ``packs``)."""
+        for d in pack.entries:
+            cur = self.packs.get(self._where.get(d, ""))
+            if cur is None or d in cur.dead:
+                self._where[d] = pack.name
+
+    def _forget(self, pack: Pack) -> None:
+        """Drop ``pack`` and its index entries, pointing each at another pack that holds the digest, if any
+        (duplicates only follow a compaction; caller holds the mutex)."""
+        self.packs.pop(pack.name, None)
+        for d in pack.entries:
+            if self._where.get(d) != pack.name:
+                continue
+            del self._where[d]
+            for other in self.packs.values():
+                if d in other.entries:
+                    self._where[d] = other.name
+                    if d not in other.dead:
+                        break
+
     def locate(self, digest: str) -> tuple[Pack, int, int] | None:
         """Where a live copy of ``digest`` lies in a pack, or None."""
         with self._mutex:
-            for pack in self.packs.values():
+            name = self._where.get(digest)
+            if name is None:
+                return None  # no pack holds it at all
+            pack = self.packs.get(name)
+            if pack is not None and digest not in pack.dead:
+                off, n = pack.entries[digest]
+                return pack, off, n
+            for pack in self.packs.values():  # tombstoned there: another pack may still hold it live
                 loc = pack.entries.get(digest)
                 if loc is not None and digest not in pack.dead:
                     return pack, loc[0], loc[1]
@@ -334,7 +370,9 @@ class PackSet:
         self.path(pack).unlink(missing_ok=True)
         (self.folder / f"{pack.name}{DEAD_SUFFIX}").unlink(missing_ok=True)
         with self._mutex:
-            self.packs.pop(pack.name, None)
+            known = self.packs.get(pack.name)
+            if known is not None:
+                self._forget(known)
 
     def _compact(self, pack: Pack, tmp_prefix: str) -> None:
         """Rewrite ``pack`` without its dead blobs; a live blob that fails verification is left out (logged):
@@ -359,8 +397,8 @@ class PackSet:
     def drop_redundant(self) -> None:
         """Unlink packs whose every live blob another pack also holds, and tombstone files whose pack is gone
         (both left by a crash inside a compaction or a drop)."""
-        if not self.folder.is_dir():
-            return
+        if not self.folder.is_dir() or not any(e.name.startswith("pack-") for e in os.scandir(self.folder)):
+            return  # nothing to drop: take no lock (its file would be the folder's only entry)
         with self._locked():
             self.refresh()
             for entry in os.scandir(self.folder):

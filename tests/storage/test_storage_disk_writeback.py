@@ -170,3 +170,31 @@ async def test_open_creates_the_layout_durably_once(tmp_path: Path, monkeypatch:
     assert synced == []  # nothing made, nothing to sync
     await store.put_blobs(_blobs(70))  # a first pack: no mkdir, so no parent fsync, in the save
     assert root / "blobs" not in synced
+
+
+async def test_pack_index_follows_duplicates_tombstones_and_vanished_packs(tmp_path: Path) -> None:
+    """`locate` answers from one digest -> pack index: a blob tombstoned in one pack but live in another (a crash
+    inside a compaction leaves such duplicates) is still found, and so is one whose indexed pack vanished."""
+    store = await DiskStore.open(tmp_path, pack_min_blobs=2)
+    a, b = _blobs(4, seed=1), _blobs(4, seed=2)
+    await store.put_blobs(a)
+    await store.put_blobs(b)
+    (first, _) = _packs(tmp_path)
+    store._packs.write(list(a.items()), lambda i: None, TMP_PREFIX)  # a second copy of a, in a third pack
+    keys = list(a)
+    with open(first.with_suffix(".dead"), "ab") as f:  # another process tombstones keys[0] in the first pack only
+        f.write(bytes.fromhex(keys[0]))
+    assert await store.has_blobs([*a, *b]) == set(a) | set(b)
+    assert await store.get_blobs(keys) == a
+    copies = [p for p in _packs(tmp_path) if p != first and set(a) <= set(_index_of(p))]
+    assert len(copies) == 1
+    copies[0].unlink()  # another process drops the copy: keys[0] is now dead everywhere, the rest live in `first`
+    assert await store.has_blobs([*a, *b]) == (set(a) - {keys[0]}) | set(b)
+    assert await store.get_blobs(keys[1:]) == {d: a[d] for d in keys[1:]}
+    fresh = await DiskStore.open(tmp_path)
+    assert await fresh.has_blobs([*a, *b]) == (set(a) - {keys[0]}) | set(b)
+
+
+def _index_of(pack: Path) -> list[str]:
+    data = pack.read_bytes()
+    return list(disk_pack.parse_index(lambda off, n: data[off : off + n], len(data), str(pack)))
