@@ -330,7 +330,9 @@ class Engine:
         async with victim.lock:
             if not victim.resident:
                 return True
+            never_saved = victim.generation == 0
             await self.space_of(victim).save(victim)
+            victim.stored_by_eviction_only = victim.stored_by_eviction_only or never_saved
             self._release(victim, keep_checkpoint_states=True)
         log.info("evicted idle session %s to the store", victim.id)
         return True

@@ -8,6 +8,7 @@ uses ``engine.for_tenant(name)``.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from ..sessions.session import Session
     from .engine import Engine
     from .snapshots import SnapshotIO
+
+log = logging.getLogger(__name__)
 
 TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
@@ -242,16 +245,22 @@ class TenantEngine:
         if not found:
             raise SessionNotFound(f"no session {session_id!r}")
 
-    async def forget(self, session_id: str) -> bool:
+    async def forget(self, session_id: str, drop_unsaved: bool = False) -> bool:
         """Drop a held session from this engine's memory, leaving the store as it is: its slot, KV pages and
         checkpoint states are freed and its write lease given back. A saved session can be resumed again from
-        the store; an unsaved one is gone. False if the engine does not hold it or it is answering a call."""
+        the store; an unsaved one is gone. With ``drop_unsaved``, a copy the engine wrote only to evict the
+        session (nobody asked for a save) is deleted from the store as well. False if the engine does not hold
+        it or it is answering a call."""
         s = self._get(session_id)
         if s is None or s.lock.locked():
             return False
         async with s.lock:
             self.engine._release(s, keep_checkpoint_states=False)
             self.engine._sessions.pop((self.tenant, session_id), None)
+        if drop_unsaved and s.stored_by_eviction_only:
+            self.io.index.remove_session(session_id)
+            await self.io.snapshots.delete_session(session_id)
+            log.debug("deleted %s from the store: it was there only because it had been evicted", session_id)
         if session_id in self.io.snapshots.leased:
             await self.io.snapshots.release_lease(session_id)
         return True

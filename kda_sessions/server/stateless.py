@@ -6,8 +6,10 @@ deletes those sessions, so without a bound every request would keep a session (i
 states, and a slot and KV pages or, once evicted, a snapshot written to the store) for the life of the server.
 ``StatelessSessions`` forgets such a session from the engine's memory once it has been idle for
 ``stateless_session_ttl_s`` (120 s) or when more than ``max_stateless_sessions`` (32) are held (least recently used first).
-Forgetting leaves the store alone: a session the client saved (``POST /v1/sessions/{id}/save``) resumes from
-it; an unsaved one answers 404 afterwards. Sessions created through ``/v1/sessions`` are never forgotten.
+A session the client saved (``POST /v1/sessions/{id}/save``) resumes from the store afterwards; an unsaved one
+answers 404, and a copy the engine wrote only to evict it under memory pressure is deleted from the store when
+it is forgotten, so the store does not grow with every request either. Sessions created through
+``/v1/sessions`` are never forgotten.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ class StatelessSessions:
                 break
         n = 0
         for key in victims:
-            if await view.forget(key[1]) or not view.holds(key[1]):
+            if await view.forget(key[1], drop_unsaved=True) or not view.holds(key[1]):
                 self._last_used.pop(key, None)
                 n += 1
         self.forgotten += n

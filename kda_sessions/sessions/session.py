@@ -254,7 +254,9 @@ class Session:
     async def save(self) -> SaveResult:
         """Returns once the snapshot is durable in the store."""
         async with self.state.lock:
-            return await self.engine.space_of(self.state).save(self.state)
+            result = await self.engine.space_of(self.state).save(self.state)
+            self.state.stored_by_eviction_only = False
+            return result
 
     async def fork(self, checkpoint: str | None = None) -> Session:
         view = await self.engine.for_tenant(self.state.tenant)

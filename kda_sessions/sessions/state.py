@@ -82,6 +82,9 @@ class SessionState:
     parent: str | None = None
     generation: int = 0
     """Saves so far; 0 means never saved."""
+    stored_by_eviction_only: bool = False
+    """The store holds this session only because the engine evicted it to make room (no save was asked for):
+    forgetting it with ``drop_unsaved`` deletes that copy too, so it does not outlive its use."""
     stored_digests: set[str] = field(default_factory=set)
     """Blobs known to be in the store already (not encoded again on the next save)."""
     head_blobs: tuple[str, list[str]] | None = None

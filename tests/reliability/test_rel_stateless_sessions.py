@@ -72,3 +72,28 @@ async def test_prefix_reuse_from_a_stored_session_does_not_hold_it(tmp_path):
         assert a.id not in eng.io.snapshots.leased  # ... or its lease
         await eng.delete_session(b.id)
         assert eng.pages.num_free == pages_free  # the parent's loaded pages went back with b's
+
+
+def test_a_forgotten_stateless_session_evicted_to_the_store_leaves_it(tmp_path):
+    """Under memory pressure the engine evicts idle sessions to the store; a stateless one nobody saved must not
+    stay there after it is forgotten (the store would grow with every request), while a saved one does."""
+    from kda_sessions.engine.config import EngineConfig
+
+    s = start_server(store=f"disk:{tmp_path}", max_stateless_sessions=2, stateless_session_ttl_s=600.0,
+                     engine=EngineConfig(max_active_sessions=2))
+    try:
+        saved = _chat(s.url, "keep me")
+        assert httpx.post(f"{s.url}/v1/sessions/{saved}/save", timeout=60).status_code == 200
+        ids = [_chat(s.url, f"question {i}") for i in range(6)]  # 2 slots: every new one evicts an older one
+        listed = httpx.get(f"{s.url}/v1/sessions", timeout=60).json()["data"]
+        stored = {d["session_id"] for d in listed}  # held ones and stored ones
+        forgotten = [i for i in ids if i not in s.engine.sessions]
+        assert forgotten, "the cap of 2 forgot nothing"
+        assert saved in stored  # saved on purpose: kept
+        assert not stored & set(forgotten), "an unsaved stateless session outlived being forgotten"
+        for sid in forgotten:
+            r = httpx.post(f"{s.url}/v1/chat/completions", timeout=60, json={
+                "messages": [{"role": "user", "content": "again"}], "max_tokens": 2, "session_id": sid})
+            assert r.status_code == 404
+    finally:
+        s.stop()
