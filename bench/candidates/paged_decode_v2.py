@@ -49,7 +49,7 @@ def _split_kernel(
         for t0 in range(start, end, BN):
             tok = t0 + tl.arange(0, BN)
             mt = tok < end
-            page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+            page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
             row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
             c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
             pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
@@ -68,7 +68,7 @@ def _split_kernel(
         for t0 in range(start, end, BN):
             tok = t0 + tl.arange(0, BN)
             mt = tok < end
-            page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+            page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
             # [BN] offset of each token's cache row; the hint lets the loads be 16-byte vectors
             row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
             c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)

@@ -71,10 +71,12 @@ def _split_kernel(
         tok = t0 + rn
         mt = tok < end
         if PAGE_TILE:  # BN divides P and t0 is a multiple of BN: the tile is rows t0 % P .. + BN of one page
-            page = tl.load(pt + t0 // P).to(tl.int64)
+            # masked and clamped to the row like the gathered form, so that no copy of this load (the pipeliner
+            # issues it stages ahead) can address past the table or yield a page id that is not one
+            page = tl.load(pt + tl.minimum(t0 // P, max_pages - 1), mask=t0 < end, other=0).to(tl.int64)
             row = (page * P + t0 % P + rn) * (R + DR)
         else:
-            page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+            page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
             row = (page * P + tok % P) * (R + DR)
         row = tl.multiple_of(row, ALIGN)  # [BN] offsets of the tokens' cache rows: 16-byte vector loads
         c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
@@ -161,7 +163,10 @@ def _split_kernel_tma(
     pt = page_table + n.to(tl.int64) * max_pages
     all_rows = rn < BN
     for t0 in range(start, full_end, BN):
-        row = tl.load(pt + t0 // P) * P + t0 % P  # the tile's first row in the [num_pages * P, R + DR] view
+        # the tile's first row in the [num_pages * P, R + DR] view; the page-table read masked and clamped to the
+        # row as in the pointer kernels (the pipeliner issues it stages ahead of the tile)
+        page = tl.load(pt + tl.minimum(t0 // P, max_pages - 1), mask=t0 < full_end, other=0)
+        row = page * P + t0 % P
         c0 = c_desc.load([row, 0])
         c1 = c_desc.load([row, RH])
         pe = pe_desc.load([row, R])
@@ -169,7 +174,7 @@ def _split_kernel_tma(
     if full_end < end:
         tok = full_end + rn
         mt = tok < end
-        page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+        page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
         row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
         c0 = tl.load(kv + row[:, None] + r0[None, :], mask=mt[:, None], other=0.0)
         c1 = tl.load(kv + row[:, None] + RH + r0[None, :], mask=mt[:, None], other=0.0)

@@ -144,3 +144,52 @@ def test_mla_decode_v3_tma(P, num_splits, BN):
         kv[last, (length - 1) % P + 1 :] = float("nan")
     o = v3._launch(ql, qp, kv, pt, sl, scale, num_splits, BN=BN, tma=True, part_bf16=BN == 32)
     assert rel_rms(o, ref) < (1e-2 if BN == 32 else 1e-5)
+
+
+def _mla_guarded_case(P: int = 64, seed: int = 7):
+    """A P 64 decode step whose page table and cache make a stray read show up as NaN in the output.
+
+    Lengths 1, P - 1, P, P + 1, 2P - 1, 2P + 1, multiples of the split length (96, 128, 192 for 3 splits at BN 16 /
+    64) and splits with a partial last tile; the last sequence fills its page-table row, so a read past its pages
+    is a read past the whole table. Every page-table entry past a sequence's pages, and the 64 entries after the
+    table, name a poison page of NaN; the rows past each sequence's end in its last page hold NaN too."""
+    gen = torch.Generator().manual_seed(seed)
+    Hm, R, DR = 2, 32, 16
+    lens = [1, 63, 64, 65, 96, 127, 128, 129, 192, 200, 256]
+    N, max_pages = len(lens), -(-max(lens) // P)
+    used = sum(-(-n // P) for n in lens)
+    kv = torch.randn(used + 2, P, R + DR, generator=gen)
+    poison = used + 1
+    kv[poison] = float("nan")
+    flat = torch.full((N * max_pages + 64,), poison, dtype=torch.int32)  # the table, then poison past its end
+    pt = flat[: N * max_pages].view(N, max_pages)
+    perm, u = torch.randperm(used + 1, generator=gen).int(), 0
+    for n, length in enumerate(lens):
+        k = -(-length // P)
+        pt[n, :k] = perm[u : u + k]
+        u += k
+        kv[int(pt[n, k - 1]), (length - 1) % P + 1 :] = float("nan")
+    ql, qp = torch.randn(N, Hm, R, generator=gen), torch.randn(N, Hm, DR, generator=gen)
+    return ql, qp, kv, pt, torch.tensor(lens, dtype=torch.int32), 0.1
+
+
+# P 64, where both candidates crashed on the H200 (bench/candidates/README.md): (module, num_splits, launch params)
+P64_CASES = [
+    ("paged_decode_v3", None, {"tma": True}),
+    ("paged_decode_v3", 3, {"tma": True, "BN": 32}),
+    ("paged_decode_v3", 3, {"tma": False, "BN": 16}),
+    ("paged_decode_v3", None, {"tma": False, "trans": False, "BN": 64}),
+    ("paged_decode_v3", 3, {"tma": False, "page_tile": False, "BN": 16}),
+    ("paged_decode_v3", 1, {"tma": False, "BN": 64, "part_bf16": True}),
+    ("paged_decode_v2", None, {"trans": False}),
+    ("paged_decode_v2", 3, {"trans": True, "BN": 16}),
+]
+
+
+@pytest.mark.parametrize("stem,num_splits,cfg", P64_CASES, ids=lambda x: str(x).replace(" ", ""))
+def test_mla_decode_candidates_p64_guarded(stem, num_splits, cfg):
+    mod = load_candidate(stem, "kda_sessions.kernels.mla")
+    args = _mla_guarded_case()
+    o = mod._launch(*args, num_splits, **cfg)
+    assert torch.isfinite(o).all(), "a read outside the sequences' rows reached the output"
+    assert rel_rms(o, naive_mla_decode_paged(*args)) < (1e-2 if cfg.get("part_bf16") else 1e-5)
