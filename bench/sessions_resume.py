@@ -10,9 +10,14 @@ For each model and context length N (random byte tokens, a fresh seed per N so n
               engine's RAM tier: ``resume(id)`` + ``generate(max_tokens=1)``;
   disk        a NEW engine on the same ``disk:`` store, OS page cache dropped first: resume + generate(1);
   redis       the snapshot copied into a private redis-server, a NEW engine on it: resume + generate(1).
-Store throughput is measured on the storage layer (``SnapshotStore.save(verified=True)``, as the engine calls it, /
-``load_blobs`` of the whole snapshot,
-fresh store objects without a RAM tier, page cache dropped before disk reads). Redis: REDIS_ROUNDS rounds, each
+Store throughput is measured on the storage layer (``SnapshotStore.save(verified=True, expected_generation=0)``, as
+the engine calls it: compare-and-set under the lease, / ``load_blobs`` of the whole snapshot,
+fresh store objects without a RAM tier, page cache dropped before disk reads). Disk saves: DISK_ROUNDS rounds,
+each right after ``dd bs=1M conv=fdatasync`` of the snapshot's own size in the same folder (one file, one flush at
+the end, like the store's one pack), into a fresh store folder; medians of MB/s and of the per-round ratios (the
+512 MiB dd at the start is reported too). ``save_phases`` / ``engine_save_phases``: where one save's time goes,
+in ms between consecutive marks (store calls timed around them; the disk backend's steps by its fault points,
+storage/faults.py, which mark every write, fsync, rename and folder fsync). Redis: REDIS_ROUNDS rounds, each
 right after redis-benchmark SET/GET of 1 MB values on the same server, with its one key and with fresh keys
 (bench/store_redis.py says why both); medians of MB/s and of the per-round ratios.
 """
@@ -20,6 +25,9 @@ right after redis-benchmark SET/GET of 1 MB values on the same server, with its 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
+import os
 import shutil
 import statistics
 import sys
@@ -34,7 +42,99 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from common import MIB, Timer
 
-from kda_sessions.storage import SnapshotStore
+from kda_sessions.engine import snapshots as engine_snapshots
+from kda_sessions.storage import SnapshotStore, faults
+
+DISK_ROUNDS = 3
+SAVE_CALLS = ("has_blobs", "touch_blobs", "put_blobs", "put_manifest", "commit_manifest")
+
+
+class Phases:
+    """Marks of one save: ``<call`` / ``call>`` around the store's calls, fault point names in between, with
+    times; ``segments()`` gives the ms between consecutive marks."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = []
+        self.hash_s = 0.0
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def segments(self) -> list[tuple[str, float]]:
+        """(``from -> to``, ms) per pair of consecutive marks; runs of one label (a loose blob each) summed."""
+        out: list[tuple[str, float]] = []
+        runs: list[int] = []
+        for (a, ta), (b, tb) in itertools.pairwise(self.marks):
+            label = f"{a} -> {b}"
+            if out and out[-1][0].split(" x ")[0] == label:
+                runs[-1] += 1
+                out[-1] = (f"{label} x {runs[-1]}", out[-1][1] + (tb - ta) * 1e3)
+            else:
+                out.append((label, (tb - ta) * 1e3))
+                runs.append(1)
+        return [(label, round(ms, 2)) for label, ms in out]
+
+    @contextlib.contextmanager
+    def watch(self, snapshots: SnapshotStore, io: Any = None):  # type: ignore[no-untyped-def]
+        """Record the calls of ``snapshots.store`` and the fault points; with ``io`` (an engine's SnapshotIO)
+        also its encode step (``_build``: tensors -> bytes + sha256, the hashing summed in ``hash_s``)."""
+        store = snapshots.store
+        patched: list[tuple[Any, str]] = []
+
+        def timed(obj: Any, name: str, label: str) -> None:
+            fn = getattr(obj, name)
+
+            async def call(*a: Any, **k: Any) -> Any:
+                self.mark(f"<{label}")
+                try:
+                    return await fn(*a, **k)
+                finally:
+                    self.mark(f"{label}>")
+
+            setattr(obj, name, call)
+            patched.append((obj, name))
+
+        for name in SAVE_CALLS:
+            timed(store, name, name)
+        real_blob = engine_snapshots.blob
+        if io is not None:
+            build = io._build
+
+            def timed_build(*a: Any) -> Any:
+                self.mark("<encode+hash")
+                try:
+                    return build(*a)
+                finally:
+                    self.mark("encode+hash>")
+
+            def timed_blob(data: bytes) -> Any:
+                t = time.perf_counter()
+                try:
+                    return real_blob(data)
+                finally:
+                    self.hash_s += time.perf_counter() - t
+
+            io._build = timed_build
+            patched.append((io, "_build"))
+            engine_snapshots.blob = timed_blob
+        faults.hook = self.mark
+        try:
+            yield self
+        finally:
+            faults.hook = None
+            engine_snapshots.blob = real_blob
+            for obj, name in patched:
+                delattr(obj, name)  # back to the class's method
+
+
+def dd_same_size(folder: Path, nbytes: int) -> float:
+    """MB/s of ``dd bs=1M conv=fdatasync`` of ``nbytes`` (rounded up to MiB) into one new file in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    f = folder / "dd-same.bin"
+    try:
+        return common._dd(["if=/dev/zero", f"of={f}", "bs=1M", f"count={-(-nbytes // MIB)}", "conv=fdatasync"])
+    finally:
+        f.unlink(missing_ok=True)
 
 
 async def ttft_resume(eng, sid: str) -> tuple[float, Any]:
@@ -70,10 +170,13 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
         row["reprefill_cores"] = t.cores
         row["reprefill_prefill_tokens"] = u.prefill_tokens + r0.usage.prefill_tokens
         row["prefill_tok_per_s"] = n / t.s
-        with Timer() as t:
+        os.sync()  # the save starts with no dirty pages of the prefill's process behind it
+        with Phases().watch(eng.io.snapshots, eng.io) as ph, Timer() as t:
             saved = await s.save()
         row["engine_save_s"] = t.s
         row["engine_save_MBps"] = saved.bytes_written / t.s / 1e6
+        row["engine_save_hash_ms"] = round(ph.hash_s * 1e3, 2)
+        row["engine_save_phases"] = ph.segments()
         sid = s.id
 
         forget(eng, sid)
@@ -105,12 +208,24 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
     row["snapshot_MiB"] = nbytes / MIB
     row["bytes_per_token"] = nbytes / n
     row["disk_load_MBps"] = nbytes / t.s / 1e6
-    dst = await SnapshotStore.open(f"disk:{root / 'copy'}")
-    with Timer() as t:
-        await dst.save(manifest, blobs, verified=True)  # as the engine saves: blobs named by their own hash
-    await dst.close()
-    row["disk_save_MBps"] = nbytes / t.s / 1e6
-    shutil.rmtree(root / "copy", ignore_errors=True)
+    per: dict[str, list[float]] = {}
+    for i in range(DISK_ROUNDS):
+        os.sync()
+        dd = dd_same_size(root / "dd", nbytes)
+        dst = await SnapshotStore.open(f"disk:{root / 'copy'}")
+        os.sync()
+        # as the engine saves: blobs named by their own hash, compare-and-set under the lease
+        with Phases().watch(dst) as ph, Timer() as t:
+            await dst.save(manifest, blobs, verified=True, expected_generation=0)
+        await dst.close()
+        shutil.rmtree(root / "copy", ignore_errors=True)
+        save = nbytes / t.s / 1e6
+        if i == 0:
+            row["save_phases"] = ph.segments()
+        for key, v in {"disk_save_MBps": save, "dd_same_size_MBps": dd, "disk_save_of_dd_same_size": save / dd}.items():
+            per.setdefault(key, []).append(v)
+    row.update({key: statistics.median(v) for key, v in per.items()})
+    row["disk_save_rounds_MBps"] = [round(v) for v in per["disk_save_MBps"]]
 
     tokens = {"ram": r_ram.token_ids, "disk": r_disk.token_ids}
     if redis_url is not None:
@@ -199,6 +314,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 # a different redis db per row keeps each engine's view small; the server is private
                 row = await one_length(model, n, root / f"{name}-{n}", f"redis://127.0.0.1:{port}/{i % 16}", notes)
                 row["row_wall_s"] = time.perf_counter() - t0
+                row["disk_save_of_dd_512MiB"] = row["disk_save_MBps"] / result["raw_disk"]["write_fdatasync_MBps"]
                 rows.append(row)
                 print(f"# {name} {n}: {({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})}",
                       file=sys.stderr, flush=True)
