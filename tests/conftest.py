@@ -3,11 +3,18 @@ cluster tests) one 3-node Redis Cluster on loopback."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Triton kernels run on the CPU through Triton's interpreter. Set here, before any test module is collected,
+# because triton reads the variable once at import: tests outside tests/kernels (the graphed decode's Triton
+# path, say) would otherwise find triton imported without it and skip. Not on a machine with a GPU.
+if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # tests/ holds helpers shared by all test folders (redis_server.py)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
