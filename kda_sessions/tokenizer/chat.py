@@ -296,7 +296,10 @@ def _normalize(message: Message, index: int, *, check: bool) -> dict[str, Any]:
             raise ChatTemplateError(f"messages[{index}].role must be one of {list(ROLES)}, got {role!r}")
         if role == "tool" and not isinstance(msg.get("tool_call_id"), str):
             raise ChatTemplateError(f"messages[{index}] (role tool) needs a string tool_call_id")
-        for j, call in enumerate(msg.get("tool_calls") or []):
+        calls = msg.get("tool_calls")
+        if calls is not None and not isinstance(calls, list):
+            raise ChatTemplateError(f"messages[{index}].tool_calls must be a list, got {type(calls).__name__}")
+        for j, call in enumerate(calls or []):
             fn = call.get("function") if isinstance(call, dict) else None
             if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)):
                 raise ChatTemplateError(

@@ -176,3 +176,10 @@ def test_fuzz_feed_marker_rejects_non_markers_with_value_error(marker: str) -> N
         parser.feed_marker(marker)
     except ValueError:
         assert marker not in MARKERS
+
+
+@pytest.mark.parametrize("calls", [1, "x", {"a": 1}, False, ""], ids=repr)
+def test_tool_calls_that_are_not_a_list_are_a_typed_error(calls):
+    """Found by the fuzzer above: ``{"role": "system", "tool_calls": 1}`` raised a bare TypeError."""
+    with pytest.raises(ChatTemplateError, match="tool_calls must be a list"):
+        encode_chat(TOK, [{"role": "system", "tool_calls": calls}], None, add_generation_prompt=False)
