@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 
 import torch
 
@@ -60,3 +61,17 @@ def make_snapshot(
 async def open_redis(redis_url: str, prefix: str, *, chunk_size: int = 64 * 1024 * 1024) -> RedisStore:
     """A RedisStore on the test server whose keys all live under `prefix`."""
     return await RedisStore.open(f"{redis_url}?prefix={prefix}", chunk_size=chunk_size, timeout_s=2.0)
+
+
+def synthetic_blobs(n: int, size: int, seed: int = 0) -> dict[str, bytes]:
+    """``n`` distinct blobs of ``size`` bytes by digest (deterministic in ``seed``)."""
+    out = {}
+    for i in range(n):
+        b = bytes((seed * 131 + i * 7 + j) % 251 for j in range(size))
+        out[digest(b)] = b
+    return out
+
+
+def pack_files(root: Path) -> list[Path]:
+    """The pack files of a disk store rooted at ``root``."""
+    return sorted((root / "blobs" / "packs").glob("pack-*.pack"))

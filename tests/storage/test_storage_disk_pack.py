@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from storage_helpers import pack_files, synthetic_blobs
 
 import kda_sessions as ks
 from kda_sessions.storage import SnapshotStore, faults
@@ -25,15 +26,10 @@ from kda_sessions.storage.errors import BlobNotFound, IntegrityError, StoreUnava
 
 
 def _blobs(n: int, size: int = 3000, seed: int = 0) -> dict[str, bytes]:
-    out = {}
-    for i in range(n):
-        b = bytes((seed * 131 + i * 7 + j) % 251 for j in range(size))
-        out[digest(b)] = b
-    return out
+    return synthetic_blobs(n, size, seed)
 
 
-def _packs(root: Path) -> list[Path]:
-    return sorted((root / "blobs" / "packs").glob("pack-*.pack"))
+_packs = pack_files
 
 
 def _loose(root: Path) -> list[Path]:

@@ -11,26 +11,20 @@ import os
 from pathlib import Path
 
 import pytest
-from storage_helpers import make_snapshot
+from storage_helpers import make_snapshot, pack_files, synthetic_blobs
 
 from kda_sessions.storage import SnapshotStore
 from kda_sessions.storage.backends import disk as disk_mod
 from kda_sessions.storage.backends import disk_pack
 from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
-from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import StoreUnavailable
 
 
 def _blobs(n: int, size: int = 5000, seed: int = 0) -> dict[str, bytes]:
-    out = {}
-    for i in range(n):
-        b = bytes((seed * 131 + i * 7 + j) % 251 for j in range(size))
-        out[digest(b)] = b
-    return out
+    return synthetic_blobs(n, size, seed)
 
 
-def _packs(root: Path) -> list[Path]:
-    return sorted((root / "blobs" / "packs").glob("pack-*.pack"))
+_packs = pack_files
 
 
 def _temp_files(root: Path) -> list[Path]:
