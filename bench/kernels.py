@@ -3,7 +3,7 @@
 side with fla-core (when importable). Prints one JSON document; ``--out FILE`` also writes it there.
 
     python bench/kernels.py --out $OUT/kernels.json [--quick] [--only check,chunk,decode,mla,mlasweep,tune]
-        [--warm-procs 6] [--fla-bg] [--old bench/candidates/chunk_v3.py] [--old-tune '[{"split": 1}]']
+        [--warm-procs 6] [--fla-bg] [--old PATH/chunk.py] [--old-tune '[{"split": 1}]']
         [--mla-cand bench/candidates/paged_decode_v3.py] [--deadline 330] [--save-cache $OUT/tcache.tar.xz]
 
 ``--old`` and ``--mla-cand`` name other versions of kernels/kda/chunk.py and kernels/mla/paged_decode.py (files
@@ -204,7 +204,7 @@ def load_module(path: str, package: str):
 
 
 def load_old(paths: str | None, tunes: list[dict] | dict[str, list[dict]] | None = None) -> dict:
-    """Other versions of kernels/kda/chunk.py (e.g. bench/candidates/chunk_v3.py) by file stem, for before/after
+    """Other versions of kernels/kda/chunk.py (e.g. an earlier kernels/kda/chunk.py from git) by file stem, for before/after
     in one run; each of ``tunes`` (a list for every file, or lists by stem) adds the same function with those
     launch parameters as ``stem+k=v``."""
     out = {}

@@ -1,4 +1,5 @@
-"""The unmeasured kernel candidates of bench/candidates against the naive twins, under TRITON_INTERPRET=1.
+"""The unmeasured kernel candidates of bench/candidates (and the tunables of the chunk kernel promoted from there)
+against the naive twins, under TRITON_INTERPRET=1.
 
 A candidate may replace its kernel in kernels/ only if these pass and the device run shows it correct and faster.
 Tolerances: relative RMS error 1e-4 for chunk_kda (as tests/kernels/test_kda_triton.py), 1e-5 for MLA decode with
@@ -46,9 +47,10 @@ def load_candidate(stem: str, package: str) -> ModuleType:
                      id="standard-varlen-exact-diagonal-wu-kernel"),
     ],
 )
-@pytest.mark.parametrize("stem", ["chunk_v3"])
-def test_chunk_candidate_matches_recurrent(stem, bounded, varlen, h0, ckpts, tune):
-    chunk_v3 = load_candidate(stem, "kda_sessions.kernels.kda")
+def test_shipped_chunk_tunables_match_recurrent(bounded, varlen, h0, ckpts, tune):
+    """The shipped chunk kernel (candidate v4, promoted) with its tunables: small blocks, the separate w/u
+    kernel (``split``), every diagonal block on the exact path (``span_max`` -1)."""
+    from kda_sessions.kernels.kda import chunk as chunk_mod
     if varlen:
         q, k, v, g, beta = kda_inputs(1, 101, H, K, V, bounded, seed=1)
         cu = torch.tensor([0, 37, 101])
@@ -56,19 +58,17 @@ def test_chunk_candidate_matches_recurrent(stem, bounded, varlen, h0, ckpts, tun
         q, k, v, g, beta = kda_inputs(2, 70, H, K, V, bounded, seed=2)
         cu = None
     init = torch.randn(2, H, K, V) if h0 else None
-    o, final, ck = chunk_v3.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, True, ckpts, tune=tune)
+    o, final, ck = chunk_mod.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, True, ckpts, tune=tune)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, True, ckpts)
     assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4
     if ckpts is not None:
         assert rel_rms(ck, rck) < 1e-4
 
 
-@pytest.mark.parametrize("stem", ["chunk_v3"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
-def test_chunk_candidate_gate_in_kernel(stem, lower_bound):
+def test_shipped_chunk_gate_in_kernel(lower_bound):
     from kda_sessions.kernels.gate.naive import naive_kda_gate
-
-    chunk_v3 = load_candidate(stem, "kda_sessions.kernels.kda")
+    from kda_sessions.kernels.kda import chunk as chunk_mod
     q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
     gen = torch.Generator().manual_seed(10)
     raw = torch.randn(1, 75, H, K, generator=gen) * 3
@@ -77,7 +77,7 @@ def test_chunk_candidate_gate_in_kernel(stem, lower_bound):
     cu = torch.tensor([0, 30, 75])
     ckpts = [[7, 30], [45]]
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
-    o, final, ck = chunk_v3.chunk_kda_triton(q, k, v, raw, beta, None, None, True, cu, True, ckpts,
+    o, final, ck = chunk_mod.chunk_kda_triton(q, k, v, raw, beta, None, None, True, cu, True, ckpts,
                                              use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                              lower_bound=lower_bound)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, None, True, cu, True, ckpts)
