@@ -670,7 +670,7 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
     if "tune" in parts:
         jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
                  for cfg in CHUNK_VARIANTS[1:]]
-    if parts & {"check", "mla", "mlasweep", "tune"}:
+    if parts & {"check", "checkmla", "mla", "mlasweep", "tune"}:
         lens = [1, 100, 300, 1000] if SMOKE else [1, 1000, 5000, 33000]
         small = mla_setup(lens)[0]  # the check's shapes
         small16 = mla_setup(lens, P=16)[0]
@@ -776,7 +776,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="chunk at 8K only; without CUDA: tiny shapes on the CPU")
-    ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,chunk,mla,mlasweep,decode,tune")
+    ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,checkmla,chunk,mla,mlasweep,decode,tune")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core (its autotuning takes minutes)")
     ap.add_argument("--old", default=None, help="other chunk.py files to check and time beside the current one")
     ap.add_argument("--old-tune", default="[]", help="launch parameters to time each --old with too: a JSON list, or lists by file stem")
@@ -846,6 +846,8 @@ def main() -> None:
     if "check" in parts:  # correctness only: fla may still be autotuning on the same GPU meanwhile
         steps += [("check_chunk", lambda: check_chunk(old_chunk)), ("check_mla", lambda: check_mla(mla_mods)),
                   ("check_decode", check_decode), ("check_conv", check_conv)]
+    elif "checkmla" in parts:  # the MLA kernels alone (one candidate per process isolates a fault)
+        steps.append(("check_mla", lambda: check_mla(mla_mods)))
     steps.append(("fla_warm", wait_fla))
     if "check" in parts and fla_chunk is not None:
         steps.append(("check_fla", lambda: check_fla(fla_chunk)))
