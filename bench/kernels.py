@@ -532,6 +532,32 @@ def time_mla(bw: float, mods: dict) -> list[dict]:
     return rows
 
 
+def mla_splits(bw: float) -> list[dict]:
+    """The shipped MLA kernel at each context with its default split count and 1/2, 2, 4 and 8 times as many
+    (the heuristic keeps at least 512 tokens per split, so one 32K sequence gets 64 programs on 132 SMs), with
+    the default tiles and with 8 warps / 2 stages (no spills on sm_90). Graph replays only."""
+    from kda_sessions.kernels.mla import paged_decode as mod
+
+    rows: list[dict] = []
+    sm = 4 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+    for lens in mla_contexts():
+        sets, calls, bytes_ = mla_case(lens)
+        base = mod._num_splits(len(lens), sets[0][3].shape[1] * sets[0][2].shape[1], sm)
+        for splits in sorted({max(1, int(base * f)) for f in (0.5, 1, 2, 4, 8)}):
+            for cfg in ({}, {"num_warps": 8, "num_stages": 2}):
+                row: dict = {"N": len(lens), "context": lens[0], "num_splits": splits, "default": splits == base, **cfg}
+                try:
+                    row.update(mla_row(functools.partial(mod._launch, num_splits=splits, **cfg), sets, calls, bytes_,
+                                       bw, eager=False))
+                except Exception as e:
+                    row["error"] = repr(e)[:300]
+                rows.append(row)
+        del sets
+        if not SMOKE:
+            torch.cuda.empty_cache()
+    return rows
+
+
 def mla_sweep(bw: float, mods: dict, deadline: float) -> dict:
     """Launch parameters of each candidate with a ``waves`` parameter (v3): stage 1 times every compiled variant
     at 1M x 1 and 32K x 32 with the default splits; stage 2 times the best three at every context with 0.5 .. 4
@@ -670,7 +696,7 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
     if "tune" in parts:
         jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
                  for cfg in CHUNK_VARIANTS[1:]]
-    if parts & {"check", "checkmla", "mla", "mlasweep", "tune"}:
+    if parts & {"check", "checkmla", "mla", "mlasweep", "mlasplits", "tune"}:
         lens = [1, 100, 300, 1000] if SMOKE else [1, 1000, 5000, 33000]
         small = mla_setup(lens)[0]  # the check's shapes
         small16 = mla_setup(lens, P=16)[0]
@@ -690,6 +716,17 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
             from kda_sessions.kernels.mla import paged_decode as mla_mod
 
             jobs += [lambda cfg=cfg: mla_mod._launch(*small, **cfg) for cfg in MLA_VARIANTS]
+        if "mlasplits" in parts:  # what mla_splits launches: every split count is a compiled form
+            from kda_sessions.kernels.mla import paged_decode as mla_mod
+
+            sm = 4 if SMOKE else torch.cuda.get_device_properties(0).multi_processor_count
+            for ctx in mla_contexts():
+                fake = mla_fake(ctx)
+                base = mla_mod._num_splits(len(ctx), fake[3].shape[1] * fake[2].shape[1], sm)
+                for splits in sorted({max(1, int(base * f)) for f in (0.5, 1, 2, 4, 8)}):
+                    for cfg in ({}, {"num_warps": 8, "num_stages": 2}):
+                        jobs.append(lambda fake=fake, cfg=cfg, splits=splits: mla_mod._launch(
+                            *fake, num_splits=splits, **cfg))
     return jobs
 
 
@@ -776,7 +813,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="chunk at 8K only; without CUDA: tiny shapes on the CPU")
-    ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,checkmla,chunk,mla,mlasweep,decode,tune")
+    ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,checkmla,chunk,mla,mlasweep,mlasplits,decode,tune")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core (its autotuning takes minutes)")
     ap.add_argument("--old", default=None, help="other chunk.py files to check and time beside the current one")
     ap.add_argument("--old-tune", default="[]", help="launch parameters to time each --old with too: a JSON list, or lists by file stem")
@@ -868,6 +905,8 @@ def main() -> None:
         steps.append(("chunk_profile_T32K_x5", lambda: profile_chunk(old_chunk)))
     if "mlasweep" in parts:
         steps.append(("mla_sweep", lambda: mla_sweep(bw(), mla_mods, t_start + a.deadline)))
+    if "mlasplits" in parts:
+        steps.append(("mla_splits", lambda: mla_splits(bw())))
     if "decode" in parts:
         steps.append(("decode", lambda: time_decode(fla_rec)))
     for name, fn in steps:
