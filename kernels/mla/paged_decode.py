@@ -89,8 +89,13 @@ def _combine_kernel(
 
 
 def _num_splits(N: int, capacity: int, sm_count: int) -> int:
-    """Enough (sequence, split) programs to fill the GPU twice, each at least 512 tokens of capacity."""
-    return max(1, min(triton.cdiv(2 * sm_count, max(N, 1)), triton.cdiv(capacity, 512)))
+    """(sequence, split) programs for two waves of the GPU (eight from 8 sequences up), each split at least 256
+    tokens of capacity. Measured on the H200 (graph replays, `bench/kernels.py --only mlasplits`, run E in
+    docs/benchmarks.md): 1 x 32K best at 128 splits (39.9-41.8 us, against 51 us at 64 with 512-token splits),
+    1 x 128K and 1 x 1M at about two waves (95.7 / 498 us; more splits were slower), 32 x 32K at 36 splits
+    (551 us, against 651 at 9)."""
+    waves = 8 if N >= 8 else 2
+    return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
 def _launch(

@@ -1,0 +1,36 @@
+"""One launch of an MLA decode candidate on small shapes, for compute-sanitizer (bench/candidates/README.md):
+
+    compute-sanitizer --tool memcheck python3 bench/candidates/mla_one.py bench/candidates/paged_decode_v3.py \
+        '{"tma": true}' 64 1000,37
+
+Prints the relative error against the float32 twin, or the exception."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels as kb  # noqa: E402  (bench/kernels.py: its shim and input builders)
+
+import torch  # noqa: E402
+
+
+def main() -> None:
+    path, cfg, P, lens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), [int(x) for x in sys.argv[4].split(",")]
+    kb.configure(not torch.cuda.is_available())
+    mod = kb.load_mla(path)[Path(path).stem]
+    args = kb.mla_setup(lens, P=P)[0]
+    ref = kb.naive_mla_decode_paged(args[0].float(), args[1].float(), args[2].float(), *args[3:])
+    try:
+        out = mod._launch(*args, **cfg)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        print(json.dumps({"cfg": cfg, "P": P, "lens": lens, "rel": kb.rel(out, ref)}))
+    except Exception as e:
+        print(json.dumps({"cfg": cfg, "P": P, "lens": lens, "error": repr(e)[:500]}))
+
+
+if __name__ == "__main__":
+    main()
