@@ -75,8 +75,6 @@ def mla(mod, cfg: dict) -> dict:
             const["TRANS"] = cfg.get("trans", True)
         if "PAGE_TILE" in params:
             const["PAGE_TILE"] = cfg.get("page_tile", True)
-        if "NSPLIT" in params and "acc_out" in params:  # the current kernel: split count is a constant
-            const["NSPLIT"] = 132
     return build(fn, types, const, cfg.get("num_warps", 4), cfg.get("num_stages", 3))
 
 

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernels as kb  # noqa: E402  (bench/kernels.py: its shim and input builders)
+import torch
 
-import torch  # noqa: E402
+import kernels as kb
 
 
 def main() -> None:

@@ -16,12 +16,13 @@ from torch import Tensor
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# the page-table width, the split length and the split count vary with the context: not specialised, so one
+# compiled kernel serves every context (eager decode would otherwise compile again every few hundred tokens)
+@triton.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
 def _split_kernel(
-    q_lat, q_pe, kv, page_table, seq_lens, acc_out, m_out, l_out, sm_scale, max_pages, tokens_per_split,
+    q_lat, q_pe, kv, page_table, seq_lens, acc_out, m_out, l_out, sm_scale, max_pages, tokens_per_split, NSPLIT,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
-    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, NSPLIT: tl.constexpr,
-    ALIGN: tl.constexpr,
+    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr,
 ):
     s = tl.program_id(0)
     n = tl.program_id(1)
@@ -61,10 +62,9 @@ def _split_kernel(
     tl.store(acc_out + base[:, None].to(tl.int64) * R + rr[None, :], acc, mask=mh[:, None] & (rr[None, :] < R))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(
-    acc_in, m_in, l_in, out, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, NSPLIT: tl.constexpr,
-    BS: tl.constexpr,
+    acc_in, m_in, l_in, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
 ):
     h = tl.program_id(0)
     n = tl.program_id(1)
@@ -124,12 +124,12 @@ def _launch(
     while align < 8 and (R + DR) % (2 * align) == 0:
         align *= 2
     _split_kernel[(num_splits, N, triton.cdiv(H, BH))](
-        q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps,
-        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN, NSPLIT=num_splits,
+        q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps, num_splits,
+        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN,
         ALIGN=align, num_warps=num_warps, num_stages=num_stages,
     )
     BRC = min(BR, 64)  # the merge runs over r blocks too: H * N programs alone are too few for one sequence
-    _combine_kernel[(H, N, triton.cdiv(R, BRC))](acc, m, lsum, out, H=H, R=R, BR=BRC, NSPLIT=num_splits, BS=16,
+    _combine_kernel[(H, N, triton.cdiv(R, BRC))](acc, m, lsum, out, num_splits, H=H, R=R, BR=BRC, BS=16,
                                                  num_warps=2)
     return out
 
