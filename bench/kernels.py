@@ -354,6 +354,8 @@ def mla_check_cfgs(name: str, mod) -> list[dict]:
                 {"tma": False, "page_tile": False}, {"num_splits": 1}]
     if "trans" in params:
         return [{}, {"trans": True}]
+    if "RS" in params:  # v4: the r columns over two programs (no spills on sm_90 in any of these)
+        return [{}, {"num_warps": 8, "num_stages": 2}, {"BN": 32}, {"BN": 32, "num_warps": 8}, {"BH": 16}]
     return [{}]
 
 

@@ -64,7 +64,7 @@ def mla(mod, cfg: dict) -> dict:
              "o_part": "*bf16" if cfg.get("part_bf16") else "*fp32", "lse_part": "*fp32", "sm_scale": "fp32",
              "max_pages": "i32", "tokens_per_split": "i32", "NSPLIT": "i32", "acc_out": "*fp32", "m_out": "*fp32",
              "l_out": "*fp32", "c_desc": f"tensordesc<bf16[{BN}, 256]>", "pe_desc": f"tensordesc<bf16[{BN}, 64]>"}
-    const: dict = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": 32, "BN": BN, "ALIGN": 8}
+    const: dict = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": cfg.get("BH", 32), "BN": BN, "ALIGN": 8}
     if cfg.get("tma"):
         fn = mod._split_kernel_tma
     else:
@@ -75,6 +75,8 @@ def mla(mod, cfg: dict) -> dict:
             const["TRANS"] = cfg.get("trans", True)
         if "PAGE_TILE" in params:
             const["PAGE_TILE"] = cfg.get("page_tile", True)
+        if "RS" in params:
+            const["RS"] = cfg.get("RS", 2)
     return build(fn, types, const, cfg.get("num_warps", 4), cfg.get("num_stages", 3))
 
 
