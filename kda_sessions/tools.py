@@ -1,6 +1,8 @@
 """Real, read-only coding tools over one folder (list_dir, read_file, grep), with their OpenAI schemas.
 
-Used by the demo and the examples. Paths are resolved inside the root folder only; output is capped.
+Used by the demo and the examples. Paths are resolved inside the root folder only; output is capped at
+MAX_OUTPUT characters. read_file numbers its lines as ``cat -n`` does (so "what is on line N" is a lookup, not
+a count), and grep counts lines the same way: lines end at "\n" only.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
         "type": "function",
         "function": {
             "name": "read_file",
-            "description": "Read a text file, relative to the project root.",
+            "description": "Read a text file, relative to the project root, with numbered lines (as cat -n).",
             "parameters": {
                 "type": "object",
                 "properties": {"path": {"type": "string"}},
@@ -54,6 +56,29 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
         },
     },
 ]
+
+
+def _lines(text: str) -> list[str]:
+    """The lines of a file as ``cat -n`` and ``grep -n`` count them: split at "\n" only (str.splitlines also
+    splits at form feeds and other breaks, which would make the tools' line numbers disagree with editors)."""
+    lines = text.split("\n")
+    return lines[:-1] if lines[-1] == "" else lines
+
+
+def number_lines(text: str, limit: int = MAX_OUTPUT) -> str:
+    """``cat -n`` of text (f"{n:>6}\t{line}" per line), cut after the last whole line within ``limit``
+    characters (a first line longer than that is cut at ``limit``)."""
+    out: list[str] = []
+    size = -1  # no "\n" before the first line
+    for n, line in enumerate(_lines(text), 1):
+        row = f"{n:>6}\t{line}"
+        if size + 1 + len(row) > limit:
+            if not out:
+                out.append(row[:limit])
+            break
+        out.append(row)
+        size += 1 + len(row)
+    return "\n".join(out)
 
 
 class ToolError(ValueError):
@@ -81,7 +106,7 @@ class Tools:
         p = self._path(path)
         if not p.is_file():
             raise ToolError(f"{path!r} is not a file")
-        return p.read_text(errors="replace")[:MAX_OUTPUT]
+        return number_lines(p.read_text(errors="replace"))
 
     def grep(self, pattern: str, path: str = ".") -> str:
         try:
@@ -92,7 +117,7 @@ class Tools:
         files = [base] if base.is_file() else sorted(base.rglob("*.py"))
         out: list[str] = []
         for f in files:
-            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1):
+            for n, line in enumerate(_lines(f.read_text(errors="replace")), 1):
                 if rx.search(line):
                     out.append(f"{f.relative_to(self.root)}:{n}: {line.strip()}")
         return "\n".join(out)[:MAX_OUTPUT]

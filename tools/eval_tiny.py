@@ -237,7 +237,7 @@ def resume_check(
 
 
 def library_loss(model: str, spec: str, rows: int, length: int, device: str = "cpu") -> dict[str, Any]:
-    """Masked mean cross-entropy (next-token, over target positions whose mask is 1) of held-out rows."""
+    """Masked mean cross-entropy (next-token, over target positions whose mask is not 0) of held-out rows."""
     import torch
 
     from kda_sessions.model import load_model
@@ -256,7 +256,7 @@ def library_loss(model: str, spec: str, rows: int, length: int, device: str = "c
         logits = m.forward(torch.tensor([ids], device=device))[0]  # [T, vocab]
         target = torch.tensor(ids[1:], device=device)
         nll = torch.nn.functional.cross_entropy(logits[:-1].float(), target, reduction="none")
-        w = torch.tensor(mask[1:], dtype=torch.float32, device=device)
+        w = (torch.tensor(mask[1:], device=device) > 0).float()  # make_row's mask: 1 assistant, 2 its facts
         s, c = float((nll * w).sum()), int(w.sum())
         total, count = total + s, count + c
         per_row.append(s / max(c, 1))

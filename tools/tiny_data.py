@@ -4,20 +4,23 @@ the built-in model ``tiny`` (issue 7).
 Every transcript is rendered by the library's own chat template for the byte tokenizer, exactly as the engine
 feeds a session (no BOS): tool declarations (``TOOL_SCHEMAS``) and the system prompt, then tasks. A task is a
 user question about one file or directory, an assistant turn that calls one tool, the REAL output of
-``kda_sessions.tools.Tools(stdlib)`` for that call, and a short final answer that states a fact copied from
-that output. Recall tasks ask, thousands of tokens later, for a fact from an earlier tool output or user note;
-they are answered without a tool call.
+``kda_sessions.tools.Tools(stdlib)`` for that call (read_file's lines numbered as by ``cat -n``), and a short
+final answer that states a fact copied from that output. Recall tasks ask, thousands of tokens later, for a fact
+from an earlier tool output or user note; they are answered without a tool call.
 
 Files are split into train / held-out by a sha256 of their path relative to the stdlib root, so the split is
 the same on every machine and Python version (only the set of files present differs).
 
-    make_row(rng, split, max_len) -> (ids, mask)     one training row, mask 1 on the assistant's tokens
-    eval_tasks(seed, n, kind)     -> list[Task]      held-out tasks for tools/eval_tiny.py
+    make_row(rng, split, max_len, distance, drill) -> (ids, mask)   one training row; mask 1 on the assistant's
+                                                                    tokens, 2 on the fact inside its answers
+    curriculum_distances(step, a, b, s) -> (lo, hi)                  recall distances of a training step
+    eval_tasks(seed, n, kind) -> list[Task]                          held-out tasks for tools/eval_tiny.py
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import random
 import re
@@ -29,7 +32,7 @@ from typing import Any
 
 from kda_sessions.tokenizer import ByteTokenizer, encode_chat, encode_chat_delta
 from kda_sessions.tokenizer.chat import GENERATION_PROMPT
-from kda_sessions.tools import MAX_OUTPUT, TOOL_SCHEMAS, Tools
+from kda_sessions.tools import TOOL_SCHEMAS, Tools
 
 SYSTEM = "You are a careful coding agent. Use the tools to look at the project before you answer."
 KINDS = ("read_file", "grep", "list_dir", "recall")
@@ -37,15 +40,18 @@ SPLITS = ("train", "heldout")
 HELDOUT_PERCENT = 10
 MAX_FILE_BYTES = 200_000
 SKIP_PARTS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__"})
-RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the recall question, at least
+RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the recall question, at least (the eval's)
 PLAIN_FRACTION = 0.1
 RENAMED_FRACTION = 0.5  # of train conversation rows: a project of real files under random names (RenamedCorpus)
 RECALL_FRACTION = 0.6  # of conversation rows (each with 1-3 recall questions; some cannot be placed)
 DENSE_RECALL_FRACTION = 0.4  # of recall rows: 4-8 facts (notes and short tool results) and a question for each
+FACT = 2  # mask value of the fact's tokens inside an assistant answer (1: the assistant's other tokens)
+FILL_SLACK = 200  # tokens a filler episode may run past a recall question's target position
 
 TOK = ByteTokenizer()
 GEN_IDS: list[int] = TOK.encode(GENERATION_PROMPT, allow_special=True)
-_DEF_RE = re.compile(r"^(?:async\s+)?(def|class)\s+([A-Za-z_]\w*)", re.MULTILINE)
+_DEF_RE = re.compile(r"^(?:async\s+)?(def|class)\s+([A-Za-z_]\w*)")
+_NUMBERED_RE = re.compile(r" *(\d+)\t(.*)")
 _ANY_DEF_RE = re.compile(r"^[ \t]*(?:async\s+)?(def|class)\s+([A-Za-z_]\w*)", re.MULTILINE)
 
 Message = dict[str, Any]
@@ -128,8 +134,8 @@ class Corpus:
         return out
 
     def read_len(self, rel: str) -> int:
-        """Bytes of read_file(rel)'s output (without reading it through the tool)."""
-        return len(self.texts[rel][:MAX_OUTPUT].encode("utf-8"))
+        """Bytes of read_file(rel)'s output."""
+        return len(self.call("read_file", path=rel).encode("utf-8"))
 
     def defs(self, rel: str) -> list[tuple[str, str]]:
         """(def|class, name) of every definition line in the file, in order."""
@@ -257,8 +263,9 @@ def header_ids(system: str = SYSTEM) -> tuple[int, ...]:
     return tuple(encode_chat(TOK, [{"role": "system", "content": system}], TOOL_SCHEMAS, add_generation_prompt=False))
 
 
-def render(messages: list[Message]) -> tuple[list[int], list[int]]:
-    """Ids of messages appended after a closed turn, and the loss mask (1 on the assistant's own tokens)."""
+def render(messages: list[Message], fact: str | None = None) -> tuple[list[int], list[int]]:
+    """Ids of messages appended after a closed turn, and the loss mask: 1 on the assistant's own tokens, FACT
+    on the last match of ``fact`` in the last message (an assistant answer stating it)."""
     ids: list[int] = []
     mask: list[int] = []
     for m in messages:
@@ -269,6 +276,17 @@ def render(messages: list[Message]) -> tuple[list[int], list[int]]:
             mask += [0] * len(GEN_IDS) + [1] * (len(part) - len(GEN_IDS))
         else:
             mask += [0] * len(part)
+    if fact is not None:
+        content = messages[-1]["content"]
+        body = content.encode("utf-8")
+        start = len(ids) - len(part) + len(GEN_IDS)  # byte tokens: the content follows the generation prompt
+        assert messages[-1]["role"] == "assistant" and ids[start : start + len(body)] == list(body)
+        matches = list(_fact_re(fact).finditer(content))
+        assert matches, (fact, content)
+        last = matches[-1]
+        a = start + len(content[: last.start()].encode("utf-8"))
+        b = a + len(last.group().encode("utf-8"))
+        mask[a:b] = [FACT] * (b - a)
     return ids, mask
 
 
@@ -302,34 +320,41 @@ def _tool_episode(
 ) -> _Episode:
     intro = "" if rng.random() < 0.6 else rng.choice(_INTRO[kind]).format(path=args.get("path", "."))
     call = tool_call(kind, args)
-    messages = [
+    messages: list[Message] = [
         {"role": "user", "content": question},
         {"role": "assistant", "content": intro, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call["id"], "content": output},
         {"role": "assistant", "content": answer},
     ]
-    ids, mask = render(messages)
+    ids, mask = render(messages, fact)
     return _Episode(kind, variant, messages, ids, mask, kind, args, fact)
 
 
-def _first_def(output: str) -> tuple[str, str] | None:
-    m = _DEF_RE.search(output)
-    return (("function" if m.group(1) == "def" else "class"), m.group(2)) if m else None
+def numbered_lines(output: str) -> list[tuple[int, str]]:
+    """(number, text) of each line of read_file's output (``cat -n``: f"{n:>6}\\t{line}")."""
+    rows = []
+    for row in output.split("\n"):
+        m = _NUMBERED_RE.fullmatch(row)
+        if m:
+            rows.append((int(m.group(1)), m.group(2)))
+    return rows
 
 
-def _plain_lines(output: str, n: int) -> list[str] | None:
-    """The first n lines of output when splitting at '\\n' and at every line break (grep's) agree."""
-    head = output.split("\n")[:n]
-    if len(head) < n or "\n".join(head).splitlines() != head:
-        return None
-    return head
+def _first_def(lines: list[tuple[int, str]]) -> tuple[str, str] | None:
+    """(function|class, name) of the first top-level def or class among read_file's numbered lines."""
+    for _, text in lines:
+        m = _DEF_RE.match(text)
+        if m:
+            return ("function" if m.group(1) == "def" else "class"), m.group(2)
+    return None
 
 
 def _read_episode(rng: random.Random, c: Corpus, rel: str) -> _Episode | None:
     out = c.call("read_file", path=rel)
-    first = _first_def(out)
-    lines = _plain_lines(out, 12)
-    line_choices = [i for i, s in enumerate(lines or []) if s.strip() and len(s) <= 100]
+    lines = numbered_lines(out)
+    first = _first_def(lines)
+    # any shown line: its number is printed next to it, so "line N" is a lookup wherever it is
+    line_choices = [(n, s.strip()) for n, s in lines if s.strip() and len(s) <= 100]
     variants = (["first_def"] if first else []) + (["line"] if line_choices else [])
     if not variants:
         return None
@@ -346,17 +371,13 @@ def _read_episode(rng: random.Random, c: Corpus, rel: str) -> _Episode | None:
         first_qa = (q, a, name)
         recall.append((f"Earlier you read {rel}. What was the first function or class defined in it?", a, name))
     if line_choices:
-        i = rng.choice(line_choices)
-        text = lines[i].strip()  # type: ignore[index]
+        i, text = rng.choice(line_choices)
         q = rng.choice(["What is on line {n} of {p}?", "Show me line {n} of {p}.", "What does line {n} of {p} say?"])
-        q = q.format(n=i + 1, p=rel)
-        a = f"Line {i + 1} of {rel} is: {text}"
+        q = q.format(n=i, p=rel)
+        a = f"Line {i} of {rel} is: {text}"
         line_qa = (q, a, text)
-        j = rng.choice(line_choices)
-        tj = lines[j].strip()  # type: ignore[index]
-        recall.append((
-            f"Earlier you read {rel}. What was on line {j + 1} of it?", f"Line {j + 1} of {rel} was: {tj}", tj,
-        ))
+        j, tj = rng.choice(line_choices)
+        recall.append((f"Earlier you read {rel}. What was on line {j} of it?", f"Line {j} of {rel} was: {tj}", tj))
     q, a, fact = first_qa if variant == "first_def" else line_qa
     ep = _tool_episode(rng, "read_file", variant, q, {"path": rel}, a, fact, out)
     ep.recall = recall
@@ -420,19 +441,47 @@ def _list_episode(rng: random.Random, c: Corpus, d: str, split: str) -> _Episode
     return ep
 
 
-_NOTE_THINGS = ["ticket number", "branch name", "release codename", "reviewer's handle", "build id"]
+_NOTE_THINGS = ["ticket number", "branch name", "release codename", "reviewer's handle", "build id"]  # the eval's
+# training rows also use these, so that a row can hold many notes and still never ask about one thing twice
+_MORE_THINGS = [
+    "deploy tag", "staging host", "port number", "commit hash", "feature flag", "database name", "issue number",
+    "customer id", "on-call engineer", "config key", "queue name", "test seed", "base image", "milestone",
+    "cache bucket", "license key", "meeting room", "backup folder", "service account", "rollout id",
+    "project codename", "vendor code", "build number", "account number", "pipeline id", "sprint name",
+    "cluster name", "region code", "API version", "tracking id", "package name", "order number", "locale",
+    "bucket prefix", "secret name",
+]
+_CODES = "ABCDEFGHKMNPRSTX"
 
 
-def _note_episode(rng: random.Random, c: Corpus, split: str) -> _Episode:
-    """A user statement to remember, acknowledged; its recall question is built in."""
-    thing = rng.choice(_NOTE_THINGS)
+def _note_value(rng: random.Random, thing: str, words: list[str]) -> str:
+    """A random value of the thing's usual shape: only copying it from the note can answer its question."""
+    if thing in ("ticket number", "issue number", "customer id", "license key", "tracking id", "order number"):
+        return f"{''.join(rng.choice(_CODES) for _ in range(2))}-{rng.randrange(100, 100000)}"
+    if thing in ("port number", "test seed", "build number", "account number"):
+        return str(rng.randrange(1024, 65536))
+    if thing == "commit hash":
+        return f"{rng.getrandbits(28):07x}"
+    return f"{rng.choice(words)}-{rng.randrange(10, 10000)}"
+
+
+def _note_episode(rng: random.Random, c: Corpus, split: str, taken: set[str] | None = None) -> _Episode | None:
+    """A user statement to remember, acknowledged; its recall question is built in. With ``taken`` (the things
+    already noted in this row, updated here): a thing not in it, from the training list, or None when none is
+    left; without it, one of the eval's things."""
+    things = _NOTE_THINGS if taken is None else [t for t in _NOTE_THINGS + _MORE_THINGS if t not in taken]
+    if not things:
+        return None
+    thing = rng.choice(things)
+    if taken is not None:
+        taken.add(thing)
     rel = rng.choice(c.files[split])
-    words = [n for _, n in c.defs(rel)] or ["main"]
-    value = f"{rng.choice(words)}-{rng.randrange(10, 10000)}"
-    if thing == "ticket number":
-        value = f"{''.join(rng.choice('ABCDEFGHKMNPRSTX') for _ in range(2))}-{rng.randrange(100, 100000)}"
+    value = _note_value(rng, thing, [n for _, n in c.defs(rel)] or ["main"])
+    say = "Please remember this for later: the {t} is {v}."  # the eval's wording; training rows vary it
+    if taken is not None:
+        say = rng.choice([say, say, "Remember: the {t} is {v}.", "Note that the {t} is {v}.", "FYI, the {t} is {v}."])
     messages = [
-        {"role": "user", "content": f"Please remember this for later: the {thing} is {value}."},
+        {"role": "user", "content": say.format(t=thing, v=value)},
         {"role": "assistant", "content": rng.choice(["Noted.", "Got it.", "I will remember that."])},
     ]
     ids, mask = render(messages)
@@ -441,10 +490,42 @@ def _note_episode(rng: random.Random, c: Corpus, split: str) -> _Episode:
                     recall=[(q, f"The {thing} is {value}.", value)])
 
 
-def _recall_episode(question: str, answer: str) -> tuple[list[Message], list[int], list[int]]:
-    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
-    ids, mask = render(messages)
-    return messages, ids, mask
+def _recall_episode(question: str, answer: str, fact: str) -> tuple[list[int], list[int]]:
+    return render([{"role": "user", "content": question}, {"role": "assistant", "content": answer}], fact)
+
+
+def draw_distance(rng: random.Random, distance: tuple[int, int]) -> int:
+    """One recall question's minimum distance from its fact, in tokens: ``lo`` when lo == hi, else ``hi`` for
+    half of the questions and log-uniform in [lo, hi) for the rest (the long range is the target; the short
+    range keeps the skill where it first forms)."""
+    lo, hi = distance
+    if lo >= hi:
+        return hi
+    if rng.random() < 0.5:
+        return hi
+    return int(lo * (hi / lo) ** rng.random())
+
+
+def curriculum_distances(step: int, a: int, b: int, steps: int) -> tuple[int, int]:
+    """make_row's ``distance`` at training step ``step`` of a recall curriculum from ``a`` to ``b`` tokens over
+    ``steps`` steps: (d, d) with d growing geometrically from a to b (equal steps for every doubling: linear
+    growth would leave the short range, where the lookup is learnable, after a few percent of the steps), then
+    (a, b) for good (half of the questions at b or more, the rest spread over [a, b))."""
+    if not 0 < a <= b or steps < 0:
+        raise ValueError(f"recall curriculum needs 0 < a <= b and steps >= 0, got {a}:{b}:{steps}")
+    if step >= steps:
+        return a, b
+    d = round(a * (b / a) ** (max(step, 0) / steps))
+    return d, d
+
+
+def _check_row_args(split: str, distance: tuple[int, int], drill: float) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not 0 < distance[0] <= distance[1]:
+        raise ValueError(f"distance must be (lo, hi) with 0 < lo <= hi, got {distance}")
+    if not 0.0 <= drill <= 1.0 - PLAIN_FRACTION:
+        raise ValueError(f"drill must be in [0, {1.0 - PLAIN_FRACTION}], got {drill}")
 
 
 def _episode(
@@ -492,12 +573,16 @@ def _plain_row(rng: random.Random, c: Corpus, split: str, max_len: int) -> tuple
     return ids, [1] * len(ids)
 
 
-def make_row(rng: random.Random, split: str, max_len: int) -> tuple[list[int], list[int]]:
-    """One training row: (ids, mask), len <= max_len. A conversation of as many tasks as fit (about a third
-    with a recall question 2,000+ tokens after its fact), or, for PLAIN_FRACTION of rows, plain source text
-    (mask all 1). The conversation's mask is 1 on the assistant's content, tool-call tokens and <|im_end|>."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+def make_row(
+    rng: random.Random, split: str, max_len: int, distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE),
+    drill: float = 0.0,
+) -> tuple[list[int], list[int]]:
+    """One training row: (ids, mask), len <= max_len. A conversation of as many tasks as fit (60% with 1-8
+    recall questions), or, for ``drill`` of all rows, a drill row (``_drill_row``), or, for PLAIN_FRACTION of
+    rows, plain source text (mask all 1). The conversation's mask is 1 on the assistant's content, tool-call
+    tokens and <|im_end|>, and FACT (2) on the fact each final answer states. Each recall question comes at
+    least ``draw_distance(distance)`` tokens after its fact (and at most about twice that)."""
+    _check_row_args(split, distance, drill)
     c: Any = corpus()
     if rng.random() < PLAIN_FRACTION:
         return _plain_row(rng, c, split, max_len)
@@ -507,61 +592,119 @@ def make_row(rng: random.Random, split: str, max_len: int) -> tuple[list[int], l
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header
         return _plain_row(rng, c, split, max_len)
+    if drill and rng.random() < drill / (1.0 - PLAIN_FRACTION):
+        return _drill_row(rng, c, split, max_len, distance, ids, mask)
     used: set[str] = set()
-    recall_row = max_len - len(ids) >= RECALL_DISTANCE + 1200 and rng.random() < RECALL_FRACTION
-    # recall questions to place: [ids, mask, target position, earliest position], 1-3 per recall row (each is a few tokens of
-    # loss in thousands: one per row taught too little long-range recall, docs/tiny.md run 2)
+    taken: set[str] = set()  # note things of this row: each asked about at most once, so never ambiguous
+    recall_row = max_len - len(ids) >= distance[0] + 1000 and rng.random() < RECALL_FRACTION
+    # recall questions to place: [ids, mask, target position, earliest position, distance], 1-3 per recall row
+    # (each is a few tokens of loss in thousands: one per row taught too little long-range recall, docs/tiny.md)
     pending: list[list[Any]] = []
     if recall_row:
         dense = rng.random() < DENSE_RECALL_FRACTION  # many facts up front, many questions later
         for j in range(rng.randrange(4, 9) if dense else rng.choice((1, 2, 3))):
-            room = max_len - len(ids) - RECALL_DISTANCE - (100 if dense else 300) - 70 * (j + 1)
+            d = draw_distance(rng, distance)
+            room = max_len - len(ids) - d - (100 if dense else 300) - 70 * (j + 1)
             if room < 100:
-                break
+                continue
             source: _Episode | None
             if (j > 0 and not dense) or rng.random() < (0.65 if dense else 0.4):
-                source = _note_episode(rng, c, split)
+                source = _note_episode(rng, c, split, taken)
             else:
                 source = _episode(rng, c, split, min(220 if dense else 2500, room), used)
             if source is None or not source.recall or len(source.ids) > room:
                 continue
             ids += source.ids
             mask += source.mask
-            q, a, _ = rng.choice(source.recall)
-            _, q_ids, q_mask = _recall_episode(q, a)
-            pending.append([q_ids, q_mask, len(ids) + RECALL_DISTANCE, len(ids) + RECALL_DISTANCE])
+            q, a, fact = rng.choice(source.recall)
+            q_ids, q_mask = _recall_episode(q, a, fact)
+            pending.append([q_ids, q_mask, len(ids) + d, len(ids) + d, d])
     if pending:
         reserve_all = sum(len(p[0]) for p in pending)
-        for p in pending:  # each question somewhere between its earliest position and the row's end
-            slack = max_len - reserve_all - p[2]
+        for p in pending:  # each question between its earliest position and twice its distance (or the row's end)
+            slack = min(max_len - reserve_all - p[2], p[4])
             p[2] += rng.randrange(slack) if slack > 1 else 0
         pending.sort(key=lambda p: p[2])
     misses = 0
     while misses < 3:
         reserve = sum(len(p[0]) for p in pending)
         if pending and len(ids) >= pending[0][2]:
-            q_ids, q_mask, _, _ = pending.pop(0)
+            q_ids, q_mask = pending.pop(0)[:2]
             ids += q_ids
             mask += q_mask
             continue
         budget = max_len - len(ids) - reserve
         if budget < 200:
             break
-        ep = _episode(rng, c, split, budget, used)
-        if ep is None and pending:  # tool tasks no longer fit: short notes carry the row to the questions
-            ep = _note_episode(rng, c, split)
-            if len(ep.ids) > budget:
+        kind = None
+        if pending:  # land near the next question's target: a long read_file here would overshoot it by thousands
+            budget = min(budget, pending[0][2] - len(ids) + FILL_SLACK)
+            kind = "grep" if budget < 600 else None
+        ep = _episode(rng, c, split, budget, used, kind)
+        if ep is None and pending:  # tool tasks do not fit: short notes carry the row to the questions
+            ep = _note_episode(rng, c, split, taken)
+            if ep is not None and len(ep.ids) > budget:
                 ep = None
         if ep is None:
             misses += 1
             continue
         ids += ep.ids
         mask += ep.mask
-    for q_ids, q_mask, _, earliest in pending:  # the rest, if the row ran long enough and they fit
+    for q_ids, q_mask, _, earliest, _ in pending:  # the rest, if the row ran long enough and they fit
         if len(ids) >= earliest and len(ids) + len(q_ids) <= max_len:
             ids += q_ids
             mask += q_mask
     assert len(ids) == len(mask) <= max_len
+    return ids, mask
+
+
+DRILL_NOTE_SHARE = 0.8  # of a drill row's facts (~75 tokens each); the rest are small grep and list_dir tasks (~330)
+DRILL_TOOL_TOKENS = 420  # at most, per tool task of a drill row (a grep task is 290-410 tokens)
+
+
+def _drill_row(
+    rng: random.Random, c: Any, split: str, max_len: int, distance: tuple[int, int], ids: list[int],
+    mask: list[int],
+) -> tuple[list[int], list[int]]:
+    """The rest of a row (after the header ``ids``, ``mask``) as a drill of associative recall: short facts
+    (user notes, small grep and list_dir tasks), each asked about once, ``draw_distance(distance)`` tokens or a
+    little more after it, with the eval's recall questions. Values are random or come from files under random
+    names, so only copying them works. Only early facts can be asked from ``hi`` tokens away; a later fact's
+    distance is drawn again below what still fits. 4K rows: ~12 recall answers at 64-500 tokens, ~4 at
+    2,000, ~13 at (64, 2000) of which ~2 at 2,000+, against 1-3 in a conversation."""
+    used: set[str] = set()
+    taken: set[str] = set()
+    pending: list[tuple[int, int, list[int], list[int]]] = []  # heap of (target position, order, ids, mask)
+    while True:
+        if pending and len(ids) >= pending[0][0]:
+            _, _, q_ids, q_mask = heapq.heappop(pending)
+            ids += q_ids
+            mask += q_mask
+            continue
+        reserve = sum(len(p[2]) for p in pending)
+        budget = max_len - len(ids) - reserve
+        source = _note_episode(rng, c, split, taken) if rng.random() < DRILL_NOTE_SHARE else None
+        if source is None and budget >= 250:
+            kind = rng.choice(("grep", "grep", "grep", "list_dir"))
+            source = _episode(rng, c, split, min(budget, DRILL_TOOL_TOKENS), used, kind)
+        if source is None:
+            source = _note_episode(rng, c, split, taken)
+        if source is None or len(source.ids) > budget:
+            break
+        ids += source.ids
+        mask += source.mask
+        recall = [r for r in source.recall if r[2] != "__init__.py"]  # a guessable first entry teaches no copying
+        if not recall:
+            continue
+        q, a, fact = rng.choice(recall)
+        q_ids, q_mask = _recall_episode(q, a, fact)
+        d = draw_distance(rng, distance)
+        room = max_len - len(ids) - reserve - len(q_ids) - 100  # the longest distance still asked in this row
+        if room < d and room >= distance[0]:  # a late fact: a shorter distance, log-uniform in [lo, room)
+            d = int(distance[0] * (room / distance[0]) ** rng.random())
+        if d <= room:  # else the fact stays a distractor
+            heapq.heappush(pending, (len(ids) + d, len(ids), q_ids, q_mask))
+    assert len(ids) == len(mask) <= max_len  # questions still pending here are dropped: their distance not reached
     return ids, mask
 
 

@@ -15,25 +15,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from kda_sessions import Engine
 from kda_sessions.tokenizer import encode_chat, parse_assistant_output, validate_arguments
-from kda_sessions.tools import TOOL_SCHEMAS
+from kda_sessions.tools import MAX_OUTPUT, TOOL_SCHEMAS, Tools
 from tools import eval_tiny
 from tools.tiny_data import (
+    FACT,
     GEN_IDS,
     KINDS,
     SYSTEM,
     TOK,
     RenamedCorpus,
     corpus,
+    curriculum_distances,
+    draw_distance,
     eval_tasks,
     fact_in,
     header_ids,
     make_row,
+    numbered_lines,
     render,
     split_of,
 )
 
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
 END = TOK.special_ids["<|im_end|>"]
+USER = TOK.special_ids["<|im_user|>"]
+RECALL_RE = re.compile("Earlier you|did I give you|Remind me")
 
 
 def _assistant_spans(ids: list[int]) -> list[tuple[int, int]]:
@@ -50,9 +56,28 @@ def _assistant_spans(ids: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def _rows(seed: int, n: int, max_len: int, split: str = "train") -> list[tuple[list[int], list[int]]]:
+def _rows(seed: int, n: int, max_len: int, split: str = "train", **kw) -> list[tuple[list[int], list[int]]]:
     rng = random.Random(seed)
-    return [make_row(rng, split, max_len) for _ in range(n)]
+    return [make_row(rng, split, max_len, **kw) for _ in range(n)]
+
+
+def _recalls(ids: list[int], mask: list[int]) -> list[tuple[int, str, list[int], str]]:
+    """(question start, question, value ids, answer) of every recall question of a row: a user turn asking
+    it, then the assistant's answer whose FACT-marked tokens are the value."""
+    out = []
+    for start, end in _assistant_spans(ids):
+        q_start = max(i for i in range(start) if ids[i] == USER)
+        question = TOK.decode(ids[q_start:start])
+        if RECALL_RE.search(question):
+            value = [t for t, m in zip(ids[start:end], mask[start:end]) if m == FACT]
+            out.append((q_start, question, value, TOK.decode(ids[start:end])))
+    return out
+
+
+def _find_all(ids: list[int], part: list[int], stop: int) -> list[int]:
+    """Start of every occurrence of ``part`` in ids[:stop]."""
+    n = len(part)
+    return [i for i in range(stop - n + 1) if ids[i] == part[0] and ids[i : i + n] == part]
 
 
 def _is_plain(ids: list[int]) -> bool:
@@ -126,7 +151,7 @@ def test_masks_cover_exactly_the_assistant_tokens(max_len: int):
         expected = [0] * len(ids)
         for start, end in _assistant_spans(ids):
             expected[start:end] = [1] * (end - start)
-        assert mask == expected
+        assert [min(m, 1) for m in mask] == expected and set(mask) <= {0, 1, FACT}
 
 
 def test_rows_are_full_and_about_half_recall():
@@ -137,6 +162,105 @@ def test_rows_are_full_and_about_half_recall():
     recall = [n for n in asked if n]
     assert 0.35 < len(recall) / len(rows) < 0.75
     assert sum(recall) / len(recall) > 1.3  # 1-3 questions per recall row
+
+
+def test_read_file_numbers_lines_like_cat_n_and_cuts_at_a_line_boundary(tmp_path: Path):
+    (tmp_path / "a.py").write_text("x = 1\n\ndef f():\n    return 2\n")
+    tools = Tools(tmp_path)
+    assert tools.read_file("a.py") == "     1\tx = 1\n     2\t\n     3\tdef f():\n     4\t    return 2"
+    assert numbered_lines(tools.read_file("a.py"))[2] == (3, "def f():")
+    (tmp_path / "long.py").write_text("".join(f"line_{i} = {i * 7}\n" for i in range(1, 3001)))
+    out = tools.read_file("long.py")
+    rows = out.split("\n")
+    assert len(out) <= MAX_OUTPUT < len(out) + 1 + len(f"{len(rows) + 1:>6}\tline_{len(rows) + 1} = {(len(rows) + 1) * 7}")
+    assert rows == [f"{i:>6}\tline_{i} = {i * 7}" for i in range(1, len(rows) + 1)]  # whole lines only
+    # grep counts lines as read_file does: at "\n" only (a form feed does not start a line)
+    (tmp_path / "ff.py").write_text("a = 1\n\x0cb = 2\nc = 3\n")
+    assert tools.grep("c = ", "ff.py") == "ff.py:3: c = 3"
+    assert numbered_lines(tools.read_file("ff.py"))[2] == (3, "c = 3")
+
+
+def test_read_file_facts_quote_the_numbered_line():
+    c = corpus()
+    seen = set()
+    for t in eval_tasks(2, 60, "read_file"):
+        out = c.call("read_file", path=t.arguments["path"])
+        lines = dict(numbered_lines(out))
+        if t.variant == "line":
+            n = int(re.search(r"line (\d+)", t.messages[-1]["content"]).group(1))
+            assert lines[n].strip() == t.fact
+        else:
+            assert any(re.match(rf"(async\s+)?(def|class)\s+{t.fact}\b", text) for text in lines.values())
+        seen.add(t.variant)
+    assert seen == {"line", "first_def"}
+
+
+def test_curriculum_schedule():
+    assert curriculum_distances(0, 64, 2000, 1000) == (64, 64)
+    assert curriculum_distances(500, 64, 2000, 1000) == (358, 358)  # geometric: 64 * (2000 / 64) ** 0.5
+    assert curriculum_distances(999, 64, 2000, 1000) == (1993, 1993)
+    assert curriculum_distances(1000, 64, 2000, 1000) == curriculum_distances(5000, 64, 2000, 1000) == (64, 2000)
+    rng = random.Random(0)
+    draws = [draw_distance(rng, (64, 2000)) for _ in range(2000)]
+    assert 0.45 < sum(d >= 2000 for d in draws) / len(draws) < 0.55 and min(draws) >= 64
+    short = [d for d in draws if d < 2000]
+    assert 0.4 < sum(d < 358 for d in short) / len(short) < 0.6  # log-uniform: half below the geometric mean
+    assert {draw_distance(rng, (500, 500)) for _ in range(20)} == {500}
+    with pytest.raises(ValueError, match="distance"):
+        make_row(random.Random(0), "train", 4096, (0, 100))
+
+
+@pytest.mark.parametrize("distance", [64, 500, 2000], ids=lambda d: f"d{d}")
+def test_recall_questions_come_at_least_distance_after_their_fact(distance: int):
+    asked = checked = 0
+    for ids, mask in _rows(distance, 24, 4096, distance=(distance, distance), drill=0.3):
+        for q_start, question, value, _ in _recalls(ids, mask):
+            asked += 1
+            hits = _find_all(ids, value, q_start)
+            assert hits, question  # the value was stated before it is asked for
+            if len(hits) == 1:  # an unambiguous value (random ids, line numbers): its one earlier place
+                assert q_start - (hits[0] + len(value)) >= distance, (question, q_start - hits[0])
+                checked += 1
+    assert asked > 20 and checked > 0.6 * asked
+
+
+def test_drill_rows_ask_many_questions_about_values_stated_only_once():
+    rows = [r for r in _rows(21, 16, 4096, distance=(64, 2000), drill=0.9) if not _is_plain(r[0])]
+    per_row = [_recalls(ids, mask) for ids, mask in rows]
+    assert sum(len(r) for r in per_row) / len(rows) >= 8
+    notes = 0
+    for (ids, _), recalls in zip(rows, per_row):
+        for q_start, question, value, answer in recalls:
+            if "did I give you" in question or "Remind me" in question:  # a note: its value is random
+                notes += 1
+                hits = _find_all(ids, value, len(ids))
+                assert len(hits) == 2 and hits[1] > q_start, answer  # in the note, then in this answer only
+                note = TOK.decode(ids[max(i for i in range(hits[0]) if ids[i] == USER) : hits[0]])
+                assert re.search(r"(remember|Remember|Note that|FYI).* the [\w' -]+ is $", note), note
+    assert notes > 5 * len(rows)
+
+
+def test_fact_mask_marks_exactly_the_value_in_each_answer():
+    for ids, mask in _rows(31, 16, 4096, distance=(64, 2000), drill=0.3):
+        if _is_plain(ids):
+            continue
+        for start, end in _assistant_spans(ids):
+            text = TOK.decode(ids[start:end])
+            marked = [i for i in range(start, end) if mask[i] == FACT]
+            if "<|tool_call_begin|>" in text or text in ("Noted.<|im_end|>", "Got it.<|im_end|>", "I will remember that.<|im_end|>"):
+                assert not marked, text
+                continue
+            assert marked == list(range(marked[0], marked[-1] + 1)), text  # one run
+            value = TOK.decode(ids[marked[0] : marked[-1] + 1])
+            m = (re.fullmatch(r"The [\w' -]+ is (.+)\.<\|im_end\|>", text)
+                 or re.fullmatch(r"`[^`]+` is on (line \d+) of \S+\.<\|im_end\|>", text)
+                 or re.fullmatch(r"Line \d+ of \S+ (?:is|was): (.+)<\|im_end\|>", text)
+                 or re.fullmatch(r"The first (?:function|class) defined in \S+ is `(\w+)`\.<\|im_end\|>", text)
+                 or re.fullmatch(r"The first entry of .+ is (.+)\.<\|im_end\|>", text)
+                 or re.fullmatch(r"(Yes|No), .+<\|im_end\|>", text)
+                 or re.fullmatch(r".+ has (\d+ entries)\.<\|im_end\|>", text))
+            assert m, text
+            assert value == m.group(1).strip(), text
 
 
 def test_every_tool_call_validates_against_its_schema():
