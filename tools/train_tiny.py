@@ -20,6 +20,14 @@ held-out loss of the training forward (``heldout_loss`` in train_log.json), whic
 ``--loss`` reproduces with the library's forward on a CPU. Data order is fixed by ``--seed``; with ``--steps``
 the run is reproducible up to GPU non-determinism. ``--minutes`` caps the wall time (the schedule still follows
 ``--steps``; the log records the steps done).
+
+Recall data: ``--recall-curriculum A:B:S`` asks recall questions at a minimum distance from their fact that grows
+geometrically from A to B tokens over the first S steps (of the whole schedule: ``--start-step`` continues it),
+then draws it per question (half at B or more, the rest log-uniform in [A, B)); without it, 2,000 tokens as
+before. ``--drill-fraction`` makes that share of rows dense recall drills, and ``--fact-weight`` weighs the
+recalled or looked-up value inside the assistant's answers (mask 2 of tiny_data.make_row) in the loss. The
+logged ``assistant_loss`` stays the unweighted mean over all of the assistant's tokens (comparable across runs);
+``fact_loss`` is the mean over the value tokens alone.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import sys
 import time
 from array import array
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -198,41 +207,79 @@ def train_logits(model: HybridModel, ids: Tensor, use_fla: bool) -> Tensor:
     return model.lm_head(model.model.norm(x)).float()
 
 
-def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor) -> tuple[Tensor, Tensor]:
-    """(weighted training loss, mean loss on the assistant's tokens: weight 1) over next-token targets."""
+def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor, kinds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """(weighted training loss, mean loss on the assistant's tokens, mean loss on the fact tokens) over next-token
+    targets. weights [B, T] float32; kinds [B, T] uint8, make_row's mask (0 context, 1 assistant, 2 fact)."""
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")
     w = weights[:, 1:].reshape(-1)
+    k = kinds[:, 1:].reshape(-1)
     train = (ce * w).sum() / w.sum().clamp(min=1e-6)
-    mine = (w == 1.0).float()
-    return train, (ce * mine).sum() / mine.sum().clamp(min=1.0)
+    mine = (k > 0).float()
+    fact = (k == tiny_data.FACT).float()
+    return train, (ce * mine).sum() / mine.sum().clamp(min=1.0), (ce * fact).sum() / fact.sum().clamp(min=1.0)
 
 
 # ---------------------------------------------------------------- data
 
 
-def _row(args: tuple[int, str, int]) -> tuple[list[int], list[int]]:
-    seed, split, max_len = args
+RowJob = tuple[int, str, int, tuple[int, int], float]  # seed, split, max_len, recall distance (lo, hi), drill
+
+
+@dataclass(frozen=True)
+class RecallData:
+    """The recall part of the data: ``curriculum`` (A, B, S) of --recall-curriculum or None (2,000 tokens),
+    ``drill`` the fraction of drill rows."""
+
+    curriculum: tuple[int, int, int] | None = None
+    drill: float = 0.0
+
+    def distance(self, step: int) -> tuple[int, int]:
+        """make_row's ``distance`` for the rows of training step ``step``."""
+        if self.curriculum is None:
+            return tiny_data.RECALL_DISTANCE, tiny_data.RECALL_DISTANCE
+        return tiny_data.curriculum_distances(step, *self.curriculum)
+
+
+def parse_curriculum(text: str) -> tuple[int, int, int]:
+    """'A:B:S' -> (A, B, S), validated."""
+    try:
+        a, b, s = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--recall-curriculum must be A:B:S (integers), got {text!r}") from None
+    if not 0 < a <= b or s < 0:
+        raise argparse.ArgumentTypeError(f"--recall-curriculum needs 0 < A <= B and S >= 0, got {text!r}")
+    return a, b, s
+
+
+def _row(args: RowJob) -> tuple[list[int], list[int]]:
+    seed, split, max_len, distance, drill = args
     for attempt in range(8):  # a file the tools refuse (a link out of the stdlib, say): another draw
         try:
-            return tiny_data.make_row(random.Random(seed + attempt * 10**7), split, max_len)
+            return tiny_data.make_row(random.Random(seed + attempt * 10**7), split, max_len, distance, drill)
         except ValueError:
             continue
     raise RuntimeError(f"no row for seed {seed}")
 
 
-def _packed_row(args: tuple[int, str, int]) -> tuple[bytes, bytes]:
-    """A row as compact bytes (uint16 ids, uint8 mask): cheap to send back from a worker."""
+def _packed_row(args: RowJob) -> tuple[bytes, bytes]:
+    """A row as compact bytes (uint16 ids, uint8 mask 0/1/2): cheap to send back from a worker."""
     ids, mask = _row(args)
     return array("H", ids).tobytes(), bytes(mask)
 
 
-def batches(seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int, prefetch: int = 4):
-    """Endless batches (ids [B, T] int64, weights [B, T] float32), rows from seeds seed*10**9 + i.
+def batches(
+    seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int, prefetch: int = 4,
+    recall: RecallData = RecallData(), first_step: int = 1, fact_weight: float = 1.0,
+):
+    """Endless batches (ids [B, T] int64, weights [B, T] float32, kinds [B, T] uint8: make_row's mask), rows from
+    seeds seed*10**9 + i; the i-th row belongs to training step first_step + i // batch, whose recall distance
+    it is generated with. Weights: 1 on the assistant's tokens, ``fact_weight`` on the fact tokens inside its
+    answers, CONTEXT_WEIGHT elsewhere, PAD_WEIGHT on padding.
 
     At most ``prefetch`` batches of rows are in flight: an unbounded ``imap`` lets the workers run ahead and the
     parent spends its time (and the GIL) unpickling rows nobody needs yet, which slowed training steadily."""
     base = seed * 10**9 + (0 if split == "train" else 5 * 10**8)
-    jobs = ((base + i, split, seq) for i in itertools.count())
+    jobs = ((base + i, split, seq, recall.distance(first_step + i // batch), recall.drill) for i in itertools.count())
     pool = mp.get_context("fork").Pool(workers) if workers > 0 else None
     pending: deque = deque()
 
@@ -245,6 +292,7 @@ def batches(seed: int, split: str, batch: int, seq: int, workers: int, pad_id: i
     while True:
         ids = torch.full((batch, seq), pad_id, dtype=torch.long)
         w = torch.full((batch, seq), PAD_WEIGHT)
+        kinds = torch.zeros((batch, seq), dtype=torch.uint8)
         for b in range(batch):
             head = pending.popleft()
             r_ids, r_mask = head.get() if pool else head
@@ -252,12 +300,15 @@ def batches(seed: int, split: str, batch: int, seq: int, workers: int, pad_id: i
             n = len(r_mask)
             ids[b, :n] = torch.frombuffer(bytearray(r_ids), dtype=torch.uint16).long()
             m = torch.frombuffer(bytearray(r_mask), dtype=torch.uint8)
-            w[b, :n] = torch.where(m > 0, 1.0, CONTEXT_WEIGHT)
-        yield ids, w
+            kinds[b, :n] = m
+            w[b, :n] = torch.where(m == tiny_data.FACT, fact_weight, torch.where(m > 0, 1.0, CONTEXT_WEIGHT))
+        yield ids, w, kinds
 
 
 def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]]]:
-    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq)) for i in range(n)]
+    """Held-out rows as before any curriculum: recall at 2,000+ tokens (the eval's distance), no drill rows."""
+    d = tiny_data.RECALL_DISTANCE
+    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), 0.0)) for i in range(n)]
 
 
 # ---------------------------------------------------------------- main
@@ -275,7 +326,7 @@ def parity_check(model: HybridModel, device: torch.device, use_fla: bool, seq: i
     return {"tokens": int(ids.numel()), "rel_rms": rel, "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3000)
@@ -293,7 +344,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on a CPU")
     ap.add_argument("--shard-mb", type=float, default=15.0)
     ap.add_argument("--autotune-configs", type=int, default=2, help="fla configs kept per kernel (0: all)")
-    args = ap.parse_args()
+    ap.add_argument("--recall-curriculum", type=parse_curriculum, default=None, metavar="A:B:S",
+                    help="recall distance from A to B tokens over steps 0-S (geometric), then half at B+, half in [A, B)")
+    ap.add_argument("--drill-fraction", type=float, default=0.0, help="share of rows that are dense recall drills")
+    ap.add_argument("--fact-weight", type=float, default=1.0, help="loss weight of the fact tokens in answers")
+    args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
     device = torch.device(args.device)
@@ -327,7 +382,11 @@ def main() -> None:
     )
     pad_id = tiny_data.PAD_ID if hasattr(tiny_data, "PAD_ID") else 267
     # a continued run draws other rows than the run it continues (seed + start step)
-    data = batches(args.seed * 1000 + args.start_step, "train", args.batch, args.seq, args.workers, pad_id)
+    if not 0.0 <= args.drill_fraction <= 1.0 - tiny_data.PLAIN_FRACTION:
+        raise SystemExit(f"--drill-fraction must be in [0, {1.0 - tiny_data.PLAIN_FRACTION}], got {args.drill_fraction}")
+    recall = RecallData(args.recall_curriculum, args.drill_fraction)
+    data = batches(args.seed * 1000 + args.start_step, "train", args.batch, args.seq, args.workers, pad_id,
+                   recall=recall, first_step=args.start_step + 1, fact_weight=args.fact_weight)
     t0 = time.perf_counter()
     tokens = 0
     step = 0
@@ -340,12 +399,13 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         t_wait = time.perf_counter()
-        ids, w = next(data)
+        ids, w, kinds = next(data)
         waited += time.perf_counter() - t_wait
         ids, w = ids.to(device, non_blocking=True), w.to(device, non_blocking=True)
+        kinds = kinds.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             logits = train_logits(model, ids, use_fla)
-        loss, mine = masked_losses(logits, ids, w)
+        loss, mine, fact = masked_losses(logits, ids, w, kinds)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -354,6 +414,7 @@ def main() -> None:
         if step % 25 == 0 or step == first or step == args.steps:
             el = time.perf_counter() - t0
             entry = {"step": step, "loss": round(loss.item(), 4), "assistant_loss": round(mine.item(), 4),
+                     "fact_loss": round(fact.item(), 4), "recall_distance": list(recall.distance(step)),
                      "grad_norm": round(gn.item(), 3), "lr": lr, "tok_per_s": round(tokens / el), "elapsed_s": round(el, 1),
                      "data_wait_s": round(waited, 1)}
             log["steps"].append(entry)
@@ -367,17 +428,21 @@ def main() -> None:
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     # held-out loss of the training forward (float32 weights), for tools/eval_tiny.py --loss to reproduce
     rows = heldout_rows(args.seed, 4 if args.quick else 16, args.seq)
-    tot = cnt = 0.0
+    tot = cnt = tot_f = cnt_f = 0.0
     with torch.no_grad():
         for r_ids, r_mask in rows:
             ids = torch.tensor([r_ids], device=device)
-            w = torch.tensor([[1.0 if m else 0.0 for m in r_mask]], device=device)
+            m = torch.tensor(r_mask[1:], device=device)
+            w, wf = (m > 0).float(), (m == tiny_data.FACT).float()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 logits = train_logits(model, ids, use_fla)
             ce = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
-            tot += (ce * w[0, 1:]).sum().item()
-            cnt += w[0, 1:].sum().item()
-    log["heldout"] = {"seed": args.seed, "rows": len(rows), "seq": args.seq, "loss": tot / max(cnt, 1.0)}
+            tot += (ce * w).sum().item()
+            cnt += w.sum().item()
+            tot_f += (ce * wf).sum().item()
+            cnt_f += wf.sum().item()
+    log["heldout"] = {"seed": args.seed, "rows": len(rows), "seq": args.seq, "loss": tot / max(cnt, 1.0),
+                      "fact_loss": tot_f / max(cnt_f, 1.0), "fact_tokens": int(cnt_f)}
     # the rows themselves: they depend on the machine's stdlib, so eval_tiny --loss needs them, not a seed
     (out / "heldout_rows.json").write_text(json.dumps(
         {"ids": [r[0] for r in rows], "mask": [r[1] for r in rows], "loss": log["heldout"]["loss"]}

@@ -263,6 +263,37 @@ def test_fact_mask_marks_exactly_the_value_in_each_answer():
             assert value == m.group(1).strip(), text
 
 
+def test_batches_weigh_fact_tokens_and_losses_report_them_apart():
+    import torch
+
+    from tools import train_tiny
+
+    recall = train_tiny.RecallData((64, 2000, 10), 0.3)
+    assert recall.distance(1) == curriculum_distances(1, 64, 2000, 10) and recall.distance(10) == (64, 2000)
+    ids, w, kinds = next(train_tiny.batches(1, "train", 4, 4096, 0, 267, prefetch=1, recall=recall, fact_weight=3.0))
+    assert ids.shape == w.shape == kinds.shape == (4, 4096)
+    assert (kinds == FACT).any()
+    assert torch.equal(w[kinds == FACT], torch.full_like(w[kinds == FACT], 3.0))
+    assert torch.equal(w[kinds == 1], torch.ones_like(w[kinds == 1]))
+    logits = torch.randn(4, 4096, 272)
+    loss, mine, fact = train_tiny.masked_losses(logits, ids, w, kinds)
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 272), ids[:, 1:].reshape(-1), reduction="none")
+    k = kinds[:, 1:].reshape(-1)
+    assert torch.allclose(mine, ce[k > 0].mean()) and torch.allclose(fact, ce[k == FACT].mean())
+    assert torch.allclose(loss, (ce * w[:, 1:].reshape(-1)).sum() / w[:, 1:].sum())
+
+
+@pytest.mark.slow
+def test_quick_training_runs_with_the_recall_flags(tmp_path: Path):
+    from tools import train_tiny
+
+    train_tiny.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--recall-curriculum", "64:2000:2",
+                     "--drill-fraction", "0.15", "--fact-weight", "3"])
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log["steps_done"] == 3 and log["steps"][-1]["recall_distance"] == [64, 2000]
+    assert "fact_loss" in log["steps"][-1] and "fact_loss" in log["heldout"]
+
+
 def test_every_tool_call_validates_against_its_schema():
     calls = 0
     for ids, _ in _rows(9, 20, 8192):
