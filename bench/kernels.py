@@ -513,14 +513,17 @@ def mla_row(fn: Callable, sets: list[tuple], calls: int, bytes_: int, bw: float,
     return row
 
 
-def time_mla(bw: float, mods: dict) -> list[dict]:
-    """Current MLA decode and each candidate with their defaults (and the variants the check names), per context."""
+def time_mla(bw: float, mods: dict, cand_cfgs: list[dict] | None = None) -> list[dict]:
+    """Current MLA decode and each candidate with their defaults (and the variants the check names, or
+    ``cand_cfgs`` for the candidates), per context."""
     rows = []
     for lens in mla_contexts():
         sets, calls, bytes_ = mla_case(lens)
         for name, mod in mods.items():
             cfgs = [{}, {"tma": False}] if name != "current" and "waves" in inspect.signature(
                 mod._launch).parameters else mla_check_cfgs(name, mod)
+            if cand_cfgs is not None and name != "current":
+                cfgs = cand_cfgs
             for cfg in cfgs:
                 row = {"N": len(lens), "context": lens[0], "impl": name, "cfg": cfg}
                 try:
@@ -820,6 +823,7 @@ def main() -> None:
     ap.add_argument("--old", default=None, help="other chunk.py files to check and time beside the current one")
     ap.add_argument("--old-tune", default="[]", help="launch parameters to time each --old with too: a JSON list, or lists by file stem")
     ap.add_argument("--mla-cand", default=None, help="other paged_decode.py files to check and time beside it")
+    ap.add_argument("--mla-cfgs", default=None, help="JSON list of launch parameters to time each --mla-cand with")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after start: later steps are skipped")
     ap.add_argument("--warm-procs", type=int, default=0, help="compile the variants in this many processes first")
     ap.add_argument("--fla-bg", action="store_true", help="let fla autotune in a process of its own meanwhile")
@@ -899,7 +903,7 @@ def main() -> None:
         return t.get(key) if isinstance(t, dict) else None
 
     if "mla" in parts:
-        steps.append(("mla_decode", lambda: time_mla(bw(), mla_mods)))
+        steps.append(("mla_decode", lambda: time_mla(bw(), mla_mods, json.loads(a.mla_cfgs) if a.mla_cfgs else None)))
     if "chunk" in parts:
         Ts = ([512] if SMOKE else [8192]) if a.quick else [8192, 32768, 131072]
         steps.append(("chunk_kda", lambda: time_chunk(fla_chunk, old_chunk, Ts, best("chunk_best"))))
