@@ -252,7 +252,8 @@ REDIS_PIDS: list[int] = []  # the private redis-server, for store_redis.redis_be
 
 async def redis_rounds(redis_url: str, manifest: Any, blobs: dict[str, bytes], digests: list[str]) -> dict[str, Any]:
     """Whole-snapshot Redis save and load, each round right after redis-benchmark SET/GET of 1 MB values on
-    the same server (one key, its default, and fresh keys, as a store writes): medians over REDIS_ROUNDS of
+    the same server (one key, its default, and fresh keys, as a store writes, with 1 MB values and with the
+    snapshot's mean blob size): medians over REDIS_ROUNDS of
     MB/s and of the per-round ratios. Saves go to a scratch database, flushed after each round."""
     import redis
     import store_redis
@@ -264,6 +265,8 @@ async def redis_rounds(redis_url: str, manifest: Any, blobs: dict[str, bytes], d
     for _ in range(REDIS_ROUNDS):
         one = store_redis.redis_benchmark(port, REDIS_PIDS, 1_000_000, 500, False)
         fresh = store_redis.redis_benchmark(port, REDIS_PIDS, 1_000_000, 500, False, fresh=True)
+        # the same kind of load as the save: fresh keys, values of this snapshot's mean blob size
+        sized = store_redis.redis_benchmark(port, REDIS_PIDS, nbytes // len(blobs), 500, False, fresh=True)
         store_redis.flush_benchmark_keys([port])
         dst = await SnapshotStore.open(scratch)
         with Timer() as t:
@@ -282,6 +285,8 @@ async def redis_rounds(redis_url: str, manifest: Any, blobs: dict[str, bytes], d
             "raw_redis_fresh_set_MBps": fresh["set"], "raw_redis_fresh_get_MBps": fresh["get"],
             "redis_save_of_set": save / one["set"], "redis_load_of_get": load / one["get"],
             "redis_save_of_fresh_set": save / fresh["set"], "redis_load_of_fresh_get": load / fresh["get"],
+            "raw_redis_sized_set_MBps": sized["set"], "raw_redis_sized_get_MBps": sized["get"],
+            "redis_save_of_sized_set": save / sized["set"], "redis_load_of_sized_get": load / sized["get"],
         }.items():
             per.setdefault(key, []).append(v)
     return {key: statistics.median(v) for key, v in per.items()}
