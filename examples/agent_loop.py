@@ -2,7 +2,7 @@
 
 Runs against an in-process engine by default, or a running server with --url (same methods either way):
     python examples/agent_loop.py [--url http://127.0.0.1:8000] [--dir PATH]
-With the built-in random-weights model the model rarely calls a tool; the loop still shows the mechanics.
+The built-in `tiny` model (9M parameters, trained on such loops) calls the tools itself; see docs/tiny.md.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kda_sessions.tools import TOOL_SCHEMAS, Tools
 
 async def run(engine, tools: Tools, task: str, max_turns: int = 4) -> None:
     s = await engine.create_session(system="You are a coding agent. Call tools to inspect files.", tools=TOOL_SCHEMAS)
-    reply = await s.send(task, max_tokens=48)
+    reply = await s.send(task, max_tokens=160)
     for _ in range(max_turns):
         print(f"assistant ({reply.finish_reason}): {reply.text[:80]!r}")
         if not reply.tool_calls:
@@ -29,7 +29,7 @@ async def run(engine, tools: Tools, task: str, max_turns: int = 4) -> None:
             except Exception as e:  # the model sees the error and can try again
                 output = f"error: {e}"
             print(f"  tool {call.function.name}({call.function.arguments}) -> {len(output)} chars")
-            reply = await s.send_tool_result(call.id, output, max_tokens=48)
+            reply = await s.send_tool_result(call.id, output, max_tokens=160)
     print(f"session {s.id}: {s.num_tokens} tokens; last usage {reply.usage}")
 
 
@@ -44,7 +44,7 @@ async def main() -> None:
         async with ks.Client(args.url) as client:
             await run(client, tools, task)
     else:
-        async with await ks.Engine.open(model="tiny-random", store="memory:") as engine:
+        async with await ks.Engine.open(model="tiny", store="memory:") as engine:
             await run(engine, tools, task)
 
 

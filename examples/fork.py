@@ -11,7 +11,7 @@ import kda_sessions as ks
 
 
 async def main() -> None:
-    async with await ks.Engine.open(model="tiny-random", store="memory:") as engine:
+    async with await ks.Engine.open(model="tiny", store="memory:") as engine:
         root = await engine.create_session(system="You are a planning agent.")
         await root.send("Here is a large codebase summary. " * 100, max_tokens=4)
         await root.checkpoint("plan")

@@ -22,7 +22,7 @@ def start_local_server() -> str:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    settings = ServerSettings(model="tiny-random", store="memory:", port=port)
+    settings = ServerSettings(model="tiny", store="memory:", port=port)
     server = uvicorn.Server(uvicorn.Config(build_app(None, settings), host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
@@ -37,14 +37,14 @@ def main() -> None:
     args = ap.parse_args()
     client = openai.OpenAI(base_url=args.url or start_local_server(), api_key=args.api_key)
     first = client.chat.completions.create(
-        model="tiny-random",
+        model="tiny",
         messages=[{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hello!"}],
         max_tokens=8,
     )
     sid = first.model_extra["session_id"]
     print(f"session {sid}: {first.choices[0].message.content!r}")
     second = client.chat.completions.create(  # only the new message; the session holds the rest
-        model="tiny-random",
+        model="tiny",
         messages=[{"role": "user", "content": "And again?"}],
         max_tokens=8,
         extra_body={"session_id": sid},
@@ -52,7 +52,7 @@ def main() -> None:
     print(f"continued: prompt {second.usage.prompt_tokens} tokens, "
           f"{second.usage.prompt_tokens_details.cached_tokens} of them cached")
     stream = client.chat.completions.create(
-        model="tiny-random", messages=[{"role": "user", "content": "Stream it."}], max_tokens=8, stream=True,
+        model="tiny", messages=[{"role": "user", "content": "Stream it."}], max_tokens=8, stream=True,
         extra_body={"session_id": sid},
     )
     print("streamed:", repr("".join(c.choices[0].delta.content or "" for c in stream if c.choices)))

@@ -19,13 +19,13 @@ async def main() -> None:
     ap.add_argument("--store", default=f"disk:{tempfile.mkdtemp(prefix='kda-example-')}")
     args = ap.parse_args()
     history = "def add(a, b):\n    return a + b\n" * 200  # a long tool output
-    async with await ks.Engine.open(model="tiny-random", store=args.store) as engine:
+    async with await ks.Engine.open(model="tiny", store=args.store) as engine:
         s = await engine.create_session(system="You review code.")
         r = await s.send(f"Review this file:\n{history}", max_tokens=8)
         print(f"first turn: prefilled {r.usage.prefill_tokens} tokens")
         await s.save()
         sid = s.id
-    async with await ks.Engine.open(model="tiny-random", store=args.store) as engine:  # e.g. after a restart
+    async with await ks.Engine.open(model="tiny", store=args.store) as engine:  # e.g. after a restart
         t0 = time.perf_counter()
         s = await engine.resume(sid)
         r = await s.send("Any bugs?", max_tokens=8)

@@ -12,7 +12,7 @@ import anyio
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-random", help="built-in name or Kimi-Linear checkpoint directory")
+    p.add_argument("--model", default="tiny", help="built-in name (tiny, tiny-random) or Kimi-Linear checkpoint directory")
     p.add_argument("--store", default="disk:", help="disk:PATH (default: user cache dir), redis://host:port/db, memory:")
     p.add_argument("--device", default="cpu")
     g = p.add_argument_group("engine (EngineConfig; defaults in kda_sessions/engine/config.py)")

@@ -1,12 +1,14 @@
-"""``kda-sessions demo``: a scripted coding-agent loop on the embedded defaults (built-in model, disk store).
+"""``kda-sessions demo``: a coding-agent loop on the embedded defaults (built-in ``tiny`` model, disk store).
 
-It explores a real folder with real tools, checkpoints, saves, resumes the session in a NEW engine, forks two
-alternatives from one checkpoint, and prints time to first token: resumed vs re-prefilled.
+It asks three questions about a real folder that need real tools (the model makes the calls; a scripted call
+stands in when it makes none), checkpoints, asks a recall question, saves, resumes the session in a NEW engine,
+forks two alternatives from one checkpoint, and prints time to first token: resumed vs re-prefilled.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,31 +27,44 @@ def _call(name: str, args: dict[str, Any], index: int) -> dict[str, Any]:
 
 async def run_demo(
     folder: str | Path | None = None,
-    model: str = "tiny-random",
+    model: str = "tiny",
     store: str = "disk:",
     say: Callable[[str], None] = print,
-    max_tokens: int = 16,
+    max_tokens: int | None = None,
     config: EngineConfig | None = None,
 ) -> dict[str, Any]:
     root = Path(folder) if folder else Path(__file__).resolve().parent
     tools = Tools(root)
-    first_py = next(iter(sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))), "README.md")
-    plan = [("list_dir", {"path": "."}), ("read_file", {"path": first_py}), ("grep", {"pattern": r"^(class|def) ", "path": "."})]
+    files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
+    first_py = files[0] if files else "README.md"
+    # a file with a top-level def or class, for the grep question (the kind of question tiny was trained on)
+    target = next(((f, m.group(1)) for f in files
+                   if (m := re.search(r"^((?:def|class) \w+)", (root / f).read_text(errors="replace"), re.M))), None)
+    g_file, g_pat = target or (first_py, "def main")
+    turns = [
+        ("What is the first entry of the project root?", "list_dir", {"path": "."}),
+        (f"What is the first function or class defined in {first_py}?", "read_file", {"path": first_py}),
+        (f"On which line of {g_file} is `{g_pat}` defined?", "grep", {"pattern": g_pat, "path": g_file}),
+    ]
     say(f"model: {model}   store: {store}   folder: {root}")
     if model == "tiny-random":
         say("(tiny-random has random weights: its words are noise; the tool calls below are scripted when the "
             "model makes none, and every tool result is real)")
-    sampling = {"max_tokens": max_tokens, "temperature": 0.0}
+    elif model == "tiny":
+        say("(tiny: a 9M-parameter byte-level model trained to call these tools; its calls and answers are its "
+            "own, a scripted call stands in when it makes none; its scores are in docs/tiny.md)")
+    # a byte-level tool call takes 60-150 tokens; random weights rarely make one, so they get short turns
+    sampling = {"max_tokens": max_tokens or (16 if model == "tiny-random" else 160), "temperature": 0.0}
     async with await Engine.open(model=model, store=store, config=config) as engine:
         s = await engine.create_session(system=SYSTEM, tools=TOOL_SCHEMAS)
-        r = await s.send(f"Explore the project in {root.name}/ and tell me what it does.", **sampling)
-        say(f"[{s.id}] user asks; assistant: {r.text[:60]!r} ({r.usage.prefill_tokens} tokens prefilled)")
-        for i, (name, args) in enumerate(plan):
+        for i, (question, name, args) in enumerate(turns):
+            r = await s.send(question, **sampling)
+            say(f"[{s.id}] user: {question}")
             if r.tool_calls:
-                call = r.tool_calls[0].model_dump()
+                call, who = r.tool_calls[0].model_dump(), "model"
                 messages: list[dict[str, Any]] = []
             else:
-                call = _call(name, args, i)
+                call, who = _call(name, args, i), "scripted"
                 messages = [{"role": "assistant", "content": "", "tool_calls": [call]}]
             try:
                 output = tools.call(call["function"]["name"], call["function"]["arguments"])
@@ -57,10 +72,12 @@ async def run_demo(
                 output = f"error: {e}"
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
             r = await s.send_messages(messages, **sampling)
-            say(f"  tool {call['function']['name']}({call['function']['arguments']}) -> {len(output)} chars; "
+            say(f"  tool ({who}) {call['function']['name']}({call['function']['arguments']}) -> {len(output)} chars; "
                 f"context {s.num_tokens} tokens; prefilled {r.usage.prefill_tokens}, reused {r.usage.cached_tokens}")
+            say(f"  assistant: {r.text[:100]!r}")
         await s.checkpoint("explored")
-        r = await s.send("Summarise what you found.", **sampling)
+        r = await s.send("Earlier you listed the project root. What was its first entry?", **sampling)
+        say(f"  recall, {s.num_tokens} tokens in: {r.text[:100]!r}")
         t0 = time.perf_counter()
         await s.save()
         say(f"checkpoint 'explored', one more turn, saved in {time.perf_counter() - t0:.3f} s ({s.num_tokens} tokens)")

@@ -10,8 +10,8 @@ from ..engine.config import EngineConfig
 class ServerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str = "tiny-random"
-    """A built-in model name or a Kimi-Linear checkpoint directory."""
+    model: str = "tiny"
+    """A built-in model name (``tiny``, ``tiny-random``) or a Kimi-Linear checkpoint directory."""
     store: str = "disk:"
     """``disk:PATH``, ``redis://host:port/db`` or ``memory:``."""
     device: str = "cpu"
