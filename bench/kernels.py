@@ -354,8 +354,6 @@ def mla_check_cfgs(name: str, mod) -> list[dict]:
                 {"tma": False, "page_tile": False}, {"num_splits": 1}]
     if "trans" in params:
         return [{}, {"trans": True}]
-    if "RS" in params:  # v4: the r columns over two programs (no spills on sm_90 in any of these)
-        return [{}, {"num_warps": 8, "num_stages": 2}, {"BN": 32}, {"BN": 32, "num_warps": 8}, {"BH": 16}]
     return [{}]
 
 
@@ -513,6 +511,16 @@ def mla_row(fn: Callable, sets: list[tuple], calls: int, bytes_: int, bw: float,
     return row
 
 
+def mla_try(row: dict, fn: Callable, sets: list[tuple], calls: int, bytes_: int, bw: float,
+            eager: bool = True) -> dict:
+    """``row`` with mla_row's figures for ``fn``, or with the error its launch raised."""
+    try:
+        row.update(mla_row(fn, sets, calls, bytes_, bw, eager=eager))
+    except Exception as e:
+        row["error"] = repr(e)[:300]
+    return row
+
+
 def time_mla(bw: float, mods: dict, cand_cfgs: list[dict] | None = None) -> list[dict]:
     """Current MLA decode and each candidate with their defaults (and the variants the check names, or
     ``cand_cfgs`` for the candidates), per context."""
@@ -525,12 +533,8 @@ def time_mla(bw: float, mods: dict, cand_cfgs: list[dict] | None = None) -> list
             if cand_cfgs is not None and name != "current":
                 cfgs = cand_cfgs
             for cfg in cfgs:
-                row = {"N": len(lens), "context": lens[0], "impl": name, "cfg": cfg}
-                try:
-                    row.update(mla_row(functools.partial(mod._launch, **cfg), sets, calls, bytes_, bw))
-                except Exception as e:
-                    row["error"] = repr(e)[:300]
-                rows.append(row)
+                rows.append(mla_try({"N": len(lens), "context": lens[0], "impl": name, "cfg": cfg},
+                                    functools.partial(mod._launch, **cfg), sets, calls, bytes_, bw))
         del sets
         if not SMOKE:
             torch.cuda.empty_cache()
@@ -550,13 +554,9 @@ def mla_splits(bw: float) -> list[dict]:
         base = mod._num_splits(len(lens), sets[0][3].shape[1] * sets[0][2].shape[1], sm)
         for splits in sorted({max(1, int(base * f)) for f in (0.5, 1, 2, 4, 8)}):
             for cfg in ({}, {"num_warps": 8, "num_stages": 2}):
-                row: dict = {"N": len(lens), "context": lens[0], "num_splits": splits, "default": splits == base, **cfg}
-                try:
-                    row.update(mla_row(functools.partial(mod._launch, num_splits=splits, **cfg), sets, calls, bytes_,
-                                       bw, eager=False))
-                except Exception as e:
-                    row["error"] = repr(e)[:300]
-                rows.append(row)
+                rows.append(mla_try({"N": len(lens), "context": lens[0], "num_splits": splits, "default": splits == base,
+                                     **cfg}, functools.partial(mod._launch, num_splits=splits, **cfg), sets, calls,
+                                    bytes_, bw, eager=False))
         del sets
         if not SMOKE:
             torch.cuda.empty_cache()

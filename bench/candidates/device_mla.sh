@@ -3,12 +3,12 @@
 # in a process of its own with CUDA_LAUNCH_BLOCKING=1 (a fault names its launch and cannot take the others down),
 # then the timings and the sweep of those that passed, beside the shipped kernel.
 #
-#   run(command="bash bench/candidates/device_mla.sh v3,v2 300")
+#   run(command="bash bench/candidates/device_mla.sh v3 300")
 #
 # $1 candidates (stems after paged_decode_), $2 seconds for the timing step. Writes $OUT/check_<c>.json/.err,
 # $OUT/mla.json, $OUT/mla.err.
 set -uo pipefail
-cands=${1:-v3,v2}
+cands=${1:-v3}
 budget=${2:-300}
 export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1
 mkdir -p /tmp/tc

@@ -117,23 +117,6 @@ def test_mla_decode_v3(P, num_splits, cfg):
     assert rel_rms(o, naive_mla_decode_paged(*args)) < tol
 
 
-@pytest.mark.parametrize("trans", [False, True], ids=["heads-on-rows", "tokens-on-rows"])
-def test_mla_decode_v2(trans):
-    v2 = load_candidate("paged_decode_v2", "kda_sessions.kernels.mla")
-    args = _mla_case(16)
-    o = v2._launch(*args, 3, BN=16, trans=trans)
-    assert rel_rms(o, naive_mla_decode_paged(*args)) < 1e-5
-
-
-@pytest.mark.parametrize("P,num_splits,BN", [(16, None, 16), (32, 3, 16), (8, 1, 16), (16, 7, 32)], ids=lambda x: str(x))
-def test_mla_decode_v4_r_split(P, num_splits, BN):
-    v4 = load_candidate("paged_decode_v4", "kda_sessions.kernels.mla")
-    args = _mla_case(P)
-    assert rel_rms(v4._launch(*args, num_splits, BN=BN), naive_mla_decode_paged(*args)) < 1e-5
-    with pytest.raises(ValueError, match="RS must be 2"):
-        v4._launch(*args, num_splits, RS=1)
-
-
 def test_mla_decode_v3_public_entry():
     v3 = load_candidate("paged_decode_v3", "kda_sessions.kernels.mla")
     args = _mla_case(16, seed=5)
@@ -190,10 +173,6 @@ P64_CASES = [
     ("paged_decode_v3", None, {"tma": False, "trans": False, "BN": 64}),
     ("paged_decode_v3", 3, {"tma": False, "page_tile": False, "BN": 16}),
     ("paged_decode_v3", 1, {"tma": False, "BN": 64, "part_bf16": True}),
-    ("paged_decode_v2", None, {"trans": False}),
-    ("paged_decode_v2", 3, {"trans": True, "BN": 16}),
-    ("paged_decode_v4", None, {"BN": 64}),
-    ("paged_decode_v4", 3, {"BN": 16}),
 ]
 
 
