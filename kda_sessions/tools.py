@@ -33,10 +33,13 @@ TOOL_SCHEMAS: list[dict[str, Any]] = [
         "type": "function",
         "function": {
             "name": "read_file",
-            "description": "Read a text file, relative to the project root, with numbered lines (as cat -n).",
+            "description": (
+                "Read a text file, relative to the project root, with numbered lines (as cat -n); "
+                "optionally only `limit` lines from line `start` (1-based)."
+            ),
             "parameters": {
                 "type": "object",
-                "properties": {"path": {"type": "string"}},
+                "properties": {"path": {"type": "string"}, "start": {"type": "integer"}, "limit": {"type": "integer"}},
                 "required": ["path"],
                 "additionalProperties": False,
             },
@@ -65,12 +68,15 @@ def _lines(text: str) -> list[str]:
     return lines[:-1] if lines[-1] == "" else lines
 
 
-def number_lines(text: str, limit: int = MAX_OUTPUT) -> str:
-    """``cat -n`` of text (f"{n:>6}\t{line}" per line), cut after the last whole line within ``limit``
-    characters (a first line longer than that is cut at ``limit``)."""
+def number_lines(text: str, limit: int = MAX_OUTPUT, start: int = 1, count: int | None = None) -> str:
+    """``cat -n`` of text (f"{n:>6}\t{line}" per line) from line ``start`` (1-based), at most ``count`` lines,
+    cut after the last whole line within ``limit`` characters (a first line longer than that is cut at
+    ``limit``)."""
     out: list[str] = []
     size = -1  # no "\n" before the first line
-    for n, line in enumerate(_lines(text), 1):
+    lines = _lines(text)
+    stop = len(lines) if count is None else min(len(lines), start - 1 + count)
+    for n, line in enumerate(lines[start - 1:stop], start):
         row = f"{n:>6}\t{line}"
         if size + 1 + len(row) > limit:
             if not out:
@@ -83,6 +89,15 @@ def number_lines(text: str, limit: int = MAX_OUTPUT) -> str:
 
 class ToolError(ValueError):
     """A tool call that cannot run (unknown tool, bad arguments, path outside the root)."""
+
+
+def _line_arg(name: str, v: Any) -> Any:
+    """A line number argument as an int >= 1 (JSON may send 3.0 for 3), else a ToolError; None stays None."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise ToolError(f"read_file's {name} must be an integer >= 1, got {v!r}")
+    return v
 
 
 class Tools:
@@ -102,11 +117,18 @@ class Tools:
         entries = sorted(e.name + ("/" if e.is_dir() else "") for e in p.iterdir() if not e.name.startswith("."))
         return "\n".join(entries)
 
-    def read_file(self, path: str) -> str:
+    def read_file(self, path: str, start: int = 1, limit: int | None = None) -> str:
+        """The file's lines numbered as by ``cat -n``; with ``start`` / ``limit``, only lines start ..
+        start + limit - 1 (an agent's way to look at one place of a long file)."""
+        start, limit = _line_arg("start", start), _line_arg("limit", limit)
         p = self._path(path)
         if not p.is_file():
             raise ToolError(f"{path!r} is not a file")
-        return number_lines(p.read_text(errors="replace"))
+        text = p.read_text(errors="replace")
+        n = len(_lines(text))
+        if start > max(n, 1):
+            raise ToolError(f"{path!r} has {n} lines; start {start} is past its end")
+        return number_lines(text, start=start, count=limit)
 
     def grep(self, pattern: str, path: str = ".") -> str:
         try:
