@@ -42,6 +42,7 @@ MAX_FILE_BYTES = 200_000
 SKIP_PARTS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache__"})
 RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the recall question, at least (the eval's)
 PLAIN_FRACTION = 0.1
+LINE_READ_LIMITS = (1, 3, 5)  # read_file limit of a "line N" task, by N: the asked line always comes first
 RENAMED_FRACTION = 0.5  # of train conversation rows: a project of real files under random names (RenamedCorpus)
 RECALL_FRACTION = 0.6  # of conversation rows (each with 1-3 recall questions; some cannot be placed)
 DENSE_RECALL_FRACTION = 0.4  # of recall rows: 4-8 facts (notes and short tool results) and a question for each
@@ -88,7 +89,7 @@ class _Episode:
     ids: list[int]
     mask: list[int]
     tool: str | None
-    arguments: dict[str, str]
+    arguments: dict[str, Any]
     fact: str
     recall: list[tuple[str, str, str]] = field(default_factory=list)  # (question, answer, fact)
 
@@ -122,12 +123,12 @@ class Corpus:
         self.dirs: dict[str, list[str]] = {s: [] for s in SPLITS}
         for d in sorted(dirs_with_files):
             self.dirs["train" if d == "." else split_of(d + "/")].append(d)
-        self._cache: dict[tuple[str, str, str], str] = {}
+        self._cache: dict[tuple[Any, ...], str] = {}
         self._defs: dict[str, list[tuple[str, str]]] = {}
 
-    def call(self, name: str, **args: str) -> str:
+    def call(self, name: str, **args: Any) -> str:
         """The real tool's output, cached."""
-        key = (name, args.get("pattern", ""), args.get("path", ""))
+        key = (name, *sorted((k, str(v)) for k, v in args.items()))
         out = self._cache.get(key)
         if out is None:
             out = self._cache[key] = self.tools.call(name, args)
@@ -240,7 +241,7 @@ class RenamedCorpus:
             elif e:
                 (p / e).touch()
 
-    def call(self, name: str, **args: str) -> str:
+    def call(self, name: str, **args: Any) -> str:
         self._make(args.get("path", ""))
         return self.tools.call(name, args)
 
@@ -290,7 +291,7 @@ def render(messages: list[Message], fact: str | None = None) -> tuple[list[int],
     return ids, mask
 
 
-def tool_call(name: str, args: dict[str, str]) -> dict[str, Any]:
+def tool_call(name: str, args: dict[str, Any]) -> dict[str, Any]:
     return {"id": f"functions.{name}:0", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
 
 
@@ -315,7 +316,7 @@ _INTRO = {
 
 
 def _tool_episode(
-    rng: random.Random, kind: str, variant: str, question: str, args: dict[str, str], answer: str, fact: str,
+    rng: random.Random, kind: str, variant: str, question: str, args: dict[str, Any], answer: str, fact: str,
     output: str,
 ) -> _Episode:
     intro = "" if rng.random() < 0.6 else rng.choice(_INTRO[kind]).format(path=args.get("path", "."))
@@ -378,9 +379,18 @@ def _read_episode(rng: random.Random, c: Corpus, rel: str) -> _Episode | None:
         line_qa = (q, a, text)
         j, tj = rng.choice(line_choices)
         recall.append((f"Earlier you read {rel}. What was on line {j} of it?", f"Line {j} of {rel} was: {tj}", tj))
-    q, a, fact = first_qa if variant == "first_def" else line_qa
-    ep = _tool_episode(rng, "read_file", variant, q, {"path": rel}, a, fact, out)
-    ep.recall = recall
+    if variant == "first_def":
+        q, a, fact = first_qa
+        ep = _tool_episode(rng, "read_file", variant, q, {"path": rel}, a, fact, out)
+        ep.recall = recall
+        return ep
+    # "line N": read only the lines from N (as an agent looks at one place of a long file), so the asked line is
+    # the first one of the output; its recall asks for that line again (the rest of the file was not shown)
+    limit = LINE_READ_LIMITS[i % len(LINE_READ_LIMITS)]
+    args = {"path": rel, "start": i, "limit": limit}
+    q, a, fact = line_qa
+    ep = _tool_episode(rng, "read_file", variant, q, args, a, fact, c.call("read_file", **args))
+    ep.recall = [(f"Earlier you read line {i} of {rel}. What was on it?", f"Line {i} of {rel} was: {text}", text)]
     return ep
 
 
@@ -712,7 +722,9 @@ def _drill_row(
 
 
 def _as_task(ep: _Episode, history: list[Message]) -> Task:
-    return Task(ep.kind, ep.variant, [*history, ep.messages[0]], ep.tool, dict(ep.arguments), ep.fact)
+    # the eval's "right arguments" is the right file or pattern: read_file's line range is judged by the answer
+    args = {k: v for k, v in ep.arguments.items() if k in ("path", "pattern")}
+    return Task(ep.kind, ep.variant, [*history, ep.messages[0]], ep.tool, args, ep.fact)
 
 
 def _one_task(rng: random.Random, c: Corpus, kind: str) -> Task | None:

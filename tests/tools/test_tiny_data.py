@@ -15,15 +15,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from kda_sessions import Engine
 from kda_sessions.tokenizer import encode_chat, parse_assistant_output, validate_arguments
-from kda_sessions.tools import MAX_OUTPUT, TOOL_SCHEMAS, Tools
+from kda_sessions.tools import MAX_OUTPUT, TOOL_SCHEMAS, ToolError, Tools
 from tools import eval_tiny
 from tools.tiny_data import (
     FACT,
     GEN_IDS,
     KINDS,
+    LINE_READ_LIMITS,
     SYSTEM,
     TOK,
     RenamedCorpus,
+    _read_episode,
     corpus,
     curriculum_distances,
     draw_distance,
@@ -178,6 +180,40 @@ def test_read_file_numbers_lines_like_cat_n_and_cuts_at_a_line_boundary(tmp_path
     (tmp_path / "ff.py").write_text("a = 1\n\x0cb = 2\nc = 3\n")
     assert tools.grep("c = ", "ff.py") == "ff.py:3: c = 3"
     assert numbered_lines(tools.read_file("ff.py"))[2] == (3, "c = 3")
+
+
+def test_read_file_reads_a_line_range_and_rejects_bad_ranges(tmp_path: Path):
+    (tmp_path / "a.py").write_text("".join(f"v{i} = {i}\n" for i in range(1, 21)))
+    tools = Tools(tmp_path)
+    assert tools.read_file("a.py", start=7, limit=2) == "     7\tv7 = 7\n     8\tv8 = 8"
+    assert tools.call("read_file", '{"path": "a.py", "start": 19}') == "    19\tv19 = 19\n    20\tv20 = 20"
+    assert tools.call("read_file", {"path": "a.py", "limit": 1}) == "     1\tv1 = 1"
+    assert tools.read_file("a.py", start=20, limit=50) == "    20\tv20 = 20"  # a limit past the end stops there
+    for args, problem in [({"start": 0}, "start must be an integer >= 1"), ({"limit": -1}, "limit must be"),
+                          ({"start": True}, "start must be"), ({"start": "3"}, "start must be"),
+                          ({"start": 21}, "has 20 lines; start 21 is past its end")]:
+        with pytest.raises(ToolError, match=problem):
+            tools.call("read_file", {"path": "a.py", **args})
+
+
+def test_line_tasks_read_from_the_asked_line_and_judge_the_path_only():
+    c = corpus()
+    rng = random.Random(4)
+    lines = 0
+    for rel in c.files["train"][:60]:
+        ep = _read_episode(rng, c, rel)
+        if ep is None or ep.variant != "line":
+            continue
+        lines += 1
+        n = int(re.search(r"line (\d+)", ep.messages[0]["content"]).group(1))
+        args = json.loads(ep.messages[1]["tool_calls"][0]["function"]["arguments"])
+        assert args["path"] == rel and args["start"] == n and args["limit"] in LINE_READ_LIMITS
+        shown = numbered_lines(ep.messages[2]["content"])
+        assert shown[0] == (n, c.texts[rel].split("\n")[n - 1]) and len(shown) <= args["limit"]
+        assert shown[0][1].strip() == ep.fact and all(ep.fact in a for _, a, _ in ep.recall)
+    assert lines >= 10
+    tasks = [t for t in eval_tasks(2, 24, "read_file") if t.variant == "line"]
+    assert tasks and all(set(t.arguments) == {"path"} for t in tasks)
 
 
 def test_read_file_facts_quote_the_numbered_line():
