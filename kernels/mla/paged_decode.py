@@ -1,9 +1,16 @@
 """MLA decode over a paged latent cache in Triton, kv_b_proj absorbed (flash-decoding).
 
 Every program takes one sequence's split of the context and all H heads, so each cached row [r + dr] is read
-once and serves every head (the cache is shared by the heads, like MQA). Splits hold float32 partial results
-(unnormalised latent sum, running max, running denominator); a second launch merges them. The number of splits
-comes from the page table's capacity, not from ``seq_lens``, so there is no host sync (CUDA-graph safe).
+once and serves every head (the cache is shared by the heads, like MQA); a second launch merges the splits. The
+number of splits comes from the page table's capacity, not from ``seq_lens``, so there is no host sync (CUDA-graph
+safe). Two forms, chosen by the number of sequences N (``_default_form``):
+
+- ``"tokens"`` (N < 8): tokens on the rows of both products (scores^T = c q^T [BN, BH], acc^T += c^T p^T
+  [r, BH]); each split stores its output already normalised, in q's dtype (float32 for float32 q), plus one
+  base-2 log-sum-exp per head, and the merge reads them in one pass. Splits past a sequence's end store 0 and
+  a log-sum-exp of -1e30, which the merge weighs 0.
+- ``"heads"`` (N >= 8): heads on the rows (scores = q c^T [BH, BN]); float32 partials (unnormalised latent sum,
+  running max, running denominator).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 
 _LOG2E = 1.4426950408889634
+FORMS = ("heads", "tokens")
 
 
 # the page-table width, the split length and the split count vary with the context: not specialised, so one
@@ -88,6 +96,88 @@ def _combine_kernel(
     tl.store(out + (n * H + h) * R + rr, o.to(out.dtype.element_ty), mask=rr < R)
 
 
+# the split kernel of the "tokens" form: as _split_kernel, with the products transposed and normalised partials
+@triton.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+def _split_kernel_tokens(
+    q_lat, q_pe, kv, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split, NSPLIT,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
+    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr,
+):
+    # head blocks vary fastest, so the programs that share a split's cache rows run together (one DRAM read)
+    hb = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.program_id(2)
+    L = tl.load(seq_lens + n)
+    start = s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, L)
+    rh = hb * BH + tl.arange(0, BH)
+    rr = tl.arange(0, BR)
+    rd = tl.arange(0, BDR)
+    mh = rh < H
+    qlt = tl.trans(tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R),
+                           other=0.0))  # [BR, BH]
+    qpt = tl.trans(tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR),
+                           other=0.0))  # [BDR, BH]
+    m_i = tl.full([BH], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BR, BH], dtype=tl.float32)  # acc^T
+    pt = page_table + n.to(tl.int64) * max_pages
+    for t0 in range(start, end, BN):
+        tok = t0 + tl.arange(0, BN)
+        mt = tok < end
+        # masked and clamped to the sequence's row: no copy of this load that the pipeliner issues ahead can
+        # address past the table
+        page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
+        row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)  # [BN] cache-row offsets: 16-byte vectors
+        c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
+        pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
+        sc = tl.dot(c, qlt) + tl.dot(pe, qpt)  # [BN, BH]
+        sc = tl.where(mt[:, None], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+        m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+        p = tl.exp2(sc - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype))
+        m_i = m_new
+    # a split past the sequence's end (l = 0) stores a zero output and log-sum-exp -1e30: weight 0 in the merge
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    lse = tl.where(nonempty, m_i + tl.log2(l_safe), -1.0e30)
+    base = (n * NSPLIT + s) * H + rh
+    o = acc * (1.0 / l_safe)[None, :]
+    tl.store(o_part + base[None, :].to(tl.int64) * R + rr[:, None], o.to(o_part.dtype.element_ty),
+             mask=mh[None, :] & (rr[:, None] < R))
+    tl.store(lse_part + base, lse, mask=mh)
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def _combine_kernel_lse(
+    o_part, lse_part, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+):
+    """One pass over the splits with a running max: out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m). Empty
+    splits (lse -1e30, o 0) weigh 2^(-1e30 - m) = 0 beside any split with a token; masked lanes load -3e38."""
+    h = tl.program_id(0)
+    n = tl.program_id(1)
+    rs = tl.arange(0, BS)
+    rr = tl.program_id(2) * BR + tl.arange(0, BR)
+    m_run = tl.full([1], -3.0e38, dtype=tl.float32)
+    num = tl.zeros([BR], dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        ms = s0 + rs < NSPLIT
+        idx = (n * NSPLIT + s0 + rs) * H + h
+        lse = tl.load(lse_part + idx, mask=ms, other=-3.0e38)
+        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+        wgt = tl.exp2(lse - m_new)
+        o = tl.load(o_part + idx[:, None].to(tl.int64) * R + rr[None, :], mask=ms[:, None] & (rr[None, :] < R),
+                    other=0.0).to(tl.float32)
+        alpha = tl.exp2(m_run - m_new)
+        num = num * alpha + tl.sum(wgt[:, None] * o, axis=0)
+        den = den * alpha + tl.sum(wgt, axis=0)
+        m_run = m_new
+    tl.store(out + (n * H + h) * R + rr, (num / den).to(out.dtype.element_ty), mask=rr < R)
+
+
 def _num_splits(N: int, capacity: int, sm_count: int) -> int:
     """(sequence, split) programs for two waves of the GPU (eight from 8 sequences up), each split at least 256
     tokens of capacity. Measured on the H200 (graph replays, `bench/kernels.py --only mlasplits`, run E in
@@ -98,37 +188,76 @@ def _num_splits(N: int, capacity: int, sm_count: int) -> int:
     return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
+def _num_splits_tokens(N: int, capacity: int, sm_count: int) -> int:
+    """The "tokens" form: (sequence, split) programs for two waves of the GPU at any N, each split at least 256
+    tokens of capacity (bench/candidates/paged_decode_v3.py's ``_num_splits`` with waves 2.0, min_tokens 256):
+    on the H200's 132 SMs 128 / 264 / 264 splits for one sequence of 32K / 128K / 1M, the counts that run G
+    (docs/benchmarks.md) measured for this form: 34.5 / 96.1 / 561 us against the "heads" form's 44.8 / 107.7 /
+    584 in the same run (run E had found the same counts best for "heads" at one sequence). Forced at 32 x 32K it gets 9 splits
+    (735 us in run G, against 599 for "heads" with its own heuristic)."""
+    return max(1, min(triton.cdiv(2 * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
+
+
+def _default_form(N: int) -> str:
+    """The "tokens" form below 8 sequences, "heads" from 8 up. Measured on the H200 only at the ends (run G): "tokens" is
+    23% / 11% / 4% faster for one sequence of 32K / 128K / 1M and 23% slower for 32 x 32K; 8 is where the
+    "heads" heuristic goes from two waves to eight. Run G timed v3's page-aligned tiles (one page-table load per
+    tile at P 64); this kernel gathers every row's page id (any P), as the "heads" form does."""
+    return "tokens" if N < 8 else "heads"
+
+
 def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
-    num_splits: int | None = None, BN: int = 64, BH: int | None = None, num_warps: int = 4, num_stages: int = 3,
+    num_splits: int | None = None, BN: int = 64, BH: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, form: str | None = None,
 ) -> Tensor:
-    """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]."""
+    """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
+    (one of FORMS) overrides ``_default_form(N)``; warps and stages default per form (4 / 3 for "heads", 8 / 2
+    for "tokens", as measured)."""
     N, H, R = q_lat.shape
+    if form is None:
+        form = _default_form(N)
+    elif form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
     DR = q_pe.shape[-1]
     P = kv_pages.shape[1]
     max_pages = page_table.shape[1]
     out = torch.empty_like(q_lat)
     if N == 0:
         return out
+    tokens = form == "tokens"
     if num_splits is None:
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
-        num_splits = _num_splits(N, max_pages * P, sm)
+        num_splits = (_num_splits_tokens if tokens else _num_splits)(N, max_pages * P, sm)
     tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
     num_splits = triton.cdiv(max_pages * P, tps)
-    acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
-    m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
-    lsum = torch.empty_like(m)
     BH = BH or max(16, triton.next_power_of_2(H))
     BR = triton.next_power_of_2(R)
+    BDR = max(16, triton.next_power_of_2(DR))
     align = 1
     while align < 8 and (R + DR) % (2 * align) == 0:
         align *= 2
+    BRC = min(BR, 64)  # the merge runs over r blocks too: H * N programs alone are too few for one sequence
+    if tokens:
+        half = q_lat.dtype in (torch.bfloat16, torch.float16)  # half the partials' traffic; float32 stays exact
+        o_part = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=q_lat.dtype if half else torch.float32)
+        lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
+        _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
+            q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps, num_splits,
+            H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align,
+            num_warps=num_warps or 8, num_stages=num_stages or 2,
+        )
+        _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=16,
+                                                         num_warps=2)
+        return out
+    acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
+    m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
+    lsum = torch.empty_like(m)
     _split_kernel[(num_splits, N, triton.cdiv(H, BH))](
         q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps, num_splits,
-        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=max(16, triton.next_power_of_2(DR)), BN=BN,
-        ALIGN=align, num_warps=num_warps, num_stages=num_stages,
+        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN,
+        ALIGN=align, num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
-    BRC = min(BR, 64)  # the merge runs over r blocks too: H * N programs alone are too few for one sequence
     _combine_kernel[(H, N, triton.cdiv(R, BRC))](acc, m, lsum, out, num_splits, H=H, R=R, BR=BRC, BS=16,
                                                  num_warps=2)
     return out
@@ -136,13 +265,15 @@ def _launch(
 
 def mla_decode_paged_triton(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
-    num_splits: int | None = None,
+    num_splits: int | None = None, form: str | None = None,
 ) -> Tensor:
     """One query per sequence over its paged latent cache (kv_b_proj absorbed).
 
     q_lat [N, H, r] (q_nope @ W_uk per head), q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] in q's dtype,
     page_table [N, max_pages] int32, seq_lens [N] int (>= 1, the new token included). Returns the
-    attention-weighted latent [N, H, r] in q_lat's dtype. ``num_splits`` overrides the split heuristic.
+    attention-weighted latent [N, H, r] in q_lat's dtype. ``num_splits`` overrides the split heuristic, ``form``
+    ("heads" or "tokens", see the module docstring; anything else raises ValueError in ``_launch``) the choice
+    by N.
     """
     N, H, R = q_lat.shape
     if q_pe.shape[:2] != (N, H):
@@ -155,5 +286,5 @@ def mla_decode_paged_triton(
                          f"{tuple(seq_lens.shape)}")
     return _launch(
         q_lat.contiguous(), q_pe.to(q_lat.dtype).contiguous(), kv_pages.contiguous(), page_table.contiguous(),
-        seq_lens.contiguous(), float(scale), num_splits,
+        seq_lens.contiguous(), float(scale), num_splits, form=form,
     )

@@ -1,6 +1,8 @@
 """Triton short conv and MLA paged decode against their twins, under TRITON_INTERPRET=1.
 
-Tolerance: relative RMS error 1e-5 (float32)."""
+Tolerance: relative RMS error 1e-5 (float32), 1e-3 (float16 inputs and output; the "tokens" form of MLA decode
+keeps its partials in float16 too). Half precision is tested as float16: Triton 3.9's interpreter gets even a
+bfloat16 load-multiply-store wrong, so bfloat16 is checked on the GPU only (bench/kernels.py --only checkmla)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
 from .kernel_helpers import rel_rms
 
 TOL = 1e-5
+TOL_HALF = 1e-3
 
 
 def test_conv_prefill_varlen_with_tail_positions():
@@ -75,3 +78,78 @@ def test_mla_decode_paged(P, num_splits):
     ql, qp = torch.randn(N, H, R, generator=gen), torch.randn(N, H, DR, generator=gen)
     o = mla_decode_paged_triton(ql, qp, kv, pt, sl, 0.1, num_splits)
     assert rel_rms(o, naive_mla_decode_paged(ql, qp, kv, pt, sl, 0.1)) < TOL
+
+
+def _mla_inputs(lens: list[int], P: int, max_pages: int | None = None, dtype: torch.dtype = torch.float32):
+    """(q_lat [N, 4, 32], q_pe [N, 4, 16], kv_pages, page_table [N, max_pages], seq_lens [N]) over a shuffled
+    pool whose rows past each sequence's end are NaN, and whose table entries past a sequence's pages name a
+    page of NaN: a read past the end, or a split past it that the merge does not ignore, shows in the output."""
+    gen = torch.Generator().manual_seed(len(lens) * 100 + P)
+    N, H, R, DR = len(lens), 4, 32, 16
+    need = [-(-L // P) for L in lens]
+    max_pages = max_pages or max(need)
+    used = sum(need)
+    kv = torch.randn(used + 1, P, R + DR, generator=gen)
+    kv[used] = float("nan")
+    pages = torch.randperm(used, generator=gen).int()
+    pt = torch.full((N, max_pages), used, dtype=torch.int32)
+    for n, (L, k) in enumerate(zip(lens, need)):
+        pt[n, :k] = pages[sum(need[:n]) : sum(need[:n]) + k]
+        kv[pt[n, k - 1], L - (k - 1) * P :] = float("nan")
+    ql, qp = torch.randn(N, H, R, generator=gen), torch.randn(N, H, DR, generator=gen)
+    return ql.to(dtype), qp.to(dtype), kv.to(dtype), pt, torch.tensor(lens)
+
+
+# (lens, P, table width, num_splits): one sequence, three, nine (the "heads" form by default), and short
+# sequences in a wide table split 16 ways (64-token splits: at most 2 of 16 hold tokens)
+MLA_CASES = {
+    "N1-P16": ([300], 16, None, None),
+    "N3-P64": ([1, 37, 80], 64, None, None),
+    "N3-P16-3splits": ([1, 37, 80], 16, None, 3),
+    "N9-P16": ([1, 2, 5, 17, 33, 64, 65, 100, 7], 16, None, None),
+    "empty-splits-P16": ([1, 5, 70], 16, 64, 16),
+    "empty-splits-P64": ([1, 5, 70], 64, 16, 16),
+}
+
+
+@pytest.mark.parametrize("form", [None, "heads", "tokens"], ids=lambda f: f or "by-N")
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_mla_decode_paged_forms(case, form):
+    from kda_sessions.kernels.mla.paged_decode import mla_decode_paged_triton
+
+    lens, P, max_pages, num_splits = MLA_CASES[case]
+    ql, qp, kv, pt, sl = _mla_inputs(lens, P, max_pages)
+    o = mla_decode_paged_triton(ql, qp, kv, pt, sl, 0.1, num_splits, form=form)
+    assert not o.isnan().any()
+    assert rel_rms(o, naive_mla_decode_paged(ql, qp, kv, pt, sl, 0.1)) < TOL
+
+
+@pytest.mark.parametrize("form", ["heads", "tokens"])
+@pytest.mark.parametrize("lens", [[300], [1, 37, 80]], ids=["N1", "N3"])
+def test_mla_decode_paged_half(lens, form):
+    """float16 q and cache: the "tokens" form stores float16 partials."""
+    from kda_sessions.kernels.mla.paged_decode import mla_decode_paged_triton
+
+    ql, qp, kv, pt, sl = _mla_inputs(lens, 16, 64, dtype=torch.float16)
+    o = mla_decode_paged_triton(ql, qp, kv, pt, sl, 0.1, 8, form=form)
+    assert o.dtype == torch.float16
+    assert rel_rms(o, naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, 0.1)) < TOL_HALF
+
+
+@pytest.mark.parametrize("N,form", [(1, "tokens"), (7, "tokens"), (8, "heads")], ids=lambda x: str(x))
+def test_mla_decode_paged_dispatch_by_n(N, form):
+    """Fewer than 8 sequences run the "tokens" form, 8 and more "heads": the same bits as forcing that form."""
+    from kda_sessions.kernels.mla.paged_decode import _default_form, mla_decode_paged_triton
+
+    assert _default_form(N) == form
+    ql, qp, kv, pt, sl = _mla_inputs([1 + 9 * n for n in range(N)], 16)
+    o = mla_decode_paged_triton(ql, qp, kv, pt, sl, 0.1)
+    assert torch.equal(o, mla_decode_paged_triton(ql, qp, kv, pt, sl, 0.1, form=form))
+
+
+def test_mla_decode_paged_rejects_unknown_form():
+    from kda_sessions.kernels.mla.paged_decode import mla_decode_paged_triton
+
+    ql, qp, kv, pt, sl = _mla_inputs([5], 16)
+    with pytest.raises(ValueError, match="form must be one of"):
+        mla_decode_paged_triton(ql, qp, kv, pt, sl, 0.1, form="rows")
