@@ -8,8 +8,10 @@ side with fla-core (when importable). Prints one JSON document; ``--out FILE`` a
 
 ``--old`` and ``--mla-cand`` name other versions of kernels/kda/chunk.py and kernels/mla/paged_decode.py (files
 anywhere, imported as modules of the kernels package so their relative imports resolve); they are checked against
-the twins and timed beside the current kernels. MLA decode is timed eagerly and as CUDA-graph replays (what the
-engine runs: no host launch cost; the inputs cycle through copies larger than L2 so every replay reads DRAM).
+the twins and timed beside the current kernels. The current MLA decode is also checked and timed with each of its
+forms forced (``{"form": "heads"}`` / ``{"form": "tokens"}``; the rows name the form). MLA decode is timed eagerly
+and as CUDA-graph replays (what the engine runs: no host launch cost; the inputs cycle through copies larger than
+L2 so every replay reads DRAM).
 Without CUDA (``TRITON_INTERPRET=1``) ``--quick`` runs every part at tiny shapes on the CPU as a smoke test.
 
 ``--warm-procs`` compiles the kernel variants in parallel processes first (they share TRITON_CACHE_DIR), and
@@ -85,6 +87,7 @@ MLA_VARIANTS: list[dict] = [
     {"BN": 32, "BH": 32, "num_warps": 8, "num_stages": 3}, {"BN": 64, "BH": 32, "num_warps": 8, "num_stages": 2},
     {"BN": 32, "BH": 16, "num_warps": 4, "num_stages": 3}, {"BN": 64, "BH": 64, "num_warps": 8, "num_stages": 2},
 ]
+MLA_FORMS: list[dict] = [{"form": "heads"}, {"form": "tokens"}]  # the current kernel's forms, forced
 
 
 def mla_cand_grid() -> list[dict]:
@@ -347,7 +350,7 @@ def mla_fake(lens: list[int]) -> tuple:
 def mla_check_cfgs(name: str, mod) -> list[dict]:
     """Launch parameters of each MLA module that the correctness check covers (all that the timings use)."""
     if name == "current":
-        return [{}, *MLA_VARIANTS[1:2]]
+        return [{}, *MLA_FORMS, *MLA_VARIANTS[1:2]]
     params = inspect.signature(mod._launch).parameters
     if "waves" in params:  # v3 and later: the whole sweep grid, plus bf16 partials and many splits
         return [{}, *mla_cand_grid(), {"part_bf16": True}, {"waves": 4.0, "part_bf16": True},
@@ -375,6 +378,20 @@ def check_mla(mods: dict) -> dict:
                     errs[key] = repr(e)[:300]
             num = [e for e in errs.values() if isinstance(e, float)]
             out[f"{name} P{P}"] = {"max": max(num) if num else None, "all_ran": len(num) == len(errs), **errs}
+    # the current kernel's forms forced at one sequence and at 32
+    for lens in ([1000], [1, 100, 300, 1000] * 8) if SMOKE else ([33000], [1, 1000, 5000, 33000] * 8):
+        for P in (16, 64):
+            args = mla_setup(lens, P=P)[0]
+            ro = naive_mla_decode_paged(args[0].float(), args[1].float(), args[2].float(), *args[3:])
+            errs = {}
+            for cfg in MLA_FORMS:
+                try:
+                    errs[f"form={cfg['form']}"] = rel(mods["current"]._launch(*args, **cfg), ro)
+                except Exception as e:
+                    errs[f"form={cfg['form']}"] = repr(e)[:300]
+            num = [e for e in errs.values() if isinstance(e, float)]
+            out[f"current N{len(lens)} P{P}"] = {"max": max(num) if num else None, "all_ran": len(num) == len(errs),
+                                                 **errs}
     return out
 
 
@@ -532,8 +549,10 @@ def time_mla(bw: float, mods: dict, cand_cfgs: list[dict] | None = None) -> list
                 mod._launch).parameters else mla_check_cfgs(name, mod)
             if cand_cfgs is not None and name != "current":
                 cfgs = cand_cfgs
+            default_form = getattr(mod, "_default_form", None)  # the current kernel's choice by N
             for cfg in cfgs:
-                rows.append(mla_try({"N": len(lens), "context": lens[0], "impl": name, "cfg": cfg},
+                form = cfg.get("form") or (default_form(len(lens)) if default_form else None)
+                rows.append(mla_try({"N": len(lens), "context": lens[0], "impl": name, "form": form, "cfg": cfg},
                                     functools.partial(mod._launch, **cfg), sets, calls, bytes_, bw))
         del sets
         if not SMOKE:
@@ -711,6 +730,8 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
                 cfgs += [{**c, "part_bf16": True} for c in mla_cand_grid()]
             jobs += [lambda mod=mod, cfg=cfg: mod._launch(*small, **cfg) for cfg in cfgs]
             jobs.append(lambda mod=mod: mod._launch(*small16))
+            if name == "current":  # check_mla runs its forms at P 16 too
+                jobs += [lambda mod=mod, cfg=cfg: mod._launch(*small16, **cfg) for cfg in MLA_FORMS]
             # the timed shapes, specialised as timed (split counts and page-table widths) but one token each
             timed = [{}, {"tma": False}] if "waves" in inspect.signature(mod._launch).parameters else \
                 mla_check_cfgs(name, mod)
@@ -796,7 +817,8 @@ def summary(res: dict) -> str:
                 f"{k[:-7]} {v:.2f}" for k, v in row.items() if k.endswith("_Mtok_s")) + " M tok/s")
     for row in res.get("mla_decode") if isinstance(res.get("mla_decode"), list) else []:
         if isinstance(row, dict):
-            lines.append(f"mla {row.get('N')}x{row.get('context')} {row.get('impl')} {row.get('cfg')}: graph "
+            lines.append(f"mla {row.get('N')}x{row.get('context')} {row.get('impl')} {row.get('form') or ''} "
+                         f"{row.get('cfg')}: graph "
                          f"{row.get('graph_us', 0):.1f} us {row.get('graph_of_copy_bw', 0):.0%}, eager "
                          f"{row.get('eager_us', 0):.1f} us {row.get('error', '')}")
     sweeps = res.get("mla_sweep")
