@@ -1,0 +1,581 @@
+"""Candidate chunk_kda v5: the intra step as short, wide stages (fla 0.6.0's decomposition), not one long program.
+
+Same public function and arguments as kernels/kda/chunk.py (``chunk_kda_triton``), so ``bench/kernels.py --old``
+times it beside the shipped kernel. Why: the shipped intra kernels run at a fifth of the bandwidth they move;
+each program walks a long serial chain (gate, scan, norm sums, span reductions and a branch per diagonal block,
+twenty [16, 16] blocks). See bench/candidates/README.md, "chunk_kda v5: where fla's forward differs".
+
+Six launches over the same chunk table as the shipped kernel (chunks of at most ``BT`` = 64 tokens, also cut at
+every checkpoint position):
+
+1. ``_prep_kernel``    per (chunk, head): the gate (optional), q/k L2 norm (optional), G = the in-chunk cumulative
+   log-decay in log2 units (float32, stored), kn, qn (normalised k, q), qg = scale * qn * 2^G,
+   kg = kn * 2^(G_last - G) and 2^G_last per chunk. Element-wise and one scan: bandwidth-bound.
+2. ``_diag_kernel``    per (chunk, head, sub-chunk): the diagonal [16, 16] blocks of A_qk (causal, scaled, into
+   Aqk) and of L (strict, times beta, float32 into Ld), exact: one key column at a time with 2^(G_r - G_s), no
+   midpoint factoring, so no span limit and no branch (fla computes the same products token-parallel).
+3. ``_offdiag_kernel`` per (chunk, head): the six off-diagonal blocks of A_qk and of L on tensor cores (twelve
+   accumulators, nothing else in the K loop), then (I + L)^-1 by 16 x 16 blocks; X diag(beta) out.
+4. ``_wu_kernel``      per (chunk, head): w = X diag(beta) (kn 2^G), u = X diag(beta) v as [64, 64] MMAs.
+5. ``_state_kernel``   per (sequence, head, V block): as shipped.
+6. ``_output_kernel``  per (chunk, head, V block): as shipped (qg already normalised and scaled).
+
+Layout: every activation is packed ``[T_total, H, *]`` (B * T rows without cu_seqlens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..gate.naive import gate_params
+
+BT = 64  # chunk length
+BC = 16  # sub-chunk length
+RCP_LN2 = tl.constexpr(1.4426950408889634)  # G is kept in log2 units: 2^G = e^(natural G)
+
+
+@triton.jit
+def _rows(base, bos, row0, n_rows, h, cols, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr):
+    """Rows row0 .. row0 + R of a packed [T, H, W] tensor at head h, columns ``cols``, as float32 (zeros past
+    n_rows)."""
+    rows = row0 + tl.arange(0, R)
+    m = (rows[:, None] < n_rows) & (cols[None, :] < W)
+    return tl.load(base + ((bos + rows)[:, None] * H + h) * W + cols[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_rows(base, x, bos, row0, n_rows, h, cols, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr):
+    rows = row0 + tl.arange(0, R)
+    m = (rows[:, None] < n_rows) & (cols[None, :] < W)
+    tl.store(base + ((bos + rows)[:, None] * H + h) * W + cols[None, :], x.to(base.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _row(base, bos, row, n_rows, h, cols, H: tl.constexpr, W: tl.constexpr):
+    """One row [W-block] of a packed [T, H, W] tensor as float32 (zeros past n_rows)."""
+    width = tl.where(row < n_rows, W, 0)  # a scalar & vector mask trips the interpreter
+    return tl.load(base + ((bos + row) * H + h) * W + cols, mask=cols < width, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _beta(beta, bos, row0, n_rows, h, H: tl.constexpr, BC: tl.constexpr):
+    rows = row0 + tl.arange(0, BC)
+    return tl.load(beta + (bos + rows) * H + h, mask=rows < n_rows, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _log_decay(x, A_log, dt_bias, h, cols, lower_bound, K: tl.constexpr, GATE: tl.constexpr):
+    """Gate logits or log-decays x [R, BK] -> log-decays. GATE: 0 x is the log-decay, 1 standard, 2 bounded."""
+    if GATE != 0:
+        x = x + tl.load(dt_bias + h * K + cols, mask=cols < K, other=0.0).to(tl.float32)[None, :]
+        a = tl.exp(tl.load(A_log + h).to(tl.float32))
+        if GATE == 1:  # -exp(A_log) * softplus(x), softplus(x) = x above 20
+            x = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))
+        else:
+            x = lower_bound * tl.sigmoid(a * x)
+    return x
+
+
+@triton.jit
+def _prep_kernel(
+    q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale, lower_bound,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    bos = tl.load(chunk_start + c).to(tl.int64)
+    n_rows = tl.load(chunk_len + c)
+    rows = tl.arange(0, BT)
+    rq = tl.full([BT], 1.0, dtype=tl.float32)
+    rk = tl.full([BT], 1.0, dtype=tl.float32)
+    if NORM:  # a first pass for the row norms (from L1/L2 on the second)
+        sq = tl.zeros([BT], dtype=tl.float32)
+        sk = tl.zeros([BT], dtype=tl.float32)
+        for kb in range(0, K, BK):
+            cols = kb + tl.arange(0, BK)
+            x = _rows(q, bos, 0, n_rows, h, cols, H, K, BT)
+            sq += tl.sum(x * x, axis=1)
+            x = _rows(k, bos, 0, n_rows, h, cols, H, K, BT)
+            sk += tl.sum(x * x, axis=1)
+        rq = tl.rsqrt(sq + 1e-6)
+        rk = tl.rsqrt(sk + 1e-6)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        x = _log_decay(_rows(g, bos, 0, n_rows, h, cols, H, K, BT), A_log, dt_bias, h, cols, lower_bound, K, GATE)
+        x = tl.where(rows[:, None] < n_rows, x, 0.0) * RCP_LN2  # padded rows add no decay
+        G = tl.cumsum(x, axis=0)
+        g_last = tl.sum(x, axis=0)
+        qv = _rows(q, bos, 0, n_rows, h, cols, H, K, BT) * rq[:, None]
+        kv = _rows(k, bos, 0, n_rows, h, cols, H, K, BT) * rk[:, None]
+        _store_rows(G2, G, bos, 0, n_rows, h, cols, H, K, BT)
+        _store_rows(qn, qv, bos, 0, n_rows, h, cols, H, K, BT)
+        _store_rows(kn, kv, bos, 0, n_rows, h, cols, H, K, BT)
+        _store_rows(qg, qv * tl.exp2(G) * scale, bos, 0, n_rows, h, cols, H, K, BT)
+        _store_rows(kg, kv * tl.exp2(g_last[None, :] - G), bos, 0, n_rows, h, cols, H, K, BT)
+        tl.store(dl + (c.to(tl.int64) * H + h) * K + cols, tl.exp2(g_last), mask=cols < K)
+
+
+@triton.jit
+def _diag_kernel(
+    qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+):
+    """Diagonal block i of A_qk (r >= s, times scale) and of L (r > s, times beta_r), exactly."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.program_id(2)
+    bos = tl.load(chunk_start + c).to(tl.int64)
+    n_rows = tl.load(chunk_len + c)
+    row0 = i * BC
+    if row0 < n_rows:
+        cols = tl.arange(0, BK)
+        rr = tl.arange(0, BC)
+        qi = _rows(qn, bos, row0, n_rows, h, cols, H, K, BC)
+        ki = _rows(kn, bos, row0, n_rows, h, cols, H, K, BC)
+        Gi = _rows(G2, bos, row0, n_rows, h, cols, H, K, BC)
+        A = tl.zeros([BC, BC], dtype=tl.float32)
+        L = tl.zeros([BC, BC], dtype=tl.float32)
+        for s in range(BC):  # key column s: one row load each (L1), no extraction from the tiles
+            k_s = _row(kn, bos, row0 + s, n_rows, h, cols, H, K)
+            G_s = _row(G2, bos, row0 + s, n_rows, h, cols, H, K)
+            e = tl.exp2(tl.minimum(Gi - G_s[None, :], 0.0)) * k_s[None, :]  # rows r < s are masked below
+            col = rr[None, :] == s
+            A = tl.where(col, tl.sum(qi * e, axis=1)[:, None], A)
+            L = tl.where(col, tl.sum(ki * e, axis=1)[:, None], L)
+        b = _beta(beta, bos, row0, n_rows, h, H, BC)
+        A = tl.where(rr[:, None] >= rr[None, :], A, 0.0) * scale
+        L = tl.where(rr[:, None] > rr[None, :], L, 0.0) * b[:, None]
+        _store_rows(Aqk, A, bos, row0, n_rows, h, row0 + rr, H, BT, BC)
+        _store_rows(Ld, L, bos, row0, n_rows, h, rr, H, BC, BC)
+
+
+@triton.jit
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _inv_unit_lower(N, BC: tl.constexpr, IEEE: tl.constexpr):
+    """(I + N)^-1 of a strictly lower [BC, BC] block N (N^16 = 0): (I - N)(I + N^2)(I + N^4)(I + N^8)."""
+    rr = tl.arange(0, BC)
+    eye = tl.where(rr[:, None] == rr[None, :], 1.0, 0.0)
+    N2 = _mm(N, N, IEEE)
+    X = _mm(eye - N, eye + N2, IEEE)
+    N4 = _mm(N2, N2, IEEE)
+    X = _mm(X, eye + N4, IEEE)
+    N8 = _mm(N4, N4, IEEE)
+    return _mm(X, eye + N8, IEEE)
+
+
+@triton.jit
+def _store_blk(buf, X, bos, i: tl.constexpr, j: tl.constexpr, n_rows, h, H: tl.constexpr, BT: tl.constexpr,
+               BC: tl.constexpr):
+    rows = i * BC + tl.arange(0, BC)
+    cols = j * BC + tl.arange(0, BC)
+    ptr = buf + ((bos + rows)[:, None] * H + h) * BT + cols[None, :]
+    tl.store(ptr, X.to(buf.dtype.element_ty), mask=(rows[:, None] < n_rows))
+
+
+@triton.jit
+def _q_factor(G, g_ref, row0, n_rows, BC: tl.constexpr):
+    """2^(G_r - g_ref) for the rows of a sub-chunk (<= 1; 0 on padded rows, whose G is not a cumulative sum)."""
+    rows = row0 + tl.arange(0, BC)
+    return tl.where(rows[:, None] < n_rows, tl.exp2(tl.minimum(G - g_ref[None, :], 0.0)), 0.0)
+
+
+@triton.jit
+def _k_factor(kj, Gj, g_ref):
+    """(k_s 2^(g_ref - G_s))^T for the rows s of an earlier sub-chunk (<= 1: g_ref is at or after s)."""
+    return tl.trans(kj * tl.exp2(tl.minimum(g_ref[None, :] - Gj, 0.0)))
+
+
+@triton.jit
+def _offdiag_kernel(
+    qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, INV_IEEE: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    bos = tl.load(chunk_start + c).to(tl.int64)
+    n_rows = tl.load(chunk_len + c)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    A10, A20, A21, A30, A31, A32 = z, z, z, z, z, z
+    L10, L20, L21, L30, L31, L32 = z, z, z, z, z, z
+    # Block (i, j), j < i, factors through G at the last row of sub-chunk i - 1: both factors are <= 1.
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        k0 = _rows(kn, bos, 0, n_rows, h, cols, H, K, BC)
+        G0 = _rows(G2, bos, 0, n_rows, h, cols, H, K, BC)
+        q1 = _rows(qn, bos, BC, n_rows, h, cols, H, K, BC)
+        k1 = _rows(kn, bos, BC, n_rows, h, cols, H, K, BC)
+        G1 = _rows(G2, bos, BC, n_rows, h, cols, H, K, BC)
+        q2 = _rows(qn, bos, 2 * BC, n_rows, h, cols, H, K, BC)
+        k2 = _rows(kn, bos, 2 * BC, n_rows, h, cols, H, K, BC)
+        G2_ = _rows(G2, bos, 2 * BC, n_rows, h, cols, H, K, BC)
+        q3 = _rows(qn, bos, 3 * BC, n_rows, h, cols, H, K, BC)
+        k3 = _rows(kn, bos, 3 * BC, n_rows, h, cols, H, K, BC)
+        G3 = _rows(G2, bos, 3 * BC, n_rows, h, cols, H, K, BC)
+        r1 = _row(G2, bos, BC - 1, n_rows, h, cols, H, K)
+        r2 = _row(G2, bos, 2 * BC - 1, n_rows, h, cols, H, K)
+        r3 = _row(G2, bos, 3 * BC - 1, n_rows, h, cols, H, K)
+
+        e = _q_factor(G1, r1, BC, n_rows, BC)
+        qf, kf = q1 * e, k1 * e
+        t = _k_factor(k0, G0, r1)
+        A10 = tl.dot(qf, t, A10)
+        L10 = tl.dot(kf, t, L10)
+
+        e = _q_factor(G2_, r2, 2 * BC, n_rows, BC)
+        qf, kf = q2 * e, k2 * e
+        t = _k_factor(k0, G0, r2)
+        A20 = tl.dot(qf, t, A20)
+        L20 = tl.dot(kf, t, L20)
+        t = _k_factor(k1, G1, r2)
+        A21 = tl.dot(qf, t, A21)
+        L21 = tl.dot(kf, t, L21)
+
+        e = _q_factor(G3, r3, 3 * BC, n_rows, BC)
+        qf, kf = q3 * e, k3 * e
+        t = _k_factor(k0, G0, r3)
+        A30 = tl.dot(qf, t, A30)
+        L30 = tl.dot(kf, t, L30)
+        t = _k_factor(k1, G1, r3)
+        A31 = tl.dot(qf, t, A31)
+        L31 = tl.dot(kf, t, L31)
+        t = _k_factor(k2, G2_, r3)
+        A32 = tl.dot(qf, t, A32)
+        L32 = tl.dot(kf, t, L32)
+
+    # A_qk's off-diagonal blocks out (the diagonal ones come from _diag_kernel)
+    _store_blk(Aqk, A10 * scale, bos, 1, 0, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A20 * scale, bos, 2, 0, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A21 * scale, bos, 2, 1, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A30 * scale, bos, 3, 0, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A31 * scale, bos, 3, 1, n_rows, h, H, BT, BC)
+    _store_blk(Aqk, A32 * scale, bos, 3, 2, n_rows, h, H, BT, BC)
+
+    # --- X = (I + L)^-1, L lower block-triangular of 4 x 4 blocks (rows times beta)
+    rr = tl.arange(0, BC)
+    b0 = _beta(beta, bos, 0, n_rows, h, H, BC)
+    b1 = _beta(beta, bos, BC, n_rows, h, H, BC)
+    b2 = _beta(beta, bos, 2 * BC, n_rows, h, H, BC)
+    b3 = _beta(beta, bos, 3 * BC, n_rows, h, H, BC)
+    X00 = _inv_unit_lower(_rows(Ld, bos, 0, n_rows, h, rr, H, BC, BC), BC, INV_IEEE)
+    X11 = _inv_unit_lower(_rows(Ld, bos, BC, n_rows, h, rr, H, BC, BC), BC, INV_IEEE)
+    X22 = _inv_unit_lower(_rows(Ld, bos, 2 * BC, n_rows, h, rr, H, BC, BC), BC, INV_IEEE)
+    X33 = _inv_unit_lower(_rows(Ld, bos, 3 * BC, n_rows, h, rr, H, BC, BC), BC, INV_IEEE)
+    L10 = L10 * b1[:, None]
+    L20 = L20 * b2[:, None]
+    L21 = L21 * b2[:, None]
+    L30 = L30 * b3[:, None]
+    L31 = L31 * b3[:, None]
+    L32 = L32 * b3[:, None]
+    X10 = -_mm(_mm(X11, L10, INV_IEEE), X00, INV_IEEE)
+    X21 = -_mm(_mm(X22, L21, INV_IEEE), X11, INV_IEEE)
+    X32 = -_mm(_mm(X33, L32, INV_IEEE), X22, INV_IEEE)
+    X20 = -_mm(X22, _mm(L20, X00, INV_IEEE) + _mm(L21, X10, INV_IEEE), INV_IEEE)
+    X31 = -_mm(X33, _mm(L31, X11, INV_IEEE) + _mm(L32, X21, INV_IEEE), INV_IEEE)
+    X30 = -_mm(X33, _mm(L30, X00, INV_IEEE) + _mm(L31, X10, INV_IEEE) + _mm(L32, X20, INV_IEEE), INV_IEEE)
+
+    # X diag(beta) out for _wu_kernel (blocks above the diagonal are never written: it masks them)
+    _store_blk(Xb, X00 * b0[None, :], bos, 0, 0, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X10 * b0[None, :], bos, 1, 0, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X11 * b1[None, :], bos, 1, 1, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X20 * b0[None, :], bos, 2, 0, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X21 * b1[None, :], bos, 2, 1, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X22 * b2[None, :], bos, 2, 2, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X30 * b0[None, :], bos, 3, 0, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X31 * b1[None, :], bos, 3, 1, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X32 * b2[None, :], bos, 3, 2, n_rows, h, H, BT, BC)
+    _store_blk(Xb, X33 * b3[None, :], bos, 3, 3, n_rows, h, H, BT, BC)
+
+
+@triton.jit
+def _wu_kernel(
+    Xb, kn, G2, v, w, u, chunk_start, chunk_len,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+):
+    """w = X diag(beta) (kn 2^G), u = X diag(beta) v, per (chunk, head)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    bos = tl.load(chunk_start + c).to(tl.int64)
+    n_rows = tl.load(chunk_len + c)
+    rows = tl.arange(0, BT)
+    X = tl.load(Xb + ((bos + rows)[:, None] * H + h) * BT + rows[None, :],
+                mask=(rows[:, None] < n_rows) & (rows[None, :] < n_rows), other=0.0)
+    X = tl.where(rows[:, None] >= rows[None, :], X, 0.0).to(w.dtype.element_ty)
+    for kb in range(0, K, BK):
+        cols = kb + tl.arange(0, BK)
+        s = _rows(kn, bos, 0, n_rows, h, cols, H, K, BT) * tl.exp2(_rows(G2, bos, 0, n_rows, h, cols, H, K, BT))
+        _store_rows(w, tl.dot(X, s.to(X.dtype)), bos, 0, n_rows, h, cols, H, K, BT)
+    for vb in range(0, V, BV):
+        cols = vb + tl.arange(0, BV)
+        s = _rows(v, bos, 0, n_rows, h, cols, H, V, BT).to(X.dtype)
+        _store_rows(u, tl.dot(X, s), bos, 0, n_rows, h, cols, H, V, BT)
+
+
+@triton.jit
+def _state_kernel(
+    w, u, kg, dl, vnew, hbuf, h0, ht, hck, chunk_start, chunk_len, chunk_ck, seq_chunks,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // H
+    h = nh % H
+    rk = tl.arange(0, BK)
+    cv = iv * BV + tl.arange(0, BV)
+    mkv = (rk[:, None] < K) & (cv[None, :] < V)
+    off_s = (rk[:, None] * V + cv[None, :]).to(tl.int64)
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_H0:
+        S = tl.load(h0 + nh.to(tl.int64) * K * V + off_s, mask=mkv, other=0.0)
+    c0 = tl.load(seq_chunks + n)
+    c1 = tl.load(seq_chunks + n + 1)
+    rows = tl.arange(0, BT)
+    hptr = hbuf + (c0.to(tl.int64) * H + h) * K * V + off_s
+    for c in range(c0, c1):
+        bos = tl.load(chunk_start + c).to(tl.int64)
+        n_rows = tl.load(chunk_len + c)
+        rmask = rows < n_rows
+        tl.store(hptr, S.to(hbuf.dtype.element_ty), mask=mkv)
+        hptr += H * K * V
+        mk = rmask[:, None] & (rk[None, :] < K)
+        wc = tl.load(w + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0)
+        kc = tl.load(kg + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0)
+        off_v = ((bos + rows)[:, None] * H + h) * V + cv[None, :]
+        mv = rmask[:, None] & (cv[None, :] < V)
+        uc = tl.load(u + off_v, mask=mv, other=0.0).to(tl.float32)
+        decay = tl.load(dl + (c * H + h) * K + rk, mask=rk < K, other=0.0)
+        vn = uc - tl.dot(wc, S.to(wc.dtype))
+        vn_lo = vn.to(vnew.dtype.element_ty)
+        tl.store(vnew + off_v, vn_lo, mask=mv)
+        S = S * decay[:, None] + tl.dot(tl.trans(kc), vn_lo.to(kc.dtype))
+        if HAS_CK:
+            ck = tl.load(chunk_ck + c)
+            if ck >= 0:
+                tl.store(hck + (ck.to(tl.int64) * H + h) * K * V + off_s, S, mask=mkv)
+    if STORE_FINAL:
+        tl.store(ht + nh.to(tl.int64) * K * V + off_s, S, mask=mkv)
+
+
+@triton.jit
+def _output_kernel(
+    qg, Aqk, vnew, hbuf, o, chunk_start, chunk_len,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+):
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    iv = tl.program_id(2)
+    bos = tl.load(chunk_start + c).to(tl.int64)
+    n_rows = tl.load(chunk_len + c)
+    rows = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    cv = iv * BV + tl.arange(0, BV)
+    rmask = rows < n_rows
+    qc = tl.load(qg + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=rmask[:, None] & (rk[None, :] < K),
+                 other=0.0)
+    S = tl.load(hbuf + (c.to(tl.int64) * H + h) * K * V + rk[:, None] * V + cv[None, :],
+                mask=(rk[:, None] < K) & (cv[None, :] < V), other=0.0)
+    A = tl.load(Aqk + ((bos + rows)[:, None] * H + h) * BT + rows[None, :],
+                mask=rmask[:, None] & (rows[None, :] < n_rows), other=0.0)
+    A = tl.where(rows[:, None] >= rows[None, :], A, 0.0)
+    off_v = ((bos + rows)[:, None] * H + h) * V + cv[None, :]
+    mv = rmask[:, None] & (cv[None, :] < V)
+    vn = tl.load(vnew + off_v, mask=mv, other=0.0)
+    acc = tl.dot(qc.to(S.dtype), S)
+    acc += tl.dot(A.to(vn.dtype), vn)
+    tl.store(o + off_v, acc.to(o.dtype.element_ty), mask=mv)
+
+
+def _chunk_table(
+    bounds: list[int], checkpoint_positions: Sequence[Sequence[int]] | None
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Chunks of at most BT tokens per sequence, also cut at every checkpoint position. Returns
+    (chunk_start, chunk_len, chunk_ck (checkpoint index ending there, or -1), seq_chunks [N + 1])."""
+    starts: list[int] = []
+    lens: list[int] = []
+    cks: list[int] = []
+    seq_chunks = [0]
+    m = 0
+    for n in range(len(bounds) - 1):
+        bos, length = bounds[n], bounds[n + 1] - bounds[n]
+        wanted = list(checkpoint_positions[n]) if checkpoint_positions is not None else []
+        if wanted:
+            cuts = sorted(set(range(0, length, BT)) | {p for p in wanted if p < length})
+        else:
+            cuts = list(range(0, length, BT))
+        ends = [*cuts[1:], length]
+        at = {p: m + i for i, p in enumerate(wanted)}
+        m += len(wanted)
+        for s, e in zip(cuts, ends):
+            starts.append(bos + s)
+            lens.append(e - s)
+            cks.append(at.get(e, -1))
+        seq_chunks.append(len(starts))
+    return starts, lens, cks, seq_chunks
+
+
+# launch parameters (``tune`` overrides any of them); the sweep worth making is in bench/candidates/README.md
+DEFAULTS: dict[str, int] = {
+    "prep_bk": 64, "prep_warps": 4, "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 4, "offdiag_stages": 2,
+    "inv_ieee": 1, "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
+    "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
+}
+
+
+def _launch(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
+    output_final_state: bool, bounds: list[int], use_qk_l2norm: bool,
+    checkpoint_positions: Sequence[Sequence[int]] | None, tune: dict[str, int] | None = None,
+    gate: tuple[Tensor, Tensor, float | None] | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Packed q, k, g [T, H, K], v [T, H, V], beta [T, H] (contiguous) -> o [T, H, V], final, checkpoints.
+    ``gate``: (A_log [H] float32, dt_bias [H * K] float32, lower_bound) when g holds raw gate logits."""
+    T, H, K = q.shape
+    V = v.shape[-1]
+    N = len(bounds) - 1
+    dev = q.device
+    starts, lens, cks, seq_chunks = _chunk_table(bounds, checkpoint_positions)
+    NC = len(starts)
+    M = sum(len(p) for p in checkpoint_positions) if checkpoint_positions is not None else 0
+    meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
+    chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
+    chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
+    unknown = set(tune or {}) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown launch parameters {sorted(unknown)}, expected some of {sorted(DEFAULTS)}")
+    cfg = {**DEFAULTS, **(tune or {})}
+    dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    BK = max(16, triton.next_power_of_2(K))
+    BVf = max(16, triton.next_power_of_2(V))
+
+    final = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
+    ckpt = q.new_empty(M, H, K, V, dtype=torch.float32) if checkpoint_positions is not None else None
+    o = torch.empty_like(v)
+    if NC == 0:
+        if final is not None:
+            final.copy_(h0 if h0 is not None else torch.zeros_like(final))
+        return o, final, ckpt
+
+    qn, kn, qg, kg, w = (torch.empty(T, H, K, device=dev, dtype=dt) for _ in range(5))
+    G2 = torch.empty(T, H, K, device=dev, dtype=torch.float32)
+    u = torch.empty(T, H, V, device=dev, dtype=dt)
+    Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
+    Xb = torch.empty(T, H, BT, device=dev, dtype=dt)
+    Ld = torch.empty(T, H, BC, device=dev, dtype=torch.float32)
+    dl = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
+    A_log, dt_bias, lb = gate if gate is not None else (None, None, None)
+    gate_kind = 0 if gate is None else (1 if lb is None else 2)
+
+    _prep_kernel[(NC, H)](
+        q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
+        float(lb) if lb is not None else 0.0,
+        H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
+        num_warps=cfg["prep_warps"],
+    )
+    _diag_kernel[(NC, H, BT // BC)](
+        qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
+        num_warps=cfg["diag_warps"],
+    )
+    _offdiag_kernel[(NC, H)](
+        qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
+        H=H, K=K, BT=BT, BC=BC, BK=min(cfg["offdiag_bk"], BK), INV_IEEE=bool(cfg["inv_ieee"]),
+        num_warps=cfg["offdiag_warps"], num_stages=cfg["offdiag_stages"],
+    )
+    _wu_kernel[(NC, H)](
+        Xb, kn, G2, v, w, u, chunk_start, chunk_len, H=H, K=K, V=V, BT=BT, BK=min(cfg["wu_bk"], BK),
+        BV=min(cfg["wu_bv"], BVf), num_warps=cfg["wu_warps"], num_stages=cfg["wu_stages"],
+    )
+
+    BV = min(cfg["state_bv"], BVf)
+    vnew = torch.empty(T, H, V, device=dev, dtype=dt)
+    hbuf = torch.empty(NC, H, K, V, device=dev, dtype=dt)
+    _state_kernel[(triton.cdiv(V, BV), N * H)](
+        w, u, kg, dl, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
+        H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
+        HAS_CK=M > 0, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
+    )
+    BV = min(cfg["out_bv"], BVf)
+    _output_kernel[(NC, H, triton.cdiv(V, BV))](
+        qg, Aqk, vnew, hbuf, o, chunk_start, chunk_len, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT,
+        num_warps=cfg["out_warps"],
+    )
+    return o, final, ckpt
+
+
+def chunk_kda_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+    checkpoint_positions: Sequence[Sequence[int]] | None = None,
+    use_gate_in_kernel: bool = False,
+    A_log: Tensor | None = None,
+    dt_bias: Tensor | None = None,
+    lower_bound: float | None = None,
+    tune: dict[str, int] | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Chunked KDA forward (fla's ``chunk_kda`` arguments) plus float32 states at requested positions.
+
+    q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay (<= 0, any float dtype); beta [B, T, H];
+    initial_state [N, H, K, V] float32; cu_seqlens int [N + 1] (then B = 1). ``checkpoint_positions``: per
+    sequence, ascending positions p in [1, T_n]. With ``use_gate_in_kernel`` g holds the raw gate logits and
+    the kernel computes the log-decay (see :func:`gate_params`). ``tune`` overrides launch parameters
+    (:data:`DEFAULTS`). Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 | None,
+    checkpoint_states [M, H, K, V] float32 | None)``. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"k and g must match q [B, T, H, K]={tuple(q.shape)}, got k {tuple(k.shape)}, g {tuple(g.shape)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be [B, T, H, V] with B, T, H={B, T, H}, got {tuple(v.shape)}")
+    if beta.shape != (B, T, H):
+        raise ValueError(f"beta must be [B, T, H]={B, T, H}, got {tuple(beta.shape)}")
+    if not all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V)):
+        raise ValueError(f"K and V must be powers of two in [16, 256], got K={K}, V={V}")
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be 1, got B={B}")
+        bounds = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        bounds = [b * T for b in range(B + 1)]
+    N = len(bounds) - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
+        raise ValueError(f"initial_state must be [N, H, K, V]={(N, H, K, V)}, got {tuple(initial_state.shape)}")
+    if checkpoint_positions is not None:
+        if len(checkpoint_positions) != N:
+            raise ValueError(f"checkpoint_positions needs one list per sequence ({N}), got {len(checkpoint_positions)}")
+        for n, ps in enumerate(checkpoint_positions):
+            length = bounds[n + 1] - bounds[n]
+            if list(ps) != sorted(set(ps)) or any(p < 1 or p > length for p in ps):
+                raise ValueError(f"checkpoint_positions[{n}] must be ascending in [1, {length}], got {list(ps)}")
+    if scale is None:
+        scale = K**-0.5
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    gate = gate_params(H, K, A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
+    # [B, T, H, *] -> packed [B * T, H, *]
+    o, final, ckpt = _launch(
+        q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
+        v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H, K).contiguous(),
+        beta.reshape(B * T, H).contiguous(), float(scale), h0, output_final_state, bounds,
+        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate,
+    )
+    return o.view(B, T, H, V), final, ckpt
