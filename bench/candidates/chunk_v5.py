@@ -428,7 +428,7 @@ def _chunk_table(
 
 # launch parameters (``tune`` overrides any of them); the sweep worth making is in bench/candidates/README.md
 DEFAULTS: dict[str, int] = {
-    "prep_bk": 64, "prep_warps": 4, "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 4, "offdiag_stages": 2,
+    "prep_bk": 32, "prep_warps": 4, "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 4, "offdiag_stages": 2,
     "inv_ieee": 1, "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
     "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
 }
