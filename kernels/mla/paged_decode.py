@@ -102,6 +102,7 @@ def _split_kernel_tokens(
     q_lat, q_pe, kv, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split, NSPLIT,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
     BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
 ):
     # head blocks vary fastest, so the programs that share a split's cache rows run together (one DRAM read)
     hb = tl.program_id(0)
@@ -125,10 +126,15 @@ def _split_kernel_tokens(
     for t0 in range(start, end, BN):
         tok = t0 + tl.arange(0, BN)
         mt = tok < end
-        # masked and clamped to the sequence's row: no copy of this load that the pipeliner issues ahead can
-        # address past the table
-        page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
-        row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)  # [BN] cache-row offsets: 16-byte vectors
+        # page ids masked and clamped to the sequence's row: no copy of these loads that the pipeliner issues
+        # ahead can address past the table
+        if PAGE_TILE:  # BN divides P and every tile starts at a multiple of BN: the tile lies in one page
+            page = tl.load(pt + tl.minimum(t0 // P, max_pages - 1), mask=t0 < end, other=0).to(tl.int64)
+            row = (page * P + t0 % P + tl.arange(0, BN)) * (R + DR)
+        else:
+            page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
+            row = (page * P + tok % P) * (R + DR)
+        row = tl.multiple_of(row, ALIGN)  # [BN] cache-row offsets: 16-byte vectors
         c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
         pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
         sc = tl.dot(c, qlt) + tl.dot(pe, qpt)  # [BN, BH]
@@ -202,7 +208,7 @@ def _default_form(N: int) -> str:
     """The "tokens" form below 8 sequences, "heads" from 8 up. Measured on the H200 only at the ends (run G): "tokens" is
     23% / 11% / 4% faster for one sequence of 32K / 128K / 1M and 23% slower for 32 x 32K; 8 is where the
     "heads" heuristic goes from two waves to eight. Run G timed v3's page-aligned tiles (one page-table load per
-    tile at P 64); this kernel gathers every row's page id (any P), as the "heads" form does."""
+    tile at P 64), as this kernel does wherever BN divides P (else it gathers every row's page id)."""
     return "tokens" if N < 8 else "heads"
 
 
@@ -244,7 +250,7 @@ def _launch(
         lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
         _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
             q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps, num_splits,
-            H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align,
+            H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
             num_warps=num_warps or 8, num_stages=num_stages or 2,
         )
         _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=16,
