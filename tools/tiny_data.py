@@ -43,6 +43,7 @@ SKIP_PARTS = frozenset({"test", "tests", "site-packages", "idlelib", "__pycache_
 RECALL_DISTANCE = 2000  # tokens between the end of the fact's turn and the recall question, at least (the eval's)
 PLAIN_FRACTION = 0.1
 LINE_READ_LIMITS = (1, 3, 5)  # read_file limit of a "line N" task, by N: the asked line always comes first
+FIRST_DEF_PATTERN = "^(async def|def|class) "  # grep pattern of a "first def or class in FILE" task
 RENAMED_FRACTION = 0.5  # of train conversation rows: a project of real files under random names (RenamedCorpus)
 RECALL_FRACTION = 0.6  # of conversation rows (each with 1-3 recall questions; some cannot be placed)
 DENSE_RECALL_FRACTION = 0.4  # of recall rows: 4-8 facts (notes and short tool results) and a question for each
@@ -380,9 +381,16 @@ def _read_episode(rng: random.Random, c: Corpus, rel: str) -> _Episode | None:
         j, tj = rng.choice(line_choices)
         recall.append((f"Earlier you read {rel}. What was on line {j} of it?", f"Line {j} of {rel} was: {tj}", tj))
     if variant == "first_def":
+        # grep the file for top-level definitions, as an agent would: the answer is on the output's first line
         q, a, fact = first_qa
-        ep = _tool_episode(rng, "read_file", variant, q, {"path": rel}, a, fact, out)
-        ep.recall = recall
+        args = {"pattern": FIRST_DEF_PATTERN, "path": rel}
+        found = c.call("grep", **args)
+        m = _DEF_RE.match(found.split("\n", 1)[0].split(": ", 1)[-1])
+        if m is None or m.group(2) != fact:  # a definition the two regexes see differently: no task
+            return None
+        ep = _tool_episode(rng, "grep", variant, q, args, a, fact, found)
+        ep.kind = "read_file"  # a question about a file's content, answered with grep
+        ep.recall = [(f"Earlier you looked at {rel}. What was the first function or class defined in it?", a, fact)]
         return ep
     # "line N": read only the lines from N (as an agent looks at one place of a long file), so the asked line is
     # the first one of the output; its recall asks for that line again (the rest of the file was not shown)
@@ -425,6 +433,8 @@ def _list_episode(rng: random.Random, c: Corpus, d: str, split: str) -> _Episode
     shown = "the project root" if d == "." else f"{d}/"
     variants = ["has", "first"] + (["count"] if len(entries) <= 10 else [])
     variant = rng.choice(variants)
+    if variant == "first" and entries[0] == "__init__.py" and split == "train" and rng.random() < 0.75:
+        variant = "has"  # a first entry the model can guess teaches it to guess (run 7: `__init__.py` for README)
     first_a = f"The first entry of {shown} is {entries[0]}."
     recall = [(f"Earlier you listed {shown}. What was its first entry?", first_a, entries[0])]
     if variant == "has":
@@ -722,8 +732,10 @@ def _drill_row(
 
 
 def _as_task(ep: _Episode, history: list[Message]) -> Task:
-    # the eval's "right arguments" is the right file or pattern: read_file's line range is judged by the answer
-    args = {k: v for k, v in ep.arguments.items() if k in ("path", "pattern")}
+    # the eval's "right arguments" is the right file or pattern: read_file's line range is judged by the answer,
+    # and a file question answered with grep by its path (any pattern that finds the definition will do)
+    keep = ("path",) if ep.kind == "read_file" else ("path", "pattern")
+    args = {k: v for k, v in ep.arguments.items() if k in keep}
     return Task(ep.kind, ep.variant, [*history, ep.messages[0]], ep.tool, args, ep.fact)
 
 
