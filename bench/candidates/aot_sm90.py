@@ -1,7 +1,7 @@
 """Compile kernel variants for sm_90 (H100/H200) without a GPU and report what the compiler made of them.
 
     python bench/candidates/aot_sm90.py mla bench/candidates/paged_decode_v3.py '[{"tma": true, "num_warps": 8}]'
-    python bench/candidates/aot_sm90.py intra kernels/kda/chunk.py '[{"part": 1}, {"part": 2}]'
+    python bench/candidates/aot_sm90.py intra chunk_v4.py '[{"part": 1}, {"part": 2}]'   # git show 4fa80c4:kernels/kda/chunk.py
 
 One JSON line per variant: registers and stack (spill) bytes per thread from the cubin, shared memory, and counts
 in the TTGIR of warpgroup MMAs (``wgmma``), mma.sync dots (``mma_v2``), TMA copies, cp.async copies and layout
@@ -81,6 +81,9 @@ def mla(mod, cfg: dict) -> dict:
 
 
 def intra(mod, cfg: dict) -> dict:
+    """The single intra kernel of chunk_kda v4 (shipped until 4fa80c4; the current kernel has none)."""
+    if not hasattr(mod, "_intra_kernel"):
+        raise ValueError("this chunk.py has no _intra_kernel: 'intra' compiles v4 (git show 4fa80c4:kernels/kda/chunk.py)")
     fn = mod._intra_kernel
     params = inspect.signature(fn.fn).parameters
     const = {"H": 32, "K": 128, "V": 128, "BK": cfg.get("BK", 32), "BV": cfg.get("BV", 32), "BT": 64, "BC": 16,

@@ -1,5 +1,5 @@
-"""The unmeasured kernel candidates of bench/candidates (chunk_v5, paged_decode_v3, and the tunables of the chunk
-kernel promoted from there) against the naive twins, under TRITON_INTERPRET=1.
+"""The unmeasured kernel candidates of bench/candidates (paged_decode_v3, and the tunables of the chunk
+kernel promoted from there, chunk_v5) against the naive twins, under TRITON_INTERPRET=1.
 
 A candidate may replace its kernel in kernels/ only if these pass and the device run shows it correct and faster.
 Tolerances: relative RMS error 1e-4 for chunk_kda (as tests/kernels/test_kda_triton.py), 1e-5 for MLA decode with
@@ -36,70 +36,24 @@ def load_candidate(stem: str, package: str) -> ModuleType:
     return sys.modules[name]
 
 
-@pytest.mark.parametrize(
-    "bounded,varlen,h0,ckpts,tune",
-    [
-        pytest.param(False, True, True, [[5, 37], [1, 63]], None, id="standard-varlen-h0-ckpt"),
-        pytest.param(True, True, False, [[37], [64]], {"intra_bk": 16, "state_bv": 16, "out_bv": 16},
-                     id="bounded-varlen-small-blocks"),
-        pytest.param(False, False, True, None, {"split": 1}, id="standard-batch2-wu-kernel"),
-        pytest.param(False, True, True, [[20], [2, 50]], {"span_max": -1.0, "split": 1},
-                     id="standard-varlen-exact-diagonal-wu-kernel"),
-    ],
-)
-def test_shipped_chunk_tunables_match_recurrent(bounded, varlen, h0, ckpts, tune):
-    """The shipped chunk kernel (candidate v4, promoted) with its tunables: small blocks, the separate w/u
-    kernel (``split``), every diagonal block on the exact path (``span_max`` -1)."""
-    from kda_sessions.kernels.kda import chunk as chunk_mod
-    if varlen:
-        q, k, v, g, beta = kda_inputs(1, 101, H, K, V, bounded, seed=1)
-        cu = torch.tensor([0, 37, 101])
-    else:
-        q, k, v, g, beta = kda_inputs(2, 70, H, K, V, bounded, seed=2)
-        cu = None
-    init = torch.randn(2, H, K, V) if h0 else None
-    o, final, ck = chunk_mod.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, True, ckpts, tune=tune)
-    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, True, ckpts)
-    assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4
-    if ckpts is not None:
-        assert rel_rms(ck, rck) < 1e-4
-
-
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
-def test_shipped_chunk_gate_in_kernel(lower_bound):
-    from kda_sessions.kernels.gate.naive import naive_kda_gate
-    from kda_sessions.kernels.kda import chunk as chunk_mod
-    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
-    gen = torch.Generator().manual_seed(10)
-    raw = torch.randn(1, 75, H, K, generator=gen) * 3
-    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
-    dt_bias = torch.randn(H * K, generator=gen) - 1.0
-    cu = torch.tensor([0, 30, 75])
-    ckpts = [[7, 30], [45]]
-    g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
-    o, final, ck = chunk_mod.chunk_kda_triton(q, k, v, raw, beta, None, None, True, cu, True, ckpts,
-                                             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                             lower_bound=lower_bound)
-    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, None, True, cu, True, ckpts)
-    assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4 and rel_rms(ck, rck) < 1e-4
-
-
-V5_CASES = [  # (gate, varlen, h0, checkpoints, l2norm, launch parameters)
+CHUNK_CASES = [  # (gate, varlen, h0, checkpoints, l2norm, launch parameters)
     pytest.param("standard", True, True, [[5, 37], [1, 63]], True, None, id="standard-varlen-h0-ckpt"),
     pytest.param("bounded", True, False, [[37], [64]], True,
                  {"prep_bk": 16, "offdiag_bk": 16, "wu_bk": 16, "wu_bv": 16, "state_bv": 16, "out_bv": 16},
                  id="bounded-varlen-small-blocks"),
-    pytest.param("standard", False, True, None, False, {"inv_ieee": 0}, id="standard-batch2-no-norm-tf32-inverse"),
+    pytest.param("standard", False, True, None, False, {"inv_ieee": 1, "offdiag_warps": 4, "prep_bk": 32},
+                 id="standard-batch2-no-norm-ieee-inverse"),
     pytest.param("steep", True, True, [[20], [2, 50]], True, None, id="steep-decay-varlen-ckpt"),
 ]
 
 
-@pytest.mark.parametrize("gate,varlen,h0,ckpts,norm,tune", V5_CASES)
-def test_chunk_v5_matches_recurrent(gate, varlen, h0, ckpts, norm, tune):
-    """Candidate v5 (prep, exact diagonal, off-diagonal + inverse, w/u kernels). ``steep``: log-decays 30x the
-    standard gate's, so a sub-chunk's decay span far exceeds the shipped kernel's tensor-core limit (e^160) and
-    the off-diagonal factors underflow: the diagonal blocks are exact here for any span."""
-    v5 = load_candidate("chunk_v5", "kda_sessions.kernels.kda")
+@pytest.mark.parametrize("gate,varlen,h0,ckpts,norm,tune", CHUNK_CASES)
+def test_shipped_chunk_tunables_match_recurrent(gate, varlen, h0, ckpts, norm, tune):
+    """The shipped chunk kernel (candidate v5, promoted: prep, exact diagonal, off-diagonal + inverse, w/u
+    kernels) with its launch parameters. ``steep``: log-decays 30x the standard gate's, far past the previous
+    kernel's tensor-core limit for diagonal blocks (e^160), where the off-diagonal factors underflow: the
+    diagonal blocks are exact here for any span."""
+    from kda_sessions.kernels.kda import chunk
     if varlen:
         q, k, v, g, beta = kda_inputs(1, 101, H, K, V, gate == "bounded", seed=1)
         cu = torch.tensor([0, 37, 101])
@@ -109,7 +63,7 @@ def test_chunk_v5_matches_recurrent(gate, varlen, h0, ckpts, norm, tune):
     if gate == "steep":
         g = g * 30
     init = torch.randn(2, H, K, V) if h0 else None
-    o, final, ck = v5.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, norm, ckpts, tune=tune)
+    o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, norm, ckpts, tune=tune)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, norm, ckpts)
     assert torch.isfinite(o).all()
     assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4
@@ -118,9 +72,9 @@ def test_chunk_v5_matches_recurrent(gate, varlen, h0, ckpts, norm, tune):
 
 
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
-def test_chunk_v5_gate_in_kernel(lower_bound):
+def test_shipped_chunk_gate_in_kernel(lower_bound):
     from kda_sessions.kernels.gate.naive import naive_kda_gate
-    v5 = load_candidate("chunk_v5", "kda_sessions.kernels.kda")
+    from kda_sessions.kernels.kda import chunk
     q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
     gen = torch.Generator().manual_seed(10)
     raw = torch.randn(1, 75, H, K, generator=gen) * 3
@@ -130,18 +84,18 @@ def test_chunk_v5_gate_in_kernel(lower_bound):
     ckpts = [[7, 30], [45]]
     init = torch.randn(2, H, K, V)
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
-    o, final, ck = v5.chunk_kda_triton(q, k, v, raw, beta, 0.3, init, True, cu, True, ckpts,
+    o, final, ck = chunk.chunk_kda_triton(q, k, v, raw, beta, 0.3, init, True, cu, True, ckpts,
                                        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
                                        lower_bound=lower_bound)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, 0.3, init, True, cu, True, ckpts)
     assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4 and rel_rms(ck, rck) < 1e-4
 
 
-def test_chunk_v5_rejects_unknown_launch_parameter():
-    v5 = load_candidate("chunk_v5", "kda_sessions.kernels.kda")
+def test_shipped_chunk_rejects_unknown_launch_parameter():
+    from kda_sessions.kernels.kda import chunk
     q, k, v, g, beta = kda_inputs(1, 16, H, K, V, False)
     with pytest.raises(ValueError, match="intra_bk"):
-        v5.chunk_kda_triton(q, k, v, g, beta, tune={"intra_bk": 16})
+        chunk.chunk_kda_triton(q, k, v, g, beta, tune={"intra_bk": 16})
 
 
 def _mla_case(P: int, seed: int = 2):
