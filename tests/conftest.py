@@ -9,11 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 # Triton kernels run on the CPU through Triton's interpreter. Set here, before any test module is collected,
 # because triton reads the variable once at import: tests outside tests/kernels (the graphed decode's Triton
 # path, say) would otherwise find triton imported without it and skip. Not on a machine with a GPU.
-if not Path("/dev/nvidia0").exists() and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+if not torch.cuda.is_available():  # (importing torch does not import triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # tests/ holds helpers shared by all test folders (redis_server.py)

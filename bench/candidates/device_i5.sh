@@ -8,23 +8,28 @@
 #    goes through the MLA "tokens" form for batches under 8 sequences;
 # 2. MLA decode: both forms checked against the twin (N 1 and 32, P 16 and 64) and timed (1 x 32K / 128K / 1M,
 #    32 x 32K), `bench/kernels.py --only checkmla,mla`;
-# 3. chunk_kda: bench/candidates/chunk_v5.py beside the shipped kernel, checked and timed with a few launch
-#    variants of each (fla is not timed: its autotuning takes minutes; run C measured the shipped kernel at
-#    0.62-0.64 of fla 0.6.0).
+# 3. chunk_kda: the shipped kernel checked and timed with a few launch variants (CHUNK_OLD / CHUNK_TUNE: other
+#    chunk.py files and variants; fla is not timed: its autotuning takes minutes, see docs/benchmarks.md run C).
+# I5_MLA=0 skips step 2; CHUNK_ONLY=check skips the chunk timings.
 # Results: $OUT/mla.json, $OUT/chunk.json and the logs beside them.
 set -uo pipefail
-export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/train/*.whl \
     && export PYTHONPATH=/tmp/site
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+# the package itself (kda_sessions.kernels and .storage are mapped folders): the tests import it installed
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "editable install failed"
 echo "== graph decode vs eager"
-timeout 150 python3 -m pytest -q -x -p no:cacheprovider tests/model/test_cuda_graph_decode.py -k cuda 2>&1 | tail -5
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graph_decode.py \
+    tests/kernels/test_kda_triton.py 2>&1 | tail -15
+if [ "${I5_MLA:-1}" = 1 ]; then
 echo "== mla"
 timeout 170 python3 bench/kernels.py --only checkmla,mla --warm-procs 12 --out "$OUT/mla.json" > /dev/null 2> "$OUT/mla.err"
 grep -E "^(mla |check_mla)" "$OUT/mla.err" || tail -20 "$OUT/mla.err"
+fi
 echo "== chunk"
-tune=${CHUNK_TUNE:-'{"chunk_v5":[{"offdiag_warps":2},{"offdiag_warps":1},{"offdiag_stages":1},{"diag_warps":2},{"inv_ieee":0}],"chunk":[{"intra_warps":2},{"intra_warps":2,"intra_bk":16}]}'}
-timeout 250 python3 bench/kernels.py --only check,chunk --no-fla --warm-procs 12 --deadline 230 \
-    --old bench/candidates/chunk_v5.py,kernels/kda/chunk.py --old-tune "$tune" \
+tune=${CHUNK_TUNE:-'{"chunk":[{"offdiag_warps":2},{"prep_bk":32},{"inv_ieee":1}]}'}
+timeout 250 python3 bench/kernels.py --only ${CHUNK_ONLY:-check,chunk} --no-fla --warm-procs 12 --deadline 230 \
+    --old ${CHUNK_OLD:-kernels/kda/chunk.py} --old-tune "$tune" \
     --out "$OUT/chunk.json" > /dev/null 2> "$OUT/chunk.err"
 grep -E "^(chunk|check)" "$OUT/chunk.err" || tail -30 "$OUT/chunk.err"
