@@ -4,7 +4,7 @@ side with fla-core (when importable). Prints one JSON document; ``--out FILE`` a
 
     python bench/kernels.py --out $OUT/kernels.json [--quick] [--only check,chunk,decode,mla,mlasweep,tune]
         [--warm-procs 6] [--fla-bg] [--old PATH/chunk.py] [--old-tune '[{"offdiag_warps": 1}]']
-        [--mla-cand bench/candidates/paged_decode_v3.py] [--deadline 330] [--save-cache $OUT/tcache.tar.xz]
+        [--mla-cand bench/candidates/paged_decode_vN.py] [--deadline 330] [--save-cache $OUT/tcache.tar.xz]
 
 ``--old`` and ``--mla-cand`` name other versions of kernels/kda/chunk.py and kernels/mla/paged_decode.py (files
 anywhere, imported as modules of the kernels package so their relative imports resolve); they are checked against

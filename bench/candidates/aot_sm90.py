@@ -1,6 +1,6 @@
 """Compile kernel variants for sm_90 (H100/H200) without a GPU and report what the compiler made of them.
 
-    python bench/candidates/aot_sm90.py mla bench/candidates/paged_decode_v3.py '[{"tma": true, "num_warps": 8}]'
+    python bench/candidates/aot_sm90.py mla kernels/mla/paged_decode.py '[{"num_warps": 8}]'
     python bench/candidates/aot_sm90.py intra chunk_v4.py '[{"part": 1}, {"part": 2}]'   # git show 4fa80c4:kernels/kda/chunk.py
 
 One JSON line per variant: registers and stack (spill) bytes per thread from the cubin, shared memory, and counts

@@ -1,7 +1,7 @@
 """One launch of an MLA decode candidate on small shapes, for compute-sanitizer (bench/candidates/README.md):
 
-    compute-sanitizer --tool memcheck python3 bench/candidates/mla_one.py bench/candidates/paged_decode_v3.py \
-        '{"tma": true}' 64 1000,37
+    compute-sanitizer --tool memcheck python3 bench/candidates/mla_one.py kernels/mla/paged_decode.py \
+        '{"form": "tokens"}' 64 1000,37
 
 Prints the relative error against the float32 twin, or the exception."""
 

@@ -204,6 +204,14 @@ def _k_factor(kj, Gj, g_ref):
 
 
 @triton.jit
+def _pair(qf, kf, kj, Gj, g_ref, A, L):
+    """One off-diagonal block pair: rows (factored q and k of sub-chunk i) against the keys of sub-chunk j,
+    accumulated into A_qk's and L's [BC, BC] blocks."""
+    t = _k_factor(kj, Gj, g_ref)
+    return tl.dot(qf, t, A), tl.dot(kf, t, L)
+
+
+@triton.jit
 def _offdiag_kernel(
     qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, INV_IEEE: tl.constexpr,
@@ -235,30 +243,18 @@ def _offdiag_kernel(
 
         e = _q_factor(G1, r1, BC, n_rows, BC)
         qf, kf = q1 * e, k1 * e
-        t = _k_factor(k0, G0, r1)
-        A10 = tl.dot(qf, t, A10)
-        L10 = tl.dot(kf, t, L10)
+        A10, L10 = _pair(qf, kf, k0, G0, r1, A10, L10)
 
         e = _q_factor(G2_, r2, 2 * BC, n_rows, BC)
         qf, kf = q2 * e, k2 * e
-        t = _k_factor(k0, G0, r2)
-        A20 = tl.dot(qf, t, A20)
-        L20 = tl.dot(kf, t, L20)
-        t = _k_factor(k1, G1, r2)
-        A21 = tl.dot(qf, t, A21)
-        L21 = tl.dot(kf, t, L21)
+        A20, L20 = _pair(qf, kf, k0, G0, r2, A20, L20)
+        A21, L21 = _pair(qf, kf, k1, G1, r2, A21, L21)
 
         e = _q_factor(G3, r3, 3 * BC, n_rows, BC)
         qf, kf = q3 * e, k3 * e
-        t = _k_factor(k0, G0, r3)
-        A30 = tl.dot(qf, t, A30)
-        L30 = tl.dot(kf, t, L30)
-        t = _k_factor(k1, G1, r3)
-        A31 = tl.dot(qf, t, A31)
-        L31 = tl.dot(kf, t, L31)
-        t = _k_factor(k2, G2_, r3)
-        A32 = tl.dot(qf, t, A32)
-        L32 = tl.dot(kf, t, L32)
+        A30, L30 = _pair(qf, kf, k0, G0, r3, A30, L30)
+        A31, L31 = _pair(qf, kf, k1, G1, r3, A31, L31)
+        A32, L32 = _pair(qf, kf, k2, G2_, r3, A32, L32)
 
     # A_qk's off-diagonal blocks out (the diagonal ones come from _diag_kernel)
     _store_blk(Aqk, A10 * scale, bos, 1, 0, n_rows, h, H, BT, BC)

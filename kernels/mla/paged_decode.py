@@ -24,6 +24,23 @@ _LOG2E = 1.4426950408889634
 FORMS = ("heads", "tokens")
 
 
+@triton.jit
+def _split_setup(q_lat, q_pe, seq_lens, s, n, hb, tokens_per_split, H: tl.constexpr, R: tl.constexpr,
+                 DR: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr):
+    """A split program's token range [start, end) of sequence n, its head block (rh, mask mh), the r and dr
+    ranges, and q's latent [BH, BR] and rope [BH, BDR] parts for those heads."""
+    L = tl.load(seq_lens + n)
+    start = s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, L)
+    rh = hb * BH + tl.arange(0, BH)
+    rr = tl.arange(0, BR)
+    rd = tl.arange(0, BDR)
+    mh = rh < H
+    ql = tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R), other=0.0)
+    qp = tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR), other=0.0)
+    return start, end, rh, rr, rd, mh, ql, qp
+
+
 # the page-table width, the split length and the split count vary with the context: not specialised, so one
 # compiled kernel serves every context (eager decode would otherwise compile again every few hundred tokens)
 @triton.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
@@ -35,15 +52,8 @@ def _split_kernel(
     s = tl.program_id(0)
     n = tl.program_id(1)
     hb = tl.program_id(2)
-    L = tl.load(seq_lens + n)
-    start = s * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, L)
-    rh = hb * BH + tl.arange(0, BH)
-    rr = tl.arange(0, BR)
-    rd = tl.arange(0, BDR)
-    mh = rh < H
-    ql = tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R), other=0.0)
-    qp = tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR), other=0.0)
+    start, end, rh, rr, rd, mh, ql, qp = _split_setup(q_lat, q_pe, seq_lens, s, n, hb, tokens_per_split,
+                                                      H, R, DR, BH, BR, BDR)
     m_i = tl.full([BH], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BH, BR], dtype=tl.float32)
@@ -108,17 +118,10 @@ def _split_kernel_tokens(
     hb = tl.program_id(0)
     s = tl.program_id(1)
     n = tl.program_id(2)
-    L = tl.load(seq_lens + n)
-    start = s * tokens_per_split
-    end = tl.minimum(start + tokens_per_split, L)
-    rh = hb * BH + tl.arange(0, BH)
-    rr = tl.arange(0, BR)
-    rd = tl.arange(0, BDR)
-    mh = rh < H
-    qlt = tl.trans(tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R),
-                           other=0.0))  # [BR, BH]
-    qpt = tl.trans(tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR),
-                           other=0.0))  # [BDR, BH]
+    start, end, rh, rr, rd, mh, ql, qp = _split_setup(q_lat, q_pe, seq_lens, s, n, hb, tokens_per_split,
+                                                      H, R, DR, BH, BR, BDR)
+    qlt = tl.trans(ql)  # [BR, BH]
+    qpt = tl.trans(qp)  # [BDR, BH]
     m_i = tl.full([BH], -1e30, dtype=tl.float32)
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BR, BH], dtype=tl.float32)  # acc^T

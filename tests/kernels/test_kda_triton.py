@@ -65,6 +65,16 @@ def test_chunk_kda_steep_decay():
     assert rel_rms(o, ro) < TOL and rel_rms(final, rfinal) < TOL
 
 
+def _gate_case():
+    """Two packed sequences (30 and 45 tokens) with raw gate logits, A_log, dt_bias and checkpoints."""
+    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    raw = torch.randn(1, 75, H, K, generator=gen) * 3
+    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(H * K, generator=gen) - 1.0
+    return q, k, v, beta, raw, A_log, dt_bias, torch.tensor([0, 30, 75]), [[7, 30], [45]]
+
+
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
 def test_chunk_kda_gate_in_kernel(lower_bound):
     """Raw gate logits + A_log + dt_bias in; the same as the naive gate followed by the recurrence, and the CPU
@@ -73,13 +83,7 @@ def test_chunk_kda_gate_in_kernel(lower_bound):
     from kda_sessions.kernels.gate.naive import naive_kda_gate
     from kda_sessions.kernels.kda.chunk import chunk_kda_triton
 
-    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
-    gen = torch.Generator().manual_seed(10)
-    raw = torch.randn(1, 75, H, K, generator=gen) * 3
-    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
-    dt_bias = torch.randn(H * K, generator=gen) - 1.0
-    cu = torch.tensor([0, 30, 75])
-    ckpts = [[7, 30], [45]]
+    q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = _gate_case()
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
     kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     o, final, ck = chunk_kda_triton(q, k, v, raw, beta, None, None, True, cu, True, ckpts, **kw)
@@ -136,3 +140,59 @@ def test_dispatch_cuda_bf16():
     o, f, _ = chunk_kda(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta.bfloat16(), None, None, True, None, True)
     ro, rf, _ = naive_recurrent_kda(q, k, v, g, beta, None, None, True, None, True)
     assert rel_rms(o, ro) < 2e-2 and rel_rms(f, rf) < 2e-2
+
+
+CHUNK_CASES = [  # (gate, varlen, h0, checkpoints, l2norm, launch parameters)
+    pytest.param("standard", True, True, [[5, 37], [1, 63]], True, None, id="standard-varlen-h0-ckpt"),
+    pytest.param("bounded", True, False, [[37], [64]], True,
+                 {"prep_bk": 16, "offdiag_bk": 16, "wu_bk": 16, "wu_bv": 16, "state_bv": 16, "out_bv": 16},
+                 id="bounded-varlen-small-blocks"),
+    pytest.param("standard", False, True, None, False, {"inv_ieee": 1, "offdiag_warps": 4, "prep_bk": 32},
+                 id="standard-batch2-no-norm-ieee-inverse"),
+    pytest.param("steep", True, True, [[20], [2, 50]], True, None, id="steep-decay-varlen-ckpt"),
+]
+
+
+@pytest.mark.parametrize("gate,varlen,h0,ckpts,norm,tune", CHUNK_CASES)
+def test_shipped_chunk_tunables_match_recurrent(gate, varlen, h0, ckpts, norm, tune):
+    """The shipped chunk kernel (candidate v5, promoted: prep, exact diagonal, off-diagonal + inverse, w/u
+    kernels) with its launch parameters. ``steep``: log-decays 30x the standard gate's, far past the previous
+    kernel's tensor-core limit for diagonal blocks (e^160), where the off-diagonal factors underflow: the
+    diagonal blocks are exact here for any span."""
+    from kda_sessions.kernels.kda import chunk
+    if varlen:
+        q, k, v, g, beta = kda_inputs(1, 101, H, K, V, gate == "bounded", seed=1)
+        cu = torch.tensor([0, 37, 101])
+    else:
+        q, k, v, g, beta = kda_inputs(2, 70, H, K, V, gate == "bounded", seed=2)
+        cu = None
+    if gate == "steep":
+        g = g * 30
+    init = torch.randn(2, H, K, V) if h0 else None
+    o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, norm, ckpts, tune=tune)
+    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, norm, ckpts)
+    assert torch.isfinite(o).all()
+    assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4
+    if ckpts is not None:
+        assert rel_rms(ck, rck) < 1e-4
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
+def test_shipped_chunk_gate_in_kernel(lower_bound):
+    from kda_sessions.kernels.gate.naive import naive_kda_gate
+    from kda_sessions.kernels.kda import chunk
+    q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = _gate_case()
+    init = torch.randn(2, H, K, V)
+    g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
+    o, final, ck = chunk.chunk_kda_triton(q, k, v, raw, beta, 0.3, init, True, cu, True, ckpts,
+                                       use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                       lower_bound=lower_bound)
+    ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, 0.3, init, True, cu, True, ckpts)
+    assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4 and rel_rms(ck, rck) < 1e-4
+
+
+def test_shipped_chunk_rejects_unknown_launch_parameter():
+    from kda_sessions.kernels.kda import chunk
+    q, k, v, g, beta = kda_inputs(1, 16, H, K, V, False)
+    with pytest.raises(ValueError, match="intra_bk"):
+        chunk.chunk_kda_triton(q, k, v, g, beta, tune={"intra_bk": 16})
