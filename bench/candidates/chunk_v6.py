@@ -27,16 +27,14 @@ Launch parameters beyond the shipped :data:`chunk.DEFAULTS` (``tune`` keys):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from typing import Any
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..gate.naive import gate_params
 from . import chunk as _shipped
-from .chunk import BC, BT, _beta, _chunk_table, _mm, _row, _rows, _store_rows
+from .chunk import BC, BT, _beta, _mm, _row, _rows, _store_rows
 
 SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
 DEFAULTS: dict[str, int] = {
@@ -150,153 +148,26 @@ def _diag_mid_kernel(
         _store_rows(Ld, L, bos, row0, n_rows, h, rr, H, BC, BC)
 
 
-def _launch(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
-    output_final_state: bool, bounds: list[int], use_qk_l2norm: bool,
-    checkpoint_positions: Sequence[Sequence[int]] | None, tune: dict[str, int] | None = None,
-    gate: tuple[Tensor, Tensor, float | None] | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """The shipped launcher's six launches (same buffers, same order) with the diagonal step chosen as above."""
-    T, H, K = q.shape
-    V = v.shape[-1]
-    N = len(bounds) - 1
-    dev = q.device
-    starts, lens, cks, seq_chunks = _chunk_table(bounds, checkpoint_positions)
-    NC = len(starts)
-    M = sum(len(p) for p in checkpoint_positions) if checkpoint_positions is not None else 0
-    meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
-    chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
-    chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
-    unknown = set(tune or {}) - set(DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown launch parameters {sorted(unknown)}, expected some of {sorted(DEFAULTS)}")
-    cfg = {**DEFAULTS, **(tune or {})}
-    dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    BK = max(16, triton.next_power_of_2(K))
-    BVf = max(16, triton.next_power_of_2(V))
-
-    final = q.new_empty(N, H, K, V, dtype=torch.float32) if output_final_state else None
-    ckpt = q.new_empty(M, H, K, V, dtype=torch.float32) if checkpoint_positions is not None else None
-    o = torch.empty_like(v)
-    if NC == 0:
-        if final is not None:
-            final.copy_(h0 if h0 is not None else torch.zeros_like(final))
-        return o, final, ckpt
-
-    qn, kn, qg, kg, w = (torch.empty(T, H, K, device=dev, dtype=dt) for _ in range(5))
-    G2 = torch.empty(T, H, K, device=dev, dtype=torch.float32)
-    u = torch.empty(T, H, V, device=dev, dtype=dt)
-    Aqk = torch.empty(T, H, BT, device=dev, dtype=dt)
-    Xb = torch.empty(T, H, BT, device=dev, dtype=dt)
-    Ld = torch.empty(T, H, BC, device=dev, dtype=torch.float32)
-    dl = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
-    A_log, dt_bias, lb = gate if gate is not None else (None, None, None)
-    gate_kind = 0 if gate is None else (1 if lb is None else 2)
-
-    _shipped._prep_kernel[(NC, H)](
-        q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
-        float(lb) if lb is not None else 0.0,
-        H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
-        num_warps=cfg["prep_warps"],
-    )
-    diag_args = (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale)
+def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any) -> None:
+    """v6's diagonal step inside the shipped launcher (``chunk.DiagStep``)."""
+    lb = gate[2] if gate is not None else None
     # the fused bounded gate caps every step's log-decay at lb: a sub-chunk's span is at most 15 |lb| / ln 2
     bounded = lb is not None and 15 * abs(float(lb)) / 0.6931471805599453 <= SPAN_MAX
     if (bounded and cfg["diag_mid"]) or cfg["diag_span_check"]:
         _diag_mid_kernel[(NC, H, BT // BC)](
-            *diag_args, H=H, K=K, BT=BT, BC=BC, BK=BK, CHECK_SPAN=not (bounded and cfg["diag_mid"]),
+            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, CHECK_SPAN=not (bounded and cfg["diag_mid"]),
             SPAN_MAX=SPAN_MAX, IEEE=bool(cfg["diag_ieee"]), num_warps=cfg["diag_warps"],
         )
     elif cfg["diag_form"] == 1:
         BH = min(cfg["tok_bh"], triton.next_power_of_2(H))
         _diag_token_kernel[(NC, BT, triton.cdiv(H, BH))](
-            *diag_args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, num_warps=cfg["tok_warps"],
+            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, num_warps=cfg["tok_warps"],
         )
     else:
-        _shipped._diag_kernel[(NC, H, BT // BC)](
-            *diag_args, H=H, K=K, BT=BT, BC=BC, BK=BK, num_warps=cfg["diag_warps"],
-        )
-    _shipped._offdiag_kernel[(NC, H)](
-        qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
-        H=H, K=K, BT=BT, BC=BC, BK=min(cfg["offdiag_bk"], BK), INV_IEEE=bool(cfg["inv_ieee"]),
-        num_warps=cfg["offdiag_warps"], num_stages=cfg["offdiag_stages"],
-    )
-    _shipped._wu_kernel[(NC, H)](
-        Xb, kn, G2, v, w, u, chunk_start, chunk_len, H=H, K=K, V=V, BT=BT, BK=min(cfg["wu_bk"], BK),
-        BV=min(cfg["wu_bv"], BVf), num_warps=cfg["wu_warps"], num_stages=cfg["wu_stages"],
-    )
-
-    BV = min(cfg["state_bv"], BVf)
-    vnew = torch.empty(T, H, V, device=dev, dtype=dt)
-    hbuf = torch.empty(NC, H, K, V, device=dev, dtype=dt)
-    _shipped._state_kernel[(triton.cdiv(V, BV), N * H)](
-        w, u, kg, dl, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
-        H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
-        HAS_CK=M > 0, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
-    )
-    BV = min(cfg["out_bv"], BVf)
-    _shipped._output_kernel[(NC, H, triton.cdiv(V, BV))](
-        qg, Aqk, vnew, hbuf, o, chunk_start, chunk_len, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT,
-        num_warps=cfg["out_warps"],
-    )
-    return o, final, ckpt
+        _shipped._diag_step(cfg, args, NC, H, K, BK, gate)
 
 
-def chunk_kda_triton(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    cu_seqlens: Tensor | None = None,
-    use_qk_l2norm_in_kernel: bool = False,
-    checkpoint_positions: Sequence[Sequence[int]] | None = None,
-    use_gate_in_kernel: bool = False,
-    A_log: Tensor | None = None,
-    dt_bias: Tensor | None = None,
-    lower_bound: float | None = None,
-    tune: dict[str, int] | None = None,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:
-    """As the shipped ``chunk_kda_triton`` (same arguments, shapes, checks and results); ``tune`` also takes the
-    diagonal step's keys (:data:`DEFAULTS`)."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if k.shape != q.shape or g.shape != q.shape:
-        raise ValueError(f"k and g must match q [B, T, H, K]={tuple(q.shape)}, got k {tuple(k.shape)}, g {tuple(g.shape)}")
-    if v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H={B, T, H}, got {tuple(v.shape)}")
-    if beta.shape != (B, T, H):
-        raise ValueError(f"beta must be [B, T, H]={B, T, H}, got {tuple(beta.shape)}")
-    if not all(16 <= d <= 256 and d & (d - 1) == 0 for d in (K, V)):
-        raise ValueError(f"K and V must be powers of two in [16, 256], got K={K}, V={V}")
-    if cu_seqlens is not None:
-        if B != 1:
-            raise ValueError(f"with cu_seqlens the batch must be 1, got B={B}")
-        bounds = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        bounds = [b * T for b in range(B + 1)]
-    N = len(bounds) - 1
-    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
-        raise ValueError(f"initial_state must be [N, H, K, V]={(N, H, K, V)}, got {tuple(initial_state.shape)}")
-    if checkpoint_positions is not None:
-        if len(checkpoint_positions) != N:
-            raise ValueError(f"checkpoint_positions needs one list per sequence ({N}), got {len(checkpoint_positions)}")
-        for n, ps in enumerate(checkpoint_positions):
-            length = bounds[n + 1] - bounds[n]
-            if list(ps) != sorted(set(ps)) or any(p < 1 or p > length for p in ps):
-                raise ValueError(f"checkpoint_positions[{n}] must be ascending in [1, {length}], got {list(ps)}")
-    if scale is None:
-        scale = K**-0.5
-    h0 = initial_state.float().contiguous() if initial_state is not None else None
-    gate = gate_params(H, K, A_log, dt_bias, lower_bound) if use_gate_in_kernel else None
-    # [B, T, H, *] -> packed [B * T, H, *]
-    o, final, ckpt = _launch(
-        q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
-        v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H, K).contiguous(),
-        beta.reshape(B * T, H).contiguous(), float(scale), h0, output_final_state, bounds,
-        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate,
-    )
-    return o.view(B, T, H, V), final, ckpt
+def chunk_kda_triton(*args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """As the shipped ``chunk_kda_triton`` (same arguments, shapes, checks and results), with v6's diagonal step;
+    ``tune`` also takes the diagonal step's keys (:data:`DEFAULTS`)."""
+    return _shipped.chunk_kda_triton(*args, _diag=_diag_step, _defaults=DEFAULTS, **kwargs)

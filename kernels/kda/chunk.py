@@ -30,7 +30,8 @@ Layout: every activation is packed ``[T_total, H, *]`` (B * T rows without cu_se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import triton
@@ -438,11 +439,21 @@ DEFAULTS: dict[str, int] = {
 }
 
 
+# (cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), chunks, H, K, BK, gate) -> None: launches the
+# diagonal step. ``_launch`` takes another one, so a candidate kernel can be timed inside the shipped launcher.
+DiagStep = Callable[[dict[str, int], tuple[Any, ...], int, int, int, int, Any], None]
+
+
+def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any) -> None:
+    _diag_kernel[(NC, H, BT // BC)](*args, H=H, K=K, BT=BT, BC=BC, BK=BK, num_warps=cfg["diag_warps"])
+
+
 def _launch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
     output_final_state: bool, bounds: list[int], use_qk_l2norm: bool,
     checkpoint_positions: Sequence[Sequence[int]] | None, tune: dict[str, int] | None = None,
-    gate: tuple[Tensor, Tensor, float | None] | None = None,
+    gate: tuple[Tensor, Tensor, float | None] | None = None, diag_step: DiagStep | None = None,
+    defaults: dict[str, int] = DEFAULTS,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Packed q, k, g [T, H, K], v [T, H, V], beta [T, H] (contiguous) -> o [T, H, V], final, checkpoints.
     ``gate``: (A_log [H] float32, dt_bias [H * K] float32, lower_bound) when g holds raw gate logits."""
@@ -456,10 +467,10 @@ def _launch(
     meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
     chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
     chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
-    unknown = set(tune or {}) - set(DEFAULTS)
+    unknown = set(tune or {}) - set(defaults)
     if unknown:
-        raise ValueError(f"unknown launch parameters {sorted(unknown)}, expected some of {sorted(DEFAULTS)}")
-    cfg = {**DEFAULTS, **(tune or {})}
+        raise ValueError(f"unknown launch parameters {sorted(unknown)}, expected some of {sorted(defaults)}")
+    cfg = {**defaults, **(tune or {})}
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
     BVf = max(16, triton.next_power_of_2(V))
@@ -488,10 +499,7 @@ def _launch(
         H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
         num_warps=cfg["prep_warps"],
     )
-    _diag_kernel[(NC, H, BT // BC)](
-        qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale, H=H, K=K, BT=BT, BC=BC, BK=BK,
-        num_warps=cfg["diag_warps"],
-    )
+    (diag_step or _diag_step)(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
     _offdiag_kernel[(NC, H)](
         qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
         H=H, K=K, BT=BT, BC=BC, BK=min(cfg["offdiag_bk"], BK), INV_IEEE=bool(cfg["inv_ieee"]),
@@ -535,6 +543,9 @@ def chunk_kda_triton(
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
     tune: dict[str, int] | None = None,
+    *,
+    _diag: DiagStep | None = None,
+    _defaults: dict[str, int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Chunked KDA forward (fla's ``chunk_kda`` arguments) plus float32 states at requested positions.
 
@@ -544,6 +555,8 @@ def chunk_kda_triton(
     the kernel computes the log-decay (see :func:`gate_params`). ``tune`` overrides launch parameters
     (:data:`DEFAULTS`). Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 | None,
     checkpoint_states [M, H, K, V] float32 | None)``. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
+    ``_diag`` / ``_defaults`` (private, for candidates in bench/candidates): another diagonal step and its launch
+    parameters.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -580,6 +593,6 @@ def chunk_kda_triton(
         q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
         v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H, K).contiguous(),
         beta.reshape(B * T, H).contiguous(), float(scale), h0, output_final_state, bounds,
-        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate,
+        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate, _diag, _defaults or DEFAULTS,
     )
     return o.view(B, T, H, V), final, ckpt
