@@ -36,14 +36,17 @@ async def run_demo(
     root = Path(folder) if folder else Path(__file__).resolve().parent
     tools = Tools(root)
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
-    first_py = files[0] if files else "README.md"
-    # a file with a top-level def or class, for the grep question (the kind of question tiny was trained on)
-    target = next(((f, m.group(1)) for f in files
-                   if (m := re.search(r"^((?:def|class) \w+)", (root / f).read_text(errors="replace"), re.M))), None)
-    g_file, g_pat = target or (first_py, "def main")
+    # files with top-level defs or classes (the kinds of question tiny was trained on: it answers "first def or
+    # class" by grepping the file for definitions, "which line" by grepping for the definition)
+    defs = [(f, m) for f in files if (m := re.findall(r"^((?:async def|def|class) \w+)",
+                                                      (root / f).read_text(errors="replace"), re.M))]
+    d_file = defs[0][0] if defs else (files[0] if files else "README.md")
+    g_file, g_pats = defs[1] if len(defs) > 1 else defs[0] if defs else (d_file, ["def main"])
+    g_pat = g_pats[len(g_pats) // 2]
     turns = [
         ("What is the first entry of the project root?", "list_dir", {"path": "."}),
-        (f"What is the first function or class defined in {first_py}?", "read_file", {"path": first_py}),
+        (f"What is the first function or class defined in {d_file}?", "grep",
+         {"pattern": "^(async def|def|class) ", "path": d_file}),
         (f"On which line of {g_file} is `{g_pat}` defined?", "grep", {"pattern": g_pat, "path": g_file}),
     ]
     say(f"model: {model}   store: {store}   folder: {root}")
@@ -76,7 +79,7 @@ async def run_demo(
                 f"context {s.num_tokens} tokens; prefilled {r.usage.prefill_tokens}, reused {r.usage.cached_tokens}")
             say(f"  assistant: {r.text[:100]!r}")
         await s.checkpoint("explored")
-        r = await s.send("Earlier you listed the project root. What was its first entry?", **sampling)
+        r = await s.send(f"Earlier you searched {g_file} for `{g_pat}`. Which line was it on?", **sampling)
         say(f"  recall, {s.num_tokens} tokens in: {r.text[:100]!r}")
         t0 = time.perf_counter()
         await s.save()
