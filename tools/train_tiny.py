@@ -91,6 +91,7 @@ from kda_sessions.model.mla import MLAttention
 from tools import tiny_data
 
 CONFIG = REPO / "kda_sessions" / "builtin" / "tiny.json"
+MAX_SHIPPED_BYTES = 25_000_000  # issue 7: the weights in the package, as bf16 safetensors
 PAD_WEIGHT = 0.0
 CONTEXT_WEIGHT = 0.05  # loss weight of tokens the assistant does not write (prompts, tool output)
 
@@ -340,6 +341,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="continue the schedule of an earlier run from this step (with --init; warm-up restarts, 20 steps)")
     ap.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
     ap.add_argument("--init", default=None, help="a directory written by save_model to start from")
+    ap.add_argument("--config", default=str(CONFIG),
+                    help="model config (a Kimi-Linear config.json, or a folder holding one); default: the shipped "
+                         "tiny.json. Shipping another shape means replacing tiny.json with it")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: checks the script on a CPU")
     ap.add_argument("--shard-mb", type=float, default=15.0)
@@ -358,8 +362,12 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
-    cfg = ModelConfig.from_file(CONFIG)
+    cfg = ModelConfig.from_file(Path(args.config))
     model = HybridModel(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    if n_params * 2 > MAX_SHIPPED_BYTES:  # shipped as bf16
+        raise SystemExit(f"{args.config}: {n_params / 1e6:.2f} M parameters is {n_params * 2 / 1e6:.1f} MB as bf16, "
+                         f"over the {MAX_SHIPPED_BYTES / 1e6:.0f} MB the package may ship (issue 7)")
     init_weights(model, args.seed)
     if args.init:
         from kda_sessions.model.loader import _read_safetensors
@@ -367,8 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         state = _read_safetensors(Path(args.init))
         model.load_state_dict({k: v.float() for k, v in state.items()})
     model = model.to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    log: dict = {"config": str(CONFIG.name), "params": n_params, "args": vars(args), "steps": []}
+    log: dict = {"config": Path(args.config).name, "params": n_params, "args": vars(args), "steps": []}
     trimmed = trim_fla_autotune(args.autotune_configs) if use_fla else 0
     print(json.dumps({"params": n_params, "device": str(device), "fla": use_fla, "autotune_trimmed": trimmed}), flush=True)
     log["parity_start"] = parity_check(model, device, use_fla, 512 if args.quick else 2048)

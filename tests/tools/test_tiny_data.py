@@ -19,9 +19,9 @@ from kda_sessions.tools import MAX_OUTPUT, TOOL_SCHEMAS, ToolError, Tools
 from tools import eval_tiny
 from tools.tiny_data import (
     FACT,
+    FIRST_DEF_PATTERN,
     GEN_IDS,
     KINDS,
-    FIRST_DEF_PATTERN,
     LINE_READ_LIMITS,
     SYSTEM,
     TOK,
@@ -332,6 +332,28 @@ def test_quick_training_runs_with_the_recall_flags(tmp_path: Path):
     log = json.loads((tmp_path / "train_log.json").read_text())
     assert log["steps_done"] == 3 and log["steps"][-1]["recall_distance"] == [64, 2000]
     assert "fact_loss" in log["steps"][-1] and "fact_loss" in log["heldout"]
+
+
+def test_training_refuses_a_config_too_big_to_ship(tmp_path: Path):
+    from tools import train_tiny
+
+    big = tmp_path / "big.json"  # hidden 512: ~30 M parameters, 60 MB as bf16
+    big.write_text(json.dumps({**json.loads(train_tiny.CONFIG.read_text()), "hidden_size": 512}))
+    with pytest.raises(SystemExit, match="over the 25 MB"):
+        train_tiny.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "big"), "--config", str(big)])
+
+
+@pytest.mark.slow
+def test_training_takes_another_config(tmp_path: Path):
+    from tools import train_tiny
+
+    small = tmp_path / "small"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps({**json.loads(train_tiny.CONFIG.read_text()), "intermediate_size": 512}))
+    train_tiny.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "run"), "--config", str(small)])
+    log = json.loads((tmp_path / "run" / "train_log.json").read_text())
+    saved = json.loads((tmp_path / "run" / "weights" / "config.json").read_text())
+    assert log["steps_done"] == 3 and saved["intermediate_size"] == 512
 
 
 def test_every_tool_call_validates_against_its_schema():
