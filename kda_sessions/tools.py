@@ -72,9 +72,12 @@ def number_lines(text: str, limit: int = MAX_OUTPUT, start: int = 1, count: int 
     """``cat -n`` of text (f"{n:>6}\t{line}" per line) from line ``start`` (1-based), at most ``count`` lines,
     cut after the last whole line within ``limit`` characters (a first line longer than that is cut at
     ``limit``)."""
+    return _numbered(_lines(text), limit, start, count)
+
+
+def _numbered(lines: list[str], limit: int, start: int, count: int | None) -> str:
     out: list[str] = []
     size = -1  # no "\n" before the first line
-    lines = _lines(text)
     stop = len(lines) if count is None else min(len(lines), start - 1 + count)
     for n, line in enumerate(lines[start - 1:stop], start):
         row = f"{n:>6}\t{line}"
@@ -124,11 +127,10 @@ class Tools:
         p = self._path(path)
         if not p.is_file():
             raise ToolError(f"{path!r} is not a file")
-        text = p.read_text(errors="replace")
-        n = len(_lines(text))
-        if start > max(n, 1):
-            raise ToolError(f"{path!r} has {n} lines; start {start} is past its end")
-        return number_lines(text, start=start, count=limit)
+        lines = _lines(p.read_text(errors="replace"))
+        if start > max(len(lines), 1):
+            raise ToolError(f"{path!r} has {len(lines)} lines; start {start} is past its end")
+        return _numbered(lines, MAX_OUTPUT, start, limit)
 
     def grep(self, pattern: str, path: str = ".") -> str:
         try:

@@ -24,3 +24,22 @@ def kda_inputs(B: int, T: int, H: int, K: int, V: int, bounded: bool, seed: int 
     g = naive_kda_gate(raw, A_log, dt_bias, -5.0 if bounded else None)
     beta = torch.rand(B, T, H, generator=gen)
     return q, k, v, g, beta
+
+
+def packed_or_batched(varlen: bool, H: int, K: int, V: int, bounded: bool):
+    """(q, k, v, g, beta, cu_seqlens) of two sequences: packed (37 and 64 tokens, 37 not a multiple of the chunk)
+    when ``varlen``, else a batch of two of 70 tokens (cu_seqlens None)."""
+    if varlen:
+        return (*kda_inputs(1, 101, H, K, V, bounded, seed=1), torch.tensor([0, 37, 101]))
+    return (*kda_inputs(2, 70, H, K, V, bounded, seed=2), None)
+
+
+def gate_case(H: int, K: int, V: int):
+    """(q, k, v, beta, raw gate logits, A_log, dt_bias, cu_seqlens, checkpoints): two packed sequences of 30 and
+    45 tokens with checkpoints, for the kernels' fused gate."""
+    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    raw = torch.randn(1, 75, H, K, generator=gen) * 3
+    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(H * K, generator=gen) - 1.0
+    return q, k, v, beta, raw, A_log, dt_bias, torch.tensor([0, 30, 75]), [[7, 30], [45]]

@@ -17,7 +17,7 @@ import torch
 
 from kda_sessions.kernels.kda.naive import naive_recurrent_kda
 
-from .kernel_helpers import kda_inputs, rel_rms
+from .kernel_helpers import gate_case, kda_inputs, packed_or_batched, rel_rms
 
 CANDIDATES = Path(__file__).resolve().parents[2] / "bench" / "candidates"
 TOL = 1e-4
@@ -69,12 +69,7 @@ def test_chunk_v6_matches_recurrent(decay, H, varlen, h0, ckpts, norm, tune):
     blocks through one point would overflow: the exact kernels must hold there, and the span check must route
     those sub-chunks to its exact walk."""
     v6 = load_candidate("chunk_v6")
-    if varlen:  # two sequences packed: 37 and 64 tokens
-        q, k, v, g, beta = kda_inputs(1, 101, H, K, V, decay == "bounded", seed=1)
-        cu = torch.tensor([0, 37, 101])
-    else:
-        q, k, v, g, beta = kda_inputs(2, 70, H, K, V, decay == "bounded", seed=2)
-        cu = None
+    q, k, v, g, beta, cu = packed_or_batched(varlen, H, K, V, decay == "bounded")
     if decay == "steep":
         g = g * 30
     elif decay == "mixed":
@@ -107,12 +102,7 @@ def test_chunk_v6_gate_in_kernel(lower_bound, tune):
 
     v6 = load_candidate("chunk_v6")
     H = 2
-    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
-    gen = torch.Generator().manual_seed(10)
-    raw = torch.randn(1, 75, H, K, generator=gen) * 3
-    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
-    dt_bias = torch.randn(H * K, generator=gen) - 1.0
-    cu, ckpts = torch.tensor([0, 30, 75]), [[7, 30], [45]]
+    q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = gate_case(H, K, V)
     init = torch.randn(2, H, K, V)
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
     o, final, ck = v6.chunk_kda_triton(q, k, v, raw, beta, 0.3, init, True, cu, True, ckpts, use_gate_in_kernel=True,

@@ -9,7 +9,7 @@ import torch
 
 from kda_sessions.kernels.kda.naive import naive_recurrent_kda
 
-from .kernel_helpers import kda_inputs, rel_rms
+from .kernel_helpers import gate_case, kda_inputs, packed_or_batched, rel_rms
 
 TOL = 1e-4
 H, K, V = 2, 32, 32
@@ -30,13 +30,8 @@ IEEE_4WARPS = {"inv_ieee": 1, "offdiag_warps": 4, "diag_warps": 2}  # the block 
 def test_chunk_kda_matches_recurrent(bounded, varlen, h0, l2norm, ckpts, tune):
     from kda_sessions.kernels.kda.chunk import chunk_kda_triton
 
-    if varlen:  # two sequences packed: 37 and 64 tokens, 37 not a multiple of the chunk
-        q, k, v, g, beta = kda_inputs(1, 101, H, K, V, bounded, seed=1)
-        cu = torch.tensor([0, 37, 101])
-        N = 2
-    else:
-        q, k, v, g, beta = kda_inputs(2, 70, H, K, V, bounded, seed=2)
-        cu, N = None, 2
+    q, k, v, g, beta, cu = packed_or_batched(varlen, H, K, V, bounded)
+    N = 2
     if not l2norm:  # unnormalised keys make the delta rule diverge; scale them down instead
         q, k = q * 0.25, k * 0.25
     init = torch.randn(N, H, K, V) if h0 else None
@@ -65,16 +60,6 @@ def test_chunk_kda_steep_decay():
     assert rel_rms(o, ro) < TOL and rel_rms(final, rfinal) < TOL
 
 
-def _gate_case():
-    """Two packed sequences (30 and 45 tokens) with raw gate logits, A_log, dt_bias and checkpoints."""
-    q, k, v, _, beta = kda_inputs(1, 75, H, K, V, False, seed=9)
-    gen = torch.Generator().manual_seed(10)
-    raw = torch.randn(1, 75, H, K, generator=gen) * 3
-    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
-    dt_bias = torch.randn(H * K, generator=gen) - 1.0
-    return q, k, v, beta, raw, A_log, dt_bias, torch.tensor([0, 30, 75]), [[7, 30], [45]]
-
-
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
 def test_chunk_kda_gate_in_kernel(lower_bound):
     """Raw gate logits + A_log + dt_bias in; the same as the naive gate followed by the recurrence, and the CPU
@@ -83,7 +68,7 @@ def test_chunk_kda_gate_in_kernel(lower_bound):
     from kda_sessions.kernels.gate.naive import naive_kda_gate
     from kda_sessions.kernels.kda.chunk import chunk_kda_triton
 
-    q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = _gate_case()
+    q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = gate_case(H, K, V)
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
     kw = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
     o, final, ck = chunk_kda_triton(q, k, v, raw, beta, None, None, True, cu, True, ckpts, **kw)
@@ -160,12 +145,7 @@ def test_shipped_chunk_tunables_match_recurrent(gate, varlen, h0, ckpts, norm, t
     kernel's tensor-core limit for diagonal blocks (e^160), where the off-diagonal factors underflow: the
     diagonal blocks are exact here for any span."""
     from kda_sessions.kernels.kda import chunk
-    if varlen:
-        q, k, v, g, beta = kda_inputs(1, 101, H, K, V, gate == "bounded", seed=1)
-        cu = torch.tensor([0, 37, 101])
-    else:
-        q, k, v, g, beta = kda_inputs(2, 70, H, K, V, gate == "bounded", seed=2)
-        cu = None
+    q, k, v, g, beta, cu = packed_or_batched(varlen, H, K, V, gate == "bounded")
     if gate == "steep":
         g = g * 30
     init = torch.randn(2, H, K, V) if h0 else None
@@ -181,7 +161,7 @@ def test_shipped_chunk_tunables_match_recurrent(gate, varlen, h0, ckpts, norm, t
 def test_shipped_chunk_gate_in_kernel(lower_bound):
     from kda_sessions.kernels.gate.naive import naive_kda_gate
     from kda_sessions.kernels.kda import chunk
-    q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = _gate_case()
+    q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = gate_case(H, K, V)
     init = torch.randn(2, H, K, V)
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
     o, final, ck = chunk.chunk_kda_triton(q, k, v, raw, beta, 0.3, init, True, cu, True, ckpts,
