@@ -9,7 +9,8 @@ side with fla-core (when importable). Prints one JSON document; ``--out FILE`` a
 ``--old`` and ``--mla-cand`` name other versions of kernels/kda/chunk.py and kernels/mla/paged_decode.py (files
 anywhere, imported as modules of the kernels package so their relative imports resolve); they are checked against
 the twins and timed beside the current kernels. The current MLA decode is also checked and timed with each of its
-forms forced (``{"form": "heads"}`` / ``{"form": "tokens"}``; the rows name the form). MLA decode is timed eagerly
+forms forced (``{"form": "heads"}`` / ``{"form": "tokens"}``; the rows name the form) and with the launch parameters
+of the environment's ``MLA_EXTRA`` (a JSON list, e.g. ``'[{"form": "tokens", "BN": 64, "num_warps": 4}]'``). MLA decode is timed eagerly
 and as CUDA-graph replays (what the engine runs: no host launch cost; the inputs cycle through copies larger than
 L2 so every replay reads DRAM).
 Without CUDA (``TRITON_INTERPRET=1``) ``--quick`` runs every part at tiny shapes on the CPU as a smoke test.
@@ -346,8 +347,8 @@ def mla_fake(lens: list[int]) -> tuple:
 
 def mla_check_cfgs(name: str, mod) -> list[dict]:
     """Launch parameters of each MLA module that the correctness check covers (all that the timings use)."""
-    if name == "current":
-        return [{}, *MLA_FORMS, *MLA_VARIANTS[1:2]]
+    if name == "current":  # MLA_EXTRA: a JSON list of more launch parameters to check and time (a sweep)
+        return [{}, *MLA_FORMS, *MLA_VARIANTS[1:2], *json.loads(os.environ.get("MLA_EXTRA", "[]"))]
     params = inspect.signature(mod._launch).parameters
     if "waves" in params:  # v3 and later: the whole sweep grid, plus bf16 partials and many splits
         return [{}, *mla_cand_grid(), {"part_bf16": True}, {"waves": 4.0, "part_bf16": True},
