@@ -80,7 +80,7 @@ SMOKE = False  # tiny shapes on the CPU (TRITON_INTERPRET=1): set by configure()
 
 # launch-parameter variants timed by --only tune (the first of each list is the default in the launchers)
 CHUNK_VARIANTS: list[dict] = [
-    {}, {"offdiag_warps": 1}, {"offdiag_warps": 4}, {"inv_ieee": 0}, {"diag_warps": 2}, {"wu_warps": 8},
+    {}, {"offdiag_warps": 1}, {"offdiag_warps": 4}, {"inv_ieee": 0}, {"tok_warps": 2}, {"wu_warps": 8},
     {"offdiag_bk": 64}, {"prep_bk": 64}, {"state_bv": 32}, {"state_bv": 32, "state_stages": 3},
 ]
 MLA_VARIANTS: list[dict] = [
@@ -421,6 +421,10 @@ def time_chunk(fla_chunk, old_chunk: dict, Ts: list[int], cfg: dict | None = Non
         for name, old in old_chunk.items():
             ms = bench(lambda old=old: old(q, k, v, g, beta, None, None, True, None, True), rep=100)
             row[f"{name}_ms"], row[f"{name}_Mtok_s"] = ms, T / ms / 1e3
+            ms = bench(lambda old=old: old(q, k, v, raw, beta, None, None, True, None, True,
+                                           use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                           lower_bound=-5.0), rep=100)
+            row[f"{name}_bounded_gate_in_kernel_ms"] = ms
         if fla_chunk is not None:
             def f(q=q, k=k, v=v, g=g, beta=beta):
                 return fla_chunk(q=q, k=k, v=v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
@@ -697,24 +701,24 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
     cu = torch.tensor([0, 100, 256], device=DEV, dtype=torch.int32)
     h0 = torch.zeros(2, H, K, V, device=DEV)
 
-    def chunk_forms(fn: Callable, gate_plain: bool) -> list[Callable]:
+    def chunk_forms(fn: Callable, plain_lbs: tuple) -> list[Callable]:
         """What check_chunk and time_chunk run: plain, varlen + h0 + checkpoints, the gate fused (both kinds)
-        on the varlen form, and (for the current kernel, whose gate-fused forms are timed) without varlen."""
+        on the varlen form, and without varlen the gate-fused forms timed (lower bounds ``plain_lbs``)."""
         forms = [lambda: fn(q, k, v, g, beta, None, None, True, None, True),
                  lambda: fn(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]])]
         for lb in (None, -5.0):
             kw = {"use_gate_in_kernel": True, "A_log": A_log, "dt_bias": dt_bias, "lower_bound": lb}
             forms.append(lambda kw=kw: fn(q, k, v, raw, beta, None, h0, True, cu, True, [[5], [7]], **kw))
-            if gate_plain:
+            if lb in plain_lbs:
                 forms.append(lambda kw=kw: fn(q, k, v, raw, beta, None, None, True, None, True, **kw))
         return forms
 
     if parts & {"check", "chunk", "tune"}:
-        jobs += chunk_forms(chunk_kda_triton, True)
+        jobs += chunk_forms(chunk_kda_triton, (None, -5.0))
         jobs.append(lambda: chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]],
                                              tune={"inv_ieee": 0}))
         for old in load_old(old_path, old_tunes).values():
-            jobs += chunk_forms(old, False)
+            jobs += chunk_forms(old, (-5.0,))
     if "tune" in parts:
         jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
                  for cfg in CHUNK_VARIANTS[1:]]
@@ -813,6 +817,11 @@ def summary(res: dict) -> str:
         if isinstance(row, dict):
             lines.append("chunk T {}: ".format(row.get("T")) + ", ".join(
                 f"{k[:-7]} {v:.2f}" for k, v in row.items() if k.endswith("_Mtok_s")) + " M tok/s")
+            fused = {k[:-26]: v for k, v in row.items() if k.endswith("_bounded_gate_in_kernel_ms")
+                     and isinstance(v, float)}
+            if fused:
+                lines.append("chunk T {} bounded gate fused: ".format(row.get("T")) + ", ".join(
+                    f"{n} {row['T'] / ms / 1e3:.2f}" for n, ms in fused.items()) + " M tok/s")
     for row in res.get("mla_decode") if isinstance(res.get("mla_decode"), list) else []:
         if isinstance(row, dict):
             lines.append(f"mla {row.get('N')}x{row.get('context')} {row.get('impl')} {row.get('form') or ''} "

@@ -2,12 +2,19 @@
 wide stages (fla 0.6.0's decomposition, our code) rather than one long program per chunk.
 
 Promoted from bench/candidates/chunk_v5.py after device runs H-J (docs/benchmarks.md): 6.26 / 6.38 / 6.46 M
-tokens/s at T 8K / 32K / 128K (H 32, K = V = 128, bf16) with the defaults below, against 4.83 / 4.86 / 5.08 for
+tokens/s at T 8K / 32K / 128K (H 32, K = V = 128, bf16) with its defaults then, against 4.83 / 4.86 / 5.08 for
 the kernel it replaced (one long intra program per chunk; git history 4fa80c4). Why it is faster: each of those
 programs walked a long serial chain (gate, scan, norm sums, span reductions and a branch per diagonal block,
 twenty [16, 16] blocks); see bench/candidates/README.md, "chunk_kda v5: where fla's forward differs". The cost:
 the stages hand over G (float32), qn, kn, qg, kg, w, u, v', A_qk, X and the diagonal blocks through memory, about
 2.6 KB of scratch per (token, head) at K = V = 128 (2.75 GB at T 32K, H 32), plus one bf16 state per chunk.
+
+The diagonal step comes from bench/candidates/chunk_v6.py, promoted on 2026-11-30 (fifth session):
+6.78 / 6.96 / 6.70 M tokens/s at T 8K / 32K / 128K (standard gate, B 1, H 32, K = V = 128) with ``tok_bh`` 2
+and ``tok_warps`` 1, against 6.28 / 6.42 / 6.48 in the same run for v5's diagonal kernel, one program per
+chunk, head and sub-chunk over all 16 x 16 pairs (git history 7e7c724); error against the float32 twin
+unchanged (3.8e-3 standard, 4.3e-3 / 4.4e-3 bounded with the gate fused). Other variants:
+bench/candidates/README.md. The midpoint path's speed for the bounded fused gate is not yet timed on its own.
 
 Six launches over a table of chunks (at most ``BT`` = 64 tokens each, starting at every sequence's first token;
 a chunk also ends at every requested checkpoint position, so the state there is a chunk-boundary state):
@@ -15,9 +22,12 @@ a chunk also ends at every requested checkpoint position, so the state there is 
 1. ``_prep_kernel``    per (chunk, head): the gate (optional), q/k L2 norm (optional), G = the in-chunk cumulative
    log-decay in log2 units (float32, stored), kn, qn (normalised k, q), qg = scale * qn * 2^G,
    kg = kn * 2^(G_last - G) and 2^G_last per chunk. Element-wise and one scan: bandwidth-bound.
-2. ``_diag_kernel``    per (chunk, head, sub-chunk): the diagonal [16, 16] blocks of A_qk (causal, scaled, into
-   Aqk) and of L (strict, times beta, float32 into Ld), exact: one key column at a time with 2^(G_r - G_s), no
-   midpoint factoring, so no span limit and no branch (fla computes the same products token-parallel).
+2. ``_diag_token_kernel`` per (chunk, row r, ``tok_bh`` heads): row r of the diagonal [16, 16] blocks of A_qk
+   (causal, scaled, into Aqk) and of L (strict, times beta, float32 into Ld), exact: only the keys s <= r of
+   r's sub-chunk, each with 2^(G_r - G_s), so no span limit and no branch (fla's token-parallel form). With
+   the bounded gate fused, ``_diag_mid_kernel`` per (chunk, head, sub-chunk) instead: both factors through the
+   midpoint of the sub-chunk's decay range, then two [16, K] x [K, 16] dots; that gate bounds the range by
+   15 |lb| / ln 2, so the launcher takes it, with no check in the kernel, when that is within ``SPAN_MAX``.
 3. ``_offdiag_kernel`` per (chunk, head): the six off-diagonal blocks of A_qk and of L on tensor cores (twelve
    accumulators, nothing else in the K loop), then (I + L)^-1 by 16 x 16 blocks; X diag(beta) out.
 4. ``_wu_kernel``      per (chunk, head): w = X diag(beta) (kn 2^G), u = X diag(beta) v as [64, 64] MMAs.
@@ -127,11 +137,73 @@ def _prep_kernel(
 
 
 @triton.jit
-def _diag_kernel(
+def _mm(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        c = tl.dot(a, b, input_precision="ieee")
+    else:
+        c = tl.dot(a, b)
+    return c
+
+
+@triton.jit
+def _diag_token_kernel(
+    qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+):
+    """Row r of the diagonal blocks of A_qk (s <= r, times scale) and L (s < r, times beta_r; zeros from r on)
+    for BH heads, exactly: only the keys s <= r of r's sub-chunk are visited."""
+    c = tl.program_id(0)
+    r = tl.program_id(1)
+    hh = tl.program_id(2) * BH + tl.arange(0, BH)
+    n_rows = tl.load(chunk_len + c)
+    if r < n_rows:
+        bos = tl.load(chunk_start + c).to(tl.int64)
+        cols = tl.arange(0, BK)
+        m = (hh[:, None] < H) & (cols[None, :] < K)
+        off = hh[:, None] * K + cols[None, :]  # [BH, BK] within one token's [H, K] row
+        row_r = (bos + r) * H * K
+        q_r = tl.load(qn + row_r + off, mask=m, other=0.0).to(tl.float32)
+        k_r = tl.load(kn + row_r + off, mask=m, other=0.0).to(tl.float32)
+        G_r = tl.load(G2 + row_r + off, mask=m, other=0.0)
+        b_r = tl.load(beta + (bos + r) * H + hh, mask=hh < H, other=0.0).to(tl.float32)
+        row0 = (r // BC) * BC
+        jj = tl.arange(0, BC)
+        A = tl.zeros([BH, BC], dtype=tl.float32)
+        L = tl.zeros([BH, BC], dtype=tl.float32)
+        for s in range(row0, r + 1):  # s <= r < n_rows: every key row is valid
+            row_s = (bos + s) * H * K
+            k_s = tl.load(kn + row_s + off, mask=m, other=0.0).to(tl.float32)
+            G_s = tl.load(G2 + row_s + off, mask=m, other=0.0)
+            e = tl.exp2(tl.minimum(G_r - G_s, 0.0)) * k_s
+            col = jj[None, :] == s - row0
+            A = tl.where(col, tl.sum(q_r * e, axis=1)[:, None], A)
+            L = tl.where(col, tl.sum(k_r * e, axis=1)[:, None], L)
+        L = tl.where(jj[None, :] < r - row0, L, 0.0) * b_r[:, None]  # strict: the pair (r, r) is not in L
+        mh = hh[:, None] < H
+        tl.store(Aqk + ((bos + r) * H + hh[:, None]) * BT + row0 + jj[None, :],
+                 (A * scale).to(Aqk.dtype.element_ty), mask=mh & (jj[None, :] <= r - row0))
+        tl.store(Ld + ((bos + r) * H + hh[:, None]) * BC + jj[None, :], L, mask=mh)
+
+
+@triton.jit
+def _mid_blocks(qi, ki, Gi, g_hi, g_lo, row0, n_rows, BC: tl.constexpr, IEEE: tl.constexpr):
+    """A diagonal block's q.k and k.k with 2^(G_r - G_s), factored through the midpoint of [g_lo, g_hi]: both
+    factors within 2^(span / 2). Entries above the diagonal may overflow; the caller masks them."""
+    mid = 0.5 * (g_hi + g_lo)
+    valid = (row0 + tl.arange(0, BC))[:, None] < n_rows  # padded rows hold G = 0: 2^(0 - mid) would overflow
+    e = tl.exp2(tl.where(valid, Gi - mid[None, :], -float("inf")))
+    kt = tl.trans(ki * tl.exp2(mid[None, :] - Gi))  # <= 1 on padded rows (k = 0 there anyway)
+    return _mm(qi * e, kt, IEEE), _mm(ki * e, kt, IEEE)
+
+
+@triton.jit
+def _diag_mid_kernel(
     qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Diagonal block i of A_qk (r >= s, times scale) and of L (r > s, times beta_r), exactly."""
+    """Diagonal block i of A_qk (r >= s, times scale) and of L (r > s, times beta_r) on tensor cores, factored
+    through the midpoint of the sub-chunk's decay range; the caller guarantees a range within SPAN_MAX."""
     c = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
@@ -144,29 +216,14 @@ def _diag_kernel(
         qi = _rows(qn, bos, row0, n_rows, h, cols, H, K, BC)
         ki = _rows(kn, bos, row0, n_rows, h, cols, H, K, BC)
         Gi = _rows(G2, bos, row0, n_rows, h, cols, H, K, BC)
-        A = tl.zeros([BC, BC], dtype=tl.float32)
-        L = tl.zeros([BC, BC], dtype=tl.float32)
-        for s in range(BC):  # key column s: one row load each (L1), no extraction from the tiles
-            k_s = _row(kn, bos, row0 + s, n_rows, h, cols, H, K)
-            G_s = _row(G2, bos, row0 + s, n_rows, h, cols, H, K)
-            e = tl.exp2(tl.minimum(Gi - G_s[None, :], 0.0)) * k_s[None, :]  # rows r < s are masked below
-            col = rr[None, :] == s
-            A = tl.where(col, tl.sum(qi * e, axis=1)[:, None], A)
-            L = tl.where(col, tl.sum(ki * e, axis=1)[:, None], L)
+        g_hi = _row(G2, bos, row0, n_rows, h, cols, H, K)  # G is non-increasing down the rows
+        g_lo = _row(G2, bos, tl.minimum(row0 + BC, n_rows) - 1, n_rows, h, cols, H, K)
+        A, L = _mid_blocks(qi, ki, Gi, g_hi, g_lo, row0, n_rows, BC, IEEE)
         b = _beta(beta, bos, row0, n_rows, h, H, BC)
-        A = tl.where(rr[:, None] >= rr[None, :], A, 0.0) * scale
+        A = tl.where(rr[:, None] >= rr[None, :], A, 0.0) * scale  # above the diagonal: may have overflowed
         L = tl.where(rr[:, None] > rr[None, :], L, 0.0) * b[:, None]
         _store_rows(Aqk, A, bos, row0, n_rows, h, row0 + rr, H, BT, BC)
         _store_rows(Ld, L, bos, row0, n_rows, h, rr, H, BC, BC)
-
-
-@triton.jit
-def _mm(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @triton.jit
@@ -257,7 +314,7 @@ def _offdiag_kernel(
         A31, L31 = _pair(qf, kf, k1, G1, r3, A31, L31)
         A32, L32 = _pair(qf, kf, k2, G2_, r3, A32, L32)
 
-    # A_qk's off-diagonal blocks out (the diagonal ones come from _diag_kernel)
+    # A_qk's off-diagonal blocks out (the diagonal ones come from the diagonal step)
     _store_blk(Aqk, A10 * scale, bos, 1, 0, n_rows, h, H, BT, BC)
     _store_blk(Aqk, A20 * scale, bos, 2, 0, n_rows, h, H, BT, BC)
     _store_blk(Aqk, A21 * scale, bos, 2, 1, n_rows, h, H, BT, BC)
@@ -428,15 +485,22 @@ def _chunk_table(
     return starts, lens, cks, seq_chunks
 
 
-# launch parameters (``tune`` overrides any of them). Measured on the H200 (runs H and I, docs/benchmarks.md): the
-# off-diagonal kernel on 1 warp with tf32 dots in the block inverse is 6-7% faster than on 2 warps with IEEE dots
-# (2 warps: 8-9% faster than 4; 1 stage: 7% slower), at the same error against the float32 twin (3.8e-3); the
-# prep kernel over 64-channel blocks then adds 3% (run J)
+# launch parameters (``tune`` overrides any of them). Measured on the H200 (runs H and I, docs/benchmarks.md):
+# the off-diagonal kernel on 1 warp with tf32 dots in the block inverse is 6-7% faster than on 2 warps with
+# IEEE dots (2 warps: 8-9% faster than 4; 1 stage: 7% slower), at the same error against the float32 twin
+# (3.8e-3); the prep kernel over 64-channel blocks then adds 3% (run J). The token-parallel diagonal kernel
+# with 2 heads per program on 1 warp is the best of the seven variants timed on 2026-11-30 (fifth session;
+# 4 heads per program tie it at 8K and 32K but fall to 5.9-6.0 M tok/s at 128K against 6.70). ``diag_warps``:
+# the midpoint kernel's warps; ``diag_mid`` 0 sends the bounded fused gate to the exact kernel;
+# ``diag_ieee`` 1 runs the midpoint dots in IEEE float32 rather than tf32.
 DEFAULTS: dict[str, int] = {
-    "prep_bk": 64, "prep_warps": 4, "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2,
-    "inv_ieee": 0, "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
+    "prep_bk": 64, "prep_warps": 4, "tok_bh": 2, "tok_warps": 1, "diag_mid": 1, "diag_ieee": 0,
+    "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
+    "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
     "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
 }
+SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
+LN2 = 0.6931471805599453
 
 
 # (cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), chunks, H, K, BK, gate) -> None: launches the
@@ -445,7 +509,18 @@ DiagStep = Callable[[dict[str, int], tuple[Any, ...], int, int, int, int, Any], 
 
 
 def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any) -> None:
-    _diag_kernel[(NC, H, BT // BC)](*args, H=H, K=K, BT=BT, BC=BC, BK=BK, num_warps=cfg["diag_warps"])
+    """The midpoint kernel for the fused bounded gate where its span bound allows, else the exact one."""
+    lb = gate[2] if gate is not None else None
+    # the fused bounded gate caps every step's log-decay at lb: a sub-chunk's span is at most 15 |lb| / ln 2
+    if cfg["diag_mid"] and lb is not None and 15 * abs(float(lb)) / LN2 <= SPAN_MAX:
+        _diag_mid_kernel[(NC, H, BT // BC)](
+            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, IEEE=bool(cfg["diag_ieee"]), num_warps=cfg["diag_warps"],
+        )
+    else:
+        BH = min(cfg["tok_bh"], triton.next_power_of_2(H))
+        _diag_token_kernel[(NC, BT, triton.cdiv(H, BH))](
+            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, num_warps=cfg["tok_warps"],
+        )
 
 
 def _launch(

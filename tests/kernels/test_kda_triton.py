@@ -15,7 +15,7 @@ TOL = 1e-4
 H, K, V = 2, 32, 32
 # several K and V blocks in every launch
 SMALL_BLOCKS = {"prep_bk": 16, "offdiag_bk": 16, "wu_bk": 16, "wu_bv": 16, "state_bv": 16, "out_bv": 16}
-IEEE_4WARPS = {"inv_ieee": 1, "offdiag_warps": 4, "diag_warps": 2}  # the block inverse's IEEE dots, other warps
+IEEE_4WARPS = {"inv_ieee": 1, "offdiag_warps": 4, "tok_warps": 2}  # the inverse's IEEE dots, other warps
 
 
 @pytest.mark.parametrize(
@@ -127,28 +127,31 @@ def test_dispatch_cuda_bf16():
     assert rel_rms(o, ro) < 2e-2 and rel_rms(f, rf) < 2e-2
 
 
-CHUNK_CASES = [  # (gate, varlen, h0, checkpoints, l2norm, launch parameters)
-    pytest.param("standard", True, True, [[5, 37], [1, 63]], True, None, id="standard-varlen-h0-ckpt"),
-    pytest.param("bounded", True, False, [[37], [64]], True,
-                 {"prep_bk": 16, "offdiag_bk": 16, "wu_bk": 16, "wu_bv": 16, "state_bv": 16, "out_bv": 16},
+CHUNK_CASES = [  # (gate, heads, varlen, h0, checkpoints, l2norm, launch parameters)
+    pytest.param("standard", H, True, True, [[5, 37], [1, 63]], True, None, id="standard-varlen-h0-ckpt"),
+    pytest.param("bounded", H, True, False, [[37], [64]], True, SMALL_BLOCKS,
                  id="bounded-varlen-small-blocks"),
-    pytest.param("standard", False, True, None, False, {"inv_ieee": 1, "offdiag_warps": 4, "prep_bk": 32},
-                 id="standard-batch2-no-norm-ieee-inverse"),
-    pytest.param("steep", True, True, [[20], [2, 50]], True, None, id="steep-decay-varlen-ckpt"),
+    pytest.param("standard", H, False, True, None, False,
+                 {"inv_ieee": 1, "offdiag_warps": 4, "prep_bk": 32, "tok_bh": 1, "tok_warps": 1},
+                 id="standard-batch2-no-norm-ieee-inverse-1-head-per-program"),
+    pytest.param("steep", H, True, True, [[20], [2, 50]], True, None, id="steep-decay-varlen-ckpt"),
+    pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, None, id="3-heads-2-per-program"),
+    pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, {"tok_bh": 4},
+                 id="3-heads-4-per-program"),
 ]
 
 
-@pytest.mark.parametrize("gate,varlen,h0,ckpts,norm,tune", CHUNK_CASES)
-def test_shipped_chunk_tunables_match_recurrent(gate, varlen, h0, ckpts, norm, tune):
-    """The shipped chunk kernel (candidate v5, promoted: prep, exact diagonal, off-diagonal + inverse, w/u
-    kernels) with its launch parameters. ``steep``: log-decays 30x the standard gate's, far past the previous
-    kernel's tensor-core limit for diagonal blocks (e^160), where the off-diagonal factors underflow: the
-    diagonal blocks are exact here for any span."""
+@pytest.mark.parametrize("gate,heads,varlen,h0,ckpts,norm,tune", CHUNK_CASES)
+def test_shipped_chunk_tunables_match_recurrent(gate, heads, varlen, h0, ckpts, norm, tune):
+    """The shipped chunk kernel (prep, token-parallel exact diagonal, off-diagonal + inverse, w/u kernels)
+    with its launch parameters; 3 heads leave the last program of the diagonal step with masked heads.
+    ``steep``: log-decays 30x the standard gate's, far past the tensor-core limit for diagonal blocks (e^160),
+    where the off-diagonal factors underflow: the diagonal blocks are exact here for any span."""
     from kda_sessions.kernels.kda import chunk
-    q, k, v, g, beta, cu = packed_or_batched(varlen, H, K, V, gate == "bounded")
+    q, k, v, g, beta, cu = packed_or_batched(varlen, heads, K, V, gate == "bounded")
     if gate == "steep":
         g = g * 30
-    init = torch.randn(2, H, K, V) if h0 else None
+    init = torch.randn(2, heads, K, V) if h0 else None
     o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, norm, ckpts, tune=tune)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, norm, ckpts)
     assert torch.isfinite(o).all()
@@ -157,22 +160,50 @@ def test_shipped_chunk_tunables_match_recurrent(gate, varlen, h0, ckpts, norm, t
         assert rel_rms(ck, rck) < 1e-4
 
 
-@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
-def test_shipped_chunk_gate_in_kernel(lower_bound):
+class _LaunchCount:
+    """Stands in for a ``@triton.jit`` kernel and counts its launches."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(
+    "lower_bound,tune,midpoint",
+    [
+        pytest.param(None, None, False, id="standard"),
+        pytest.param(-5.0, None, True, id="bounded-midpoint"),
+        pytest.param(-5.0, {"diag_ieee": 1, "diag_warps": 2}, True, id="bounded-midpoint-ieee"),
+        pytest.param(-5.0, {"diag_mid": 0}, False, id="bounded-exact"),
+        pytest.param(-20.0, None, False, id="bounded-lb20-too-wide-for-midpoint"),
+    ],
+)
+def test_shipped_chunk_gate_in_kernel(lower_bound, tune, midpoint, monkeypatch):
+    """Raw gate logits in. The bounded gate with lb -5 takes the midpoint diagonal kernel (no span check: a
+    sub-chunk spans at most 15 * 5 / ln 2 < SPAN_MAX), ``diag_mid`` 0 the exact one; with lb -20 a sub-chunk
+    may span 15 * 20 / ln 2 > SPAN_MAX, so the launcher must keep it on the exact kernel."""
     from kda_sessions.kernels.gate.naive import naive_kda_gate
     from kda_sessions.kernels.kda import chunk
+    mid = _LaunchCount(chunk._diag_mid_kernel)
+    monkeypatch.setattr(chunk, "_diag_mid_kernel", mid)
     q, k, v, beta, raw, A_log, dt_bias, cu, ckpts = gate_case(H, K, V)
     init = torch.randn(2, H, K, V)
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
     o, final, ck = chunk.chunk_kda_triton(q, k, v, raw, beta, 0.3, init, True, cu, True, ckpts,
                                        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                       lower_bound=lower_bound)
+                                       lower_bound=lower_bound, tune=tune)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, 0.3, init, True, cu, True, ckpts)
+    assert mid.launches == int(midpoint)
     assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4 and rel_rms(ck, rck) < 1e-4
 
 
-def test_shipped_chunk_rejects_unknown_launch_parameter():
+@pytest.mark.parametrize("key", ["intra_bk", "diag_span_check"])
+def test_shipped_chunk_rejects_unknown_launch_parameter(key):
+    """Also the keys of earlier kernels (v6's span-check mode was dropped at its promotion)."""
     from kda_sessions.kernels.kda import chunk
     q, k, v, g, beta = kda_inputs(1, 16, H, K, V, False)
-    with pytest.raises(ValueError, match="intra_bk"):
-        chunk.chunk_kda_triton(q, k, v, g, beta, tune={"intra_bk": 16})
+    with pytest.raises(ValueError, match=key):
+        chunk.chunk_kda_triton(q, k, v, g, beta, tune={key: 16})
