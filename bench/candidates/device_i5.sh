@@ -12,7 +12,7 @@
 #    chunk.py files and variants; fla is not timed: its autotuning takes minutes, see docs/benchmarks.md run C).
 #    The default variants: 4 heads per diagonal program on 2 warps, and the bounded fused gate on the exact
 #    diagonal kernel (``diag_mid`` 0; its "bounded gate fused" line against ours times the midpoint path).
-# I5_MLA=0 skips step 2; CHUNK_ONLY=check skips the chunk timings.
+# I5_MLA=0 skips step 2; CHUNK_ONLY=check skips the chunk timings; MLA_EXTRA (JSON list) adds MLA launch parameters.
 # Results: $OUT/mla.json, $OUT/chunk.json and the logs beside them.
 set -uo pipefail
 export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 TRITON_INTERPRET=0
@@ -22,11 +22,11 @@ nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 # the package itself (kda_sessions.kernels and .storage are mapped folders): the tests import it installed
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "editable install failed"
 echo "== graph decode vs eager"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graph_decode.py \
+timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graph_decode.py \
     tests/kernels/test_kda_triton.py 2>&1 | tail -15
 if [ "${I5_MLA:-1}" = 1 ]; then
 echo "== mla"
-timeout 170 python3 bench/kernels.py --only checkmla,mla --warm-procs 12 --out "$OUT/mla.json" > /dev/null 2> "$OUT/mla.err"
+timeout 220 python3 bench/kernels.py --only checkmla,mla --warm-procs 12 --out "$OUT/mla.json" > /dev/null 2> "$OUT/mla.err"
 grep -E "^(mla |check_mla)" "$OUT/mla.err" || tail -20 "$OUT/mla.err"
 fi
 echo "== chunk"

@@ -149,12 +149,20 @@ def _mm(a, b, IEEE: tl.constexpr):
 def _diag_token_kernel(
     qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
+    ROW_FAST: tl.constexpr,
 ):
     """Row r of the diagonal blocks of A_qk (s <= r, times scale) and L (s < r, times beta_r; zeros from r on)
-    for BH heads, exactly: only the keys s <= r of r's sub-chunk are visited."""
-    c = tl.program_id(0)
-    r = tl.program_id(1)
-    hh = tl.program_id(2) * BH + tl.arange(0, BH)
+    for BH heads, exactly: only the keys s <= r of r's sub-chunk are visited. ROW_FAST: grid (chunks * BT, head
+    blocks) with the rows of one chunk on neighbouring programs (they re-read each other's key rows from L2);
+    else (chunks, BT, head blocks)."""
+    if ROW_FAST:
+        c = tl.program_id(0) // BT
+        r = tl.program_id(0) % BT
+        hh = tl.program_id(1) * BH + tl.arange(0, BH)
+    else:
+        c = tl.program_id(0)
+        r = tl.program_id(1)
+        hh = tl.program_id(2) * BH + tl.arange(0, BH)
     n_rows = tl.load(chunk_len + c)
     if r < n_rows:
         bos = tl.load(chunk_start + c).to(tl.int64)
@@ -494,7 +502,7 @@ def _chunk_table(
 # the midpoint kernel's warps; ``diag_mid`` 0 sends the bounded fused gate to the exact kernel;
 # ``diag_ieee`` 1 runs the midpoint dots in IEEE float32 rather than tf32.
 DEFAULTS: dict[str, int] = {
-    "prep_bk": 64, "prep_warps": 4, "tok_bh": 2, "tok_warps": 1, "diag_mid": 1, "diag_ieee": 0,
+    "prep_bk": 64, "prep_warps": 4, "tok_bh": 2, "tok_warps": 1, "tok_order": 0, "diag_mid": 1, "diag_ieee": 0,
     "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
     "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
     "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
@@ -518,8 +526,9 @@ def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: i
         )
     else:
         BH = min(cfg["tok_bh"], triton.next_power_of_2(H))
-        _diag_token_kernel[(NC, BT, triton.cdiv(H, BH))](
-            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, num_warps=cfg["tok_warps"],
+        grid = (NC * BT, triton.cdiv(H, BH)) if cfg["tok_order"] else (NC, BT, triton.cdiv(H, BH))
+        _diag_token_kernel[grid](
+            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, ROW_FAST=bool(cfg["tok_order"]), num_warps=cfg["tok_warps"],
         )
 
 

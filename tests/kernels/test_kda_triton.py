@@ -138,6 +138,8 @@ CHUNK_CASES = [  # (gate, heads, varlen, h0, checkpoints, l2norm, launch paramet
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, None, id="3-heads-2-per-program"),
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, {"tok_bh": 4},
                  id="3-heads-4-per-program"),
+    pytest.param("steep", 3, True, True, [[20], [2, 50]], True, {"tok_bh": 2, "tok_order": 1},
+                 id="3-heads-rows-fastest-grid"),
 ]
 
 
