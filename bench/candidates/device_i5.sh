@@ -10,8 +10,8 @@
 #    32 x 32K), `bench/kernels.py --only checkmla,mla`;
 # 3. chunk_kda: the shipped kernel checked and timed with a few launch variants (CHUNK_OLD / CHUNK_TUNE: other
 #    chunk.py files and variants; fla is not timed: its autotuning takes minutes, see docs/benchmarks.md run C).
-#    The default variants: 4 heads per diagonal program on 2 warps, and the bounded fused gate on the exact
-#    diagonal kernel (``diag_mid`` 0; its "bounded gate fused" line against ours times the midpoint path).
+#    The default variants: the diagonal kernel's earlier launch (2 heads per program, 1 warp, chunks fastest), and
+#    the bounded fused gate on the midpoint diagonal kernel (``diag_mid`` 1; its "bounded gate fused" line).
 # I5_MLA=0 skips step 2; CHUNK_ONLY=check skips the chunk timings; MLA_EXTRA (JSON list) adds MLA launch parameters.
 # Results: $OUT/mla.json, $OUT/chunk.json and the logs beside them.
 set -uo pipefail
@@ -30,7 +30,7 @@ timeout 220 python3 bench/kernels.py --only checkmla,mla --warm-procs 12 --out "
 grep -E "^(mla |check_mla)" "$OUT/mla.err" || tail -20 "$OUT/mla.err"
 fi
 echo "== chunk"
-tune=${CHUNK_TUNE:-'{"chunk":[{"tok_bh":4,"tok_warps":2},{"diag_mid":0}]}'}
+tune=${CHUNK_TUNE:-'{"chunk":[{"tok_bh":2,"tok_warps":1,"tok_order":0},{"diag_mid":1}]}'}
 timeout 250 python3 bench/kernels.py --only ${CHUNK_ONLY:-check,chunk} --no-fla --warm-procs 12 --deadline 230 \
     --old ${CHUNK_OLD:-kernels/kda/chunk.py} --old-tune "$tune" \
     --out "$OUT/chunk.json" > /dev/null 2> "$OUT/chunk.err"

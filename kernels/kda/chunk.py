@@ -14,7 +14,10 @@ The diagonal step comes from bench/candidates/chunk_v6.py, promoted on 2026-11-3
 and ``tok_warps`` 1, against 6.28 / 6.42 / 6.48 in the same run for v5's diagonal kernel, one program per
 chunk, head and sub-chunk over all 16 x 16 pairs (git history 7e7c724); error against the float32 twin
 unchanged (3.8e-3 standard, 4.3e-3 / 4.4e-3 bounded with the gate fused). Other variants:
-bench/candidates/README.md. The midpoint path's speed for the bounded fused gate is not yet timed on its own.
+bench/candidates/README.md. Run M then set today's defaults (``tok_order`` 1, ``tok_bh`` 4, ``tok_warps`` 2:
+6.74 / 6.92 / 7.02 M tokens/s, the rows of a chunk on neighbouring programs so their key rows stay in L2 at
+128K) and sent the bounded fused gate through the exact kernel too (``diag_mid`` 0: 6.36 / 6.56 / 6.33 against
+6.27 / 6.42 / 6.44 through the midpoint kernel, whose 16 x 16 dots do not pay at 8K and 32K).
 
 Six launches over a table of chunks (at most ``BT`` = 64 tokens each, starting at every sequence's first token;
 a chunk also ends at every requested checkpoint position, so the state there is a chunk-boundary state):
@@ -25,9 +28,10 @@ a chunk also ends at every requested checkpoint position, so the state there is 
 2. ``_diag_token_kernel`` per (chunk, row r, ``tok_bh`` heads): row r of the diagonal [16, 16] blocks of A_qk
    (causal, scaled, into Aqk) and of L (strict, times beta, float32 into Ld), exact: only the keys s <= r of
    r's sub-chunk, each with 2^(G_r - G_s), so no span limit and no branch (fla's token-parallel form). With
-   the bounded gate fused, ``_diag_mid_kernel`` per (chunk, head, sub-chunk) instead: both factors through the
-   midpoint of the sub-chunk's decay range, then two [16, K] x [K, 16] dots; that gate bounds the range by
-   15 |lb| / ln 2, so the launcher takes it, with no check in the kernel, when that is within ``SPAN_MAX``.
+   the bounded gate fused and ``diag_mid`` 1, ``_diag_mid_kernel`` per (chunk, head, sub-chunk) instead: both
+   factors through the midpoint of the sub-chunk's decay range, then two [16, K] x [K, 16] dots; that gate
+   bounds the range by 15 |lb| / ln 2, so the launcher takes it, with no check in the kernel, when that is
+   within ``SPAN_MAX`` (off by default: slower at 8K and 32K in run M).
 3. ``_offdiag_kernel`` per (chunk, head): the six off-diagonal blocks of A_qk and of L on tensor cores (twelve
    accumulators, nothing else in the K loop), then (I + L)^-1 by 16 x 16 blocks; X diag(beta) out.
 4. ``_wu_kernel``      per (chunk, head): w = X diag(beta) (kn 2^G), u = X diag(beta) v as [64, 64] MMAs.
@@ -502,7 +506,7 @@ def _chunk_table(
 # the midpoint kernel's warps; ``diag_mid`` 0 sends the bounded fused gate to the exact kernel;
 # ``diag_ieee`` 1 runs the midpoint dots in IEEE float32 rather than tf32.
 DEFAULTS: dict[str, int] = {
-    "prep_bk": 64, "prep_warps": 4, "tok_bh": 2, "tok_warps": 1, "tok_order": 0, "diag_mid": 1, "diag_ieee": 0,
+    "prep_bk": 64, "prep_warps": 4, "tok_bh": 4, "tok_warps": 2, "tok_order": 1, "diag_mid": 0, "diag_ieee": 0,
     "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
     "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
     "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,

@@ -222,9 +222,9 @@ def _launch(
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
-    H200: "heads" BN 64, 4 warps, 3 stages; "tokens" BN 64, 8 warps, 2 stages for splits under 384 tokens (1 x 32K:
-    34.4 us, against 39.6 with the long-split tiles) and BN 32, 4 warps, 3 stages for longer ones (1 x 128K: 89.3
-    against 95.9 us, 1 x 1M: 522 against 563; run H in docs/benchmarks.md)."""
+    H200: "heads" BN 64, 4 warps, 3 stages; "tokens" BN 64, 4 warps, 2 stages at every split length (run M in
+    docs/benchmarks.md: 1 x 32K / 128K / 1M 31.5 / 84.2 / 470.4 us, against 34.5 / 89.5 / 523.4 with the earlier
+    BN 64, 8 warps, 2 stages below 384 tokens per split and BN 32, 4 warps, 3 stages above)."""
     N, H, R = q_lat.shape
     if form is None:
         form = _default_form(N)
@@ -240,9 +240,6 @@ def _launch(
     if num_splits is None:
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
         num_splits = (_num_splits_tokens if tokens else _num_splits)(N, max_pages * P, sm)
-    long_splits = tokens and triton.cdiv(max_pages * P, num_splits) >= 384
-    if BN is None and num_warps is None and num_stages is None and long_splits:
-        BN, num_warps, num_stages = 32, 4, 3
     BN = BN or 64
     tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
     num_splits = triton.cdiv(max_pages * P, tps)
@@ -260,7 +257,7 @@ def _launch(
         _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
             q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps, num_splits,
             H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
-            num_warps=num_warps or 8, num_stages=num_stages or 2,
+            num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
         _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=16,
                                                          num_warps=2)

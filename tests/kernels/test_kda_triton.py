@@ -138,8 +138,8 @@ CHUNK_CASES = [  # (gate, heads, varlen, h0, checkpoints, l2norm, launch paramet
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, None, id="3-heads-2-per-program"),
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, {"tok_bh": 4},
                  id="3-heads-4-per-program"),
-    pytest.param("steep", 3, True, True, [[20], [2, 50]], True, {"tok_bh": 2, "tok_order": 1},
-                 id="3-heads-rows-fastest-grid"),
+    pytest.param("steep", 3, True, True, [[20], [2, 50]], True, {"tok_bh": 2, "tok_order": 0},
+                 id="3-heads-chunks-fastest-grid"),
 ]
 
 
@@ -177,16 +177,16 @@ class _LaunchCount:
     "lower_bound,tune,midpoint",
     [
         pytest.param(None, None, False, id="standard"),
-        pytest.param(-5.0, None, True, id="bounded-midpoint"),
-        pytest.param(-5.0, {"diag_ieee": 1, "diag_warps": 2}, True, id="bounded-midpoint-ieee"),
-        pytest.param(-5.0, {"diag_mid": 0}, False, id="bounded-exact"),
-        pytest.param(-20.0, None, False, id="bounded-lb20-too-wide-for-midpoint"),
+        pytest.param(-5.0, {"diag_mid": 1}, True, id="bounded-midpoint"),
+        pytest.param(-5.0, {"diag_mid": 1, "diag_ieee": 1, "diag_warps": 2}, True, id="bounded-midpoint-ieee"),
+        pytest.param(-5.0, None, False, id="bounded-exact-by-default"),
+        pytest.param(-20.0, {"diag_mid": 1}, False, id="bounded-lb20-too-wide-for-midpoint"),
     ],
 )
 def test_shipped_chunk_gate_in_kernel(lower_bound, tune, midpoint, monkeypatch):
-    """Raw gate logits in. The bounded gate with lb -5 takes the midpoint diagonal kernel (no span check: a
-    sub-chunk spans at most 15 * 5 / ln 2 < SPAN_MAX), ``diag_mid`` 0 the exact one; with lb -20 a sub-chunk
-    may span 15 * 20 / ln 2 > SPAN_MAX, so the launcher must keep it on the exact kernel."""
+    """Raw gate logits in. With ``diag_mid`` 1 the bounded gate with lb -5 takes the midpoint diagonal kernel (no
+    span check: a sub-chunk spans at most 15 * 5 / ln 2 < SPAN_MAX), by default the exact one; with lb -20 a
+    sub-chunk may span 15 * 20 / ln 2 > SPAN_MAX, so the launcher must keep it on the exact kernel."""
     from kda_sessions.kernels.gate.naive import naive_kda_gate
     from kda_sessions.kernels.kda import chunk
     mid = _LaunchCount(chunk._diag_mid_kernel)
