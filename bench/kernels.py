@@ -88,8 +88,8 @@ MLA_VARIANTS: list[dict] = [
     {"BN": 32, "BH": 32, "num_warps": 8, "num_stages": 3}, {"BN": 64, "BH": 32, "num_warps": 8, "num_stages": 2},
     {"BN": 32, "BH": 16, "num_warps": 4, "num_stages": 3}, {"BN": 64, "BH": 64, "num_warps": 8, "num_stages": 2},
 ]
-# the current kernel's forms, forced; the last: "tokens" with the split count "heads" picks for 32 x 32K (eight
-# waves), never timed for 8+ sequences (runs H-L timed it with its own two-wave count only)
+# the current kernel's forms, forced; the last: "tokens" with 36 splits (eight waves at 32 x 32K, the default
+# there since run N; for one sequence a fixed count far from its default)
 MLA_FORMS: list[dict] = [{"form": "heads"}, {"form": "tokens"}, {"form": "tokens", "num_splits": 36}]
 
 

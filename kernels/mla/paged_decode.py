@@ -3,13 +3,13 @@
 Every program takes one sequence's split of the context and all H heads, so each cached row [r + dr] is read
 once and serves every head (the cache is shared by the heads, like MQA); a second launch merges the splits. The
 number of splits comes from the page table's capacity, not from ``seq_lens``, so there is no host sync (CUDA-graph
-safe). Two forms, chosen by the number of sequences N (``_default_form``):
+safe). Two forms (``_default_form`` picks "tokens"; "heads" is kept to force, for comparison):
 
-- ``"tokens"`` (N < 8): tokens on the rows of both products (scores^T = c q^T [BN, BH], acc^T += c^T p^T
+- ``"tokens"``: tokens on the rows of both products (scores^T = c q^T [BN, BH], acc^T += c^T p^T
   [r, BH]); each split stores its output already normalised, in q's dtype (float32 for float32 q), plus one
   base-2 log-sum-exp per head, and the merge reads them in one pass. Splits past a sequence's end store 0 and
   a log-sum-exp of -1e30, which the merge weighs 0.
-- ``"heads"`` (N >= 8): heads on the rows (scores = q c^T [BH, BN]); float32 partials (unnormalised latent sum,
+- ``"heads"``: heads on the rows (scores = q c^T [BH, BN]); float32 partials (unnormalised latent sum,
   running max, running denominator).
 """
 
@@ -198,21 +198,22 @@ def _num_splits(N: int, capacity: int, sm_count: int) -> int:
 
 
 def _num_splits_tokens(N: int, capacity: int, sm_count: int) -> int:
-    """The "tokens" form: (sequence, split) programs for two waves of the GPU at any N, each split at least 256
-    tokens of capacity (bench/candidates/paged_decode_v3.py's ``_num_splits`` with waves 2.0, min_tokens 256):
-    on the H200's 132 SMs 128 / 264 / 264 splits for one sequence of 32K / 128K / 1M, the counts that run G
-    (docs/benchmarks.md) measured for this form: 34.5 / 96.1 / 561 us against the "heads" form's 44.8 / 107.7 /
-    584 in the same run (run E had found the same counts best for "heads" at one sequence). Forced at 32 x 32K it gets 9 splits
-    (735 us in run G, against 599 for "heads" with its own heuristic)."""
-    return max(1, min(triton.cdiv(2 * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
+    """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and eight waves from
+    8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
+    docs/benchmarks.md): one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 / 463.7 us,
+    against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x 32K at
+    36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves) and 595.4 for the "heads" form."""
+    waves = 8 if N >= 8 else 1
+    return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
 def _default_form(N: int) -> str:
-    """The "tokens" form below 8 sequences, "heads" from 8 up. Measured on the H200 only at the ends (run G): "tokens" is
-    23% / 11% / 4% faster for one sequence of 32K / 128K / 1M and 23% slower for 32 x 32K; 8 is where the
-    "heads" heuristic goes from two waves to eight. Run G timed v3's page-aligned tiles (one page-table load per
-    tile at P 64), as this kernel does wherever BN divides P (else it gathers every row's page id)."""
-    return "tokens" if N < 8 else "heads"
+    """The "tokens" form at every N (run N in docs/benchmarks.md, with the split counts above: 1 x 32K / 128K / 1M
+    31.2 / 73.7 / 463.7 us against 44.8 / 107.4 / 580.3 for "heads", and 32 x 32K 512.7 against 595.4). "heads"
+    stays as a form to force (``form="heads"``): its float32 partials are exact to 4e-4 where the "tokens"
+    form's bf16 partials give 1.8e-3 against the float32 twin."""
+    del N
+    return "tokens"
 
 
 def _launch(

@@ -100,7 +100,7 @@ def _mla_inputs(lens: list[int], P: int, max_pages: int | None = None, dtype: to
     return ql.to(dtype), qp.to(dtype), kv.to(dtype), pt, torch.tensor(lens)
 
 
-# (lens, P, table width, num_splits): one sequence, three, nine (the "heads" form by default), and short
+# (lens, P, table width, num_splits): one sequence, three, nine (eight waves of splits by default), and short
 # sequences in a wide table split 16 ways (64-token splits: at most 2 of 16 hold tokens)
 MLA_CASES = {
     "N1-P16": ([300], 16, None, None),
@@ -136,9 +136,9 @@ def test_mla_decode_paged_half(lens, form):
     assert rel_rms(o, naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, 0.1)) < TOL_HALF
 
 
-@pytest.mark.parametrize("N,form", [(1, "tokens"), (7, "tokens"), (8, "heads")], ids=lambda x: str(x))
+@pytest.mark.parametrize("N,form", [(1, "tokens"), (7, "tokens"), (8, "tokens")], ids=lambda x: str(x))
 def test_mla_decode_paged_dispatch_by_n(N, form):
-    """Fewer than 8 sequences run the "tokens" form, 8 and more "heads": the same bits as forcing that form."""
+    """Every N runs the "tokens" form: the same bits as forcing it."""
     from kda_sessions.kernels.mla.paged_decode import _default_form, mla_decode_paged_triton
 
     assert _default_form(N) == form
@@ -163,6 +163,18 @@ def test_mla_decode_paged_tokens_form_long_splits(P):
     args = (ql, qp, kv, pt, sl, 0.1, 2)
     assert torch.equal(o, _launch(*args, BN=64, num_warps=4, num_stages=2, form="tokens"))
     assert rel_rms(_launch(*args, BN=32, num_warps=4, num_stages=3, form="tokens"), o) < TOL
+
+
+def test_mla_decode_paged_tokens_split_counts():
+    """One wave of the GPU below 8 sequences, eight from 8 up, at least 256 tokens of capacity per split (the
+    counts measured on the H200's 132 SMs)."""
+    from kda_sessions.kernels.mla.paged_decode import _num_splits_tokens
+
+    assert _num_splits_tokens(1, 1 << 20, 132) == 132
+    assert _num_splits_tokens(1, 1 << 15, 132) == 128  # capacity-bound: 256 tokens per split
+    assert _num_splits_tokens(7, 1 << 20, 132) == 19
+    assert _num_splits_tokens(32, 1 << 15, 132) == 33
+    assert _num_splits_tokens(1, 100, 132) == 1
 
 
 def test_mla_decode_paged_rejects_unknown_form():
