@@ -17,7 +17,9 @@ unchanged (3.8e-3 standard, 4.3e-3 / 4.4e-3 bounded with the gate fused). Other 
 bench/candidates/README.md. Run M then set today's defaults (``tok_order`` 1, ``tok_bh`` 4, ``tok_warps`` 2:
 6.74 / 6.92 / 7.02 M tokens/s, the rows of a chunk on neighbouring programs so their key rows stay in L2 at
 128K) and sent the bounded fused gate through the exact kernel too (``diag_mid`` 0: 6.36 / 6.56 / 6.33 against
-6.27 / 6.42 / 6.44 through the midpoint kernel, whose 16 x 16 dots do not pay at 8K and 32K).
+6.27 / 6.42 / 6.44 through the midpoint kernel, whose 16 x 16 dots do not pay at 8K and 32K). Run P: the state
+kernel on 32-wide V blocks (``state_bv`` 32: 128 programs on the H200's 132 SMs for H 32, against 64 with 64-wide
+blocks) 6.99 / 7.17 / 7.27, against 6.79 / 6.96 / 7.06 (2 warps or 16-wide blocks: slower).
 
 Six launches over a table of chunks (at most ``BT`` = 64 tokens each, starting at every sequence's first token;
 a chunk also ends at every requested checkpoint position, so the state there is a chunk-boundary state):
@@ -509,7 +511,7 @@ DEFAULTS: dict[str, int] = {
     "prep_bk": 64, "prep_warps": 4, "tok_bh": 4, "tok_warps": 2, "tok_order": 1, "diag_mid": 0, "diag_ieee": 0,
     "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
     "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
-    "state_bv": 64, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
+    "state_bv": 32, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
 }
 SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
 LN2 = 0.6931471805599453
