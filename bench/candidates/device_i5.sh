@@ -5,7 +5,7 @@
 #   run(command="bash bench/candidates/device_i5.sh", carry=[".whl/train"])
 #
 # 1. the engine's CUDA-graph decode against eager on the GPU (tests/model/test_cuda_graph_decode.py -k cuda), which
-#    goes through the MLA "tokens" form for batches under 8 sequences;
+#    goes through the MLA "tokens" form (every batch since run O);
 # 2. MLA decode: both forms checked against the twin (N 1 and 32, P 16 and 64) and timed (1 x 32K / 128K / 1M,
 #    32 x 32K), `bench/kernels.py --only checkmla,mla`;
 # 3. chunk_kda: the shipped kernel checked and timed with a few launch variants (CHUNK_OLD / CHUNK_TUNE: other
