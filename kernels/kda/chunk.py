@@ -62,6 +62,12 @@ RCP_LN2 = tl.constexpr(1.4426950408889634)  # G is kept in log2 units: 2^G = e^(
 
 
 @triton.jit
+def _chunk(chunk_start, chunk_len, c):
+    """Chunk c of the chunk table: (its first packed row as int64, its number of rows)."""
+    return tl.load(chunk_start + c).to(tl.int64), tl.load(chunk_len + c)
+
+
+@triton.jit
 def _rows(base, bos, row0, n_rows, h, cols, H: tl.constexpr, W: tl.constexpr, R: tl.constexpr):
     """Rows row0 .. row0 + R of a packed [T, H, W] tensor at head h, columns ``cols``, as float32 (zeros past
     n_rows)."""
@@ -110,8 +116,7 @@ def _prep_kernel(
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_start + c).to(tl.int64)
-    n_rows = tl.load(chunk_len + c)
+    bos, n_rows = _chunk(chunk_start, chunk_len, c)
     rows = tl.arange(0, BT)
     rq = tl.full([BT], 1.0, dtype=tl.float32)
     rk = tl.full([BT], 1.0, dtype=tl.float32)
@@ -221,8 +226,7 @@ def _diag_mid_kernel(
     c = tl.program_id(0)
     h = tl.program_id(1)
     i = tl.program_id(2)
-    bos = tl.load(chunk_start + c).to(tl.int64)
-    n_rows = tl.load(chunk_len + c)
+    bos, n_rows = _chunk(chunk_start, chunk_len, c)
     row0 = i * BC
     if row0 < n_rows:
         cols = tl.arange(0, BK)
@@ -290,8 +294,7 @@ def _offdiag_kernel(
 ):
     c = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_start + c).to(tl.int64)
-    n_rows = tl.load(chunk_len + c)
+    bos, n_rows = _chunk(chunk_start, chunk_len, c)
     z = tl.zeros([BC, BC], dtype=tl.float32)
     A10, A20, A21, A30, A31, A32 = z, z, z, z, z, z
     L10, L20, L21, L30, L31, L32 = z, z, z, z, z, z
@@ -380,8 +383,7 @@ def _wu_kernel(
     """w = X diag(beta) (kn 2^G), u = X diag(beta) v, per (chunk, head)."""
     c = tl.program_id(0)
     h = tl.program_id(1)
-    bos = tl.load(chunk_start + c).to(tl.int64)
-    n_rows = tl.load(chunk_len + c)
+    bos, n_rows = _chunk(chunk_start, chunk_len, c)
     rows = tl.arange(0, BT)
     X = tl.load(Xb + ((bos + rows)[:, None] * H + h) * BT + rows[None, :],
                 mask=(rows[:, None] < n_rows) & (rows[None, :] < n_rows), other=0.0)
@@ -418,8 +420,7 @@ def _state_kernel(
     rows = tl.arange(0, BT)
     hptr = hbuf + (c0.to(tl.int64) * H + h) * K * V + off_s
     for c in range(c0, c1):
-        bos = tl.load(chunk_start + c).to(tl.int64)
-        n_rows = tl.load(chunk_len + c)
+        bos, n_rows = _chunk(chunk_start, chunk_len, c)
         rmask = rows < n_rows
         tl.store(hptr, S.to(hbuf.dtype.element_ty), mask=mkv)
         hptr += H * K * V
@@ -450,8 +451,7 @@ def _output_kernel(
     c = tl.program_id(0)
     h = tl.program_id(1)
     iv = tl.program_id(2)
-    bos = tl.load(chunk_start + c).to(tl.int64)
-    n_rows = tl.load(chunk_len + c)
+    bos, n_rows = _chunk(chunk_start, chunk_len, c)
     rows = tl.arange(0, BT)
     rk = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
