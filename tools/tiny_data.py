@@ -11,7 +11,7 @@ from an earlier tool output or user note; they are answered without a tool call.
 Files are split into train / held-out by a sha256 of their path relative to the stdlib root, so the split is
 the same on every machine and Python version (only the set of files present differs).
 
-    make_row(rng, split, max_len, distance, drill) -> (ids, mask)   one training row; mask 1 on the assistant's
+    make_row(rng, split, max_len, distance, drill, near_miss) -> (ids, mask)   one training row; mask 1 on the assistant's
                                                                     tokens, 2 on the fact inside its answers
     curriculum_distances(step, a, b, s) -> (lo, hi)                  recall distances of a training step
     eval_tasks(seed, n, kind) -> list[Task]                          held-out tasks for tools/eval_tiny.py
@@ -166,6 +166,15 @@ def _name_words() -> tuple[str, ...]:
     return tuple(sorted(w for w in words if 3 <= len(w) <= 9))
 
 
+@lru_cache(maxsize=1)
+def _name_stems() -> tuple[str, ...]:
+    """Names a near-miss name starts with: train-split file stems and directory names, and the name words."""
+    c = corpus()
+    stems = {rel.rsplit("/", 1)[-1].removesuffix(".py") for rel in c.files["train"]}
+    stems |= {d.rsplit("/", 1)[-1] for d in c.dirs["train"] if d != "."}
+    return tuple(sorted(x for x in stems | set(_name_words()) if 3 <= len(x) <= 16 and x.isidentifier()))
+
+
 class RenamedCorpus:
     """A fresh project made of real train-split stdlib files and directory listings under random names.
 
@@ -176,7 +185,9 @@ class RenamedCorpus:
     and each listed directory created (same entry names, empty) under a per-process temp root when a tool first
     touches it. Offers the parts of ``Corpus`` that episodes use; every path is in the "train" split."""
 
-    def __init__(self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12) -> None:
+    def __init__(
+        self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12, near_miss: float = 0.0
+    ) -> None:
         import os
         import shutil
         import tempfile
@@ -189,7 +200,15 @@ class RenamedCorpus:
         self.base = base
         words = _name_words()
 
+        stems = _name_stems()
+
         def name() -> str:
+            # ``near_miss`` of the names start like a stdlib name and run on into something new, no separator
+            # (held-out "turtledemo" after training's "turtle"): only copying gets them right. 0 draws nothing
+            # from rng, so rows of runs before the option are unchanged.
+            if near_miss and rng.random() < near_miss:
+                tail = rng.choice(words)
+                return rng.choice(stems) + tail[: rng.randrange(1, len(tail) + 1)]
             k = rng.random()
             w = rng.choice(words)
             return w if k < 0.3 else f"{w}_{rng.choice(words)}" if k < 0.8 else f"{w}{rng.randrange(2, 100)}"
@@ -598,19 +617,22 @@ def _plain_row(rng: random.Random, c: Corpus, split: str, max_len: int) -> tuple
 
 def make_row(
     rng: random.Random, split: str, max_len: int, distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE),
-    drill: float = 0.0,
+    drill: float = 0.0, near_miss: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One training row: (ids, mask), len <= max_len. A conversation of as many tasks as fit (60% with 1-8
     recall questions), or, for ``drill`` of all rows, a drill row (``_drill_row``), or, for PLAIN_FRACTION of
     rows, plain source text (mask all 1). The conversation's mask is 1 on the assistant's content, tool-call
     tokens and <|im_end|>, and FACT (2) on the fact each final answer states. Each recall question comes at
-    least ``draw_distance(distance)`` tokens after its fact (and at most about twice that)."""
+    least ``draw_distance(distance)`` tokens after its fact (and at most about twice that). ``near_miss``: the
+    share of RenamedCorpus names that start like a stdlib name (see there)."""
     _check_row_args(split, distance, drill)
+    if not 0.0 <= near_miss <= 1.0:
+        raise ValueError(f"near_miss must be in [0, 1], got {near_miss}")
     c: Any = corpus()
     if rng.random() < PLAIN_FRACTION:
         return _plain_row(rng, c, split, max_len)
     if split == "train" and rng.random() < RENAMED_FRACTION:
-        c = RenamedCorpus(rng, c)
+        c = RenamedCorpus(rng, c, near_miss=near_miss)
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header

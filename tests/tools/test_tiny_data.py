@@ -26,6 +26,7 @@ from tools.tiny_data import (
     SYSTEM,
     TOK,
     RenamedCorpus,
+    _name_stems,
     _read_episode,
     corpus,
     curriculum_distances,
@@ -142,6 +143,23 @@ def test_renamed_corpus_serves_real_train_files_under_new_names():
     rc2 = RenamedCorpus(random.Random(4), base)
     assert set(rc2.files["train"]).isdisjoint(rc.files["train"]) or rc2.files["train"] != rc.files["train"]
     assert not (rc2.root / rc.files["train"][0]).exists() or rc.files["train"][0] in rc2.files["train"]
+
+
+def test_near_miss_names_run_on_from_a_stdlib_name_and_off_changes_nothing():
+    base = corpus()
+    stems = set(_name_stems())
+    plain = RenamedCorpus(random.Random(5), base)
+    assert RenamedCorpus(random.Random(5), base, near_miss=0.0).real == plain.real  # 0 draws nothing extra
+    rc = RenamedCorpus(random.Random(5), base, near_miss=1.0)
+    for alias in [*rc.dirs["train"], *rc.files["train"]]:
+        kept = rc.real[alias].rsplit("/", 1)[-1]  # a file may keep its real base name
+        for part in alias.split("/"):
+            if part != kept:  # a stem, then at least one more letter, no separator
+                assert any(part.removesuffix(".py").startswith(s) and len(part.removesuffix(".py")) > len(s)
+                           for s in stems), part
+    assert rc.call("read_file", path=rc.files["train"][0]) == base.call("read_file", path=rc.real[rc.files["train"][0]])
+    with pytest.raises(ValueError, match="near_miss"):
+        make_row(random.Random(1), "train", 2048, near_miss=1.5)
 
 
 @pytest.mark.parametrize("max_len", [2048, 4096, 8192], ids=lambda n: f"len{n}")
