@@ -445,14 +445,19 @@ def time_chunk(fla_chunk, old_chunk: dict, Ts: list[int], cfg: dict | None = Non
     return rows
 
 
-def profile_chunk(old_chunk: dict) -> dict:
-    """Per-kernel CUDA time of 5 calls at T 32K: ours and every --old version (where the time goes)."""
+def profile_chunk(old_chunk: dict, fla_chunk=None) -> dict:
+    """Per-kernel CUDA time of 5 calls at T 32K: ours, every --old version and fla when loaded (where the time
+    goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     T = 512 if SMOKE else 32768
     q, k, v, g, beta = kda_inputs(1, T, False, seed=4)
+    fns = {"ours": chunk_kda_triton, **old_chunk}
+    if fla_chunk is not None:
+        fns["fla"] = lambda q, k, v, g, beta, *_: fla_chunk(
+            q=q, k=k, v=v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
     out = {}
-    for name, fn in {"ours": chunk_kda_triton, **old_chunk}.items():
+    for name, fn in fns.items():
         fn(q, k, v, g, beta, None, None, True, None, True)
         with profile(activities=[ProfilerActivity.CPU if SMOKE else ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
@@ -460,7 +465,7 @@ def profile_chunk(old_chunk: dict) -> dict:
             if not SMOKE:
                 torch.cuda.synchronize()
         out[name] = prof.key_averages().table(sort_by="self_cpu_time_total" if SMOKE else "cuda_time_total",
-                                              row_limit=8)
+                                              row_limit=14)
     return out
 
 
@@ -937,7 +942,7 @@ def main() -> None:
         Ts = ([512] if SMOKE else [8192]) if a.quick else [8192, 32768, 131072]
         steps.append(("chunk_kda", lambda: time_chunk(fla_chunk, old_chunk, Ts, best("chunk_best"))))
     if "chunk" in parts:
-        steps.append(("chunk_profile_T32K_x5", lambda: profile_chunk(old_chunk)))
+        steps.append(("chunk_profile_T32K_x5", lambda: profile_chunk(old_chunk, fla_chunk)))
     if "mlasweep" in parts:
         steps.append(("mla_sweep", lambda: mla_sweep(bw(), mla_mods, t_start + a.deadline)))
     if "mlasplits" in parts:
