@@ -520,6 +520,10 @@ LN2 = 0.6931471805599453
 # (cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), chunks, H, K, BK, gate) -> None: launches the
 # diagonal step. ``_launch`` takes another one, so a candidate kernel can be timed inside the shipped launcher.
 DiagStep = Callable[[dict[str, int], tuple[Any, ...], int, int, int, int, Any], None]
+# (cfg, (q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, beta, Aqk, Ld, chunk_start, chunk_len, scale,
+# lower_bound), chunks, H, K, BK, l2norm, gate kind 0/1/2) -> None: launches the prep and diagonal steps both, for
+# a candidate that fuses them (it must write every buffer ``_prep_kernel`` and the diagonal step write).
+PrepStep = Callable[[dict[str, int], tuple[Any, ...], int, int, int, int, bool, int], None]
 
 
 def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any) -> None:
@@ -543,7 +547,7 @@ def _launch(
     output_final_state: bool, bounds: list[int], use_qk_l2norm: bool,
     checkpoint_positions: Sequence[Sequence[int]] | None, tune: dict[str, int] | None = None,
     gate: tuple[Tensor, Tensor, float | None] | None = None, diag_step: DiagStep | None = None,
-    defaults: dict[str, int] = DEFAULTS,
+    defaults: dict[str, int] = DEFAULTS, prep_step: PrepStep | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Packed q, k, g [T, H, K], v [T, H, V], beta [T, H] (contiguous) -> o [T, H, V], final, checkpoints.
     ``gate``: (A_log [H] float32, dt_bias [H * K] float32, lower_bound) when g holds raw gate logits."""
@@ -583,13 +587,17 @@ def _launch(
     A_log, dt_bias, lb = gate if gate is not None else (None, None, None)
     gate_kind = 0 if gate is None else (1 if lb is None else 2)
 
-    _prep_kernel[(NC, H)](
-        q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
-        float(lb) if lb is not None else 0.0,
-        H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
-        num_warps=cfg["prep_warps"],
-    )
-    (diag_step or _diag_step)(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
+    if prep_step is not None:
+        prep_step(cfg, (q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, beta, Aqk, Ld, chunk_start, chunk_len, scale,
+                        float(lb) if lb is not None else 0.0), NC, H, K, BK, use_qk_l2norm, gate_kind)
+    else:
+        _prep_kernel[(NC, H)](
+            q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
+            float(lb) if lb is not None else 0.0,
+            H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
+            num_warps=cfg["prep_warps"],
+        )
+        (diag_step or _diag_step)(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
     _offdiag_kernel[(NC, H)](
         qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
         H=H, K=K, BT=BT, BC=BC, BK=min(cfg["offdiag_bk"], BK), INV_IEEE=bool(cfg["inv_ieee"]),
@@ -636,6 +644,7 @@ def chunk_kda_triton(
     *,
     _diag: DiagStep | None = None,
     _defaults: dict[str, int] | None = None,
+    _prep: PrepStep | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Chunked KDA forward (fla's ``chunk_kda`` arguments) plus float32 states at requested positions.
 
@@ -645,8 +654,8 @@ def chunk_kda_triton(
     the kernel computes the log-decay (see :func:`gate_params`). ``tune`` overrides launch parameters
     (:data:`DEFAULTS`). Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 | None,
     checkpoint_states [M, H, K, V] float32 | None)``. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
-    ``_diag`` / ``_defaults`` (private, for candidates in bench/candidates): another diagonal step and its launch
-    parameters.
+    ``_diag`` / ``_defaults`` / ``_prep`` (private, for candidates in bench/candidates): another diagonal step,
+    its launch parameters, and a step that replaces both the prep kernel and the diagonal step.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -683,6 +692,6 @@ def chunk_kda_triton(
         q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
         v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H, K).contiguous(),
         beta.reshape(B * T, H).contiguous(), float(scale), h0, output_final_state, bounds,
-        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate, _diag, _defaults or DEFAULTS,
+        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate, _diag, _defaults or DEFAULTS, _prep,
     )
     return o.view(B, T, H, V), final, ckpt
