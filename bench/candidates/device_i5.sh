@@ -12,7 +12,7 @@
 #    chunk.py files and variants; fla is not timed: its autotuning takes minutes, see docs/benchmarks.md run C).
 #    The default variants: the diagonal kernel's earlier launch (2 heads per program, 1 warp, chunks fastest), and
 #    the bounded fused gate on the midpoint diagonal kernel (``diag_mid`` 1; its "bounded gate fused" line).
-# I5_MLA=0 skips step 2; CHUNK_ONLY=check skips the chunk timings; MLA_EXTRA (JSON list) adds MLA launch parameters.
+# I5_TESTS=0 skips step 1, I5_MLA=0 step 2; CHUNK_ONLY=check skips the chunk timings; MLA_EXTRA (JSON list) adds MLA launch parameters.
 # CHUNK_FLA=1 times fla-core 0.6.0 in the same run (and profiles it beside ours at 32K): it autotunes in a process
 # of its own while our kernels compile and are checked (about 2 minutes), so step 3 gets 400 s instead of 250.
 # Results: $OUT/mla.json, $OUT/chunk.json and the logs beside them.
@@ -23,9 +23,11 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 # the package itself (kda_sessions.kernels and .storage are mapped folders): the tests import it installed
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "editable install failed"
+if [ "${I5_TESTS:-1}" = 1 ]; then
 echo "== graph decode vs eager"
 timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graph_decode.py \
     tests/kernels/test_kda_triton.py 2>&1 | tail -15
+fi
 if [ "${I5_MLA:-1}" = 1 ]; then
 echo "== mla"
 timeout 220 python3 bench/kernels.py --only checkmla,mla --warm-procs 12 --out "$OUT/mla.json" > /dev/null 2> "$OUT/mla.err"

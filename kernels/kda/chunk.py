@@ -113,9 +113,21 @@ def _log_decay(x, A_log, dt_bias, h, cols, lower_bound, K: tl.constexpr, GATE: t
 def _prep_kernel(
     q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    c = tl.program_id(0)
-    h = tl.program_id(1)
+    """SPLIT: one program per (chunk, K block, head), grid (chunks x K blocks, heads) with a chunk's K blocks on
+    neighbouring programs (the norm pass re-reads the chunk's full q and k rows from L2); else one per (chunk,
+    head) over every K block."""
+    if SPLIT:
+        c = tl.program_id(0) // (K // BK)
+        h = tl.program_id(1)
+        k_lo = (tl.program_id(0) % (K // BK)) * BK
+        k_hi = k_lo + BK
+    else:
+        c = tl.program_id(0)
+        h = tl.program_id(1)
+        k_lo = 0
+        k_hi = K
     bos, n_rows = _chunk(chunk_start, chunk_len, c)
     rows = tl.arange(0, BT)
     rq = tl.full([BT], 1.0, dtype=tl.float32)
@@ -131,7 +143,7 @@ def _prep_kernel(
             sk += tl.sum(x * x, axis=1)
         rq = tl.rsqrt(sq + 1e-6)
         rk = tl.rsqrt(sk + 1e-6)
-    for kb in range(0, K, BK):
+    for kb in range(k_lo, k_hi, BK):
         cols = kb + tl.arange(0, BK)
         x = _log_decay(_rows(g, bos, 0, n_rows, h, cols, H, K, BT), A_log, dt_bias, h, cols, lower_bound, K, GATE)
         x = tl.where(rows[:, None] < n_rows, x, 0.0) * RCP_LN2  # padded rows add no decay
@@ -402,8 +414,9 @@ def _wu_kernel(
 def _state_kernel(
     w, u, kg, dl, vnew, hbuf, h0, ht, hck, chunk_start, chunk_len, chunk_ck, seq_chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr, KT: tl.constexpr,
 ):
+    """KT: kg loaded as its transpose [BK, BT] straight from memory (no tl.trans before the update's dot)."""
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
@@ -426,7 +439,10 @@ def _state_kernel(
         hptr += H * K * V
         mk = rmask[:, None] & (rk[None, :] < K)
         wc = tl.load(w + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0)
-        kc = tl.load(kg + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0)
+        if KT:
+            kc = tl.load(kg + ((bos + rows)[None, :] * H + h) * K + rk[:, None], mask=tl.trans(mk), other=0.0)
+        else:
+            kc = tl.trans(tl.load(kg + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0))
         off_v = ((bos + rows)[:, None] * H + h) * V + cv[None, :]
         mv = rmask[:, None] & (cv[None, :] < V)
         uc = tl.load(u + off_v, mask=mv, other=0.0).to(tl.float32)
@@ -434,7 +450,7 @@ def _state_kernel(
         vn = uc - tl.dot(wc, S.to(wc.dtype))
         vn_lo = vn.to(vnew.dtype.element_ty)
         tl.store(vnew + off_v, vn_lo, mask=mv)
-        S = S * decay[:, None] + tl.dot(tl.trans(kc), vn_lo.to(kc.dtype))
+        S = S * decay[:, None] + tl.dot(kc, vn_lo.to(kc.dtype))
         if HAS_CK:
             ck = tl.load(chunk_ck + c)
             if ck >= 0:
@@ -512,6 +528,7 @@ DEFAULTS: dict[str, int] = {
     "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
     "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
+    "prep_split": 0, "state_kt": 0,
 }
 SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
 LN2 = 0.6931471805599453
@@ -591,10 +608,11 @@ def _launch(
         prep_step(cfg, (q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, beta, Aqk, Ld, chunk_start, chunk_len, scale,
                         float(lb) if lb is not None else 0.0), NC, H, K, BK, use_qk_l2norm, gate_kind)
     else:
-        _prep_kernel[(NC, H)](
+        PBK = min(cfg["prep_bk"], BK)
+        _prep_kernel[(NC * (K // PBK), H) if cfg["prep_split"] else (NC, H)](
             q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
             float(lb) if lb is not None else 0.0,
-            H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
+            H=H, K=K, BT=BT, BK=PBK, NORM=use_qk_l2norm, GATE=gate_kind, SPLIT=bool(cfg["prep_split"]),
             num_warps=cfg["prep_warps"],
         )
         (diag_step or _diag_step)(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
@@ -614,7 +632,7 @@ def _launch(
     _state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, dl, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
-        HAS_CK=M > 0, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
+        HAS_CK=M > 0, KT=bool(cfg["state_kt"]), num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
     )
     BV = min(cfg["out_bv"], BVf)
     _output_kernel[(NC, H, triton.cdiv(V, BV))](

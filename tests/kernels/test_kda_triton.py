@@ -131,6 +131,8 @@ CHUNK_CASES = [  # (gate, heads, varlen, h0, checkpoints, l2norm, launch paramet
     pytest.param("standard", H, True, True, [[5, 37], [1, 63]], True, None, id="standard-varlen-h0-ckpt"),
     pytest.param("bounded", H, True, False, [[37], [64]], True, SMALL_BLOCKS,
                  id="bounded-varlen-small-blocks"),
+    pytest.param("steep", H, True, True, [[20], [2, 50]], True, {**SMALL_BLOCKS, "prep_split": 1, "state_kt": 1},
+                 id="steep-varlen-ckpt-prep-split-over-k-blocks-transposed-state-load"),
     pytest.param("standard", H, False, True, None, False,
                  {"inv_ieee": 1, "offdiag_warps": 4, "prep_bk": 32, "tok_bh": 1, "tok_warps": 1},
                  id="standard-batch2-no-norm-ieee-inverse-1-head-per-program"),
