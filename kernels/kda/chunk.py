@@ -19,14 +19,21 @@ bench/candidates/README.md. Run M then set today's defaults (``tok_order`` 1, ``
 128K) and sent the bounded fused gate through the exact kernel too (``diag_mid`` 0: 6.36 / 6.56 / 6.33 against
 6.27 / 6.42 / 6.44 through the midpoint kernel, whose 16 x 16 dots do not pay at 8K and 32K). Run P: the state
 kernel on 32-wide V blocks (``state_bv`` 32: 128 programs on the H200's 132 SMs for H 32, against 64 with 64-wide
-blocks) 6.99 / 7.17 / 7.27, against 6.79 / 6.96 / 7.06 (2 warps or 16-wide blocks: slower).
+blocks) 6.99 / 7.17 / 7.27, against 6.79 / 6.96 / 7.06 (2 warps or 16-wide blocks: slower). Run R (sixth
+session): the prep kernel in one pass over all K channels (``prep_bk`` 128, so the norms come from the same loads;
+0.73 ms at 32K against 0.98 over 64-channel blocks) and the diagonal kernel with 8 heads per program on 4 warps
+(0.92 against 0.94 ms): 7.38 / 7.60 / 7.72 M tokens/s, 0.96-0.97 of fla 0.6.0 timed in the same session (7.61 /
+7.90 / 8.02). Tried there and dropped: the prep over K blocks on a grid of its own, kg loaded transposed in the
+state kernel, the state as two K halves (fla's 64-row blocks: 1.09 ms against 0.97), and candidate v7 (prep and
+diagonal fused: 4.1 M tokens/s); docs/benchmarks.md, run R.
 
 Six launches over a table of chunks (at most ``BT`` = 64 tokens each, starting at every sequence's first token;
 a chunk also ends at every requested checkpoint position, so the state there is a chunk-boundary state):
 
 1. ``_prep_kernel``    per (chunk, head): the gate (optional), q/k L2 norm (optional), G = the in-chunk cumulative
    log-decay in log2 units (float32, stored), kn, qn (normalised k, q), qg = scale * qn * 2^G,
-   kg = kn * 2^(G_last - G) and 2^G_last per chunk. Element-wise and one scan: bandwidth-bound.
+   kg = kn * 2^(G_last - G) and 2^G_last per chunk. Element-wise and one scan: bandwidth-bound. With blocks
+   narrower than K and the norm on, a first pass over q and k sums the squares.
 2. ``_diag_token_kernel`` per (chunk, row r, ``tok_bh`` heads): row r of the diagonal [16, 16] blocks of A_qk
    (causal, scaled, into Aqk) and of L (strict, times beta, float32 into Ld), exact: only the keys s <= r of
    r's sub-chunk, each with 2^(G_r - G_s), so no span limit and no branch (fla's token-parallel form). With
@@ -113,26 +120,15 @@ def _log_decay(x, A_log, dt_bias, h, cols, lower_bound, K: tl.constexpr, GATE: t
 def _prep_kernel(
     q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale, lower_bound,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
-    SPLIT: tl.constexpr,
 ):
-    """SPLIT: one program per (chunk, K block, head), grid (chunks x K blocks, heads) with a chunk's K blocks on
-    neighbouring programs (the norm pass re-reads the chunk's full q and k rows from L2); else one per (chunk,
-    head) over every K block."""
-    if SPLIT:
-        c = tl.program_id(0) // (K // BK)
-        h = tl.program_id(1)
-        k_lo = (tl.program_id(0) % (K // BK)) * BK
-        k_hi = k_lo + BK
-    else:
-        c = tl.program_id(0)
-        h = tl.program_id(1)
-        k_lo = 0
-        k_hi = K
+    c = tl.program_id(0)
+    h = tl.program_id(1)
     bos, n_rows = _chunk(chunk_start, chunk_len, c)
     rows = tl.arange(0, BT)
     rq = tl.full([BT], 1.0, dtype=tl.float32)
     rk = tl.full([BT], 1.0, dtype=tl.float32)
-    if NORM:  # a first pass for the row norms (from L1/L2 on the second)
+    ONE_PASS: tl.constexpr = BK >= K  # the block covers K: the norms come from the one pass's own loads
+    if NORM and not ONE_PASS:  # a first pass for the row norms (from L1/L2 on the second)
         sq = tl.zeros([BT], dtype=tl.float32)
         sk = tl.zeros([BT], dtype=tl.float32)
         for kb in range(0, K, BK):
@@ -143,14 +139,19 @@ def _prep_kernel(
             sk += tl.sum(x * x, axis=1)
         rq = tl.rsqrt(sq + 1e-6)
         rk = tl.rsqrt(sk + 1e-6)
-    for kb in range(k_lo, k_hi, BK):
+    for kb in range(0, K, BK):
         cols = kb + tl.arange(0, BK)
         x = _log_decay(_rows(g, bos, 0, n_rows, h, cols, H, K, BT), A_log, dt_bias, h, cols, lower_bound, K, GATE)
         x = tl.where(rows[:, None] < n_rows, x, 0.0) * RCP_LN2  # padded rows add no decay
         G = tl.cumsum(x, axis=0)
         g_last = tl.sum(x, axis=0)
-        qv = _rows(q, bos, 0, n_rows, h, cols, H, K, BT) * rq[:, None]
-        kv = _rows(k, bos, 0, n_rows, h, cols, H, K, BT) * rk[:, None]
+        qv = _rows(q, bos, 0, n_rows, h, cols, H, K, BT)
+        kv = _rows(k, bos, 0, n_rows, h, cols, H, K, BT)
+        if NORM and ONE_PASS:
+            rq = tl.rsqrt(tl.sum(qv * qv, axis=1) + 1e-6)
+            rk = tl.rsqrt(tl.sum(kv * kv, axis=1) + 1e-6)
+        qv = qv * rq[:, None]
+        kv = kv * rk[:, None]
         _store_rows(G2, G, bos, 0, n_rows, h, cols, H, K, BT)
         _store_rows(qn, qv, bos, 0, n_rows, h, cols, H, K, BT)
         _store_rows(kn, kv, bos, 0, n_rows, h, cols, H, K, BT)
@@ -414,9 +415,8 @@ def _wu_kernel(
 def _state_kernel(
     w, u, kg, dl, vnew, hbuf, h0, ht, hck, chunk_start, chunk_len, chunk_ck, seq_chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr, KT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr,
 ):
-    """KT: kg loaded as its transpose [BK, BT] straight from memory (no tl.trans before the update's dot)."""
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
@@ -439,10 +439,7 @@ def _state_kernel(
         hptr += H * K * V
         mk = rmask[:, None] & (rk[None, :] < K)
         wc = tl.load(w + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0)
-        if KT:
-            kc = tl.load(kg + ((bos + rows)[None, :] * H + h) * K + rk[:, None], mask=tl.trans(mk), other=0.0)
-        else:
-            kc = tl.trans(tl.load(kg + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0))
+        kc = tl.load(kg + ((bos + rows)[:, None] * H + h) * K + rk[None, :], mask=mk, other=0.0)
         off_v = ((bos + rows)[:, None] * H + h) * V + cv[None, :]
         mv = rmask[:, None] & (cv[None, :] < V)
         uc = tl.load(u + off_v, mask=mv, other=0.0).to(tl.float32)
@@ -450,7 +447,7 @@ def _state_kernel(
         vn = uc - tl.dot(wc, S.to(wc.dtype))
         vn_lo = vn.to(vnew.dtype.element_ty)
         tl.store(vnew + off_v, vn_lo, mask=mv)
-        S = S * decay[:, None] + tl.dot(kc, vn_lo.to(kc.dtype))
+        S = S * decay[:, None] + tl.dot(tl.trans(kc), vn_lo.to(kc.dtype))
         if HAS_CK:
             ck = tl.load(chunk_ck + c)
             if ck >= 0:
@@ -520,15 +517,17 @@ def _chunk_table(
 # IEEE dots (2 warps: 8-9% faster than 4; 1 stage: 7% slower), at the same error against the float32 twin
 # (3.8e-3); the prep kernel over 64-channel blocks then adds 3% (run J). The token-parallel diagonal kernel
 # with 2 heads per program on 1 warp is the best of the seven variants timed on 2026-11-30 (fifth session;
-# 4 heads per program tie it at 8K and 32K but fall to 5.9-6.0 M tok/s at 128K against 6.70). ``diag_warps``:
+# 4 heads per program tie it at 8K and 32K but fall to 5.9-6.0 M tok/s at 128K against 6.70); since run M the
+# grid puts a chunk's rows on neighbouring programs, and run R found 8 heads on 4 warps 1.5% faster than 4 on 2.
+# Run R: ``prep_bk`` 128 (one pass over K, 4 warps) is 25% faster in the prep than 64 (8 warps: no faster than 64;
+# 2 warps: 10x slower, it spills). ``diag_warps``:
 # the midpoint kernel's warps; ``diag_mid`` 0 sends the bounded fused gate to the exact kernel;
 # ``diag_ieee`` 1 runs the midpoint dots in IEEE float32 rather than tf32.
 DEFAULTS: dict[str, int] = {
-    "prep_bk": 64, "prep_warps": 4, "tok_bh": 4, "tok_warps": 2, "tok_order": 1, "diag_mid": 0, "diag_ieee": 0,
+    "prep_bk": 128, "prep_warps": 4, "tok_bh": 8, "tok_warps": 4, "tok_order": 1, "diag_mid": 0, "diag_ieee": 0,
     "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
     "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
     "state_bv": 32, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
-    "prep_split": 0, "state_kt": 0,
 }
 SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
 LN2 = 0.6931471805599453
@@ -608,11 +607,10 @@ def _launch(
         prep_step(cfg, (q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, beta, Aqk, Ld, chunk_start, chunk_len, scale,
                         float(lb) if lb is not None else 0.0), NC, H, K, BK, use_qk_l2norm, gate_kind)
     else:
-        PBK = min(cfg["prep_bk"], BK)
-        _prep_kernel[(NC * (K // PBK), H) if cfg["prep_split"] else (NC, H)](
+        _prep_kernel[(NC, H)](
             q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
             float(lb) if lb is not None else 0.0,
-            H=H, K=K, BT=BT, BK=PBK, NORM=use_qk_l2norm, GATE=gate_kind, SPLIT=bool(cfg["prep_split"]),
+            H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
             num_warps=cfg["prep_warps"],
         )
         (diag_step or _diag_step)(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
@@ -632,7 +630,7 @@ def _launch(
     _state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, dl, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
-        HAS_CK=M > 0, KT=bool(cfg["state_kt"]), num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
+        HAS_CK=M > 0, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
     )
     BV = min(cfg["out_bv"], BVf)
     _output_kernel[(NC, H, triton.cdiv(V, BV))](

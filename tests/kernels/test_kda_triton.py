@@ -131,8 +131,6 @@ CHUNK_CASES = [  # (gate, heads, varlen, h0, checkpoints, l2norm, launch paramet
     pytest.param("standard", H, True, True, [[5, 37], [1, 63]], True, None, id="standard-varlen-h0-ckpt"),
     pytest.param("bounded", H, True, False, [[37], [64]], True, SMALL_BLOCKS,
                  id="bounded-varlen-small-blocks"),
-    pytest.param("steep", H, True, True, [[20], [2, 50]], True, {**SMALL_BLOCKS, "prep_split": 1, "state_kt": 1},
-                 id="steep-varlen-ckpt-prep-split-over-k-blocks-transposed-state-load"),
     pytest.param("standard", H, False, True, None, False,
                  {"inv_ieee": 1, "offdiag_warps": 4, "prep_bk": 32, "tok_bh": 1, "tok_warps": 1},
                  id="standard-batch2-no-norm-ieee-inverse-1-head-per-program"),
@@ -202,7 +200,7 @@ def test_shipped_chunk_gate_in_kernel(lower_bound, tune, midpoint, monkeypatch):
     assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4 and rel_rms(ck, rck) < 1e-4
 
 
-@pytest.mark.parametrize("key", ["intra_bk", "diag_span_check"])
+@pytest.mark.parametrize("key", ["intra_bk", "diag_span_check", "state_k2"])
 def test_shipped_chunk_rejects_unknown_launch_parameter(key):
     """Also the keys of earlier kernels (v6's span-check mode was dropped at its promotion)."""
     from kda_sessions.kernels.kda import chunk
