@@ -11,7 +11,7 @@ from an earlier tool output or user note; they are answered without a tool call.
 Files are split into train / held-out by a sha256 of their path relative to the stdlib root, so the split is
 the same on every machine and Python version (only the set of files present differs).
 
-    make_row(rng, split, max_len, distance, drill, near_miss) -> (ids, mask)   one training row; mask 1 on the assistant's
+    make_row(rng, split, max_len, distance, ...) -> (ids, mask)      one training row; mask 1 on the assistant's
                                                                     tokens, 2 on the fact inside its answers
     curriculum_distances(step, a, b, s) -> (lo, hi)                  recall distances of a training step
     eval_tasks(seed, n, kind) -> list[Task]                          held-out tasks for tools/eval_tiny.py
@@ -175,6 +175,26 @@ def _name_stems() -> tuple[str, ...]:
     return tuple(sorted(x for x in stems | set(_name_words()) if 3 <= len(x) <= 16 and x.isidentifier()))
 
 
+def _near_miss_defs(rng: random.Random, names: list[str], text: str) -> dict[str, str]:
+    """New names for the definitions ``names`` of a file's ``text``: each (but dunders and names under 4
+    characters) keeps its first third or more and runs on into the start of a name word; none is a word of
+    the text already or another's new name."""
+    words = _name_words()
+    taken = set(re.findall(r"\w+", text))
+    out: dict[str, str] = {}
+    for n in dict.fromkeys(names):
+        if n.startswith("__") or len(n) < 4:
+            continue
+        for _ in range(4):
+            w = rng.choice(words)
+            new = n[: rng.randrange(max(2, len(n) // 3), len(n))] + w[: rng.randrange(1, len(w) + 1)]
+            if new.isidentifier() and new not in taken:
+                out[n] = new
+                taken.add(new)
+                break
+    return out
+
+
 class RenamedCorpus:
     """A fresh project made of real train-split stdlib files and directory listings under random names.
 
@@ -186,7 +206,8 @@ class RenamedCorpus:
     touches it. Offers the parts of ``Corpus`` that episodes use; every path is in the "train" split."""
 
     def __init__(
-        self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12, near_miss: float = 0.0
+        self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12, near_miss: float = 0.0,
+        near_miss_defs: float = 0.0,
     ) -> None:
         import os
         import shutil
@@ -247,10 +268,33 @@ class RenamedCorpus:
             self.real[alias] = d
             self.dirs["train"].append(alias)
         self._made: set[str] = set()
+        # ``near_miss_defs`` of the files get near-miss names for their definitions (``_renamed``), drawn from a
+        # stream of their own: one draw here, none when 0
+        self._near_defs = near_miss_defs
+        self._defs_seed = rng.getrandbits(64) if near_miss_defs else 0
+        self._renames: dict[str, dict[str, str]] = {}
+
+    def _renamed(self, alias: str) -> dict[str, str]:
+        """The file's definition renames (old -> new; empty if none), applied to its text on first use. A renamed
+        definition keeps a prefix of its stdlib name and runs on into part of another word (``FixTy`` +
+        ``rant``), so the model must copy it from the tool output instead of finishing a memorised name."""
+        m = self._renames.get(alias)
+        if m is None:
+            m = {}
+            if self._near_defs and alias in self.texts:
+                r = random.Random(f"{self._defs_seed}:{alias}")
+                if r.random() < self._near_defs:
+                    m = _near_miss_defs(r, [n for _, n in self.base.defs(self.real[alias])], self.texts[alias])
+                    if m:
+                        pat = re.compile(r"\b(" + "|".join(map(re.escape, sorted(m, key=len, reverse=True))) + r")\b")
+                        self.texts[alias] = pat.sub(lambda mo: m[mo.group(1)], self.texts[alias])
+            self._renames[alias] = m
+        return m
 
     def _make(self, alias: str) -> None:
         if alias in self._made or alias not in self.real:
             return
+        self._renamed(alias)
         self._made.add(alias)
         p = self.root / alias
         if alias in self.texts:
@@ -269,10 +313,13 @@ class RenamedCorpus:
         return self.tools.call(name, args)
 
     def read_len(self, rel: str) -> int:
+        if self._renamed(rel):
+            return len(self.call("read_file", path=rel).encode("utf-8"))
         return self.base.read_len(self.real[rel])
 
     def defs(self, rel: str) -> list[tuple[str, str]]:
-        return self.base.defs(self.real[rel])
+        m = self._renamed(rel)
+        return [(kind, m.get(n, n)) for kind, n in self.base.defs(self.real[rel])]
 
     def entries(self, d: str) -> list[str]:
         return self.call("list_dir", path=d).split("\n")
@@ -617,22 +664,24 @@ def _plain_row(rng: random.Random, c: Corpus, split: str, max_len: int) -> tuple
 
 def make_row(
     rng: random.Random, split: str, max_len: int, distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE),
-    drill: float = 0.0, near_miss: float = 0.0,
+    drill: float = 0.0, near_miss: float = 0.0, near_miss_defs: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One training row: (ids, mask), len <= max_len. A conversation of as many tasks as fit (60% with 1-8
     recall questions), or, for ``drill`` of all rows, a drill row (``_drill_row``), or, for PLAIN_FRACTION of
     rows, plain source text (mask all 1). The conversation's mask is 1 on the assistant's content, tool-call
     tokens and <|im_end|>, and FACT (2) on the fact each final answer states. Each recall question comes at
     least ``draw_distance(distance)`` tokens after its fact (and at most about twice that). ``near_miss``: the
-    share of RenamedCorpus names that start like a stdlib name (see there)."""
+    share of RenamedCorpus names that start like a stdlib name (see there); ``near_miss_defs`` the share of its
+    files whose definitions get such names."""
     _check_row_args(split, distance, drill)
-    if not 0.0 <= near_miss <= 1.0:
-        raise ValueError(f"near_miss must be in [0, 1], got {near_miss}")
+    for name, value in (("near_miss", near_miss), ("near_miss_defs", near_miss_defs)):
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
     c: Any = corpus()
     if rng.random() < PLAIN_FRACTION:
         return _plain_row(rng, c, split, max_len)
     if split == "train" and rng.random() < RENAMED_FRACTION:
-        c = RenamedCorpus(rng, c, near_miss=near_miss)
+        c = RenamedCorpus(rng, c, near_miss=near_miss, near_miss_defs=near_miss_defs)
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header

@@ -162,6 +162,31 @@ def test_near_miss_names_run_on_from_a_stdlib_name_and_off_changes_nothing():
         make_row(random.Random(1), "train", 2048, near_miss=1.5)
 
 
+def test_near_miss_defs_rename_definitions_in_the_text_the_tools_and_the_questions():
+    base = corpus()
+    assert RenamedCorpus(random.Random(6), base, near_miss_defs=0.0).real == RenamedCorpus(random.Random(6), base).real
+    rc = RenamedCorpus(random.Random(6), base, near_miss_defs=1.0)
+    renamed = 0
+    for alias in rc.files["train"][:12]:
+        real = rc.real[alias]
+        old = [n for _, n in base.defs(real)]
+        new = [n for _, n in rc.defs(alias)]
+        assert len(new) == len(old)
+        assert rc.read_len(alias) == len(rc.call("read_file", path=alias).encode("utf-8"))
+        text = rc.texts[alias]  # what was written for the tools (read_file shows only the start of a long file)
+        for a, b in zip(old, new):
+            if a != b:  # kept a prefix of a, ran on into something else; the file and the tools say b, never a
+                renamed += 1
+                assert b.isidentifier() and len(b) > 2 and a[:2] == b[:2]
+                assert re.search(rf"\b{re.escape(b)}\b", text) and not re.search(rf"\b{re.escape(a)}\b", text)
+                assert b in rc.call("grep", pattern=rf"\b{b}\b", path=alias)
+            else:
+                assert a.startswith("__") or len(a) < 4
+    assert renamed > 10
+    with pytest.raises(ValueError, match="near_miss_defs"):
+        make_row(random.Random(1), "train", 2048, near_miss_defs=-0.1)
+
+
 @pytest.mark.parametrize("max_len", [2048, 4096, 8192], ids=lambda n: f"len{n}")
 def test_masks_cover_exactly_the_assistant_tokens(max_len: int):
     for ids, mask in _rows(max_len, 12, max_len):
