@@ -273,6 +273,7 @@ class RenamedCorpus:
         self._near_defs = near_miss_defs
         self._defs_seed = rng.getrandbits(64) if near_miss_defs else 0
         self._renames: dict[str, dict[str, str]] = {}
+        self._read_lens: dict[str, int] = {}
 
     def _renamed(self, alias: str) -> dict[str, str]:
         """The file's definition renames (old -> new; empty if none), applied to its text on first use. A renamed
@@ -313,9 +314,12 @@ class RenamedCorpus:
         return self.tools.call(name, args)
 
     def read_len(self, rel: str) -> int:
-        if self._renamed(rel):
-            return len(self.call("read_file", path=rel).encode("utf-8"))
-        return self.base.read_len(self.real[rel])
+        if not self._renamed(rel):
+            return self.base.read_len(self.real[rel])
+        n = self._read_lens.get(rel)
+        if n is None:  # the renamed text's own output, read once
+            n = self._read_lens[rel] = len(self.call("read_file", path=rel).encode("utf-8"))
+        return n
 
     def defs(self, rel: str) -> list[tuple[str, str]]:
         m = self._renamed(rel)
