@@ -295,22 +295,26 @@ def batches(
         job = next(jobs)
         pending.append(pool.apply_async(_packed_row, (job,)) if pool else _packed_row(job))
 
-    for _ in range(prefetch * batch):
-        submit()
-    while True:
-        ids = torch.full((batch, seq), pad_id, dtype=torch.long)
-        w = torch.full((batch, seq), PAD_WEIGHT)
-        kinds = torch.zeros((batch, seq), dtype=torch.uint8)
-        for b in range(batch):
-            head = pending.popleft()
-            r_ids, r_mask = head.get() if pool else head
+    try:
+        for _ in range(prefetch * batch):
             submit()
-            n = len(r_mask)
-            ids[b, :n] = torch.frombuffer(bytearray(r_ids), dtype=torch.uint16).long()
-            m = torch.frombuffer(bytearray(r_mask), dtype=torch.uint8)
-            kinds[b, :n] = m
-            w[b, :n] = torch.where(m == tiny_data.FACT, fact_weight, torch.where(m > 0, 1.0, CONTEXT_WEIGHT))
-        yield ids, w, kinds
+        while True:
+            ids = torch.full((batch, seq), pad_id, dtype=torch.long)
+            w = torch.full((batch, seq), PAD_WEIGHT)
+            kinds = torch.zeros((batch, seq), dtype=torch.uint8)
+            for b in range(batch):
+                head = pending.popleft()
+                r_ids, r_mask = head.get() if pool else head
+                submit()
+                n = len(r_mask)
+                ids[b, :n] = torch.frombuffer(bytearray(r_ids), dtype=torch.uint16).long()
+                m = torch.frombuffer(bytearray(r_mask), dtype=torch.uint8)
+                kinds[b, :n] = m
+                w[b, :n] = torch.where(m == tiny_data.FACT, fact_weight, torch.where(m > 0, 1.0, CONTEXT_WEIGHT))
+            yield ids, w, kinds
+    finally:  # the generator closed (or collected): stop the workers rather than leave them to the interpreter
+        if pool is not None:
+            pool.terminate()
 
 
 def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]]]:

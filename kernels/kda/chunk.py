@@ -171,14 +171,15 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _diag_token_kernel(
-    qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale,
+    qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale, T,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
-    ROW_FAST: tl.constexpr,
+    ROW_FAST: tl.constexpr, AFFINE: tl.constexpr,
 ):
     """Row r of the diagonal blocks of A_qk (s <= r, times scale) and L (s < r, times beta_r; zeros from r on)
     for BH heads, exactly: only the keys s <= r of r's sub-chunk are visited. ROW_FAST: grid (chunks * BT, head
     blocks) with the rows of one chunk on neighbouring programs (they re-read each other's key rows from L2);
-    else (chunks, BT, head blocks)."""
+    else (chunks, BT, head blocks). AFFINE: chunk c starts at row c * BT of the T rows (the chunk table is
+    affine), so no program waits on a chunk table load before its first row loads."""
     if ROW_FAST:
         c = tl.program_id(0) // BT
         r = tl.program_id(0) % BT
@@ -187,9 +188,14 @@ def _diag_token_kernel(
         c = tl.program_id(0)
         r = tl.program_id(1)
         hh = tl.program_id(2) * BH + tl.arange(0, BH)
-    n_rows = tl.load(chunk_len + c)
+    if AFFINE:
+        bos = c.to(tl.int64) * BT
+        n_rows = tl.minimum(T - bos, BT)
+    else:
+        n_rows = tl.load(chunk_len + c)
     if r < n_rows:
-        bos = tl.load(chunk_start + c).to(tl.int64)
+        if not AFFINE:
+            bos = tl.load(chunk_start + c).to(tl.int64)
         cols = tl.arange(0, BK)
         m = (hh[:, None] < H) & (cols[None, :] < K)
         off = hh[:, None] * K + cols[None, :]  # [BH, BK] within one token's [H, K] row
@@ -415,8 +421,12 @@ def _wu_kernel(
 def _state_kernel(
     w, u, kg, dl, vnew, hbuf, h0, ht, hck, chunk_start, chunk_len, chunk_ck, seq_chunks,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
-    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_FINAL: tl.constexpr, HAS_CK: tl.constexpr, REG: tl.constexpr,
 ):
+    """The chunk-to-chunk recurrence, one program per (V block, sequence x head). REG: every chunk of a sequence
+    but its last holds BT rows (no checkpoint cuts), so a chunk's first row is computed from its index rather than
+    loaded from the chunk table: the tile addresses of the next iteration are known before this one's loads
+    land, and the loop's loads can be pipelined."""
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
@@ -432,8 +442,15 @@ def _state_kernel(
     c1 = tl.load(seq_chunks + n + 1)
     rows = tl.arange(0, BT)
     hptr = hbuf + (c0.to(tl.int64) * H + h) * K * V + off_s
+    if REG:  # the sequence's first row and its end, from its first and last chunks (none when it is empty)
+        seq_bos = tl.load(chunk_start + c0, mask=c1 > c0, other=0).to(tl.int64)
+        seq_eos = seq_bos + (c1 - c0 - 1) * BT + tl.load(chunk_len + c1 - 1, mask=c1 > c0, other=0)
     for c in range(c0, c1):
-        bos, n_rows = _chunk(chunk_start, chunk_len, c)
+        if REG:
+            bos = seq_bos + (c - c0) * BT
+            n_rows = tl.minimum(seq_eos - bos, BT)
+        else:
+            bos, n_rows = _chunk(chunk_start, chunk_len, c)
         rmask = rows < n_rows
         tl.store(hptr, S.to(hbuf.dtype.element_ty), mask=mkv)
         hptr += H * K * V
@@ -524,10 +541,10 @@ def _chunk_table(
 # the midpoint kernel's warps; ``diag_mid`` 0 sends the bounded fused gate to the exact kernel;
 # ``diag_ieee`` 1 runs the midpoint dots in IEEE float32 rather than tf32.
 DEFAULTS: dict[str, int] = {
-    "prep_bk": 128, "prep_warps": 4, "tok_bh": 8, "tok_warps": 4, "tok_order": 1, "diag_mid": 0, "diag_ieee": 0,
+    "prep_bk": 128, "prep_warps": 4, "tok_bh": 8, "tok_warps": 4, "tok_order": 1, "tok_affine": 0, "diag_mid": 0, "diag_ieee": 0,
     "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
     "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
-    "state_bv": 32, "state_warps": 4, "state_stages": 2, "out_bv": 64, "out_warps": 4,
+    "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_reg": 0, "out_bv": 64, "out_warps": 4,
 }
 SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
 LN2 = 0.6931471805599453
@@ -554,7 +571,8 @@ def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: i
         BH = min(cfg["tok_bh"], triton.next_power_of_2(H))
         grid = (NC * BT, triton.cdiv(H, BH)) if cfg["tok_order"] else (NC, BT, triton.cdiv(H, BH))
         _diag_token_kernel[grid](
-            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, ROW_FAST=bool(cfg["tok_order"]), num_warps=cfg["tok_warps"],
+            *args, args[0].shape[0], H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, ROW_FAST=bool(cfg["tok_order"]),
+            AFFINE=bool(cfg["tok_affine"]), num_warps=cfg["tok_warps"],
         )
 
 
@@ -581,6 +599,10 @@ def _launch(
     if unknown:
         raise ValueError(f"unknown launch parameters {sorted(unknown)}, expected some of {sorted(defaults)}")
     cfg = {**defaults, **(tune or {})}
+    # chunk c starts at row c * BT (no checkpoint cuts, every sequence but the last a whole number of chunks):
+    # kernels that ask (``tok_affine``) compute where a chunk starts instead of loading it
+    affine = M == 0 and all(b % BT == 0 for b in bounds[:-1])
+    cfg["tok_affine"] = int(bool(cfg.get("tok_affine", 0)) and affine)
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
     BVf = max(16, triton.next_power_of_2(V))
@@ -630,7 +652,8 @@ def _launch(
     _state_kernel[(triton.cdiv(V, BV), N * H)](
         w, u, kg, dl, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
-        HAS_CK=M > 0, num_warps=cfg["state_warps"], num_stages=cfg["state_stages"],
+        HAS_CK=M > 0, REG=bool(cfg["state_reg"]) and M == 0, num_warps=cfg["state_warps"],
+        num_stages=cfg["state_stages"],
     )
     BV = min(cfg["out_bv"], BVf)
     _output_kernel[(NC, H, triton.cdiv(V, BV))](
