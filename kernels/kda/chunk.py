@@ -171,15 +171,14 @@ def _mm(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _diag_token_kernel(
-    qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale, T,
+    qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BH: tl.constexpr,
-    ROW_FAST: tl.constexpr, AFFINE: tl.constexpr,
+    ROW_FAST: tl.constexpr,
 ):
     """Row r of the diagonal blocks of A_qk (s <= r, times scale) and L (s < r, times beta_r; zeros from r on)
     for BH heads, exactly: only the keys s <= r of r's sub-chunk are visited. ROW_FAST: grid (chunks * BT, head
     blocks) with the rows of one chunk on neighbouring programs (they re-read each other's key rows from L2);
-    else (chunks, BT, head blocks). AFFINE: chunk c starts at row c * BT of the T rows (the chunk table is
-    affine), so no program waits on a chunk table load before its first row loads."""
+    else (chunks, BT, head blocks)."""
     if ROW_FAST:
         c = tl.program_id(0) // BT
         r = tl.program_id(0) % BT
@@ -188,14 +187,9 @@ def _diag_token_kernel(
         c = tl.program_id(0)
         r = tl.program_id(1)
         hh = tl.program_id(2) * BH + tl.arange(0, BH)
-    if AFFINE:
-        bos = c.to(tl.int64) * BT
-        n_rows = tl.minimum(T - bos, BT)
-    else:
-        n_rows = tl.load(chunk_len + c)
+    n_rows = tl.load(chunk_len + c)
     if r < n_rows:
-        if not AFFINE:
-            bos = tl.load(chunk_start + c).to(tl.int64)
+        bos = tl.load(chunk_start + c).to(tl.int64)
         cols = tl.arange(0, BK)
         m = (hh[:, None] < H) & (cols[None, :] < K)
         off = hh[:, None] * K + cols[None, :]  # [BH, BK] within one token's [H, K] row
@@ -537,14 +531,16 @@ def _chunk_table(
 # 4 heads per program tie it at 8K and 32K but fall to 5.9-6.0 M tok/s at 128K against 6.70); since run M the
 # grid puts a chunk's rows on neighbouring programs, and run R found 8 heads on 4 warps 1.5% faster than 4 on 2.
 # Run R: ``prep_bk`` 128 (one pass over K, 4 warps) is 25% faster in the prep than 64 (8 warps: no faster than 64;
-# 2 warps: 10x slower, it spills). ``diag_warps``:
+# 2 warps: 10x slower, it spills). Run S: ``state_reg`` 1 (chunk starts computed where no checkpoint cuts a
+# chunk) with 3 stages pipelines the state kernel's loads: chunk_kda 5.6-6.3% faster than loaded starts on 2
+# stages (state_reg alone: +0.5%). ``diag_warps``:
 # the midpoint kernel's warps; ``diag_mid`` 0 sends the bounded fused gate to the exact kernel;
 # ``diag_ieee`` 1 runs the midpoint dots in IEEE float32 rather than tf32.
 DEFAULTS: dict[str, int] = {
-    "prep_bk": 128, "prep_warps": 4, "tok_bh": 8, "tok_warps": 4, "tok_order": 1, "tok_affine": 0, "diag_mid": 0, "diag_ieee": 0,
+    "prep_bk": 128, "prep_warps": 4, "tok_bh": 8, "tok_warps": 4, "tok_order": 1, "diag_mid": 0, "diag_ieee": 0,
     "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
     "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
-    "state_bv": 32, "state_warps": 4, "state_stages": 2, "state_reg": 0, "out_bv": 64, "out_warps": 4,
+    "state_bv": 32, "state_warps": 4, "state_stages": 3, "state_reg": 1, "out_bv": 64, "out_warps": 4,
 }
 SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
 LN2 = 0.6931471805599453
@@ -571,8 +567,7 @@ def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: i
         BH = min(cfg["tok_bh"], triton.next_power_of_2(H))
         grid = (NC * BT, triton.cdiv(H, BH)) if cfg["tok_order"] else (NC, BT, triton.cdiv(H, BH))
         _diag_token_kernel[grid](
-            *args, args[0].shape[0], H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, ROW_FAST=bool(cfg["tok_order"]),
-            AFFINE=bool(cfg["tok_affine"]), num_warps=cfg["tok_warps"],
+            *args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, ROW_FAST=bool(cfg["tok_order"]), num_warps=cfg["tok_warps"],
         )
 
 
@@ -599,10 +594,6 @@ def _launch(
     if unknown:
         raise ValueError(f"unknown launch parameters {sorted(unknown)}, expected some of {sorted(defaults)}")
     cfg = {**defaults, **(tune or {})}
-    # chunk c starts at row c * BT (no checkpoint cuts, every sequence but the last a whole number of chunks):
-    # kernels that ask (``tok_affine``) compute where a chunk starts instead of loading it
-    affine = M == 0 and all(b % BT == 0 for b in bounds[:-1])
-    cfg["tok_affine"] = int(bool(cfg.get("tok_affine", 0)) and affine)
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
     BVf = max(16, triton.next_power_of_2(V))

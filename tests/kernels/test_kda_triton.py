@@ -138,10 +138,10 @@ CHUNK_CASES = [  # (gate, heads, varlen, h0, checkpoints, l2norm, launch paramet
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, {"tok_bh": 2, "tok_order": 0},
                  id="3-heads-2-per-program-chunks-fastest-grid"),
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, None, id="3-heads-4-per-program"),
-    pytest.param("standard", H, False, True, None, True, {"state_reg": 1, "state_bv": 16},
+    pytest.param("standard", H, False, True, None, True, {"state_bv": 16},
                  id="batch2-state-chunk-starts-computed"),  # 2 chunks per sequence, the second one short
-    pytest.param("standard", H, True, False, [[5, 37], [1, 63]], True, {"state_reg": 1},
-                 id="varlen-ckpt-state-chunk-starts-loaded"),
+    pytest.param("standard", H, False, True, None, True, {"state_reg": 0, "state_stages": 2},
+                 id="batch2-state-chunk-starts-loaded"),
 ]
 
 
@@ -169,14 +169,14 @@ def test_shipped_chunk_tunables_match_recurrent(gate, heads, varlen, h0, ckpts, 
     pytest.param([0, 150], [[30]], id="checkpoint-cut-loaded-table"),
 ])
 def test_shipped_chunk_computed_chunk_starts(cu, ckpts):
-    """``tok_affine`` and ``state_reg`` compute where a chunk starts instead of loading it: with whole-chunk
-    sequences (a 150-token tail: three chunks, the last short) and, where a checkpoint cuts a chunk, their
-    fallback to the loaded chunk table."""
+    """The state kernel computes where a chunk starts (``state_reg``, the default) instead of loading it: with
+    whole-chunk sequences and a 22-token tail, and, where a checkpoint cuts a chunk, its fallback to the loaded
+    chunk table."""
     from kda_sessions.kernels.kda import chunk
     q, k, v, g, beta = kda_inputs(1, cu[-1], H, K, V, False, seed=4)
     cu_t = torch.tensor(cu)
     init = torch.randn(len(cu) - 1, H, K, V)
-    tune = {"tok_affine": 1, "state_reg": 1, "state_bv": 16}
+    tune = {"state_reg": 1, "state_bv": 16}
     o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu_t, True, ckpts, tune=tune)
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu_t, True, ckpts)
     assert rel_rms(o, ro) < TOL and rel_rms(final, rfinal) < TOL
