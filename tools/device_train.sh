@@ -19,6 +19,10 @@ steps=${2:-2000}
 extra=${3:-}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/train/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+# the data workers write each renamed project (tiny_data.RenamedCorpus) under $TMPDIR: keep those small files in
+# memory when the machine has a tmpfs, not on its disk
+if [ -w /dev/shm ]; then export TMPDIR=/dev/shm; fi
+df -h /tmp /dev/shm 2>/dev/null | sed 's/^/# /'
 mkdir -p /tmp/tc
 if ls .out/tcache/tcache.tar.xz.part-* >/dev/null 2>&1; then cat .out/tcache/tcache.tar.xz.part-* | tar xJ -C /tmp; fi
 init=()

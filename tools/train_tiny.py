@@ -40,13 +40,15 @@ import json
 import math
 import multiprocessing as mp
 import os
+import queue
 import random
 import sys
 import time
 from array import array
-from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -273,6 +275,12 @@ def _packed_row(args: RowJob) -> tuple[bytes, bytes]:
     return array("H", ids).tobytes(), bytes(mask)
 
 
+def _row_worker(w: int, workers: int, jobs: Callable[[int], RowJob], out: Any) -> None:
+    """Data worker ``w`` of ``workers``: rows w, w + workers, w + 2 workers, ... in order, into its own queue."""
+    for i in itertools.count(w, workers):
+        out.put(_packed_row(jobs(i)))
+
+
 def batches(
     seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int, prefetch: int = 4,
     recall: RecallData = RecallData(), first_step: int = 1, fact_weight: float = 1.0, near_miss: float = 0.0,
@@ -283,29 +291,42 @@ def batches(
     it is generated with. Weights: 1 on the assistant's tokens, ``fact_weight`` on the fact tokens inside its
     answers, CONTEXT_WEIGHT elsewhere, PAD_WEIGHT on padding. ``near_miss``, ``near_miss_defs``: make_row's.
 
-    At most ``prefetch`` batches of rows are in flight: an unbounded ``imap`` lets the workers run ahead and the
-    parent spends its time (and the GIL) unpickling rows nobody needs yet, which slowed training steadily."""
+    Each of ``workers`` processes makes every workers-th row, in order, into a queue of its own that holds about
+    ``prefetch`` batches' worth of rows between them (an unbounded backlog let the workers run ahead and the
+    parent spend its time unpickling rows nobody needed yet). The parent reads row i from queue i % workers
+    when it needs it: no thread of its own hands out jobs or collects results, so a parent busy launching GPU
+    work (holding the GIL) does not slow the rows down. Rows are the same for any number of workers."""
     base = seed * 10**9 + (0 if split == "train" else 5 * 10**8)
-    jobs = ((base + i, split, seq, recall.distance(first_step + i // batch), recall.drill, near_miss, near_miss_defs)
-            for i in itertools.count())
-    pool = mp.get_context("fork").Pool(workers) if workers > 0 else None
-    pending: deque = deque()
 
-    def submit() -> None:
-        job = next(jobs)
-        pending.append(pool.apply_async(_packed_row, (job,)) if pool else _packed_row(job))
+    def jobs(i: int) -> RowJob:
+        return (base + i, split, seq, recall.distance(first_step + i // batch), recall.drill, near_miss,
+                near_miss_defs)
+
+    ctx = mp.get_context("fork")
+    queues = [ctx.Queue(maxsize=-(-prefetch * batch // workers) + 1) for _ in range(workers)]
+    procs = [ctx.Process(target=_row_worker, args=(w, workers, jobs, queues[w]), daemon=True)
+             for w in range(workers)]
+    for p in procs:
+        p.start()
+
+    def row(i: int) -> tuple[bytes, bytes]:
+        if not workers:
+            return _packed_row(jobs(i))
+        q, p = queues[i % workers], procs[i % workers]
+        while True:
+            try:
+                return q.get(timeout=10)
+            except queue.Empty:
+                if not p.is_alive():
+                    raise RuntimeError(f"data worker {i % workers} stopped (exit code {p.exitcode})") from None
 
     try:
-        for _ in range(prefetch * batch):
-            submit()
-        while True:
+        for i in itertools.count(0, batch):
             ids = torch.full((batch, seq), pad_id, dtype=torch.long)
             w = torch.full((batch, seq), PAD_WEIGHT)
             kinds = torch.zeros((batch, seq), dtype=torch.uint8)
             for b in range(batch):
-                head = pending.popleft()
-                r_ids, r_mask = head.get() if pool else head
-                submit()
+                r_ids, r_mask = row(i + b)
                 n = len(r_mask)
                 ids[b, :n] = torch.frombuffer(bytearray(r_ids), dtype=torch.uint16).long()
                 m = torch.frombuffer(bytearray(r_mask), dtype=torch.uint8)
@@ -313,8 +334,10 @@ def batches(
                 w[b, :n] = torch.where(m == tiny_data.FACT, fact_weight, torch.where(m > 0, 1.0, CONTEXT_WEIGHT))
             yield ids, w, kinds
     finally:  # the generator closed (or collected): stop the workers rather than leave them to the interpreter
-        if pool is not None:
-            pool.terminate()
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join()
 
 
 def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]]]:

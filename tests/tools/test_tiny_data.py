@@ -366,6 +366,25 @@ def test_batches_weigh_fact_tokens_and_losses_report_them_apart():
     assert torch.allclose(loss, (ce * w[:, 1:].reshape(-1)).sum() / w[:, 1:].sum())
 
 
+def test_batches_are_the_same_rows_for_any_number_of_workers():
+    """Worker processes interleave the rows (worker w makes rows w, w + n, ...): two batches of 3 rows from 2
+    workers equal the rows made in this process, in order; closing the generator stops the workers."""
+    import torch
+
+    from tools import train_tiny
+
+    recall = train_tiny.RecallData((64, 2000, 10), 0.3)
+    inline = train_tiny.batches(2, "train", 3, 1024, 0, 267, prefetch=1, recall=recall, near_miss=0.3)
+    pooled = train_tiny.batches(2, "train", 3, 1024, 2, 267, prefetch=1, recall=recall, near_miss=0.3)
+    for _ in range(2):
+        for a, b in zip(next(inline), next(pooled)):
+            assert torch.equal(a, b)
+    procs = pooled.gi_frame.f_locals["procs"]
+    assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    pooled.close()
+    assert not any(p.is_alive() for p in procs)
+
+
 @pytest.mark.slow
 def test_quick_training_runs_with_the_recall_flags(tmp_path: Path):
     from tools import train_tiny
