@@ -175,6 +175,35 @@ def _name_stems() -> tuple[str, ...]:
     return tuple(sorted(x for x in stems | set(_name_words()) if 3 <= len(x) <= 16 and x.isidentifier()))
 
 
+def _renamed_entries(rng: random.Random, entries: list[str]) -> list[str]:
+    """New names for a directory's ``entries`` (same count, extensions and directory slashes kept, all distinct):
+    half start like a stdlib stem and run on into part of a word, one in six is capitalised (it sorts before
+    ``__init__.py``), and ``__init__.py`` keeps its name half the time."""
+    words, stems = _name_words(), _name_stems()
+    keep_init = rng.random() < 0.5
+    out: list[str] = []
+    for e in entries:
+        if not e or (e == "__init__.py" and keep_init):
+            out.append(e)
+            continue
+        slash = e.endswith("/")
+        base = e[:-1] if slash else e
+        ext = base[base.index(".", 1):] if "." in base[1:] else ""
+        while True:
+            if rng.random() < 0.5:
+                tail = rng.choice(words)
+                new = rng.choice(stems) + tail[: rng.randrange(1, len(tail) + 1)]
+            else:
+                new = rng.choice(words) if rng.random() < 0.5 else f"{rng.choice(words)}_{rng.choice(words)}"
+            if rng.random() < 1 / 6:
+                new = new[0].upper() + new[1:]
+            new = new + ext + ("/" if slash else "")
+            if new not in out and new not in entries:
+                break
+        out.append(new)
+    return out
+
+
 def _near_miss_defs(rng: random.Random, names: list[str], text: str) -> dict[str, str]:
     """New names for the definitions ``names`` of a file's ``text``: each (but dunders and names under 4
     characters) keeps its first third or more and runs on into the start of a name word; none is a word of
@@ -207,7 +236,7 @@ class RenamedCorpus:
 
     def __init__(
         self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12, near_miss: float = 0.0,
-        near_miss_defs: float = 0.0,
+        near_miss_defs: float = 0.0, near_miss_entries: float = 0.0,
     ) -> None:
         import os
         import shutil
@@ -274,6 +303,27 @@ class RenamedCorpus:
         self._defs_seed = rng.getrandbits(64) if near_miss_defs else 0
         self._renames: dict[str, dict[str, str]] = {}
         self._read_lens: dict[str, int] = {}
+        # ``near_miss_entries`` of the listed directories get new entry names (``_listing``), from a stream of their
+        # own: one draw here, none when 0
+        self._near_entries = near_miss_entries
+        self._entries_seed = rng.getrandbits(64) if near_miss_entries else 0
+        self._listings: dict[str, list[str]] = {}
+
+    def _listing(self, alias: str) -> list[str]:
+        """The entries of listed directory ``alias``: the real directory's, or, for a share ``near_miss_entries``
+        of them, every entry renamed (extension and trailing ``/`` kept; some names near-miss stdlib stems, some
+        capitalised, ``__init__.py`` kept half the time). The listing then has a first entry, a member set and
+        names that only reading the tool output gives: run 11 answered ``__init__.py`` as the first entry of a
+        folder with a README and "No" for entries a listing showed."""
+        got = self._listings.get(alias)
+        if got is None:
+            got = self.base.entries(self.real[alias])
+            if self._near_entries:
+                r = random.Random(f"{self._entries_seed}:{alias}")
+                if r.random() < self._near_entries:
+                    got = _renamed_entries(r, got)
+            self._listings[alias] = got
+        return got
 
     def _renamed(self, alias: str) -> dict[str, str]:
         """The file's definition renames (old -> new; empty if none), applied to its text on first use. A renamed
@@ -303,7 +353,7 @@ class RenamedCorpus:
             p.write_bytes(self.texts[alias].encode("utf-8"))
             return
         p.mkdir(parents=True, exist_ok=True)
-        for e in self.base.entries(self.real[alias]):
+        for e in self._listing(alias):
             if e.endswith("/"):
                 (p / e[:-1]).mkdir(exist_ok=True)
             elif e:
@@ -668,7 +718,7 @@ def _plain_row(rng: random.Random, c: Corpus, split: str, max_len: int) -> tuple
 
 def make_row(
     rng: random.Random, split: str, max_len: int, distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE),
-    drill: float = 0.0, near_miss: float = 0.0, near_miss_defs: float = 0.0,
+    drill: float = 0.0, near_miss: float = 0.0, near_miss_defs: float = 0.0, near_miss_entries: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One training row: (ids, mask), len <= max_len. A conversation of as many tasks as fit (60% with 1-8
     recall questions), or, for ``drill`` of all rows, a drill row (``_drill_row``), or, for PLAIN_FRACTION of
@@ -676,16 +726,19 @@ def make_row(
     tokens and <|im_end|>, and FACT (2) on the fact each final answer states. Each recall question comes at
     least ``draw_distance(distance)`` tokens after its fact (and at most about twice that). ``near_miss``: the
     share of RenamedCorpus names that start like a stdlib name (see there); ``near_miss_defs`` the share of its
-    files whose definitions get such names."""
+    files whose definitions get such names, ``near_miss_entries`` the share of its listed directories whose
+    entries get new names."""
     _check_row_args(split, distance, drill)
-    for name, value in (("near_miss", near_miss), ("near_miss_defs", near_miss_defs)):
+    for name, value in (("near_miss", near_miss), ("near_miss_defs", near_miss_defs),
+                        ("near_miss_entries", near_miss_entries)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     c: Any = corpus()
     if rng.random() < PLAIN_FRACTION:
         return _plain_row(rng, c, split, max_len)
     if split == "train" and rng.random() < RENAMED_FRACTION:
-        c = RenamedCorpus(rng, c, near_miss=near_miss, near_miss_defs=near_miss_defs)
+        c = RenamedCorpus(rng, c, near_miss=near_miss, near_miss_defs=near_miss_defs,
+                          near_miss_entries=near_miss_entries)
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header

@@ -187,6 +187,27 @@ def test_near_miss_defs_rename_definitions_in_the_text_the_tools_and_the_questio
         make_row(random.Random(1), "train", 2048, near_miss_defs=-0.1)
 
 
+def test_near_miss_entries_rename_the_listed_entries_the_tools_serve():
+    """At 0 nothing is drawn (the same projects); at 1 every listed directory holds new, distinct names with the
+    real extensions and slashes, and list_dir serves exactly them; rows with the option build."""
+    base = corpus()
+    assert RenamedCorpus(random.Random(6), base, near_miss_entries=0.0).real == RenamedCorpus(random.Random(6), base).real
+    rc = RenamedCorpus(random.Random(6), base, near_miss_entries=1.0)
+    changed = 0
+    for alias in rc.dirs["train"]:
+        real = base.entries(rc.real[alias])
+        listed = rc.entries(alias)
+        assert len(listed) == len(real) == len(set(listed)) and listed == sorted(listed)
+        assert sorted(e.endswith("/") for e in listed) == sorted(e.endswith("/") for e in real)
+        assert sum(e.endswith(".py") for e in listed) == sum(e.endswith(".py") for e in real)
+        changed += len(set(listed) - set(real))
+    assert changed > 20
+    ids, mask = make_row(random.Random(3), "train", 4096, near_miss_entries=1.0)
+    assert 0 < len(ids) <= 4096 and len(mask) == len(ids)
+    with pytest.raises(ValueError, match="near_miss_entries"):
+        make_row(random.Random(1), "train", 2048, near_miss_entries=2.0)
+
+
 @pytest.mark.parametrize("max_len", [2048, 4096, 8192], ids=lambda n: f"len{n}")
 def test_masks_cover_exactly_the_assistant_tokens(max_len: int):
     for ids, mask in _rows(max_len, 12, max_len):
