@@ -26,6 +26,7 @@ from tools.tiny_data import (
     SYSTEM,
     TOK,
     RenamedCorpus,
+    _list_episode,
     _name_stems,
     _read_episode,
     corpus,
@@ -451,6 +452,25 @@ def test_every_tool_call_validates_against_its_schema():
                 assert not validate_arguments(call.function.arguments, SCHEMAS[call.function.name])
                 calls += 1
     assert calls > 50
+
+
+def test_count_answers_number_each_listed_entry_before_the_total():
+    c = corpus()
+    rng = random.Random(4)
+    seen = 0
+    for d in c.dirs["train"]:
+        ep = _list_episode(rng, c, d, "train")
+        if ep is None or ep.variant != "count":
+            continue
+        entries = ep.messages[2]["content"].split("\n")
+        answer = ep.messages[3]["content"]
+        numbered = ", ".join(f"{i} {e}" for i, e in enumerate(entries, 1))
+        assert answer.endswith(f"{numbered}. {answer.split(': ', 1)[0][len('Counting '):]} has {len(entries)} entries.")
+        assert ep.fact == f"{len(entries)} entries" and fact_in(answer, ep.fact)
+        seen += 1
+        if seen == 5:
+            break
+    assert seen == 5
 
 
 def test_facts_come_from_the_tool_output():
