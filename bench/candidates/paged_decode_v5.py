@@ -68,7 +68,13 @@ def _tile(
         sc = tl.where(mt[:, None], sc, float("-inf"))
     m_t = tl.max(sc, axis=0)  # [BH]; finite: a tile holds at least one token
     # rescale only when some head's max grew by more than TAU (the first tile always: m_i starts at -1e30)
-    if tl.max(m_t - m_i, axis=0) > TAU:
+    if TAU < 0:  # no branch: rescale every tile, as the shipped kernel (isolates the unmasked full tiles)
+        m_new = tl.maximum(m_i, m_t)
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha
+        acc = acc * alpha[None, :]
+        m_i = m_new
+    elif tl.max(m_t - m_i, axis=0) > TAU:
         m_new = tl.maximum(m_i, m_t)
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha
@@ -136,7 +142,7 @@ def _launch(
     if extra:
         raise TypeError(f"unknown launch parameters {sorted(extra)}; v5 takes TAU besides the shipped ones")
     tau_max = TAU_MAX_HALF if q_lat.dtype == torch.float16 else 64.0  # float32 / bf16: far from 2^128
-    if not 0.0 <= tau <= tau_max:
+    if tau != -1.0 and not 0.0 <= tau <= tau_max:  # -1: rescale every tile without a branch
         raise ValueError(f"TAU must be in [0, {tau_max}] for {q_lat.dtype} (p reaches 2^TAU), got {tau}")
     N, H, R = q_lat.shape
     DR = q_pe.shape[-1]
