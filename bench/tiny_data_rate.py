@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tools import tiny_data
 from tools.train_tiny import RecallData, batches, parse_curriculum
 
-PAD_ID = getattr(tiny_data, "PAD_ID", 267)  # as tools/train_tiny.py pads its rows
+PAD_ID = tiny_data.PAD_ID  # as tools/train_tiny.py pads its rows
 
 
 def cpu_quota() -> str:

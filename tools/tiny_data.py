@@ -54,6 +54,7 @@ FACT = 2  # mask value of the fact's tokens inside an assistant answer (1: the a
 FILL_SLACK = 200  # tokens a filler episode may run past a recall question's target position
 
 TOK = ByteTokenizer()
+PAD_ID = TOK.special_ids["<|pad|>"]  # what training pads its rows with (never a target: mask 0)
 GEN_IDS: list[int] = TOK.encode(GENERATION_PROMPT, allow_special=True)
 _DEF_RE = re.compile(r"^(?:async\s+)?(def|class)\s+([A-Za-z_]\w*)")
 _NUMBERED_RE = re.compile(r" *(\d+)\t(.*)")

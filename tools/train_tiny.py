@@ -429,7 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
     )
-    pad_id = tiny_data.PAD_ID if hasattr(tiny_data, "PAD_ID") else 267
+    pad_id = tiny_data.PAD_ID
     # a continued run draws other rows than the run it continues (seed + start step)
     if not 0.0 <= args.drill_fraction <= 1.0 - tiny_data.PLAIN_FRACTION:
         raise SystemExit(f"--drill-fraction must be in [0, {1.0 - tiny_data.PLAIN_FRACTION}], got {args.drill_fraction}")
