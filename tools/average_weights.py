@@ -1,0 +1,72 @@
+"""Average the weights of checkpoints of one architecture (a "model soup") into one bf16 safetensors file.
+
+    python tools/average_weights.py --out .out/soup kda_sessions/builtin /work/.device/1/run/weights
+
+Each input is a folder of safetensors files (sharded with an index or not: what ``train_tiny.py`` writes, or the
+shipped ``kda_sessions/builtin``) or a single ``.safetensors`` file. The tensors are averaged in float32 (equal
+weights unless ``--weights`` gives one per input) and written as ``tiny.safetensors`` in bf16 (``--dtype`` float32
+keeps them exact), with ``config.json`` copied from ``--config`` (default: the built-in ``tiny.json``). Shipped
+``tiny`` since the eighth session is the average of runs 11 and 13 (docs/tiny.md)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from kda_sessions.model.loader import _read_safetensors, _read_safetensors_file
+
+BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "kda_sessions" / "builtin" / "tiny.json"
+
+
+class SoupError(ValueError):
+    """The inputs cannot be averaged: different tensor names or shapes, or bad weights."""
+
+
+def read(path: Path) -> dict[str, Tensor]:
+    """The tensors of a checkpoint folder or of one .safetensors file."""
+    return _read_safetensors(path) if path.is_dir() else _read_safetensors_file(path)
+
+
+def average(states: list[dict[str, Tensor]], weights: list[float] | None = None) -> dict[str, Tensor]:
+    """sum_i w_i * state_i in float32 (w_i = 1 / n unless given; they must be positive and are normalised)."""
+    if not states:
+        raise SoupError("no checkpoints to average")
+    w = [1.0] * len(states) if weights is None else list(weights)
+    if len(w) != len(states) or any(x <= 0 for x in w):
+        raise SoupError(f"need one positive weight per checkpoint ({len(states)}), got {w}")
+    total = sum(w)
+    names = set(states[0])
+    for i, s in enumerate(states[1:], 1):
+        if set(s) != names:
+            odd = sorted(names ^ set(s))[:5]
+            raise SoupError(f"checkpoint {i} has other tensor names than checkpoint 0 (e.g. {odd})")
+        bad = [n for n in names if s[n].shape != states[0][n].shape]
+        if bad:
+            raise SoupError(f"checkpoint {i} has other shapes than checkpoint 0 for {sorted(bad)[:5]}")
+    return {n: torch.stack([x / total * s[n].float() for x, s in zip(w, states, strict=True)]).sum(0)
+            for n in sorted(names)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("inputs", nargs="+", type=Path, help="checkpoint folders or .safetensors files")
+    ap.add_argument("--out", type=Path, required=True, help="folder for tiny.safetensors and config.json")
+    ap.add_argument("--weights", type=float, nargs="+", default=None, help="one positive weight per input")
+    ap.add_argument("--config", type=Path, default=BUILTIN_CONFIG, help="config.json to copy beside the weights")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    args = ap.parse_args(argv)
+    soup = average([read(p) for p in args.inputs], args.weights)
+    dtype = getattr(torch, args.dtype)
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.to(dtype).contiguous() for n, t in soup.items()}, str(args.out / "tiny.safetensors"))
+    shutil.copyfile(args.config, args.out / "config.json")
+    print(f"{len(soup)} tensors, {sum(t.numel() for t in soup.values())} parameters -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()
