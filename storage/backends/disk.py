@@ -13,7 +13,9 @@ Layout::
 Every write goes to a uniquely named temp file (`.tmp-` prefix, O_EXCL) in the destination directory, is
 flushed and fsynced, then moved into place (link for blobs, so an existing blob is never replaced; rename for
 manifests) and the directory is fsynced. A crash therefore leaves either nothing or a whole file under the final
-name, plus possibly a temp file, which `DiskStore.open` removes once it is older than this process.
+name, plus possibly a temp file, which `DiskStore.open` removes once its writer is gone: a temp file's name carries
+its writer's host and pid, so one of this host goes as soon as that process has died; one of another host once it
+is older than the opening process.
 File IO runs in worker threads so the event loop is never blocked. A failed write or fsync is never retried
 on the same file: the temp file is closed and removed and the error surfaces as StoreUnavailable (after a failed
 fsync the page cache may claim data the disk does not have).
@@ -135,7 +137,7 @@ def _write_temp(directory: Path, data: bytes, points: tuple[str, str] | None = N
     On any error the file is closed and removed, never written or fsynced again. `points` names the fault
     points after the write and after the fsync.
     """
-    tmp = directory / f"{TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}"
+    tmp = directory / f"{_temp_prefix()}{secrets.token_hex(8)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
     try:
         view = memoryview(data)
@@ -181,6 +183,27 @@ def _pid_alive(pid: int) -> bool:
 
 
 _HOST = socket.gethostname()
+_HOST_TAG = sha256_hex(_HOST.encode())[:8]
+"""Names this host in temp file names (`.tmp-<host tag>-<pid>-<random>`), so that `open` can tell a temp file of a
+dead writer on this host from one of a live writer, whatever their clocks say."""
+
+
+def _temp_prefix() -> str:
+    """The name prefix of this process's temp files: `.tmp-<host tag>-<pid>-`; a random suffix completes it."""
+    return f"{TMP_PREFIX}{_HOST_TAG}-{os.getpid()}-"
+
+
+def _orphaned(name: str, mtime: float, cutoff: float) -> bool:
+    """Whether the temp file `name` (modified at `mtime`) was left by a writer that is gone.
+
+    A temp file of this host names its writer: it is an orphan once that process has died, and never while it
+    lives (a writer fsyncing a large blob is not disturbed). A temp file of another host, or of an older
+    name form, cannot be checked that way: it is an orphan if it is older than this process (`cutoff`)."""
+    parts = name[len(TMP_PREFIX) :].split("-")
+    if len(parts) == 3 and parts[0] == _HOST_TAG and parts[1].isdigit():
+        pid = int(parts[1])
+        return pid != os.getpid() and not _pid_alive(pid)
+    return mtime < cutoff
 
 
 def _mkdir_durable(path: Path) -> None:
@@ -244,7 +267,9 @@ class DiskStore(BlobStore):
         dirs = [self._manifests, self._leases, *(p for p in self._blobs.iterdir() if p.is_dir())]
         for d in dirs:
             for entry in os.scandir(d):
-                if entry.name.startswith(TMP_PREFIX) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                if entry.name.startswith(TMP_PREFIX) and _orphaned(
+                    entry.name, entry.stat(follow_symlinks=False).st_mtime, cutoff
+                ):
                     logger.info("removing orphaned temp file %s", entry.path)
                     Path(entry.path).unlink(missing_ok=True)
         self._packs.drop_redundant()
@@ -336,7 +361,7 @@ class DiskStore(BlobStore):
             for i in sorted(set(range(len(items))) - set(new)):
                 verified(i)
             if len(new) >= self.pack_min_blobs:
-                self._packs.write([items[i] for i in new], lambda j: verified(new[j]), TMP_PREFIX)
+                self._packs.write([items[i] for i in new], lambda j: verified(new[j]), _temp_prefix())
                 self._packs.refresh()
                 return {items[i][0] for i in new}
             return self._put_loose_sync([items[i] for i in new], lambda j: verified(new[j]))
@@ -503,7 +528,7 @@ class DiskStore(BlobStore):
 
         def delete() -> bool:
             loose = self._unlink(path)
-            packed = self._packs.delete(digest, TMP_PREFIX)
+            packed = self._packs.delete(digest, _temp_prefix())
             return loose or packed
 
         return await self._run("delete", path, delete)

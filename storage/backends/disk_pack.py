@@ -289,13 +289,14 @@ class PackSet:
     def write(self, items: Sequence[tuple[str, bytes]], verified: Callable[[int], None], tmp_prefix: str) -> None:
         """Write one pack of ``items`` (digest, bytes) and make it durable; ``verified(i)`` raises if item i's
         bytes do not match its digest (checked just before they are written). On any error the temp file is
-        closed and removed, never written or fsynced again."""
+        closed and removed, never written or fsynced again. The temp file is named ``tmp_prefix`` plus a random
+        suffix (the store's prefix names this host and process)."""
         new_folder = not self.folder.is_dir()
         if new_folder:
             self.folder.mkdir(exist_ok=True)
             fsync_dir(self.folder.parent)
         name = f"pack-{time.time_ns():x}-{secrets.token_hex(8)}"
-        tmp = self.folder / f"{tmp_prefix}{os.getpid()}-{secrets.token_hex(8)}"
+        tmp = self.folder / f"{tmp_prefix}{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
         try:
             index = encode_index([(d, len(b)) for d, b in items])

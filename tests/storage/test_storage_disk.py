@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,6 +45,22 @@ async def test_open_removes_orphaned_temp_files_only(tmp_path: Path) -> None:
     assert _temp_files(tmp_path) == [fresh]
     assert await store.list_manifests() == []
     assert await store.get_blob(d) == b"abc"
+
+
+async def test_open_removes_temp_files_of_dead_writers_of_this_host(tmp_path: Path) -> None:
+    """A temp file named by this host's writer goes once that process has died, however new its mtime (a writer
+    killed a moment before this process started), and stays while it lives, however old its mtime."""
+    await DiskStore.open(tmp_path)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = tmp_path / "manifests" / f"{TMP_PREFIX}{disk_mod._HOST_TAG}-{gone.pid}-0123456789abcdef"
+    live = tmp_path / "leases" / f"{TMP_PREFIX}{disk_mod._HOST_TAG}-{os.getppid()}-0123456789abcdef"
+    other_host = tmp_path / "manifests" / f"{TMP_PREFIX}00000000-{gone.pid}-0123456789abcdef"  # can't be checked
+    for p in (dead, live, other_host):
+        p.write_bytes(b"half a file")
+    os.utime(live, (1_000_000, 1_000_000))
+    await DiskStore.open(tmp_path)
+    assert sorted(_temp_files(tmp_path)) == sorted([live, other_host])
 
 
 async def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
