@@ -6,7 +6,11 @@
 # $1 minutes of training (leave ~1 min of the 10-minute call for start-up, the held-out pass and saving),
 # $2 scheduled steps, $3 extra train_tiny.py arguments. Reads, when carried: .out/tcache/tcache.tar.xz.part-* (a Triton
 # cache from an earlier call: without it fla's kernels compile and autotune for ~400 s on the first step) and
-# .out/init (weights to continue from). Writes to $OUT: run/weights/* (5 files), meta.tar (train_log.json and
+# .out/init (weights to continue from). Check the device tool's `status` first: a call runs for at most the device
+# time left to the session, and is killed there. The weights and the log are saved every 2 minutes of training
+# ($OUT/run/weights, $OUT/run/train_log.json), so a call killed early still brings back its latest weights; set
+# TRAIN_LIMIT_S below the time left (the default 560 s leaves the 600-s call time to save). Do not pipe the call's
+# output through `tail`: a killed pipeline prints nothing. Writes to $OUT: run/weights/* (5 files), meta.tar (train_log.json and
 # heldout_rows.json) and the Triton cache as tcache.tar.xz.part-aa, -ab (15 MiB parts: at most 8 files of at most
 # 16 MiB come back). Restore it next time with: mkdir -p .out/tcache && cp /work/.device/N/tcache.tar.xz.part-* .out/tcache/
 #
@@ -28,8 +32,8 @@ if ls .out/tcache/tcache.tar.xz.part-* >/dev/null 2>&1; then cat .out/tcache/tca
 init=()
 if [ -d .out/init ]; then init=(--init .out/init); fi
 # the call's own limit is 600 s: stop training in time to save
-timeout 560 python3 tools/train_tiny.py --out "$OUT/run" --steps "$steps" --minutes "$minutes" --workers 14 \
-    "${init[@]}" $extra
+timeout "${TRAIN_LIMIT_S:-560}" python3 tools/train_tiny.py --out "$OUT/run" --steps "$steps" --minutes "$minutes" \
+    --workers 14 --checkpoint-every 2 "${init[@]}" $extra
 rc=$?
 if [ -f "$OUT/run/train_log.json" ]; then
   tar cf "$OUT/meta.tar" -C "$OUT/run" train_log.json $(cd "$OUT/run" && ls heldout_rows.json 2>/dev/null)

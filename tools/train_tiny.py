@@ -19,7 +19,10 @@ Checks printed in the log: at the start, the training forward against the librar
 held-out loss of the training forward (``heldout_loss`` in train_log.json), which tools/eval_tiny.py
 ``--loss`` reproduces with the library's forward on a CPU. Data order is fixed by ``--seed``; with ``--steps``
 the run is reproducible up to GPU non-determinism. ``--minutes`` caps the wall time (the schedule still follows
-``--steps``; the log records the steps done).
+``--steps``; the log records the steps done). ``--checkpoint-every MIN`` saves the float32 weights and the log
+every MIN minutes, so that a run killed from outside keeps its latest weights (a new copy is written beside the
+old one and renamed into place); SIGTERM ends training after the current step, and the run then saves and checks
+as after its last step.
 
 Recall data: ``--recall-curriculum A:B:S`` asks recall questions at a minimum distance from their fact that grows
 geometrically from A to B tokens over the first S steps (of the whole schedule: ``--start-step`` continues it),
@@ -43,7 +46,10 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import shutil
+import signal
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Callable
@@ -279,6 +285,7 @@ def _packed_row(args: RowJob) -> tuple[bytes, bytes]:
 
 def _row_worker(w: int, workers: int, jobs: Callable[[int], RowJob], out: Any) -> None:
     """Data worker ``w`` of ``workers``: rows w, w + workers, w + 2 workers, ... in order, into its own queue."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked from a parent that defers SIGTERM: this one just dies
     for i in itertools.count(w, workers):
         out.put(_packed_row(jobs(i)))
 
@@ -363,11 +370,26 @@ def parity_check(model: HybridModel, device: torch.device, use_fla: bool, seq: i
     return {"tokens": int(ids.numel()), "rel_rms": rel, "argmax_agree": (a.argmax(-1) == b.argmax(-1)).float().mean().item()}
 
 
+def save_weights(model: HybridModel, path: Path, max_shard_bytes: int) -> None:
+    """Save `model` (float32) to the folder `path` so that a kill at any moment leaves one whole copy, the new or
+    the previous one, at `path` or at `path`.old: the new copy is written beside it and renamed into place."""
+    partial, old = path.with_name(f"{path.name}.partial"), path.with_name(f"{path.name}.old")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_model(model, partial, max_shard_bytes=max_shard_bytes)
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        path.rename(old)
+    partial.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--minutes", type=float, default=None, help="stop after this wall time")
+    ap.add_argument("--checkpoint-every", type=float, default=None, metavar="MIN",
+                    help="save the weights and the log every MIN minutes of training (a killed run keeps them)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=8192)
@@ -393,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--near-miss-defs", type=float, default=0.0,
                     help="share of renamed-project files whose definitions get such names (tiny_data.RenamedCorpus)")
     ap.add_argument("--near-miss-entries", type=float, default=0.0,
-                    help="share of renamed-project listed directories whose entries get new names (not trained yet)")
+                    help="share of renamed-project listed directories whose entries get new names (tiny_data.RenamedCorpus)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
@@ -446,6 +468,14 @@ def main(argv: list[str] | None = None) -> None:
     tokens = 0
     step = 0
     waited = 0.0  # seconds spent waiting for the data workers
+    shard_bytes = int(args.shard_mb * 2**20)
+    last_checkpoint = t0
+    # SIGTERM (`timeout`, a machine handed back) ends the training loop after the current step; the weights, the
+    # held-out loss and the parity check follow as after the last step
+    terminated: list[int] = []
+    in_main_thread = threading.current_thread() is threading.main_thread()  # signal handlers live there only
+    if in_main_thread:
+        previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     model.train()
     first = args.start_step + 1
     for step in range(first, args.steps + 1):
@@ -474,12 +504,25 @@ def main(argv: list[str] | None = None) -> None:
                      "data_wait_s": round(waited, 1)}
             log["steps"].append(entry)
             print(json.dumps(entry), flush=True)
+        now = time.perf_counter()
+        if args.checkpoint_every is not None and now - last_checkpoint > args.checkpoint_every * 60:
+            save_weights(model, out / "weights", shard_bytes)
+            log["steps_done"], log["train_seconds"] = step, now - t0
+            (out / "train_log.json").write_text(json.dumps(log, indent=1))
+            print(json.dumps({"checkpoint": step, "save_s": round(time.perf_counter() - now, 2)}), flush=True)
+            last_checkpoint = time.perf_counter()
+        if terminated:
+            log["stopped_by"] = "SIGTERM"
+            print(json.dumps({"stopped_by": "SIGTERM", "step": step}), flush=True)
+            break
         if args.minutes is not None and time.perf_counter() - t0 > args.minutes * 60:
             break
+    if in_main_thread:
+        signal.signal(signal.SIGTERM, previous_handler)
     log["steps_done"] = step
     log["train_seconds"] = time.perf_counter() - t0
     model.eval()
-    save_model(model, out / "weights", max_shard_bytes=int(args.shard_mb * 2**20))  # fp32 copy, first
+    save_weights(model, out / "weights", shard_bytes)  # fp32 copy, first
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     # held-out loss of the training forward (float32 weights), for tools/eval_tiny.py --loss to reproduce
     rows = heldout_rows(args.seed, 4 if args.quick else 16, args.seq)

@@ -10,10 +10,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tools` is not installed
 
 from kda_sessions import Engine
+from kda_sessions.config import ModelConfig
+from kda_sessions.model import HybridModel
 from kda_sessions.tokenizer import encode_chat, parse_assistant_output, validate_arguments
 from kda_sessions.tools import MAX_OUTPUT, TOOL_SCHEMAS, ToolError, Tools
 from tools import eval_tiny
@@ -517,3 +520,73 @@ def test_eval_resume_check_matches_in_a_new_process(args: list[str], capsys: pyt
     eval_tiny.main(["--model", "tiny-random", "--n", "2", "--max-tokens", "8", "--resume-check", *args])
     printed = json.loads(capsys.readouterr().out)
     assert printed["resume_check"] == {"checked": 2, "match": 2, "not_saved": 0}
+
+
+def test_save_weights_replaces_the_previous_copy_whole(tmp_path: Path):
+    from kda_sessions.model.loader import _read_safetensors
+    from tools import train_tiny
+
+    model = HybridModel(ModelConfig.from_file(train_tiny.CONFIG))
+    path = tmp_path / "weights"
+    (tmp_path / "weights.partial").mkdir()  # left by a run killed while saving
+    (tmp_path / "weights.partial" / "junk").write_text("x")
+    train_tiny.save_weights(model, path, 4 << 20)
+    first = _read_safetensors(path)
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)
+    train_tiny.save_weights(model, path, 4 << 20)
+    second = _read_safetensors(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
+    assert torch.equal(second["lm_head.weight"], first["lm_head.weight"] + 1.0)
+    assert not (path / "junk").exists() and len(list(path.glob("*.safetensors"))) > 1  # sharded at 4 MiB
+
+
+@pytest.mark.slow
+def test_sigterm_ends_training_with_the_weights_saved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import os
+    import signal
+
+    from tools import train_tiny
+
+    real = train_tiny.masked_losses
+    calls = []
+
+    def terminated_at_step_two(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` sends it
+        return real(*a, **k)
+
+    monkeypatch.setattr(train_tiny, "masked_losses", terminated_at_step_two)
+    before = signal.getsignal(signal.SIGTERM)
+    train_tiny.main(["--quick", "--device", "cpu", "--out", str(tmp_path), "--checkpoint-every", "0"])
+    log = json.loads((tmp_path / "train_log.json").read_text())
+    assert log["steps_done"] == 2 and log["stopped_by"] == "SIGTERM" and "heldout" in log
+    assert (tmp_path / "weights" / "config.json").exists() and signal.getsignal(signal.SIGTERM) == before
+
+
+def test_data_workers_die_on_sigterm_while_the_trainer_defers_it():
+    """train_tiny.main defers SIGTERM while it trains; the data workers it forks must not inherit that, or closing
+    the batches (which terminates them) would wait for them forever."""
+    import os
+    import signal
+    import threading
+
+    from tools import train_tiny
+
+    before = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    try:
+        gen = train_tiny.batches(1, "train", 2, 512, 2, 267, prefetch=1)
+        next(gen)
+        procs = gen.gi_frame.f_locals["procs"]
+        closer = threading.Thread(target=gen.close, daemon=True)
+        closer.start()
+        closer.join(timeout=30)
+        alive = closer.is_alive()
+        for p in procs:  # clean up whatever happened
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+        assert not alive, "closing the batches hung: a worker ignored SIGTERM"
+        assert not any(p.is_alive() for p in procs)
+    finally:
+        signal.signal(signal.SIGTERM, before)
