@@ -20,13 +20,16 @@ JSON ``{"ids": [[...]], "mask": [[...]], "loss": float}`` (rows as trained), or 
 "loss"}`` (rows regenerated with ``make_row(random.Random(seed), "heldout", max_len)``), or a path that does
 not exist (then ``--loss-rows`` rows of ``--loss-len`` tokens from seed 0 are used).
 
-Prints one JSON document (also written to ``--out``).
+Prints one JSON document (also written to ``--out``). Its ``tasks_digest`` (sha256 of the tasks) tells whether two
+results ran the same tasks: the tasks depend on the machine's stdlib and on tiny_data's answer forms, which the
+histories repeat (a change of a form changes the tasks of the same seed), so compare scores only where it matches.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import random
@@ -129,6 +132,12 @@ async def run_task(
     rec["outputs_after_save"] = [x.token_ids for x in after]
     rec["prompt_tokens"] = r.usage.prompt_tokens
     return rec
+
+
+def tasks_digest(tasks: list[Task]) -> str:
+    """sha256 of the tasks (histories, questions, expected calls and facts): equal digests, equal tasks."""
+    body = json.dumps([asdict(t) for t in tasks], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def _rate(xs: list[bool]) -> float | None:
@@ -294,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     t0 = time.perf_counter()
     tasks = eval_tasks(args.seed, args.n, args.kind)
     result: dict[str, Any] = {"model": args.model, "n": len(tasks), "seed": args.seed, "kind": args.kind,
-                              "stdlib": str(corpus().root)}
+                              "stdlib": str(corpus().root), "tasks_digest": tasks_digest(tasks)}
     records: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         store = f"disk:{tmp}" if args.resume_check else "memory:"

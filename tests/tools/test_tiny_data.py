@@ -6,7 +6,7 @@ import json
 import random
 import re
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -96,6 +96,14 @@ def test_rows_are_deterministic_in_the_seed():
     assert _rows(1, 6, 4096) == _rows(1, 6, 4096)
     assert _rows(1, 6, 4096) != _rows(2, 6, 4096)
     assert [asdict(t) for t in eval_tasks(0, 8)] == [asdict(t) for t in eval_tasks(0, 8)]
+
+
+def test_tasks_digest_tells_task_sets_apart():
+    tasks = eval_tasks(0, 8)
+    assert eval_tiny.tasks_digest(tasks) == eval_tiny.tasks_digest(eval_tasks(0, 8))
+    assert eval_tiny.tasks_digest(tasks) != eval_tiny.tasks_digest(eval_tasks(1, 8))
+    changed = [*tasks[:-1], replace(tasks[-1], fact=tasks[-1].fact + "x")]
+    assert eval_tiny.tasks_digest(changed) != eval_tiny.tasks_digest(tasks)
 
 
 def test_split_is_stable_and_disjoint():
