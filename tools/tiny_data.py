@@ -475,13 +475,17 @@ def _first_def(lines: list[tuple[int, str]]) -> tuple[str, str] | None:
     return None
 
 
-def _read_episode(rng: random.Random, c: Corpus, rel: str) -> _Episode | None:
+def _read_episode(rng: random.Random, c: Corpus, rel: str, variant: str | None = None) -> _Episode | None:
+    """A question about file ``rel``: its first definition (answered with a grep) or a line of it (a read of that
+    line and the next few); ``variant`` ("first_def" or "line") picks one, else either at random."""
     out = c.call("read_file", path=rel)
     lines = numbered_lines(out)
     first = _first_def(lines)
     # any shown line: its number is printed next to it, so "line N" is a lookup wherever it is
     line_choices = [(n, s.strip()) for n, s in lines if s.strip() and len(s) <= 100]
     variants = (["first_def"] if first else []) + (["line"] if line_choices else [])
+    if variant is not None:
+        variants = [v for v in variants if v == variant]
     if not variants:
         return None
     variant = rng.choice(variants)
@@ -679,7 +683,9 @@ def _episode(
     rng: random.Random, c: Corpus, split: str, budget: int, used: set[str], kind: str | None = None
 ) -> _Episode | None:
     """A tool task (of ``kind``, else a random one) whose ids fit in ``budget`` tokens, on a file or directory
-    not yet ``used`` in this conversation."""
+    not yet ``used`` in this conversation. ``kind`` "read_line" (training only) is a read_file task of the "line"
+    variant on any file: a read of a few lines is short however long the file (a random read_file task must fit
+    the whole file in ``budget``, which keeps most files out of short budgets)."""
     fixed = kind
     for _ in range(8):
         kind = fixed or rng.choices(("read_file", "grep", "list_dir"), (4, 4, 2))[0]
@@ -696,6 +702,8 @@ def _episode(
                 if c.read_len(rel) + 300 > budget:
                     continue
                 ep = _read_episode(rng, c, rel)
+            elif kind == "read_line":
+                ep = _read_episode(rng, c, rel, "line")
             else:
                 ep = _grep_episode(rng, c, rel)
         if ep is not None and len(ep.ids) <= budget:
@@ -723,6 +731,7 @@ def _plain_row(rng: random.Random, c: Corpus, split: str, max_len: int) -> tuple
 def make_row(
     rng: random.Random, split: str, max_len: int, distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE),
     drill: float = 0.0, near_miss: float = 0.0, near_miss_defs: float = 0.0, near_miss_entries: float = 0.0,
+    line_recall: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One training row: (ids, mask), len <= max_len. A conversation of as many tasks as fit (60% with 1-8
     recall questions), or, for ``drill`` of all rows, a drill row (``_drill_row``), or, for PLAIN_FRACTION of
@@ -731,10 +740,12 @@ def make_row(
     least ``draw_distance(distance)`` tokens after its fact (and at most about twice that). ``near_miss``: the
     share of RenamedCorpus names that start like a stdlib name (see there); ``near_miss_defs`` the share of its
     files whose definitions get such names, ``near_miss_entries`` the share of its listed directories whose
-    entries get new names."""
+    entries get new names. ``line_recall``: the share of recall sources (tool tasks of recall rows and of drills)
+    that are line reads ("What was on line N of F?"), which short budgets otherwise almost never allow (at 0, about
+    one such question in 150 rows against 1 in 12 of the eval's recall tasks)."""
     _check_row_args(split, distance, drill)
     for name, value in (("near_miss", near_miss), ("near_miss_defs", near_miss_defs),
-                        ("near_miss_entries", near_miss_entries)):
+                        ("near_miss_entries", near_miss_entries), ("line_recall", line_recall)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
     c: Any = corpus()
@@ -748,7 +759,7 @@ def make_row(
     if len(ids) + 400 > max_len:  # no room for a task after the header
         return _plain_row(rng, c, split, max_len)
     if drill and rng.random() < drill / (1.0 - PLAIN_FRACTION):
-        return _drill_row(rng, c, split, max_len, distance, ids, mask)
+        return _drill_row(rng, c, split, max_len, distance, ids, mask, line_recall)
     used: set[str] = set()
     taken: set[str] = set()  # note things of this row: each asked about at most once, so never ambiguous
     recall_row = max_len - len(ids) >= distance[0] + 1000 and rng.random() < RECALL_FRACTION
@@ -766,7 +777,8 @@ def make_row(
             if (j > 0 and not dense) or rng.random() < (0.65 if dense else 0.4):
                 source = _note_episode(rng, c, split, taken)
             else:
-                source = _episode(rng, c, split, min(220 if dense else 2500, room), used)
+                line = line_recall and rng.random() < line_recall  # (no draw at 0: rows as before)
+                source = _episode(rng, c, split, min(220 if dense else 2500, room), used, "read_line" if line else None)
             if source is None or not source.recall or len(source.ids) > room:
                 continue
             ids += source.ids
@@ -819,7 +831,7 @@ DRILL_TOOL_TOKENS = 420  # at most, per tool task of a drill row (a grep task is
 
 def _drill_row(
     rng: random.Random, c: Any, split: str, max_len: int, distance: tuple[int, int], ids: list[int],
-    mask: list[int],
+    mask: list[int], line_recall: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """The rest of a row (after the header ``ids``, ``mask``) as a drill of associative recall: short facts
     (user notes, small grep and list_dir tasks), each asked about once, ``draw_distance(distance)`` tokens or a
@@ -841,6 +853,8 @@ def _drill_row(
         source = _note_episode(rng, c, split, taken) if rng.random() < DRILL_NOTE_SHARE else None
         if source is None and budget >= 250:
             kind = rng.choice(("grep", "grep", "grep", "list_dir"))
+            if line_recall and rng.random() < line_recall:  # (no draw at 0: rows as before)
+                kind = "read_line"
             source = _episode(rng, c, split, min(budget, DRILL_TOOL_TOKENS), used, kind)
         if source is None:
             source = _note_episode(rng, c, split, taken)

@@ -33,7 +33,8 @@ logged ``assistant_loss`` stays the unweighted mean over all of the assistant's 
 ``fact_loss`` is the mean over the value tokens alone. ``--near-miss`` makes that share of the renamed
 projects' names start like a stdlib name and run on without a separator (tiny_data.RenamedCorpus);
 ``--near-miss-defs`` gives that share of their files such names for their definitions, in the file text too;
-``--near-miss-entries`` gives that share of their listed directories new entry names.
+``--near-miss-entries`` gives that share of their listed directories new entry names. ``--line-recall`` makes that
+share of recall sources line reads ("What was on line N of F?"), which the rows otherwise almost never ask.
 """
 
 from __future__ import annotations
@@ -234,8 +235,8 @@ def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor, kinds: Tensor) -
 # ---------------------------------------------------------------- data
 
 
-# seed, split, max_len, recall distance, drill, near_miss, near_miss_defs, near_miss_entries
-RowJob = tuple[int, str, int, tuple[int, int], float, float, float, float]
+# seed, split, max_len, recall distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall
+RowJob = tuple[int, str, int, tuple[int, int], float, float, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -265,12 +266,12 @@ def parse_curriculum(text: str) -> tuple[int, int, int]:
 
 
 def _row(args: RowJob) -> tuple[list[int], list[int]]:
-    seed, split, max_len, distance, drill, near_miss, near_miss_defs, near_miss_entries = args
+    seed, split, max_len, distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall = args
     for attempt in range(8):  # a file the tools refuse (a link out of the stdlib, say): another draw
         try:
             return tiny_data.make_row(
                 random.Random(seed + attempt * 10**7), split, max_len, distance, drill, near_miss, near_miss_defs,
-                near_miss_entries,
+                near_miss_entries, line_recall,
             )
         except ValueError:
             continue
@@ -293,12 +294,13 @@ def _row_worker(w: int, workers: int, jobs: Callable[[int], RowJob], out: Any) -
 def batches(
     seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int, prefetch: int = 4,
     recall: RecallData = RecallData(), first_step: int = 1, fact_weight: float = 1.0, near_miss: float = 0.0,
-    near_miss_defs: float = 0.0, near_miss_entries: float = 0.0,
+    near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, line_recall: float = 0.0,
 ):
     """Endless batches (ids [B, T] int64, weights [B, T] float32, kinds [B, T] uint8: make_row's mask), rows from
     seeds seed*10**9 + i; the i-th row belongs to training step first_step + i // batch, whose recall distance
     it is generated with. Weights: 1 on the assistant's tokens, ``fact_weight`` on the fact tokens inside its
-    answers, CONTEXT_WEIGHT elsewhere, PAD_WEIGHT on padding. ``near_miss``, ``near_miss_defs``, ``near_miss_entries``: make_row's.
+    answers, CONTEXT_WEIGHT elsewhere, PAD_WEIGHT on padding. ``near_miss``, ``near_miss_defs``, ``near_miss_entries``,
+    ``line_recall``: make_row's.
 
     Each of ``workers`` processes makes every workers-th row, in order, into a queue of its own that holds about
     ``prefetch`` batches' worth of rows between them (an unbounded backlog let the workers run ahead and the
@@ -309,7 +311,7 @@ def batches(
 
     def jobs(i: int) -> RowJob:
         return (base + i, split, seq, recall.distance(first_step + i // batch), recall.drill, near_miss,
-                near_miss_defs, near_miss_entries)
+                near_miss_defs, near_miss_entries, line_recall)
 
     ctx = mp.get_context("fork")
     queues = [ctx.Queue(maxsize=-(-prefetch * batch // workers) + 1) for _ in range(workers)]
@@ -352,7 +354,7 @@ def batches(
 def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]]]:
     """Held-out rows as before any curriculum: recall at 2,000+ tokens (the eval's distance), no drill rows."""
     d = tiny_data.RECALL_DISTANCE
-    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), 0.0, 0.0, 0.0, 0.0)) for i in range(n)]
+    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), 0.0, 0.0, 0.0, 0.0, 0.0)) for i in range(n)]
 
 
 # ---------------------------------------------------------------- main
@@ -416,6 +418,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="share of renamed-project files whose definitions get such names (tiny_data.RenamedCorpus)")
     ap.add_argument("--near-miss-entries", type=float, default=0.0,
                     help="share of renamed-project listed directories whose entries get new names (tiny_data.RenamedCorpus)")
+    ap.add_argument("--line-recall", type=float, default=0.0,
+                    help="share of recall sources that are line reads (tiny_data.make_row; not trained yet)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
@@ -456,14 +460,14 @@ def main(argv: list[str] | None = None) -> None:
     if not 0.0 <= args.drill_fraction <= 1.0 - tiny_data.PLAIN_FRACTION:
         raise SystemExit(f"--drill-fraction must be in [0, {1.0 - tiny_data.PLAIN_FRACTION}], got {args.drill_fraction}")
     for flag, value in (("--near-miss", args.near_miss), ("--near-miss-defs", args.near_miss_defs),
-                        ("--near-miss-entries", args.near_miss_entries)):
+                        ("--near-miss-entries", args.near_miss_entries), ("--line-recall", args.line_recall)):
         if not 0.0 <= value <= 1.0:
             raise SystemExit(f"{flag} must be in [0, 1], got {value}")
     recall = RecallData(args.recall_curriculum, args.drill_fraction)
     data = batches(args.seed * 1000 + args.start_step, "train", args.batch, args.seq, args.workers, pad_id,
                    recall=recall, first_step=args.start_step + 1, fact_weight=args.fact_weight,
                    near_miss=args.near_miss, near_miss_defs=args.near_miss_defs,
-                   near_miss_entries=args.near_miss_entries)
+                   near_miss_entries=args.near_miss_entries, line_recall=args.line_recall)
     t0 = time.perf_counter()
     tokens = 0
     step = 0

@@ -29,6 +29,7 @@ from tools.tiny_data import (
     SYSTEM,
     TOK,
     RenamedCorpus,
+    _episode,
     _list_episode,
     _name_stems,
     _read_episode,
@@ -218,6 +219,29 @@ def test_near_miss_entries_rename_the_listed_entries_the_tools_serve():
     assert 0 < len(ids) <= 4096 and len(mask) == len(ids)
     with pytest.raises(ValueError, match="near_miss_entries"):
         make_row(random.Random(1), "train", 2048, near_miss_entries=2.0)
+
+
+def _line_recalls(line_recall: float, rows: int) -> int:
+    n = 0
+    for i in range(rows):
+        ids, _ = make_row(random.Random(4 * 10**9 + i), "train", 8192, (64, 2000), 0.2, line_recall=line_recall)
+        text = bytes(t for t in ids if t < 256).decode("utf-8", "replace")
+        n += len(re.findall(r"Earlier you read line \d+ of [^\n]*What was on it\?", text))
+    return n
+
+
+def test_line_recall_asks_for_lines_read_earlier():
+    """At 0 the rows almost never ask for a whole line read long before (about 1 in 150 rows); with the option
+    they do, on files of any length, and the recall answer repeats the line the read showed first."""
+    assert _line_recalls(0.5, 30) >= 5 * max(1, _line_recalls(0.0, 30))
+    c = corpus()
+    ep = _episode(random.Random(2), c, "train", 400, set(), "read_line")
+    assert ep is not None and ep.kind == "read_file" and ep.variant == "line" and len(ep.ids) <= 400
+    (q, a, fact), = ep.recall
+    assert q.startswith("Earlier you read line") and a.endswith(fact)
+    assert c.read_len(ep.arguments["path"]) + 300 > 400  # a file a random read_file task could not take here
+    with pytest.raises(ValueError, match="line_recall"):
+        make_row(random.Random(1), "train", 2048, line_recall=-0.1)
 
 
 @pytest.mark.parametrize("max_len", [2048, 4096, 8192], ids=lambda n: f"len{n}")
