@@ -113,20 +113,20 @@ def _chunk(q, k, v, g, beta, S, scale: float, wanted: list[int], out: Tensor, ck
     # [H, C, *]: heads lead so that batched matmuls run per head
     q, k, v, g, beta = (x.transpose(0, 1) for x in (q, k, v, g, beta))
     G = g.cumsum(1)  # [H, C, K] inclusive cumulative log-decay
-    diff = G[:, :, None, :] - G[:, None, :, :]  # [H, Ci, Cj, K] = G_i - G_j
     idx = torch.arange(C, device=q.device)
-    strict = (idx[:, None] > idx[None, :])[None, :, :, None]
     causal = (idx[:, None] >= idx[None, :])[None, :, :, None]
-    # mask before exp so that j > i (positive exponents) never overflow
-    decay_strict = torch.where(strict, diff, torch.full_like(diff, float("-inf"))).exp()
-    decay_causal = torch.where(causal, diff, torch.full_like(diff, float("-inf"))).exp()
-    L = beta[:, :, None] * torch.einsum("hik,hjk,hijk->hij", k, k, decay_strict)  # [H, C, C]
+    # decay[h, i, j, k] = exp(G_i - G_j) for j <= i, else 0: masked before exp so that j > i (positive exponents)
+    # never overflow; one [H, C, C, K] tensor, exponentiated in place, serves both products below
+    decay = (G[:, :, None, :] - G[:, None, :, :]).masked_fill_(~causal, float("-inf")).exp_()
+    dk = decay.mul_(k[:, None, :, :])  # decay_ij * k_j, in place
+    qs = q * scale
+    L = beta[:, :, None] * torch.einsum("hik,hijk->hij", k, dk).tril(-1)  # [H, C, C], strictly lower
+    A_qk = torch.einsum("hik,hijk->hij", qs, dk)  # [H, C, C], lower with the diagonal
     eye = torch.eye(C, device=q.device, dtype=q.dtype).expand(q.shape[0], C, C)
-    kg = k * G.exp()  # [H, C, K]
-    rhs = beta[:, :, None] * (v - kg @ S)  # [H, C, V]
+    eG = G.exp()
+    rhs = beta[:, :, None] * (v - (k * eG) @ S)  # [H, C, V]
     delta = torch.linalg.solve_triangular(eye + L, rhs, upper=False, unitriangular=True)  # v' of KDA.md
-    A_qk = torch.einsum("hik,hjk,hijk->hij", q * scale, k, decay_causal)  # [H, C, C]
-    out.copy_(((q * scale * G.exp()) @ S + A_qk @ delta).transpose(0, 1))
+    out.copy_(((qs * eG) @ S + A_qk @ delta).transpose(0, 1))
     for p in wanted:  # the state after p tokens, from the chunk-start state: no change to the main path
         Gp = G[:, p - 1 : p, :]  # [H, 1, K]
         kd = k[:, :p] * (Gp - G[:, :p]).exp()
@@ -147,10 +147,12 @@ def naive_chunk_kda(
     cu_seqlens: Tensor | None = None,
     use_qk_l2norm_in_kernel: bool = False,
     checkpoint_positions: Sequence[Sequence[int]] | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """KDA in the chunked WY form of KDA.md (the CPU prefill path); same contract as
-    :func:`naive_recurrent_kda`. Chunks start at each sequence's first token of this call."""
+    :func:`naive_recurrent_kda`. Chunks start at each sequence's first token of this call. ``chunk_size`` 16: on a
+    CPU the intra-chunk decay tensor [H, C, C, K] costs more than the per-chunk overhead saves (the Triton kernel
+    uses 64; docs/benchmarks.md, "CPU prefill")."""
     out_dtype = v.dtype
     q, k, v, g, beta, scale, seqs = _prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions

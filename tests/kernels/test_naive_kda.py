@@ -32,8 +32,9 @@ def test_chunk_matches_recurrent(T, bounded, with_h0):
     h0 = torch.randn(2, 3, 16, 24) if with_h0 else None
     kw = dict(initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)
     o1, f1, _ = naive_recurrent_kda(q, k, v, g, beta, **kw)
-    o2, f2, _ = naive_chunk_kda(q, k, v, g, beta, chunk_size=32, **kw)
-    assert rel_err(o2, o1) < 1e-5 and rel_err(f2, f1) < 1e-5
+    for chunk in (16, 32, 64):  # the default (16), and chunks shorter and longer than T
+        o2, f2, _ = naive_chunk_kda(q, k, v, g, beta, chunk_size=chunk, **kw)
+        assert rel_err(o2, o1) < 1e-5 and rel_err(f2, f1) < 1e-5
 
 
 def test_varlen_and_checkpoint_positions():
