@@ -167,6 +167,12 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         rs = [r for r in records if r["kind"] == k]
         if rs:
             out[k] = score(rs)
+            # the answers holding the fact, per variant (recall: per kind of fact recalled): where the misses are
+            variants = sorted({r["variant"] for r in rs})
+            out[k]["fact_by_variant"] = {
+                v: f"{sum(r['fact_ok'] for r in rs if r['variant'] == v)}/{sum(r['variant'] == v for r in rs)}"
+                for v in variants
+            }
     return out
 
 

@@ -540,6 +540,9 @@ def test_eval_runs_two_tasks_on_tiny_random(capsys: pytest.CaptureFixture[str]):
     assert result is not None and printed["n"] == 2
     assert set(printed["scores"]["overall"]) >= {"parse", "argument", "fact", "recall", "call_rate"}
     assert printed["scores"]["grep"]["n"] == 2
+    by_variant = printed["scores"]["grep"]["fact_by_variant"]  # "hits/tasks" per variant, 2 tasks in all
+    assert sum(int(v.split("/")[1]) for v in by_variant.values()) == 2
+    assert printed["tasks_digest"] == eval_tiny.tasks_digest(eval_tasks(0, 2, "grep"))
 
 
 @pytest.mark.slow
