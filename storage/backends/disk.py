@@ -198,7 +198,8 @@ def _orphaned(name: str, mtime: float, cutoff: float) -> bool:
 
     A temp file of this host names its writer: it is an orphan once that process has died, and never while it
     lives (a writer fsyncing a large blob is not disturbed). A temp file of another host, or of an older
-    name form, cannot be checked that way: it is an orphan if it is older than this process (`cutoff`)."""
+    name form, cannot be checked that way: it is an orphan if it is older than this process (`cutoff`). Like the
+    leases, this assumes that the processes sharing a host name share a pid namespace."""
     parts = name[len(TMP_PREFIX) :].split("-")
     if len(parts) == 3 and parts[0] == _HOST_TAG and parts[1].isdigit():
         pid = int(parts[1])
