@@ -62,6 +62,9 @@ def test_conv_decode():
     y, t, ck = causal_conv_triton(x, w, tail, cu)
     ry, rt, _ = naive_causal_conv(x, w, tail, cu)
     assert ck is None and rel_rms(y, ry) < TOL and torch.equal(t, rt)
+    # the twin's decode path (all sequences at once) against its per-sequence path (forced by tail positions)
+    ly, lt, _ = naive_causal_conv(x, w, tail, cu, [[] for _ in range(5)])
+    assert rel_rms(ry, ly) < 1e-6 and torch.equal(rt, lt) and ry.dtype == ly.dtype
 
 
 @pytest.mark.parametrize("P,num_splits", [(8, None), (8, 1), (16, 3), (4, 7)], ids=lambda x: str(x))
