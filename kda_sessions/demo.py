@@ -58,6 +58,7 @@ async def run_demo(
             "own, a scripted call stands in when it makes none; its scores are in docs/tiny.md)")
     # a byte-level tool call takes 60-150 tokens; random weights rarely make one, so they get short turns
     sampling = {"max_tokens": max_tokens or (16 if model == "tiny-random" else 160), "temperature": 0.0}
+    outputs: list[str] = []
     async with await Engine.open(model=model, store=store, config=config) as engine:
         s = await engine.create_session(system=SYSTEM, tools=TOOL_SCHEMAS)
         for i, (question, name, args) in enumerate(turns):
@@ -73,6 +74,7 @@ async def run_demo(
                 output = tools.call(call["function"]["name"], call["function"]["arguments"])
             except Exception as e:  # a bad call from the model becomes an error result, as an agent would do
                 output = f"error: {e}"
+            outputs.append(output)
             messages.append({"role": "tool", "tool_call_id": call["id"], "content": output})
             r = await s.send_messages(messages, **sampling)
             say(f"  tool ({who}) {call['function']['name']}({call['function']['arguments']}) -> {len(output)} chars; "
@@ -80,7 +82,11 @@ async def run_demo(
             say(f"  assistant: {r.text[:100]!r}")
         await s.checkpoint("explored")
         r = await s.send(f"Earlier you searched {g_file} for `{g_pat}`. Which line was it on?", **sampling)
-        say(f"  recall, {s.num_tokens} tokens in: {r.text[:100]!r}")
+        # the line the search showed (a call of the model's may have searched elsewhere: then there is no check)
+        found = re.match(rf"(?:{re.escape(g_file)}:)?(\d+): ", outputs[-1])
+        recall_right = None if found is None else re.search(rf"\bline {found.group(1)}\b", r.text) is not None
+        verdict = "" if found is None else f" (the search showed line {found.group(1)}: {'right' if recall_right else 'wrong'})"
+        say(f"  recall, {s.num_tokens} tokens in: {r.text[:100]!r}{verdict}")
         t0 = time.perf_counter()
         await s.save()
         say(f"checkpoint 'explored', one more turn, saved in {time.perf_counter() - t0:.3f} s ({s.num_tokens} tokens)")
@@ -115,4 +121,5 @@ async def run_demo(
     say("| context tokens | TTFT resumed | TTFT re-prefilled | speedup |")
     say("|---:|---:|---:|---:|")
     say(f"| {context} | {resumed * 1000:.1f} ms | {reprefill * 1000:.1f} ms | {reprefill / resumed:.1f}x |")
-    return {"session_id": sid, "context_tokens": context, "ttft_resumed_s": resumed, "ttft_reprefill_s": reprefill}
+    return {"session_id": sid, "context_tokens": context, "ttft_resumed_s": resumed, "ttft_reprefill_s": reprefill,
+            "recall_right": recall_right}

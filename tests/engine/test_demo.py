@@ -36,6 +36,11 @@ async def test_demo_runs_on_tiny_and_resumes_without_prefill(tmp_path: Path) -> 
     assert reused >= out["context_tokens"] - 1 and prefilled < 40
     forks = [line for line in lines if line.startswith("  fork ")]
     assert len(forks) == 2 and all("reused" in f for f in forks)
+    # the recall answer is checked against the line the search showed, and the verdict printed with it
+    recall = next(line for line in lines if line.startswith("  recall, "))
+    assert out["recall_right"] in (True, False, None)
+    if out["recall_right"] is not None:
+        assert recall.endswith(": right)" if out["recall_right"] else ": wrong)")
 
 
 def test_cli_demo_defaults_to_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
