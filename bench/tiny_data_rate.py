@@ -37,7 +37,8 @@ def rate(workers: int, seconds: float, args: argparse.Namespace) -> dict:
     recall = RecallData(parse_curriculum(args.recall_curriculum), args.drill_fraction)
     data = batches(args.seed, "train", args.batch, args.seq, workers, PAD_ID, recall=recall,
                    first_step=args.first_step, fact_weight=3.0, near_miss=args.near_miss,
-                   near_miss_defs=args.near_miss_defs)
+                   near_miss_defs=args.near_miss_defs, near_miss_entries=args.near_miss_entries,
+                   line_recall=args.line_recall)
     next(data)  # the pool's start and its first rows are not the steady rate
     rows = tokens = 0
     t0 = time.perf_counter()
@@ -63,9 +64,12 @@ def main() -> None:
     ap.add_argument("--drill-fraction", type=float, default=0.2)
     ap.add_argument("--near-miss", type=float, default=0.3)
     ap.add_argument("--near-miss-defs", type=float, default=0.0)
+    ap.add_argument("--near-miss-entries", type=float, default=0.0)
+    ap.add_argument("--line-recall", type=float, default=0.0)
     args = ap.parse_args()
     cpus = {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cgroup_cpu_max": cpu_quota()}
-    print(json.dumps({"cpus": cpus, "near_miss": args.near_miss, "near_miss_defs": args.near_miss_defs}), flush=True)
+    options = {k: getattr(args, k) for k in ("near_miss", "near_miss_defs", "near_miss_entries", "line_recall")}
+    print(json.dumps({"cpus": cpus, **options}), flush=True)
     for w in (int(x) for x in args.workers.split(",")):
         print(json.dumps(rate(w, args.seconds, args)), flush=True)
 
