@@ -112,3 +112,16 @@ def test_bad_shapes_are_named():
         chunk_kda(q, k, v, g, beta, initial_state=torch.zeros(1, 2, 8, 7))
     with pytest.raises(ValueError, match="checkpoint_positions"):
         chunk_kda(q, k, v, g, beta, checkpoint_positions=[[5]])
+
+
+def test_chunk_differentiates_and_matches_its_inference_path():
+    """Training on a CPU backpropagates through the chunk twin: the in-place inference path must not run then,
+    and both paths give the same output."""
+    q, k, v, g, beta = inputs(1, 40, 2, 16, 8, seed=9)
+    with torch.no_grad():
+        ref, _, _ = naive_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, _, _ = naive_chunk_kda(*leaves, use_qk_l2norm_in_kernel=True)
+    o.square().sum().backward()
+    assert torch.equal(o.detach(), ref)
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0 for x in leaves)
