@@ -6,13 +6,20 @@ Training needs batch * steps-per-second rows a second (run 10a: 8 rows x 7.3 ste
 when the workers make fewer, the training loop logs the difference as ``data_wait_s``. Prints one JSON line per
 worker count: rows/s, tokens/s, and the CPUs this process may use (affinity and the cgroup's quota), which is
 where a machine can have fewer than ``os.cpu_count()``.
+
+``--recall-kinds N`` counts instead the recall questions of N rows by the kind of fact they ask for (a whole
+source line, a definition's line, a first definition, a first entry, a user note), made in this process with the
+same options (rows of seed ``--seed`` * 10**9 + i, the recall distance of ``--first-step``).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -52,6 +59,29 @@ def rate(workers: int, seconds: float, args: argparse.Namespace) -> dict:
             "seconds": round(el, 1)}
 
 
+RECALL_KINDS = (  # (kind, pattern of the question) as tiny_data words them; user notes ask "What is the ..."
+    ("line", re.compile(r"Earlier you read [^\n]*(?:What was on line \d+ of it\?|What was on it\?)")),
+    ("def_line", re.compile(r"Earlier you searched [^\n]*Which line was it on\?")),
+    ("first_def", re.compile(r"Earlier you (?:read|looked at) [^\n]*first function or class")),
+    ("first_entry", re.compile(r"Earlier you listed [^\n]*first entry")),
+)
+
+
+def recall_kinds(rows: int, args: argparse.Namespace) -> dict:
+    """Recall questions of ``rows`` training rows, by kind."""
+    lo, hi = RecallData(parse_curriculum(args.recall_curriculum), 0.0).distance(args.first_step)
+    counts: collections.Counter[str] = collections.Counter()
+    for i in range(rows):
+        ids, _ = tiny_data.make_row(
+            random.Random(args.seed * 10**9 + i), "train", args.seq, (lo, hi), args.drill_fraction, args.near_miss,
+            args.near_miss_defs, args.near_miss_entries, args.line_recall,
+        )
+        text = bytes(t for t in ids if t < 256).decode("utf-8", "replace")
+        for kind, pattern in RECALL_KINDS:
+            counts[kind] += len(pattern.findall(text))
+    return {"rows": rows, "recall_questions": dict(counts)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="1", help="comma-separated worker counts (0: rows made in this process)")
@@ -66,10 +96,14 @@ def main() -> None:
     ap.add_argument("--near-miss-defs", type=float, default=0.0)
     ap.add_argument("--near-miss-entries", type=float, default=0.0)
     ap.add_argument("--line-recall", type=float, default=0.0)
+    ap.add_argument("--recall-kinds", type=int, default=0, metavar="N", help="count the recall questions of N rows")
     args = ap.parse_args()
     cpus = {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)), "cgroup_cpu_max": cpu_quota()}
     options = {k: getattr(args, k) for k in ("near_miss", "near_miss_defs", "near_miss_entries", "line_recall")}
     print(json.dumps({"cpus": cpus, **options}), flush=True)
+    if args.recall_kinds:
+        print(json.dumps(recall_kinds(args.recall_kinds, args)), flush=True)
+        return
     for w in (int(x) for x in args.workers.split(",")):
         print(json.dumps(rate(w, args.seconds, args)), flush=True)
 

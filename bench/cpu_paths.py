@@ -1,0 +1,133 @@
+"""The CPU paths of the model, piece by piece: the KDA chunk twin, MLA prefill attention, a whole forward of
+``tiny`` and its decode step (docs/benchmarks.md, "CPU prefill").
+
+    python bench/cpu_paths.py [--quick] [--out FILE]
+
+- ``kda_chunk``: one KDA layer's ``naive_chunk_kda`` (T tokens, l2-normed q/k, no grad) at chunk sizes 16 and 64,
+  for tiny's shape (T 3,500, H 4, K = V = 64) and Kimi's (T 1,024, H 32, K = V = 128), with its relative RMS
+  difference from the token-by-token recurrence.
+- ``mla_sdpa``: causal SDPA at T 3,500 over H 4 heads, q/k 96 wide and v 64 (tiny's MLA), as the model calls it
+  (``mla._attention``: v padded, torch's CPU flash kernel) against torch's math path (``SDPBackend.MATH``).
+- ``forward``: ``HybridModel.forward`` of ``tiny`` (float32) over T 3,500 random byte tokens.
+- ``decode``: ``tiny`` decode steps (``HybridModel.step``, one token per sequence) of B sequences holding 2,048
+  tokens each, greedy argmax included.
+
+Each figure is the median of ``--reps`` runs after one warm-up, after waiting for the machine to be quiet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+from model_cpu import PooledRunner
+
+from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
+from kda_sessions.model import load_model
+from kda_sessions.model.mla import _attention
+
+
+def _median_s(fn: Callable[[], Any], reps: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def kda_chunk(T: int, H: int, K: int, reps: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, T, H, K, generator=gen), torch.randn(1, T, H, K, generator=gen)
+    v = torch.randn(1, T, H, K, generator=gen)
+    g, beta = -torch.rand(1, T, H, K, generator=gen) * 0.5, torch.rand(1, T, H, generator=gen)
+    ref, _, _ = naive_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    out: dict[str, Any] = {"T": T, "H": H, "K": K, "quiet": common.wait_quiet()}
+    for C in (16, 64):
+        o, _, _ = naive_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=C)
+        s = _median_s(lambda C=C: naive_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=C), reps)
+        out[f"chunk{C}_ms"] = round(s * 1000, 1)
+        out[f"chunk{C}_rel_vs_recurrent"] = float(f"{_rel(o, ref):.2e}")
+    return out
+
+
+def mla_sdpa(T: int, reps: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(1)
+    q, k = torch.randn(4, T, 96, generator=gen), torch.randn(4, T, 96, generator=gen)
+    v = torch.randn(4, T, 64, generator=gen)
+    quiet = common.wait_quiet()
+    used = _attention(q, k, v, None, 0.1)
+
+    def math() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1)
+
+    return {"T": T, "model_path_ms": round(_median_s(lambda: _attention(q, k, v, None, 0.1), reps) * 1000, 1),
+            "math_path_ms": round(_median_s(math, reps) * 1000, 1), "rel_diff": float(f"{_rel(used, math()):.2e}"),
+            "quiet": quiet}
+
+
+def forward(T: int, reps: int) -> dict[str, Any]:
+    m = load_model("tiny", device="cpu", dtype=torch.float32)
+    ids = torch.tensor([common.random_tokens(T, seed=T)])
+    quiet = common.wait_quiet()
+    with torch.no_grad():
+        s = _median_s(lambda: m.forward(ids), reps)
+    return {"T": T, "s": round(s, 3), "tok_per_s": round(T / s), "quiet": quiet}
+
+
+def decode(B: int, context: int, steps: int, reps: int) -> dict[str, Any]:
+    m = load_model("tiny", device="cpu", dtype=torch.float32)
+    r = PooledRunner(m, B, context + (reps + 1) * steps + 2)
+    seqs = list(range(B))
+    with torch.no_grad():
+        nxt = r.feed(seqs, [common.random_tokens(context, seed=b) for b in seqs]).argmax(-1).tolist()
+        quiet = common.wait_quiet()
+
+        def block() -> None:
+            nonlocal nxt
+            for _ in range(steps):
+                nxt = r.feed(seqs, [[t] for t in nxt]).argmax(-1).tolist()
+
+        s = _median_s(block, reps)
+    return {"batch": B, "context": context, "ms_per_step": round(1000 * s / steps, 2), "quiet": quiet}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="smoke run: small shapes, one rep")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", help="also write the JSON here")
+    args = p.parse_args()
+    reps = 1 if args.quick else args.reps
+    shapes = [(256, 2, 16)] if args.quick else [(3500, 4, 64), (1024, 32, 128)]
+    T = 256 if args.quick else 3500
+    result = {
+        "machine": common.machine(),
+        "command": " ".join(["python", *sys.argv]),
+        "kda_chunk": [kda_chunk(t, h, k, reps) for t, h, k in shapes],
+        "mla_sdpa": mla_sdpa(T, reps),
+        "forward": forward(T, reps),
+        "decode": [decode(b, 256 if args.quick else 2048, 8 if args.quick else 50, reps) for b in (1, 8)],
+    }
+    common.emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
