@@ -5,8 +5,10 @@
 Each input is a folder of safetensors files (sharded with an index or not: what ``train_tiny.py`` writes, or the
 shipped ``kda_sessions/builtin``) or a single ``.safetensors`` file. The tensors are averaged in float32 (equal
 weights unless ``--weights`` gives one per input) and written as ``tiny.safetensors`` in bf16 (``--dtype`` float32
-keeps them exact), with ``config.json`` copied from ``--config`` (default: the built-in ``tiny.json``). Shipped
-``tiny`` since the eighth session is the average of runs 11 and 13 (docs/tiny.md)."""
+keeps them exact), with ``config.json`` copied from ``--config`` (default: the built-in ``tiny.json``). Give
+``--weights`` after the inputs (``... run15 run16 --weights 1 2 1``): before them it would take the inputs for
+weights. Shipped ``tiny`` since the tenth session is soup B, the 1 : 2 : 1 : 1 mean of runs 11, 15, 16 and 17
+(docs/tiny.md)."""
 
 from __future__ import annotations
 
