@@ -7,12 +7,16 @@ shipped ``kda_sessions/builtin``) or a single ``.safetensors`` file. The tensors
 weights unless ``--weights`` gives one per input) and written as ``tiny.safetensors`` in bf16 (``--dtype`` float32
 keeps them exact), with ``config.json`` copied from ``--config`` (default: the built-in ``tiny.json``). Give
 ``--weights`` after the inputs (``... run15 run16 --weights 1 2 1``): before them it would take the inputs for
-weights. Shipped ``tiny`` since the tenth session is soup B, the 1 : 2 : 1 : 1 mean of runs 11, 15, 16 and 17
+weights. ``--take REGEX=INDEX`` keeps the tensors whose names match REGEX from one input instead of averaging them
+(for example one run's MLA layers: ``--take 'layers\.(3|7)\.self_attn\.=1'``).
+
+Shipped ``tiny`` since the tenth session is soup B, the 1 : 2 : 1 : 1 mean of runs 11, 15, 16 and 17
 (docs/tiny.md)."""
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 from pathlib import Path
 
@@ -54,6 +58,31 @@ def average(states: list[dict[str, Tensor]], weights: list[float] | None = None)
             for n in sorted(names)}
 
 
+def take(soup: dict[str, Tensor], states: list[dict[str, Tensor]], rules: list[str]) -> int:
+    """Apply ``REGEX=INDEX`` rules in place: every tensor whose name matches REGEX (``re.search``) is input INDEX's
+    own (0-based), not the mean. Returns how many tensors were taken. Raises SoupError for a malformed rule, an
+    index out of range or a pattern that matches nothing (a typo would otherwise ship a plain soup)."""
+    n = 0
+    for rule in rules:
+        pattern, sep, index = rule.rpartition("=")
+        if not sep or not pattern or not index.isdigit():
+            raise SoupError(f"--take wants REGEX=INDEX (e.g. 'self_attn\\.=1'), got {rule!r}")
+        i = int(index)
+        if i >= len(states):
+            raise SoupError(f"--take {rule!r}: input {i} does not exist (there are {len(states)})")
+        try:
+            rx = re.compile(pattern)
+        except re.error as e:
+            raise SoupError(f"--take {rule!r}: bad pattern: {e}") from None
+        hits = [name for name in soup if rx.search(name)]
+        if not hits:
+            raise SoupError(f"--take {rule!r} matches no tensor name")
+        for name in hits:
+            soup[name] = states[i][name].float()
+        n += len(hits)
+    return n
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("inputs", nargs="+", type=Path, help="checkpoint folders or .safetensors files")
@@ -61,13 +90,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--weights", type=float, nargs="+", default=None, help="one positive weight per input")
     ap.add_argument("--config", type=Path, default=BUILTIN_CONFIG, help="config.json to copy beside the weights")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--take", action="append", default=[], metavar="REGEX=INDEX",
+                    help="tensors whose name matches REGEX come from input INDEX (0-based) unaveraged; repeatable")
     args = ap.parse_args(argv)
-    soup = average([read(p) for p in args.inputs], args.weights)
+    states = [read(p) for p in args.inputs]
+    soup = average(states, args.weights)
+    taken = take(soup, states, args.take)
     dtype = getattr(torch, args.dtype)
     args.out.mkdir(parents=True, exist_ok=True)
     save_file({n: t.to(dtype).contiguous() for n, t in soup.items()}, str(args.out / "tiny.safetensors"))
     shutil.copyfile(args.config, args.out / "config.json")
-    print(f"{len(soup)} tensors, {sum(t.numel() for t in soup.values())} parameters -> {args.out}")
+    print(f"{len(soup)} tensors ({taken} taken unaveraged), {sum(t.numel() for t in soup.values())} parameters -> "
+          f"{args.out}")
 
 
 if __name__ == "__main__":

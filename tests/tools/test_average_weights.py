@@ -53,3 +53,17 @@ async def test_the_soup_of_the_shipped_model_with_itself_loads_as_the_same_model
     assert all(torch.equal(soup[n], shipped[n]) for n in shipped)  # bf16 -> float32 mean of equals -> bf16: exact
     async with await Engine.open(model=str(tmp_path / "soup"), store="memory:") as engine:  # the loader checks it
         assert engine.model.config.hidden_size == 256
+
+
+def test_take_keeps_matching_tensors_from_one_input_and_refuses_bad_rules(tmp_path: Path):
+    s1, s2 = _ckpt(tmp_path / "one", 1), _ckpt(tmp_path / "two", 2)
+    main([str(tmp_path / "one"), str(tmp_path / "two"), "--out", str(tmp_path / "soup"), "--dtype", "float32",
+          "--take", r"^a\.=1"])
+    got = load_file(str(tmp_path / "soup" / "tiny.safetensors"))
+    assert torch.equal(got["a.weight"], s2["a.weight"])  # taken from input 1 as it is
+    torch.testing.assert_close(got["b.bias"], 0.5 * s1["b.bias"] + 0.5 * s2["b.bias"])  # the rest averaged
+    for rule, msg in [("a.weight", "REGEX=INDEX"), ("a=2", "does not exist"), ("zzz=0", "matches no tensor"),
+                      ("(=0", "bad pattern")]:
+        with pytest.raises(SoupError, match=msg):
+            main([str(tmp_path / "one"), str(tmp_path / "two"), "--out", str(tmp_path / "bad"), "--take", rule])
+    assert not (tmp_path / "bad").exists()  # refused before anything is written
