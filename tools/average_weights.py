@@ -1,4 +1,4 @@
-"""Average the weights of checkpoints of one architecture (a "model soup") into one bf16 safetensors file.
+r"""Average the weights of checkpoints of one architecture (a "model soup") into one bf16 safetensors file.
 
     python tools/average_weights.py --out .out/soup kda_sessions/builtin /work/.device/1/run/weights
 
