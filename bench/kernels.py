@@ -346,7 +346,10 @@ def mla_fake(lens: list[int]) -> tuple:
 
 
 def mla_check_cfgs(name: str, mod) -> list[dict]:
-    """Launch parameters of each MLA module that the correctness check covers (all that the timings use)."""
+    """Launch parameters of each MLA module that the correctness check covers (all that the timings use; for a
+    candidate also the JSON list in MLA_CAND_CFGS, which --mla-cfgs sets)."""
+    if name != "current" and os.environ.get("MLA_CAND_CFGS"):
+        return [{}, *json.loads(os.environ["MLA_CAND_CFGS"])]
     if name == "current":  # MLA_EXTRA: a JSON list of more launch parameters to check and time (a sweep)
         return [{}, *MLA_FORMS, *MLA_VARIANTS[1:2], *json.loads(os.environ.get("MLA_EXTRA", "[]"))]
     params = inspect.signature(mod._launch).parameters
@@ -876,6 +879,8 @@ def main() -> None:
         fla_warm()
         return
     t_start = time.time()
+    if a.mla_cfgs:  # the candidates' variants: checked as well as timed, and warmed by the warm-up processes
+        os.environ["MLA_CAND_CFGS"] = a.mla_cfgs
     parts = set(a.only.split(","))
     if SMOKE:
         parts.discard("decode")  # CUDA graphs and fla only

@@ -5,18 +5,26 @@
 #
 #   run(command="bash bench/candidates/device_mla.sh v3 300")
 #
-# $1 candidates (stems after paged_decode_), $2 seconds for the timing step. Writes $OUT/check_<c>.json/.err,
-# $OUT/mla.json, $OUT/mla.err.
+# $1 candidates (stems after paged_decode_), $2 seconds for the timing step; MLA_CFGS (a JSON list of launch
+# parameters) checks and times each candidate with those variants besides its defaults. Writes
+# $OUT/check_<c>.json/.err, $OUT/mla.json, $OUT/mla.err. Carry .whl/train (pydantic and the rest) where the
+# device lacks the package's dependencies.
 set -uo pipefail
 cands=${1:-v3}
 budget=${2:-300}
 export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1
 mkdir -p /tmp/tc
+if ls .whl/train/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/train/*.whl && export PYTHONPATH=/tmp/site
+fi
+cfgs=()
+if [ -n "${MLA_CFGS:-}" ]; then cfgs=(--mla-cfgs "$MLA_CFGS"); fi
 passed=()
 for c in ${cands//,/ }; do
   f=bench/candidates/paged_decode_$c.py
   CUDA_LAUNCH_BLOCKING=1 timeout 200 python3 bench/kernels.py --only checkmla --warm-procs 8 --mla-cand "$f" \
-      --out "$OUT/check_$c.json" > /dev/null 2> "$OUT/check_$c.err"
+      "${cfgs[@]}" --out "$OUT/check_$c.json" > /dev/null 2> "$OUT/check_$c.err"
   ok=$(python3 - "$OUT/check_$c.json" "paged_decode_$c" <<'EOF'
 import json, sys
 try:
@@ -33,5 +41,5 @@ EOF
 done
 list=$(IFS=,; echo "${passed[*]:-}")
 timeout "$budget" python3 bench/kernels.py --only mla,mlasweep --warm-procs 12 --deadline $((budget - 40)) \
-    ${list:+--mla-cand "$list"} --out "$OUT/mla.json" > /dev/null 2> "$OUT/mla.err"
+    ${list:+--mla-cand "$list"} "${cfgs[@]}" --out "$OUT/mla.json" > /dev/null 2> "$OUT/mla.err"
 echo "timings rc $?" | tee -a "$OUT/summary.txt"
