@@ -211,14 +211,14 @@ def _num_splits(N: int, capacity: int, sm_count: int) -> int:
     return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
-def _num_splits_tokens(N: int, capacity: int, sm_count: int, split_waves: int = 1) -> int:
+def _num_splits_tokens(N: int, capacity: int, sm_count: int, split_waves: int = 1, min_split: int = 256) -> int:
     """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and eight waves from
     8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
     docs/benchmarks.md): one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 / 463.7 us,
     against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x 32K at
     36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves) and 595.4 for the "heads" form."""
     waves = (8 if N >= 8 else 1) * split_waves
-    return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
+    return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, min_split)))
 
 
 def _default_form(N: int) -> str:
@@ -234,6 +234,7 @@ def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
     num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, form: str | None = None, split_waves: int = 1,
+    min_split: int = 256,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
@@ -254,7 +255,7 @@ def _launch(
     tokens = form == "tokens"
     if num_splits is None:
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
-        num_splits = (_num_splits_tokens(N, max_pages * P, sm, split_waves) if tokens
+        num_splits = (_num_splits_tokens(N, max_pages * P, sm, split_waves, min_split) if tokens
                       else _num_splits(N, max_pages * P, sm))
     BN = BN or (32 if tokens else 64)
     tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
