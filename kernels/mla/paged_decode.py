@@ -126,13 +126,17 @@ def _split_kernel_tokens(
     l_i = tl.zeros([BH], dtype=tl.float32)
     acc = tl.zeros([BR, BH], dtype=tl.float32)  # acc^T
     pt = page_table + n.to(tl.int64) * max_pages
+    # PAGE_TILE: each tile's page id is loaded one iteration ahead and carried, so the tile's copy does not wait
+    # on a page-table load of its own iteration (1 x 1M 441 us against 465, run U in docs/benchmarks.md)
+    page_nx = tl.load(pt + tl.minimum(start // P, max_pages - 1), mask=start < end, other=0)
     for t0 in range(start, end, BN):
         tok = t0 + tl.arange(0, BN)
         mt = tok < end
         # page ids masked and clamped to the sequence's row: no copy of these loads that the pipeliner issues
         # ahead can address past the table
         if PAGE_TILE:  # BN divides P and every tile starts at a multiple of BN: the tile lies in one page
-            page = tl.load(pt + tl.minimum(t0 // P, max_pages - 1), mask=t0 < end, other=0).to(tl.int64)
+            page = page_nx.to(tl.int64)
+            page_nx = tl.load(pt + tl.minimum((t0 + BN) // P, max_pages - 1), mask=t0 + BN < end, other=0)
             row = (page * P + t0 % P + tl.arange(0, BN)) * (R + DR)
         else:
             page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
