@@ -264,8 +264,13 @@ def _launch(
             H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
             num_warps=num_warps or 4, num_stages=num_stages or 2,
         )
-        _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=16,
-                                                         num_warps=2)
+        # below 8 sequences the merge reads every split in one pass on 4 warps (1 x 32K: 3.4 us against 6.2 for 16
+        # splits a step on 2 warps, run V in docs/benchmarks.md); from 8 up there are programs enough, and the
+        # wider pass lost (32 x 32K 483 us against 469-472)
+        one_pass = N < 8
+        bs = min(256, max(16, triton.next_power_of_2(num_splits))) if one_pass else 16
+        _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=bs,
+                                                         num_warps=4 if one_pass else 2)
         return out
     acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
     m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
