@@ -12,12 +12,7 @@
 set -uo pipefail
 cands=${1:-v3}
 budget=${2:-300}
-export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1
-mkdir -p /tmp/tc
-if ls .whl/train/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/train/*.whl && export PYTHONPATH=/tmp/site
-fi
+source bench/candidates/device_env.sh
 cfgs=()
 if [ -n "${MLA_CFGS:-}" ]; then cfgs=(--mla-cfgs "$MLA_CFGS"); fi
 passed=()

@@ -11,12 +11,7 @@
 set -uo pipefail
 cand=bench/candidates/paged_decode_${1:-v7}.py
 budget=${2:-300}
-export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1
-mkdir -p /tmp/tc
-if ls .whl/train/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/train/*.whl && export PYTHONPATH=/tmp/site
-fi
+source bench/candidates/device_env.sh
 python3 -c 'import json, os; [print(json.dumps(c)) for c in json.loads(os.environ.get("MLA_CFGS", "[{}]"))]' \
     > /tmp/cfgs.txt
 i=0
