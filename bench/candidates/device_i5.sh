@@ -5,7 +5,7 @@
 #   run(command="bash bench/candidates/device_i5.sh", carry=[".whl/train"])
 #
 # 1. the engine's CUDA-graph decode against eager on the GPU (tests/model/test_cuda_graph_decode.py -k cuda), which
-#    goes through the MLA "tokens" form (every batch since run O);
+#    goes through the MLA "tokens" form (every batch since run O), and the Gluon MLA split kernel's gpu tests;
 # 2. MLA decode: both forms checked against the twin (N 1 and 32, P 16 and 64) and timed (1 x 32K / 128K / 1M,
 #    32 x 32K), `bench/kernels.py --only checkmla,mla`;
 # 3. chunk_kda: the shipped kernel checked and timed with a few launch variants (CHUNK_OLD / CHUNK_TUNE: other
@@ -25,8 +25,8 @@ nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > /dev/null 2>&1 || echo "editable install failed"
 if [ "${I5_TESTS:-1}" = 1 ]; then
 echo "== graph decode vs eager"
-timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graph_decode.py \
-    tests/kernels/test_kda_triton.py 2>&1 | tail -15
+timeout 160 python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_cuda_graph_decode.py \
+    tests/kernels/test_kda_triton.py tests/kernels/test_mla_gluon.py 2>&1 | tail -15
 fi
 if [ "${I5_MLA:-1}" = 1 ]; then
 echo "== mla"

@@ -11,6 +11,11 @@ safe). Two forms (``_default_form`` picks "tokens"; "heads" is kept to force, fo
   a log-sum-exp of -1e30, which the merge weighs 0.
 - ``"heads"``: heads on the rows (scores = q c^T [BH, BN]); float32 partials (unnormalised latent sum,
   running max, running denominator).
+
+On an sm_90 GPU the "tokens" split kernel is the Gluon one of paged_decode_gluon.py wherever it applies (bf16,
+r 512, dr 64, P % 64 == 0): it keeps the next tile's copy in flight while a tile is computed, which this Triton
+kernel cannot (1 x 1M 301 us against 438). ``use_gluon=False`` forces the Triton kernel, which CI tests under the
+interpreter and which serves every other shape.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from .paged_decode_gluon import gluon_split_ok, launch_split_gluon
 
 _LOG2E = 1.4426950408889634
 FORMS = ("heads", "tokens")
@@ -201,13 +208,15 @@ def _num_splits(N: int, capacity: int, sm_count: int) -> int:
     return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
-def _num_splits_tokens(N: int, capacity: int, sm_count: int) -> int:
-    """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and eight waves from
-    8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
-    docs/benchmarks.md): one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 / 463.7 us,
-    against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x 32K at
-    36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves) and 595.4 for the "heads" form."""
-    waves = 8 if N >= 8 else 1
+def _num_splits_tokens(N: int, capacity: int, sm_count: int, many_waves: int = 8) -> int:
+    """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and ``many_waves``
+    from 8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
+    docs/benchmarks.md), Triton kernel: one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 /
+    463.7 us, against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x
+    32K at 36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves). The Gluon kernel (run Y) keeps one
+    wave below 8 sequences (1 x 32K / 128K 24.3 / 51.5 us at 128 / 132 splits, 25.4 / 57.2 at 96) and wants
+    longer splits from 8 up (32 x 32K 323.7 us at 16 splits, 355-382 at 32): four waves."""
+    waves = many_waves if N >= 8 else 1
     return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
@@ -223,7 +232,7 @@ def _default_form(N: int) -> str:
 def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
     num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, form: str | None = None,
+    num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
@@ -242,13 +251,23 @@ def _launch(
     if N == 0:
         return out
     tokens = form == "tokens"
+    BH = BH or max(16, triton.next_power_of_2(H))
+    # the Gluon split kernel wherever it applies, unless the caller tunes the Triton kernel (tiles, warps, stages)
+    gluon = (tokens and use_gluon is not False and BN in (None, 64) and num_warps is None and num_stages is None
+             and gluon_split_ok(q_lat, kv_pages, R, DR, P, 64, BH))
+    if use_gluon and not gluon:
+        raise ValueError("use_gluon=True needs the \"tokens\" form on an sm_90 GPU with bf16, r 512, dr 64, "
+                         f"P % 64 == 0 and default tiles; got form={form!r}, r={R}, dr={DR}, P={P}, "
+                         f"dtype={q_lat.dtype}, device={q_lat.device}")
     if num_splits is None:
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
-        num_splits = (_num_splits_tokens if tokens else _num_splits)(N, max_pages * P, sm)
+        if tokens:
+            num_splits = _num_splits_tokens(N, max_pages * P, sm, many_waves=4 if gluon else 8)
+        else:
+            num_splits = _num_splits(N, max_pages * P, sm)
     BN = BN or 64
     tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
     num_splits = triton.cdiv(max_pages * P, tps)
-    BH = BH or max(16, triton.next_power_of_2(H))
     BR = triton.next_power_of_2(R)
     BDR = max(16, triton.next_power_of_2(DR))
     align = 1
@@ -259,11 +278,14 @@ def _launch(
         half = q_lat.dtype in (torch.bfloat16, torch.float16)  # half the partials' traffic; float32 stays exact
         o_part = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=q_lat.dtype if half else torch.float32)
         lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
-        _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
-            q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps, num_splits,
-            H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
-            num_warps=num_warps or 4, num_stages=num_stages or 2,
-        )
+        if gluon:
+            launch_split_gluon(q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, tps, BH)
+        else:
+            _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
+                q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps,
+                num_splits, H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
+                num_warps=num_warps or 4, num_stages=num_stages or 2,
+            )
         # below 8 sequences the merge reads every split in one pass on 4 warps (1 x 32K: 3.4 us against 6.2 for 16
         # splits a step on 2 warps, run V in docs/benchmarks.md); from 8 up there are programs enough, and the
         # wider pass lost (32 x 32K 483 us against 469-472)

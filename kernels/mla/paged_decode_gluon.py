@@ -1,0 +1,204 @@
+"""The split kernel of MLA paged decode ("tokens" form) in Gluon, for Hopper (sm_90): CUDA only.
+
+Same contract as ``_split_kernel_tokens`` in paged_decode.py (one program per head block, split and sequence;
+normalised partials in q's dtype plus a base-2 log-sum-exp per head, merged by ``_combine_kernel_lse``). The
+Triton kernel cannot keep a tile copy in flight while it computes: its pipeliner issues the next copy after the
+current tile's products at 2 stages, and 3 stages of 72 KB tiles do not fit in shared memory. Here the order is
+explicit: TMA copies into a ring of two stages, the next tile's copy issued before this tile's products
+(1 x 1M 301 us, 94% of copy bandwidth, against 438 us for the Triton kernel; run Y in docs/benchmarks.md).
+
+Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90 (no GPU needed) and tests
+the Triton kernel against the twin; this one is checked against the same twin on the device
+(tests/kernels/test_mla_gluon.py, bench/candidates/mla_gluon_check.py), where it is bitwise equal to the Triton
+kernel. Served shapes (``gluon_split_ok``): bf16, r 512, dr 64, tiles of 64 rows within a page (P % 64 == 0),
+head blocks of 16-64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch import Tensor
+
+try:  # Gluon (triton.experimental) is absent from older Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # the TMA load is async_load in newer Triton (3.9; async_copy_global_to_shared raises there), the old name in 3.6
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # the CTA barrier: gl.barrier in newer Triton (3.9), gl.thread_barrier in 3.6
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+except (ImportError, AttributeError):  # a Triton without Gluon: the Triton kernel serves every call
+    gluon = None
+
+if gluon is not None:
+
+    @gluon.jit
+    def _g_issue(desc, bar, buf, stage, row, pred, NB: gl.constexpr, BN: gl.constexpr):
+        """One tile (NB boxes of [BN, 64] from cache row ``row``) into ring stage ``stage``, on its barrier."""
+        mbarrier.expect(bar.index(stage), NB * BN * 64 * 2, pred=pred)
+        for k in gl.static_range(NB):
+            _tma_load(desc, [row, k * 64], bar.index(stage), buf.index(stage * NB + k), pred=pred)
+
+    @gluon.jit
+    def _g_pv(buf, j, p_smem, acc, A_REG: gl.constexpr, mma: gl.constexpr):
+        """acc^T chunk [64 r, BH] += c_j^T [64 r, BN] p [BN, BH], c_j^T a transposed view of box j."""
+        a = buf.index(j).permute((1, 0))
+        if A_REG:
+            a = a.load(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+        return warpgroup_mma(a, p_smem, acc, is_async=True)
+
+    @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+    def _split_kernel_gluon(
+        q_lat, q_pe, kv_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
+        NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
+        BN: gl.constexpr, A_REG: gl.constexpr,
+    ):
+        gl.static_assert(R == 512)
+        gl.static_assert(DR == 64)
+        NB: gl.constexpr = 9  # boxes per tile: 8 of the latent, 1 of the rope part
+        hb = gl.program_id(0)
+        s = gl.program_id(1)
+        n = gl.program_id(2)
+        L = gl.load(seq_lens + n)
+        start = s * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, L)
+        pt = page_table + n.to(gl.int64) * max_pages
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        pbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BH * 2 if BH * 2 < 128 else 128,
+                                                  element_bitwidth=16, rank=2)
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        buf = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, BN, 64], box)
+        bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar.index(0), count=1)
+        mbarrier.init(bar.index(1), count=1)
+
+        # the first tile's copy goes out before q is staged; its page id is read (clamped to the table's row, so
+        # always in bounds) alongside seq_lens rather than after it, and used only where the split has tokens
+        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        _g_issue(kv_desc, bar, buf, 0, page0 * P + start % P, start < end, NB, BN)
+        page_nx = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
+
+        # q [BH, 576] as NB boxes [BH, 64]: the B operand (q_k^T, K-major) of the score product
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
+        rh_l = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+        rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        mh_l = (rh_l < H)[:, None]
+        for k in gl.static_range(NB - 1):
+            q_smem.index(k).store(gl.load(q_lat + (n * H + rh_l[:, None]) * R + k * 64 + rc_l[None, :], mask=mh_l,
+                                          other=0.0))
+        q_smem.index(NB - 1).store(gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0))
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH], pbox)
+        fence_async_shared()
+        _cta_barrier()
+
+        m_i = gl.full([BH], -1e30, gl.float32, layout=gl.SliceLayout(0, mma))
+        l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, mma))
+        acc0 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc1 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc2 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc3 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc4 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc5 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc6 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc7 = gl.zeros([64, BH], gl.float32, layout=mma)
+        tok = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        ntiles = (gl.maximum(end - start, 0) + BN - 1) // BN
+        for i in range(0, ntiles):
+            st = i % 2
+            t0 = start + i * BN
+            t1 = t0 + BN
+            # the next tile's copy into the other stage (its last reader, tile i - 1, has finished) before this
+            # tile's products, and the page id after it loaded for the next iteration
+            _g_issue(kv_desc, bar, buf, 1 - st, page_nx * P + t1 % P, t1 < end, NB, BN)
+            page_nx = gl.load(pt + gl.minimum((t1 + BN) // P, max_pages - 1), mask=t1 + BN < end, other=0)
+            mbarrier.wait(bar.index(st), (i // 2) & 1)
+            b0 = st * NB
+            sc = warpgroup_mma(buf.index(b0), q_smem.index(0).permute((1, 0)),
+                               gl.zeros([BN, BH], gl.float32, layout=mma), use_acc=False, is_async=True)
+            for k in gl.static_range(1, NB):
+                sc = warpgroup_mma(buf.index(b0 + k), q_smem.index(k).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            sc = gl.where((t0 + tok < end)[:, None], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+            m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+            p = gl.exp2(sc - m_new[None, :])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            _cta_barrier()
+            al = alpha[None, :]
+            acc0 = _g_pv(buf, b0 + 0, p_smem, acc0 * al, A_REG, mma)
+            acc1 = _g_pv(buf, b0 + 1, p_smem, acc1 * al, A_REG, mma)
+            acc2 = _g_pv(buf, b0 + 2, p_smem, acc2 * al, A_REG, mma)
+            acc3 = _g_pv(buf, b0 + 3, p_smem, acc3 * al, A_REG, mma)
+            acc4 = _g_pv(buf, b0 + 4, p_smem, acc4 * al, A_REG, mma)
+            acc5 = _g_pv(buf, b0 + 5, p_smem, acc5 * al, A_REG, mma)
+            acc6 = _g_pv(buf, b0 + 6, p_smem, acc6 * al, A_REG, mma)
+            acc7 = _g_pv(buf, b0 + 7, p_smem, acc7 * al, A_REG, mma)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+                num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))
+            _cta_barrier()  # every warp is past this tile's products before its stage is refilled
+        mbarrier.invalidate(bar.index(0))
+        mbarrier.invalidate(bar.index(1))
+
+        # a split past the sequence's end (l = 0) stores a zero output and log-sum-exp -1e30: weight 0 in the merge
+        nonempty = l_i > 0.0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        lse = gl.where(nonempty, m_i + gl.log2(l_safe), -1.0e30)
+        inv = (1.0 / l_safe)[None, :]
+        rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
+        base = (n * NSPLIT + s) * H + rh
+        rr = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        optr = o_part + base[None, :].to(gl.int64) * R + rr[:, None]
+        om = (rh < H)[None, :] & (rr < 64)[:, None]
+        dt = o_part.dtype.element_ty
+        gl.store(optr + 0 * 64, (acc0 * inv).to(dt), mask=om)
+        gl.store(optr + 1 * 64, (acc1 * inv).to(dt), mask=om)
+        gl.store(optr + 2 * 64, (acc2 * inv).to(dt), mask=om)
+        gl.store(optr + 3 * 64, (acc3 * inv).to(dt), mask=om)
+        gl.store(optr + 4 * 64, (acc4 * inv).to(dt), mask=om)
+        gl.store(optr + 5 * 64, (acc5 * inv).to(dt), mask=om)
+        gl.store(optr + 6 * 64, (acc6 * inv).to(dt), mask=om)
+        gl.store(optr + 7 * 64, (acc7 * inv).to(dt), mask=om)
+        gl.store(lse_part + base, lse, mask=rh < H)
+
+
+
+def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN: int, BH: int) -> bool:
+    """Whether the Gluon kernel serves a call: a Hopper GPU (sm_90), bf16, r 512, dr 64, page-aligned tiles of
+    64 rows, head blocks of 16-64, a 16-byte-aligned cache (TMA)."""
+    return (gluon is not None and q_lat.is_cuda and torch.cuda.get_device_capability(q_lat.device)[0] == 9
+            and q_lat.dtype == torch.bfloat16 and kv_pages.dtype == torch.bfloat16 and R == 512 and DR == 64
+            and BN == 64 and P % BN == 0 and BH in (16, 32, 64) and kv_pages.data_ptr() % 16 == 0)
+
+
+def launch_split_gluon(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, o_part: Tensor,
+    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, a_reg: bool = False,
+) -> None:
+    """The split kernel over q_lat [N, H, 512], q_pe [N, H, 64], kv_pages [num_pages, P, 576] (contiguous),
+    page_table [N, max_pages] int32, seq_lens [N], into o_part [N, S, H, 512] and lse [N, S, H] float32;
+    ``sm_scale`` includes log2(e). ``a_reg`` loads the value operand into registers first (slower; kept to
+    compare)."""
+    N, H, R = q_lat.shape
+    P = kv_pages.shape[1]
+    rows = kv_pages.view(-1, kv_pages.shape[-1])  # [num_pages * P, r + dr]: a tile is BN consecutive rows
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
+        q_lat, q_pe, desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1], tokens_per_split,
+        o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, A_REG=a_reg, num_warps=4,
+    )

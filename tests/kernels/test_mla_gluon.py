@@ -1,0 +1,153 @@
+"""The Gluon split kernel of MLA paged decode (kernels/mla/paged_decode_gluon.py).
+
+Gluon kernels do not run under TRITON_INTERPRET=1, so without a GPU this file compiles the kernel for sm_90 with the
+installed Triton (its bundled ptxas; no GPU needed) and checks what the compiler made of it, and checks that CPU
+calls never reach it. On an sm_90 GPU (``-m gpu``) the kernel is compared with the twin: relative RMS error 1e-2
+for bf16 inputs, partials and output, and with the Triton kernel, which it matches bit for bit on the H200."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kda_sessions.kernels.mla import paged_decode_gluon as pg
+from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
+
+from .kernel_helpers import rel_rms
+
+needs_gluon = pytest.mark.skipif(pg.gluon is None, reason="this Triton has no Gluon")
+SMEM_SM90 = 227 * 1024  # the most shared memory one block may use on sm_90
+
+
+# compiles the kernel for sm_90 in a process of its own: this folder's conftest turns the interpreter on without a
+# GPU, and Gluon's library functions decorated under it cannot be compiled
+_COMPILE = """
+import inspect, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from kda_sessions.kernels.mla import paged_decode_gluon as pg
+
+rows = torch.zeros(256, 576, dtype=torch.bfloat16)  # only the descriptor's type is read, never its memory
+desc = pg.TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
+                           pg.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+fn = pg._split_kernel_gluon
+types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "page_table": "*i32", "seq_lens": "*i32",
+         "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
+         "NSPLIT": "i32"}
+const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "A_REG": False}
+params = list(inspect.signature(fn.fn).parameters)
+sig = {p: "constexpr" if p in const else types[p] for p in params}
+src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
+                     attrs={(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*"})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
+"""
+
+
+def _compile_sm90(BH: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE, str(BH)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@needs_gluon
+@pytest.mark.parametrize("BH", [16, 32], ids=["bh16", "bh32"])
+def test_gluon_split_kernel_compiles_for_sm90(BH):
+    """It compiles with this Triton (Gluon's API moves between releases), fits in shared memory, and its tile loop
+    issues the next tile's TMA copies before it waits for the current tile and runs the products on wgmma."""
+    k = _compile_sm90(BH)
+    assert k["shared"] <= SMEM_SM90
+    ptx = k["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d" in ptx
+    lines = ptx.splitlines()
+    copies = [i for i, ln in enumerate(lines) if "cp.async.bulk.tensor" in ln]
+    waits = [i for i, ln in enumerate(lines) if "mbarrier.try_wait" in ln]
+    mmas = [i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln]
+    assert len(copies) == 18  # 9 boxes of the first tile before the loop, 9 of the next tile in it
+    assert waits and max(copies) < min(waits) < min(mmas)  # both before the loop's wait, the products after it
+
+
+def test_gluon_never_serves_cpu_tensors():
+    from kda_sessions.kernels.mla.paged_decode import _launch
+
+    q = torch.zeros(1, 32, 512, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 64, 576, dtype=torch.bfloat16)
+    assert not pg.gluon_split_ok(q, kv, 512, 64, 64, 64, 32)
+    with pytest.raises(ValueError, match="use_gluon=True needs"):
+        _launch(q, torch.zeros(1, 32, 64, dtype=torch.bfloat16), kv, torch.zeros(1, 2, dtype=torch.int32),
+                torch.ones(1, dtype=torch.int32), 0.1, use_gluon=True)
+
+
+def _case(lens: list[int], H: int, P: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    pages = [math.ceil(L / P) for L in lens]
+    total = sum(pages) + 3
+    kv = torch.randn(total, P, 576, device="cuda", generator=g).bfloat16()
+    perm = torch.randperm(total, device="cuda", generator=g).int()
+    pt = torch.zeros(len(lens), max(pages), device="cuda", dtype=torch.int32)
+    used = 0
+    for n, k in enumerate(pages):  # each sequence's pages scattered over the pool
+        pt[n, :k] = perm[used:used + k]
+        used += k
+    ql = torch.randn(len(lens), H, 512, device="cuda", generator=g).bfloat16()
+    qp = torch.randn(len(lens), H, 64, device="cuda", generator=g).bfloat16()
+    return ql, qp, kv, pt, torch.tensor(lens, device="cuda", dtype=torch.int32), (128 + 64) ** -0.5
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+GPU_CASES = [  # (lens, H, P, num_splits)
+    pytest.param([33000, 1000, 5, 1], 32, 64, None, id="h32-mixed"),
+    pytest.param([64, 65, 127, 4097], 16, 64, None, id="h16-tile-edges"),
+    pytest.param([1], 64, 64, None, id="h64-one-token"),
+    pytest.param([300, 77], 20, 128, None, id="h20-p128-partial-head-block"),
+    pytest.param([2000, 3], 32, 64, 40, id="h32-empty-splits"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("lens,H,P,splits", GPU_CASES)
+def test_gluon_split_kernel_against_twin_and_triton(lens, H, P, splits):
+    from kda_sessions.kernels.mla.paged_decode import _launch
+
+    ql, qp, kv, pt, sl, scale = _case(lens, H, P)
+    ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
+    out = _launch(ql, qp, kv, pt, sl, scale, num_splits=splits, use_gluon=True)  # raises if it cannot serve
+    tri = _launch(ql, qp, kv, pt, sl, scale, num_splits=splits, use_gluon=False)
+    assert torch.isfinite(out).all()
+    assert rel_rms(out, ref) < 1e-2
+    assert rel_rms(out.float(), tri.float()) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
+def test_gluon_split_kernel_in_a_cuda_graph():
+    """Captured once, replayed on a new q and a shorter context: the TMA descriptor is captured by value and stays
+    right because the cache pool does not move."""
+    from kda_sessions.kernels.mla.paged_decode import _launch
+
+    ql, qp, kv, pt, sl, scale = _case([5000, 700], 32, 64, seed=1)
+    _launch(ql, qp, kv, pt, sl, scale)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _launch(ql, qp, kv, pt, sl, scale)
+    ql.copy_(torch.randn(ql.shape, device="cuda").bfloat16())
+    sl[1] = 123
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
+    assert rel_rms(out, ref) < 1e-2
+
