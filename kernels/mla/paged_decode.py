@@ -215,7 +215,7 @@ def _num_splits_tokens(N: int, capacity: int, sm_count: int, many_waves: int = 8
     463.7 us, against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x
     32K at 36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves). The Gluon kernel (run Y) keeps one
     wave below 8 sequences (1 x 32K / 128K 24.3 / 51.5 us at 128 / 132 splits, 25.4 / 57.2 at 96) and wants
-    longer splits from 8 up (32 x 32K 323.7 us at 16 splits, 355-382 at 32): four waves."""
+    long splits from 8 up (32 x 32K 297.7 us at 8 splits, two waves; 323.7 at 16, 351-382 at 17 and 32)."""
     waves = many_waves if N >= 8 else 1
     return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
@@ -262,7 +262,7 @@ def _launch(
     if num_splits is None:
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
         if tokens:
-            num_splits = _num_splits_tokens(N, max_pages * P, sm, many_waves=4 if gluon else 8)
+            num_splits = _num_splits_tokens(N, max_pages * P, sm, many_waves=2 if gluon else 8)
         else:
             num_splits = _num_splits(N, max_pages * P, sm)
     BN = BN or 64

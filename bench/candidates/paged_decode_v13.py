@@ -11,6 +11,11 @@ safe). Two forms (``_default_form`` picks "tokens"; "heads" is kept to force, fo
   a log-sum-exp of -1e30, which the merge weighs 0.
 - ``"heads"``: heads on the rows (scores = q c^T [BH, BN]); float32 partials (unnormalised latent sum,
   running max, running denominator).
+
+On an sm_90 GPU the "tokens" split kernel is the Gluon one of paged_decode_gluon.py wherever it applies (bf16,
+r 512, dr 64, P % 64 == 0): it keeps the next tile's copy in flight while a tile is computed, which this Triton
+kernel cannot (1 x 1M 301 us against 438). ``use_gluon=False`` forces the Triton kernel, which CI tests under the
+interpreter and which serves every other shape.
 """
 
 from __future__ import annotations
@@ -19,6 +24,193 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+
+try:  # Gluon (triton.experimental) is absent from older Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # the TMA load is async_load in newer Triton (3.9; async_copy_global_to_shared raises there), the old name in 3.6
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # the CTA barrier: gl.barrier in newer Triton (3.9), gl.thread_barrier in 3.6
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+except (ImportError, AttributeError):  # a Triton without Gluon: the Triton kernel serves every call
+    gluon = None
+
+if gluon is not None:
+
+    @gluon.jit
+    def _g_issue(desc, bar, buf, stage, row, pred, NB: gl.constexpr, BN: gl.constexpr):
+        """One tile (NB boxes of [BN, 64] from cache row ``row``) into ring stage ``stage``, on its barrier."""
+        mbarrier.expect(bar.index(stage), NB * BN * 64 * 2, pred=pred)
+        for k in gl.static_range(NB):
+            _tma_load(desc, [row, k * 64], bar.index(stage), buf.index(stage * NB + k), pred=pred)
+
+    @gluon.jit
+    def _g_pv(buf, j, p_smem, acc, A_REG: gl.constexpr, mma: gl.constexpr):
+        """acc^T chunk [64 r, BH] += c_j^T [64 r, BN] p [BN, BH], c_j^T a transposed view of box j."""
+        a = buf.index(j).permute((1, 0))
+        if A_REG:
+            a = a.load(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+        return warpgroup_mma(a, p_smem, acc, is_async=True)
+
+    @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+    def _split_kernel_gluon(
+        q_lat, q_pe, kv_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
+        NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
+        BN: gl.constexpr, A_REG: gl.constexpr, NS: gl.constexpr = 2,
+    ):
+        gl.static_assert(R == 512)
+        gl.static_assert(DR == 64)
+        NB: gl.constexpr = 9  # boxes per tile: 8 of the latent, 1 of the rope part
+        hb = gl.program_id(0)
+        s = gl.program_id(1)
+        n = gl.program_id(2)
+        L = gl.load(seq_lens + n)
+        start = s * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, L)
+        pt = page_table + n.to(gl.int64) * max_pages
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        pbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BH * 2 if BH * 2 < 128 else 128,
+                                                  element_bitwidth=16, rank=2)
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        buf = gl.allocate_shared_memory(gl.bfloat16, [NS * NB, BN, 64], box)
+        bar = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NS):
+            mbarrier.init(bar.index(j), count=1)
+
+        # the first tile's copy goes out before q is staged; its page id is read (clamped to the table's row, so
+        # always in bounds) alongside seq_lens rather than after it, and used only where the split has tokens
+        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        _g_issue(kv_desc, bar, buf, 0, page0 * P + start % P, start < end, NB, BN)
+        page_nx = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
+
+        # q [BH, 576] as NB boxes [BH, 64]: the B operand (q_k^T, K-major) of the score product
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
+        rh_l = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+        rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        mh_l = (rh_l < H)[:, None]
+        for k in gl.static_range(NB - 1):
+            q_smem.index(k).store(gl.load(q_lat + (n * H + rh_l[:, None]) * R + k * 64 + rc_l[None, :], mask=mh_l,
+                                          other=0.0))
+        q_smem.index(NB - 1).store(gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0))
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH], pbox)
+        fence_async_shared()
+        _cta_barrier()
+
+        m_i = gl.full([BH], -1e30, gl.float32, layout=gl.SliceLayout(0, mma))
+        l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, mma))
+        acc0 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc1 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc2 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc3 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc4 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc5 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc6 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc7 = gl.zeros([64, BH], gl.float32, layout=mma)
+        tok = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        ntiles = (gl.maximum(end - start, 0) + BN - 1) // BN
+        for i in range(0, ntiles):
+            st = i % NS
+            t0 = start + i * BN
+            t1 = t0 + BN
+            if NS == 2:
+                _g_issue(kv_desc, bar, buf, 1 - st, page_nx * P + t1 % P, t1 < end, NB, BN)
+                page_nx = gl.load(pt + gl.minimum((t1 + BN) // P, max_pages - 1), mask=t1 + BN < end, other=0)
+            mbarrier.wait(bar.index(st), (i // NS) & 1)
+            b0 = st * NB
+            sc = warpgroup_mma(buf.index(b0), q_smem.index(0).permute((1, 0)),
+                               gl.zeros([BN, BH], gl.float32, layout=mma), use_acc=False, is_async=True)
+            for k in gl.static_range(1, NB):
+                sc = warpgroup_mma(buf.index(b0 + k), q_smem.index(k).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            sc = gl.where((t0 + tok < end)[:, None], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+            m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+            p = gl.exp2(sc - m_new[None, :])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            _cta_barrier()
+            al = alpha[None, :]
+            acc0 = _g_pv(buf, b0 + 0, p_smem, acc0 * al, A_REG, mma)
+            acc1 = _g_pv(buf, b0 + 1, p_smem, acc1 * al, A_REG, mma)
+            acc2 = _g_pv(buf, b0 + 2, p_smem, acc2 * al, A_REG, mma)
+            acc3 = _g_pv(buf, b0 + 3, p_smem, acc3 * al, A_REG, mma)
+            acc4 = _g_pv(buf, b0 + 4, p_smem, acc4 * al, A_REG, mma)
+            acc5 = _g_pv(buf, b0 + 5, p_smem, acc5 * al, A_REG, mma)
+            acc6 = _g_pv(buf, b0 + 6, p_smem, acc6 * al, A_REG, mma)
+            acc7 = _g_pv(buf, b0 + 7, p_smem, acc7 * al, A_REG, mma)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+                num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))
+            _cta_barrier()  # every warp is past this tile's products before its stage is refilled
+            if NS == 1:
+                _g_issue(kv_desc, bar, buf, 0, page_nx * P + t1 % P, t1 < end, NB, BN)
+                page_nx = gl.load(pt + gl.minimum((t1 + BN) // P, max_pages - 1), mask=t1 + BN < end, other=0)
+        for j in gl.static_range(NS):
+            mbarrier.invalidate(bar.index(j))
+
+        # a split past the sequence's end (l = 0) stores a zero output and log-sum-exp -1e30: weight 0 in the merge
+        nonempty = l_i > 0.0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        lse = gl.where(nonempty, m_i + gl.log2(l_safe), -1.0e30)
+        inv = (1.0 / l_safe)[None, :]
+        rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
+        base = (n * NSPLIT + s) * H + rh
+        rr = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        optr = o_part + base[None, :].to(gl.int64) * R + rr[:, None]
+        om = (rh < H)[None, :] & (rr < 64)[:, None]
+        dt = o_part.dtype.element_ty
+        gl.store(optr + 0 * 64, (acc0 * inv).to(dt), mask=om)
+        gl.store(optr + 1 * 64, (acc1 * inv).to(dt), mask=om)
+        gl.store(optr + 2 * 64, (acc2 * inv).to(dt), mask=om)
+        gl.store(optr + 3 * 64, (acc3 * inv).to(dt), mask=om)
+        gl.store(optr + 4 * 64, (acc4 * inv).to(dt), mask=om)
+        gl.store(optr + 5 * 64, (acc5 * inv).to(dt), mask=om)
+        gl.store(optr + 6 * 64, (acc6 * inv).to(dt), mask=om)
+        gl.store(optr + 7 * 64, (acc7 * inv).to(dt), mask=om)
+        gl.store(lse_part + base, lse, mask=rh < H)
+
+
+
+def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN: int, BH: int) -> bool:
+    """Whether the Gluon kernel serves a call: a Hopper GPU (sm_90), bf16, r 512, dr 64, page-aligned tiles of
+    64 rows, head blocks of 16-64, a 16-byte-aligned cache (TMA)."""
+    return (gluon is not None and q_lat.is_cuda and torch.cuda.get_device_capability(q_lat.device)[0] == 9
+            and q_lat.dtype == torch.bfloat16 and kv_pages.dtype == torch.bfloat16 and R == 512 and DR == 64
+            and BN == 64 and P % BN == 0 and BH in (16, 32, 64) and kv_pages.data_ptr() % 16 == 0)
+
+
+def launch_split_gluon(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, o_part: Tensor,
+    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, a_reg: bool = False, stages: int = 2,
+) -> None:
+    """The split kernel over q_lat [N, H, 512], q_pe [N, H, 64], kv_pages [num_pages, P, 576] (contiguous),
+    page_table [N, max_pages] int32, seq_lens [N], into o_part [N, S, H, 512] and lse [N, S, H] float32;
+    ``sm_scale`` includes log2(e). ``a_reg`` loads the value operand into registers first (slower; kept to
+    compare)."""
+    N, H, R = q_lat.shape
+    P = kv_pages.shape[1]
+    rows = kv_pages.view(-1, kv_pages.shape[-1])  # [num_pages * P, r + dr]: a tile is BN consecutive rows
+    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
+        q_lat, q_pe, desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1], tokens_per_split,
+        o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, A_REG=a_reg, NS=stages, num_warps=4,
+    )
+
 
 _LOG2E = 1.4426950408889634
 FORMS = ("heads", "tokens")
@@ -39,17 +231,6 @@ def _split_setup(q_lat, q_pe, seq_lens, s, n, hb, tokens_per_split, H: tl.conste
     ql = tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R), other=0.0)
     qp = tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR), other=0.0)
     return start, end, rh, rr, rd, mh, ql, qp
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes):
-    """Ask the L2 for ``nbytes`` from ``ptr`` on, one bulk request from thread 0 of the program
-    (cp.async.bulk.prefetch, sm_90+): a hint that changes no value. Not for the interpreter."""
-    addr = ptr.to(tl.int64, bitcast=True)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; .reg .u32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 # the page-table width, the split length and the split count vary with the context: not specialised, so one
@@ -123,7 +304,7 @@ def _split_kernel_tokens(
     q_lat, q_pe, kv, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split, NSPLIT,
     H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
     BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr,
-    PAGE_TILE: tl.constexpr, PF: tl.constexpr = 0, PFV: tl.constexpr = 1, PF_ASM: tl.constexpr = False,
+    PAGE_TILE: tl.constexpr,
 ):
     # head blocks vary fastest, so the programs that share a split's cache rows run together (one DRAM read)
     hb = tl.program_id(0)
@@ -140,21 +321,6 @@ def _split_kernel_tokens(
     # PAGE_TILE: each tile's page id is loaded one iteration ahead and carried, so the tile's copy does not wait
     # on a page-table load of its own iteration (1 x 1M 441 us against 465, run U in docs/benchmarks.md)
     page_nx = tl.load(pt + tl.minimum(start // P, max_pages - 1), mask=start < end, other=0)
-    # PF (page-aligned tiles only): the L2 is asked for the split's first PF tiles up front and for tile i + PF
-    # at tile i, so the DRAM stays busy while the loop waits on its one tile copy in flight; PF_ASM is off under
-    # the interpreter, which still runs the page-id loads
-    tile_bytes = BN * (R + DR) * (kv.dtype.element_ty.primitive_bitwidth // 8)
-    if PF > 0:
-        pj = tl.arange(0, PFV)
-        tj = start + pj * BN
-        pg = tl.load(pt + tl.minimum(tj // P, max_pages - 1), mask=(tj < end) & (pj < PF), other=0).to(tl.int64)
-        rows = (pg * P + tj % P) * (R + DR)
-        for j in tl.static_range(PF):
-            if start + j * BN < end:
-                rj = tl.sum(tl.where(pj == j, rows, 0), axis=0)
-                if PF_ASM:
-                    _prefetch_l2(kv + rj, tile_bytes)
-    pf_nx = tl.load(pt + tl.minimum((start + PF * BN) // P, max_pages - 1), mask=start + PF * BN < end, other=0)
     for t0 in range(start, end, BN):
         tok = t0 + tl.arange(0, BN)
         mt = tok < end
@@ -163,13 +329,6 @@ def _split_kernel_tokens(
         if PAGE_TILE:  # BN divides P and every tile starts at a multiple of BN: the tile lies in one page
             page = page_nx.to(tl.int64)
             page_nx = tl.load(pt + tl.minimum((t0 + BN) // P, max_pages - 1), mask=t0 + BN < end, other=0)
-            if PF > 0:
-                tp = t0 + PF * BN
-                pf_page = pf_nx.to(tl.int64)
-                pf_nx = tl.load(pt + tl.minimum((tp + BN) // P, max_pages - 1), mask=tp + BN < end, other=0)
-                if tp < end:
-                    if PF_ASM:
-                        _prefetch_l2(kv + (pf_page * P + tp % P) * (R + DR), tile_bytes)
             row = (page * P + t0 % P + tl.arange(0, BN)) * (R + DR)
         else:
             page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
@@ -234,13 +393,15 @@ def _num_splits(N: int, capacity: int, sm_count: int) -> int:
     return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
-def _num_splits_tokens(N: int, capacity: int, sm_count: int) -> int:
-    """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and eight waves from
-    8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
-    docs/benchmarks.md): one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 / 463.7 us,
-    against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x 32K at
-    36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves) and 595.4 for the "heads" form."""
-    waves = 8 if N >= 8 else 1
+def _num_splits_tokens(N: int, capacity: int, sm_count: int, many_waves: int = 8) -> int:
+    """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and ``many_waves``
+    from 8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
+    docs/benchmarks.md), Triton kernel: one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 /
+    463.7 us, against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x
+    32K at 36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves). The Gluon kernel (run Y) keeps one
+    wave below 8 sequences (1 x 32K / 128K 24.3 / 51.5 us at 128 / 132 splits, 25.4 / 57.2 at 96) and wants
+    longer splits from 8 up (32 x 32K 323.7 us at 16 splits, 355-382 at 32): four waves."""
+    waves = many_waves if N >= 8 else 1
     return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
 
 
@@ -256,7 +417,8 @@ def _default_form(N: int) -> str:
 def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
     num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, form: str | None = None, prefetch: int | None = None,
+    num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None,
+    gluon_stages: int = 2,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
@@ -275,13 +437,23 @@ def _launch(
     if N == 0:
         return out
     tokens = form == "tokens"
+    BH = BH or max(16, triton.next_power_of_2(H))
+    # the Gluon split kernel wherever it applies, unless the caller tunes the Triton kernel (tiles, warps, stages)
+    gluon = (tokens and use_gluon is not False and BN in (None, 64) and num_warps is None and num_stages is None
+             and gluon_split_ok(q_lat, kv_pages, R, DR, P, 64, BH))
+    if use_gluon and not gluon:
+        raise ValueError("use_gluon=True needs the \"tokens\" form on an sm_90 GPU with bf16, r 512, dr 64, "
+                         f"P % 64 == 0 and default tiles; got form={form!r}, r={R}, dr={DR}, P={P}, "
+                         f"dtype={q_lat.dtype}, device={q_lat.device}")
     if num_splits is None:
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
-        num_splits = (_num_splits_tokens if tokens else _num_splits)(N, max_pages * P, sm)
+        if tokens:
+            num_splits = _num_splits_tokens(N, max_pages * P, sm, many_waves=4 if gluon else 8)
+        else:
+            num_splits = _num_splits(N, max_pages * P, sm)
     BN = BN or 64
     tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
     num_splits = triton.cdiv(max_pages * P, tps)
-    BH = BH or max(16, triton.next_power_of_2(H))
     BR = triton.next_power_of_2(R)
     BDR = max(16, triton.next_power_of_2(DR))
     align = 1
@@ -292,12 +464,15 @@ def _launch(
         half = q_lat.dtype in (torch.bfloat16, torch.float16)  # half the partials' traffic; float32 stays exact
         o_part = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=q_lat.dtype if half else torch.float32)
         lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
-        pf = (4 if prefetch is None else prefetch) if P % BN == 0 else 0
-        _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
-            q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps, num_splits,
-            H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
-            PF=pf, PFV=triton.next_power_of_2(max(pf, 1)), PF_ASM=q_lat.is_cuda, num_warps=num_warps or 4, num_stages=num_stages or 2,
-        )
+        if gluon:
+            launch_split_gluon(q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, tps, BH,
+                               stages=gluon_stages)
+        else:
+            _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
+                q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps,
+                num_splits, H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
+                num_warps=num_warps or 4, num_stages=num_stages or 2,
+            )
         # below 8 sequences the merge reads every split in one pass on 4 warps (1 x 32K: 3.4 us against 6.2 for 16
         # splits a step on 2 warps, run V in docs/benchmarks.md); from 8 up there are programs enough, and the
         # wider pass lost (32 x 32K 483 us against 469-472)
