@@ -1,6 +1,6 @@
 """The Gluon split kernel of an MLA decode candidate against the float32 twin and the Triton kernel, on the device:
 
-    python3 bench/candidates/mla_gluon_check.py bench/candidates/paged_decode_v12.py
+    python3 bench/candidates/mla_gluon_check.py kernels/mla/paged_decode.py
 
 Heads 16 / 32 / 64 / 20 (a partial head block), pages of 64 and 128 rows, lengths that end inside a tile, empty
 splits, and one CUDA-graph capture replayed on new inputs. Prints one JSON line per case and a final verdict line;
@@ -66,7 +66,7 @@ def main() -> None:
         ql, qp, kv, pt, sl, scale = case(lens, H, P)
         ref = mla_decode_paged_naive(ql.float(), qp.float(), kv.float(), pt, sl, scale)
         BH = max(16, 1 << (H - 1).bit_length())
-        used = mod._gluon_ok(ql, kv, 512, 64, P, 64, BH)
+        used = mod.gluon_split_ok(ql, kv, 512, 64, P, 64, BH)
         g = mod._launch(ql, qp, kv, pt, sl, scale, num_splits=splits, use_gluon=True)
         t = mod._launch(ql, qp, kv, pt, sl, scale, num_splits=splits, use_gluon=False)
         row = {"lens": lens, "H": H, "P": P, "splits": splits, "gluon_used": used, "rel_gluon": rel(g, ref),
