@@ -215,9 +215,11 @@ def _num_splits_tokens(N: int, capacity: int, sm_count: int, many_waves: int = 8
     463.7 us, against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x
     32K at 36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves). The Gluon kernel (run Y) keeps one
     wave below 8 sequences (1 x 32K / 128K 24.3 / 51.5 us at 128 / 132 splits, 25.4 / 57.2 at 96) and wants
-    long splits from 8 up (32 x 32K 297.7 us at 8 splits, two waves; 323.7 at 16, 351-382 at 17 and 32)."""
+    long splits from 8 up (32 x 32K 297.7 us at 8 splits, two waves; 323.7 at 16, 351-382 at 17 and 32, and 382.2
+    at 9, where 288 programs leave a third wave of 24). The count is rounded down so the programs fill whole waves
+    (at most ``waves`` x SMs)."""
     waves = many_waves if N >= 8 else 1
-    return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
+    return max(1, min(waves * sm_count // max(N, 1), triton.cdiv(capacity, 256)))
 
 
 def _default_form(N: int) -> str:

@@ -169,14 +169,17 @@ def test_mla_decode_paged_tokens_form_long_splits(P):
 
 
 def test_mla_decode_paged_tokens_split_counts():
-    """One wave of the GPU below 8 sequences, eight from 8 up, at least 256 tokens of capacity per split (the
-    counts measured on the H200's 132 SMs)."""
+    """One wave of the GPU below 8 sequences, ``many_waves`` from 8 up (eight for the Triton kernel, two for the
+    Gluon one), rounded down to whole waves, at least 256 tokens of capacity per split (the counts measured on the
+    H200's 132 SMs)."""
     from kda_sessions.kernels.mla.paged_decode import _num_splits_tokens
 
     assert _num_splits_tokens(1, 1 << 20, 132) == 132
     assert _num_splits_tokens(1, 1 << 15, 132) == 128  # capacity-bound: 256 tokens per split
-    assert _num_splits_tokens(7, 1 << 20, 132) == 19
+    assert _num_splits_tokens(7, 1 << 20, 132) == 18  # 126 programs: not a second wave of 7
     assert _num_splits_tokens(32, 1 << 15, 132) == 33
+    assert _num_splits_tokens(32, 1 << 15, 132, many_waves=2) == 8  # 256 programs, not 9 splits' 288
+    assert _num_splits_tokens(300, 1 << 15, 132, many_waves=2) == 1
     assert _num_splits_tokens(1, 100, 132) == 1
 
 
