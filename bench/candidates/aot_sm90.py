@@ -51,8 +51,9 @@ def build(fn, types: dict[str, str], const: dict, num_warps: int, num_stages: in
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     tt = k.asm["ttgir"]
-    if os.environ.get("AOT_PTX"):
-        open(os.environ["AOT_PTX"], "w").write(k.asm["ptx"])
+    if os.environ.get("AOT_PTX"):  # the PTX too, to read the loop's order of copies, waits and products
+        with open(os.environ["AOT_PTX"], "w") as f:
+            f.write(k.asm["ptx"])
     reg, stack = re.search(r"REG:(\d+)", usage), re.search(r"STACK:(\d+)", usage)
     return {"regs": int(reg.group(1)) if reg else None, "stack_bytes": int(stack.group(1)) if stack else None,
             "shared": k.metadata.shared, "wgmma": tt.count("ttng.warp_group_dot "),

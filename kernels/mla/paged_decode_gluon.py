@@ -5,7 +5,7 @@ normalised partials in q's dtype plus a base-2 log-sum-exp per head, merged by `
 Triton kernel cannot keep a tile copy in flight while it computes: its pipeliner issues the next copy after the
 current tile's products at 2 stages, and 3 stages of 72 KB tiles do not fit in shared memory. Here the order is
 explicit: TMA copies into a ring of two stages, the next tile's copy issued before this tile's products
-(1 x 1M 301 us, 94% of copy bandwidth, against 438 us for the Triton kernel; run Y in docs/benchmarks.md).
+(1 x 1M 281 us, the copy bandwidth, against 435 us for the Triton kernel; run Z in docs/benchmarks.md).
 
 Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90 (no GPU needed) and tests
 the Triton kernel against the twin; this one is checked against the same twin on the device
