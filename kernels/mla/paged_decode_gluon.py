@@ -84,13 +84,11 @@ if gluon is not None:
         mbarrier.init(bar.index(0), count=1)
         mbarrier.init(bar.index(1), count=1)
 
-        # the first two tiles' copies go out before q is staged; their page ids are read (clamped to the table's
-        # row, so always in bounds) alongside seq_lens rather than after it, and used only where the split has
-        # tokens
+        # the first tile's copy goes out before q is staged; its page id is read (clamped to the table's row, so
+        # always in bounds) alongside seq_lens rather than after it, and used only where the split has tokens
         page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
-        page_nx = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
         _g_issue(kv_desc, bar, buf, 0, page0 * P + start % P, start < end, NB, BN)
-        _g_issue(kv_desc, bar, buf, 1, page_nx * P + (start + BN) % P, start + BN < end, NB, BN)
+        page_nx = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
 
         # q [BH, 576] as NB boxes [BH, 64]: the B operand (q_k^T, K-major) of the score product
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
@@ -122,9 +120,8 @@ if gluon is not None:
             t0 = start + i * BN
             t1 = t0 + BN
             # the next tile's copy into the other stage (its last reader, tile i - 1, has finished) before this
-            # tile's products (tile 1's went out before the loop), and the page id after it loaded for the next
-            # iteration
-            _g_issue(kv_desc, bar, buf, 1 - st, page_nx * P + t1 % P, (i > 0) & (t1 < end), NB, BN)
+            # tile's products, and the page id after it loaded for the next iteration
+            _g_issue(kv_desc, bar, buf, 1 - st, page_nx * P + t1 % P, t1 < end, NB, BN)
             page_nx = gl.load(pt + gl.minimum((t1 + BN) // P, max_pages - 1), mask=t1 + BN < end, other=0)
             mbarrier.wait(bar.index(st), (i // 2) & 1)
             b0 = st * NB
