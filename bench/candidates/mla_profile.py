@@ -3,7 +3,8 @@
     python3 bench/candidates/mla_profile.py kernels/mla/paged_decode.py,bench/candidates/paged_decode_v8.py \
         32768,131072,1048576
 
-One JSON line per module and context: mean device microseconds per call of each kernel, and their sum."""
+One JSON line per module and context: mean device microseconds per call of each kernel, and their sum. The calls
+cycle through copies of the inputs larger than L2, so each reads DRAM."""
 
 from __future__ import annotations
 
@@ -23,17 +24,18 @@ def main() -> None:
     cfg = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
     kb.configure(False)
     for ctx in ctxs:
-        args = kb.mla_setup([ctx], P=64)[0]
+        # enough copies (distinct pages of one pool) to pass 200 MB, so every call reads DRAM, not the L2
+        sets = kb.mla_setup([ctx], copies=max(1, -(-200_000_000 // (ctx * 1152))), P=64)
         for path in paths:
             mod = kb.load_mla(path)[Path(path).stem] if "candidates" in path else kb.load_mla(None)["current"]
             c = cfg if "candidates" in path else {}
-            for _ in range(3):
+            for args in sets[:3]:
                 mod._launch(*args, **c)
             torch.cuda.synchronize()
             calls = 20
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(calls):
-                    mod._launch(*args, **c)
+                for i in range(calls):
+                    mod._launch(*sets[i % len(sets)], **c)
                 torch.cuda.synchronize()
             per: dict[str, float] = {}
             for ev in prof.events():

@@ -1,0 +1,535 @@
+"""Candidate v14: the Gluon split kernel with one 3-d TMA copy for a tile's latent part and one for its rope part
+(instead of nine 2-d copies). Otherwise the shipped kernels/mla/paged_decode.py.
+
+MLA decode over a paged latent cache in Triton, kv_b_proj absorbed (flash-decoding).
+
+Every program takes one sequence's split of the context and all H heads, so each cached row [r + dr] is read
+once and serves every head (the cache is shared by the heads, like MQA); a second launch merges the splits. The
+number of splits comes from the page table's capacity, not from ``seq_lens``, so there is no host sync (CUDA-graph
+safe). Two forms (``_default_form`` picks "tokens"; "heads" is kept to force, for comparison):
+
+- ``"tokens"``: tokens on the rows of both products (scores^T = c q^T [BN, BH], acc^T += c^T p^T
+  [r, BH]); each split stores its output already normalised, in q's dtype (float32 for float32 q), plus one
+  base-2 log-sum-exp per head, and the merge reads them in one pass. Splits past a sequence's end store 0 and
+  a log-sum-exp of -1e30, which the merge weighs 0.
+- ``"heads"``: heads on the rows (scores = q c^T [BH, BN]); float32 partials (unnormalised latent sum,
+  running max, running denominator).
+
+On an sm_90 GPU the "tokens" split kernel is the Gluon one of paged_decode_gluon.py wherever it applies (bf16,
+r 512, dr 64, P % 64 == 0): it keeps the next tile's copy in flight while a tile is computed, which this Triton
+kernel cannot (1 x 1M 281 us against 435, run Z). ``use_gluon=False`` forces the Triton kernel, which CI tests
+under the interpreter and which serves every other shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+try:  # Gluon (triton.experimental) is absent from older Triton releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    # the TMA load is async_load in newer Triton (3.9; async_copy_global_to_shared raises there), the old name in 3.6
+    _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
+    # the CTA barrier: gl.barrier in newer Triton (3.9), gl.thread_barrier in 3.6
+    _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+except (ImportError, AttributeError):  # a Triton without Gluon: the Triton kernel serves every call
+    gluon = None
+
+if gluon is not None:
+
+    @gluon.jit
+    def _g_issue(desc, pe_desc, bar, buf, pe_buf, stage, row, pred, NB: gl.constexpr, BN: gl.constexpr):
+        """One tile into ring stage ``stage``, on its barrier: one TMA copy of a [8, BN, 64] box of the 3-d view
+        [8, rows, 64] of the latent part into buf[8 stage : 8 stage + 8], one [BN, 64] of the rope part into
+        pe_buf[stage]."""
+        mbarrier.expect(bar.index(stage), NB * BN * 64 * 2, pred=pred)
+        box3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        if _NEW_REINTERPRET:
+            b4 = buf.reinterpret(gl.bfloat16, [2, NB - 1, BN, 64], box3)
+        else:
+            b4 = buf._reinterpret(gl.bfloat16, [2, NB - 1, BN, 64], box3)
+        _tma_load(desc, [0, row, 0], bar.index(stage), b4.index(stage), pred=pred)
+        _tma_load(pe_desc, [row, (NB - 1) * 64], bar.index(stage), pe_buf.index(stage), pred=pred)
+
+    @gluon.jit
+    def _g_pv(buf, j, p_smem, acc, A_REG: gl.constexpr, mma: gl.constexpr):
+        """acc^T chunk [64 r, BH] += c_j^T [64 r, BN] p [BN, BH], c_j^T a transposed view of box j."""
+        a = buf.index(j).permute((1, 0))
+        if A_REG:
+            a = a.load(gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2))
+        return warpgroup_mma(a, p_smem, acc, is_async=True)
+
+    @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+    def _split_kernel_gluon(
+        q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
+        NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
+        BN: gl.constexpr, A_REG: gl.constexpr,
+    ):
+        gl.static_assert(R == 512)
+        gl.static_assert(DR == 64)
+        NB: gl.constexpr = 9  # boxes per tile: 8 of the latent, 1 of the rope part
+        hb = gl.program_id(0)
+        s = gl.program_id(1)
+        n = gl.program_id(2)
+        L = gl.load(seq_lens + n)
+        start = s * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, L)
+        pt = page_table + n.to(gl.int64) * max_pages
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        pbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BH * 2 if BH * 2 < 128 else 128,
+                                                  element_bitwidth=16, rank=2)
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+        buf = gl.allocate_shared_memory(gl.bfloat16, [2 * (NB - 1), BN, 64], box)
+        pe_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], box)
+        bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar.index(0), count=1)
+        mbarrier.init(bar.index(1), count=1)
+
+        # the first tile's copy goes out before q is staged; its page id is read (clamped to the table's row, so
+        # always in bounds) alongside seq_lens rather than after it, and used only where the split has tokens
+        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P, start < end, NB, BN)
+        page_nx = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
+
+        # q [BH, 576] as NB boxes [BH, 64]: the B operand (q_k^T, K-major) of the score product
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
+        rh_l = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+        rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        mh_l = (rh_l < H)[:, None]
+        for k in gl.static_range(NB - 1):
+            q_smem.index(k).store(gl.load(q_lat + (n * H + rh_l[:, None]) * R + k * 64 + rc_l[None, :], mask=mh_l,
+                                          other=0.0))
+        q_smem.index(NB - 1).store(gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0))
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH], pbox)
+        fence_async_shared()
+        _cta_barrier()
+
+        m_i = gl.full([BH], -1e30, gl.float32, layout=gl.SliceLayout(0, mma))
+        l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, mma))
+        acc0 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc1 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc2 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc3 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc4 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc5 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc6 = gl.zeros([64, BH], gl.float32, layout=mma)
+        acc7 = gl.zeros([64, BH], gl.float32, layout=mma)
+        tok = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        ntiles = (gl.maximum(end - start, 0) + BN - 1) // BN
+        for i in range(0, ntiles):
+            st = i % 2
+            t0 = start + i * BN
+            t1 = t0 + BN
+            # the next tile's copy into the other stage (its last reader, tile i - 1, has finished) before this
+            # tile's products, and the page id after it loaded for the next iteration
+            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1 - st, page_nx * P + t1 % P, t1 < end, NB, BN)
+            page_nx = gl.load(pt + gl.minimum((t1 + BN) // P, max_pages - 1), mask=t1 + BN < end, other=0)
+            mbarrier.wait(bar.index(st), (i // 2) & 1)
+            b0 = st * (NB - 1)
+            sc = warpgroup_mma(buf.index(b0), q_smem.index(0).permute((1, 0)),
+                               gl.zeros([BN, BH], gl.float32, layout=mma), use_acc=False, is_async=True)
+            for k in gl.static_range(1, NB - 1):
+                sc = warpgroup_mma(buf.index(b0 + k), q_smem.index(k).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(pe_buf.index(st), q_smem.index(NB - 1).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+            sc = gl.where((t0 + tok < end)[:, None], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+            m_new = gl.maximum(m_i, gl.max(sc, axis=0))
+            p = gl.exp2(sc - m_new[None, :])
+            alpha = gl.exp2(m_i - m_new)
+            l_i = l_i * alpha + gl.sum(p, axis=0)
+            m_i = m_new
+            p_smem.store(p.to(gl.bfloat16))
+            fence_async_shared()
+            _cta_barrier()
+            al = alpha[None, :]
+            acc0 = _g_pv(buf, b0 + 0, p_smem, acc0 * al, A_REG, mma)
+            acc1 = _g_pv(buf, b0 + 1, p_smem, acc1 * al, A_REG, mma)
+            acc2 = _g_pv(buf, b0 + 2, p_smem, acc2 * al, A_REG, mma)
+            acc3 = _g_pv(buf, b0 + 3, p_smem, acc3 * al, A_REG, mma)
+            acc4 = _g_pv(buf, b0 + 4, p_smem, acc4 * al, A_REG, mma)
+            acc5 = _g_pv(buf, b0 + 5, p_smem, acc5 * al, A_REG, mma)
+            acc6 = _g_pv(buf, b0 + 6, p_smem, acc6 * al, A_REG, mma)
+            acc7 = _g_pv(buf, b0 + 7, p_smem, acc7 * al, A_REG, mma)
+            acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7 = warpgroup_mma_wait(
+                num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))
+            _cta_barrier()  # every warp is past this tile's products before its stage is refilled
+        mbarrier.invalidate(bar.index(0))
+        mbarrier.invalidate(bar.index(1))
+
+        # a split past the sequence's end (l = 0) stores a zero output and log-sum-exp -1e30: weight 0 in the merge
+        nonempty = l_i > 0.0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        lse = gl.where(nonempty, m_i + gl.log2(l_safe), -1.0e30)
+        inv = (1.0 / l_safe)[None, :]
+        rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
+        base = (n * NSPLIT + s) * H + rh
+        rr = gl.arange(0, 64, layout=gl.SliceLayout(1, mma))
+        optr = o_part + base[None, :].to(gl.int64) * R + rr[:, None]
+        om = (rh < H)[None, :] & (rr < 64)[:, None]
+        dt = o_part.dtype.element_ty
+        gl.store(optr + 0 * 64, (acc0 * inv).to(dt), mask=om)
+        gl.store(optr + 1 * 64, (acc1 * inv).to(dt), mask=om)
+        gl.store(optr + 2 * 64, (acc2 * inv).to(dt), mask=om)
+        gl.store(optr + 3 * 64, (acc3 * inv).to(dt), mask=om)
+        gl.store(optr + 4 * 64, (acc4 * inv).to(dt), mask=om)
+        gl.store(optr + 5 * 64, (acc5 * inv).to(dt), mask=om)
+        gl.store(optr + 6 * 64, (acc6 * inv).to(dt), mask=om)
+        gl.store(optr + 7 * 64, (acc7 * inv).to(dt), mask=om)
+        gl.store(lse_part + base, lse, mask=rh < H)
+
+
+
+def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN: int, BH: int) -> bool:
+    """Whether the Gluon kernel serves a call: a Hopper GPU (sm_90), bf16, r 512, dr 64, page-aligned tiles of
+    64 rows, head blocks of 16-64, a 16-byte-aligned cache (TMA)."""
+    return (gluon is not None and q_lat.is_cuda and torch.cuda.get_device_capability(q_lat.device)[0] == 9
+            and q_lat.dtype == torch.bfloat16 and kv_pages.dtype == torch.bfloat16 and R == 512 and DR == 64
+            and BN == 64 and P % BN == 0 and BH in (16, 32, 64) and kv_pages.data_ptr() % 16 == 0)
+
+
+def launch_split_gluon(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, o_part: Tensor,
+    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, a_reg: bool = False,
+) -> None:
+    """The split kernel over q_lat [N, H, 512], q_pe [N, H, 64], kv_pages [num_pages, P, 576] (contiguous),
+    page_table [N, max_pages] int32, seq_lens [N], into o_part [N, S, H, 512] and lse [N, S, H] float32;
+    ``sm_scale`` includes log2(e). ``a_reg`` loads the value operand into registers first (slower; kept to
+    compare)."""
+    N, H, R = q_lat.shape
+    P = kv_pages.shape[1]
+    rows = kv_pages.view(-1, kv_pages.shape[-1])  # [num_pages * P, r + dr]: a tile is BN consecutive rows
+    # [9, rows, 64]: box b of row t at t * 576 + b * 64, so one TMA box [9, 64, 64] is a whole tile
+    boxes = rows.as_strided((8, rows.shape[0], 64), (64, rows.shape[1], 1))
+    desc = TensorDescriptor(boxes, list(boxes.shape), list(boxes.stride()), [8, 64, 64],
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
+    pe_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
+                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
+        q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1], tokens_per_split,
+        o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, A_REG=a_reg, num_warps=4,
+    )
+
+
+_LOG2E = 1.4426950408889634
+FORMS = ("heads", "tokens")
+
+
+@triton.jit
+def _split_setup(q_lat, q_pe, seq_lens, s, n, hb, tokens_per_split, H: tl.constexpr, R: tl.constexpr,
+                 DR: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr):
+    """A split program's token range [start, end) of sequence n, its head block (rh, mask mh), the r and dr
+    ranges, and q's latent [BH, BR] and rope [BH, BDR] parts for those heads."""
+    L = tl.load(seq_lens + n)
+    start = s * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, L)
+    rh = hb * BH + tl.arange(0, BH)
+    rr = tl.arange(0, BR)
+    rd = tl.arange(0, BDR)
+    mh = rh < H
+    ql = tl.load(q_lat + (n * H + rh[:, None]) * R + rr[None, :], mask=mh[:, None] & (rr[None, :] < R), other=0.0)
+    qp = tl.load(q_pe + (n * H + rh[:, None]) * DR + rd[None, :], mask=mh[:, None] & (rd[None, :] < DR), other=0.0)
+    return start, end, rh, rr, rd, mh, ql, qp
+
+
+# the page-table width, the split length and the split count vary with the context: not specialised, so one
+# compiled kernel serves every context (eager decode would otherwise compile again every few hundred tokens)
+@triton.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+def _split_kernel(
+    q_lat, q_pe, kv, page_table, seq_lens, acc_out, m_out, l_out, sm_scale, max_pages, tokens_per_split, NSPLIT,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
+    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr,
+):
+    s = tl.program_id(0)
+    n = tl.program_id(1)
+    hb = tl.program_id(2)
+    start, end, rh, rr, rd, mh, ql, qp = _split_setup(q_lat, q_pe, seq_lens, s, n, hb, tokens_per_split,
+                                                      H, R, DR, BH, BR, BDR)
+    m_i = tl.full([BH], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BH, BR], dtype=tl.float32)
+    pt = page_table + n.to(tl.int64) * max_pages
+    for t0 in range(start, end, BN):
+        tok = t0 + tl.arange(0, BN)
+        mt = tok < end
+        page = tl.load(pt + tok // P, mask=mt, other=0).to(tl.int64)
+        # [BN] offset of each token's cache row; the hint lets the loads be 16-byte vectors
+        row = tl.multiple_of((page * P + tok % P) * (R + DR), ALIGN)
+        c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
+        pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
+        sc = tl.dot(ql, tl.trans(c)) + tl.dot(qp, tl.trans(pe))  # [BH, BN]
+        sc = tl.where(mt[None, :], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+        m_new = tl.maximum(m_i, tl.max(sc, axis=1))
+        p = tl.exp2(sc - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+        m_i = m_new
+    base = (n * NSPLIT + s) * H + rh
+    tl.store(m_out + base, m_i, mask=mh)
+    tl.store(l_out + base, l_i, mask=mh)
+    tl.store(acc_out + base[:, None].to(tl.int64) * R + rr[None, :], acc, mask=mh[:, None] & (rr[None, :] < R))
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def _combine_kernel(
+    acc_in, m_in, l_in, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+):
+    h = tl.program_id(0)
+    n = tl.program_id(1)
+    rs = tl.arange(0, BS)
+    rr = tl.program_id(2) * BR + tl.arange(0, BR)
+    m_all = tl.full([BS], -1e30, dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        m_all = tl.maximum(m_all, tl.load(m_in + (n * NSPLIT + s0 + rs) * H + h, mask=s0 + rs < NSPLIT, other=-1e30))
+    m_max = tl.max(m_all, axis=0)
+    num = tl.zeros([BR], dtype=tl.float32)
+    den = tl.zeros([BS], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        ms = s0 + rs < NSPLIT
+        idx = (n * NSPLIT + s0 + rs) * H + h
+        wgt = tl.exp2(tl.load(m_in + idx, mask=ms, other=-1e30) - m_max)
+        den += wgt * tl.load(l_in + idx, mask=ms, other=0.0)
+        a = tl.load(acc_in + idx[:, None].to(tl.int64) * R + rr[None, :], mask=ms[:, None] & (rr[None, :] < R),
+                    other=0.0)
+        num += tl.sum(wgt[:, None] * a, axis=0)
+    o = num / tl.sum(den, axis=0)
+    tl.store(out + (n * H + h) * R + rr, o.to(out.dtype.element_ty), mask=rr < R)
+
+
+# the split kernel of the "tokens" form: as _split_kernel, with the products transposed and normalised partials
+@triton.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+def _split_kernel_tokens(
+    q_lat, q_pe, kv, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split, NSPLIT,
+    H: tl.constexpr, R: tl.constexpr, DR: tl.constexpr, P: tl.constexpr,
+    BH: tl.constexpr, BR: tl.constexpr, BDR: tl.constexpr, BN: tl.constexpr, ALIGN: tl.constexpr,
+    PAGE_TILE: tl.constexpr,
+):
+    # head blocks vary fastest, so the programs that share a split's cache rows run together (one DRAM read)
+    hb = tl.program_id(0)
+    s = tl.program_id(1)
+    n = tl.program_id(2)
+    start, end, rh, rr, rd, mh, ql, qp = _split_setup(q_lat, q_pe, seq_lens, s, n, hb, tokens_per_split,
+                                                      H, R, DR, BH, BR, BDR)
+    qlt = tl.trans(ql)  # [BR, BH]
+    qpt = tl.trans(qp)  # [BDR, BH]
+    m_i = tl.full([BH], -1e30, dtype=tl.float32)
+    l_i = tl.zeros([BH], dtype=tl.float32)
+    acc = tl.zeros([BR, BH], dtype=tl.float32)  # acc^T
+    pt = page_table + n.to(tl.int64) * max_pages
+    # PAGE_TILE: each tile's page id is loaded one iteration ahead and carried, so the tile's copy does not wait
+    # on a page-table load of its own iteration (1 x 1M 441 us against 465, run U in docs/benchmarks.md)
+    page_nx = tl.load(pt + tl.minimum(start // P, max_pages - 1), mask=start < end, other=0)
+    for t0 in range(start, end, BN):
+        tok = t0 + tl.arange(0, BN)
+        mt = tok < end
+        # page ids masked and clamped to the sequence's row: no copy of these loads that the pipeliner issues
+        # ahead can address past the table
+        if PAGE_TILE:  # BN divides P and every tile starts at a multiple of BN: the tile lies in one page
+            page = page_nx.to(tl.int64)
+            page_nx = tl.load(pt + tl.minimum((t0 + BN) // P, max_pages - 1), mask=t0 + BN < end, other=0)
+            row = (page * P + t0 % P + tl.arange(0, BN)) * (R + DR)
+        else:
+            page = tl.load(pt + tl.minimum(tok // P, max_pages - 1), mask=mt, other=0).to(tl.int64)
+            row = (page * P + tok % P) * (R + DR)
+        row = tl.multiple_of(row, ALIGN)  # [BN] cache-row offsets: 16-byte vectors
+        c = tl.load(kv + row[:, None] + rr[None, :], mask=mt[:, None] & (rr[None, :] < R), other=0.0)
+        pe = tl.load(kv + row[:, None] + R + rd[None, :], mask=mt[:, None] & (rd[None, :] < DR), other=0.0)
+        sc = tl.dot(c, qlt) + tl.dot(pe, qpt)  # [BN, BH]
+        sc = tl.where(mt[:, None], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+        m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+        p = tl.exp2(sc - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(c), p.to(c.dtype))
+        m_i = m_new
+    # a split past the sequence's end (l = 0) stores a zero output and log-sum-exp -1e30: weight 0 in the merge
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    lse = tl.where(nonempty, m_i + tl.log2(l_safe), -1.0e30)
+    base = (n * NSPLIT + s) * H + rh
+    o = acc * (1.0 / l_safe)[None, :]
+    tl.store(o_part + base[None, :].to(tl.int64) * R + rr[:, None], o.to(o_part.dtype.element_ty),
+             mask=mh[None, :] & (rr[:, None] < R))
+    tl.store(lse_part + base, lse, mask=mh)
+
+
+@triton.jit(do_not_specialize=["NSPLIT"])
+def _combine_kernel_lse(
+    o_part, lse_part, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+):
+    """One pass over the splits with a running max: out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m). Empty
+    splits (lse -1e30, o 0) weigh 2^(-1e30 - m) = 0 beside any split with a token; masked lanes load -3e38."""
+    h = tl.program_id(0)
+    n = tl.program_id(1)
+    rs = tl.arange(0, BS)
+    rr = tl.program_id(2) * BR + tl.arange(0, BR)
+    m_run = tl.full([1], -3.0e38, dtype=tl.float32)
+    num = tl.zeros([BR], dtype=tl.float32)
+    den = tl.zeros([1], dtype=tl.float32)
+    for s0 in range(0, NSPLIT, BS):
+        ms = s0 + rs < NSPLIT
+        idx = (n * NSPLIT + s0 + rs) * H + h
+        lse = tl.load(lse_part + idx, mask=ms, other=-3.0e38)
+        m_new = tl.maximum(m_run, tl.max(lse, axis=0))
+        wgt = tl.exp2(lse - m_new)
+        o = tl.load(o_part + idx[:, None].to(tl.int64) * R + rr[None, :], mask=ms[:, None] & (rr[None, :] < R),
+                    other=0.0).to(tl.float32)
+        alpha = tl.exp2(m_run - m_new)
+        num = num * alpha + tl.sum(wgt[:, None] * o, axis=0)
+        den = den * alpha + tl.sum(wgt, axis=0)
+        m_run = m_new
+    tl.store(out + (n * H + h) * R + rr, (num / den).to(out.dtype.element_ty), mask=rr < R)
+
+
+def _num_splits(N: int, capacity: int, sm_count: int) -> int:
+    """(sequence, split) programs for two waves of the GPU (eight from 8 sequences up), each split at least 256
+    tokens of capacity. Measured on the H200 (graph replays, `bench/kernels.py --only mlasplits`, run E in
+    docs/benchmarks.md): 1 x 32K best at 128 splits (39.9-41.8 us, against 51 us at 64 with 512-token splits),
+    1 x 128K and 1 x 1M at about two waves (95.7 / 498 us; more splits were slower), 32 x 32K at 36 splits
+    (551 us, against 651 at 9)."""
+    waves = 8 if N >= 8 else 2
+    return max(1, min(triton.cdiv(waves * sm_count, max(N, 1)), triton.cdiv(capacity, 256)))
+
+
+def _num_splits_tokens(N: int, capacity: int, sm_count: int, many_waves: int = 8) -> int:
+    """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and ``many_waves``
+    from 8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
+    docs/benchmarks.md), Triton kernel: one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 /
+    463.7 us, against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x
+    32K at 36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves). The Gluon kernel (run Y) keeps one
+    wave below 8 sequences (1 x 32K / 128K 24.3 / 51.5 us at 128 / 132 splits, 25.4 / 57.2 at 96) and wants
+    long splits from 8 up (32 x 32K 297.7 us at 8 splits, two waves; 323.7 at 16, 351-382 at 17 and 32, and 382.2
+    at 9, where 288 programs leave a third wave of 24). The count is rounded down so the programs fill whole waves
+    (at most ``waves`` x SMs)."""
+    waves = many_waves if N >= 8 else 1
+    return max(1, min(waves * sm_count // max(N, 1), triton.cdiv(capacity, 256)))
+
+
+def _default_form(N: int) -> str:
+    """The "tokens" form at every N (run N in docs/benchmarks.md, with the split counts above: 1 x 32K / 128K / 1M
+    31.2 / 73.7 / 463.7 us against 44.8 / 107.4 / 580.3 for "heads", and 32 x 32K 512.7 against 595.4). "heads"
+    stays as a form to force (``form="heads"``): its float32 partials are exact to 4e-4 where the "tokens"
+    form's bf16 partials give 1.8e-3 against the float32 twin."""
+    del N
+    return "tokens"
+
+
+def _launch(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
+    num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
+    num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None,
+) -> Tensor:
+    """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
+    (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
+    H200: "heads" BN 64, 4 warps, 3 stages; "tokens" BN 64, 4 warps, 2 stages at every split length (run M in
+    docs/benchmarks.md: 1 x 32K / 128K / 1M 31.5 / 84.2 / 470.4 us, against 34.5 / 89.5 / 523.4 with the earlier
+    BN 64, 8 warps, 2 stages below 384 tokens per split and BN 32, 4 warps, 3 stages above)."""
+    N, H, R = q_lat.shape
+    if form is None:
+        form = _default_form(N)
+    elif form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+    DR = q_pe.shape[-1]
+    P = kv_pages.shape[1]
+    max_pages = page_table.shape[1]
+    out = torch.empty_like(q_lat)
+    if N == 0:
+        return out
+    tokens = form == "tokens"
+    BH = BH or max(16, triton.next_power_of_2(H))
+    # the Gluon split kernel wherever it applies, unless the caller tunes the Triton kernel (tiles, warps, stages)
+    gluon = (tokens and use_gluon is not False and BN in (None, 64) and num_warps is None and num_stages is None
+             and gluon_split_ok(q_lat, kv_pages, R, DR, P, 64, BH))
+    if use_gluon and not gluon:
+        raise ValueError("use_gluon=True needs the \"tokens\" form on an sm_90 GPU with bf16, r 512, dr 64, "
+                         f"P % 64 == 0 and default tiles; got form={form!r}, r={R}, dr={DR}, P={P}, "
+                         f"dtype={q_lat.dtype}, device={q_lat.device}")
+    if num_splits is None:
+        sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
+        if tokens:
+            num_splits = _num_splits_tokens(N, max_pages * P, sm, many_waves=2 if gluon else 8)
+        else:
+            num_splits = _num_splits(N, max_pages * P, sm)
+    BN = BN or 64
+    tps = triton.cdiv(triton.cdiv(max_pages * P, num_splits), BN) * BN
+    num_splits = triton.cdiv(max_pages * P, tps)
+    BR = triton.next_power_of_2(R)
+    BDR = max(16, triton.next_power_of_2(DR))
+    align = 1
+    while align < 8 and (R + DR) % (2 * align) == 0:
+        align *= 2
+    BRC = min(BR, 64)  # the merge runs over r blocks too: H * N programs alone are too few for one sequence
+    if tokens:
+        half = q_lat.dtype in (torch.bfloat16, torch.float16)  # half the partials' traffic; float32 stays exact
+        o_part = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=q_lat.dtype if half else torch.float32)
+        lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
+        if gluon:
+            launch_split_gluon(q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, tps, BH)
+        else:
+            _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
+                q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps,
+                num_splits, H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
+                num_warps=num_warps or 4, num_stages=num_stages or 2,
+            )
+        # below 8 sequences the merge reads every split in one pass on 4 warps (1 x 32K: 3.4 us against 6.2 for 16
+        # splits a step on 2 warps, run V in docs/benchmarks.md); from 8 up there are programs enough, and the
+        # wider pass lost (32 x 32K 483 us against 469-472)
+        one_pass = N < 8
+        bs = min(256, max(16, triton.next_power_of_2(num_splits))) if one_pass else 16
+        _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=bs,
+                                                         num_warps=4 if one_pass else 2)
+        return out
+    acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
+    m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
+    lsum = torch.empty_like(m)
+    _split_kernel[(num_splits, N, triton.cdiv(H, BH))](
+        q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps, num_splits,
+        H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN,
+        ALIGN=align, num_warps=num_warps or 4, num_stages=num_stages or 3,
+    )
+    _combine_kernel[(H, N, triton.cdiv(R, BRC))](acc, m, lsum, out, num_splits, H=H, R=R, BR=BRC, BS=16,
+                                                 num_warps=2)
+    return out
+
+
+def mla_decode_paged_triton(
+    q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
+    num_splits: int | None = None, form: str | None = None,
+) -> Tensor:
+    """One query per sequence over its paged latent cache (kv_b_proj absorbed).
+
+    q_lat [N, H, r] (q_nope @ W_uk per head), q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] in q's dtype,
+    page_table [N, max_pages] int32, seq_lens [N] int (>= 1, the new token included). Returns the
+    attention-weighted latent [N, H, r] in q_lat's dtype. ``num_splits`` overrides the split heuristic, ``form``
+    ("heads" or "tokens", see the module docstring; anything else raises ValueError in ``_launch``) the choice
+    by N.
+    """
+    N, H, R = q_lat.shape
+    if q_pe.shape[:2] != (N, H):
+        raise ValueError(f"q_pe must be [N, H, dr] with N, H={N, H}, got {tuple(q_pe.shape)}")
+    DR = q_pe.shape[-1]
+    if kv_pages.dim() != 3 or kv_pages.shape[-1] != R + DR:
+        raise ValueError(f"kv_pages must be [num_pages, P, r + dr={R + DR}], got {tuple(kv_pages.shape)}")
+    if page_table.dim() != 2 or page_table.shape[0] != N or seq_lens.shape != (N,):
+        raise ValueError(f"page_table must be [N={N}, max_pages] and seq_lens [N], got {tuple(page_table.shape)}, "
+                         f"{tuple(seq_lens.shape)}")
+    return _launch(
+        q_lat.contiguous(), q_pe.to(q_lat.dtype).contiguous(), kv_pages.contiguous(), page_table.contiguous(),
+        seq_lens.contiguous(), float(scale), num_splits, form=form,
+    )
