@@ -5,7 +5,10 @@ normalised partials in q's dtype plus a base-2 log-sum-exp per head, merged by `
 Triton kernel cannot keep a tile copy in flight while it computes: its pipeliner issues the next copy after the
 current tile's products at 2 stages, and 3 stages of 72 KB tiles do not fit in shared memory. Here the order is
 explicit: TMA copies into a ring of two stages, the next tile's copy issued before this tile's products
-(1 x 1M 281 us, the copy bandwidth, against 435 us for the Triton kernel; run Z in docs/benchmarks.md).
+(1 x 1M 281 us, the copy bandwidth, against 435 us for the Triton kernel; run Z in docs/benchmarks.md). A tile
+is two TMA copies: its latent part as one [8, BN, 64] box of a strided 3-d view [8, rows, 64] of the cache (box
+b of row t at t * 576 + b * 64, so each 64-column box lands as its own [BN, 64] tile with the 128-byte swizzle
+that wgmma reads), and its rope part as one [BN, 64] box.
 
 Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90 (no GPU needed) and tests
 the Triton kernel against the twin; this one is checked against the same twin on the device
@@ -36,17 +39,28 @@ try:  # Gluon (triton.experimental) is absent from older Triton releases
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
     # the CTA barrier: gl.barrier in newer Triton (3.9), gl.thread_barrier in 3.6
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    # a shared-memory view under another shape and layout: reinterpret in newer Triton (3.9), _reinterpret in 3.6
+    _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
 except (ImportError, AttributeError):  # a Triton without Gluon: the Triton kernel serves every call
     gluon = None
 
 if gluon is not None:
 
     @gluon.jit
-    def _g_issue(desc, bar, buf, stage, row, pred, NB: gl.constexpr, BN: gl.constexpr):
-        """One tile (NB boxes of [BN, 64] from cache row ``row``) into ring stage ``stage``, on its barrier."""
+    def _g_issue(desc, pe_desc, bar, buf, pe_buf, stage, row, pred, NB: gl.constexpr, BN: gl.constexpr):
+        """One tile into ring stage ``stage``, on its barrier: one TMA copy of a [8, BN, 64] box of the 3-d view
+        [8, rows, 64] of the latent part into buf[8 stage : 8 stage + 8] (seen as [2, 8, BN, 64] with the 3-d
+        layout, which puts the same bytes where the 2-d boxes expect them), one [BN, 64] of the rope part into
+        pe_buf[stage]. Two copies where nine 2-d ones took a CTA barrier each (split kernel 17.5 against 18.0 us
+        at 1 x 32K, run Z3)."""
         mbarrier.expect(bar.index(stage), NB * BN * 64 * 2, pred=pred)
-        for k in gl.static_range(NB):
-            _tma_load(desc, [row, k * 64], bar.index(stage), buf.index(stage * NB + k), pred=pred)
+        box3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
+        if _NEW_REINTERPRET:
+            b4 = buf.reinterpret(gl.bfloat16, [2, NB - 1, BN, 64], box3)
+        else:
+            b4 = buf._reinterpret(gl.bfloat16, [2, NB - 1, BN, 64], box3)
+        _tma_load(desc, [0, row, 0], bar.index(stage), b4.index(stage), pred=pred)
+        _tma_load(pe_desc, [row, (NB - 1) * 64], bar.index(stage), pe_buf.index(stage), pred=pred)
 
     @gluon.jit
     def _g_pv(buf, j, p_smem, acc, A_REG: gl.constexpr, mma: gl.constexpr):
@@ -58,7 +72,7 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
     def _split_kernel_gluon(
-        q_lat, q_pe, kv_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
+        q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
         NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
         BN: gl.constexpr, A_REG: gl.constexpr,
     ):
@@ -79,7 +93,8 @@ if gluon is not None:
                                                   element_bitwidth=16, rank=2)
         ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
                                             order=[1, 0])
-        buf = gl.allocate_shared_memory(gl.bfloat16, [2 * NB, BN, 64], box)
+        buf = gl.allocate_shared_memory(gl.bfloat16, [2 * (NB - 1), BN, 64], box)
+        pe_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], box)
         bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bar.index(0), count=1)
         mbarrier.init(bar.index(1), count=1)
@@ -87,7 +102,7 @@ if gluon is not None:
         # the first tile's copy goes out before q is staged; its page id is read (clamped to the table's row, so
         # always in bounds) alongside seq_lens rather than after it, and used only where the split has tokens
         page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
-        _g_issue(kv_desc, bar, buf, 0, page0 * P + start % P, start < end, NB, BN)
+        _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P, start < end, NB, BN)
         page_nx = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
 
         # q [BH, 576] as NB boxes [BH, 64]: the B operand (q_k^T, K-major) of the score product
@@ -121,14 +136,15 @@ if gluon is not None:
             t1 = t0 + BN
             # the next tile's copy into the other stage (its last reader, tile i - 1, has finished) before this
             # tile's products, and the page id after it loaded for the next iteration
-            _g_issue(kv_desc, bar, buf, 1 - st, page_nx * P + t1 % P, t1 < end, NB, BN)
+            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1 - st, page_nx * P + t1 % P, t1 < end, NB, BN)
             page_nx = gl.load(pt + gl.minimum((t1 + BN) // P, max_pages - 1), mask=t1 + BN < end, other=0)
             mbarrier.wait(bar.index(st), (i // 2) & 1)
-            b0 = st * NB
+            b0 = st * (NB - 1)
             sc = warpgroup_mma(buf.index(b0), q_smem.index(0).permute((1, 0)),
                                gl.zeros([BN, BH], gl.float32, layout=mma), use_acc=False, is_async=True)
-            for k in gl.static_range(1, NB):
+            for k in gl.static_range(1, NB - 1):
                 sc = warpgroup_mma(buf.index(b0 + k), q_smem.index(k).permute((1, 0)), sc, is_async=True)
+            sc = warpgroup_mma(pe_buf.index(st), q_smem.index(NB - 1).permute((1, 0)), sc, is_async=True)
             sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
             sc = gl.where((t0 + tok < end)[:, None], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
             m_new = gl.maximum(m_i, gl.max(sc, axis=0))
@@ -196,9 +212,14 @@ def launch_split_gluon(
     N, H, R = q_lat.shape
     P = kv_pages.shape[1]
     rows = kv_pages.view(-1, kv_pages.shape[-1])  # [num_pages * P, r + dr]: a tile is BN consecutive rows
-    desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
-                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    # [8, rows, 64]: box b of row t at t * 576 + b * 64, so one TMA box [8, 64, 64] is a tile's latent part (a
+    # box's sides must be powers of 2: the rope part is a second copy)
+    boxes = rows.as_strided((8, rows.shape[0], 64), (64, rows.shape[1], 1))
+    desc = TensorDescriptor(boxes, list(boxes.shape), list(boxes.stride()), [8, 64, 64],
+                            gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
+    pe_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
+                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
-        q_lat, q_pe, desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1], tokens_per_split,
-        o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, A_REG=a_reg, num_warps=4,
+        q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
+        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, A_REG=a_reg, num_warps=4,
     )

@@ -35,11 +35,15 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from kda_sessions.kernels.mla import paged_decode_gluon as pg
 
-rows = torch.zeros(256, 576, dtype=torch.bfloat16)  # only the descriptor's type is read, never its memory
-desc = pg.TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
-                           pg.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+rows = torch.zeros(256, 576, dtype=torch.bfloat16)  # only the descriptors' types are read, never their memory
+boxes = rows.as_strided((8, 256, 64), (64, 576, 1))
+desc = pg.TensorDescriptor(boxes, list(boxes.shape), list(boxes.stride()), [8, 64, 64],
+                           pg.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
+pe_desc = pg.TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
+                              pg.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 fn = pg._split_kernel_gluon
-types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "page_table": "*i32", "seq_lens": "*i32",
+types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "pe_desc": mangle_type(pe_desc),
+         "page_table": "*i32", "seq_lens": "*i32",
          "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
          "NSPLIT": "i32"}
 const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "A_REG": False}
@@ -73,7 +77,8 @@ def test_gluon_split_kernel_compiles_for_sm90(BH):
     copies = [i for i, ln in enumerate(lines) if "cp.async.bulk.tensor" in ln]
     waits = [i for i, ln in enumerate(lines) if "mbarrier.try_wait" in ln]
     mmas = [i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln]
-    assert len(copies) == 18  # 9 boxes of the first tile before the loop, 9 of the next tile in it
+    assert len(copies) == 4  # the first tile before the loop, the next one in it: latent (3-d) and rope (2-d)
+    assert sum("cp.async.bulk.tensor.3d" in lines[i] for i in copies) == 2
     assert waits and max(copies) < min(waits) < min(mmas)  # both before the loop's wait, the products after it
 
 
