@@ -14,8 +14,8 @@ safe). Two forms (``_default_form`` picks "tokens"; "heads" is kept to force, fo
 
 On an sm_90 GPU the "tokens" split kernel is the Gluon one of paged_decode_gluon.py wherever it applies (bf16,
 r 512, dr 64, P % 64 == 0): it keeps the next tile's copy in flight while a tile is computed, which this Triton
-kernel cannot (1 x 1M 280 us against 438, run Z3). ``use_gluon=False`` forces the Triton kernel, which CI tests
-under the interpreter and which serves every other shape.
+kernel cannot (1 x 1M 280 us against 438, run Z3). ``use_gluon=False`` forces the Triton kernel, which CI
+tests under the interpreter and which serves every other shape.
 """
 
 from __future__ import annotations
