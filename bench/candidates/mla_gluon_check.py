@@ -8,7 +8,6 @@ exit status 1 if any case is wrong."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -16,18 +15,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mla_one import kb  # bench/kernels.py loaded by path (its import shim, input builders, the twin)
 
-def _bench_kernels():
-    """bench/kernels.py loaded by path (its import shim puts ``kda_sessions.kernels`` on the path)."""
-    path = Path(__file__).resolve().parents[1] / "kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-kb = _bench_kernels()
 mla_decode_paged_naive = kb.naive_mla_decode_paged
 
 
