@@ -25,6 +25,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+try:  # programmatic dependent launch (Triton 3.3 and later)
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+
 from .paged_decode_gluon import gluon_split_ok, launch_split_gluon
 
 _LOG2E = 1.4426950408889634
@@ -173,9 +178,15 @@ def _split_kernel_tokens(
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel_lse(
     o_part, lse_part, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One pass over the splits with a running max: out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m). Empty
-    splits (lse -1e30, o 0) weigh 2^(-1e30 - m) = 0 beside any split with a token; masked lanes load -3e38."""
+    splits (lse -1e30, o 0) weigh 2^(-1e30 - m) = 0 beside any split with a token; masked lanes load -3e38.
+    ``PDL``: launched as a programmatic dependent launch behind the split kernel, so it waits for the split kernel's
+    writes before it reads them (sm_90; never under the interpreter)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     h = tl.program_id(0)
     n = tl.program_id(1)
     rs = tl.arange(0, BS)
@@ -234,7 +245,7 @@ def _default_form(N: int) -> str:
 def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
     num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None,
+    num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None, pdl: bool | None = None,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
@@ -261,6 +272,12 @@ def _launch(
         raise ValueError("use_gluon=True needs the \"tokens\" form on an sm_90 GPU with bf16, r 512, dr 64, "
                          f"P % 64 == 0 and default tiles; got form={form!r}, r={R}, dr={DR}, P={P}, "
                          f"dtype={q_lat.dtype}, device={q_lat.device}")
+    # programmatic dependent launch: the Gluon split kernel and the merge are launched before their predecessor
+    # ends and wait for its writes in the kernel, so a graph or stream runs them without a launch gap
+    if pdl is None:
+        pdl = gluon and gdc_wait is not None
+    elif pdl and not (gluon and gdc_wait is not None):
+        raise ValueError("pdl=True needs the Gluon split kernel (sm_90) and a Triton with griddepcontrol (3.3+)")
     if num_splits is None:
         sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
         if tokens:
@@ -281,7 +298,8 @@ def _launch(
         o_part = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=q_lat.dtype if half else torch.float32)
         lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
         if gluon:
-            launch_split_gluon(q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, tps, BH)
+            launch_split_gluon(q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, tps, BH,
+                               pdl=pdl)
         else:
             _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
                 q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps,
@@ -294,7 +312,7 @@ def _launch(
         one_pass = N < 8
         bs = min(256, max(16, triton.next_power_of_2(num_splits))) if one_pass else 16
         _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=bs,
-                                                         num_warps=4 if one_pass else 2)
+                                                         PDL=pdl, num_warps=4 if one_pass else 2, launch_pdl=pdl)
         return out
     acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
     m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)

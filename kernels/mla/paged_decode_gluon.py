@@ -41,6 +41,14 @@ try:  # Gluon (triton.experimental) is absent from older Triton releases
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     # a shared-memory view under another shape and layout: reinterpret in newer Triton (3.9), _reinterpret in 3.6
     _NEW_REINTERPRET = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    @gluon.jit
+    def _g_grid_dep_wait():
+        """Programmatic dependent launch (sm_90): wait until the grids this one depends on have finished and their
+        writes are visible, then let the next grid (the merge) launch. A no-op without ``launch_pdl``."""
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
 except (ImportError, AttributeError):  # a Triton without Gluon: the Triton kernel serves every call
     gluon = None
 
@@ -72,7 +80,7 @@ if gluon is not None:
     def _split_kernel_gluon(
         q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
         NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
-        BN: gl.constexpr,
+        BN: gl.constexpr, PDL: gl.constexpr,
     ):
         gl.static_assert(R == 512)
         gl.static_assert(DR == 64)
@@ -80,10 +88,6 @@ if gluon is not None:
         hb = gl.program_id(0)
         s = gl.program_id(1)
         n = gl.program_id(2)
-        L = gl.load(seq_lens + n)
-        start = s * tokens_per_split
-        end = gl.minimum(start + tokens_per_split, L)
-        pt = page_table + n.to(gl.int64) * max_pages
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
         box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
@@ -96,6 +100,12 @@ if gluon is not None:
         bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(bar.index(0), count=1)
         mbarrier.init(bar.index(1), count=1)
+        if PDL:  # launched early, behind the kernel that writes q or the cache: nothing is read before this
+            _g_grid_dep_wait()
+        L = gl.load(seq_lens + n)
+        start = s * tokens_per_split
+        end = gl.minimum(start + tokens_per_split, L)
+        pt = page_table + n.to(gl.int64) * max_pages
 
         # the first tile's copy goes out before q is staged; its page id is read (clamped to the table's row, so
         # always in bounds) alongside seq_lens rather than after it, and used only where the split has tokens
@@ -201,11 +211,12 @@ def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN:
 
 def launch_split_gluon(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, o_part: Tensor,
-    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int,
+    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, pdl: bool = False,
 ) -> None:
     """The split kernel over q_lat [N, H, 512], q_pe [N, H, 64], kv_pages [num_pages, P, 576] (contiguous),
     page_table [N, max_pages] int32, seq_lens [N], into o_part [N, S, H, 512] and lse [N, S, H] float32;
-    ``sm_scale`` includes log2(e)."""
+    ``sm_scale`` includes log2(e). ``pdl``: launched as a programmatic dependent launch (the kernel waits for its
+    predecessor's writes before it reads anything, and lets the merge launch at once)."""
     N, H, R = q_lat.shape
     P = kv_pages.shape[1]
     rows = kv_pages.view(-1, kv_pages.shape[-1])  # [num_pages * P, r + dr]: a tile is BN consecutive rows
@@ -218,5 +229,6 @@ def launch_split_gluon(
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
         q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
-        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, num_warps=4,
+        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )

@@ -46,7 +46,7 @@ types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "pe_de
          "page_table": "*i32", "seq_lens": "*i32",
          "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
          "NSPLIT": "i32"}
-const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64}
+const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1"}
 params = list(inspect.signature(fn.fn).parameters)
 sig = {p: "constexpr" if p in const else types[p] for p in params}
 src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
@@ -56,20 +56,21 @@ print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 """
 
 
-def _compile_sm90(BH: int) -> dict:
+def _compile_sm90(BH: int, pdl: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE, str(BH)], env=env, capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-c", _COMPILE, str(BH), str(int(pdl))], env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 @needs_gluon
-@pytest.mark.parametrize("BH", [16, 32], ids=["bh16", "bh32"])
-def test_gluon_split_kernel_compiles_for_sm90(BH):
+@pytest.mark.parametrize("BH,pdl", [(16, False), (32, True)], ids=["bh16", "bh32-pdl"])
+def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     """It compiles with this Triton (Gluon's API moves between releases), fits in shared memory, and its tile loop
-    issues the next tile's TMA copies before it waits for the current tile and runs the products on wgmma."""
-    k = _compile_sm90(BH)
+    issues the next tile's TMA copies before it waits for the current tile and runs the products on wgmma. As a
+    programmatic dependent launch it reads nothing from global memory before griddepcontrol.wait."""
+    k = _compile_sm90(BH, pdl)
     assert k["shared"] <= SMEM_SM90
     ptx = k["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d" in ptx
@@ -80,6 +81,12 @@ def test_gluon_split_kernel_compiles_for_sm90(BH):
     assert len(copies) == 4  # the first tile before the loop, the next one in it: latent (3-d) and rope (2-d)
     assert sum("cp.async.bulk.tensor.3d" in lines[i] for i in copies) == 2
     assert waits and max(copies) < min(waits) < min(mmas)  # both before the loop's wait, the products after it
+    dep_waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    reads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.bulk.tensor" in ln]
+    if pdl:
+        assert len(dep_waits) == 1 and dep_waits[0] < min(reads)
+    else:
+        assert not dep_waits and "griddepcontrol" not in ptx
 
 
 def test_gluon_never_serves_cpu_tensors():
@@ -156,3 +163,31 @@ def test_gluon_split_kernel_in_a_cuda_graph():
     ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
     assert rel_rms(out, ref) < 1e-2
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
+def test_gluon_pdl_sees_the_writes_of_the_kernels_before_it():
+    """As programmatic dependent launches the split kernel and the merge start before the kernel ahead of them ends;
+    they must still read q and the cache as that kernel left them: a pass over the whole pool flips its sign and q
+    moves right before each call, eagerly and in a graph."""
+    from kda_sessions.kernels.mla.paged_decode import _launch
+
+    ql, qp, kv, pt, sl, scale = _case([40000, 5], 32, 64, seed=2)
+    _launch(ql, qp, kv, pt, sl, scale, pdl=True)  # compile
+    for _ in range(3):
+        kv.mul_(-1.0)
+        ql.add_(0.5)
+        out = _launch(ql, qp, kv, pt, sl, scale, pdl=True)
+        ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
+        assert rel_rms(out, ref) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kv.mul_(-1.0)
+        ql.add_(0.5)
+        out = _launch(ql, qp, kv, pt, sl, scale, pdl=True)
+    for _ in range(2):
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
+        assert rel_rms(out, ref) < 1e-2
