@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mla_one import kb  # bench/kernels.py loaded by path
 
 REPO = Path(__file__).resolve().parents[2]
-POINTS = ["entry", "first_copy", "q_staged", "first_tile", "loop_done", "stored"]
+POINTS = ["entry", "copies_out", "q_staged", "first_tile", "loop_done", "stored"]
 
 _STAMP = '''
     @gluon.jit
@@ -47,7 +47,8 @@ def instrumented():
         ("if gluon is not None:\n", _STAMP),
         ("        NSPLIT, H: gl.constexpr,", ""),
         ("        n = gl.program_id(2)\n", "        _stamp(tl_buf, 0)\n"),
-        ("        page_nx = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))\n", "        _stamp(tl_buf, 1)\n"),
+        ("        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))\n",
+         "        _stamp(tl_buf, 1)\n"),
         ("            mbarrier.wait(bar.index(st), (i // 2) & 1)\n", "            if i == 0:\n                _stamp(tl_buf, 3)\n"),
         ("        mbarrier.invalidate(bar.index(1))\n", "        _stamp(tl_buf, 4)\n"),
         ("        gl.store(lse_part + base, lse, mask=rh < H)\n", "        _stamp(tl_buf, 5)\n"),

@@ -68,7 +68,7 @@ def _compile_sm90(BH: int, pdl: bool) -> dict:
 @pytest.mark.parametrize("BH,pdl", [(16, False), (32, True)], ids=["bh16", "bh32-pdl"])
 def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     """It compiles with this Triton (Gluon's API moves between releases), fits in shared memory, and its tile loop
-    issues the next tile's TMA copies before it waits for the current tile and runs the products on wgmma. As a
+    keeps a tile's TMA copy in flight while it runs another tile's products on wgmma. As a
     programmatic dependent launch it reads nothing from global memory before griddepcontrol.wait."""
     k = _compile_sm90(BH, pdl)
     assert k["shared"] <= SMEM_SM90
@@ -78,9 +78,14 @@ def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     copies = [i for i, ln in enumerate(lines) if "cp.async.bulk.tensor" in ln]
     waits = [i for i, ln in enumerate(lines) if "mbarrier.try_wait" in ln]
     mmas = [i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln]
-    assert len(copies) == 4  # the first tile before the loop, the next one in it: latent (3-d) and rope (2-d)
-    assert sum("cp.async.bulk.tensor.3d" in lines[i] for i in copies) == 2
-    assert waits and max(copies) < min(waits) < min(mmas)  # both before the loop's wait, the products after it
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
+    # q's nine boxes are loaded before any copy goes out (behind a tile's copy they wait 4 us), then two tiles are
+    # copied before the loop's first wait, and the loop refills a stage after that stage's products
+    assert len(copies) == 6 and sum("cp.async.bulk.tensor.3d" in lines[i] for i in copies) == 3
+    assert sum(i < min(copies) for i in loads) >= 9
+    assert waits and sorted(copies)[3] < min(waits) < min(mmas) and max(mmas) < max(copies)
+    # the partials leave in 16-byte stores
+    assert sum("st.global.v4" in ln for ln in lines) >= 8
     dep_waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
     reads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.bulk.tensor" in ln]
     if pdl:
