@@ -102,13 +102,16 @@ if gluon is not None:
         mbarrier.init(bar.index(1), count=1)
         if PDL:  # launched early, behind the kernel that writes q or the cache: nothing is read before this
             _g_grid_dep_wait()
-        L = gl.load(seq_lens + n)
+        # the loads of the prologue go out together, none waiting on another: seq_lens, the first three tiles'
+        # page ids (clamped to the table's row, so always in bounds; unused where a tile lies past the split), then q
         start = s * tokens_per_split
-        end = gl.minimum(start + tokens_per_split, L)
         pt = page_table + n.to(gl.int64) * max_pages
-
-        # q [BH, 576] as NB boxes [BH, 64] (the B operand, q_k^T K-major, of the score product): loaded before any
-        # tile's copy goes out, since behind a tile's 72 KB its loads take 4.3 us (mla_timeline.py, run A1)
+        L = gl.load(seq_lens + n)
+        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
+        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
+        # q [BH, 576] as NB boxes [BH, 64] (the B operand, q_k^T K-major, of the score product): requested before
+        # the tiles' copies, since behind a tile's 72 KB its loads took 4.3 us (mla_timeline.py, run A1)
         rh_l = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
         rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
         q_ptr = q_lat + (n * H + rh_l[:, None]) * R + rc_l[None, :]
@@ -123,13 +126,10 @@ if gluon is not None:
         q7 = gl.load(q_ptr + 7 * 64, mask=mh_l, other=0.0)
         q8 = gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0)
 
-        # the first two tiles' copies (page ids clamped to the table's row, so always in bounds; a copy is
-        # predicated off where its tile lies past the split), then the third tile's page id
-        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        # the first two tiles' copies, each predicated off where its tile lies past the split
+        end = gl.minimum(start + tokens_per_split, L)
         _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P, start < end, NB, BN)
-        page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
         _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, start + BN < end, NB, BN)
-        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
         q_smem.index(0).store(q0)
