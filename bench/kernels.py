@@ -35,7 +35,6 @@ import sys
 import tarfile
 import time
 import traceback
-import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -226,22 +225,11 @@ def load_old(paths: str | None, tunes: list[dict] | dict[str, list[dict]] | None
     return out
 
 
-def with_barrier(mod):
-    """An MLA module whose ``_launch`` gets a grid-barrier counter unless the cfg names one, as the engine's
-    layers call it (on an sm_90 GPU the Gluon kernel then merges its splits itself; ``{"barrier": null}`` in a
-    cfg times the two-launch path)."""
-    if SMOKE or "barrier" not in inspect.signature(mod._launch).parameters:
-        return mod
-    ns = types.SimpleNamespace(**vars(mod))
-    ns._launch = functools.partial(mod._launch, barrier=torch.zeros(1, dtype=torch.int64, device=DEV))
-    return ns
-
-
 def load_mla(paths: str | None) -> dict:
     """The current MLA decode module as "current" plus the candidates (bench/candidates/paged_decode_v*.py)."""
     from kda_sessions.kernels.mla import paged_decode
 
-    out = {"current": with_barrier(paged_decode)}
+    out = {"current": paged_decode}
     for path in (paths or "").split(","):
         if path and Path(path).exists():
             out[Path(path).stem] = load_module(path, "kda_sessions.kernels.mla")

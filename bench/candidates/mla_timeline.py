@@ -3,12 +3,11 @@
     python3 bench/candidates/mla_timeline.py 32768,131072
 
 Builds an instrumented copy of kernels/mla/paged_decode_gluon.py (the source with probes inserted at marked lines,
-so it cannot drift from the kernel) whose programs record %globaltimer and %clock64 at seven points: entry, first
-tiles' copies issued, q staged, first tile landed, loop done, partials stored, splits merged (when the kernel
-merges); and their SM. Runs eager calls and CUDA-graph replays (inputs cycling past L2) with and without
-programmatic dependent launch, and with the merge in the kernel, and prints one JSON line per (context, mode):
-percentiles over programs of each point's time after the first program's entry (us, globaltimer), of the
-per-program spans from the SM clock (us), and the number of tiles per program."""
+so it cannot drift from the kernel) whose programs record %globaltimer and %clock64 at six points: entry, first
+tile's copy issued, q staged, first tile landed, loop done, partials stored; and their SM. Runs eager calls and
+CUDA-graph replays (inputs cycling past L2) with and without programmatic dependent launch, and prints one JSON
+line per (context, mode): percentiles over programs of each point's time after the first program's entry (us,
+globaltimer), of the per-program spans from the SM clock (us), and the number of tiles per program."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mla_one import kb  # bench/kernels.py loaded by path
 
 REPO = Path(__file__).resolve().parents[2]
-POINTS = ["entry", "copies_out", "q_staged", "first_tile", "loop_done", "stored", "merged"]
+POINTS = ["entry", "copies_out", "q_staged", "first_tile", "loop_done", "stored"]
 
 _STAMP = '''
     @gluon.jit
@@ -33,8 +32,7 @@ _STAMP = '''
         t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         c = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         gl.store(buf + pid * 16 + k, t)
-        if k < 6:
-            gl.store(buf + pid * 16 + 8 + k, c)
+        gl.store(buf + pid * 16 + 8 + k, c)
         if k == 0:
             sm = gl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
             gl.store(buf + pid * 16 + 7, sm.to(gl.int64))
@@ -47,25 +45,24 @@ def instrumented():
     src = (REPO / "kernels/mla/paged_decode_gluon.py").read_text()
     edits = [  # (marker, text inserted after it): each marker must occur exactly once
         ("if gluon is not None:\n", _STAMP),
-        ("        tokens_per_split, NSPLIT, N, H: gl.constexpr,", ""),
+        ("        NSPLIT, H: gl.constexpr,", ""),
         ("        n = gl.program_id(2)\n", "        _stamp(tl_buf, 0)\n"),
         ("        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))\n",
          "        _stamp(tl_buf, 1)\n"),
         ("            mbarrier.wait(bar.index(st), (i // 2) & 1)\n", "            if i == 0:\n                _stamp(tl_buf, 3)\n"),
         ("        mbarrier.invalidate(bar.index(1))\n", "        _stamp(tl_buf, 4)\n"),
         ("        gl.store(lse_part + base, lse, mask=rh < H)\n", "        _stamp(tl_buf, 5)\n"),
-        ("            _g_merge(o_part, lse_part, out, N, NSPLIT, H, R)\n", "            _stamp(tl_buf, 6)\n"),
     ]
     for marker, text in edits:
         assert src.count(marker) == 1, marker
         src = src.replace(marker, marker + text)
-    src = src.replace("        tokens_per_split, NSPLIT, N, H: gl.constexpr,", "        tokens_per_split, NSPLIT, N, tl_buf, H: gl.constexpr,")
+    src = src.replace("        NSPLIT, H: gl.constexpr,", "        NSPLIT, tl_buf, H: gl.constexpr,")
     staged = "        fence_async_shared()\n        _cta_barrier()\n\n        m_i = "
     assert src.count(staged) == 1
     src = src.replace(staged, "        fence_async_shared()\n        _cta_barrier()\n        _stamp(tl_buf, 2)\n\n        m_i = ")
-    call = "o_part.shape[1], N, H=H"
+    call = "tokens_per_split, o_part.shape[1], H=H"
     assert src.count(call) == 1
-    src = src.replace(call, "o_part.shape[1], N, TL_BUF, H=H")
+    src = src.replace(call, "tokens_per_split, o_part.shape[1], TL_BUF, H=H")
     # Gluon compiles from the function's source file, so the copy must live in a real file
     path = Path(tempfile.mkdtemp()) / "paged_decode_gluon_tl.py"
     path.write_text(src + "\nTL_BUF = None\n")
@@ -82,15 +79,15 @@ def pct(x: torch.Tensor) -> dict:
     return {k: round(float(v), 2) for k, v in zip(("min", "p10", "p50", "p90", "max"), q)}
 
 
-def summary(buf: torch.Tensor, programs: int, tiles: torch.Tensor, fused: bool) -> dict:
+def summary(buf: torch.Tensor, programs: int, tiles: torch.Tensor) -> dict:
     b = buf[:programs].cpu()
-    t = b[:, :7].double()
+    t = b[:, :6].double()
     c = b[:, 8:14].double()
     t0 = t[:, 0].min()
     ghz = float(((c[:, 5] - c[:, 0]) / (t[:, 5] - t[:, 0]).clamp_min(1)).median())  # SM cycles per ns
-    out = {"kernel_us": round(float(t[:, 6 if fused else 5].max() - t0) / 1e3, 2), "sm_ghz": round(ghz, 3),
+    out = {"kernel_us": round(float(t[:, 5].max() - t0) / 1e3, 2), "sm_ghz": round(ghz, 3),
            "sms": int(b[:, 7].unique().numel()), "tiles": pct(tiles.double())}
-    out["at_us"] = {name: pct((t[:, k] - t0) / 1e3) for k, name in enumerate(POINTS) if k < 6 or fused}
+    out["at_us"] = {name: pct((t[:, k] - t0) / 1e3) for k, name in enumerate(POINTS)}
     out["span_us"] = {f"{POINTS[k]}->{POINTS[k + 1]}": pct((c[:, k + 1] - c[:, k]) / ghz / 1e3) for k in range(5)}
     return out
 
@@ -114,28 +111,27 @@ def main() -> None:
         tiles = ((torch.clamp(torch.minimum(starts + tps, torch.tensor(ctx)) - starts, min=0) + 63) // 64).repeat(
             -(-H // 32))
         tl_mod.TL_BUF = torch.zeros(programs, 16, dtype=torch.int64, device="cuda")
-        barrier = torch.zeros(1, dtype=torch.int64, device="cuda")
-        for pdl, bar in ((False, None), (True, None), (True, barrier)):
-            mode = {"pdl": pdl, "merge": "in kernel" if bar is not None else "second launch"}
+        for pdl in (False, True):
             for args in sets[:2]:
-                pd._launch(*args, pdl=pdl, barrier=bar)
+                pd._launch(*args, pdl=pdl)
             torch.cuda.synchronize()
             for i in range(6):  # eager: the last call's probes, its inputs last read 5 calls ago
-                pd._launch(*sets[(i + 2) % len(sets)], pdl=pdl, barrier=bar)
+                pd._launch(*sets[(i + 2) % len(sets)], pdl=pdl)
                 torch.cuda.synchronize()
-            print(json.dumps({"context": ctx, "mode": "eager", **mode, "splits": splits, "tokens_per_split": tps,
-                              **summary(tl_mod.TL_BUF, programs, tiles, bar is not None)}), flush=True)
+            print(json.dumps({"context": ctx, "mode": "eager", "pdl": pdl, "splits": splits, "tokens_per_split": tps,
+                              **summary(tl_mod.TL_BUF, programs, tiles)}), flush=True)
             calls = max(len(sets), 4)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for i in range(calls):
-                    pd._launch(*sets[i % len(sets)], pdl=pdl, barrier=bar)
+                    pd._launch(*sets[i % len(sets)], pdl=pdl)
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
-            print(json.dumps({"context": ctx, "mode": f"graph of {calls}", **mode, "splits": splits,
-                              **summary(tl_mod.TL_BUF, programs, tiles, bar is not None)}), flush=True)
+            print(json.dumps({"context": ctx, "mode": f"graph of {calls}", "pdl": pdl, "splits": splits,
+                              **summary(tl_mod.TL_BUF, programs, tiles)}), flush=True)
             del graph
+
 
 if __name__ == "__main__":
     main()

@@ -45,10 +45,6 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.r, H * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
-        self._barrier: Tensor | None = None
-        """The grid-barrier counter of this layer's MLA decode on a GPU (``mla_decode_paged``'s ``barrier``):
-        made on the first decode outside a graph capture (the engine warms up eagerly before it captures), so
-        the captured graphs point at it; a layer's decodes run in stream order."""
 
     def _query(self, x: Tensor) -> Tensor:
         if hasattr(self, "q_proj"):
@@ -114,21 +110,12 @@ class MLAttention(nn.Module):
             offset += t
         return torch.cat(outs)
 
-    def _barrier_on(self, q: Tensor) -> Tensor | None:
-        if not q.is_cuda:
-            return None
-        if self._barrier is None or self._barrier.device != q.device:
-            if torch.cuda.is_current_stream_capturing():  # a zeroing inside a capture would replay every step
-                return None
-            self._barrier = torch.zeros(1, dtype=torch.int64, device=q.device)
-        return self._barrier
-
     def _decode(self, q: Tensor, page_table: Tensor, seq_lens: Tensor, kv_pages: Tensor) -> Tensor:
         """Weight absorption: attend on the latent directly, then map to values. q [N, H, dn + dr] -> [N, H, dv]."""
         H, dn, dv, r = self.H, self.dn, self.dv, self.r
         w = self.kv_b_proj.weight.view(H, dn + dv, r)
         q_lat = torch.einsum("nhd,hdr->nhr", q[..., :dn], w[:, :dn])  # [N, H, r]
         o_lat = mla_decode_paged(
-            q_lat, q[..., dn:].contiguous(), kv_pages, page_table, seq_lens, self.scale, barrier=self._barrier_on(q)
+            q_lat, q[..., dn:].contiguous(), kv_pages, page_table, seq_lens, self.scale
         )  # [N, H, r]
         return torch.einsum("nhr,hvr->nhv", o_lat.to(q.dtype), w[:, dn:])

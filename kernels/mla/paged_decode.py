@@ -246,7 +246,6 @@ def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
     num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None, pdl: bool | None = None,
-    barrier: Tensor | None = None,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
@@ -279,8 +278,8 @@ def _launch(
         pdl = gluon and gdc_wait is not None
     elif pdl and not (gluon and gdc_wait is not None):
         raise ValueError("pdl=True needs the Gluon split kernel (sm_90) and a Triton with griddepcontrol (3.3+)")
-    sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
     if num_splits is None:
+        sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 4
         if tokens:
             num_splits = _num_splits_tokens(N, max_pages * P, sm, many_waves=2 if gluon else 8)
         else:
@@ -298,14 +297,9 @@ def _launch(
         half = q_lat.dtype in (torch.bfloat16, torch.float16)  # half the partials' traffic; float32 stays exact
         o_part = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=q_lat.dtype if half else torch.float32)
         lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
-        # the merge inside the Gluon kernel, behind a grid barrier, where the grid is resident at once (one program
-        # per SM: below 8 sequences with one head block) and the caller gave a barrier counter
-        fuse = gluon and barrier is not None and triton.cdiv(H, BH) * num_splits * N <= sm
         if gluon:
             launch_split_gluon(q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, tps, BH,
-                               pdl=pdl, out=out if fuse else None, barrier=barrier if fuse else None)
-            if fuse:
-                return out
+                               pdl=pdl)
         else:
             _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
                 q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps,
@@ -335,7 +329,7 @@ def _launch(
 
 def mla_decode_paged_triton(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
-    num_splits: int | None = None, form: str | None = None, barrier: Tensor | None = None,
+    num_splits: int | None = None, form: str | None = None,
 ) -> Tensor:
     """One query per sequence over its paged latent cache (kv_b_proj absorbed).
 
@@ -343,7 +337,7 @@ def mla_decode_paged_triton(
     page_table [N, max_pages] int32, seq_lens [N] int (>= 1, the new token included). Returns the
     attention-weighted latent [N, H, r] in q_lat's dtype. ``num_splits`` overrides the split heuristic, ``form``
     ("heads" or "tokens", see the module docstring; anything else raises ValueError in ``_launch``) the choice
-    by N. ``barrier`` (see ``mla_decode_paged``) lets the Gluon kernel merge the splits itself.
+    by N.
     """
     N, H, R = q_lat.shape
     if q_pe.shape[:2] != (N, H):
@@ -356,5 +350,5 @@ def mla_decode_paged_triton(
                          f"{tuple(seq_lens.shape)}")
     return _launch(
         q_lat.contiguous(), q_pe.to(q_lat.dtype).contiguous(), kv_pages.contiguous(), page_table.contiguous(),
-        seq_lens.contiguous(), float(scale), num_splits, form=form, barrier=barrier,
+        seq_lens.contiguous(), float(scale), num_splits, form=form,
     )

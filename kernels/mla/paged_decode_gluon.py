@@ -54,86 +54,6 @@ except (ImportError, AttributeError):  # a Triton without Gluon: the Triton kern
 
 if gluon is not None:
 
-    # A grid barrier for a grid whose programs are all resident (a cooperative launch), on one int64 counter that
-    # the caller zeroes once: arrivals in its low 32 bits, a generation in its high 32. Thread 0 of each program
-    # arrives (release: the program's stores, ordered before it by the CTA barrier, become visible); the last
-    # arrival clears the count and bumps the generation, and every program waits for the bump (acquire). The
-    # counter is back to zero arrivals after every call, so calls in stream order can share it. A program that
-    # waits ~10 s traps rather than hang.
-    _GRID_SYNC_ASM = gl.constexpr("""{
-    .reg .pred pm, pl, pw, pt;
-    .reg .u64 old, low, gen, cur, inc;
-    .reg .u32 spins, tid;
-    mov.u32 $0, 0;
-    mov.u32 tid, %tid.x;
-    setp.ne.u32 pm, tid, 0;
-    @pm bra DONE${:uid};
-    atom.acq_rel.gpu.global.add.u64 old, [$1], 1;
-    and.b64 low, old, 4294967295;
-    shr.u64 gen, old, 32;
-    sub.u64 inc, $2, 1;
-    setp.ne.u64 pl, low, inc;
-    @pl bra WAIT${:uid};
-    mov.u64 inc, 4294967296;
-    sub.u64 inc, inc, $2;
-    red.release.gpu.global.add.u64 [$1], inc;
-    WAIT${:uid}:
-    mov.u32 spins, 0;
-    SPIN${:uid}:
-    ld.acquire.gpu.global.u64 cur, [$1];
-    shr.u64 cur, cur, 32;
-    setp.ne.u64 pw, cur, gen;
-    @pw bra DONE${:uid};
-    add.u32 spins, spins, 1;
-    setp.gt.u32 pt, spins, 100000000;
-    @pt trap;
-    nanosleep.u32 64;
-    bra SPIN${:uid};
-    DONE${:uid}:
-    }""")
-
-    @gluon.jit
-    def _g_grid_sync(counter):
-        """Every program of the grid past its stores before any goes on (see _GRID_SYNC_ASM)."""
-        _cta_barrier()
-        G = (gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)).to(gl.int64)
-        gl.inline_asm_elementwise(_GRID_SYNC_ASM, "=r,l,l", [counter, G], dtype=gl.int32, is_pure=False, pack=1)
-        _cta_barrier()
-
-    @gluon.jit
-    def _g_merge(o_part, lse_part, out, N, NSPLIT, H: gl.constexpr, R: gl.constexpr):
-        """The merge of the splits, spread over the grid after its barrier: out[n, h, c:c + 128] for items
-        (n, h, c) taken in turn by the programs, as _combine_kernel_lse (splits of 128 at a time, a running max).
-        The partials come from other programs: loaded from L2 (.cg), never from this SM's L1."""
-        RC: gl.constexpr = 128
-        BS: gl.constexpr = 128
-        mg: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
-                                            order=[1, 0])
-        pid = (gl.program_id(2) * gl.num_programs(1) + gl.program_id(1)) * gl.num_programs(0) + gl.program_id(0)
-        G = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
-        rs = gl.arange(0, BS, layout=gl.SliceLayout(1, mg))
-        rc = gl.arange(0, RC, layout=gl.SliceLayout(0, mg))
-        for w in range(pid, N * H * (R // RC), G):
-            n = w // (H * (R // RC))
-            h = (w // (R // RC)) % H
-            c0 = (w % (R // RC)) * RC
-            m_run = gl.max(gl.full([BS], -3.0e38, gl.float32, layout=gl.SliceLayout(1, mg)), axis=0)
-            num = gl.zeros([RC], gl.float32, layout=gl.SliceLayout(0, mg))
-            den = m_run * 0.0
-            for s0 in range(0, NSPLIT, BS):
-                ms = s0 + rs < NSPLIT
-                idx = (n * NSPLIT + s0 + rs) * H + h
-                lse = gl.load(lse_part + idx, mask=ms, other=-3.0e38, cache_modifier=".cg")
-                o = gl.load(o_part + idx[:, None].to(gl.int64) * R + c0 + rc[None, :], mask=ms[:, None],
-                            other=0.0, cache_modifier=".cg").to(gl.float32)
-                m_new = gl.maximum(m_run, gl.max(lse, axis=0))
-                wgt = gl.exp2(lse - m_new)
-                alpha = gl.exp2(m_run - m_new)
-                num = num * alpha + gl.sum(wgt[:, None] * o, axis=0)
-                den = den * alpha + gl.sum(wgt, axis=0)
-                m_run = m_new
-            gl.store(out + (n * H + h) * R + c0 + rc, (num / den).to(out.dtype.element_ty))
-
     @gluon.jit
     def _g_issue(desc, pe_desc, bar, buf, pe_buf, stage, row, pred, NB: gl.constexpr, BN: gl.constexpr):
         """One tile into ring stage ``stage``, on its barrier: one TMA copy of a [8, BN, 64] box of the 3-d view
@@ -156,11 +76,11 @@ if gluon is not None:
         it from shared memory; loading it into registers first was slower, 531 against 301 us at 1M, run Y3)."""
         return warpgroup_mma(buf.index(j).permute((1, 0)), p_smem, acc, is_async=True)
 
-    @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT", "N"])
+    @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
     def _split_kernel_gluon(
-        q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, out, counter, sm_scale, max_pages,
-        tokens_per_split, NSPLIT, N, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
-        BN: gl.constexpr, PDL: gl.constexpr, FUSE: gl.constexpr,
+        q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
+        NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
+        BN: gl.constexpr, PDL: gl.constexpr,
     ):
         gl.static_assert(R == 512)
         gl.static_assert(DR == 64)
@@ -301,9 +221,6 @@ if gluon is not None:
         gl.store(optr + 6 * 64, gl.convert_layout((acc6 * inv).to(dt), st_l), mask=om)
         gl.store(optr + 7 * 64, gl.convert_layout((acc7 * inv).to(dt), st_l), mask=om)
         gl.store(lse_part + base, lse, mask=rh < H)
-        if FUSE:  # every program resident (a cooperative launch of at most one per SM): merge here, no second launch
-            _g_grid_sync(counter)
-            _g_merge(o_part, lse_part, out, N, NSPLIT, H, R)
 
 
 
@@ -317,16 +234,12 @@ def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN:
 
 def launch_split_gluon(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, o_part: Tensor,
-    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, pdl: bool = False, out: Tensor | None = None,
-    barrier: Tensor | None = None,
+    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, pdl: bool = False,
 ) -> None:
     """The split kernel over q_lat [N, H, 512], q_pe [N, H, 64], kv_pages [num_pages, P, 576] (contiguous),
     page_table [N, max_pages] int32, seq_lens [N], into o_part [N, S, H, 512] and lse [N, S, H] float32;
     ``sm_scale`` includes log2(e). ``pdl``: launched as a programmatic dependent launch (the kernel waits for its
-    predecessor's writes before it reads anything, and lets the next grid launch at once). With ``out`` [N, H, 512]
-    and ``barrier`` (int64, zeroed once, shared only by calls in stream order) it also merges the splits into
-    ``out`` after a grid barrier: a cooperative launch, so the grid (at most one program per SM) must be resident
-    at once or the launch fails."""
+    predecessor's writes before it reads anything, and lets the merge launch at once)."""
     N, H, R = q_lat.shape
     P = kv_pages.shape[1]
     rows = kv_pages.view(-1, kv_pages.shape[-1])  # [num_pages * P, r + dr]: a tile is BN consecutive rows
@@ -337,10 +250,8 @@ def launch_split_gluon(
                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
     pe_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    fuse = barrier is not None
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
-        q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, out if fuse else o_part,
-        barrier if fuse else seq_lens, sm_scale, page_table.shape[1], tokens_per_split, o_part.shape[1], N, H=H, R=R,
-        DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, FUSE=fuse, num_warps=4, launch_pdl=pdl,
-        launch_cooperative_grid=fuse,
+        q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
+        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )

@@ -43,11 +43,10 @@ pe_desc = pg.TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 
                               pg.gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
 fn = pg._split_kernel_gluon
 types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "pe_desc": mangle_type(pe_desc),
-         "page_table": "*i32", "seq_lens": "*i32", "o_part": "*bf16", "lse_part": "*fp32", "out": "*bf16",
-         "counter": "*i64", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32", "NSPLIT": "i32",
-         "N": "i32"}
-const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1",
-         "FUSE": sys.argv[2] == "1"}
+         "page_table": "*i32", "seq_lens": "*i32",
+         "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
+         "NSPLIT": "i32"}
+const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1"}
 params = list(inspect.signature(fn.fn).parameters)
 sig = {p: "constexpr" if p in const else types[p] for p in params}
 src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
@@ -58,7 +57,6 @@ print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 
 
 def _compile_sm90(BH: int, pdl: bool) -> dict:
-    """The kernel's PTX for sm_90; ``pdl`` compiles it as a programmatic dependent launch that also merges."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE, str(BH), str(int(pdl))], env=env, capture_output=True, text=True,
                          timeout=300)
@@ -67,13 +65,11 @@ def _compile_sm90(BH: int, pdl: bool) -> dict:
 
 
 @needs_gluon
-@pytest.mark.parametrize("BH,pdl", [(16, False), (32, True)], ids=["bh16", "bh32-pdl-merge"])
+@pytest.mark.parametrize("BH,pdl", [(16, False), (32, True)], ids=["bh16", "bh32-pdl"])
 def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     """It compiles with this Triton (Gluon's API moves between releases), fits in shared memory, and its tile loop
     keeps a tile's TMA copy in flight while it runs another tile's products on wgmma. As a
-    programmatic dependent launch it reads nothing from global memory before griddepcontrol.wait; merging, it
-    arrives at the grid barrier once (one atomic, acquire-release at gpu scope) after its partials' stores and
-    reads the other programs' partials from L2 (.cg) after it."""
+    programmatic dependent launch it reads nothing from global memory before griddepcontrol.wait."""
     k = _compile_sm90(BH, pdl)
     assert k["shared"] <= SMEM_SM90
     ptx = k["ptx"]
@@ -92,15 +88,10 @@ def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     assert sum("st.global.v4" in ln for ln in lines) >= 8
     dep_waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
     reads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.bulk.tensor" in ln]
-    arrive = [i for i, ln in enumerate(lines) if "atom.acq_rel.gpu.global.add.u64" in ln]
     if pdl:
         assert len(dep_waits) == 1 and dep_waits[0] < min(reads)
-        stores = [i for i, ln in enumerate(lines) if "st.global" in ln]
-        merge_loads = [i for i, ln in enumerate(lines) if "ld.global.cg" in ln]
-        assert len(arrive) == 1 and "nanosleep" in ptx and "trap" in ptx
-        assert stores[0] < arrive[0] < min(merge_loads)
     else:
-        assert not dep_waits and "griddepcontrol" not in ptx and not arrive
+        assert not dep_waits and "griddepcontrol" not in ptx
 
 
 def test_gluon_never_serves_cpu_tensors():
@@ -205,56 +196,3 @@ def test_gluon_pdl_sees_the_writes_of_the_kernels_before_it():
         torch.cuda.synchronize()
         ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
         assert rel_rms(out, ref) < 1e-2
-
-
-FUSED_CASES = [  # (lens, H, P, num_splits): grids of at most one program per SM, so the kernel merges
-    pytest.param([33000], 32, 64, None, id="h32-one-sequence"),
-    pytest.param([33000, 1000, 5, 1], 32, 64, None, id="h32-four-sequences"),
-    pytest.param([64, 65, 127, 4097, 9, 300, 2], 16, 64, None, id="h16-seven-sequences"),
-    pytest.param([1, 70000], 64, 128, None, id="h64-p128"),
-    pytest.param([300, 77], 20, 128, None, id="h20-partial-head-block"),
-    pytest.param([2000, 3], 32, 64, 40, id="h32-empty-splits"),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
-def test_gluon_merge_in_kernel_against_twin_and_two_launches():
-    """With a barrier counter the kernel merges its own splits: the same output as the two-launch path, whatever
-    the grid's size from call to call (the counter's generation scheme), and the counter left at zero arrivals."""
-    from kda_sessions.kernels.mla.paged_decode import _launch
-
-    barrier = torch.zeros(1, dtype=torch.int64, device="cuda")
-    for rep in range(2):
-        for case in FUSED_CASES:
-            lens, H, P, splits = case.values
-            ql, qp, kv, pt, sl, scale = _case(lens, H, P, seed=rep)
-            ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
-            fused = _launch(ql, qp, kv, pt, sl, scale, num_splits=splits, barrier=barrier)
-            two = _launch(ql, qp, kv, pt, sl, scale, num_splits=splits)
-            assert rel_rms(fused, ref) < 1e-2, case.id
-            assert rel_rms(fused.float(), two.float()) < 1e-3, case.id
-            assert int(barrier.item()) & 0xFFFFFFFF == 0, case.id
-    assert int(barrier.item()) >> 32 == 2 * len(FUSED_CASES)  # one generation per call
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
-def test_gluon_merge_in_kernel_in_a_cuda_graph():
-    """The cooperative launch is captured and replayed, behind a kernel that rewrites the cache, twice."""
-    from kda_sessions.kernels.mla.paged_decode import _launch
-
-    barrier = torch.zeros(1, dtype=torch.int64, device="cuda")
-    ql, qp, kv, pt, sl, scale = _case([40000, 700], 32, 64, seed=3)
-    _launch(ql, qp, kv, pt, sl, scale, barrier=barrier)  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        kv.mul_(-1.0)
-        out = _launch(ql, qp, kv, pt, sl, scale, barrier=barrier)
-    for _ in range(2):
-        ql.copy_(torch.randn(ql.shape, device="cuda").bfloat16())
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
-        assert rel_rms(out, ref) < 1e-2
-    assert int(barrier.item()) & 0xFFFFFFFF == 0
