@@ -45,7 +45,7 @@ def instrumented():
     src = (REPO / "kernels/mla/paged_decode_gluon.py").read_text()
     edits = [  # (marker, text inserted after it): each marker must occur exactly once
         ("if gluon is not None:\n", _STAMP),
-        ("        NSPLIT, H: gl.constexpr,", ""),
+        ("NSPLIT, H: gl.constexpr,", ""),
         ("        n = gl.program_id(2)\n", "        _stamp(tl_buf, 0)\n"),
         ("        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))\n",
          "        _stamp(tl_buf, 1)\n"),
@@ -56,7 +56,7 @@ def instrumented():
     for marker, text in edits:
         assert src.count(marker) == 1, marker
         src = src.replace(marker, marker + text)
-    src = src.replace("        NSPLIT, H: gl.constexpr,", "        NSPLIT, tl_buf, H: gl.constexpr,")
+    src = src.replace("NSPLIT, H: gl.constexpr,", "NSPLIT, tl_buf, H: gl.constexpr,")
     staged = "        fence_async_shared()\n        _cta_barrier()\n\n        m_i = "
     assert src.count(staged) == 1
     src = src.replace(staged, "        fence_async_shared()\n        _cta_barrier()\n        _stamp(tl_buf, 2)\n\n        m_i = ")
