@@ -246,7 +246,6 @@ def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
     num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None, pdl: bool | None = None,
-    tma_out: bool | None = None,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
@@ -300,7 +299,7 @@ def _launch(
         lse = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)
         if gluon:
             launch_split_gluon(q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, tps, BH,
-                               pdl=pdl, tma_out=tma_out)
+                               pdl=pdl)
         else:
             _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
                 q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps,

@@ -37,7 +37,6 @@ try:  # Gluon (triton.experimental) is absent from older Triton releases
 
     # the TMA load is async_load in newer Triton (3.9; async_copy_global_to_shared raises there), the old name in 3.6
     _tma_load = tma.async_load if hasattr(tma, "async_load") else tma.async_copy_global_to_shared
-    _tma_store = tma.async_store if hasattr(tma, "async_store") else tma.async_copy_shared_to_global
     # the CTA barrier: gl.barrier in newer Triton (3.9), gl.thread_barrier in 3.6
     _cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
     # a shared-memory view under another shape and layout: reinterpret in newer Triton (3.9), _reinterpret in 3.6
@@ -79,9 +78,9 @@ if gluon is not None:
 
     @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
     def _split_kernel_gluon(
-        q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, o_desc, lse_part, sm_scale, max_pages,
-        tokens_per_split, NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
-        BN: gl.constexpr, PDL: gl.constexpr, TMA_OUT: gl.constexpr,
+        q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
+        NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
+        BN: gl.constexpr, PDL: gl.constexpr,
     ):
         gl.static_assert(R == 512)
         gl.static_assert(DR == 64)
@@ -204,48 +203,24 @@ if gluon is not None:
         inv = (1.0 / l_safe)[None, :]
         rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
         base = (n * NSPLIT + s) * H + rh
+        # the partials leave through a layout with 8 consecutive r per thread (16-byte stores): straight from the
+        # wgmma layout they were 2-byte stores, 2.0 us of the program's time at any context (run A1)
+        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
+                                              order=[0, 1])
+        rh_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, st_l))
+        rr_s = gl.arange(0, 64, layout=gl.SliceLayout(1, st_l))
+        optr = o_part + ((n * NSPLIT + s) * H + rh_s)[None, :].to(gl.int64) * R + rr_s[:, None]
+        om = (rh_s < H)[None, :] & (rr_s < 64)[:, None]
         dt = o_part.dtype.element_ty
-        if TMA_OUT:
-            # the partials leave through shared memory (the ring, free now) by TMA: eight [BH, 64] boxes of the
-            # rows [(n S + s) H + hb BH, + BH) of o_part seen as [N S H, 512] (H % BH == 0, so the box holds only
-            # this program's heads)
-            if _NEW_REINTERPRET:
-                o_smem = buf.reinterpret(gl.bfloat16, [NB - 1, BH, 64], box)
-            else:
-                o_smem = buf._reinterpret(gl.bfloat16, [NB - 1, BH, 64], box)
-            o_smem.index(0).permute((1, 0)).store((acc0 * inv).to(dt))
-            o_smem.index(1).permute((1, 0)).store((acc1 * inv).to(dt))
-            o_smem.index(2).permute((1, 0)).store((acc2 * inv).to(dt))
-            o_smem.index(3).permute((1, 0)).store((acc3 * inv).to(dt))
-            o_smem.index(4).permute((1, 0)).store((acc4 * inv).to(dt))
-            o_smem.index(5).permute((1, 0)).store((acc5 * inv).to(dt))
-            o_smem.index(6).permute((1, 0)).store((acc6 * inv).to(dt))
-            o_smem.index(7).permute((1, 0)).store((acc7 * inv).to(dt))
-            fence_async_shared()
-            _cta_barrier()
-            row0 = (n * NSPLIT + s) * H + hb * BH
-            for j in gl.static_range(NB - 1):
-                _tma_store(o_desc, [row0, j * 64], o_smem.index(j))
-        else:
-            # the partials leave through a layout with 8 consecutive r per thread (16-byte stores): straight from
-            # the wgmma layout they were 2-byte stores, 2.0 us of the program's time at any context (run A1)
-            st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
-                                                  warps_per_cta=[1, 4], order=[0, 1])
-            rh_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, st_l))
-            rr_s = gl.arange(0, 64, layout=gl.SliceLayout(1, st_l))
-            optr = o_part + ((n * NSPLIT + s) * H + rh_s)[None, :].to(gl.int64) * R + rr_s[:, None]
-            om = (rh_s < H)[None, :] & (rr_s < 64)[:, None]
-            gl.store(optr + 0 * 64, gl.convert_layout((acc0 * inv).to(dt), st_l), mask=om)
-            gl.store(optr + 1 * 64, gl.convert_layout((acc1 * inv).to(dt), st_l), mask=om)
-            gl.store(optr + 2 * 64, gl.convert_layout((acc2 * inv).to(dt), st_l), mask=om)
-            gl.store(optr + 3 * 64, gl.convert_layout((acc3 * inv).to(dt), st_l), mask=om)
-            gl.store(optr + 4 * 64, gl.convert_layout((acc4 * inv).to(dt), st_l), mask=om)
-            gl.store(optr + 5 * 64, gl.convert_layout((acc5 * inv).to(dt), st_l), mask=om)
-            gl.store(optr + 6 * 64, gl.convert_layout((acc6 * inv).to(dt), st_l), mask=om)
-            gl.store(optr + 7 * 64, gl.convert_layout((acc7 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 0 * 64, gl.convert_layout((acc0 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 1 * 64, gl.convert_layout((acc1 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 2 * 64, gl.convert_layout((acc2 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 3 * 64, gl.convert_layout((acc3 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 4 * 64, gl.convert_layout((acc4 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 5 * 64, gl.convert_layout((acc5 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 6 * 64, gl.convert_layout((acc6 * inv).to(dt), st_l), mask=om)
+        gl.store(optr + 7 * 64, gl.convert_layout((acc7 * inv).to(dt), st_l), mask=om)
         gl.store(lse_part + base, lse, mask=rh < H)
-        if TMA_OUT:
-            tma.store_wait(0)  # the ring must outlive the copies that read it
 
 
 
@@ -259,7 +234,7 @@ def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN:
 
 def launch_split_gluon(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, o_part: Tensor,
-    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, pdl: bool = False, tma_out: bool | None = None,
+    lse: Tensor, sm_scale: float, tokens_per_split: int, BH: int, pdl: bool = False,
 ) -> None:
     """The split kernel over q_lat [N, H, 512], q_pe [N, H, 64], kv_pages [num_pages, P, 576] (contiguous),
     page_table [N, max_pages] int32, seq_lens [N], into o_part [N, S, H, 512] and lse [N, S, H] float32;
@@ -275,15 +250,8 @@ def launch_split_gluon(
                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
     pe_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-    if tma_out is None:
-        tma_out = H % BH == 0
-    elif tma_out and H % BH:
-        raise ValueError(f"tma_out needs H % BH == 0 (a box must hold one program's heads only), got H={H}, BH={BH}")
-    o_rows = o_part.view(-1, R)  # [N S H, 512]
-    o_desc = TensorDescriptor(o_rows, list(o_rows.shape), list(o_rows.stride()), [BH, 64],
-                              gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)) if tma_out else o_part
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
-        q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, o_desc, lse, sm_scale, page_table.shape[1],
-        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl,
-        TMA_OUT=tma_out, num_warps=4, launch_pdl=pdl,
+        q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
+        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, num_warps=4,
+        launch_pdl=pdl,
     )
