@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -103,13 +104,14 @@ def main() -> None:
         sets = kb.mla_setup([ctx], copies=max(1, -(-200_000_000 // (ctx * 1152))), P=64)
         H = sets[0][0].shape[1]
         sm = torch.cuda.get_device_properties(0).multi_processor_count
-        splits = pd._num_splits_tokens(1, sets[0][3].shape[1] * 64, sm, many_waves=2)
-        tps = -(-(-(-sets[0][3].shape[1] * 64 // splits)) // 64) * 64
-        splits = -(-sets[0][3].shape[1] * 64 // tps)
-        programs = splits * -(-H // 32)
+        cap = sets[0][3].shape[1] * 64  # the page table's capacity in tokens, as _launch counts it
+        splits = pd._num_splits_tokens(1, cap, sm, many_waves=2)
+        tps = math.ceil(math.ceil(cap / splits) / 64) * 64
+        splits = math.ceil(cap / tps)
+        programs = splits * math.ceil(H / 32)
         starts = torch.arange(splits) * tps
         tiles = ((torch.clamp(torch.minimum(starts + tps, torch.tensor(ctx)) - starts, min=0) + 63) // 64).repeat(
-            -(-H // 32))
+            math.ceil(H / 32))
         tl_mod.TL_BUF = torch.zeros(programs, 16, dtype=torch.int64, device="cuda")
         for pdl in (False, True):
             for args in sets[:2]:

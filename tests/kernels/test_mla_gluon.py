@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from kda_sessions.kernels.mla import paged_decode
 from kda_sessions.kernels.mla import paged_decode_gluon as pg
 from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
 
@@ -92,6 +93,37 @@ def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
         assert len(dep_waits) == 1 and dep_waits[0] < min(reads)
     else:
         assert not dep_waits and "griddepcontrol" not in ptx
+
+
+_COMPILE_MERGE = """
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kda_sessions.kernels.mla.paged_decode import _combine_kernel_lse as fn
+
+types = {"o_part": "*bf16", "lse_part": "*fp32", "out": "*bf16", "NSPLIT": "i32"}
+const = {"H": 32, "R": 512, "BR": 64, "BS": 128, "PDL": True}
+params = list(inspect.signature(fn.fn).parameters)
+sig = {p: "constexpr" if p in const else types[p] for p in params}
+src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
+                attrs={(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*"})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps({"ptx": k.asm["ptx"]}))
+"""
+
+
+@pytest.mark.skipif(paged_decode.gdc_wait is None, reason="this Triton has no griddepcontrol")
+def test_merge_kernel_as_a_dependent_launch_waits_before_it_reads():
+    """Launched as a programmatic dependent launch behind the split kernel, the merge must not read a partial before
+    griddepcontrol.wait: in its sm_90 PTX the wait comes before every global load."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE_MERGE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = json.loads(res.stdout.strip().splitlines()[-1])["ptx"].splitlines()
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
+    assert len(waits) == 1 and loads and waits[0] < min(loads)
 
 
 def test_gluon_never_serves_cpu_tensors():
