@@ -14,8 +14,10 @@ safe). Two forms (``_default_form`` picks "tokens"; "heads" is kept to force, fo
 
 On an sm_90 GPU the "tokens" split kernel is the Gluon one of paged_decode_gluon.py wherever it applies (bf16,
 r 512, dr 64, P % 64 == 0): it keeps the next tile's copy in flight while a tile is computed, which this Triton
-kernel cannot (1 x 1M 280 us against 438, run Z3). ``use_gluon=False`` forces the Triton kernel, which CI
-tests under the interpreter and which serves every other shape.
+kernel cannot (1 x 1M 283.8 us against 439.2, run A6). ``use_gluon=False`` forces the Triton kernel, which CI
+tests under the interpreter and which serves every other shape. There the split kernel and the merge are
+programmatic dependent launches (``pdl``, on by default): each waits in the kernel for its predecessor's writes,
+so neither pays a launch gap (1 x 32K 20.7 against 21.6 us).
 """
 
 from __future__ import annotations
@@ -251,7 +253,9 @@ def _launch(
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
     H200: "heads" BN 64, 4 warps, 3 stages; "tokens" BN 64, 4 warps, 2 stages at every split length (run M in
     docs/benchmarks.md: 1 x 32K / 128K / 1M 31.5 / 84.2 / 470.4 us, against 34.5 / 89.5 / 523.4 with the earlier
-    BN 64, 8 warps, 2 stages below 384 tokens per split and BN 32, 4 warps, 3 stages above)."""
+    BN 64, 8 warps, 2 stages below 384 tokens per split and BN 32, 4 warps, 3 stages above). ``use_gluon`` and
+    ``pdl`` (None: wherever they apply) force the Gluon split kernel and programmatic dependent launch on or off;
+    forcing either on where it cannot apply raises ValueError."""
     N, H, R = q_lat.shape
     if form is None:
         form = _default_form(N)

@@ -4,11 +4,14 @@ Same contract as ``_split_kernel_tokens`` in paged_decode.py (one program per he
 normalised partials in q's dtype plus a base-2 log-sum-exp per head, merged by ``_combine_kernel_lse``). The
 Triton kernel cannot keep a tile copy in flight while it computes: its pipeliner issues the next copy after the
 current tile's products at 2 stages, and 3 stages of 72 KB tiles do not fit in shared memory. Here the order is
-explicit: TMA copies into a ring of two stages, the next tile's copy issued before this tile's products
-(1 x 1M 280 us, the copy bandwidth, against 438 us for the Triton kernel; run Z3 in docs/benchmarks.md). A
-tile is two TMA copies: its latent part as one [8, BN, 64] box of a strided 3-d view [8, rows, 64] of the cache
-(box b of row t at t * 576 + b * 64, so each 64-column box lands as its own [BN, 64] tile with the 128-byte
-swizzle that wgmma reads), and its rope part as one [BN, 64] box.
+explicit, in a ring of two stages: the prologue's loads (seq_lens, three page ids, q) go out together, then both
+stages' TMA copies, then q is staged; each iteration waits for its tile, runs its products and refills the stage
+it freed with the tile two ahead (1 x 32K / 128K / 1M 20.7 / 47.9 / 283.8 us, 43 / 74 / 100% of the copy
+bandwidth, against 28.1 / 67.6 / 439.2 us for the Triton kernel; run A6 in docs/benchmarks.md). A tile is two
+TMA copies: its latent part as one [8, BN, 64] box of a strided 3-d view [8, rows, 64] of the cache (box b of row
+t at t * 576 + b * 64, so each 64-column box lands as its own [BN, 64] tile with the 128-byte swizzle that wgmma
+reads), and its rope part as one [BN, 64] box. Launched as a programmatic dependent launch (``pdl``), it waits
+for the kernel before it (griddepcontrol.wait) before it reads anything, and lets the merge launch at once.
 
 Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90 (no GPU needed) and tests
 the Triton kernel against the twin; this one is checked against the same twin on the device

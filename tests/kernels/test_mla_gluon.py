@@ -135,6 +135,9 @@ def test_gluon_never_serves_cpu_tensors():
     with pytest.raises(ValueError, match="use_gluon=True needs"):
         _launch(q, torch.zeros(1, 32, 64, dtype=torch.bfloat16), kv, torch.zeros(1, 2, dtype=torch.int32),
                 torch.ones(1, dtype=torch.int32), 0.1, use_gluon=True)
+    with pytest.raises(ValueError, match="pdl=True needs the Gluon split kernel"):
+        _launch(q, torch.zeros(1, 32, 64, dtype=torch.bfloat16), kv, torch.zeros(1, 2, dtype=torch.int32),
+                torch.ones(1, dtype=torch.int32), 0.1, pdl=True)
 
 
 def _case(lens: list[int], H: int, P: int, seed: int = 0):
