@@ -211,6 +211,12 @@ def _combine_kernel_lse(
     tl.store(out + (n * H + h) * R + rr, (num / den).to(out.dtype.element_ty), mask=rr < R)
 
 
+def _pdl_launch(pdl: bool) -> dict:
+    """The launch option of a programmatic dependent launch, passed only when asked for: a Triton release without
+    ``launch_pdl`` rejects unknown launch options, even a False one."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def _num_splits(N: int, capacity: int, sm_count: int) -> int:
     """(sequence, split) programs for two waves of the GPU (eight from 8 sequences up), each split at least 256
     tokens of capacity. Measured on the H200 (graph replays, `bench/kernels.py --only mlasplits`, run E in
@@ -316,7 +322,7 @@ def _launch(
         one_pass = N < 8
         bs = min(256, max(16, triton.next_power_of_2(num_splits))) if one_pass else 16
         _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=bs,
-                                                         PDL=pdl, num_warps=4 if one_pass else 2, launch_pdl=pdl)
+                                                         PDL=pdl, num_warps=4 if one_pass else 2, **_pdl_launch(pdl))
         return out
     acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
     m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)

@@ -256,5 +256,5 @@ def launch_split_gluon(
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
         q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
         tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, num_warps=4,
-        launch_pdl=pdl,
+        **({"launch_pdl": True} if pdl else {}),  # only when asked: older Triton rejects the option
     )
