@@ -12,30 +12,32 @@ def prompt(i: int, n: int = 30) -> list[int]:
     return [(i * 13 + j * 7) % 250 for j in range(n + i)]
 
 
-async def test_concurrent_sessions_match_one_at_a_time():
+# 6 sessions in the default run (prompts of 30..35 tokens: 2 and 3 pages of 16), 16 with -m slow
+@pytest.mark.parametrize("n", [6, pytest.param(16, marks=pytest.mark.slow)], ids=lambda n: f"{n}-sessions")
+async def test_concurrent_sessions_match_one_at_a_time(n):
     async with await ks.Engine.open(store="memory:", page_size=16) as eng:
         alone = []
-        for i in range(16):
+        for i in range(n):
             s = await eng.create_session()
             await s.append(prompt(i))
             alone.append((await s.generate(max_tokens=8, ignore_eos=True)).token_ids)
         sessions = []
-        for i in range(16):
+        for i in range(n):
             s = await eng.create_session()
             await s.append(prompt(i))
             sessions.append(s)
-        together: list[list[int]] = [[] for _ in range(16)]
+        together: list[list[int]] = [[] for _ in range(n)]
         steps_before = eng.runner.steps
 
         async def go(i: int) -> None:
             together[i] = (await sessions[i].generate(max_tokens=8, ignore_eos=True)).token_ids
 
         async with anyio.create_task_group() as tg:
-            for i in range(16):
+            for i in range(n):
                 tg.start_soon(go, i)
         assert together == alone
-        # they really shared steps: far fewer than 16 x 8 model calls
-        assert eng.runner.steps - steps_before < 16 * 8 // 2
+        # they really shared steps: far fewer than n x 8 model calls
+        assert eng.runner.steps - steps_before < n * 8 // 2
 
 
 async def test_seeded_sampling_repeats_and_params_are_checked():

@@ -4,7 +4,8 @@ save or the one in flight, or is missing if none was acked; never a corrupt load
 
 Two levels: engine workers (crash_worker.py: a model, real sessions, bit-identical continuation checked; ~2 s a
 kill) and storage workers (crash_store_worker.py: the engine's save path, SnapshotStore, with synthetic
-sessions whose every blob is checked; ~0.2 s a kill), which give the hundreds of kills of the default run."""
+sessions whose every blob is checked; ~0.2 s a kill). Each campaign runs short by default (every fault point
+still hit) and at full length, hundreds of kills, with -m slow."""
 
 from __future__ import annotations
 
@@ -23,10 +24,18 @@ def _report(name: str, v, kills: int, t0: float | None = None) -> None:
     print(f"\n{name}: {kills} kills{took}, counts {v.counts}, problems {len(v.problems)}")
 
 
-# (kills per fault point, kills at random moments): 9 * 8 + 98 = 170 on disk, 3 * 8 + 16 = 40 on Redis; with the
-# 24 engine-level kills above, 234 SIGKILLs per default run
-STORE_KILLS_DISK = (8, 98)
-STORE_KILLS_REDIS = (8, 16)
+# Each campaign runs short by default and long with -m slow. (kills per fault point, kills at random moments):
+# short 9 * 2 + 20 = 38 and 3 * 2 + 6 = 12 at the storage level, 9 + 2 = 11 and 3 + 1 = 4 engine-level (65
+# SIGKILLs, ~45 s); long 170, 40, 17 and 7 (234 SIGKILLs, ~100 s). Every fault point is hit in both.
+SIZES = ["short", pytest.param("long", marks=pytest.mark.slow)]
+STORE_KILLS_DISK = {"short": (2, 20), "long": (8, 98)}
+STORE_KILLS_REDIS = {"short": (2, 6), "long": (8, 16)}
+ENGINE_KILLS_DISK = {"short": (1, 2), "long": (1, 8)}
+ENGINE_KILLS_REDIS = {"short": (1, 1), "long": (1, 4)}
+# How long an engine worker may run before it reaches its fault point's nth hit. `disk.lease.written` past its 6
+# hits at startup comes only when a save rewrites the lease, half the lease TTL (~15 s) in: the long campaign
+# waits for that kill, the short one kills such a worker where it is after 5 s.
+ENGINE_FAULT_TIMEOUT_S = {"short": 5.0, "long": 30.0}
 
 
 @pytest.fixture
@@ -46,14 +55,15 @@ def shm_path(tmp_path) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-async def test_disk_store_level_kills(tmp_path, shm_path):
+@pytest.mark.parametrize("size", SIZES)
+async def test_disk_store_level_kills(tmp_path, shm_path, size):
     root = shm_path / "store"
-    per_point, n_random = STORE_KILLS_DISK
+    per_point, n_random = STORE_KILLS_DISK[size]
     plan = random_plan(n_random, DISK_POINTS, per_point, seed=21)
     t0 = time.monotonic()
     v = run_campaign(f"disk:{root}", tmp_path, plan, seed=21, store_level=True, max_delay_s=0.15, fault_timeout_s=1.0)
     _report("disk, storage level", v, len(plan), t0)
-    assert len(plan) == 170
+    assert len(plan) == len(DISK_POINTS) * per_point + n_random
     assert v.problems == []
     assert v.counts["corrupt"] == 0 and v.counts["temp_files"] == 0
     assert v.counts["acks"] > 2 * len(plan)
@@ -62,23 +72,26 @@ async def test_disk_store_level_kills(tmp_path, shm_path):
     assert await dangling_references(f"disk:{root}") == []
 
 
-async def test_redis_store_level_kills(tmp_path, redis_url):
+@pytest.mark.parametrize("size", SIZES)
+async def test_redis_store_level_kills(tmp_path, redis_url, size):
     url = f"{redis_url}?prefix=crashs{tmp_path.name[-8:]}:&lease_ttl=0.1"
-    per_point, n_random = STORE_KILLS_REDIS
+    per_point, n_random = STORE_KILLS_REDIS[size]
     plan = random_plan(n_random, REDIS_POINTS, per_point, seed=22)
     t0 = time.monotonic()
     v = run_campaign(url, tmp_path, plan, seed=22, store_level=True, max_delay_s=0.15, fault_timeout_s=1.0)
     _report("redis, storage level", v, len(plan), t0)
-    assert len(plan) == 40
+    assert len(plan) == len(REDIS_POINTS) * per_point + n_random
     assert v.problems == [] and v.counts["corrupt"] == 0
     assert v.counts["acks"] > 2 * len(plan)
     assert await dangling_references(url) == []
 
 
-async def test_disk_kills_leave_every_session_whole(tmp_path):
+@pytest.mark.parametrize("size", SIZES)
+async def test_disk_kills_leave_every_session_whole(tmp_path, size):
     root = tmp_path / "store"
-    plan = random_plan(8, DISK_POINTS, 1, seed=1)
-    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=1)
+    per_point, n_random = ENGINE_KILLS_DISK[size]
+    plan = random_plan(n_random, DISK_POINTS, per_point, seed=1)
+    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=1, fault_timeout_s=ENGINE_FAULT_TIMEOUT_S[size])
     _report("disk", v, len(plan))
     assert v.problems == []
     assert v.counts["corrupt"] == 0
@@ -88,9 +101,11 @@ async def test_disk_kills_leave_every_session_whole(tmp_path):
     assert await dangling_references(f"disk:{root}") == []
 
 
-async def test_redis_kills_leave_every_session_whole(tmp_path, redis_url):
+@pytest.mark.parametrize("size", SIZES)
+async def test_redis_kills_leave_every_session_whole(tmp_path, redis_url, size):
     url = f"{redis_url}?prefix=crash{tmp_path.name[-8:]}:&lease_ttl=0.5"
-    plan = random_plan(4, REDIS_POINTS, 1, seed=2)
+    per_point, n_random = ENGINE_KILLS_REDIS[size]
+    plan = random_plan(n_random, REDIS_POINTS, per_point, seed=2)
     # a restarted worker first waits out its dead predecessor's lease (0.5 s): give it time to save before a kill
     v = run_campaign(url, tmp_path, plan, seed=2, max_delay_s=2.0)
     _report("redis", v, len(plan))
