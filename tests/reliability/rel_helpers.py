@@ -211,9 +211,9 @@ def run_campaign(
     once it is ready; (point, nth): it SIGKILLs itself at that fault point), then run a last verify-only
     worker. Returns the Verifier that checked every resume. `store_level`: workers of crash_store_worker.py
     (no model; checked by a StoreVerifier) instead of crash_worker.py; every other one writes its saves as disk
-    packs (pack_min_blobs 2). A worker that has not reached its fault
-    point's nth hit after `fault_timeout_s` (a point hit only at startup, like `disk.lease.written`) is killed
-    where it is."""
+    packs (pack_min_blobs 2). A worker that has not reached its fault point's nth hit after `fault_timeout_s`
+    is killed where it is: some points are hit rarely, like `disk.lease.written`, hit at startup and then only
+    when a save rewrites the lease, about half the lease TTL in."""
     import random
 
     rng = random.Random(seed)
