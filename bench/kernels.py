@@ -149,6 +149,41 @@ def bench_graph(calls: list[Callable[[], object]], rep: int = 100) -> float:
     return ms
 
 
+def bench_stream(calls: list[Callable[[], object]], rep: int = 20, batches: int = 5) -> float:
+    """Milliseconds per call in a steady stream: one CUDA graph of ``calls`` replayed ``rep`` times back to back
+    between two events, no L2 flush in between (callers cycle through inputs larger than L2, so every call still
+    reads DRAM); the median over ``batches``. This is a call's marginal cost inside a long captured decode step.
+    bench_graph also charges each call its share of one replay's fixed cost: the graph's launch and the
+    write-back of the dirty lines that do_bench's L2 flush leaves (about 10 us a replay on the H200, 2.5 us a call
+    in a graph of 4; bench/candidates/mla_floor.py)."""
+    if SMOKE:
+        return bench_graph(calls)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(batches):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        for _ in range(rep):
+            graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) / (rep * len(calls)))
+    del graph
+    return float(sorted(times)[len(times) // 2])
+
+
 def compiled_stats(jit_fn, seen: set) -> list[dict]:
     """Registers, spills and shared memory of the kernels ``jit_fn`` compiled since ``seen`` (updated)."""
     out = []
@@ -527,11 +562,14 @@ def mla_case(lens: list[int]) -> tuple[list[tuple], int, int]:
 
 
 def mla_row(fn: Callable, sets: list[tuple], calls: int, bytes_: int, bw: float, eager: bool = True) -> dict:
-    """Graph-replay (and eager) time of one call ``fn(*args)`` with its bytes/s against the copy bandwidth."""
+    """Graph-replay, steady-stream (and eager) time of one call ``fn(*args)`` with its bytes/s against the copy
+    bandwidth."""
     row: dict = {}
     ms = bench_graph([functools.partial(fn, *sets[i % len(sets)]) for i in range(calls)])
     row["graph_us"], row["graph_TB_s"] = ms * 1e3, bytes_ / ms / 1e9
     row["graph_of_copy_bw"] = row["graph_TB_s"] / bw
+    ms = bench_stream([functools.partial(fn, *sets[i % len(sets)]) for i in range(max(calls, 16))])
+    row["stream_us"], row["stream_of_copy_bw"] = ms * 1e3, bytes_ / ms / 1e9 / bw
     if eager:
         ms = bench(lambda: fn(*sets[0]))
         row["eager_us"], row["eager_of_copy_bw"] = ms * 1e3, bytes_ / ms / 1e9 / bw
@@ -834,7 +872,8 @@ def summary(res: dict) -> str:
         if isinstance(row, dict):
             lines.append(f"mla {row.get('N')}x{row.get('context')} {row.get('impl')} {row.get('form') or ''} "
                          f"{row.get('cfg')}: graph "
-                         f"{row.get('graph_us', 0):.1f} us {row.get('graph_of_copy_bw', 0):.0%}, eager "
+                         f"{row.get('graph_us', 0):.1f} us {row.get('graph_of_copy_bw', 0):.0%}, stream "
+                         f"{row.get('stream_us', 0):.1f} us {row.get('stream_of_copy_bw', 0):.0%}, eager "
                          f"{row.get('eager_us', 0):.1f} us {row.get('error', '')}")
     sweeps = res.get("mla_sweep")
     for name, sw in (sweeps.items() if isinstance(sweeps, dict) else []):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +45,10 @@ _STAMP = '''
 def instrumented():
     """The Gluon kernel module with probes; its launcher reads the probe buffer from the module global TL_BUF."""
     src = (REPO / "kernels/mla/paged_decode_gluon.py").read_text()
+    if os.environ.get("MLA_TL_NOCOMPUTE"):  # the loop's products and softmax cut out (copies, waits, refills kept)
+        a = src.index("            b0 = st * (NB - 1)\n")
+        end = "num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))\n"
+        src = src[:a] + src[src.index(end) + len(end):]
     edits = [  # (marker, text inserted after it): each marker must occur exactly once
         ("if gluon is not None:\n", _STAMP),
         ("NSPLIT, H: gl.constexpr,", ""),
@@ -95,6 +100,7 @@ def summary(buf: torch.Tensor, programs: int, tiles: torch.Tensor) -> dict:
 
 def main() -> None:
     ctxs = [int(x) for x in sys.argv[1].split(",")]
+    cfg = json.loads(os.environ.get("MLA_TL_CFG", "{}"))  # more launch parameters, e.g. {"prefetch": 2}
     kb.configure(False)
     from kda_sessions.kernels.mla import paged_decode as pd
 
@@ -115,10 +121,10 @@ def main() -> None:
         tl_mod.TL_BUF = torch.zeros(programs, 16, dtype=torch.int64, device="cuda")
         for pdl in (False, True):
             for args in sets[:2]:
-                pd._launch(*args, pdl=pdl)
+                pd._launch(*args, pdl=pdl, **cfg)
             torch.cuda.synchronize()
             for i in range(6):  # eager: the last call's probes, its inputs last read 5 calls ago
-                pd._launch(*sets[(i + 2) % len(sets)], pdl=pdl)
+                pd._launch(*sets[(i + 2) % len(sets)], pdl=pdl, **cfg)
                 torch.cuda.synchronize()
             print(json.dumps({"context": ctx, "mode": "eager", "pdl": pdl, "splits": splits, "tokens_per_split": tps,
                               **summary(tl_mod.TL_BUF, programs, tiles)}), flush=True)
@@ -126,7 +132,7 @@ def main() -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 for i in range(calls):
-                    pd._launch(*sets[i % len(sets)], pdl=pdl)
+                    pd._launch(*sets[i % len(sets)], pdl=pdl, **cfg)
             for _ in range(3):
                 graph.replay()
             torch.cuda.synchronize()
