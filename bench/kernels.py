@@ -12,7 +12,8 @@ the twins and timed beside the current kernels. The current MLA decode is also c
 forms forced (``{"form": "heads"}`` / ``{"form": "tokens"}``; the rows name the form) and with the launch parameters
 of the environment's ``MLA_EXTRA`` (a JSON list, e.g. ``'[{"form": "tokens", "BN": 64, "num_warps": 4}]'``). MLA decode is timed eagerly
 and as CUDA-graph replays (what the engine runs: no host launch cost; the inputs cycle through copies larger than
-L2 so every replay reads DRAM).
+L2 so every replay reads DRAM): ``graph_us`` for a graph of a few calls after do_bench's L2 flush, ``stream_us``
+for a graph of 16 or more replayed back to back (``bench_stream``: a call's cost inside a long decode step).
 Without CUDA (``TRITON_INTERPRET=1``) ``--quick`` runs every part at tiny shapes on the CPU as a smoke test.
 
 ``--warm-procs`` compiles the kernel variants in parallel processes first (they share TRITON_CACHE_DIR), and
