@@ -130,11 +130,8 @@ def bench(fn: Callable[[], object], rep: int = 200) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep, return_mode="median"))
 
 
-def bench_graph(calls: list[Callable[[], object]], rep: int = 100) -> float:
-    """Milliseconds per call of one CUDA graph that runs ``calls`` back to back: what a captured decode step pays
-    (no host launch cost). Callers cycle through inputs larger than L2, so every call reads DRAM."""
-    if SMOKE:
-        return bench(lambda: [c() for c in calls]) / len(calls)
+def capture(calls: list[Callable[[], object]]) -> torch.cuda.CUDAGraph:
+    """One CUDA graph of ``calls`` back to back, after one warm-up pass on a side stream."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -145,6 +142,15 @@ def bench_graph(calls: list[Callable[[], object]], rep: int = 100) -> float:
     with torch.cuda.graph(graph):
         for c in calls:
             c()
+    return graph
+
+
+def bench_graph(calls: list[Callable[[], object]], rep: int = 100) -> float:
+    """Milliseconds per call of one CUDA graph that runs ``calls`` back to back: what a captured decode step pays
+    (no host launch cost). Callers cycle through inputs larger than L2, so every call reads DRAM."""
+    if SMOKE:
+        return bench(lambda: [c() for c in calls]) / len(calls)
+    graph = capture(calls)
     ms = bench(graph.replay, rep=rep) / len(calls)
     del graph
     return ms
@@ -159,16 +165,7 @@ def bench_stream(calls: list[Callable[[], object]], rep: int = 20, batches: int 
     in a graph of 4; bench/candidates/mla_floor.py)."""
     if SMOKE:
         return bench_graph(calls)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
+    graph = capture(calls)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -21,12 +21,10 @@ Prints one JSON line per row: microseconds per call and the fraction of the copy
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -35,7 +33,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mla_one import kb  # bench/kernels.py loaded by path
+from mla_one import kb, load_source  # bench/kernels.py loaded by path
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -79,14 +77,7 @@ def nocompute_module():
     end_marker = "num_outstanding=0, deps=(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7))\n"
     b = src.index(end_marker) + len(end_marker)
     src = src[:a] + src[b:]
-    path = Path(tempfile.mkdtemp()) / "paged_decode_gluon_nc.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("paged_decode_gluon_nc", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["paged_decode_gluon_nc"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_source(src, "paged_decode_gluon_nc")
 
 
 def main() -> None:

@@ -10,23 +10,33 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 
-def _bench_kernels():
-    """bench/kernels.py (its import shim and input builders), loaded by path under its own name: the bare name
-    ``kernels`` is also the repo's top-level kernel folder (imported as ``kda_sessions.kernels``)."""
-    path = Path(__file__).resolve().parents[1] / "kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+def load_path(path: Path, name: str):
+    """The module at ``path``, imported under ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
     spec.loader.exec_module(mod)
     return mod
 
 
-kb = _bench_kernels()
+def load_source(src: str, name: str):
+    """A module from source text, written to a real file first: Gluon and Triton compile a kernel from its
+    function's source file, so an edited copy of a kernel module must live on disk."""
+    path = Path(tempfile.mkdtemp()) / f"{name}.py"
+    path.write_text(src)
+    return load_path(path, name)
+
+
+# bench/kernels.py (its import shim and input builders), loaded by path under its own name: the bare name
+# ``kernels`` is also the repo's top-level kernel folder (imported as ``kda_sessions.kernels``)
+kb = load_path(Path(__file__).resolve().parents[1] / "kernels.py", "bench_kernels")
 
 
 def main() -> None:

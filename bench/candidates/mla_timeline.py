@@ -11,18 +11,16 @@ globaltimer), of the per-program spans from the SM clock (us), and the number of
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from mla_one import kb  # bench/kernels.py loaded by path
+from mla_one import kb, load_source  # bench/kernels.py loaded by path
 
 REPO = Path(__file__).resolve().parents[2]
 POINTS = ["entry", "copies_out", "q_staged", "first_tile", "loop_done", "stored"]
@@ -69,15 +67,7 @@ def instrumented():
     call = "tokens_per_split, o_part.shape[1], H=H"
     assert src.count(call) == 1
     src = src.replace(call, "tokens_per_split, o_part.shape[1], TL_BUF, H=H")
-    # Gluon compiles from the function's source file, so the copy must live in a real file
-    path = Path(tempfile.mkdtemp()) / "paged_decode_gluon_tl.py"
-    path.write_text(src + "\nTL_BUF = None\n")
-    spec = importlib.util.spec_from_file_location("paged_decode_gluon_tl", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["paged_decode_gluon_tl"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_source(src + "\nTL_BUF = None\n", "paged_decode_gluon_tl")
 
 
 def pct(x: torch.Tensor) -> dict:
