@@ -63,6 +63,16 @@ def _fused_recurrent_kernel(
         tl.store(ht + nh.to(tl.int64) * K * V + off_s, S, mask=mkv)
 
 
+def launch_config(N: int, H: int, V: int) -> tuple[int, int]:
+    """The V block and warps of a launch over N sequences of H heads: small V blocks for many programs when there
+    are few sequences (decode is latency-bound). Measured on the H200 (K = V = 128, H 32, pool in place;
+    bench/candidates/decode_sweep.py, runs B7-B8 in docs/benchmarks.md): BV 16 on 1 warp and BV 32 on 2 are even at
+    8 and 16 sequences (16.0-16.7 / 24.6-25.7 us); at 32 sequences BV 32 on 2 warps takes 41.2-42.0 us against
+    45.1-46.0; from 64 up it is the best of BV 16-128 on 1-8 warps (75.5 / 278.1 us at 64 / 256)."""
+    BV = min(triton.next_power_of_2(V), 16 if N * H <= 512 else 32)
+    return BV, 1 if BV <= 16 else 2
+
+
 def _launch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
     final: Tensor | None, pool: Tensor | None, slots: Tensor | None, cu_seqlens: Tensor | None,
@@ -73,13 +83,12 @@ def _launch(
     V = v.shape[-1]
     o = torch.empty_like(v)
     BK = triton.next_power_of_2(K)
-    # small V blocks for many programs when there are few sequences (decode is latency-bound)
-    BV = min(triton.next_power_of_2(V), 16 if N * H <= 1024 else 32)
+    BV, num_warps = launch_config(N, H, V)
     _fused_recurrent_kernel[(triton.cdiv(V, BV), N * H)](
         q, k, v, g, beta, o, h0, final, pool, slots, cu_seqlens, scale, T,
         H=H, K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, USE_POOL=pool is not None,
         STORE_FINAL=final is not None, IS_VARLEN=cu_seqlens is not None, NORM=use_qk_l2norm,
-        num_warps=1 if BV <= 16 else 2,
+        num_warps=num_warps,
     )
     return o
 
