@@ -1,0 +1,244 @@
+"""Fused MoE in Triton: group the (token, expert) pairs by expert, then two grouped GEMMs over the stacked
+expert weights in place (the approach of vLLM's fused_moe).
+
+1. Align: the T * k pairs (``p = t * k + j``, expert ``chosen[t, j]``) are sorted by expert, stably, into
+   ``sorted_ids``, each expert's run padded to a multiple of the row block BM with the sentinel ``T * k``;
+   ``block_expert[b]`` is the expert of row block b and ``num_padded`` the used length. A single-program
+   Triton kernel does it for few pairs (decode: one launch); torch ops (sort, cumsum, searchsorted) for many.
+2. Up: each row block multiplies its pairs' token rows by ``w13[e]``'s gate and up columns in two accumulators
+   and stores ``silu(gate) * up`` [T * k, F].
+3. Down: each row block multiplies those rows by ``w2[e]`` and scales by the routing weight -> [T * k, D];
+   the k rows of each token are summed into [T, D].
+
+Every launch has a grid fixed by the shapes (at most ``T * k + min(E, T * k) * (BM - 1)`` padded rows); row
+blocks past ``num_padded`` return at once. No host sync anywhere, so a decode step is CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+ALIGN_KERNEL_MAX_PAIRS = 1024
+"""Up to this many pairs the single-program align kernel groups them; above, torch ops do (prefill)."""
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    """Tile sizes of the two grouped GEMMs: rows BM (pairs), columns BN, reduction BK."""
+
+    BM: int
+    BN: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_config(num_pairs: int) -> MoeLaunch:
+    """Few pairs (decode): 16-row blocks, each a GEMV-like read of one expert's tile; many pairs (prefill):
+    64-row blocks that reuse each weight tile across rows."""
+    if num_pairs <= 256:
+        return MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
+    return MoeLaunch(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+
+
+def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
+    """An upper bound of the padded length that depends on shapes only: every non-empty expert pads < BM rows."""
+    return num_pairs + min(num_experts, num_pairs) * (BM - 1)
+
+
+@triton.jit
+def _align_kernel(
+    chosen, sorted_ids, block_expert, num_padded, num_pairs,
+    E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, MAXP: tl.constexpr, BB: tl.constexpr,
+):
+    """One program. chosen [num_pairs] -> sorted_ids [MAXP], block_expert [MAXP // BM], num_padded [1]."""
+    e = tl.arange(0, EP)
+    e_ok = e < E
+    i = tl.arange(0, BP)
+    # counts per expert, by a one-hot sum over chunks of BP pairs
+    counts = tl.zeros([EP], dtype=tl.int32)
+    for p0 in range(0, num_pairs, BP):
+        valid = p0 + i < num_pairs
+        ids = tl.load(chosen + p0 + i, mask=valid, other=0).to(tl.int32)
+        hot = (ids[:, None] == e[None, :]) & valid[:, None]  # [BP, EP]
+        counts += tl.sum(hot.to(tl.int32), axis=0)
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)
+    run = ends - padded  # next free row of each expert
+    total = tl.sum(padded, axis=0)
+    tl.store(num_padded, total)
+    for r0 in range(0, MAXP, BP):
+        tl.store(sorted_ids + r0 + i, num_pairs, mask=r0 + i < MAXP)
+    tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites some of it
+    for p0 in range(0, num_pairs, BP):
+        valid = p0 + i < num_pairs
+        ids = tl.load(chosen + p0 + i, mask=valid, other=0).to(tl.int32)
+        hot = (ids[:, None] == e[None, :]) & valid[:, None]  # [BP, EP]
+        base = tl.sum(tl.where(hot, run[None, :], 0), axis=1)  # [BP] next row of the pair's expert
+        same = (ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None]) & valid[None, :]  # [BP, BP]
+        rank = tl.sum(same.to(tl.int32), axis=1)  # earlier pairs of this chunk on the same expert: stable
+        tl.store(sorted_ids + base + rank, p0 + i, mask=valid)
+        run += tl.sum(hot.to(tl.int32), axis=0)
+    b = tl.arange(0, BB)
+    for b0 in range(0, MAXP // BM, BB):
+        start = (b0 + b) * BM  # [BB]
+        # experts whose padded run ends at or before this block's first row precede it: their count is its id
+        eb = tl.sum(((ends[None, :] <= start[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert + b0 + b, eb, mask=b0 + b < MAXP // BM)
+
+
+def align_triton(chosen: Tensor, num_experts: int, BM: int) -> tuple[Tensor, Tensor, Tensor]:
+    """chosen [T, k] -> (sorted_ids [MAXP] int32, block_expert [MAXP // BM] int32, num_padded [1] int32)."""
+    P = chosen.numel()
+    maxp = triton.cdiv(max_padded(P, num_experts, BM), BM) * BM
+    dev = chosen.device
+    sorted_ids = torch.empty(maxp, dtype=torch.int32, device=dev)
+    block_expert = torch.empty(maxp // BM, dtype=torch.int32, device=dev)
+    num_padded = torch.empty(1, dtype=torch.int32, device=dev)
+    BP = min(64, max(16, triton.next_power_of_2(P)))
+    _align_kernel[(1,)](
+        chosen.reshape(-1), sorted_ids, block_expert, num_padded, P,
+        E=num_experts, EP=triton.next_power_of_2(num_experts), BM=BM, BP=BP, MAXP=maxp, BB=64, num_warps=4,
+    )
+    return sorted_ids, block_expert, num_padded
+
+
+def align_torch(chosen: Tensor, num_experts: int, BM: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The same grouping as ``align_triton`` from torch ops (a stable sort), for many pairs; no host sync."""
+    flat = chosen.reshape(-1).long()  # [P]
+    P, dev = flat.numel(), flat.device
+    maxp = triton.cdiv(max_padded(P, num_experts, BM), BM) * BM
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + BM - 1) // BM * BM
+    ends = padded.cumsum(0)
+    sorted_e, order = torch.sort(flat, stable=True)  # pairs by expert, in pair order within an expert
+    first = counts.cumsum(0) - counts  # index in ``order`` of each expert's first pair
+    rows = (ends - padded)[sorted_e] + torch.arange(P, device=dev) - first[sorted_e]
+    sorted_ids = torch.full((maxp,), P, dtype=torch.int32, device=dev)
+    sorted_ids.index_copy_(0, rows, order.to(torch.int32))
+    starts = torch.arange(0, maxp, BM, device=dev)
+    block_expert = torch.searchsorted(ends, starts, right=True).to(torch.int32)
+    return sorted_ids, block_expert, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _up_kernel(
+    x, w13, act, sorted_ids, block_expert, num_padded, num_pairs, D, Fw,
+    stride_x, stride_we, stride_wn, stride_a,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """act[p] = silu(x[p // k] @ w1[e].T) * (x[p // k] @ w3[e].T) for the pairs p of row block program_id(0)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_padded):
+        return
+    ex = tl.load(block_expert + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ids + pid_m * BM + tl.arange(0, BM))  # [BM] pair ids; num_pairs pads
+    valid = rows < num_pairs
+    tok = (rows // TOP_K).to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < Fw
+    kk = tl.arange(0, BK)
+    a_ptr = x + tok[:, None] * stride_x + kk[None, :]  # [BM, BK]
+    g_ptr = w13 + ex * stride_we + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BK, BN]: w1[e].T
+    u_ptr = g_ptr + Fw * stride_wn  # w3[e].T
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k_ok = kk < D - k0
+        a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(g_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        wu = tl.load(u_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg, acc_g)
+            acc_u = tl.dot(a, wu, acc_u)
+        a_ptr += BK
+        g_ptr += BK
+        u_ptr += BK
+    h = acc_g * tl.sigmoid(acc_g) * acc_u
+    out = act + rows[:, None].to(tl.int64) * stride_a + n[None, :]
+    tl.store(out, h.to(act.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act, w2, y, route_w, sorted_ids, block_expert, num_padded, num_pairs, D, Fw,
+    stride_a, stride_we, stride_wn, stride_y,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """y[p] = route_w[p] * act[p] @ w2[e].T for the pairs p of row block program_id(0)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_padded):
+        return
+    ex = tl.load(block_expert + pid_m).to(tl.int64)
+    rows = tl.load(sorted_ids + pid_m * BM + tl.arange(0, BM))
+    valid = rows < num_pairs
+    r64 = rows.to(tl.int64)
+    n = pid_n * BN + tl.arange(0, BN)
+    n_ok = n < D
+    kk = tl.arange(0, BK)
+    a_ptr = act + r64[:, None] * stride_a + kk[None, :]  # [BM, BK]
+    w_ptr = w2 + ex * stride_we + n[None, :].to(tl.int64) * stride_wn + kk[:, None]  # [BK, BN]: w2[e].T
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, Fw, BK):
+        k_ok = kk < Fw - k0
+        a = tl.load(a_ptr, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptr += BK
+        w_ptr += BK
+    rw = tl.load(route_w + rows, mask=valid, other=0.0).to(tl.float32)
+    acc = acc * rw[:, None]
+    out = y + r64[:, None] * stride_y + n[None, :]
+    tl.store(out, acc.to(y.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+def fused_moe_triton(
+    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: MoeLaunch | None = None
+) -> Tensor:
+    """x [T, D], w13 [E, 2F, D], w2 [E, D, F], chosen [T, k], weights [T, k] -> [T, D] (see ``fused_moe``).
+    The weights' last dimension must be contiguous; x is made contiguous."""
+    T, D = x.shape
+    E, F2, _ = w13.shape
+    Fw = F2 // 2
+    k = chosen.shape[1]
+    P = T * k
+    if P == 0:
+        return torch.zeros_like(x)
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dimension"
+    cfg = cfg or launch_config(P)
+    x = x.contiguous()
+    align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch
+    sorted_ids, block_expert, num_padded = align(chosen, E, cfg.BM)
+    blocks = block_expert.numel()
+    ieee = x.dtype == torch.float32
+    act = torch.empty(P, Fw, dtype=x.dtype, device=x.device)
+    _up_kernel[(blocks, triton.cdiv(Fw, cfg.BN))](
+        x, w13, act, sorted_ids, block_expert, num_padded, P, D, Fw,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        TOP_K=k, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    route_w = weights.reshape(-1).contiguous()
+    _down_kernel[(blocks, triton.cdiv(D, cfg.BN))](
+        act, w2, y, route_w, sorted_ids, block_expert, num_padded, P, D, Fw,
+        act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return y.view(T, k, D).sum(1)  # each token's k weighted rows
+
+
+__all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeLaunch", "align_torch", "align_triton", "fused_moe_triton",
+           "launch_config"]

@@ -1,0 +1,27 @@
+"""Plain-torch twin of the fused MoE: a loop over the experts that received tokens (one host sync per call).
+
+Notation: T tokens, k experts per token, E experts, D model width, F expert width. A *pair* is one (token,
+chosen expert) entry of ``chosen [T, k]``, numbered ``p = t * k + j``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def naive_fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+    """x [T, D], w13 [E, 2F, D] (w1 rows then w3 rows), w2 [E, D, F], chosen [T, k] int, weights [T, k]
+    -> [T, D] in x's dtype: ``sum_j weights[t, j] * w2[e] @ (silu(w1[e] @ x_t) * (w3[e] @ x_t))``, e = chosen[t, j]."""
+    Fw = w13.shape[1] // 2
+    out = torch.zeros_like(x)
+    for e in torch.unique(chosen).tolist():
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        h = x[rows] @ w13[e].t()  # [n, 2F]
+        y = (F.silu(h[:, :Fw]) * h[:, Fw:]) @ w2[e].t()  # [n, D]
+        out.index_add_(0, rows, y * weights[rows, slot, None].to(x.dtype))
+    return out
+
+
+__all__ = ["naive_fused_moe"]
