@@ -1,10 +1,10 @@
-"""MLA attention over the latent cache: prefill (decompressed) and paged decode (absorbed)."""
+"""MLA attention over the latent cache: prefill (decompressed, flash) and paged decode (absorbed)."""
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from .naive import gather_latent, naive_mla_decode_paged, naive_mla_prefill
+from .naive import gather_latent, naive_mla_decode_paged, naive_mla_prefill, naive_mla_prefill_paged
 
 
 def mla_decode_paged(
@@ -19,4 +19,30 @@ def mla_decode_paged(
     return naive_mla_decode_paged(q_lat, q_pe, kv_pages, page_table, seq_lens, scale)
 
 
-__all__ = ["gather_latent", "mla_decode_paged", "naive_mla_prefill"]
+def mla_prefill_paged(
+    q: Tensor, kv_pages: Tensor, pages: Tensor, start: int, w_kv_b: Tensor, dv: int, scale: float
+) -> Tensor:
+    """Causal attention of one sequence's T new queries over its paged latent cache, K and V decompressed.
+
+    q [T, H, dn + dr], the queries of positions start .. start + T - 1, whose latent rows are already written;
+    kv_pages [num_pages, P, r + dr]; pages [max_pages] int, the sequence's page ids (covering start + T tokens);
+    w_kv_b [H * (dn + dv), r], kv_b_proj's weight. Returns o [T, H, dv] in q's dtype. Memory stays
+    O(T x tile), never O(T x context): CUDA tensors go to the Triton flash kernel (prefill.py), CPU tensors to the
+    tiled twin ``naive_mla_prefill_paged``."""
+    T, H, dk = q.shape
+    r = w_kv_b.shape[1]
+    if kv_pages.dim() != 3 or kv_pages.shape[-1] <= r or dk <= kv_pages.shape[-1] - r:
+        raise ValueError(f"kv_pages must be [num_pages, P, r + dr] with r={r} < width < r + dk={r + dk}, "
+                         f"got {tuple(kv_pages.shape)}")
+    if w_kv_b.shape[0] != H * (dk - (kv_pages.shape[-1] - r) + dv):
+        raise ValueError(f"w_kv_b must be [H * (dn + dv), r] with H={H}, dv={dv}, got {tuple(w_kv_b.shape)}")
+    if pages.numel() * kv_pages.shape[1] < start + T:
+        raise ValueError(f"pages must cover start + T = {start + T} tokens, got {pages.numel()} pages")
+    if q.is_cuda:
+        from .prefill import mla_prefill_triton
+
+        return mla_prefill_triton(q, kv_pages, pages, start, w_kv_b, dv, scale)
+    return naive_mla_prefill_paged(q, kv_pages, pages, start, w_kv_b, dv, scale)
+
+
+__all__ = ["gather_latent", "mla_decode_paged", "mla_prefill_paged", "naive_mla_prefill", "naive_mla_prefill_paged"]

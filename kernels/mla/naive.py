@@ -18,6 +18,13 @@ def gather_latent(kv_pages: Tensor, pages: Tensor, length: int) -> Tensor:
     return kv_pages[pages[:n].long()].reshape(n * P, -1)[:length]
 
 
+def latent_rows(kv_pages: Tensor, pages: Tensor, begin: int, end: int) -> Tensor:
+    """Rows begin .. end - 1 [end - begin, r + dr] of a sequence whose page ids are ``pages`` [max_pages]."""
+    P = kv_pages.shape[1]
+    p0, p1 = begin // P, -(-end // P)
+    return kv_pages[pages[p0:p1].long()].reshape((p1 - p0) * P, -1)[begin - p0 * P : end - p0 * P]
+
+
 def naive_mla_prefill(
     q: Tensor, latent: Tensor, w_kv_b: Tensor, dn: int, dv: int, scale: float, start: int
 ) -> Tensor:
@@ -39,6 +46,47 @@ def naive_mla_prefill(
     mask = pos[None, :] <= (start + torch.arange(T, device=q.device))[:, None]  # [T, L]
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("htl,lhd->thd", scores.softmax(-1), v.float()).to(q.dtype)
+
+
+def naive_mla_prefill_paged(
+    q: Tensor, kv_pages: Tensor, pages: Tensor, start: int, w_kv_b: Tensor, dv: int, scale: float, tile: int = 1024
+) -> Tensor:
+    """``naive_mla_prefill`` over the paged cache, one tile of ``tile`` cached tokens at a time with an online
+    softmax, so memory stays O(T x tile) whatever the context: the CPU path of prefill.
+
+    q [T, H, dn + dr] (the queries of positions start .. start + T - 1, whose latent rows are already in the cache);
+    kv_pages [num_pages, P, r + dr]; pages [max_pages] the sequence's page ids; w_kv_b [H * (dn + dv), r].
+    Returns o [T, H, dv] in q's dtype."""
+    T, H, dk = q.shape
+    r = w_kv_b.shape[1]
+    dr = kv_pages.shape[-1] - r
+    dn = dk - dr
+    L = start + T
+    w = w_kv_b.float()
+    qf = q.float().transpose(0, 1)  # [H, T, dk]
+    qpos = start + torch.arange(T, device=q.device)
+    acc = torch.zeros(H, T, dv, device=q.device)
+    m = torch.full((H, T, 1), float("-inf"), device=q.device)
+    den = torch.zeros(H, T, 1, device=q.device)
+    for b0 in range(0, L, tile):
+        b1 = min(L, b0 + tile)
+        i0 = max(0, b0 - start)  # queries before the tile's first key see none of it
+        lat = latent_rows(kv_pages, pages, b0, b1).float()  # [n, r + dr]
+        n = b1 - b0
+        kv = (lat[:, :r] @ w.t()).view(n, H, dn + dv)  # decompress the tile
+        k = torch.cat([kv[..., :dn], lat[:, None, r:].expand(n, H, dr)], dim=-1).transpose(0, 1)  # [H, n, dk]
+        v = kv[..., dn:].transpose(0, 1)  # [H, n, dv]
+        s = (qf[:, i0:] @ k.transpose(1, 2)) * scale  # [H, T - i0, n]
+        keep = torch.arange(b0, b1, device=q.device)[None, :] <= qpos[i0:, None]  # [T - i0, n]
+        s = s.masked_fill(~keep, float("-inf"))
+        m_new = torch.maximum(m[:, i0:], s.amax(-1, keepdim=True))
+        m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # rows that have seen no key yet
+        p = torch.exp(s - m_safe)
+        alpha = torch.exp(m[:, i0:] - m_safe)
+        den[:, i0:] = den[:, i0:] * alpha + p.sum(-1, keepdim=True)
+        acc[:, i0:] = acc[:, i0:] * alpha + p @ v
+        m[:, i0:] = m_new
+    return (acc / den).transpose(0, 1).to(q.dtype)
 
 
 def naive_mla_decode_paged(
