@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 _GC_BATCH = 256  # candidates checked for fresh touches at a time, right before their deletes
 
 DEFAULT_GC_GRACE_S = 600.0
+_MAX_VERIFIED = 1_000_000  # digests remembered as verified (~120 MB); past it they are checked again
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,8 @@ class SnapshotStore:
         self._leased: set[str] = set()
         # session -> (expected generation, sha256 of the manifest) of a commit whose outcome is unknown
         self._uncertain: dict[str, tuple[int, str]] = {}
+        self._verified: set[str] = set()
+        """Blobs whose stored bytes this process wrote, or read back and hashed: dedup trusts only these."""
 
     @classmethod
     async def open(
@@ -168,8 +171,10 @@ class SnapshotStore:
             # Refresh reused blobs so a concurrent GC in another process leaves them alone (grace period).
             if stored:
                 await self.store.touch_blobs(stored)
-            to_write = {d: blobs[d] for d in missing}
+            corrupt = await self._verify_reused(manifest.session_id, stored & set(blobs))
+            to_write = {d: blobs[d] for d in missing | corrupt}
             written = await self.store.put_blobs(to_write, max_in_flight=self.max_in_flight, verified=verified)
+            self._trust(to_write)
             if expected_generation is None:
                 data = manifest.dumps()
                 await self.store.put_manifest(manifest.session_id, data)
@@ -183,6 +188,30 @@ class SnapshotStore:
             manifest_bytes=len(data),
             generation=manifest.generation,
         )
+
+    def _trust(self, digests: Iterable[str]) -> None:
+        if len(self._verified) > _MAX_VERIFIED:
+            self._verified.clear()
+        self._verified.update(digests)
+
+    async def _verify_reused(self, session_id: str, reused: set[str]) -> set[str]:
+        """Read back and hash every blob this save reuses (has the bytes of, but does not write) that this
+        process has not verified yet; delete the corrupt ones so that the save writes them again from its own
+        copy. Returns those. Blobs the manifest names without giving their bytes were committed by an earlier
+        save of this session: they are not reused by dedup and not read here (a load verifies them)."""
+        unchecked = reused - self._verified
+        if not unchecked:
+            return set()
+        corrupt = await self.store.verify_blobs(sorted(unchecked), max_in_flight=self.max_in_flight)
+        for d in sorted(corrupt):
+            await self.store.delete_blob(d)
+        if corrupt:
+            logger.warning(
+                "session %s: %d stored blobs this save reuses were corrupt or missing; writing them again",
+                session_id, len(corrupt),
+            )
+        self._trust(unchecked - corrupt)
+        return corrupt
 
     async def _commit(self, manifest: SessionManifest, expected: int) -> tuple[SessionManifest, bytes]:
         sid = manifest.session_id
@@ -243,11 +272,15 @@ class SnapshotStore:
 
     async def load_blob(self, digest: str) -> bytes:
         """Verified bytes of one blob (BlobNotFound, IntegrityError)."""
-        return await self.store.get_blob(digest)
+        data = await self.store.get_blob(digest)
+        self._trust((digest,))
+        return data
 
     async def load_blobs(self, digests: Iterable[str]) -> dict[str, bytes]:
         """Verified bytes of many blobs, fetched concurrently/pipelined."""
-        return await self.store.get_blobs(digests, max_in_flight=self.max_in_flight)
+        out = await self.store.get_blobs(digests, max_in_flight=self.max_in_flight)
+        self._trust(out)
+        return out
 
     async def list_sessions(self) -> list[str]:
         """Ids of every session with a manifest in the store."""

@@ -138,6 +138,12 @@ class TieredStore(BlobStore):
         # Asks the persistent store: another process may have deleted what RAM still holds.
         return await self.store.has_blobs(digests)
 
+    async def verify_blobs(
+        self, digests: Iterable[str], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> set[str]:
+        # RAM holds what this process wrote, not what the persistent store holds now.
+        return await self.store.verify_blobs(digests, max_in_flight=max_in_flight)
+
     async def delete_blob(self, digest: str) -> bool:
         self.tier.discard(digest)
         return await self.store.delete_blob(digest)

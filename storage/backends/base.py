@@ -20,12 +20,13 @@ import anyio
 import anyio.to_thread
 
 from ..blobs import check_digest
-from ..errors import IntegrityError
+from ..errors import BlobNotFound, IntegrityError
 from ..manifest import SESSION_ID_PATTERN
 
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 # Hashing releases the GIL; above this size it runs in a worker thread so the event loop stays responsive.
 _THREAD_HASH_BYTES = 1 << 20
+_VERIFY_BATCH = 64  # blobs read back at a time by verify_blobs, which bounds the bytes it holds
 DEFAULT_MAX_IN_FLIGHT = 8
 DEFAULT_LEASE_TTL_S = 30.0
 """How long a session's write lease lasts without a save or a renewal."""
@@ -176,6 +177,27 @@ class BlobStore(ABC):
         if errors:
             raise errors[0]
         return out
+
+    async def verify_blobs(
+        self, digests: Iterable[str], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> set[str]:
+        """The subset of `digests` whose stored bytes are missing, corrupt or truncated: each blob is read from
+        the persistent store (never from a cache in front of it) and hashed, a batch at a time."""
+        wanted = list(dict.fromkeys(digests))
+        bad: set[str] = set()
+        for i in range(0, len(wanted), _VERIFY_BATCH):
+            batch = wanted[i : i + _VERIFY_BATCH]
+            try:
+                await self.get_blobs(batch, max_in_flight=max_in_flight)
+                continue
+            except (IntegrityError, BlobNotFound):
+                pass
+            for d in batch:  # a batch read stops at its first bad blob: find every one
+                try:
+                    await self.get_blob(d)
+                except (IntegrityError, BlobNotFound):
+                    bad.add(d)
+        return bad
 
     # --- manifests ---------------------------------------------------------------------------------------
 

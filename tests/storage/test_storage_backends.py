@@ -3,39 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from storage_helpers import corrupt
 
 from kda_sessions.storage.backends.base import BlobStore
-from kda_sessions.storage.backends.disk import DiskStore
 from kda_sessions.storage.backends.memory import MemoryStore
-from kda_sessions.storage.backends.redis import RedisStore
 from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import BlobNotFound, IntegrityError, ManifestNotFound
 
 SMALL = b"hello kda"
 LARGE = bytes(range(256)) * 20  # 5120 bytes: chunked by the redis fixture (chunk_size=1000)
-
-
-async def corrupt(store: BlobStore, d: str, *, truncate: bool = False) -> None:
-    """Damage a stored blob behind the store's back: flip its first byte, or drop its last one."""
-    if isinstance(store, MemoryStore):
-        data = store._blobs[d]
-        store._blobs[d] = data[:-1] if truncate else bytes([data[0] ^ 1]) + data[1:]
-    elif isinstance(store, DiskStore):
-        path = store._blob_path(d)
-        data = path.read_bytes()
-        path.write_bytes(data[:-1] if truncate else bytes([data[0] ^ 1]) + data[1:])
-    elif isinstance(store, RedisStore):
-        r = store._r
-        key = store._blob_key(d)
-        if not await r.exists(key):
-            key = store._chunk_key(d, 0)
-        if truncate:
-            await r.set(key, (await r.get(key))[:-1])
-        else:
-            first = (await r.getrange(key, 0, 0))[0]
-            await r.setrange(key, 0, bytes([first ^ 1]))
-    else:
-        raise TypeError(store)
 
 
 @pytest.mark.parametrize("data", [SMALL, LARGE, b""], ids=["small", "large", "empty"])

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import anyio
 import pytest
-from storage_helpers import FINGERPRINT, make_snapshot
+from storage_helpers import FINGERPRINT, corrupt, make_snapshot
 
 from kda_sessions.storage.backends.base import BlobStore
+from kda_sessions.storage.backends.disk import DiskStore
 from kda_sessions.storage.backends.memory import MemoryStore
 from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import (
@@ -189,3 +190,42 @@ async def test_gc_spares_a_blob_another_process_touched_after_its_scans(store: B
     else:
         assert result.blobs_deleted == 1
         assert d not in await store.list_blobs()
+
+
+async def test_dedup_rewrites_a_corrupt_reused_blob_from_the_savers_copy(store: BlobStore) -> None:
+    """Issue 24.6: a second session with the same prefix reuses the first one's blobs; one of them rotted in
+    the store. Its save must notice (this process never verified that blob) and write it again, so the
+    second session loads; before the fix the save was acknowledged and the session could not be loaded."""
+    tokens = list(range(200, 216))
+    m1, blobs1 = make_snapshot("first", 16, tokens=tokens)
+    await SnapshotStore(store).save(m1, blobs1)
+    page = m1.head.pages[0]
+    await corrupt(store, page)
+    saver = SnapshotStore(store)  # another process: it has verified nothing in the store yet
+    m2, blobs2 = make_snapshot("second", 16, tokens=tokens)
+    assert page in blobs2
+    result = await saver.save(m2, blobs2)
+    assert result.blobs_written == 1 and result.blobs_reused == len(m2.blob_digests()) - 1
+    reader = SnapshotStore(store)
+    loaded = await reader.load_manifest("second", FINGERPRINT)
+    assert await reader.load_blobs(loaded.blob_digests()) == blobs2
+    # once verified, later saves of this process trust the blob without reading it again
+    await corrupt(store, m2.tokens_blob)
+    again = await saver.save(m2.model_copy(update={"session_id": "third"}), blobs2)
+    assert again.blobs_written == 0
+
+
+async def test_dedup_verification_reads_through_the_ram_tier(tmp_path: Path) -> None:
+    """The RAM tier holds the saver's own good bytes; verification must read what the disk holds."""
+    tokens = list(range(300, 308))
+    snaps = await SnapshotStore.open(f"disk:{tmp_path}", ram_bytes=1 << 20)
+    m1, blobs1 = make_snapshot("first", 8, tokens=tokens)
+    await snaps.save(m1, blobs1)
+    disk = await DiskStore.open(tmp_path)
+    await corrupt(disk, m1.head.state_blob)
+    fresh = await SnapshotStore.open(f"disk:{tmp_path}", ram_bytes=1 << 20)
+    await fresh.load_blobs([])  # nothing read yet: the tier is empty, the store unverified
+    m2, blobs2 = make_snapshot("second", 8, tokens=tokens)
+    assert (await fresh.save(m2, blobs2)).blobs_written == 1
+    assert await disk.get_blob(m1.head.state_blob) == blobs1[m1.head.state_blob]
+    await disk.close()
