@@ -29,6 +29,7 @@ from ..tokenizer import (
 from ..tokenizer.chat import ChatTemplate
 from .config import EngineConfig
 from .constraint import ToolChoiceConstraint, parse_tool_choice
+from .json_reply import JsonReplyConstraint, response_schema
 from .leases import LeaseKeeper
 from .pool import OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
 from .runner import Runner
@@ -364,9 +365,11 @@ class Engine:
         on_token: Callable[[int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
         tool_choice: Any = None,
+        response_format: Any = None,
     ) -> Work:
         """Queue the session's pending tokens for prefill and (unless prefill_only) generation.
-        Caller holds ``s.lock`` until the work has finished (see ``wait``)."""
+        Caller holds ``s.lock`` until the work has finished (see ``wait``). ``response_format`` (OpenAI's shape)
+        constrains the reply to JSON; it cannot be combined with a tool_choice that forces a call."""
         capacity = self.config.num_pages * self.config.page_size
         if s.num_tokens + (0 if prefill_only else params.max_tokens) > capacity:
             raise ValueError(
@@ -383,7 +386,12 @@ class Engine:
         if params.seed is not None:
             work.generator = torch.Generator().manual_seed(params.seed)
         choice = parse_tool_choice(tool_choice, s.tools)
-        if choice is not None:
+        schema = response_schema(response_format)
+        if schema is not None and choice not in (None, "none"):
+            raise ValueError("response_format cannot be combined with a tool_choice that forces a tool call")
+        if schema is not None:
+            work.constraint = JsonReplyConstraint(self.tokenizer, schema)
+        elif choice is not None:
             work.constraint = ToolChoiceConstraint(self.tokenizer, s.tools, choice)
         if not prompt:
             if not prefill_only:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from ..engine.constraint import parse_tool_choice
+from ..engine.json_reply import response_schema
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import Work
 from ..engine.types import CheckpointInfo, Done, Reply, StreamEvent, TokenDelta, ToolCallEvent, Usage
@@ -96,7 +97,9 @@ class Session:
         """A user message through the chat template, then the assistant's reply (tool calls parsed).
         ``sampling``: max_tokens, temperature, top_p, top_k, seed, stop, logprobs, ignore_eos, and
         tool_choice ("auto", "none", "required" or a function name / {"type": "function", ...}), which
-        constrains decoding to one valid call whose arguments match the tool's parameter schema."""
+        constrains decoding to one valid call whose arguments match the tool's parameter schema, and
+        response_format (OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema"}}),
+        which constrains the reply to one JSON value valid against the schema."""
         return await self._turn([{"role": "user", "content": content}], sampling)
 
     async def send_tool_result(self, call_id: str, output: str, **sampling: Any) -> Reply:
@@ -160,8 +163,10 @@ class Session:
         eng, s = self.engine, self.state
         sampling = dict(sampling)
         tool_choice = sampling.pop("tool_choice", None)
+        response_format = sampling.pop("response_format", None)
         params = _params(sampling)
         parse_tool_choice(tool_choice, s.tools)  # a bad choice fails before the session changes
+        response_schema(response_format)
         tok, tpl = eng.tokenizer, eng.template
         ids: list[int] = encode_end_of_turn(tok, tpl) if s.turn_open else []
         body = encode_chat_delta(tok, messages, add_generation_prompt=False, template=tpl, history=s.messages, tools=s.tools)
@@ -176,7 +181,8 @@ class Session:
         # the input's end: captured by this very prefill, from the state at that position
         cp = Checkpoint(name=name, position=boundary, state_pos=-1, num_messages=len(s.messages))
         try:
-            return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish, tool_choice=tool_choice)
+            return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish,
+                                   tool_choice=tool_choice, response_format=response_format)
         except BaseException:  # refused before anything ran (bad max_tokens, no room): the session is as it was
             del s.tokens[undo[0] :]
             del s.messages[undo[1] :]
