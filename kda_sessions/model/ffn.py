@@ -7,10 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-
-DENSE_ROUTING_MAX_TOKENS = 64
-"""On a GPU, batches of at most this many tokens (decode) run every expert instead of gathering tokens per
-expert, which needs the chosen experts on the host."""
+from ..kernels.moe import fused_moe
 
 
 class RMSNorm(nn.Module):
@@ -79,8 +76,10 @@ class MoE(nn.Module):
     def stack_experts(self) -> None:
         """Move the routed experts' weights into two stacked tensors, w13 [E, 2F, D] (w1 rows, then w3) and
         w2 [E, D, F], which the experts' own parameters then view: memory is unchanged, checkpoint names too, and
-        small batches on a GPU run the routed experts in two batched matmuls instead of ~7 kernels per expert.
-        A later ``.to()`` of the module breaks the views; the stacked path then turns itself off."""
+        the routed experts can run from them in place.
+        On a GPU the routed experts then run in the fused MoE kernels (``kernels.moe``), for decode and prefill
+        alike, with no host sync. A later ``.to()`` of the module breaks the views; the stacked path then turns
+        itself off."""
         if not len(self.experts) or self._stacked_weights() is not None:
             return
         first = self.experts[0]
@@ -112,59 +111,22 @@ class MoE(nn.Module):
         return w13, w2
 
     def forward(self, x: Tensor) -> Tensor:
-        """x [T, D] -> [T, D]."""
+        """x [T, D] -> [T, D]. On a GPU with stacked experts: the fused MoE kernels (no host sync, CUDA-graph
+        safe); otherwise the loop over the experts that received tokens (one host sync; ``naive_fused_moe``)."""
         scores = torch.sigmoid(x.float() @ self.gate.weight.float().t())  # [T, E]
         _, chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), self.top_k, dim=-1)  # [T, k]
         weights = scores.gather(-1, chosen)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         weights = (weights * self.scale).to(x.dtype)
-        if x.is_cuda and x.shape[0] <= DENSE_ROUTING_MAX_TOKENS:
-            stacked = self._stacked_weights()
-            if stacked is not None:
-                out = self._stacked_experts(x, chosen, weights, *stacked)
-            else:
-                out = self._all_experts(x, chosen, weights)
+        stacked = self._stacked_weights() if x.is_cuda else None
+        if stacked is not None:
+            out = fused_moe(x, *stacked, chosen, weights)
         else:
             out = torch.zeros_like(x)
-            # loop over experts that received tokens; the host sync is fine on a CPU and in a long prefill
             for e in torch.unique(chosen).tolist():
                 rows, slot = (chosen == e).nonzero(as_tuple=True)
                 out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
-
-    def _all_experts(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
-        """Every expert on every token, each scaled by its routing weight (zero where not chosen): no host sync
-        and fixed shapes, so a decode step can be captured in a CUDA graph. For a few tokens this reads the same
-        expert weights as the sparse loop (nearly every expert is chosen by someone) and the extra FLOPs are
-        negligible."""
-        dense = torch.zeros(x.shape[0], len(self.experts), dtype=x.dtype, device=x.device)
-        dense.scatter_(1, chosen, weights)  # [T, E]
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            out = out + expert(x) * dense[:, e, None]
-        return out
-
-    def _stacked_experts(self, x: Tensor, chosen: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-        """The routed experts from the stacked weights, no host sync, fixed shapes. x [T, D], chosen and weights
-        [T, k], w13 [E, 2F, D], w2 [E, D, F] -> [T, D]. When the T * k chosen experts are few against E, gather
-        their weights (one copy: about three times their bytes moved); otherwise run every expert on every token,
-        weighted by the routing (zero where not chosen)."""
-        T, k = chosen.shape
-        E, F2, D = w13.shape
-        Fw = F2 // 2
-        if 3 * T * k < E:
-            idx = chosen.reshape(-1)  # [T * k]
-            xr = x[:, None, :].expand(T, k, D).reshape(T * k, D)  # each token once per chosen expert
-            h = torch.bmm(w13.index_select(0, idx), xr[:, :, None])[..., 0]  # [T * k, 2F]
-            a = F.silu(h[:, :Fw]) * h[:, Fw:]  # [T * k, F]
-            y = torch.bmm(w2.index_select(0, idx), a[:, :, None])[..., 0]  # [T * k, D]
-            return (y.view(T, k, D) * weights[..., None]).sum(1)
-        dense = torch.zeros(T, E, dtype=x.dtype, device=x.device)
-        dense.scatter_(1, chosen, weights)  # [T, E]
-        h = torch.matmul(x, w13.transpose(1, 2))  # [E, T, 2F]
-        a = F.silu(h[..., :Fw]) * h[..., Fw:]  # [E, T, F]
-        y = torch.bmm(a, w2.transpose(1, 2))  # [E, T, D]
-        return (y * dense.t()[:, :, None]).sum(0)

@@ -22,10 +22,12 @@ import torch
 from torch import Tensor
 
 from .batch import DecodeInputs, StatePools
-from .ffn import DENSE_ROUTING_MAX_TOKENS
 from .model import HybridModel
 
 log = logging.getLogger(__name__)
+
+MAX_DECODE_BATCH = 64
+"""The default largest decode batch captured (buckets 1, 2, 4, ... 64)."""
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -65,20 +67,19 @@ class DecodeGraphs:
     """
 
     def __init__(
-        self, model: HybridModel, pools: StatePools, max_batch: int = DENSE_ROUTING_MAX_TOKENS,
+        self, model: HybridModel, pools: StatePools, max_batch: int = MAX_DECODE_BATCH,
         enabled: bool = True, min_width: int = 16, capture_lock: AbstractContextManager | None = None,
     ) -> None:
         if pools.scratch_slot is None or pools.scratch_page is None:
             raise ValueError("DecodeGraphs needs pools with a scratch slot and page (allocate_pools(scratch=True))")
-        # above DENSE_ROUTING_MAX_TOKENS the MoE gathers tokens per expert on the host: not capturable
-        self.max_batch = max(1, min(max_batch, DENSE_ROUTING_MAX_TOKENS))
+        self.max_batch = max(1, max_batch)
         self.buckets = batch_buckets(self.max_batch)
         self.model = model
         self.pools = pools
         self.device = model.device
         self.use_graphs = enabled and self.device.type == "cuda"
         if self.device.type == "cuda":
-            model.stack_experts()  # ~7 kernels per routed expert per layer become 2 batched matmuls
+            model.stack_experts()  # the routed experts then run in the fused MoE kernels, graph-safe
         self.min_width = min_width
         self.capture_lock = capture_lock or nullcontext()
         """Held while warming up and capturing (the engine's pool mutex keeps other threads off the device)."""

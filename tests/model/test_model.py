@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kda_sessions.config import ConfigError, ModelConfig
+from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.model import CheckpointError, load_model, save_model
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.loader import BUILTIN_DIR
@@ -146,27 +147,10 @@ def test_bounded_gate_model_runs(tmp_path, model):
     assert torch.isfinite(out).all() and not torch.allclose(out, model(torch.arange(20).view(1, 20)))
 
 
-def test_moe_dense_routing_matches_the_sparse_loop() -> None:
-    """The GPU decode path (every expert, weights zero where not chosen) equals the per-expert gather loop."""
-    model = load_model("tiny-random")
-    moe = next(m for m in model.modules() if isinstance(m, MoE))
-    x = torch.randn(16, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
-    sparse = moe(x)
-    scores = torch.sigmoid(x @ moe.gate.weight.t())
-    _, chosen = torch.topk(scores + moe.gate.e_score_correction_bias, moe.top_k, dim=-1)
-    w = scores.gather(-1, chosen)
-    w = w / w.sum(-1, keepdim=True) * moe.scale
-    dense = moe._all_experts(x, chosen, w)
-    assert moe.shared_experts is not None
-    dense = dense + moe.shared_experts(x)
-    assert torch.allclose(dense, sparse, rtol=1e-5, atol=1e-5)
-    assert not torch.allclose(dense, moe.shared_experts(x))  # routed experts contributed
-
-
 @pytest.mark.parametrize("T", [1, 2, 16], ids=lambda t: f"T{t}")
 def test_moe_stacked_experts_match_the_sparse_loop(T: int) -> None:
-    """stack_experts keeps the weights (the experts view the stacked tensors) and the stacked decode path (gather
-    of the chosen experts for few tokens, every expert batched for more) equals the per-expert loop."""
+    """stack_experts keeps the weights (the experts view the stacked tensors), and the fused MoE's twin on the
+    stacked weights equals the layer's per-expert loop."""
     model = load_model("tiny-random")
     moe = next(m for m in model.modules() if isinstance(m, MoE))
     before = {n: t.clone() for n, t in moe.state_dict().items()}
@@ -181,7 +165,7 @@ def test_moe_stacked_experts_match_the_sparse_loop(T: int) -> None:
     _, chosen = torch.topk(scores + moe.gate.e_score_correction_bias, moe.top_k, dim=-1)
     w = scores.gather(-1, chosen)
     w = w / w.sum(-1, keepdim=True) * moe.scale
-    routed = moe._stacked_experts(x, chosen, w, *stacked)
+    routed = naive_fused_moe(x, *stacked, chosen, w)
     assert moe.shared_experts is not None
     assert torch.allclose(routed + moe.shared_experts(x), sparse, rtol=1e-5, atol=1e-5)
     assert torch.equal(moe(x), sparse)  # the CPU path is the loop, unchanged
