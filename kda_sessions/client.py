@@ -215,8 +215,16 @@ class Client:
     def stats(self) -> dict[str, Any]:
         """The server engine's counters. Synchronous like ``Engine.stats``, so it blocks for one short HTTP
         request; in async code prefer ``await client.astats()``."""
+        return self.get_blocking("/v1/stats")  # type: ignore[no-any-return]
+
+    def get_blocking(self, path: str) -> Any:
+        """One GET that blocks the caller: for the synchronous members that mirror ``Engine`` / ``Session``
+        (``stats()``, ``RemoteSession.messages``)."""
         with httpx.Client(base_url=self.base_url, headers=self._headers, timeout=self._timeout) as http:
-            r = http.get("/v1/stats")
+            try:
+                r = http.get(path)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                raise ServerUnreachable(f"cannot reach {self.base_url}: {e}") from e
         if r.status_code >= 400:
             raise error_from_body(r.status_code, _json_or_none(r))
         return r.json()
@@ -226,23 +234,52 @@ class Client:
 
 
 class RemoteSession:
-    """A session held by the server; the same methods as ``ks.Session``."""
+    """A session held by the server; the same methods and properties as ``ks.Session``."""
 
     def __init__(self, client: Client, info: SessionInfo) -> None:
         self.client = client
         self._id = info.session_id
         self.info = info
+        # the context length as of the last answer from the server; None once a call ended without one (an
+        # error, a stream left early), and then the next read asks the server
+        self._num_tokens: int | None = info.num_tokens
 
     @property
     def id(self) -> str:
         return self._id
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the context. Known from the server's last answer; where a call ended without one, read
+        from the server (a short blocking request)."""
+        if self._num_tokens is None:
+            self._num_tokens = int(self.client.get_blocking(_path(self._id) + "/messages")["num_tokens"])
+        return self._num_tokens
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The chat messages so far, as the server holds them (a short blocking request: the history can be
+        long, so it is not mirrored here)."""
+        data = self.client.get_blocking(_path(self._id) + "/messages")
+        self._num_tokens = int(data["num_tokens"])
+        return list(data["data"])
+
     def __repr__(self) -> str:
-        return f"RemoteSession({self._id!r})"
+        return f"RemoteSession({self._id!r}, num_tokens={self._num_tokens})"
+
+    async def _call(self, route: str, body: Any = None, *, idempotent: bool = False) -> Any:
+        """A call that may change the context: its length is unknown until the answer says it."""
+        self._num_tokens = None
+        return await self.client.request("POST", _path(self._id) + route, body, idempotent=idempotent)
+
+    def _replied(self, reply: Reply) -> Reply:
+        self._num_tokens = reply.usage.prompt_tokens + reply.usage.completion_tokens
+        return reply
 
     async def append(self, tokens: list[int] | str) -> Usage:
-        data = await self.client.request("POST", _path(self._id) + "/append", {"tokens": tokens})
-        return Usage.model_validate(data)
+        usage = Usage.model_validate(await self._call("/append", {"tokens": tokens}))
+        self._num_tokens = usage.prompt_tokens
+        return usage
 
     async def generate(
         self,
@@ -257,7 +294,7 @@ class RemoteSession:
     ) -> Reply:
         body = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stop": stop, "top_p": top_p,
                 "top_k": top_k, "logprobs": logprobs, "ignore_eos": ignore_eos}
-        return Reply.model_validate(await self.client.request("POST", _path(self._id) + "/generate", body))
+        return self._replied(Reply.model_validate(await self._call("/generate", body)))
 
     async def send(self, content: str, **sampling: Any) -> Reply:
         return await self._messages({"content": content}, sampling)
@@ -270,8 +307,7 @@ class RemoteSession:
 
     async def _messages(self, body: dict[str, Any], sampling: dict[str, Any]) -> Reply:
         _check_sampling(sampling, frozenset({"tool_choice"}))
-        data = await self.client.request("POST", _path(self._id) + "/messages", {**body, **sampling})
-        return Reply.model_validate(data)
+        return self._replied(Reply.model_validate(await self._call("/messages", {**body, **sampling})))
 
     async def stream(self, content: str | list[dict[str, Any]], **sampling: Any) -> AsyncIterator[StreamEvent]:
         """Like ``send`` but yields ``TokenDelta`` / ``ToolCallEvent`` as they come, then ``Done``.
@@ -279,8 +315,11 @@ class RemoteSession:
         _check_sampling(sampling)
         body: dict[str, Any] = {"content": content} if isinstance(content, str) else {"messages": content}
         events = self.client.stream_events(_path(self._id) + "/messages", {**body, **sampling, "stream": True})
+        self._num_tokens = None
         try:
             async for ev in events:
+                if isinstance(ev, Done):
+                    self._replied(ev.reply)
                 yield ev
         finally:
             await events.aclose()  # type: ignore[attr-defined]

@@ -57,3 +57,40 @@ def test_class_satisfies_protocol(impl, proto):
         assert g_ret == w_ret, f"{impl.__name__}.{name} returns {g_ret}, protocol says {w_ret}"
         if name != "stream":  # an async generator function is declared as a plain def in the protocol
             assert g_async == w_async, f"{impl.__name__}.{name}: async mismatch"
+
+
+def _public(cls: type) -> dict[str, str]:
+    """Every public member a class defines (its own and inherited), by kind."""
+    kinds: dict[str, str] = {}
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        member = inspect.getattr_static(cls, name)
+        if isinstance(member, property):
+            kinds[name] = "property"
+        elif inspect.isasyncgenfunction(member):
+            kinds[name] = "async generator"
+        elif inspect.iscoroutinefunction(member):
+            kinds[name] = "async method"
+        elif callable(member):
+            kinds[name] = "method"
+    return kinds
+
+
+def test_session_classes_expose_the_same_members():
+    """Not only the protocol's members: anything a user can reach on one session class exists on the other,
+    as the same kind (property, coroutine, async generator) with the same parameters."""
+    local, remote = _public(ks.Session), _public(RemoteSession)
+    assert local == remote, f"only on Session: {set(local.items()) - set(remote.items())}; " \
+                            f"only on RemoteSession: {set(remote.items()) - set(local.items())}"
+    for name, kind in local.items():
+        if kind == "property":
+            continue
+        g_params, g_ret, _ = _shape(getattr(RemoteSession, name))
+        w_params, w_ret, _ = _shape(getattr(ks.Session, name))
+        assert g_params == w_params, f"RemoteSession.{name} parameters differ from Session.{name}"
+        assert g_ret == w_ret, f"RemoteSession.{name} returns {g_ret}, Session.{name} {w_ret}"
+
+
+def test_session_protocol_names_every_public_member():
+    assert set(_public(ks.Session)) == set(_members(SessionLike))
