@@ -78,6 +78,13 @@ async def get_session(session_id: str, request: Request) -> SessionInfo:
     raise SessionNotFound(f"no session {session_id!r}")
 
 
+@router.get("/{session_id}/messages")
+async def get_messages(session_id: str, request: Request) -> dict[str, Any]:
+    """The session's chat messages and context length (what ``Session.messages`` / ``num_tokens`` give)."""
+    s = await _session(request, session_id)
+    return {"object": "list", "session_id": s.id, "num_tokens": s.num_tokens, "data": s.messages}
+
+
 @router.delete("/{session_id}")
 async def delete_session(session_id: str, request: Request) -> dict[str, Any]:
     await (await _engine(request)).delete_session(session_id)
