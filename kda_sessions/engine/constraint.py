@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..tokenizer import Tokenizer
-from .json_prefix import json_prefix
+from .json_prefix import check_schema, json_prefix
 from .sampler import SamplingParams
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -33,6 +33,22 @@ _CLOSING_ORDER = b'"}],:0tn[{'
 
 def _function(tool: dict[str, Any]) -> dict[str, Any]:
     return tool.get("function", tool)
+
+
+def check_tools(tools: list[dict[str, Any]] | None) -> None:
+    """Admission check of tool declarations: each names a function and its parameter schema is one constrained
+    decoding can always finish (``check_schema``); ValueError naming the field otherwise."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ValueError(f"tools must be a list of tool declarations, got {type(tools).__name__}")
+    for i, tool in enumerate(tools):
+        fn = _function(tool) if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
+        params = fn.get("parameters")
+        if params is not None:
+            check_schema(params, f"tools[{i}].function.parameters")
 
 
 def parse_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
@@ -56,6 +72,7 @@ def parse_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> s
 
 class ToolChoiceConstraint:
     def __init__(self, tokenizer: Tokenizer, tools: list[dict[str, Any]] | None, choice: str) -> None:
+        check_tools(tools)
         self.tok = tokenizer
         self.choice = choice
         self.forbid = {tokenizer.token_to_id(SECTION_BEGIN), tokenizer.token_to_id(CALL_BEGIN)} if choice == "none" else set()
@@ -158,11 +175,16 @@ class ToolChoiceConstraint:
 
 def _choose(logits: Tensor, valid: Callable[[int], bool], params: SamplingParams, generator: torch.Generator | None) -> int:
     order = torch.argsort(logits, descending=True).tolist()
-    if params.temperature == 0:
+    if params.greedy:
         for t in order:
             if valid(t):
                 return t
         raise RuntimeError("constrained decoding found no valid token")
-    pool = [t for t in order[:_SAMPLE_POOL] if valid(t)] or [next(t for t in order if valid(t))]
-    probs = torch.softmax(logits[pool].float() / params.temperature, dim=-1)
+    pool = [t for t in order[:_SAMPLE_POOL] if valid(t)]
+    if not pool:
+        pool = [next((t for t in order if valid(t)), -1)]
+        if pool[0] < 0:
+            raise RuntimeError("constrained decoding found no valid token")
+    scaled = logits[pool].float()
+    probs = torch.softmax((scaled - scaled.max()) / params.temperature, dim=-1)  # max 0: no overflow
     return pool[int(torch.multinomial(probs, 1, generator=generator))]

@@ -29,6 +29,7 @@ from ..tokenizer import (
 from ..tokenizer.chat import ChatTemplate
 from .config import EngineConfig
 from .constraint import ToolChoiceConstraint, parse_tool_choice
+from .json_prefix import check_schema
 from .json_reply import JsonReplyConstraint, response_schema
 from .leases import LeaseKeeper
 from .pool import OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
@@ -376,23 +377,26 @@ class Engine:
                 f"max_tokens={params.max_tokens} after a context of {s.num_tokens} tokens exceeds this engine's KV "
                 f"capacity of {capacity} tokens"
             )
+        # everything a request can get wrong is refused here, before the session or the pools change
+        choice = parse_tool_choice(tool_choice, s.tools)
+        schema = response_schema(response_format)
+        if schema is not None and choice not in (None, "none"):
+            raise ValueError("response_format cannot be combined with a tool_choice that forces a tool call")
+        constraint: ToolChoiceConstraint | JsonReplyConstraint | None = None
+        if schema is not None:
+            check_schema(schema, "response_format.json_schema.schema")
+            constraint = JsonReplyConstraint(self.tokenizer, schema)
+        elif choice is not None:
+            constraint = ToolChoiceConstraint(self.tokenizer, s.tools, choice)
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         await self._make_resident(s)
         await self.ensure_pages(s, s.num_tokens + (0 if prefill_only else params.max_tokens))
         prompt = s.tokens[s.num_cached :]
         if prefill_only:
             prompt = prompt[:-1]  # keep one token pending so the next generate has logits to sample from
-        work = Work(session=s, prompt=prompt, params=params, prefill_only=prefill_only, on_token=on_token, on_finish=on_finish)
+        work = Work(session=s, prompt=prompt, params=params, prefill_only=prefill_only, on_token=on_token,
+                    on_finish=on_finish, generator=generator, constraint=constraint)
         work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
-        if params.seed is not None:
-            work.generator = torch.Generator().manual_seed(params.seed)
-        choice = parse_tool_choice(tool_choice, s.tools)
-        schema = response_schema(response_format)
-        if schema is not None and choice not in (None, "none"):
-            raise ValueError("response_format cannot be combined with a tool_choice that forces a tool call")
-        if schema is not None:
-            work.constraint = JsonReplyConstraint(self.tokenizer, schema)
-        elif choice is not None:
-            work.constraint = ToolChoiceConstraint(self.tokenizer, s.tools, choice)
         if not prompt:
             if not prefill_only:
                 raise ValueError(f"session {s.id!r} has no tokens to continue from; append some first")

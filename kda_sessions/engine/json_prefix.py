@@ -6,6 +6,11 @@ arguments a valid prefix. Supported schema subset: type (object, array, string, 
 null, or a list of them), properties, required, additionalProperties, items, enum of strings; other keywords
 are not enforced while decoding (the finished call is still validated). Output is compact JSON: whitespace
 outside strings is not allowed, so the model cannot pad forever.
+
+``check_schema(schema, where)`` is the admission check: it refuses (ValueError naming the keyword's path) a
+schema outside that subset's shapes, or one with a part that admits no value (an empty or unknown type, an
+empty enum, a required property that additionalProperties forbids), because decoding would reach a point where
+no byte is allowed. A schema it accepts never leaves the decoder without a next byte.
 """
 
 from __future__ import annotations
@@ -36,12 +41,67 @@ class _Bad(Exception):
     pass
 
 
+MAX_SCHEMA_DEPTH = 32
+"""Nesting accepted in a tool schema (the decoder's parser recurses once per level)."""
+
+
+def check_schema(schema: Any, where: str = "parameters", depth: int = 0) -> None:
+    """ValueError naming ``where.keyword`` if ``schema`` is not one the decoder can always finish (module doc)."""
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where} must be a JSON schema object, got {type(schema).__name__}")
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{where} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    t = schema.get("type")
+    if t is not None:
+        names = [t] if isinstance(t, str) else t if isinstance(t, list) else None
+        if names is None or not names or not all(isinstance(x, str) for x in names):
+            raise ValueError(f"{where}.type must be a type name or a non-empty list of them, got {t!r}")
+        unknown = [x for x in names if x not in _FIRST]
+        if unknown:
+            raise ValueError(f"{where}.type: unknown type {unknown[0]!r}; known: {sorted(_FIRST)}")
+    if "enum" in schema:
+        enum = schema["enum"]
+        if not isinstance(enum, list) or not enum:
+            raise ValueError(f"{where}.enum must be a non-empty list, got {enum!r}")
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise ValueError(f"{where}.properties must be an object, got {type(props).__name__}")
+    for name, sub in props.items():
+        check_schema(sub, f"{where}.properties.{name}", depth + 1)
+    extra = _extra(schema)
+    if isinstance(extra, dict):
+        check_schema(extra, f"{where}.additionalProperties", depth + 1)
+    elif not isinstance(extra, bool):
+        raise ValueError(f"{where}.additionalProperties must be a boolean or a schema, got {extra!r}")
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        raise ValueError(f"{where}.required must be a list of property names, got {required!r}")
+    if "object" in _types(schema):
+        barred = [r for r in required if r not in props and extra is False]
+        if barred:
+            raise ValueError(f"{where}.required names {barred[0]!r}, which additionalProperties false forbids: "
+                             "no object satisfies this schema")
+    items = schema.get("items")
+    if isinstance(items, dict):
+        check_schema(items, f"{where}.items", depth + 1)
+    elif items is not None and not isinstance(items, (list, bool)):
+        raise ValueError(f"{where}.items must be a schema, got {items!r}")
+
+
+def _extra(schema: dict[str, Any]) -> Any:
+    """additionalProperties; unset, extra keys are allowed only where no properties are declared or a required
+    name is not among them (compact output: a model given named properties writes those)."""
+    props = schema.get("properties") or {}
+    required = schema.get("required") or []
+    return schema.get("additionalProperties", not props or any(r not in props for r in required))
+
+
 def _types(schema: dict[str, Any]) -> list[str]:
     t = schema.get("type")
     if isinstance(t, str):
-        return [t]
+        return [t] if t in _FIRST else []
     if isinstance(t, list):
-        return [x for x in t if x in _FIRST]
+        return [x for x in t if isinstance(x, str) and x in _FIRST]
     if "properties" in schema:
         return ["object"]
     if "enum" in schema and all(isinstance(v, str) for v in schema["enum"]):
@@ -90,7 +150,7 @@ class _Parser:
         self.take({ord("{")})
         props: dict[str, Any] = schema.get("properties") or {}
         required = set(schema.get("required") or [])
-        extra = schema.get("additionalProperties", not props)
+        extra = _extra(schema)
         seen: set[str] = set()
         while True:
             left = [k for k in props if k not in seen]

@@ -17,6 +17,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 from ..errors import CheckpointNotFound, SessionNotFound
 from ..sessions.state import SessionState
 from ..storage.manifest import SESSION_ID_PATTERN
+from .constraint import check_tools
 from .types import SessionInfo
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class TenantEngine:
 
         eng = self.engine
         sid = self._check_new_id(session_id)
+        check_tools(tools)
         tokens = encode_chat(eng.tokenizer, messages, tools, add_generation_prompt=False, template=eng.template) if (messages or tools) else []
         s = await self._start_from_prefix(sid, tokens)
         s.system = next((m.get("content") for m in messages if m.get("role") == "system"), None)
