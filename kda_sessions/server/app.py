@@ -49,7 +49,8 @@ def build_app(engine: Engine | None, settings: ServerSettings) -> FastAPI:
     app.state.metrics = metrics = Metrics()
     app.state.started = int(time.time())
     app.state.inflight = InFlight()
-    app.state.stateless = StatelessSessions(settings.stateless_session_ttl_s, settings.max_stateless_sessions)
+    app.state.stateless = StatelessSessions(settings.stateless_session_ttl_s, settings.max_stateless_sessions,
+                                            save=settings.save_chat_sessions, retention_s=settings.chat_session_retention_s)
     if engine is not None:
         app.state.engine = engine
     install_error_handlers(app)

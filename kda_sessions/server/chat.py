@@ -37,6 +37,8 @@ def sampling_args(req: ChatCompletionRequest, settings: ServerSettings) -> dict[
         "stop": req.stop,
         "logprobs": bool(req.logprobs),
     }
+    if req.response_format is not None and req.response_format.plain() is not None:
+        args["response_format"] = req.response_format.plain()
     if req.ignore_eos:
         args["ignore_eos"] = True
     if req.top_k:
@@ -74,11 +76,20 @@ def tool_choice_met(tool_choice: Any, calls: list[ToolCall]) -> bool:
 
 
 def finish_reason(reply_reason: str, calls: list[ToolCall]) -> str:
+    """OpenAI's finish_reason. A reply cut by max_tokens is "length" even when it holds a call (a forced
+    call's arguments may be cut short; a complete one is still returned)."""
+    if reply_reason == "length":
+        return "length"
     if calls:
         return "tool_calls"
-    if reply_reason == "tool_calls":  # every call was dropped
-        return "stop"
-    return "length" if reply_reason == "length" else "stop"
+    return "stop"  # also when every call was dropped
+
+
+def unique_call_ids(calls: list[ToolCall]) -> list[ToolCall]:
+    """The calls with ids unique to this reply: the model's own id (``functions.NAME:0``, what the chat
+    template renders) plus ``#`` and 8 random hex digits, which schemas.model_call_id strips from a resent
+    history, so the tokens re-encode exactly."""
+    return [c.model_copy(update={"id": f"{c.id}#{secrets.token_hex(4)}"}) for c in calls]
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
@@ -109,25 +120,66 @@ def logprobs_body(token_ids: list[int], logprobs: list[float] | None, decode: An
     return {"content": content, "refusal": None}
 
 
-def new_completion_id() -> str:
-    return "chatcmpl-" + secrets.token_hex(12)
+def new_completion_id(prefix: str = "chatcmpl-") -> str:
+    return prefix + secrets.token_hex(12)
 
 
-def completion_body(
-    reply: Reply, calls: list[ToolCall], model: str, completion_id: str, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def choice_body(index: int, reply: Reply, calls: list[ToolCall], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice; ``session_id`` (extension) names the session holding it: the request's for choice 0, a
+    fork of the prompt's state for the others."""
     message: dict[str, Any] = {"role": "assistant", "content": reply.text if (reply.text or not calls) else None,
                                "refusal": None}
     if calls:
         message["tool_calls"] = [tool_call_body(c) for c in calls]
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason(reply.finish_reason, calls), "session_id": reply.session_id}
+
+
+def completion_body(
+    reply: Reply, calls: list[ToolCall], model: str, completion_id: str, logprobs: dict[str, Any] | None = None,
+    more: list[tuple[Reply, list[ToolCall], dict[str, Any] | None]] | None = None,
+) -> dict[str, Any]:
+    """The chat.completion object: ``reply`` is choice 0, ``more`` the other choices (n > 1); usage counts the
+    prompt once and every choice's completion tokens."""
+    choices = [choice_body(0, reply, calls, logprobs)]
+    more = more or []
+    choices += [choice_body(i, r, c, lp) for i, (r, c, lp) in enumerate(more, 1)]
+    usage = reply.usage
+    if more:
+        usage = usage.model_copy(update={"completion_tokens": usage.completion_tokens
+                                         + sum(r.usage.completion_tokens for r, _, _ in more)})
     return {
         "id": completion_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": message, "logprobs": logprobs,
-                     "finish_reason": finish_reason(reply.finish_reason, calls)}],
-        "usage": usage_body(reply.usage),
+        "choices": choices,
+        "usage": usage_body(usage),
+        "system_fingerprint": None,
+        "session_id": reply.session_id,
+    }
+
+
+def text_completion_body(reply: Reply, model: str, completion_id: str, with_logprobs: bool, decode: Any) -> dict[str, Any]:
+    """``/v1/completions``' text_completion object."""
+    logprobs = None
+    if with_logprobs and reply.logprobs is not None:
+        tokens = [decode([t]) for t in reply.token_ids]
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        logprobs = {"tokens": tokens, "token_logprobs": reply.logprobs, "top_logprobs": None, "text_offset": offsets}
+    finish = "length" if reply.finish_reason == "length" else "stop"
+    usage = usage_body(reply.usage)
+    usage.pop("completion_tokens_details")
+    return {
+        "id": completion_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": reply.text, "logprobs": logprobs, "finish_reason": finish}],
+        "usage": usage,
         "system_fingerprint": None,
         "session_id": reply.session_id,
     }

@@ -115,6 +115,11 @@ def install_error_handlers(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         errors = exc.errors()
         first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":  # its loc is (body, character offset), not a field
+            at = first.get("loc", ("body", 0))[-1]
+            reason = first.get("ctx", {}).get("error", "JSON decode error")
+            return ApiError(400, f"the request body is not valid JSON: {reason} at character {at}",
+                            "invalid_json").response()
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(_describe(e) for e in errors[:5])
         return ApiError(400, message or "invalid request", "invalid_request", param=".".join(loc) or None).response()

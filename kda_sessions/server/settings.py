@@ -19,10 +19,10 @@ class ServerSettings(BaseModel):
     port: int = Field(default=8000, ge=0, le=65535)
     """0 picks a free port (tests)."""
     api_keys: list[str] = Field(default_factory=list)
+    """Accepted bearer keys; empty means no auth, which is refused on a non-loopback host."""
     tenants: dict[str, list[str]] = Field(default_factory=dict)
     """Tenant name -> its API keys. Sessions, checkpoints, stored blobs and prefix reuse are scoped to a tenant;
     each key in ``api_keys`` is a tenant of its own."""
-    """Accepted bearer keys; empty means no auth, which is refused on a non-loopback host."""
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
     """Larger request bodies get 413, checked before the body is buffered."""
     rate_limit_per_minute: int | None = Field(default=None, ge=1)
@@ -33,13 +33,22 @@ class ServerSettings(BaseModel):
     """max_tokens of a chat completion that names none."""
     served_model_name: str | None = None
     """The id /v1/models reports; default: the model's name."""
+    served_model_aliases: list[str] = Field(default_factory=list)
+    """Other ``model`` names a request may give; any other name is refused with 404 ``model_not_found``."""
     stateless_session_ttl_s: float = Field(default=120.0, ge=0)
-    """A session created by a chat completion without ``session_id`` is forgotten from memory after this long
-    idle (see server/stateless.py); the store keeps it only if the client saved it."""
+    """A session created by a chat completion without ``session_id`` is forgotten from memory (slot, pages,
+    checkpoint states) after this long idle; it stays in the store (see server/stateless.py)."""
     max_stateless_sessions: int = Field(default=32, ge=1)
-    """At most this many such sessions are held; beyond it the least recently used idle ones are forgotten. Each
-    holds up to ``engine.max_checkpoints_in_memory`` checkpoint states on the host (40 MiB each at Kimi-Linear's
-    shape), so this bounds their memory."""
+    """At most this many such sessions are held in memory; beyond it the least recently used idle ones are
+    forgotten (they stay in the store). Each holds up to ``engine.max_checkpoints_in_memory`` checkpoint states
+    on the host (40 MiB each at Kimi-Linear's shape), so this bounds their memory."""
+    save_chat_sessions: bool = True
+    """Save the session of every chat completion once its reply is sent, so its ``session_id`` answers after the
+    server forgets it, evicts it or restarts. False: such sessions live in memory only (and answer 404 once
+    forgotten), unless the client saves them (``POST /v1/sessions/{id}/save``)."""
+    chat_session_retention_s: float = Field(default=7 * 86_400.0, ge=0)
+    """A session created by a chat completion without ``session_id`` (id ``s_chat_...``) is deleted from the
+    store once it has not been used for this long; 0 keeps it until it is deleted."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
     log_level: str = "info"
 
@@ -54,3 +63,9 @@ class ServerSettings(BaseModel):
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def model_names(self) -> set[str]:
+        """Every name a request's ``model`` may give: the served name, the model as given and its folder
+        name, and the aliases."""
+        return {self.model_name, self.model, self.model.rstrip("/").rsplit("/", 1)[-1], *self.served_model_aliases}

@@ -1,41 +1,60 @@
-"""Sessions created by chat completions that named no ``session_id``: held for a while, then forgotten.
+"""Sessions answered through chat completions: saved after every turn, held in memory for a while, expired
+from the store by a documented policy.
 
 An OpenAI-style client sends its whole history with every request; each such request becomes a new session
-(started from the longest stored prefix) whose id the response carries, so the client may continue it. Nobody
-deletes those sessions, so without a bound every request would keep a session (its token history, checkpoint
-states, and a slot and KV pages or, once evicted, a snapshot written to the store) for the life of the server.
-``StatelessSessions`` forgets such a session from the engine's memory once it has been idle for
-``stateless_session_ttl_s`` (120 s) or when more than ``max_stateless_sessions`` (32) are held (least recently used first).
-A session the client saved (``POST /v1/sessions/{id}/save``) resumes from the store afterwards; an unsaved one
-answers 404, and a copy the engine wrote only to evict it under memory pressure is deleted from the store when
-it is forgotten, so the store does not grow with every request either. Sessions created through
-``/v1/sessions`` are never forgotten.
+(id ``s_chat_...``, started from the longest stored prefix) whose id the response carries, so the client may
+continue it with ``session_id``. The policy (``ServerSettings``; flags of ``kda-sessions serve``):
+
+* Durable: once a chat completion's reply is sent, its session is saved (``save_chat_sessions``). The client
+  does not wait for the write and other sessions' decode does not either (snapshot I/O runs off the forward
+  path; only this session's next request waits for it). Its ``session_id`` then answers after the session is
+  forgotten from memory, evicted, or the server restarts.
+* Memory: a session created without ``session_id`` is forgotten from the engine's memory (its slot, KV pages and
+  checkpoint states) once idle for ``stateless_session_ttl_s`` (120 s) or when more than
+  ``max_stateless_sessions`` (32) are held, least recently used first; its next request resumes it from the
+  store. One whose last save failed is kept in memory until a save succeeds.
+* Store: an ``s_chat_`` session not used for ``chat_session_retention_s`` (7 days; 0: never) is deleted from
+  the store; until then it answers. Sessions created through ``/v1/sessions`` are never forgotten or expired.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+
+import anyio
 
 from ..engine.tenancy import TenantEngine
+from ..sessions.session import Session
 
 log = logging.getLogger(__name__)
 
 Key = tuple[str | None, str]
+CHAT_SESSION_PREFIX = "s_chat_"
+
+
+def new_chat_session_id() -> str:
+    """An id for a session a chat completion creates: 128 random bits, marked for the retention policy."""
+    return CHAT_SESSION_PREFIX + secrets.token_hex(16)
 
 
 class StatelessSessions:
-    """LRU of (tenant, session id) -> last use, for sessions created by stateless requests."""
+    """LRU of (tenant, session id) -> last use, for sessions created by chat completions, and their saves."""
 
-    def __init__(self, ttl_s: float, max_sessions: int) -> None:
+    def __init__(self, ttl_s: float, max_sessions: int, *, save: bool = True, retention_s: float = 0.0) -> None:
         self.ttl_s = ttl_s
         self.max_sessions = max_sessions
+        self.save = save
+        self.retention_s = retention_s
         self._last_used: OrderedDict[Key, float] = OrderedDict()
         self._in_use: dict[Key, int] = {}
+        self._unsaved: set[Key] = set()
+        self._expired_at: dict[str | None, float] = {}
         self.forgotten = 0
+        self.saved = 0
+        self.expired = 0
 
     def __len__(self) -> int:
         return len(self._last_used)
@@ -43,24 +62,43 @@ class StatelessSessions:
     def __contains__(self, key: object) -> bool:
         return key in self._last_used
 
-    @asynccontextmanager
-    async def use(self, view: TenantEngine, session_id: str, *, created: bool) -> AsyncIterator[None]:
-        """Around one request on ``session_id``: track it if ``created`` (or already tracked), keep it from
-        being forgotten while the request runs, then forget what is idle too long or too many."""
+    def begin(self, view: TenantEngine, session_id: str, *, created: bool) -> None:
+        """Before a request on ``session_id``: track it if ``created`` (or already tracked) and keep it from
+        being forgotten until ``finish``."""
         key = (view.tenant, session_id)
-        tracked = created or key in self._last_used
-        if tracked:
-            self._in_use[key] = self._in_use.get(key, 0) + 1
+        self._in_use[key] = self._in_use.get(key, 0) + 1
+        if created or key in self._last_used:
             self._touch(key)
-        try:
-            yield
-        finally:
-            if tracked:
+
+    async def finish(self, view: TenantEngine, session: Session) -> None:
+        """After the request (its reply sent): save the session, then forget what is idle too long or too many
+        and expire what the retention policy says. Never raises: the reply is already out."""
+        key = (view.tenant, session.id)
+        with anyio.CancelScope(shield=True):
+            try:
+                if self.save:
+                    await self._save(key, session)
+            finally:
                 self._in_use[key] -= 1
                 if not self._in_use[key]:
                     del self._in_use[key]
-                self._touch(key)
-            await self.sweep(view)
+                if key in self._last_used:
+                    self._touch(key)
+            try:
+                await self.sweep(view)
+                await self.expire(view)
+            except Exception as e:  # a store outage: the next request sweeps again
+                log.warning("sweeping chat sessions failed: %s: %s", type(e).__name__, e)
+
+    async def _save(self, key: Key, session: Session) -> None:
+        try:
+            await session.save()
+        except Exception as e:  # kept in memory (and retried before it is forgotten)
+            self._unsaved.add(key)
+            log.warning("session %s: save after the turn failed: %s: %s", key[1], type(e).__name__, e)
+        else:
+            self._unsaved.discard(key)
+            self.saved += 1
 
     def _touch(self, key: Key) -> None:
         self._last_used[key] = time.monotonic()
@@ -82,10 +120,40 @@ class StatelessSessions:
                 break
         n = 0
         for key in victims:
-            if await view.forget(key[1], drop_unsaved=True) or not view.holds(key[1]):
+            if key in self._unsaved and view.holds(key[1]):
+                await self._save(key, await view.resume(key[1]))
+                if key in self._unsaved:
+                    continue
+            # saved sessions stay in the store; with saving off, an evicted copy nobody asked for is dropped
+            if await view.forget(key[1], drop_unsaved=not self.save) or not view.holds(key[1]):
                 self._last_used.pop(key, None)
                 n += 1
         self.forgotten += n
         if n:
-            log.debug("forgot %d idle stateless sessions (%d held)", n, len(self._last_used))
+            log.debug("forgot %d idle chat sessions (%d held)", n, len(self._last_used))
+        return n
+
+    async def expire(self, view: TenantEngine, *, force: bool = False) -> int:
+        """Delete this tenant's stored ``s_chat_`` sessions unused for longer than the retention (at most every
+        quarter of it, and at least hourly); how many were deleted."""
+        if self.retention_s <= 0:
+            return 0
+        now = time.time()
+        if not force and now - self._expired_at.get(view.tenant, 0.0) < min(self.retention_s / 4, 3600.0):
+            return 0
+        self._expired_at[view.tenant] = now
+        n = 0
+        for sid in await view.io.list_stored():
+            if not sid.startswith(CHAT_SESSION_PREFIX) or view.holds(sid):
+                continue
+            try:
+                manifest = await view.io.snapshots.load_manifest(sid)
+            except Exception:  # unreadable or deleted meanwhile: not ours to judge
+                continue
+            if now - manifest.saved_at > self.retention_s:
+                await view.delete_session(sid)
+                n += 1
+        self.expired += n
+        if n:
+            log.info("deleted %d chat sessions unused for %.0f s", n, self.retention_s)
         return n
