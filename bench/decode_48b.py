@@ -1,0 +1,324 @@
+"""Decode step of the Kimi-Linear-48B-A3B shape on one GPU: the fused MoE against the gathered-copy MoE it
+replaces, next to the floor set by the bytes a step must read.
+
+The model is built on the device in bf16 with random weights (D 2304, 27 layers: 20 KDA + 7 MLA, 256 experts top
+8 of width 1024 plus a shared expert, layer 1 dense of width 9216, vocabulary 163,840; 49 B parameters, ~98 GB).
+The context is not prefilled: latent KV pages and KDA states hold random values (content does not change the
+cost). Each case captures ``DecodeGraphs`` and times back-to-back graph replays between two CUDA events.
+
+MoE modes: ``fused`` (the library: ``kernels.moe.fused_moe``) and ``gather`` (the routed-expert code the fused
+kernels replaced, kept here as the baseline: ``index_select`` copies of the chosen experts' weights and batched
+matmuls when 3 T k < E, else every expert on every token weighted by the routing).
+
+The floor counts the bytes a step reads at least: every non-routed weight once (attention, norms, router,
+shared experts, dense layer, lm_head), each routed expert chosen in the step once (its three matrices), the
+latent KV of every sequence, and the KDA states read and written; divided by 4.8 TB/s (the H200's HBM peak).
+
+    python bench/decode_48b.py --out $OUT/decode_48b.json                # on the device (about 4 minutes)
+    python bench/decode_48b.py --quick --device cpu                      # tiny sizes, to check the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kda_sessions.config import ModelConfig
+from kda_sessions.kernels.moe import fused_moe
+from kda_sessions.kernels.moe.fused_moe import MoeLaunch, fused_moe_triton, launch_config
+from kda_sessions.model import HybridModel
+from kda_sessions.model.ffn import MoE
+from kda_sessions.model.graphs import DecodeGraphs
+from kda_sessions.model.loader import FP32_PARAMS
+
+HBM_BYTES_PER_S = 4.8e12
+T0 = time.time()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def config(quick: bool) -> ModelConfig:
+    if quick:
+        D, L, H, E, k, Fw, dense, vocab = 64, 4, 2, 16, 4, 32, 128, 512
+        kda, mla = [1, 2, 3], [4]
+    else:
+        D, L, H, E, k, Fw, dense, vocab = 2304, 27, 32, 256, 8, 1024, 9216, 163840
+        mla = [4, 8, 12, 16, 20, 24, 27]
+        kda = [i for i in range(1, L + 1) if i not in mla]
+    return ModelConfig.from_dict({
+        "model_type": "kimi_linear", "vocab_size": vocab, "hidden_size": D, "intermediate_size": dense,
+        "moe_intermediate_size": Fw, "num_hidden_layers": L, "num_attention_heads": H, "kv_lora_rank": 512 if not quick else 32,
+        "qk_nope_head_dim": 128 if not quick else 16, "qk_rope_head_dim": 64 if not quick else 8,
+        "v_head_dim": 128 if not quick else 16, "num_experts": E, "num_experts_per_token": k,
+        "num_shared_experts": 1, "routed_scaling_factor": 2.446, "first_k_dense_replace": 1,
+        "linear_attn_config": {"kda_layers": kda, "full_attn_layers": mla, "num_heads": H,
+                               "head_dim": 128 if not quick else 16, "short_conv_kernel_size": 4},
+    })
+
+
+@torch.no_grad()
+def build(cfg: ModelConfig, device: str) -> HybridModel:
+    """Random bf16 weights allocated on the device (fp32 where the loader keeps fp32), experts stacked."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = HybridModel(cfg)
+    finally:
+        torch.set_default_dtype(default)
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, p in model.named_parameters():
+        if name.endswith(FP32_PARAMS):
+            p.data = torch.zeros(p.shape, dtype=torch.float32, device=device)
+            if name.endswith("A_log"):
+                p.data.uniform_(0.0, math.log(16.0), generator=gen)
+        elif name.endswith(("norm.weight", "layernorm.weight")):
+            p.fill_(1.0)
+        elif name.endswith("gate.weight"):
+            p.normal_(0.0, 0.02, generator=gen)
+        else:
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]), generator=gen)
+    model.eval()
+    model.stack_experts()
+    return model
+
+
+# -- the baseline MoE: the routed-expert code the fused kernels replaced ------------------------------------
+
+
+def _gather_routed(x: Tensor, chosen: Tensor, weights: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    T, k = chosen.shape
+    E, F2, D = w13.shape
+    Fw = F2 // 2
+    if 3 * T * k < E:
+        idx = chosen.reshape(-1)
+        xr = x[:, None, :].expand(T, k, D).reshape(T * k, D)
+        h = torch.bmm(w13.index_select(0, idx), xr[:, :, None])[..., 0]
+        a = F.silu(h[:, :Fw]) * h[:, Fw:]
+        y = torch.bmm(w2.index_select(0, idx), a[:, :, None])[..., 0]
+        return (y.view(T, k, D) * weights[..., None]).sum(1)
+    dense = torch.zeros(T, E, dtype=x.dtype, device=x.device)
+    dense.scatter_(1, chosen, weights)
+    h = torch.matmul(x, w13.transpose(1, 2))
+    a = F.silu(h[..., :Fw]) * h[..., Fw:]
+    y = torch.bmm(a, w2.transpose(1, 2))
+    return (y * dense.t()[:, :, None]).sum(0)
+
+
+def _gather_forward(self: MoE, x: Tensor) -> Tensor:
+    scores = torch.sigmoid(x.float() @ self.gate.weight.float().t())
+    _, chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), self.top_k, dim=-1)
+    weights = scores.gather(-1, chosen)
+    weights = (weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale).to(x.dtype)
+    stacked = self._stacked_weights()
+    assert stacked is not None
+    out = _gather_routed(x, chosen, weights, *stacked)
+    assert self.shared_experts is not None
+    return out + self.shared_experts(x)
+
+
+def set_moe_mode(model: HybridModel, mode: str) -> None:
+    for m in model.modules():
+        if isinstance(m, MoE):
+            if mode == "gather":
+                m.forward = types.MethodType(_gather_forward, m)  # type: ignore[method-assign]
+            elif "forward" in m.__dict__:
+                del m.forward
+
+
+# -- bytes a step reads -------------------------------------------------------------------------------------
+
+
+def expected_distinct(E: int, k: int, n: int) -> float:
+    """Expected distinct experts among n tokens each choosing k of E uniformly."""
+    return E * (1 - (1 - k / E) ** n)
+
+
+def floor_bytes(model: HybridModel, batch: int, L: int) -> dict:
+    cfg = model.config
+    routed = 0
+    for m in model.modules():
+        if isinstance(m, MoE):
+            for ex in m.experts:
+                routed += sum(p.numel() * p.element_size() for p in ex.parameters())
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    dense_w = total - routed - embed.numel() * embed.element_size()  # an embedding lookup reads N rows only
+    n_moe = sum(isinstance(m, MoE) for m in model.modules())
+    per_expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * 2
+    experts = n_moe * expected_distinct(cfg.num_experts, cfg.num_experts_per_token, batch) * per_expert
+    kv = len(cfg.mla_layer_ids) * batch * (L + 1) * cfg.latent_dim * 2
+    H, K = cfg.kda_heads, cfg.kda_head_dim
+    states = len(cfg.kda_layer_ids) * batch * H * K * K * 4 * 2
+    b = dense_w + experts + kv + states
+    return {"bytes": int(b), "non_routed_weights": int(dense_w), "routed_experts": int(experts), "kv": kv,
+            "kda_states": states, "floor_ms": b / HBM_BYTES_PER_S * 1e3}
+
+
+# -- timing -------------------------------------------------------------------------------------------------
+
+
+def replay_ms(graphs: DecodeGraphs, batch: int, pages: int, reps: int) -> float | None:
+    g = graphs.graph_for(batch, pages)
+    if g is None:
+        return None
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    e1.synchronize()
+    return e0.elapsed_time(e1) / reps
+
+
+def decode_case(model: HybridModel, batch: int, L: int, modes: list[str], reps: int, device: str) -> dict:
+    cfg = model.config
+    P = 64
+    pages = -(-(L + 1) // P)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    pools = model.allocate_pools(batch, batch * pages, P)
+    gen = torch.Generator(device=device).manual_seed(1)
+    with torch.no_grad():
+        for t in pools.kv:
+            t.normal_(0.0, 1.0, generator=gen)
+        for t in pools.kda:
+            t.normal_(0.0, 0.01, generator=gen)
+    ids = torch.randint(0, cfg.vocab_size, (batch,), generator=torch.Generator().manual_seed(2)).tolist()
+    table = [list(range(n * pages, (n + 1) * pages)) for n in range(batch)]
+    out: dict = {"batch": batch, "context": L, **floor_bytes(model, batch, L)}
+    saved = [t.clone() for t in pools.kda + pools.conv]
+    logits: dict[str, Tensor] = {}
+    for mode in modes:
+        for t, v in zip(pools.kda + pools.conv, saved):
+            t.copy_(v)
+        set_moe_mode(model, mode)
+        graphs = DecodeGraphs(model, pools, max_batch=max(batch, 1))
+        t0 = time.perf_counter()
+        logits[mode] = graphs.run(ids, list(range(batch)), [L + 1] * batch, table).float().clone()
+        first_s = time.perf_counter() - t0
+        r: dict = {"first_call_s": round(first_s, 2), "captured": graphs.captures, "capture_error": graphs.capture_error}
+        if device == "cuda":
+            ms = replay_ms(graphs, batch, pages, reps)
+            r["replay_ms"] = None if ms is None else round(ms, 4)
+            times = []
+            for _ in range(reps):
+                torch.cuda.synchronize()
+                t1 = time.perf_counter()
+                graphs.run(ids, list(range(batch)), [L + 1] * batch, table)
+                torch.cuda.synchronize()
+                times.append((time.perf_counter() - t1) * 1e3)
+            r["run_ms_median"] = round(statistics.median(times), 4)
+            if ms is not None:
+                r["floor_over_replay"] = round(out["floor_ms"] / ms, 3)
+        out[mode] = r
+        del graphs
+    set_moe_mode(model, "fused")
+    if "fused" in logits and "gather" in logits:
+        a, b = logits["fused"], logits["gather"]
+        out["fused_vs_gather_logits_rel_rms"] = float((a - b).norm() / b.norm())
+        out["fused_vs_gather_argmax_agree"] = bool(torch.equal(a.argmax(-1), b.argmax(-1)))
+    return out
+
+
+SWEEP_SMALL = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 64, 64, 4, 5),
+               MoeLaunch(16, 128, 64, 4, 4), MoeLaunch(16, 32, 256, 4, 3)]
+SWEEP_LARGE = [MoeLaunch(64, 128, 64, 8, 3), MoeLaunch(64, 128, 64, 4, 4), MoeLaunch(128, 128, 64, 8, 3),
+               MoeLaunch(64, 64, 64, 4, 4), MoeLaunch(128, 256, 64, 8, 3)]
+
+
+def graph_us(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(reps):
+        g.replay()
+    e1.record()
+    e1.synchronize()
+    return round(e0.elapsed_time(e1) / reps * 1e3, 2)
+
+
+def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
+    """One MoE layer's routed experts alone: fused kernels vs the gathered-copy baseline, and its floor; with
+    ``sweep`` also the fused kernels under other tile sizes (``fused_moe_triton``'s launch config)."""
+    moe = next(m for m in model.modules() if isinstance(m, MoE))
+    w13, w2 = moe._stacked_weights() or (None, None)
+    assert w13 is not None and w2 is not None
+    E, k = w13.shape[0], moe.top_k
+    gen = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, w13.shape[2], device="cuda", generator=gen).bfloat16()
+    chosen = torch.argsort(torch.rand(T, E, device="cuda", generator=gen), dim=1)[:, :k]
+    wts = torch.rand(T, k, device="cuda", generator=gen).bfloat16()
+    res: dict = {"T": T, "launch": str(launch_config(T * k))}
+    res["fused_us"] = graph_us(lambda: fused_moe(x, w13, w2, chosen, wts), reps)
+    res["gather_us"] = graph_us(lambda: _gather_routed(x, chosen, wts, w13, w2), reps)
+    if sweep:
+        for c in SWEEP_SMALL if T * k <= 256 else SWEEP_LARGE:
+            res[f"sweep {c.BM}/{c.BN}/{c.BK}/w{c.num_warps}/s{c.num_stages}"] = graph_us(
+                lambda c=c: fused_moe_triton(x, w13, w2, chosen, wts, c), reps)
+    distinct = int(torch.unique(chosen).numel())
+    b = distinct * (w13[0].numel() + w2[0].numel()) * 2
+    res["distinct_experts"] = distinct
+    res["floor_us"] = round(b / HBM_BYTES_PER_S * 1e6, 2)
+    ref = _gather_routed(x.float(), chosen, wts.float(), w13.float(), w2.float())
+    res["fused_rel_rms_vs_fp32"] = float((fused_moe(x, w13, w2, chosen, wts).float() - ref).norm() / ref.norm())
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
+    ap.add_argument("--cases", default="1x8192,1x131072,8x32768,32x32768", help="BATCHxCONTEXT, comma-separated")
+    ap.add_argument("--modes", default="fused,gather")
+    ap.add_argument("--moe-tokens", default="1,8,32,256,2048", help="token counts of the MoE-layer-alone timings")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="also time the MoE layer under other tile sizes")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    results: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d", time.gmtime())}
+
+    def dump() -> None:
+        if args.out is not None:
+            args.out.write_text(json.dumps(results, indent=1))
+
+    cfg = config(args.quick)
+    model = build(cfg, args.device)
+    results["params"] = sum(p.numel() for p in model.parameters())
+    log(f"built {results['params'] / 1e9:.2f} B parameters")
+    if args.device == "cuda":
+        results["moe_layer"] = []
+        for T in [int(t) for t in args.moe_tokens.split(",") if t]:
+            results["moe_layer"].append(moe_layer_case(model, T, args.reps, args.sweep))
+            log(json.dumps(results["moe_layer"][-1]))
+            dump()
+    results["decode"] = []
+    for case in args.cases.split(","):
+        batch, L = (int(v) for v in case.split("x"))
+        if args.quick:
+            L = min(L, 256)
+        r = decode_case(model, batch, L, args.modes.split(","), args.reps, args.device)
+        results["decode"].append(r)
+        log(json.dumps(r))
+        dump()
+
+
+if __name__ == "__main__":
+    main()
