@@ -3,28 +3,12 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels import mla_decode_paged
-from ..kernels.mla import gather_latent
+from ..kernels.mla import mla_decode_paged, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
-
-
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """SDPA of q [H, t, dk], k [H, L, dk], v [H, L, dv] -> [H, t, dv], causal when ``mask`` is None, else under the
-    boolean ``mask`` [t, L]. On a CPU torch takes its flash kernel only for 4-D inputs of one head size, and else
-    materialises [H, t, L] scores (about 5x slower at 3.5K tokens): there v is zero-padded to dk (the padded output
-    columns are zeros) and sliced back."""
-    if q.device.type != "cpu":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
-    dv = v.shape[-1]
-    if dv < k.shape[-1]:
-        v = F.pad(v, (0, k.shape[-1] - dv))
-    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale)
-    return o[0, ..., :dv]
 
 
 class MLAttention(nn.Module):
@@ -91,24 +75,16 @@ class MLAttention(nn.Module):
         kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, idx, latent.to(kv_pages.dtype))
 
     def _prefill(self, q: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> Tensor:
-        H, dn, dv, r = self.H, self.dn, self.dv, self.r
+        """q [T_total, H, dn + dr] packed -> o [T_total, H, dv]: each sequence's new queries over its cached
+        prefix and themselves (their latent rows are already written), in tiles: memory O(chunk x tile)."""
+        w = self.kv_b_proj.weight  # [H * (dn + dv), r]
         outs = []
         offset = 0
         for n, (s, t) in enumerate(zip(batch.start, batch.num_new)):
-            L = s + t
-            lat = gather_latent(kv_pages, batch.page_table[n], L).to(q.dtype)  # [L, r + dr]
-            kv = self.kv_b_proj(lat[:, :r]).view(L, H, dn + dv)  # decompress
-            k = torch.cat([kv[..., :dn], lat[:, None, r:].expand(L, H, self.dr)], dim=-1)
-            qn = q[offset : offset + t].transpose(0, 1)  # [H, t, dn + dr]
-            if s == 0:
-                o = _attention(qn, k.transpose(0, 1), kv[..., dn:].transpose(0, 1), None, self.scale)
-            else:
-                pos = torch.arange(L, device=q.device)
-                mask = pos[None, :] <= (s + torch.arange(t, device=q.device))[:, None]  # [t, L]
-                o = _attention(qn, k.transpose(0, 1), kv[..., dn:].transpose(0, 1), mask, self.scale)
-            outs.append(o.transpose(0, 1))  # [t, H, dv]
+            outs.append(mla_prefill_paged(q[offset : offset + t], kv_pages, batch.page_table[n], s, w, self.dv,
+                                          self.scale))  # [t, H, dv]
             offset += t
-        return torch.cat(outs)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _decode(self, q: Tensor, page_table: Tensor, seq_lens: Tensor, kv_pages: Tensor) -> Tensor:
         """Weight absorption: attend on the latent directly, then map to values. q [N, H, dn + dr] -> [N, H, dv]."""
