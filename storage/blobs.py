@@ -14,9 +14,11 @@ import ctypes
 import hashlib
 import json
 import math
+import os
 import re
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from safetensors.torch import load as _st_load
@@ -59,6 +61,19 @@ _ST_DTYPES = {
 def digest(data: bytes | bytearray | memoryview) -> str:
     """sha256 of `data` as 64 lowercase hex characters."""
     return hashlib.sha256(data).hexdigest()
+
+
+HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
+_THREADED_HASH_BYTES = 4 << 20  # below this in total, threads cost more than they save
+
+
+def digests(buffers: Sequence[bytes | bytearray | memoryview], *, threads: int = HASH_THREADS) -> list[str]:
+    """sha256 of each buffer, in order, on up to `threads` threads (hashlib releases the GIL on large buffers,
+    so the hashes run in parallel: several GB/s where one thread gives about 1.5-2)."""
+    if threads <= 1 or len(buffers) <= 1 or sum(map(len, buffers)) < _THREADED_HASH_BYTES:
+        return [digest(b) for b in buffers]
+    with ThreadPoolExecutor(min(threads, len(buffers)), thread_name_prefix="sha256") as ex:
+        return list(ex.map(digest, buffers))
 
 
 def is_digest(value: object) -> bool:
@@ -105,8 +120,17 @@ def encode_tensor(t: torch.Tensor) -> bytes:
         raise ValueError(f"encode_tensor: dtype must be one of {sorted(DTYPES)}, got {t.dtype}")
     if t.dim() > MAX_NDIM:
         raise ValueError(f"encode_tensor: at most {MAX_NDIM} dims, got shape {list(t.shape)}")
-    header = json.dumps({"dtype": name, "shape": list(t.shape)}, separators=(",", ":")).encode()
-    return _PREAMBLE.pack(TENSOR_MAGIC, TENSOR_VERSION, len(header)) + header + _tensor_bytes(t)
+    return tensor_header(t.dtype, list(t.shape)) + _tensor_bytes(t)
+
+
+def tensor_header(dtype: torch.dtype, shape: list[int]) -> bytes:
+    """The bytes `encode_tensor` puts before the raw data of a tensor of this dtype and shape: equal for every
+    tensor of that dtype and shape, so many blobs of one shape are encoded and decoded by slicing at its end."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        raise ValueError(f"tensor_header: dtype must be one of {sorted(DTYPES)}, got {dtype}")
+    header = json.dumps({"dtype": name, "shape": list(shape)}, separators=(",", ":")).encode()
+    return _PREAMBLE.pack(TENSOR_MAGIC, TENSOR_VERSION, len(header)) + header
 
 
 def decode_tensor(data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_BLOB_BYTES) -> torch.Tensor:

@@ -27,6 +27,7 @@ from ..sessions.snapshot import (
 from ..sessions.state import Checkpoint, SessionState
 from ..storage import CheckpointRecord, SaveResult, SessionManifest, SnapshotStore
 from ..storage.errors import IntegrityError, ManifestNotFound
+from .page_io import PageCodec
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -38,6 +39,7 @@ class SnapshotIO:
         self.snapshots = snapshots
         self.index = PrefixIndex()
         """This namespace's prefix index: prefix reuse never crosses tenants."""
+        self._codec: PageCodec | None = None
 
     async def close(self) -> None:
         await self.snapshots.close()
@@ -47,22 +49,32 @@ class SnapshotIO:
 
     # -- save ------------------------------------------------------------------------------------------------
 
+    @property
+    def codec(self) -> PageCodec:
+        if self._codec is None:
+            eng = self.engine
+            self._codec = PageCodec(eng.pools, eng.model.config, eng.model.dtype)
+        return self._codec
+
     def _page_blobs(self, pages: list[int], state_pos: int, known: set[str], out: dict[str, bytes]) -> list[str]:
+        """Digests of the pages covering ``state_pos`` tokens; blobs the store may lack go into ``out``. Full
+        pages not encoded before are encoded together (page_io); the partial last page on its own."""
         eng = self.engine
         P = eng.config.page_size
-        digests = []
-        for i, page in enumerate(pages[: -(-state_pos // P)]):
-            rows = min(P, state_pos - i * P)
-            if rows == P and page in eng.pages.digests:
-                digests.append(eng.pages.digests[page])
-                continue
-            d, data = blob(encode_page(eng.pools, page, rows))
-            if rows == P:
-                eng.pages.digests[page] = d
+        full, rows = divmod(state_pos, P)
+        digests = [eng.pages.digests.get(page) for page in pages[:full]]
+        todo = [i for i, d in enumerate(digests) if d is None]
+        for i, (d, data) in zip(todo, self.codec.encode([pages[i] for i in todo])):
+            eng.pages.digests[pages[i]] = d
+            if d not in known:
+                out[d] = data
+            digests[i] = d
+        if rows:
+            d, data = blob(encode_page(eng.pools, pages[full], rows))
             if d not in known:
                 out[d] = data
             digests.append(d)
-        return digests
+        return [d for d in digests if d is not None]
 
     def _build(self, s: SessionState) -> tuple[SessionManifest, dict[str, bytes]]:
         """Runs in a worker thread: encode what the store lacks and assemble the manifest."""
@@ -202,24 +214,53 @@ class SnapshotIO:
         return s
 
     async def _load_pages(self, digests: list[str], state_pos: int, where: str) -> list[int]:
-        """Load page blobs into newly allocated pool pages; returns the page ids."""
+        """Load page blobs into newly allocated pool pages; returns the page ids. Chunks of full pages are read
+        and verified by the store while the previous chunk is copied into the pool (page_io); on CUDA through
+        pinned staging buffers on a side stream, synchronized before this returns."""
         eng = self.engine
+        codec = self.codec
         P = eng.config.page_size
-        data = await self.snapshots.load_blobs(digests)
-        tensors = [
-            decode_page(data[d], eng.model.config, eng.model.dtype, min(P, state_pos - i * P), where)
-            for i, d in enumerate(digests)
-        ]
-        pages = eng._alloc_pages(len(tensors))
+        full, rows = divmod(state_pos, P)
+        if len(digests) != full + (1 if rows else 0):
+            raise IntegrityError(f"{where}: {len(digests)} KV pages stored for {state_pos} tokens of pages of {P}")
+        pages = eng._alloc_pages(len(digests))
+        stream = torch.cuda.Stream(codec.device) if codec.device.type == "cuda" else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(codec.device))
+        send, receive = anyio.create_memory_object_stream[tuple[int, int, dict[str, bytes]]](1)
+
+        async def fetch() -> None:
+            async with send:
+                for a in range(0, full, codec.per_chunk):
+                    b = min(full, a + codec.per_chunk)
+                    await send.send((a, b, await self.snapshots.load_blobs(digests[a:b])))
+
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(fetch)
+                async with receive:
+                    async for a, b, data in receive:
+                        await anyio.to_thread.run_sync(
+                            codec.load, pages[a:b], [data[d] for d in digests[a:b]], where, stream
+                        )
+            if rows:
+                t = decode_page(await self.snapshots.load_blob(digests[full]), eng.model.config, eng.model.dtype, rows, where)
+                with eng.mutex:
+                    for layer, kv in enumerate(eng.pools.kv):
+                        kv[pages[full], :rows] = t[layer].to(kv.device)
+            if stream is not None:
+                await anyio.to_thread.run_sync(stream.synchronize)
+        except BaseException:
+            if stream is not None:
+                stream.synchronize()
+            with eng.mutex:
+                eng.pages.decref(pages)
+            raise
         with eng.mutex:
-            for page, t in zip(pages, tensors):
-                for layer, kv in enumerate(eng.pools.kv):
-                    kv[page, : t.shape[1]] = t[layer].to(kv.device)
-        for page, d, t in zip(pages, digests, tensors):
-            if t.shape[1] == P:
+            for page, d in zip(pages[:full], digests):
                 eng.pages.digests[page] = d
-            else:
-                eng.pages.digests.pop(page, None)
+            if rows:
+                eng.pages.digests.pop(pages[full], None)
         return pages
 
     async def restore_head(self, s: SessionState) -> None:
