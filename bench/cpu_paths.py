@@ -7,7 +7,8 @@
   for tiny's shape (T 3,500, H 4, K = V = 64) and Kimi's (T 1,024, H 32, K = V = 128), with its relative RMS
   difference from the token-by-token recurrence.
 - ``mla_sdpa``: causal SDPA at T 3,500 over H 4 heads, q/k 96 wide and v 64 (tiny's MLA), as the model calls it
-  (``mla._attention``: v padded, torch's CPU flash kernel) against torch's math path (``SDPBackend.MATH``).
+  (one tile of ``kernels/mla/prefill_cpu.py``: v padded, torch's CPU flash kernel) against torch's math path
+  (``SDPBackend.MATH``).
 - ``forward``: ``HybridModel.forward`` of ``tiny`` (float32) over T 3,500 random byte tokens.
 - ``decode``: ``tiny`` decode steps (``HybridModel.step``, one token per sequence) of B sequences holding 2,048
   tokens each, greedy argmax included.
@@ -35,7 +36,14 @@ from model_cpu import PooledRunner
 
 from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kda_sessions.model import load_model
-from kda_sessions.model.mla import _attention
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
+    """Causal SDPA as MLA prefill runs it on a CPU: v zero-padded to k's width, 4-D, so torch picks its flash
+    kernel."""
+    dv = v.shape[-1]
+    v = F.pad(v, (0, k.shape[-1] - dv))
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0, ..., :dv]
 
 
 def _median_s(fn: Callable[[], Any], reps: int) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .naive import gather_latent, naive_mla_decode_paged, naive_mla_prefill, naive_mla_prefill_paged
+from .prefill_cpu import mla_prefill_cpu
 
 
 def mla_decode_paged(
@@ -27,8 +28,8 @@ def mla_prefill_paged(
     q [T, H, dn + dr], the queries of positions start .. start + T - 1, whose latent rows are already written;
     kv_pages [num_pages, P, r + dr]; pages [max_pages] int, the sequence's page ids (covering start + T tokens);
     w_kv_b [H * (dn + dv), r], kv_b_proj's weight. Returns o [T, H, dv] in q's dtype. Memory stays
-    O(T x tile), never O(T x context): CUDA tensors go to the Triton flash kernel (prefill.py), CPU tensors to the
-    tiled twin ``naive_mla_prefill_paged``."""
+    O(T x tile), never O(T x context): CUDA tensors go to the Triton flash kernel (prefill.py), CPU tensors to
+    torch's CPU flash kernel tile by tile (prefill_cpu.py); the tiled twin ``naive_mla_prefill_paged`` checks both."""
     T, H, dk = q.shape
     r = w_kv_b.shape[1]
     if kv_pages.dim() != 3 or kv_pages.shape[-1] <= r or dk <= kv_pages.shape[-1] - r:
@@ -42,7 +43,7 @@ def mla_prefill_paged(
         from .prefill import mla_prefill_triton
 
         return mla_prefill_triton(q, kv_pages, pages, start, w_kv_b, dv, scale)
-    return naive_mla_prefill_paged(q, kv_pages, pages, start, w_kv_b, dv, scale)
+    return mla_prefill_cpu(q, kv_pages, pages, start, w_kv_b, dv, scale)
 
 
 __all__ = ["gather_latent", "mla_decode_paged", "mla_prefill_paged", "naive_mla_prefill", "naive_mla_prefill_paged"]

@@ -1,5 +1,5 @@
 """MLA prefill attention: the tiled twin and the Triton flash kernel (under TRITON_INTERPRET=1 on a CPU) against the
-dense twin ``naive_mla_prefill``, over a shuffled page table, with and without a cached prefix, in one block or
+dense twin ``naive_mla_prefill``, and so does the CPU path (torch's flash kernel per tile), over a shuffled page table, with and without a cached prefix, in one block or
 several. Tolerance: relative RMS error 1e-5 (float32 everywhere); 2e-2 for bf16 on a GPU (gpu-marked)."""
 
 from __future__ import annotations
@@ -53,6 +53,18 @@ def test_triton_matches_dense(T, start, block):
     ref = _dense(q, kv, pages, start, w, dn, dv, scale)
     out = mla_prefill_triton(q, kv, pages, start, w, dv, scale, block_tokens=block)
     assert out.shape == (T, 2, dv) and rel_rms(out, ref) < TOL
+
+
+@pytest.mark.parametrize("T,start,tile", [(37, 0, 4096), (37, 0, 8), (20, 45, 16), (5, 70, 32), (1, 9, 4), (30, 3, 8)],
+                         ids=lambda x: str(x))
+def test_cpu_flash_path_matches_dense(T, start, tile):
+    from kda_sessions.kernels.mla.prefill_cpu import mla_prefill_cpu
+
+    dn, dv = 12, 10
+    q, kv, pages, w, scale = _case(T, start, H=3, dn=dn, dr=6, dv=dv, r=16, P=8, seed=3)
+    ref = _dense(q, kv, pages, start, w, dn, dv, scale)
+    out = mla_prefill_cpu(q, kv, pages, start, w, dv, scale, tile=tile)
+    assert out.shape == (T, 3, dv) and rel_rms(out, ref) < TOL
 
 
 def test_public_function_validates():
