@@ -16,7 +16,7 @@ from ..model import ForwardBatch, HybridModel, StatePools
 from ..model.graphs import DecodeGraphs
 from ..sessions.state import SessionState
 from ..tokenizer import Tokenizer
-from .pool import PageAllocator
+from .pool import OutOfPages, PageAllocator
 from .sampler import sample
 from .scheduler import Scheduler, Work, pages_needed
 
@@ -78,21 +78,122 @@ class Runner:
             try:
                 self._prefill(plan.prefill, finished, sampled)
                 self._decode(plan.decode, finished, sampled)
-            except BaseException as e:  # a failed step fails its requests, never the engine
+            except BaseException as e:  # a fault outside the per-row guards: fail the plan, never the engine
                 log.exception("engine step failed")
-                for w, _ in plan.prefill:
-                    w.error = w.error or e
-                for w in plan.decode:
-                    w.error = w.error or e
-                with self.mutex:
-                    self.scheduler.running = [w for w in self.scheduler.running if w.error is None]
-                finished.extend(w for w, _ in plan.prefill)
-                finished.extend(plan.decode)
+                for w in [w for w, _ in plan.prefill] + plan.decode:
+                    if w.finish_reason is None and w.error is None:
+                        self._fail(w, e, finished, rollback=True)
             finished.extend(plan.dropped)
             with self.mutex:
                 self.scheduler.running = [w for w in self.scheduler.running if w not in finished]
             self.steps += 1
             self.deliver(finished, sampled)
+
+    # -- failure isolation -----------------------------------------------------------------------------------
+    #
+    # A failure fails only the request it belongs to. Every other session of the step keeps the invariant that
+    # its pool state (KDA slot, conv tails, KV rows below num_cached) equals a fresh prefill of
+    # tokens[:num_cached]: bookkeeping advances for the whole batch right after the model call, before any
+    # per-row sampling; a row that fails in sampling or in its constraint only ends its own request; a model call
+    # that raises has advanced some layers of every row in place, so each row is rolled back to its newest exact
+    # checkpoint (or the empty state) and, if the batch had other rows, each is run again alone: the rows that
+    # fail alone fail, the others go on (their usage counts the tokens run again).
+
+    def _fail(self, w: Work, e: BaseException, finished: list[Work], rollback: bool = False) -> None:
+        if rollback and w.session.slot is not None:
+            try:
+                self.rollback(w.session)
+            except Exception:  # the session cannot be trusted any more: it will prefill from scratch
+                log.exception("session %s: rollback after a failed step failed", w.session.id)
+        w.error = w.error or e
+        if w not in finished:
+            finished.append(w)
+
+    def rollback(self, s: SessionState) -> None:
+        """Bring ``s`` back to a state equal to a fresh prefill of ``tokens[:num_cached]`` after a model call that
+        failed half-way: its newest exact checkpoint state, else the empty state. KV pages past the new position
+        leave the session (pages it shares with forks or checkpoints are not written again: the partial one is
+        copied first)."""
+        assert s.slot is not None
+        P = self.pools.page_size
+        exact = [c for c in s.checkpoints.values()
+                 if c.kda is not None and c.conv is not None and 0 <= c.state_pos <= s.num_cached]
+        cp = max(exact, key=lambda c: c.state_pos, default=None)
+        with self.mutex:
+            for i, (st, cv) in enumerate(zip(self.pools.kda, self.pools.conv)):
+                if cp is None:
+                    st[s.slot].zero_()
+                    cv[s.slot].zero_()
+                else:
+                    assert cp.kda is not None and cp.conv is not None
+                    st[s.slot] = cp.kda[i].to(st.device)
+                    cv[s.slot] = cp.conv[i].to(cv.device)
+            pos = 0 if cp is None else cp.state_pos
+            keep = pages_needed(pos, P)
+            if s.pages[keep:]:
+                self.pages.decref(s.pages[keep:])
+                del s.pages[keep:]
+            rows = pos - (keep - 1) * P
+            if keep and rows < P:  # the partial page is written again from row `rows` on
+                last = s.pages[keep - 1]
+                if self.pages.refs[last] > 1:
+                    try:
+                        (page,) = self.pages.alloc(1)
+                    except OutOfPages:  # no page to copy into: start the session over
+                        self.pages.decref(s.pages)
+                        s.pages = []
+                        for st, cv in zip(self.pools.kda, self.pools.conv):
+                            st[s.slot].zero_()
+                            cv[s.slot].zero_()
+                        s.num_cached = 0
+                        return
+                    for kv in self.pools.kv:
+                        kv[page, :rows] = kv[last, :rows]
+                    self.pages.decref([last])
+                    s.pages[keep - 1] = page
+                self.pages.digests.pop(s.pages[keep - 1], None)
+            s.num_cached = pos
+
+    def _replay(self, w: Work) -> None:
+        """Turn ``w`` (its session rolled back) into a prefill of everything its session has not cached."""
+        s = w.session
+        end = len(s.tokens) - (1 if w.prefill_only else 0)
+        left = len(w.prompt) - w.done_prefill if w.in_prefill else 0
+        if not w.in_prefill and not w.prefill_only:
+            left = 1  # the pending sampled token
+        w.prompt = s.tokens[s.num_cached : end]
+        w.done_prefill = 0
+        w.replayed += max(0, len(w.prompt) - left)
+
+    def _retry_alone(self, works: list[Work], e: BaseException, finished: list[Work],
+                     sampled: list[tuple[Work, int]]) -> None:
+        """After a model call over ``works`` raised: roll all back; alone, a row fails; else each runs again alone."""
+        log.warning("model step over %d sequences failed (%s: %s); rolling back", len(works), type(e).__name__, e)
+        for w in works:
+            self.rollback(w.session)
+        if len(works) == 1:
+            self._fail(works[0], e, finished)
+            return
+        for w in works:
+            self._replay(w)
+            while w.in_prefill and w.error is None and w.finish_reason is None and not w.cancelled:
+                n = min(len(w.prompt) - w.done_prefill, self.scheduler.prefill_budget)
+                self._prefill([(w, n)], finished, sampled)
+            if w.cancelled and w not in finished:
+                w.finish_reason = w.finish_reason or "cancelled"
+                finished.append(w)
+
+    def _with_pages(self, works: list[Work], need: list[int], finished: list[Work]) -> list[int]:
+        """Indices of the works whose sessions got pages for ``need`` tokens; the others fail alone."""
+        ok = []
+        for i, (w, total) in enumerate(zip(works, need)):
+            try:
+                self._ensure_pages(w.session, total)
+            except Exception as e:
+                self._fail(w, e, finished)
+            else:
+                ok.append(i)
+        return ok
 
     # -- model calls -----------------------------------------------------------------------------------------
 
@@ -112,6 +213,8 @@ class Runner:
         return torch.tensor(rows, dtype=torch.long, device=self.model.device)
 
     def _prefill(self, chunks: list[tuple[Work, int]], finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
+        ok = self._with_pages([w for w, _ in chunks], [w.session.num_cached + n for w, n in chunks], finished)
+        chunks = [chunks[i] for i in ok]
         if not chunks:
             return
         ids: list[int] = []
@@ -120,7 +223,6 @@ class Runner:
         for w, n in chunks:
             s = w.session
             assert s.slot is not None
-            self._ensure_pages(s, s.num_cached + n)
             ids.extend(w.prompt[w.done_prefill : w.done_prefill + n])
             lo, hi = s.num_cached, s.num_cached + n
             pending = [c for c in w.checkpoints if lo <= c.target <= hi and c.state_pos < c.target]
@@ -134,34 +236,45 @@ class Runner:
             positions.append(sorted({c.target - lo for c in cps}))
             wanted.append(cps)
         sessions = [w.session for w, _ in chunks]
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
-            num_new=[n for _, n in chunks],
-            start=[s.num_cached for s in sessions],
-            slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
-            page_table=self._table(sessions),
-            checkpoint_positions=positions if any(positions) else None,
-            kv_rows=self._rows(sessions, [n for _, n in chunks]),
-        )
-        logits, states = self.model.step(batch, self.pools)
-        m = 0
-        for i, (w, n) in enumerate(chunks):
-            s = w.session
-            if states is not None:
-                rel = positions[i]
-                for c in wanted[i]:
-                    j = m + rel.index(c.target - s.num_cached)
-                    self._capture(s, c, states.kda[j].cpu(), states.conv[j].cpu())
-                m += len(rel)
-            s.num_cached += n
+        try:
+            batch = ForwardBatch(
+                input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
+                num_new=[n for _, n in chunks],
+                start=[s.num_cached for s in sessions],
+                slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
+                page_table=self._table(sessions),
+                checkpoint_positions=positions if any(positions) else None,
+                kv_rows=self._rows(sessions, [n for _, n in chunks]),
+            )
+            logits, states = self.model.step(batch, self.pools)
+        except Exception as e:
+            self._retry_alone([w for w, _ in chunks], e, finished, sampled)
+            return
+        # bookkeeping for every row first: the pools have advanced for all of them
+        starts = [w.session.num_cached for w, _ in chunks]
+        for w, n in chunks:
+            w.session.num_cached += n
             w.done_prefill += n
             self.tokens_prefilled += n
-            if not w.in_prefill:
-                if w.prefill_only:
-                    w.finish_reason = "stop"
-                    finished.append(w)
-                else:
-                    self._sample(w, logits[i], finished, sampled)
+        m = 0
+        for i, (w, _) in enumerate(chunks):
+            s = w.session
+            try:
+                if states is not None:
+                    rel = positions[i]
+                    for c in wanted[i]:
+                        j = m + rel.index(c.target - starts[i])
+                        self._capture(s, c, states.kda[j].cpu(), states.conv[j].cpu())
+                    m += len(rel)
+                if not w.in_prefill:
+                    if w.prefill_only:
+                        w.finish_reason = "stop"
+                        finished.append(w)
+                    else:
+                        self._sample(w, logits[i], finished, sampled)
+            except Exception as e:
+                log.warning("session %s: request failed after the model step (%s: %s)", s.id, type(e).__name__, e)
+                self._fail(w, e, finished)
 
     def _capture(self, s: SessionState, c, kda: torch.Tensor, conv: torch.Tensor) -> None:
         """Upgrade checkpoint ``c`` to hold the exact state at its position, sharing the session's pages."""
@@ -176,33 +289,42 @@ class Runner:
             s.checkpoints[c.name] = c
 
     def _decode(self, works: list[Work], finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
-        works = [w for w in works if not w.cancelled and w.finish_reason is None]
+        works = [w for w in works if not w.cancelled and w.finish_reason is None and w.error is None]
+        ok = self._with_pages(works, [w.session.num_cached + 1 for w in works], finished)
+        works = [works[i] for i in ok]
         if not works:
             return
-        for w in works:
-            self._ensure_pages(w.session, w.session.num_cached + 1)
         sessions = [w.session for w in works]
         ids = [s.tokens[s.num_cached] for s in sessions]
-        if self.graphs is not None and self.graphs.accepts(len(sessions)):
-            # static buffers + a replayed CUDA graph: no per-step tensors, no host sync before sampling
-            slots = [s.slot for s in sessions if s.slot is not None]
-            assert len(slots) == len(sessions)
-            lens = [s.num_cached + 1 for s in sessions]
-            logits = self.graphs.run(ids, slots, lens, [s.pages for s in sessions])
-        else:
-            batch = ForwardBatch(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
-                num_new=[1] * len(works),
-                start=[s.num_cached for s in sessions],
-                slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
-                page_table=self._table(sessions),
-                kv_rows=self._rows(sessions, [1] * len(sessions)),
-            )
-            logits, _ = self.model.step(batch, self.pools)
+        try:
+            if self.graphs is not None and self.graphs.accepts(len(sessions)):
+                # static buffers + a replayed CUDA graph: no per-step tensors, no host sync before sampling
+                slots = [s.slot for s in sessions if s.slot is not None]
+                assert len(slots) == len(sessions)
+                lens = [s.num_cached + 1 for s in sessions]
+                logits = self.graphs.run(ids, slots, lens, [s.pages for s in sessions])
+            else:
+                batch = ForwardBatch(
+                    input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
+                    num_new=[1] * len(works),
+                    start=[s.num_cached for s in sessions],
+                    slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
+                    page_table=self._table(sessions),
+                    kv_rows=self._rows(sessions, [1] * len(sessions)),
+                )
+                logits, _ = self.model.step(batch, self.pools)
+        except Exception as e:
+            self._retry_alone(works, e, finished, sampled)
+            return
+        for s in sessions:  # every row advanced: bookkeeping before any row can fail
+            s.num_cached += 1
+        self.tokens_decoded += len(works)
         for i, w in enumerate(works):
-            w.session.num_cached += 1
-            self.tokens_decoded += 1
-            self._sample(w, logits[i], finished, sampled)
+            try:
+                self._sample(w, logits[i], finished, sampled)
+            except Exception as e:
+                log.warning("session %s: request failed in sampling (%s: %s)", w.session.id, type(e).__name__, e)
+                self._fail(w, e, finished)
 
     def _sample(self, w: Work, logits: torch.Tensor, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
         if w.constraint is not None:
@@ -221,7 +343,7 @@ class Runner:
             w.finish_reason = "length"
         elif w.params.stop and self._hit_stop(w):
             w.finish_reason = "stop"
-        if w.finish_reason is not None:
+        if w.finish_reason is not None and w not in finished:
             finished.append(w)
 
     def _hit_stop(self, w: Work) -> bool:

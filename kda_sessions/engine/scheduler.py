@@ -27,7 +27,7 @@ class EngineBusy(RuntimeError):
     """Too many requests are queued; retry later (HTTP 429/503)."""
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a field-wise == would compare whole sessions
 class Work:
     """One call on one session: prefill ``prompt`` (pending + new tokens), then generate (unless prefill_only)."""
 
@@ -51,6 +51,14 @@ class Work:
     """Run on the event loop after each sampled token (streaming)."""
     on_finish: Callable[[], None] | None = None
     """Run on the event loop once the work has finished, failed or been cancelled."""
+    prompt_len: int = -1
+    """Length of the prompt as submitted (``prompt`` grows if a failed step makes the session replay)."""
+    replayed: int = 0
+    """Tokens run through the model again after a failed step rolled the session back (see Runner)."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_len < 0:
+            self.prompt_len = len(self.prompt)
 
     @property
     def in_prefill(self) -> bool:

@@ -65,7 +65,8 @@ class Session:
                 del s.tokens[before:]  # refused before anything ran: the session is as it was
                 raise
             await self.engine.wait(work)
-            return Usage(prompt_tokens=s.num_tokens, prefill_tokens=len(work.prompt), cached_tokens=s.num_tokens - len(work.prompt))
+            run = work.prompt_len + work.replayed
+            return Usage(prompt_tokens=s.num_tokens, prefill_tokens=run, cached_tokens=max(0, s.num_tokens - run))
 
     async def generate(
         self,
@@ -223,8 +224,9 @@ class Session:
         if tool_calls and finish == "stop":
             finish = "tool_calls"
         prompt = len(work.session.tokens) - len(out)
+        run = work.prompt_len + work.replayed  # replayed: run again after a failed step rolled the session back
         usage = Usage(
-            prompt_tokens=prompt, prefill_tokens=len(work.prompt), cached_tokens=prompt - len(work.prompt),
+            prompt_tokens=prompt, prefill_tokens=run, cached_tokens=max(0, prompt - run),
             completion_tokens=len(out),
         )
         eng.counters["prefill_tokens"] += usage.prefill_tokens
