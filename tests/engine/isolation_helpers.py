@@ -54,7 +54,7 @@ async def assert_equals_fresh_prefill(eng: ks.Engine, s: ks.Session, tol: float 
     different chunking rounds differently; a token too many or too few is off by orders of magnitude more)."""
     got = pool_state(eng, s)
     fresh = await eng.create_session()
-    await fresh.append(got.tokens[: got.num_cached] + [0])  # append keeps its last token pending
+    await fresh.append([*got.tokens[: got.num_cached], 0])  # append keeps its last token pending
     want = pool_state(eng, fresh)
     assert want.num_cached == got.num_cached
     assert rel_rms(got.kda, want.kda) < tol, rel_rms(got.kda, want.kda)

@@ -41,7 +41,7 @@ async def co_batched(eng: ks.Engine, culprit: str, n_victims: int = 2) -> tuple[
     async def go(name: str, call: Any) -> None:
         try:
             out[name] = await call()
-        except Exception as e:  # noqa: BLE001 - the test inspects it
+        except Exception as e:  # the test inspects it
             out[name] = e
 
     async with anyio.create_task_group() as tg:
