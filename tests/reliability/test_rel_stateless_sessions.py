@@ -1,6 +1,7 @@
 """Sessions created by stateless chat completions (no session_id) are bounded: forgotten from memory when idle
-past the TTL or beyond the cap (LRU); a saved one resumes from the store, an unsaved one is 404; sessions created
-through /v1/sessions are never forgotten."""
+past the TTL or beyond the cap (LRU); sessions created through /v1/sessions are never forgotten. These run with
+``save_chat_sessions=False`` (the memory-only policy): a saved one resumes from the store, an unsaved one is 404.
+The default policy (saved after every turn) is tested in tests/server/test_server_openai_durable.py."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _chat(url: str, text: str, session_id: str | None = None) -> str:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     s = start_server(store=f"disk:{tmp_path_factory.mktemp('store')}", max_stateless_sessions=3,
-                     stateless_session_ttl_s=1.0)
+                     stateless_session_ttl_s=1.0, save_chat_sessions=False)
     yield s
     s.stop()
 
@@ -80,7 +81,7 @@ def test_a_forgotten_stateless_session_evicted_to_the_store_leaves_it(tmp_path):
     from kda_sessions.engine.config import EngineConfig
 
     s = start_server(store=f"disk:{tmp_path}", max_stateless_sessions=2, stateless_session_ttl_s=600.0,
-                     engine=EngineConfig(max_active_sessions=2))
+                     engine=EngineConfig(max_active_sessions=2), save_chat_sessions=False)
     try:
         saved = _chat(s.url, "keep me")
         assert httpx.post(f"{s.url}/v1/sessions/{saved}/save", timeout=60).status_code == 200
