@@ -16,6 +16,9 @@ from torch import Tensor
 
 from .naive import latent_rows
 
+TILE = 4096
+"""Cached tokens per tile: each tile's decompressed K and V take TILE x H x 2 (dn + dr) floats."""
+
 
 def _flash(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> tuple[Tensor, Tensor]:
     """q [H, t, d], k and v [H, n, d] -> (o [H, t, d], natural log-sum-exp [H, t]) from torch's CPU flash kernel
@@ -37,9 +40,11 @@ def _merge(acc: Tensor, lse: Tensor, rows: slice, o: Tensor, l_o: Tensor) -> Non
 
 
 def mla_prefill_cpu(
-    q: Tensor, kv_pages: Tensor, pages: Tensor, start: int, w_kv_b: Tensor, dv: int, scale: float, tile: int = 4096
+    q: Tensor, kv_pages: Tensor, pages: Tensor, start: int, w_kv_b: Tensor, dv: int, scale: float, tile: int | None = None
 ) -> Tensor:
-    """See ``kda_sessions.kernels.mla.mla_prefill_paged``: q [T, H, dn + dr] -> o [T, H, dv] in q's dtype."""
+    """See ``kda_sessions.kernels.mla.mla_prefill_paged``: q [T, H, dn + dr] -> o [T, H, dv] in q's dtype;
+    ``tile`` defaults to ``TILE``."""
+    tile = tile or TILE
     T, H, dk = q.shape
     r = w_kv_b.shape[1]
     dr = kv_pages.shape[-1] - r
