@@ -13,6 +13,7 @@ import anyio
 import anyio.lowlevel
 import torch
 
+from ..errors import SessionBusy, SnapshotConflict
 from ..model import HybridModel, load_model
 from ..sessions.prefix_index import PrefixIndex
 from ..sessions.state import Checkpoint, SessionState
@@ -324,20 +325,26 @@ class Engine:
                 raise OutOfPages(f"need {need} KV pages, {self.pages.num_free} free and every session is busy")
 
     async def _evict_one(self, exclude: SessionState) -> bool:
-        """Save the least recently used idle resident session to the store and free its slot and pages."""
+        """Save the least recently used idle resident session to the store and free its slot and pages. A session
+        this engine cannot save (another engine holds its lease, or saved it since) is skipped for the next one."""
         idle = [s for s in self._sessions.values() if s.resident and s is not exclude and not s.lock.locked()]
-        if not idle:
-            return False
-        victim = min(idle, key=lambda s: s.last_used)
-        async with victim.lock:
-            if not victim.resident:
-                return True
-            never_saved = victim.generation == 0
-            await self.space_of(victim).save(victim)
-            victim.stored_by_eviction_only = victim.stored_by_eviction_only or never_saved
-            self._release(victim, keep_checkpoint_states=True)
-        log.info("evicted idle session %s to the store", victim.id)
-        return True
+        for victim in sorted(idle, key=lambda s: s.last_used):
+            if victim.lock.locked():
+                continue
+            async with victim.lock:
+                if not victim.resident:
+                    return True
+                never_saved = victim.generation == 0
+                try:
+                    await self.space_of(victim).save(victim)
+                except (SessionBusy, SnapshotConflict) as e:
+                    log.warning("cannot evict session %s: %s: %s", victim.id, type(e).__name__, e)
+                    continue
+                victim.stored_by_eviction_only = victim.stored_by_eviction_only or never_saved
+                self._release(victim, keep_checkpoint_states=True)
+            log.info("evicted idle session %s to the store", victim.id)
+            return True
+        return False
 
     def _release(self, s: SessionState, keep_checkpoint_states: bool) -> None:
         with self.mutex:
