@@ -5,10 +5,14 @@ the wall time of the two together is the prefill time. Reported per N: tokens/s,
 of the active parameters plus MLA attention's, KDA's recurrence left out: a lower bound) against the H200's dense
 bf16 peak, and peak GPU memory above what the weights and pools hold.
 
+``--cpu-rss N`` instead prefills N tokens of ``tiny-random`` on the CPU through the Engine (in
+``--chunk``-token chunks) and reports how much the peak RSS grew during the prefill.
+
 ``--profile N`` also runs one prefill of N tokens with CUDA events around every layer's attention and FFN and
 reports where the time goes (KDA attention, MLA attention, MoE, dense FFN, the rest).
 
     PYTHONUNBUFFERED=1 python bench/prefill_48b.py --contexts 8192,32768,131072 --profile 32768 --out $OUT/p.json
+    python bench/prefill_48b.py --cpu-rss 32768 --chunk 8192
     python bench/prefill_48b.py --quick      # a small shape on any device, to check the script
 
 Random weights: every matrix N(0, 1/fan_in), norms 1, A_log uniform in [0, ln 16], biases 0. The lm_head rows past
@@ -217,14 +221,34 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+async def cpu_rss(N: int, chunk: int) -> dict[str, Any]:
+    import resource
+
+    import kda_sessions as ks
+
+    async with await ks.Engine.open(model="tiny-random", store="memory:", prefill_chunk_tokens=chunk,
+                                    num_pages=-(-N // 64) + 8) as engine:
+        await prefill_once(engine, 256, seed=0)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        dt, pre = await prefill_once(engine, N, seed=N)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"model": "tiny-random", "N": N, "chunk": chunk, "prefill_tokens": pre, "s": round(dt, 2),
+            "tok_per_s": round(N / dt), "peak_rss_growth_mib": round((after - before) / 1024, 1),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[8192, 32768, 131072])
     p.add_argument("--chunk", type=int, default=8192, help="EngineConfig.prefill_chunk_tokens")
     p.add_argument("--profile", type=int, default=0, help="context of the per-layer-kind profile (0: none)")
+    p.add_argument("--cpu-rss", type=int, default=0, help="tiny-random on the CPU instead: peak RSS growth")
     p.add_argument("--quick", action="store_true", help="a small shape and small contexts, to check the script")
     p.add_argument("--out", default="")
     args = p.parse_args()
+    if args.cpu_rss:
+        print(json.dumps(asyncio.run(cpu_rss(args.cpu_rss, args.chunk))))
+        return
     if args.quick:
         args.contexts, args.chunk = [200, 700], 256
     res = asyncio.run(main_async(args))
