@@ -233,10 +233,10 @@ def decode_case(model: HybridModel, batch: int, L: int, modes: list[str], reps: 
     return out
 
 
-SWEEP_SMALL = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 64, 64, 4, 5),
-               MoeLaunch(16, 128, 64, 4, 4), MoeLaunch(16, 32, 256, 4, 3)]
+SWEEP_SMALL = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 64, 128, 8, 4),
+               MoeLaunch(16, 32, 64, 4, 6), MoeLaunch(16, 64, 256, 8, 3)]
 SWEEP_LARGE = [MoeLaunch(64, 128, 64, 8, 3), MoeLaunch(64, 128, 64, 4, 4), MoeLaunch(128, 128, 64, 8, 3),
-               MoeLaunch(64, 64, 64, 4, 4), MoeLaunch(128, 256, 64, 8, 3)]
+               MoeLaunch(64, 64, 64, 4, 4), MoeLaunch(128, 128, 32, 8, 4)]
 
 
 def graph_us(fn, reps: int) -> float:

@@ -23,17 +23,16 @@ def moe_case(T: int, E: int, k: int, D: int, Fw: int, seed: int = 0, skew: bool 
              dtype: torch.dtype = torch.float32):
     """(x [T, D], w13 [E, 2F, D], w2 [E, D, F], chosen [T, k], weights [T, k]); ``skew`` routes every token to
     the experts 0..k-1 (one expert holds all T tokens)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, D, generator=gen)
-    w13 = torch.randn(E, 2 * Fw, D, generator=gen) / D**0.5
-    w2 = torch.randn(E, D, Fw, generator=gen) / Fw**0.5
+    gen = torch.Generator(device).manual_seed(seed)  # built where it runs: the 48B shape's weights are 1.8 G numbers
+    x = torch.randn(T, D, generator=gen, device=device)
+    w13 = torch.randn(E, 2 * Fw, D, generator=gen, device=device) / D**0.5
+    w2 = torch.randn(E, D, Fw, generator=gen, device=device) / Fw**0.5
     if skew:
-        chosen = torch.arange(k).repeat(T, 1)
+        chosen = torch.arange(k, device=device).repeat(T, 1)
     else:
-        chosen = torch.argsort(torch.rand(T, E, generator=gen), dim=1)[:, :k]
-    weights = torch.rand(T, k, generator=gen)
-    out = (x.to(device, dtype), w13.to(device, dtype), w2.to(device, dtype), chosen.to(device), weights.to(device, dtype))
-    return out
+        chosen = torch.argsort(torch.rand(T, E, generator=gen, device=device), dim=1)[:, :k]
+    weights = torch.rand(T, k, generator=gen, device=device)
+    return x.to(dtype), w13.to(dtype), w2.to(dtype), chosen, weights.to(dtype)
 
 
 ALIGN_CASES = [(1, 8, 2, 16), (5, 8, 3, 16), (40, 16, 4, 16), (40, 16, 4, 64), (3, 256, 8, 16), (130, 8, 8, 16)]
