@@ -171,7 +171,7 @@ async def test_completions_continue_a_raw_prompt(oai, server):
     r = await oai.completions.create(model="tiny-random", prompt="def main():", max_tokens=5, temperature=0,
                                      logprobs=0, extra_body={"ignore_eos": True})
     assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
-    assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens == len("def main():".encode())
+    assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens == len(b"def main():")
     assert len(r.choices[0].logprobs.token_logprobs) == 5
     sid = r.model_extra["session_id"]
     again = await oai.completions.create(model="tiny-random", prompt=[65, 66], max_tokens=2, temperature=0,
