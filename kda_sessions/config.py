@@ -59,6 +59,29 @@ class ModelConfig(BaseModel):
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _math_keys(cls, data: Any) -> Any:
+        """Keys of real checkpoints' configs that change the math: ``linear_attn_config.gate_lower_bound`` (the
+        K3 spelling of ``kda_gate_lower_bound``) is moved there; ``mla_use_output_gate`` true is refused. Done on
+        the raw dict so that configs without them dump (and fingerprint) as before."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if data.get("mla_use_output_gate", False) is not False:
+            raise ValueError("mla_use_output_gate: the MLA output gate is not implemented; only false is supported")
+        lac = data.get("linear_attn_config")
+        if isinstance(lac, dict) and "gate_lower_bound" in lac:
+            lac = dict(lac)
+            lb = lac.pop("gate_lower_bound")
+            data["linear_attn_config"] = lac
+            if lb is not None:
+                if data.get("kda_gate_lower_bound") not in (None, lb):
+                    raise ValueError(f"linear_attn_config.gate_lower_bound={lb} disagrees with "
+                                     f"kda_gate_lower_bound={data['kda_gate_lower_bound']}")
+                data["kda_gate_lower_bound"] = lb
+        return data
+
     @model_validator(mode="after")
     def _adds_up(self) -> ModelConfig:
         lac = self.linear_attn_config
