@@ -1,8 +1,19 @@
-"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, with the right status."""
+"""Errors in OpenAI's shape, ``{"error": {"message", "type", "param", "code", "request_id"}}``, with the right
+status.
+
+What a client reads must not tell it about the server: errors from the store (whose messages name its URL,
+credentials, key prefixes, paths, and the pid and host of another writer) answer with a fixed message per code,
+and every other message goes through ``redact`` (URLs, absolute paths, pids and this host's name are cut). The
+full message goes to the server log under the request's id, which the body and the ``X-Request-Id`` header carry.
+"""
 
 from __future__ import annotations
 
 import logging
+import re
+import secrets
+import socket
+from contextvars import ContextVar
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -19,10 +30,39 @@ from ..errors import (
     KdaSessionsError,
     SessionBusy,
     SessionNotFound,
+    SnapshotConflict,
+    StoreError,
     StoreUnavailable,
 )
 
 log = logging.getLogger(__name__)
+
+REQUEST_ID: ContextVar[str | None] = ContextVar("kda_sessions_request_id", default=None)
+"""The id of the request being answered (set by GuardMiddleware for the request's task and its stream)."""
+_REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
+
+
+def new_request_id(client_given: str | None = None) -> str:
+    """The client's ``X-Request-Id`` when it is a plain token of 8-64 characters, else a fresh one."""
+    if client_given is not None and _REQUEST_ID_PATTERN.match(client_given):
+        return client_given
+    return "req_" + secrets.token_hex(12)
+
+
+_URL = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://\S+")
+_PATH = re.compile(r"(?<![\w/])(?:[A-Za-z]:)?/(?:[\w.@+~-]+/)+[\w.@+~-]*|(?<=disk:)\S+")
+_PID = re.compile(r"\bpid[ =:]*\d+", re.IGNORECASE)
+
+
+def redact(message: str) -> str:
+    """``message`` without URLs, absolute paths, pids or this host's name."""
+    message = _URL.sub("<url>", message)
+    message = _PATH.sub("<path>", message)
+    message = _PID.sub("pid <hidden>", message)
+    for host in {socket.gethostname(), socket.getfqdn()}:
+        if len(host) >= 2:
+            message = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", "<host>", message)
+    return message
 
 _TYPES = {
     400: "invalid_request_error",
@@ -61,6 +101,7 @@ class ApiError(Exception):
                 "type": _TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error"),
                 "param": self.param,
                 "code": self.code,
+                "request_id": REQUEST_ID.get(),
             }
         }
 
@@ -79,26 +120,41 @@ _MAPPING: list[tuple[type[BaseException], int, str]] = [
     (OutOfSlots, 503, "out_of_slots"),
     (OutOfPages, 503, "out_of_pages"),
     (IntegrityError, 500, "integrity_error"),
+    (StoreError, 500, "store_error"),
     (ValueError, 400, "invalid_value"),
+]
+
+# what a client reads for errors whose own message is the server's business (module doc)
+_FIXED_MESSAGES: list[tuple[type[BaseException], str]] = [
+    (SnapshotConflict, "the session was saved by another engine since this one loaded it; resume it again to continue"),
+    (SessionBusy, "the session is held by another engine (its write lease); retry later or continue it there"),
+    (StoreUnavailable, "the session store is unavailable; retry later"),
+    (IntegrityError, "stored data of this session failed an integrity check; the server log has the details"),
+    (StoreError, "the session store failed; the server log has the details"),
 ]
 
 _RETRY_AFTER = {429: "1", 503: "2"}
 
 
 def to_api_error(exc: BaseException) -> ApiError:
-    """The answer for any exception (an unexpected one is a 500 that names no internals)."""
+    """The answer for any exception: a code, a message a client can act on and nothing about the server (module
+    doc); the full story is logged under the request id. An unexpected exception is a 500 that names nothing."""
     if isinstance(exc, ApiError):
+        exc.message = redact(exc.message)
         return exc
+    rid = REQUEST_ID.get()
     for cls, status, code in _MAPPING:
         if isinstance(exc, cls):
             if isinstance(exc, ValueError) and "already exists" in str(exc):
                 status, code = 409, "session_exists"
             headers = {"Retry-After": _RETRY_AFTER[status]} if status in _RETRY_AFTER else None
-            return ApiError(status, str(exc), code, headers=headers)
-    if isinstance(exc, KdaSessionsError):
-        return ApiError(500, str(exc), "internal_error")
-    log.exception("unhandled error", exc_info=exc)
-    return ApiError(500, "internal server error", "internal_error")
+            fixed = next((m for c, m in _FIXED_MESSAGES if isinstance(exc, c)), None)
+            message = fixed if fixed is not None else redact(str(exc))
+            if fixed is not None or status >= 500 or message != str(exc):
+                log.warning("request %s: %d %s: %s: %s", rid, status, code, type(exc).__name__, exc)
+            return ApiError(status, message, code, headers=headers)
+    log.error("request %s: unhandled error", rid, exc_info=exc)
+    return ApiError(500, "internal server error; the server log has the details", "internal_error")
 
 
 def _describe(error: Any) -> str:
@@ -133,5 +189,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(RequestValidationError, on_validation)
     app.add_exception_handler(StarletteHTTPException, on_http)
-    for cls in (ApiError, KdaSessionsError, EngineBusy, OutOfSlots, OutOfPages, ValueError, Exception):
+    # Not Exception: Starlette re-raises after answering a handler of Exception, which makes the server close
+    # the connection; GuardMiddleware answers an unexpected exception itself and keeps it open.
+    for cls in (ApiError, KdaSessionsError, EngineBusy, OutOfSlots, OutOfPages, ValueError):
         app.add_exception_handler(cls, on_api_error)

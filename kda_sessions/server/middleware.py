@@ -1,18 +1,21 @@
-"""One ASGI layer in front of every route: request metrics, API key, per-key rate and concurrency limits,
-and the body-size limit (from Content-Length, and again while the body streams in, before it is buffered)."""
+"""One ASGI layer in front of every route: the request id, request metrics, API key, per-key rate and
+concurrency limits, the body-size limit (from Content-Length, and again while the body streams in, before it is
+buffered), and the answer to an exception no route handled (a 500 that keeps the connection open)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 from fastapi import HTTPException
 
 from .auth import KeyChecker, bearer_token
-from .errors import ApiError
+from .errors import REQUEST_ID, ApiError, new_request_id, to_api_error
 from .metrics import Metrics
 from .settings import ServerSettings
 
@@ -21,6 +24,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+log = logging.getLogger(__name__)
 
 PUBLIC_PATHS = frozenset({"/health"})
 
@@ -81,18 +86,36 @@ class GuardMiddleware:
             return
         status = {"code": 500}
         started = {"yes": False}
+        given = next((v.decode("latin-1") for k, v in scope.get("headers", []) if k.lower() == b"x-request-id"), None)
+        rid = new_request_id(given)
+        token = REQUEST_ID.set(rid)
+
+        t0 = time.perf_counter()
+        observed = {"yes": False}
+
+        def observe() -> None:
+            if not observed["yes"]:
+                observed["yes"] = True
+                self.metrics.observe_request(scope.get("path", ""), status["code"], time.perf_counter() - t0)
 
         async def send_tracked(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
                 started["yes"] = True
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", rid.encode())]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                observe()  # before the client can have the whole answer
             await send(message)
 
-        t0 = time.perf_counter()
         try:
             await self._guarded(scope, receive, send_tracked, started)
+        except Exception as e:  # no route handled it: answer here, so the connection stays usable
+            if started["yes"]:
+                raise
+            await _answer(scope, send_tracked, to_api_error(e))
         finally:
-            self.metrics.observe_request(scope.get("path", ""), status["code"], time.perf_counter() - t0)
+            REQUEST_ID.reset(token)
+            observe()
 
     async def _guarded(self, scope: Scope, receive: Receive, send: Send, started: dict[str, bool]) -> None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -116,13 +139,51 @@ class GuardMiddleware:
             await _answer(scope, send, refused)
             return
         try:
-            await self.app(scope, self._counting(receive), send)
+            await self._cancel_on_disconnect(scope, self._counting(receive), send)
         except BodyTooLarge as e:
             if started["yes"]:
                 raise
             await _answer(scope, send, ApiError(413, str(e.detail), "request_too_large"))
         finally:
             self.limits.release(key)
+
+    async def _cancel_on_disconnect(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run the app; if the client goes away before a (non-streamed) response is sent, cancel it, so that a
+        generation nobody will read stops and frees its session and batch slot. Streams are left to the streaming
+        response, which notices the disconnect itself. Disconnects are watched only once the body has been read,
+        so the watcher never takes a body chunk from the app."""
+        body_read = anyio.Event()
+        state = {"streaming": False, "done": False}
+
+        async def receive_tracked() -> Message:
+            message = await receive()
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                body_read.set()
+            return message
+
+        async def send_tracked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                ctype = next((v for k, v in message.get("headers", []) if k.lower() == b"content-type"), b"")
+                state["streaming"] = ctype.startswith(b"text/event-stream")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                state["done"] = True
+            await send(message)
+
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                await body_read.wait()
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        break
+                if not state["streaming"] and not state["done"]:
+                    log.info("request %s: the client disconnected; cancelling it", REQUEST_ID.get())
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            await self.app(scope, receive_tracked, send_tracked)
+            tg.cancel_scope.cancel()
 
     def _counting(self, receive: Receive) -> Receive:
         seen = 0

@@ -708,6 +708,8 @@ class DiskStore(BlobStore):
                 fence = int(_read_file(fence_path) or b"0") + 1
             except FileNotFoundError:
                 fence = 1
+            except ValueError as e:  # the server's file, not the client's input: a 5xx, never a 400
+                raise IntegrityError(f"{self.url}: lease fence file {fence_path} is corrupt: {e}") from e
             tmp = _write_temp(self._leases, str(fence).encode())
             os.replace(tmp, fence_path)
             fsync_dir(self._leases)
