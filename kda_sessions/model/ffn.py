@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.moe import fused_moe
+from ..kernels.moe import fused_moe, moe_route
+from ..kernels.norm import rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -17,9 +18,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):
@@ -113,12 +112,9 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]. On a GPU with stacked experts: the fused MoE kernels (no host sync, CUDA-graph
         safe); otherwise the loop over the experts that received tokens (one host sync; ``naive_fused_moe``)."""
-        scores = torch.sigmoid(x.float() @ self.gate.weight.float().t())  # [T, E]
-        _, chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), self.top_k, dim=-1)  # [T, k]
-        weights = scores.gather(-1, chosen)
-        if self.renormalize:
-            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        weights = (weights * self.scale).to(x.dtype)
+        logits = x.float() @ self.gate.weight.float().t()  # [T, E]
+        chosen, weights = moe_route(logits, self.gate.e_score_correction_bias.float(), self.top_k,
+                                    self.renormalize, self.scale, x.dtype)  # [T, k] each
         stacked = self._stacked_weights() if x.is_cuda else None
         if stacked is not None:
             out = fused_moe(x, *stacked, chosen, weights)

@@ -3,9 +3,10 @@ CUDA tensors go to Triton (no host sync, fixed launch shapes: CUDA-graph safe), 
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
-from .naive import naive_fused_moe
+from .naive import naive_fused_moe, naive_moe_route
 
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
@@ -33,4 +34,21 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
     return naive_fused_moe(x, w13, w2, chosen, weights)
 
 
-__all__ = ["fused_moe"]
+def moe_route(
+    logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """The sigmoid router's selection. logits [T, E] float32, bias [E] float32 (``e_score_correction_bias``)
+    -> (chosen [T, k] int64: the top k of ``sigmoid(logits) + bias``, best first; weights [T, k] in ``dtype``:
+    the chosen plain sigmoid scores, divided by their sum when ``renormalize``, times ``scale``). CUDA tensors
+    (k a power of two) go to one Triton kernel; ties between equal scores may pick another expert there."""
+    if logits.dim() != 2 or bias.shape != (logits.shape[1],) or not 0 < top_k <= logits.shape[1]:
+        raise ValueError(f"logits must be [T, E], bias [E] and 0 < top_k <= E, got {tuple(logits.shape)}, "
+                         f"{tuple(bias.shape)}, {top_k}")
+    if logits.is_cuda and top_k & (top_k - 1) == 0:
+        from .route import moe_route_triton
+
+        return moe_route_triton(logits, bias, top_k, renormalize, scale, dtype)
+    return naive_moe_route(logits, bias, top_k, renormalize, scale, dtype)
+
+
+__all__ = ["fused_moe", "moe_route"]

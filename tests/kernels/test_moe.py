@@ -154,3 +154,34 @@ def test_fused_moe_replays_in_a_cuda_graph(T: int) -> None:
     eager = fused_moe(x, w13, w2, chosen, weights)
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+ROUTE_CASES = [(1, 16, 4, True), (9, 256, 8, True), (5, 40, 2, False)]
+
+
+@pytest.mark.parametrize("T,E,k,renorm", ROUTE_CASES, ids=[f"T{t}-E{e}-k{k}-{'renorm' if r else 'raw'}" for t, e, k, r in ROUTE_CASES])
+def test_route_kernel_matches_the_twin(T: int, E: int, k: int, renorm: bool) -> None:
+    """Same experts in the same order (no ties in random scores) and the same weights."""
+    from kda_sessions.kernels.moe.naive import naive_moe_route
+    from kda_sessions.kernels.moe.route import moe_route_triton
+
+    gen = torch.Generator().manual_seed(E)
+    logits = torch.randn(T, E, generator=gen) * 2
+    bias = torch.randn(E, generator=gen) * 0.1
+    chosen, w = moe_route_triton(logits, bias, k, renorm, 2.446, torch.float32)
+    rc, rw = naive_moe_route(logits, bias, k, renorm, 2.446, torch.float32)
+    assert torch.equal(chosen, rc) and rel_rms(w, rw) < TOL
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_route_kernel_on_the_gpu() -> None:
+    from kda_sessions.kernels.moe import moe_route
+    from kda_sessions.kernels.moe.naive import naive_moe_route
+
+    gen = torch.Generator("cuda").manual_seed(0)
+    logits = torch.randn(64, 256, generator=gen, device="cuda")
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.1
+    chosen, w = moe_route(logits, bias, 8, True, 2.446, torch.bfloat16)
+    rc, rw = naive_moe_route(logits, bias, 8, True, 2.446, torch.bfloat16)
+    assert torch.equal(chosen, rc) and rel_rms(w, rw) < TOL_BF16
