@@ -134,7 +134,7 @@ async def test_unknown_session_is_404_in_openai_shape(oai, server):
     r = httpx.post(server.url + "/v1/chat/completions",
                    json={"messages": [{"role": "user", "content": "x"}], "session_id": "s_" + "f" * 32})
     assert r.status_code == 404
-    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    assert set(r.json()["error"]) == {"message", "type", "param", "code", "request_id"}
 
 
 @pytest.mark.parametrize(
