@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import os
@@ -115,7 +116,35 @@ async def timed(coro: Any) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+class Phases:
+    """Seconds spent inside the store's ``load_blobs`` (read + verify) and the page codec's ``load`` (staging
+    copy + device copies), summed over calls: wraps the two on the instances of one engine."""
+
+    def __init__(self, eng: ks.Engine) -> None:
+        self.store_s = self.copy_s = 0.0
+        snapshots, codec = eng.io.snapshots, eng.io.codec
+        load_blobs, load = snapshots.load_blobs, codec.load
+
+        async def timed_load_blobs(digests: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await load_blobs(digests)
+            finally:
+                self.store_s += time.perf_counter() - t0
+
+        def timed_load(*args: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                load(*args)
+            finally:
+                self.copy_s += time.perf_counter() - t0
+
+        snapshots.load_blobs = timed_load_blobs  # type: ignore[method-assign]
+        codec.load = timed_load  # type: ignore[method-assign]
+
+
 async def resume_first_token(eng: ks.Engine, sid: str) -> dict[str, float]:
+    phases = Phases(eng)
     sync()
     t0 = time.perf_counter()
     s = await eng.resume(sid)
@@ -125,7 +154,22 @@ async def resume_first_token(eng: ks.Engine, sid: str) -> dict[str, float]:
     sync()
     t2 = time.perf_counter()
     assert r.usage.prefill_tokens <= 1, r.usage
-    return {"resume_s": round(t1 - t0, 4), "first_token_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4)}
+    return {
+        "resume_s": round(t1 - t0, 4), "first_token_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4),
+        "in_store_load_s": round(phases.store_s, 4), "in_page_copy_s": round(phases.copy_s, 4),
+    }
+
+
+def hash_speed(device_threads: int) -> dict[str, float]:
+    """GB/s of sha256 over 256 MiB in 512 KiB buffers, on 1 thread and on ``device_threads`` threads."""
+    bufs = [os.urandom(1 << 19)] * 512
+    out = {}
+    for threads in (1, device_threads):
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as ex:
+            list(ex.map(lambda b: hashlib.sha256(b).digest(), bufs))
+        out[f"sha256_{threads}t_GBps"] = round(len(bufs) * len(bufs[0]) / (time.perf_counter() - t0) / 1e9, 2)
+    return out
 
 
 def raw_h2d(nbytes: int, device: str) -> float:
@@ -171,6 +215,11 @@ async def one_context(model: HybridModel, n: int, device: str, root: Path) -> di
         t, _ = await timed(s.append(common.random_tokens(n, seed=n)))
         t2, _ = await timed(s.generate(max_tokens=1, ignore_eos=True))
         row["prefill_first_token_s"] = round(t + t2, 3)
+        st = s.state
+        t, encoded = await timed(asyncio.to_thread(eng.io.codec.encode, st.pages[: st.num_cached // 64]))
+        row["encode_pages_s"] = round(t, 4)  # gather + copy to host + blobs + sha256, what save's build does
+        del encoded
+        eng.pages.digests.clear()  # so that the save encodes every page again
         t, res = await timed(s.save())
         snap = res.bytes_written
         row["snapshot_MB"] = round(snap / 1e6, 1)
@@ -196,7 +245,12 @@ async def one_context(model: HybridModel, n: int, device: str, root: Path) -> di
     if common.drop_page_cache():
         read_cold, _ = raw_read(root / f"store-{n}")
         raw["read_cold_GBps"] = round(nread / read_cold / 1e9, 2)
+    raw["write_fdatasync_GBps"] = round(
+        common._dd(["if=/dev/zero", f"of={root / 'dd.bin'}", "bs=1M", f"count={snap >> 20}", "conv=fdatasync"]) / 1e3, 2
+    )
+    (root / "dd.bin").unlink()
     row["raw"] = raw
+    row["save_of_raw_write"] = round(row["save_GBps"] / raw["write_fdatasync_GBps"], 2)
     for tier, path_GBps in (("ram", raw["h2d_GBps"]), ("disk_warm", min(raw["h2d_GBps"], raw["read_warm_GBps"])),
                             ("disk_cold", min(raw["h2d_GBps"], raw.get("read_cold_GBps", 0.0)))):
         if tier in row and path_GBps:
@@ -218,7 +272,10 @@ async def main() -> None:
     t0 = time.monotonic()
     dtype = torch.bfloat16
     model = build_model(args.shape, args.device, dtype)
-    result: dict[str, Any] = {"machine": common.machine(), "shape": args.shape, "dtype": str(dtype), "rows": []}
+    result: dict[str, Any] = {
+        "machine": common.machine(), "shape": args.shape, "dtype": str(dtype),
+        "hash": hash_speed(os.cpu_count() or 1), "rows": [],
+    }
     with tempfile.TemporaryDirectory(dir=os.environ.get("RESUME_BENCH_DIR")) as tmp:
         for n in [int(x) for x in args.contexts.split(",")]:
             if time.monotonic() - t0 > args.budget:

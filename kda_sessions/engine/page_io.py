@@ -14,6 +14,7 @@ C-contiguous bytes of [L_mla, P, C].
 from __future__ import annotations
 
 import ctypes
+import hashlib
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -23,7 +24,7 @@ from torch import Tensor
 from ..config import ModelConfig
 from ..model import StatePools
 from ..sessions.snapshot import decode_page
-from ..storage.blobs import HASH_THREADS, digest, tensor_header
+from ..storage.blobs import HASH_THREADS, tensor_header
 
 CHUNK_BYTES = 64 << 20
 """Bytes of pages moved per device copy: large enough for full copy bandwidth, small enough to overlap."""
@@ -34,6 +35,34 @@ def _host_view(t: Tensor) -> memoryview:
     assert t.device.type == "cpu" and t.is_contiguous()
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+
+
+def _page_digest(header: bytes, payload: memoryview) -> str:
+    h = hashlib.sha256(header)
+    h.update(payload)
+    return h.hexdigest()
+
+
+def _copy_payloads(host: Tensor, blobs: Sequence[bytes], offset: int, size: int) -> None:
+    """host[j] = blobs[j][offset : offset + size] for every j, with memmove on up to HASH_THREADS threads
+    (ctypes releases the GIL around it, so the copies run in parallel)."""
+    base = host.data_ptr()
+
+    def run(lo: int, hi: int) -> None:
+        for j in range(lo, hi):
+            src = ctypes.cast(ctypes.c_char_p(blobs[j]), ctypes.c_void_p).value
+            assert src is not None and len(blobs[j]) == offset + size
+            ctypes.memmove(base + j * size, src + offset, size)
+
+    n = len(blobs)
+    threads = min(HASH_THREADS, max(1, n * size // (8 << 20)))  # about 8 MiB a thread at least
+    if threads <= 1:
+        run(0, n)
+        return
+    step = -(-n // threads)
+    with ThreadPoolExecutor(threads, thread_name_prefix="page-copy") as ex:
+        for f in [ex.submit(run, lo, min(n, lo + step)) for lo in range(0, n, step)]:
+            f.result()
 
 
 class PageCodec:
@@ -56,12 +85,15 @@ class PageCodec:
     # -- save ------------------------------------------------------------------------------------------------
 
     def encode(self, pages: Sequence[int]) -> list[tuple[str, bytes]]:
-        """(digest, blob) of each full pool page in ``pages``, in order. Each chunk's blobs are hashed on a
-        thread pool while the next chunk is gathered and copied to the host."""
+        """(digest, blob) of each full pool page in ``pages``, in order. Per chunk: one gather per layer and one
+        copy to (pinned) host memory; threads hash each page straight from that buffer (hashlib releases the
+        GIL) while this thread copies the pages out into their blobs and the next chunk is gathered."""
         if not pages:
             return []
         blobs: list[bytes] = []
         futures: list[Future[str]] = []
+        in_flight: list[tuple[Tensor, list[Future[str]]]] = []  # host buffers the hash threads still read
+        b = self.page_bytes
         with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="page-hash") as pool:
             for i in range(0, len(pages), self.per_chunk):
                 ids = list(pages[i : i + self.per_chunk])
@@ -70,12 +102,14 @@ class PageCodec:
                 host = self._staging(len(ids))
                 host.copy_(block.view(len(ids), -1).view(torch.uint8))
                 view = _host_view(host)
-                b = self.page_bytes
-                for j in range(len(ids)):
-                    data = self.header + view[j * b : (j + 1) * b]
-                    blobs.append(data)
-                    futures.append(pool.submit(digest, data))
-                del view
+                chunk = [view[j * b : (j + 1) * b] for j in range(len(ids))]
+                hashes = [pool.submit(_page_digest, self.header, v) for v in chunk]
+                blobs.extend(self.header + v for v in chunk)
+                futures.extend(hashes)
+                in_flight.append((host, hashes))
+                if len(in_flight) > 2:  # bound the pinned memory held: two chunks
+                    for f in in_flight.pop(0)[1]:
+                        f.result()
             return [(f.result(), data) for f, data in zip(futures, blobs)]
 
     # -- load ------------------------------------------------------------------------------------------------
@@ -95,12 +129,9 @@ class PageCodec:
         assert len(pages) == len(blobs)
         for data in blobs:
             self.check(data, where)
-        n, h, b = len(pages), len(self.header), self.page_bytes
+        n = len(pages)
         host = self._staging(n)
-        view = _host_view(host)
-        for j, data in enumerate(blobs):
-            view[j * b : (j + 1) * b] = memoryview(data)[h:]
-        del view
+        _copy_payloads(host, blobs, len(self.header), self.page_bytes)
         L, P, C = self.shape
         if self.device.type == "cuda":
             assert isinstance(stream, torch.cuda.Stream)

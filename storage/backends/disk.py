@@ -76,7 +76,7 @@ PACK_MIN_BLOBS = 64
 """A batch with at least this many new blobs is written as one pack file (see disk_pack); smaller batches, such
 as the few pages of one agent turn, stay loose files: one pack per small save would multiply the indexes every
 reader loads for a gain of a few milliseconds (git keeps pushes under `transfer.unpackLimit` = 100 loose alike)."""
-_IO_THREADS = max(1, min(4, os.cpu_count() or 1))
+_IO_THREADS = max(1, min(8, os.cpu_count() or 1))  # reads hash what they read: sha256 wants cores
 _PARALLEL_BYTES = 1 << 20  # below this a batch is hashed and read on the calling thread
 _READ_CHUNK_BYTES = 8 << 20  # one read task's share of a pack
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import anyio
 import pytest
 import torch
 
@@ -48,8 +49,13 @@ def in_new_process(store: str, sid: str, n: int, checkpoint: str | None = None) 
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-async def test_cuda_save_resume_fork_equal_an_uninterrupted_run(store_url, monkeypatch):
+def test_cuda_save_resume_fork_equal_an_uninterrupted_run(store_url, monkeypatch):
+    # a plain test around anyio.run: the device's pytest has no asyncio plugin
     monkeypatch.setattr(page_io, "CHUNK_BYTES", 1 << 20)  # 1 MiB chunks: the restore runs in several
+    anyio.run(save_resume_fork, store_url)
+
+
+async def save_resume_fork(store_url: str) -> None:
     tail = [5, 6, 7, 8, 9]
     async with await ks.Engine.open(model="tiny-random", device=DEVICE, dtype=torch.bfloat16, page_size=64,
                                     store="memory:") as ref:
