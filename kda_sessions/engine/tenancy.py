@@ -174,6 +174,7 @@ class TenantEngine:
             parent = await self._load_unheld(parent_id) if transient else (await self.resume(parent_id)).state
         async with parent.lock:
             if checkpoint is None or checkpoint == "head":
+                await self.engine._make_resident(parent)  # an evicted parent's head is in the store only
                 cp = self.engine._head_checkpoint(parent)
             elif checkpoint in parent.checkpoints:
                 cp = parent.checkpoints[checkpoint]
