@@ -97,6 +97,7 @@ class _Episode:
     arguments: dict[str, Any]
     fact: str
     recall: list[tuple[str, str, str]] = field(default_factory=list)  # (question, answer, fact)
+    template: str = ""  # the phrasing grammar's template id of the question (tools/tiny_general.py), if any
 
 
 # ---- the corpus ---------------------------------------------------------------------------------------------

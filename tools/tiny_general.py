@@ -1,0 +1,368 @@
+"""Rows and held-out tasks that teach `tiny` the task, not the sentence (issue 31).
+
+Next to tiny_data's conversations (its fixed question forms, over the stdlib), these rows ask with the phrasing
+grammar of ``tiny_phrasing`` (train templates only) over the stdlib or over any installed package tree, and mix in
+four more episode shapes:
+
+- a tool task of tiny_data (read_file, grep, list_dir) asked in a grammar phrasing;
+- a multi-step task: list a folder, then grep or read its first Python file, then answer;
+- a tool error answered by a corrected call: a wrong call (left out of the loss), the tool's ``error: ...`` as
+  agents report it (examples/agent_loop.py, the eval), the right call, the answer;
+- an off-task message answered by the fixed ``REFUSAL``, which says what the model can do.
+
+Package trees: every top-level package of the interpreter's site-packages with at least MIN_TREE_FILES Python
+files. Whole trees are held out by a sha256 of ``tree:NAME`` (as tiny_data splits files) and by ``HELDOUT_TREES``;
+inside a training tree, files and folders are split by path hash as in the stdlib. ``EVAL_TREE`` (uvicorn, a
+dependency of kda_sessions, so installed wherever the eval runs) is held out by its hash.
+
+    make_general_row(rng, split, max_len, tree_share) -> (ids, mask)     like tiny_data.make_row
+    general_tasks(seed, n, tree) -> list[Task]     held-out phrasings over a held-out tree (kinds in turn)
+    off_task_tasks(seed, n, tree) -> list[Task]    held-out off-task messages after 0-2 tasks over that tree
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import re
+import sys
+import sysconfig
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from kda_sessions.tools import ToolError
+from tools import tiny_phrasing as grammar
+from tools.tiny_data import (
+    _DEF_RE,
+    FIRST_DEF_PATTERN,
+    LINE_READ_LIMITS,
+    RENAMED_FRACTION,
+    SKIP_PARTS,
+    SYSTEM,
+    Corpus,
+    Message,
+    RenamedCorpus,
+    Task,
+    _Episode,
+    _episode,
+    corpus,
+    header_ids,
+    numbered_lines,
+    render,
+    split_of,
+    tool_call,
+)
+
+REFUSAL = grammar.REFUSAL
+HELDOUT_TREES = ("httpx", "httpx2")  # besides the hashed ones: the tree issue 31 was measured on, and its fork
+EVAL_TREE = "uvicorn"
+MIN_TREE_FILES = 8
+MAX_TREE_FILES = 1500  # larger trees (torch, openai) take seconds to load into each data worker
+GENERAL_KINDS = ("read_file", "grep", "list_dir", "multi_step")
+# shares of a general row's episodes: a rephrased tool task, multi-step, a tool error corrected, off-task
+MIX = {"task": 0.55, "multi": 0.15, "error": 0.15, "off_task": 0.15}
+_ANSWER_NAME_RE = re.compile(r"(?:contains|has no) (.+)\.$")
+_CORRECT_INTRO = ["", "", "That call failed. Trying again.", "Wrong path; fixing the call.", "Let me fix that."]
+
+
+def tree_split(name: str) -> str:
+    """'heldout' for a package tree never used in training, else 'train'."""
+    return "heldout" if name in HELDOUT_TREES or split_of(f"tree:{name}") == "heldout" else "train"
+
+
+@lru_cache(maxsize=1)
+def package_trees() -> dict[str, str]:
+    """name -> folder of each installed package tree (site-packages / dist-packages folders of sys.path and the
+    interpreter's purelib and platlib): a folder with ``__init__.py`` and MIN_TREE_FILES to MAX_TREE_FILES .py
+    files outside tests, not kda_sessions."""
+    paths = sysconfig.get_paths()
+    roots = {paths["purelib"], paths["platlib"]} | {p for p in sys.path if p.endswith(("site-packages", "dist-packages"))}
+    out: dict[str, str] = {}
+    for root in sorted(roots):
+        base = Path(root)
+        if not base.is_dir():
+            continue
+        for d in sorted(base.iterdir()):
+            if d.name in out or d.name == "kda_sessions" or not (d / "__init__.py").is_file():
+                continue
+            n = 0
+            for p in d.rglob("*.py"):
+                n += not SKIP_PARTS.intersection(p.relative_to(d).parts[:-1])
+                if n > MAX_TREE_FILES:
+                    break
+            if MIN_TREE_FILES <= n <= MAX_TREE_FILES:
+                out[d.name] = str(d.resolve())
+    return out
+
+
+def trees(split: str) -> list[str]:
+    return [n for n in package_trees() if tree_split(n) == split]
+
+
+@lru_cache(maxsize=32)
+def tree_corpus(name: str, whole: bool = False) -> Corpus:
+    """The tree's corpus; ``whole``: every file and folder under "heldout" (a held-out tree is held out whole)."""
+    c = corpus(package_trees()[name])
+    if not whole:
+        return c
+    w = copy.copy(c)
+    w.files = {"train": [], "heldout": sorted(c.files["train"] + c.files["heldout"])}
+    w.dirs = {"train": [], "heldout": sorted(c.dirs["train"] + c.dirs["heldout"])}
+    return w
+
+
+# ---- episodes -------------------------------------------------------------------------------------------------
+
+
+def _intent(ep: _Episode) -> tuple[str, dict[str, str]]:
+    """The grammar intent and slots of a tiny_data episode."""
+    a = ep.arguments
+    if ep.kind == "read_file":
+        if ep.variant == "line":
+            return "line", {"p": a["path"], "n": str(a["start"])}
+        return "first_def", {"p": a["path"]}
+    if ep.kind == "grep":
+        what, name = a["pattern"].split(" ", 1)
+        return "def_line", {"p": a["path"], "pat": a["pattern"], "what": what, "name": name}
+    d = a["path"]
+    if ep.variant == "has":
+        m = _ANSWER_NAME_RE.search(ep.messages[-1]["content"])
+        assert m, ep.messages[-1]["content"]
+        return "has", {"d": d, "x": m.group(1)}
+    return ep.variant, {"d": d}
+
+
+def rephrase(rng: random.Random, ep: _Episode, split: str) -> _Episode:
+    """The episode asked in a grammar phrasing of ``split``; ``template`` names the phrasing."""
+    intent, slots = _intent(ep)
+    text, tid = grammar.question(rng, intent, slots, split)
+    messages = [{**ep.messages[0], "content": text}, *ep.messages[1:]]
+    ids, mask = render(messages, ep.fact)
+    out = copy.copy(ep)
+    out.messages, out.ids, out.mask = messages, ids, mask
+    out.template = tid
+    return out
+
+
+def _first_py(c: Corpus | RenamedCorpus, d: str, split: str) -> tuple[list[str], str] | None:
+    """(entries of folder d, path of its first Python file), that file being in ``split``; else None."""
+    entries = c.entries(d)
+    first = next((e for e in entries if e.endswith(".py")), None)
+    if first is None:
+        return None
+    rel = first if d == "." else f"{d}/{first}"
+    return (entries, rel) if rel in c.files[split] else None
+
+
+def multi_step_episode(rng: random.Random, c: Corpus | RenamedCorpus, split: str, budget: int) -> _Episode | None:
+    """List a folder, then grep its first Python file for definitions (or read a line of it), then answer."""
+    for _ in range(6):
+        d = rng.choice(c.dirs[split])
+        found = _first_py(c, d, split)
+        if found is None:
+            continue
+        entries, rel = found
+        listing = "\n".join(entries)
+        shown = "the project root" if d == "." else f"{d}/"
+        if rng.random() < 0.5:
+            args2: dict[str, Any] = {"pattern": FIRST_DEF_PATTERN, "path": rel}
+            out2 = c.call("grep", **args2)
+            m = _DEF_RE.match(out2.split("\n", 1)[0].split(": ", 1)[-1]) if out2 else None
+            if m is None:
+                continue
+            what = "function" if m.group(1) == "def" else "class"
+            intent, slots, fact = "dir_first_def", {"d": d}, m.group(2)
+            answer = f"The first Python file of {shown} is {rel.rsplit('/', 1)[-1]}; the first {what} defined in it is `{fact}`."
+            tool2 = "grep"
+        else:
+            lines = [(n, s.strip()) for n, s in numbered_lines(c.call("read_file", path=rel)) if s.strip() and len(s) <= 100]
+            if not lines:
+                continue
+            n, fact = rng.choice(lines)
+            args2 = {"path": rel, "start": n, "limit": LINE_READ_LIMITS[n % len(LINE_READ_LIMITS)]}
+            out2 = c.call("read_file", **args2)
+            intent, slots, tool2 = "dir_line", {"d": d, "n": str(n)}, "read_file"
+            answer = f"Line {n} of {rel} is: {fact}"
+        text, tid = grammar.question(rng, intent, slots, split)
+        call1, call2 = tool_call("list_dir", {"path": d}), tool_call(tool2, args2)
+        call2["id"] = call2["id"].replace(":0", ":1")
+        messages: list[Message] = [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "", "tool_calls": [call1]},
+            {"role": "tool", "tool_call_id": call1["id"], "content": listing},
+            {"role": "assistant", "content": "", "tool_calls": [call2]},
+            {"role": "tool", "tool_call_id": call2["id"], "content": out2},
+            {"role": "assistant", "content": answer},
+        ]
+        ids, mask = render(messages, fact)
+        if len(ids) > budget:
+            continue
+        return _Episode("multi_step", intent, messages, ids, mask, "list_dir", {"path": d}, fact, template=tid)
+    return None
+
+
+def _typo_path(rng: random.Random, p: str) -> str:
+    """The path with one letter of its last part dropped (the kind of slip a copy makes)."""
+    head, _, last = p.rpartition("/")
+    i = rng.randrange(len(last) - 1) if len(last) > 1 else 0
+    return (head + "/" if head else "") + last[:i] + last[i + 1:]
+
+
+def _wrong_call(rng: random.Random, ep: _Episode) -> tuple[str, dict[str, Any]]:
+    """A plausible wrong call for the episode's task: the other tool on the same path, a path with a letter
+    dropped, or (grep) a pattern that does not compile."""
+    tool, args = ep.tool, dict(ep.arguments)
+    assert tool is not None
+    k = rng.randrange(3)
+    if k == 0:
+        return ("read_file", {"path": args["path"]}) if tool == "list_dir" else ("list_dir", {"path": args["path"]})
+    if k == 1 and tool == "grep":
+        return "grep", {**args, "pattern": args["pattern"] + "("}
+    return tool, {**args, "path": _typo_path(rng, args["path"])}
+
+
+def error_episode(rng: random.Random, c: Corpus | RenamedCorpus, ep: _Episode) -> _Episode | None:
+    """``ep`` with a failing call before its right one: the wrong call's turn has mask 0 (only the recovery is
+    learnt), the error is the real tool's message as ``error: ...``."""
+    name, args = _wrong_call(rng, ep)
+    try:
+        c.tools.call(name, args)
+        return None  # the slip happened to name something real
+    except ToolError as e:
+        error = f"error: {e}"
+    wrong = tool_call(name, args)
+    right = ep.messages[1]
+    right = {**right, "content": rng.choice(_CORRECT_INTRO),
+             "tool_calls": [{**right["tool_calls"][0], "id": right["tool_calls"][0]["id"].replace(":0", ":1")}]}
+    result = {**ep.messages[2], "tool_call_id": right["tool_calls"][0]["id"]}
+    head = [ep.messages[0], {"role": "assistant", "content": "", "tool_calls": [wrong]}]
+    tail = [{"role": "tool", "tool_call_id": wrong["id"], "content": error}, right, result, *ep.messages[3:]]
+    ids1, _ = render(head)
+    ids2, mask2 = render(tail, ep.fact)
+    out = copy.copy(ep)
+    out.messages, out.ids, out.mask = head + tail, ids1 + ids2, [0] * len(ids1) + mask2
+    out.variant = f"error:{ep.variant}"
+    return out
+
+
+def off_task_episode(rng: random.Random, split: str) -> _Episode:
+    text, tid = grammar.off_task(rng, split)
+    messages: list[Message] = [{"role": "user", "content": text}, {"role": "assistant", "content": REFUSAL}]
+    ids, mask = render(messages)
+    return _Episode("off_task", tid, messages, ids, mask, None, {}, REFUSAL, template=tid)
+
+
+def general_episode(
+    rng: random.Random, c: Corpus | RenamedCorpus, split: str, budget: int, used: set[str]
+) -> _Episode | None:
+    """One episode of a shape drawn from MIX, fitting ``budget`` tokens."""
+    shape = rng.choices(list(MIX), list(MIX.values()))[0]
+    if shape == "off_task":
+        ep: _Episode | None = off_task_episode(rng, split)
+    elif shape == "multi":
+        ep = multi_step_episode(rng, c, split, budget)
+    else:
+        ep = _episode(rng, c, split, budget, used)
+        if ep is not None:
+            ep = rephrase(rng, ep, split)
+            if shape == "error":
+                ep = error_episode(rng, c, ep)
+    return ep if ep is not None and len(ep.ids) <= budget else None
+
+
+# ---- rows and tasks -------------------------------------------------------------------------------------------
+
+
+def row_corpus(rng: random.Random, split: str, tree_share: float) -> Corpus | RenamedCorpus:
+    """For ``tree_share`` of rows a package tree of ``split`` (files split by path hash within), else the stdlib;
+    in training, RENAMED_FRACTION of the stdlib rows under random names (tiny_data.RenamedCorpus)."""
+    names = trees(split)
+    if names and tree_share and rng.random() < tree_share:
+        return tree_corpus(rng.choice(names))
+    if split == "train" and rng.random() < RENAMED_FRACTION:
+        return RenamedCorpus(rng, corpus())
+    return corpus()
+
+
+def make_general_row(
+    rng: random.Random, split: str, max_len: int, tree_share: float = 0.5
+) -> tuple[list[int], list[int]]:
+    """One row (ids, mask as tiny_data.make_row: 1 on the assistant's tokens but failed calls, 2 on facts): the
+    header, then general episodes on one corpus (``row_corpus``) until the row is full. ``split`` picks the
+    phrasings, trees, files and off-task messages."""
+    if split not in grammar.SPLITS:
+        raise ValueError(f"split must be one of {grammar.SPLITS}, got {split!r}")
+    if not 0.0 <= tree_share <= 1.0:
+        raise ValueError(f"tree_share must be in [0, 1], got {tree_share}")
+    c = row_corpus(rng, split, tree_share)
+    ids = list(header_ids())
+    mask = [0] * len(ids)
+    used: set[str] = set()
+    misses = 0
+    while misses < 4 and max_len - len(ids) >= 200:
+        ep = general_episode(rng, c, split, max_len - len(ids), used)
+        if ep is None:
+            misses += 1
+            continue
+        ids += ep.ids
+        mask += ep.mask
+    assert len(ids) == len(mask) <= max_len
+    return ids, mask
+
+
+def _history(rng: random.Random, c: Corpus) -> list[Message]:
+    """The system prompt and 0-2 earlier held-out tasks, as in the in-template eval."""
+    history: list[Message] = [{"role": "system", "content": SYSTEM}]
+    used: set[str] = set()
+    for _ in range(rng.randrange(3)):
+        ep = _episode(rng, c, "heldout", 2000, used)
+        if ep is not None:
+            history += rephrase(rng, ep, "heldout").messages
+    return history
+
+
+def _eval_tree(tree: str | None) -> Corpus:
+    name = tree or EVAL_TREE
+    if name not in package_trees():
+        raise RuntimeError(f"package tree {name!r} is not installed (installed: {sorted(package_trees())})")
+    if tree_split(name) != "heldout":
+        raise ValueError(f"tree {name!r} is used in training; held-out trees here: {trees('heldout')}")
+    return tree_corpus(name, whole=True)
+
+
+def general_tasks(seed: int, n: int, tree: str | None = None) -> list[Task]:
+    """``n`` tasks in held-out phrasings over held-out tree ``tree`` (default EVAL_TREE), GENERAL_KINDS in turn."""
+    c = _eval_tree(tree)
+    rng = random.Random(seed)
+    tasks: list[Task] = []
+    for _ in range(50 * n + 100):
+        if len(tasks) == n:
+            break
+        kind = GENERAL_KINDS[len(tasks) % len(GENERAL_KINDS)]
+        history = _history(rng, c)
+        if kind == "multi_step":
+            ep = multi_step_episode(rng, c, "heldout", 6000)
+        else:
+            ep = _episode(rng, c, "heldout", 6000, set(), kind)
+            ep = rephrase(rng, ep, "heldout") if ep is not None else None
+        if ep is None:
+            continue
+        keep = ("path",) if ep.kind in ("read_file", "multi_step") else ("path", "pattern")
+        args = {k: v for k, v in ep.arguments.items() if k in keep}
+        tasks.append(Task(ep.kind, ep.variant, [*history, ep.messages[0]], ep.tool, args, ep.fact))
+    if len(tasks) < n:
+        raise RuntimeError(f"could not build {n} general tasks from {c.root}")
+    return tasks
+
+
+def off_task_tasks(seed: int, n: int, tree: str | None = None) -> list[Task]:
+    """``n`` held-out off-task messages, each after 0-2 tasks over the held-out tree; the fact is REFUSAL."""
+    c = _eval_tree(tree)
+    rng = random.Random(seed)
+    tasks = []
+    for _ in range(n):
+        history = _history(rng, c)
+        text, tid = grammar.off_task(rng, "heldout")
+        tasks.append(Task("off_task", tid, [*history, {"role": "user", "content": text}], None, {}, REFUSAL))
+    return tasks

@@ -1,0 +1,315 @@
+"""A phrasing grammar for the questions of `tiny`'s training rows and generalisation eval (issue 31).
+
+The first trained `tiny` learned the generator's sentences, not its tasks: asked "Which line number of F holds
+`class C`?" instead of "On which line of F is `class C` defined?", it called the wrong tool. Here every question
+is drawn from a template of its intent (many verbs and word orders), with the slots (file, folder, pattern,
+line number, entry) rendered in several forms (quoted or not), then decorated: context before the question,
+politeness, casing, a dropped "?", and now and then one typo in a word that is not a slot.
+
+Templates are split: those marked held out (``Template.heldout``) never appear in training rows; the eval asks
+with them only (``question(rng, intent, slots, "heldout")``). The split is by template, written down below, the
+same on every machine. Off-task messages (``off_task``) come from a grammar of their own, split the same way.
+
+    question(rng, intent, slots, split) -> (text, template id)
+    off_task(rng, split) -> (text, template id)
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+SPLITS = ("train", "heldout")
+
+
+@dataclass(frozen=True)
+class Template:
+    """One way to ask for ``intent``; ``text`` names its slots as ``{p}`` (file), ``{d}`` (folder), ``{n}`` (line
+    number), ``{pat}`` (a grep pattern such as ``class Client``), ``{name}`` / ``{what}`` (its name and kind:
+    ``Client``, ``class``), ``{x}`` (a folder entry)."""
+
+    intent: str
+    text: str
+    heldout: bool = False
+
+    @property
+    def id(self) -> str:
+        return f"{self.intent}:{self.text}"
+
+
+def _t(intent: str, train: list[str], heldout: list[str]) -> list[Template]:
+    return [Template(intent, s) for s in train] + [Template(intent, s, True) for s in heldout]
+
+
+# intent -> templates. The first train template of each intent is tiny_data's own (the in-template eval's) form.
+_ALL: list[Template] = [
+    *_t("first_def", [
+        "What is the first function or class defined in {p}?",
+        "Which function or class comes first in {p}?",
+        "Name the first top-level def or class in {p}.",
+        "What does {p} define first?",
+        "In {p}, what is the first definition?",
+        "Look at {p} and tell me the first function or class in it.",
+        "Which def or class appears first in {p}?",
+        "Tell me the name of the first class or function in {p}.",
+        "{p}: what is defined first?",
+        "Find the first definition in {p}.",
+    ], [
+        "What's the earliest top-level definition you can find in {p}?",
+        "Open {p} - which class or function is declared before all the others?",
+    ]),
+    *_t("line", [
+        "What is on line {n} of {p}?",
+        "Show me line {n} of {p}.",
+        "What does line {n} of {p} say?",
+        "Read line {n} of {p} for me.",
+        "In {p}, what is line {n}?",
+        "Print line {n} from {p}.",
+        "{p}, line {n}: what is written there?",
+        "Which code is at line {n} in {p}?",
+        "Give me the text of line {n} in {p}.",
+        "Can you quote line {n} of {p}?",
+    ], [
+        "What sits on the {n}th line of {p}?",
+        "Tell me exactly what {p} contains at line number {n}.",
+    ]),
+    *_t("def_line", [
+        "On which line of {p} is `{pat}` defined?",
+        "Where in {p} is `{pat}`? Give the line number.",
+        "Find `{pat}` in {p}: which line?",
+        "What line is `{pat}` on in {p}?",
+        "In {p}, on what line is the {what} {name} defined?",
+        "Give me the line number of `{pat}` in {p}.",
+        "Search {p} for `{pat}` and tell me its line.",
+        "At which line does {p} define the {what} `{name}`?",
+        "Where is {what} {name} defined in {p}? I need the line.",
+        "Line number of `{pat}` in {p}?",
+    ], [
+        "Which line number of {p} holds `{pat}`?",
+        "I'm looking for the definition of the {what} {name} inside {p}; what line does it start on?",
+    ]),
+    *_t("has", [
+        "Is there a {x} in {d}?",
+        "Does {d} contain {x}?",
+        "Check whether {d} has {x}.",
+        "Is {x} in {d}?",
+        "Does {d} have an entry called {x}?",
+        "Can you find {x} in {d}?",
+        "Look in {d}: is {x} there?",
+        "Tell me if {d} includes {x}.",
+        "Does the folder {d} hold {x}?",
+        "{d}: does it have {x}?",
+    ], [
+        "Is {x} one of the entries of {d}?",
+        "Would I find something named {x} if I listed {d}?",
+    ]),
+    *_t("first", [
+        "What is the first entry of {d}?",
+        "List {d}: which entry comes first?",
+        "Which entry of {d} is listed first?",
+        "What comes first when you list {d}?",
+        "Give me the first item in {d}.",
+        "List the folder {d} and tell me its first entry.",
+        "In {d}, what is the first entry?",
+        "What is at the top of the listing of {d}?",
+        "Show the first name in {d}.",
+        "{d}: first entry?",
+    ], [
+        "Name the first item you see when listing {d}.",
+        "If you list {d}, what shows up before everything else?",
+    ]),
+    *_t("count", [
+        "How many entries are in {d}?",
+        "Count the entries of {d}.",
+        "How many items does {d} hold?",
+        "What is the number of entries in {d}?",
+        "Count what is in {d}.",
+        "How many files and folders are in {d}?",
+        "List {d} and count its entries.",
+        "Tell me how many entries {d} has.",
+    ], [
+        "How big is the listing of {d}, in entries?",
+        "What's the total count of things inside {d}?",
+    ]),
+    # multi-step: a folder is listed first, then a file found there is read or searched
+    *_t("dir_first_def", [
+        "What is the first function or class defined in the first Python file of {d}?",
+        "Take the first .py file in {d}: what does it define first?",
+        "List {d}, open its first Python file and tell me its first definition.",
+        "Which def or class comes first in the first .py file of {d}?",
+        "In {d}, find the first Python file; what is its first function or class?",
+    ], [
+        "Among the Python files of {d}, pick the one listed first: which class or function does it start with?",
+    ]),
+    *_t("dir_line", [
+        "What is on line {n} of the first Python file in {d}?",
+        "Open the first .py file of {d} and show me line {n}.",
+        "List {d}, then read line {n} of its first Python file.",
+        "Line {n} of the first Python file in {d}: what is it?",
+    ], [
+        "Whatever Python file {d} lists first, what does its line {n} say?",
+    ]),
+]
+TEMPLATES: dict[str, list[Template]] = {
+    i: [t for t in _ALL if t.intent == i] for i in dict.fromkeys(t.intent for t in _ALL)
+}
+INTENTS = tuple(TEMPLATES)
+SLOTS = {
+    "first_def": {"p"}, "line": {"n", "p"}, "def_line": {"p", "pat", "what", "name"}, "has": {"d", "x"},
+    "first": {"d"}, "count": {"d"}, "dir_first_def": {"d"}, "dir_line": {"d", "n"},
+}
+
+CONTEXT = {
+    "train": [
+        "I'm debugging a failing import.", "We are reviewing this package before a release.",
+        "I'm new to this code base.", "My tests broke after an upgrade.", "Quick check before I commit.",
+        "I am writing the docs for this project.", "A colleague pointed me here.",
+        "I'm trying to understand how this module is organised.", "Context: we are refactoring.",
+    ],
+    "heldout": ["I have a code review in ten minutes.", "Our CI is red and I'm hunting the cause."],
+}
+BEFORE = ["Please, ", "Hey, ", "Quick question: ", "Could you tell me: ", "I need to know: ", "Hi! "]
+AFTER = [" Thanks!", " Thank you.", " Please.", " Thanks in advance.", " Cheers."]
+
+_SLOT_RE = re.compile(r"\{(\w+)\}")
+_WORD_RE = re.compile(r"[A-Za-z]{4,}")
+
+
+def _quoted(rng: random.Random, s: str) -> str:
+    """A file or entry name as people write it: bare mostly, else in backticks or quotes."""
+    return rng.choices([s, f"`{s}`", f'"{s}"', f"'{s}'"], (5, 2, 1, 1))[0]
+
+
+def _folder(rng: random.Random, d: str) -> str:
+    """A folder slot: ``the project root`` for ".", else with or without its slash, quoted, or as "the X folder"."""
+    if d in (".", ""):
+        return rng.choice(["the project root", "the root folder", "the top-level folder"])
+    k = rng.random()
+    if k < 0.45:
+        return f"{d}/"
+    if k < 0.6:
+        return d
+    if k < 0.8:
+        return _quoted(rng, f"{d}/")
+    return f"the {d} folder" if rng.random() < 0.5 else f"the {d}/ directory"
+
+
+def _typo(rng: random.Random, word: str) -> str:
+    """One slip of the keyboard in ``word``: two letters swapped, one dropped or one doubled."""
+    i = rng.randrange(1, len(word) - 1)
+    k = rng.randrange(3)
+    if k == 0:
+        return word[:i] + word[i + 1] + word[i] + word[i + 2:]
+    if k == 1:
+        return word[:i] + word[i + 1:]
+    return word[:i] + word[i] + word[i:]
+
+
+def _literal(rng: random.Random, text: str, typo: bool) -> str:
+    """The template's own words (never a slot) with, if ``typo``, one word of 4+ letters mistyped."""
+    words = list(_WORD_RE.finditer(text)) if typo else []
+    if not words:
+        return text
+    m = rng.choice(words)
+    return text[: m.start()] + _typo(rng, m.group()) + text[m.end():]
+
+
+def templates(intent: str, split: str) -> list[Template]:
+    if intent not in TEMPLATES:
+        raise ValueError(f"intent must be one of {INTENTS}, got {intent!r}")
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    return [t for t in TEMPLATES[intent] if t.heldout == (split == "heldout")]
+
+
+def render_slots(rng: random.Random, template: Template, slots: dict[str, str], typo: float = 0.0) -> str:
+    """The template with its slots filled: files and entries maybe quoted, folders in one of their forms,
+    patterns always in backticks where the template puts them. A typo touches the template's words only."""
+    parts = _SLOT_RE.split(template.text)  # literal, slot, literal, slot, ...
+    out = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            out.append(_literal(rng, part, typo > 0 and rng.random() < typo))
+        elif part == "d":
+            out.append(_folder(rng, slots["d"]))
+        elif part in ("p", "x"):
+            out.append(_quoted(rng, slots[part]))
+        else:
+            out.append(str(slots[part]))
+    return "".join(out)
+
+
+def decorate(rng: random.Random, text: str, split: str) -> str:
+    """Context before the question, politeness, casing and punctuation, each now and then."""
+    if rng.random() < 0.25:
+        text = (rng.choice(BEFORE) + text[0].lower() + text[1:]) if text[0].isalpha() else rng.choice(BEFORE) + text
+    if rng.random() < 0.1 and text[0].isupper() and not text.split(" ", 1)[0].isupper():
+        text = text[0].lower() + text[1:]
+    if rng.random() < 0.15 and text.endswith("?"):
+        text = text[:-1]
+    if rng.random() < 0.2:
+        text += rng.choice(AFTER)
+    if rng.random() < 0.25:
+        text = rng.choice(CONTEXT[split]) + rng.choice([" ", "\n"]) + text
+    return text
+
+
+def question(
+    rng: random.Random, intent: str, slots: dict[str, str], split: str, typo: float = 0.1, plain: bool = False
+) -> tuple[str, str]:
+    """(question text, template id) asking for ``intent`` about ``slots`` in a phrasing of ``split``; ``plain``:
+    the template with its slots only (no quotes, context, politeness or typos)."""
+    t = rng.choice(templates(intent, split))
+    if missing := SLOTS[intent] - set(slots):
+        raise ValueError(f"intent {intent!r} needs slots {sorted(SLOTS[intent])}, missing {sorted(missing)}")
+    if plain:
+        return t.text.format(**slots), t.id
+    return decorate(rng, render_slots(rng, t, slots, typo), split), t.id
+
+
+# ---- off-task messages: answered by a fixed refusal that says what the model can do ----------------------------
+
+OFF_TASK = {
+    "train": [
+        "Hello, who are you?", "Hi!", "Good morning.", "How are you today?", "What can you do?", "Tell me a joke.",
+        "Write me a poem about {topic}.", "What is the capital of {country}?", "What is {a} times {b}?",
+        "What's the weather like in {city}?", "Translate 'good morning' into {language}.",
+        "Book a flight to {city} for tomorrow.", "Who won the football world cup in {year}?",
+        "Summarise the news of today.", "Write a short story about {topic}.", "Can you recommend a film?",
+        "What time is it in {city}?", "Send an email to my manager saying I'm late.",
+        "Explain quantum physics in simple terms.", "What should I cook tonight?", "Who are you, really?",
+        "Sing me a song about {topic}.", "How tall is Mount Everest?", "Give me three facts about {country}.",
+        "What is the meaning of life?", "Thanks, that's all.", "Write a cover letter for me.",
+        "How do I get to {city} by train?", "Play some music.", "What's {a} plus {b}?",
+    ],
+    "heldout": [
+        "Hello there! What's your name?", "Can you order me a pizza?", "Compose a haiku about {topic}.",
+        "How many people live in {country}?", "What's {a} divided by {b}?", "Remind me to call my mother at {a}.",
+        "Who painted the Mona Lisa?", "Tell me something interesting about {city}.",
+    ],
+}
+_FILL = {
+    "topic": ["the sea", "autumn", "a cat", "the mountains", "coffee", "rain", "a lighthouse", "friendship"],
+    "country": ["France", "Japan", "Brazil", "Kenya", "Canada", "Norway", "India", "Chile"],
+    "city": ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Denver", "Madrid", "Seoul"],
+    "language": ["German", "Spanish", "Japanese", "Italian", "Swahili"],
+}
+REFUSAL = (
+    "I can only answer questions about the files of this project: I list folders, read files and search them "
+    "with grep, then answer from what the tools show."
+)
+
+
+def off_task(rng: random.Random, split: str) -> tuple[str, str]:
+    """(an off-task message of ``split``'s templates, its template id), lightly decorated."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    t = rng.choice(OFF_TASK[split])
+    fill = {k: rng.choice(v) for k, v in _FILL.items()} | {
+        "a": str(rng.randrange(2, 100)), "b": str(rng.randrange(2, 100)), "year": str(rng.randrange(1950, 2023)),
+    }
+    text = t.format(**fill)
+    if rng.random() < 0.15:
+        text = rng.choice(BEFORE) + text[0].lower() + text[1:]
+    return text, f"off_task:{t}"
