@@ -112,9 +112,8 @@ class MoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]. On a GPU with stacked experts: the fused MoE kernels (no host sync, CUDA-graph
         safe); otherwise the loop over the experts that received tokens (one host sync; ``naive_fused_moe``)."""
-        logits = x.float() @ self.gate.weight.float().t()  # [T, E]
-        chosen, weights = moe_route(logits, self.gate.e_score_correction_bias.float(), self.top_k,
-                                    self.renormalize, self.scale, x.dtype)  # [T, k] each
+        chosen, weights = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
+                                    self.renormalize, self.scale)  # [T, k] each
         stacked = self._stacked_weights() if x.is_cuda else None
         if stacked is not None:
             out = fused_moe(x, *stacked, chosen, weights)

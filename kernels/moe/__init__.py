@@ -3,7 +3,6 @@ CUDA tensors go to Triton (no host sync, fixed launch shapes: CUDA-graph safe), 
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from .naive import naive_fused_moe, naive_moe_route
@@ -35,20 +34,23 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
 
 
 def moe_route(
-    logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float, dtype: torch.dtype
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """The sigmoid router's selection. logits [T, E] float32, bias [E] float32 (``e_score_correction_bias``)
-    -> (chosen [T, k] int64: the top k of ``sigmoid(logits) + bias``, best first; weights [T, k] in ``dtype``:
-    the chosen plain sigmoid scores, divided by their sum when ``renormalize``, times ``scale``). CUDA tensors
-    (k a power of two) go to one Triton kernel; ties between equal scores may pick another expert there."""
-    if logits.dim() != 2 or bias.shape != (logits.shape[1],) or not 0 < top_k <= logits.shape[1]:
-        raise ValueError(f"logits must be [T, E], bias [E] and 0 < top_k <= E, got {tuple(logits.shape)}, "
-                         f"{tuple(bias.shape)}, {top_k}")
-    if logits.is_cuda and top_k & (top_k - 1) == 0:
+    """The sigmoid router. x [T, D], gate [E, D] (the router's weight, x's dtype), bias [E]
+    (``e_score_correction_bias``) -> (chosen [T, k] int64: the top k of ``sigmoid(x @ gate.T) + bias``, the
+    logits in float32, best first; weights [T, k] in x's dtype: the chosen plain sigmoid scores, divided by their
+    sum when ``renormalize``, times ``scale``). CUDA tensors (k a power of two) go to two Triton kernels (their
+    float32 sums run in another order, so a near-tie between two experts may resolve the other way)."""
+    if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1] or bias.shape != (gate.shape[0],):
+        raise ValueError(f"x must be [T, D], gate [E, D] and bias [E], got {tuple(x.shape)}, {tuple(gate.shape)}, "
+                         f"{tuple(bias.shape)}")
+    if not 0 < top_k <= gate.shape[0]:
+        raise ValueError(f"top_k must be in [1, E={gate.shape[0]}], got {top_k}")
+    if x.is_cuda and top_k & (top_k - 1) == 0 and gate.dtype == x.dtype and gate.stride(1) == 1:
         from .route import moe_route_triton
 
-        return moe_route_triton(logits, bias, top_k, renormalize, scale, dtype)
-    return naive_moe_route(logits, bias, top_k, renormalize, scale, dtype)
+        return moe_route_triton(x, gate, bias, top_k, renormalize, scale)
+    return naive_moe_route(x, gate, bias, top_k, renormalize, scale)
 
 
 __all__ = ["fused_moe", "moe_route"]

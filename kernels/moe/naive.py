@@ -26,17 +26,18 @@ def naive_fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights:
 
 
 def naive_moe_route(
-    logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float, dtype: torch.dtype
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """logits [T, E] float32 (router outputs), bias [E] float32 (``e_score_correction_bias``) -> (chosen [T, k]
-    int64: the top k of ``sigmoid(logits) + bias``, best first; weights [T, k] in ``dtype``: the chosen plain
-    sigmoid scores, divided by their sum when ``renormalize``, times ``scale``)."""
-    scores = torch.sigmoid(logits)
+    """x [T, D], gate [E, D] (the router's weight), bias [E] (``e_score_correction_bias``) -> (chosen [T, k]
+    int64: the top k of ``sigmoid(x @ gate.T) + bias`` (in float32), best first; weights [T, k] in x's dtype: the
+    chosen plain sigmoid scores, divided by their sum when ``renormalize``, times ``scale``)."""
+    scores = torch.sigmoid(x.float() @ gate.float().t())  # [T, E]
+    bias = bias.float()
     _, chosen = torch.topk(scores + bias, top_k, dim=-1)
     weights = scores.gather(-1, chosen)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return chosen, (weights * scale).to(dtype)
+    return chosen, (weights * scale).to(x.dtype)
 
 
 __all__ = ["naive_fused_moe", "naive_moe_route"]

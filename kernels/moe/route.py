@@ -1,5 +1,7 @@
-"""The sigmoid router's selection in one Triton kernel: scores, biased top-k, renormalisation and scale (one
-program per token) in place of ~9 small torch kernels per MoE layer."""
+"""The sigmoid router in two Triton kernels: the logits GEMM x @ gate.T with float32 accumulation (the whole
+width in one pass, 16 experts per program), then the selection: scores, biased top-k, renormalisation and
+scale (one program per token), in place of ~12 small torch kernels per MoE layer (among them a float32 copy of
+the gate and a float32 GEMV that cuBLAS runs on 4 thread blocks)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,30 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+
+@triton.jit
+def _logits_kernel(x, w, out, T, E, D, stride_x, stride_w, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """out[t, e] = sum_d x[t, d] w[e, d] in float32 for the BT x BE tile (program_id(0), program_id(1))."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    kk = tl.arange(0, BK)
+    t_ok, e_ok = t < T, e < E
+    xp = x + t[:, None].to(tl.int64) * stride_x + kk[None, :]  # [BT, BK]
+    wp = w + e[None, :].to(tl.int64) * stride_w + kk[:, None]  # [BK, BE]: gate.T
+    acc = tl.zeros([BT, BE], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        k_ok = kk < D - k0
+        a = tl.load(xp, mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(wp, mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+        xp += BK
+        wp += BK
+    tl.store(out + t[:, None].to(tl.int64) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
 @triton.jit
@@ -35,20 +61,37 @@ def _route_kernel(
     tl.store(weights + t * K + j, (w * scale).to(weights.dtype.element_ty))
 
 
+def router_logits_triton(x: Tensor, gate: Tensor) -> Tensor:
+    """x [T, D], gate [E, D] (same dtype, last dimension contiguous) -> logits [T, E] float32."""
+    T, D = x.shape
+    E = gate.shape[0]
+    assert x.stride(1) == 1 and gate.stride(1) == 1
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    BT = 16 if T <= 16 else 64
+    BE = 16 if T <= 64 else 64
+    if T:
+        _logits_kernel[(triton.cdiv(T, BT), triton.cdiv(E, BE))](
+            x, gate, out, T, E, D, x.stride(0), gate.stride(0), BT=BT, BE=BE, BK=128,
+            IEEE=x.dtype == torch.float32, num_warps=4, num_stages=4,
+        )
+    return out
+
+
 def moe_route_triton(
-    logits: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float, dtype: torch.dtype
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
-    """logits [T, E] float32, bias [E] float32 -> (chosen [T, k] int64, weights [T, k] in ``dtype``); see
+    """x [T, D], gate [E, D], bias [E] float32 -> (chosen [T, k] int64, weights [T, k] in x's dtype); see
     ``naive_moe_route``. k must be a power of two."""
-    T, E = logits.shape
     assert top_k & (top_k - 1) == 0, "top_k must be a power of two"
-    logits = logits.contiguous()
+    logits = router_logits_triton(x.contiguous(), gate)  # [T, E] float32
+    T, E = logits.shape
+    dtype = x.dtype
     chosen = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
     weights = torch.empty(T, top_k, dtype=dtype, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, bias, chosen, weights, E, scale, K=top_k, EP=triton.next_power_of_2(E),
+        _route_kernel[(T,)](logits, bias.float(), chosen, weights, E, scale, K=top_k, EP=triton.next_power_of_2(E),
                             RENORM=renormalize, num_warps=4)
     return chosen, weights
 
 
-__all__ = ["moe_route_triton"]
+__all__ = ["moe_route_triton", "router_logits_triton"]
