@@ -2,6 +2,7 @@
 
     python tools/eval_tiny.py --model tiny --n 100 [--seed 0] [--kind grep] [--out results.json]
                               [--resume-check] [--loss FILE] [--max-tokens 200]
+    python tools/eval_tiny.py --model tiny --n 24 --general [--tree uvicorn]
 
 Each task of ``tiny_data.eval_tasks`` (held-out stdlib files only) runs greedily in its own session created
 from the task's history with ``tools=TOOL_SCHEMAS``: the user's question is sent, a tool call the model makes
@@ -19,6 +20,14 @@ library's own forward (``HybridModel.forward`` on CPU), to compare with the trai
 JSON ``{"ids": [[...]], "mask": [[...]], "loss": float}`` (rows as trained), or ``{"seed", "n", "max_len",
 "loss"}`` (rows regenerated with ``make_row(random.Random(seed), "heldout", max_len)``), or a path that does
 not exist (then ``--loss-rows`` rows of ``--loss-len`` tokens from seed 0 are used).
+
+``--general`` (issue 31) measures generalisation beside the in-template figures: the ``n`` tasks above
+(``in_template``), ``n`` tasks asked in held-out phrasings (``tiny_phrasing``: templates no training row uses)
+over a held-out package tree (``tiny_general.EVAL_TREE``, never in training), kinds read_file, grep, list_dir
+and multi_step (list, then read; its argument is judged on the first call) (``general``), and ``n`` held-out
+off-task messages after 0-2 tasks over that tree (``off_task``: ``refusal`` is the share answered with
+``tiny_general.REFUSAL`` and no tool call). ``right_call`` is a well-formed call of the right tool with the
+right path / pattern; ``issue31`` holds the issue's targets and whether each is met.
 
 Prints one JSON document (also written to ``--out``). Its ``tasks_digest`` (sha256 of the tasks) tells whether two
 results ran the same tasks: the tasks depend on the machine's stdlib and on tiny_data's answer forms, which the
@@ -48,10 +57,13 @@ from kda_sessions import Engine
 from kda_sessions.tokenizer import encode_chat, parse_assistant_output, validate_arguments
 from kda_sessions.tools import MAX_OUTPUT, TOOL_SCHEMAS, Tools
 from tools.tiny_data import KINDS, TOK, Task, corpus, eval_tasks, fact_in, make_row
+from tools.tiny_general import EVAL_TREE, GENERAL_KINDS, general_tasks, off_task_tasks, tree_corpus
 
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
 MAX_TOOL_ROUNDS = 2
 TARGETS = {"parse": 0.95, "argument": 0.90, "fact": 0.80, "recall": 0.80}  # issue 7
+# issue 31: held-out phrasings over a held-out tree, greedy; "gap": most points below the in-template figures
+GENERAL_TARGETS = {"right_call": 0.85, "fact": 0.70, "gap": 0.10, "refusal": 0.90}
 
 
 def _norm_path(p: Any) -> Any:
@@ -144,7 +156,7 @@ def _rate(xs: list[bool]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
 
 
-def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(records: list[dict[str, Any]], kinds: tuple[str, ...] = KINDS) -> dict[str, Any]:
     def score(rs: list[dict[str, Any]]) -> dict[str, Any]:
         tool = [r for r in rs if r["expected_tool"] is not None]
         attempted = [r for r in tool if r["attempted_call"]]
@@ -155,6 +167,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
             "parse_of_attempts": _rate([r["parsed"] for r in attempted]),
             "call_rate": _rate([r["called"] for r in tool]),
             "argument": _rate([r["argument_ok"] for r in tool]),
+            "right_call": _rate([r["argument_ok"] and r["parsed"] for r in tool]),
             "fact": _rate([r["fact_ok"] for r in tool]),
             "recall": _rate([r["fact_ok"] for r in recall]),
             "recall_with_tool_call": _rate([r["called"] for r in recall]),
@@ -163,7 +176,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"overall": score(records)}
     out["targets"] = TARGETS
     out["pass"] = {k: out["overall"][k] is not None and out["overall"][k] >= v for k, v in TARGETS.items()}
-    for k in KINDS:
+    for k in kinds:
         rs = [r for r in records if r["kind"] == k]
         if rs:
             out[k] = score(rs)
@@ -189,9 +202,10 @@ def _pool_sizes(tasks: list[Task], max_tokens: int) -> dict[str, int]:
 
 async def run_eval(
     model: str, tasks: list[Task], max_tokens: int, store: str, save: bool, device: str = "cpu",
-    tool_choice: str | None = None,
+    tool_choice: str | None = None, root: Path | None = None,
 ) -> list[dict[str, Any]]:
-    tools = Tools(corpus().root)
+    """Every task in turn, its tools over ``root`` (default: the stdlib)."""
+    tools = Tools(root or corpus().root)
     sampling = {"max_tokens": max_tokens, "temperature": 0.0}
     records = []
     sizes = _pool_sizes(tasks, max_tokens) if save else {}
@@ -285,6 +299,45 @@ def library_loss(model: str, spec: str, rows: int, length: int, device: str = "c
     return out
 
 
+def general_eval(
+    model: str, seed: int, n: int, tree: str, max_tokens: int, device: str = "cpu"
+) -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
+    """The general and off-task parts of ``--general`` (the in-template part is main's): (result, records)."""
+    root = tree_corpus(tree, whole=True).root
+    general, off = general_tasks(seed, n, tree), off_task_tasks(seed, n, tree)
+    records = {
+        "general": asyncio.run(run_eval(model, general, max_tokens, "memory:", False, device, root=root)),
+        "off_task": asyncio.run(run_eval(model, off, max_tokens, "memory:", False, device, root=root)),
+    }
+    for part, tasks in (("general", general), ("off_task", off)):
+        for r, t in zip(records[part], tasks):
+            r["question"] = t.messages[-1]["content"]
+    refused = [r["fact_ok"] and not r["called"] for r in records["off_task"]]
+    result = {
+        "tree": tree, "tree_root": str(root),
+        "general_digest": tasks_digest(general), "off_task_digest": tasks_digest(off),
+        "general": {k: v for k, v in summarize(records["general"], GENERAL_KINDS).items() if k not in ("targets", "pass")},
+        "off_task": {"n": len(off), "refusal": _rate(refused), "tool_call_rate": _rate([r["called"] for r in records["off_task"]])},
+    }
+    return result, records
+
+
+def issue31(in_template: dict[str, Any], general: dict[str, Any], off_task: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets and whether each is met (general right call and fact, gaps to in-template, refusal)."""
+    t, g = in_template["overall"], general["overall"]
+    gaps = {k: round((t[k] or 0) - (g[k] or 0), 4) for k in ("right_call", "fact")}
+    return {
+        "targets": GENERAL_TARGETS,
+        "gap_to_in_template": gaps,
+        "pass": {
+            "right_call": (g["right_call"] or 0) >= GENERAL_TARGETS["right_call"],
+            "fact": (g["fact"] or 0) >= GENERAL_TARGETS["fact"],
+            "gap": all(v <= GENERAL_TARGETS["gap"] for v in gaps.values()),
+            "refusal": (off_task["refusal"] or 0) >= GENERAL_TARGETS["refusal"],
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -301,6 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     ap.add_argument("--loss-rows", type=int, default=8)
     ap.add_argument("--loss-len", type=int, default=4096)
     ap.add_argument("--records", action="store_true", help="include every task's record in the output")
+    ap.add_argument("--general", action="store_true",
+                    help="also held-out phrasings over a held-out package tree and off-task messages (issue 31)")
+    ap.add_argument("--tree", default=EVAL_TREE, help="the held-out package tree of --general")
     ap.add_argument("--resume-worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.resume_worker:
@@ -320,12 +376,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             result["scores"] = summarize(records)
         if args.resume_check and records:
             result["resume_check"] = resume_check(args.model, store, records, args.max_tokens, args.device)
+    general_records: dict[str, list[dict[str, Any]]] = {}
+    if args.general and records:
+        part, general_records = general_eval(args.model, args.seed, args.n, args.tree, args.max_tokens, args.device)
+        result |= part
+        result["issue31"] = issue31(result["scores"], result["general"], result["off_task"])
     if args.loss:
         result["loss"] = library_loss(args.model, args.loss, args.loss_rows, args.loss_len, args.device)
     result["seconds"] = round(time.perf_counter() - t0, 1)
     if args.records:
         result["records"] = [{k: v for k, v in r.items() if k != "outputs_after_save"} | {"task": asdict(t)}
                              for r, t in zip(records, tasks)]
+        for part, rs in general_records.items():  # their questions; the histories are in the tasks
+            result[f"{part}_records"] = [{k: v for k, v in r.items() if k != "outputs_after_save"} for r in rs]
     text = json.dumps(result, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
