@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..tokenizer import Tokenizer
-from .json_prefix import check_schema, json_prefix
+from .json_prefix import check_schema, decoding_schema, json_prefix
 from .sampler import SamplingParams
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -48,7 +48,16 @@ def check_tools(tools: list[dict[str, Any]] | None) -> None:
             raise ValueError(f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': ...}}}}")
         params = fn.get("parameters")
         if params is not None:
-            check_schema(params, f"tools[{i}].function.parameters")
+            where = f"tools[{i}].function.parameters"
+            check_schema(params, where)
+            declared = params.get("type")
+            if declared is not None and "object" not in ([declared] if isinstance(declared, str) else declared):
+                raise ValueError(f"{where}.type must allow 'object' (a call's arguments are a JSON object), got {declared!r}")
+
+
+def _arguments_schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """The schema of a call's arguments: the declared parameters, always an object."""
+    return decoding_schema({**(parameters or {}), "type": "object"})
 
 
 def parse_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> str | None:
@@ -79,7 +88,7 @@ class ToolChoiceConstraint:
         fns = [_function(t) for t in tools or []]
         if choice not in ("none", "required"):
             fns = [f for f in fns if f.get("name") == choice]
-        self.schemas = {f"functions.{f['name']}:0".encode(): f.get("parameters") or {"type": "object"} for f in fns}
+        self.schemas = {f"functions.{f['name']}:0".encode(): _arguments_schema(f.get("parameters")) for f in fns}
         sp = tokenizer.token_to_id
         self.script: list[tuple[str, Any]] = [] if choice == "none" else [
             ("force", sp(SECTION_BEGIN)), ("force", sp(CALL_BEGIN)), ("name", None), ("force", sp(ARG_BEGIN)),

@@ -30,7 +30,7 @@ from ..tokenizer import (
 from ..tokenizer.chat import ChatTemplate
 from .config import EngineConfig
 from .constraint import ToolChoiceConstraint, parse_tool_choice
-from .json_prefix import check_schema
+from .json_prefix import check_top_level, decoding_schema
 from .json_reply import JsonReplyConstraint, response_schema
 from .leases import LeaseKeeper
 from .pool import OutOfPages, OutOfSlots, PageAllocator, SlotAllocator
@@ -391,8 +391,8 @@ class Engine:
             raise ValueError("response_format cannot be combined with a tool_choice that forces a tool call")
         constraint: ToolChoiceConstraint | JsonReplyConstraint | None = None
         if schema is not None:
-            check_schema(schema, "response_format.json_schema.schema")
-            constraint = JsonReplyConstraint(self.tokenizer, schema)
+            check_top_level(schema, "response_format.json_schema.schema")
+            constraint = JsonReplyConstraint(self.tokenizer, decoding_schema(schema))
         elif choice is not None:
             constraint = ToolChoiceConstraint(self.tokenizer, s.tools, choice)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None

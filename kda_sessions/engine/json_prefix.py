@@ -88,6 +88,16 @@ def check_schema(schema: Any, where: str = "parameters", depth: int = 0) -> None
         raise ValueError(f"{where}.items must be a schema, got {items!r}")
 
 
+def check_top_level(schema: Any, where: str) -> None:
+    """``check_schema`` for a whole document: nothing follows a top-level number, so it could never be seen
+    to end; a schema that allows one is refused."""
+    check_schema(schema, where)
+    numeric = sorted({"number", "integer"} & set(_types(schema)))
+    if numeric:
+        raise ValueError(f"{where} allows a bare {numeric[0]} at the top level, which constrained decoding cannot "
+                         "end; declare an object (or an array) around it")
+
+
 def _extra(schema: dict[str, Any]) -> Any:
     """additionalProperties; unset, extra keys are allowed only where no properties are declared or a required
     name is not among them (compact output: a model given named properties writes those)."""
@@ -161,7 +171,8 @@ class _Parser:
             if c == ord("}"):
                 return
             self.i -= 1
-            key = self.string([json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in left] if extra is False else None)
+            key = self.string([json.dumps(k, ensure_ascii=False)[1:-1].encode() for k in left] if extra is False else None,
+                              exclude=seen)
             if key in seen:
                 raise _Bad
             seen.add(key)
@@ -189,9 +200,9 @@ class _Parser:
             if self.take({ord(","), ord("]")}) == ord("]"):
                 return
 
-    def string(self, options: list[bytes] | None) -> str:
+    def string(self, options: list[bytes] | None, exclude: set[str] | frozenset[str] = frozenset()) -> str:
         """A string, returned decoded; with ``options`` (JSON-encoded enum values or property names) its raw bytes
-        must spell one of them exactly."""
+        must spell one of them exactly; it may not end as one of ``exclude`` (keys already in the object)."""
         self.take({ord('"')})
         start = self.i
         if options is not None:
@@ -211,7 +222,10 @@ class _Parser:
                 need -= 1
                 lo, hi = 0x80, 0xBF
                 continue
-            c = self.take(set(range(0x20, 0x80)) | set(range(0xC2, 0xF5)))
+            allowed = set(range(0x20, 0x80)) | set(range(0xC2, 0xF5))
+            if exclude and _decoded(self.buf[start : self.i]) in exclude:
+                allowed.discard(ord('"'))  # a duplicate key would leave no valid next byte
+            c = self.take(allowed)
             if c == ord('"'):  # decoded, so an escaped key is checked against the property it names
                 return str(json.loads(self.buf[start - 1 : self.i]))
             if c == ord("\\"):
@@ -247,6 +261,34 @@ class _Parser:
     def _digits(self, after: set[int]) -> None:
         while self.peek(_DIGITS | after) in _DIGITS:
             self.i += 1
+
+
+def _decoded(raw: bytes) -> str | None:
+    try:
+        return str(json.loads(b'"' + raw + b'"'))
+    except ValueError:
+        return None
+
+
+def decoding_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """The schema constrained decoding follows: ``schema`` narrowed so that the shortest way to close every object
+    meets its ``required`` (each required name is a declared property, and an object with required names takes no
+    other keys). Every value it admits is valid against ``schema``."""
+    out = dict(schema)
+    props = {k: decoding_schema(v) if isinstance(v, dict) else v for k, v in (schema.get("properties") or {}).items()}
+    extra = _extra(schema)
+    if isinstance(extra, dict):
+        out["additionalProperties"] = extra = decoding_schema(extra)
+    required = [r for r in schema.get("required") or [] if isinstance(r, str)]
+    for r in required:
+        props.setdefault(r, extra if isinstance(extra, dict) else {})
+    if props or "properties" in schema:
+        out["properties"] = props
+    if required:
+        out["additionalProperties"] = False
+    if isinstance(schema.get("items"), dict):
+        out["items"] = decoding_schema(schema["items"])
+    return out
 
 
 def json_prefix(buf: bytes, schema: dict[str, Any]) -> tuple[str, set[int]]:

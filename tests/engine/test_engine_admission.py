@@ -80,3 +80,31 @@ async def test_engine_refuses_at_admission_and_tiny_temperature_decodes_greedily
         r_tiny = await s.send("hi", max_tokens=6, temperature=1e-45, top_p=1e-300, ignore_eos=True)
         r_greedy = await greedy.send("hi", max_tokens=6, temperature=0.0, ignore_eos=True)
         assert r_tiny.token_ids == r_greedy.token_ids
+
+
+def test_a_tool_whose_arguments_cannot_be_an_object_is_refused():
+    with pytest.raises(ValueError, match=r"parameters\.type must allow 'object'"):
+        check_tools([tool({"type": "integer"})])
+    with pytest.raises(ValueError, match="top level"):
+        from kda_sessions.engine.json_prefix import check_top_level
+
+        check_top_level({"type": ["string", "number"]}, "response_format.json_schema.schema")
+
+
+def test_a_free_key_may_not_repeat_and_required_names_are_reached():
+    schema = {"type": "object", "additionalProperties": True}
+    status, allowed = json_prefix(b'{"a":1,"a', schema)
+    assert status == "incomplete" and ord('"') not in allowed  # "a" again would leave no valid byte
+
+
+@pytest.mark.parametrize("parameters", [{"required": ["a"]}, {}, {"type": ["object", "integer"]},
+                                        {"properties": {"x": {"type": "integer"}}, "required": ["x", "y"]}],
+                         ids=["required-only", "empty", "object-or-integer", "required-beyond-properties"])
+async def test_forced_calls_finish_for_schemas_that_once_stalled(parameters):
+    async with await ks.Engine.open(store="memory:") as eng:
+        s = await eng.create_session(system="s", tools=[tool(parameters)])
+        r = await s.send("x", max_tokens=40, tool_choice="required", temperature=1.0, seed=3)
+        assert r.finish_reason == "tool_calls" and len(r.tool_calls) == 1
+        from kda_sessions.tokenizer import validate_arguments
+
+        assert validate_arguments(r.tool_calls[0].function.arguments, parameters) == []
