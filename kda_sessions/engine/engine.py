@@ -77,6 +77,8 @@ class Engine:
         )
         self.spaces: dict[str | None, TenantEngine] = {None: TenantEngine(self, None, SnapshotIO(self, snapshots))}
         self._spaces_lock = anyio.Lock()
+        self._work_ended = anyio.Event()
+        """Set (and replaced) whenever works end; what a request waiting for pages waits on."""
         self._token = anyio.lowlevel.current_token()
         self.runner = Runner(
             model, self.pools, self.pages, self.scheduler, tokenizer, self.mutex, self._deliver_from_thread,
@@ -318,11 +320,20 @@ class Engine:
                 raise OutOfSlots(f"all {self.slots.num_slots} state slots hold sessions that are busy")
 
     async def ensure_pages(self, s: SessionState, total_tokens: int) -> None:
-        """Make sure the pool can give ``s`` pages for ``total_tokens`` tokens, evicting idle sessions."""
+        """Make sure the pool can give ``s`` pages for ``total_tokens`` tokens: evict idle sessions, and while
+        running requests hold pages, wait (up to ``config.page_wait_s``) for them to end and their sessions to
+        become idle, so that a request queues instead of failing when the pool is only busy for now."""
         need = pages_needed(total_tokens, self.config.page_size) - len(s.pages)
+        deadline = anyio.current_time() + self.config.page_wait_s
         while need > self.pages.num_free:
-            if not await self._evict_one(s):
+            if await self._evict_one(s):
+                continue
+            busy = self.scheduler.has_work or any(x.lock.locked() for x in self._sessions.values() if x is not s)
+            left = deadline - anyio.current_time()
+            if not busy or left <= 0:
                 raise OutOfPages(f"need {need} KV pages, {self.pages.num_free} free and every session is busy")
+            with anyio.move_on_after(min(left, 0.25)):  # a work ending, or a caller releasing its session
+                await self._work_ended.wait()
 
     async def _evict_one(self, exclude: SessionState) -> bool:
         """Save the least recently used idle resident session to the store and free its slot and pages. A session
@@ -396,8 +407,11 @@ class Engine:
         elif choice is not None:
             constraint = ToolChoiceConstraint(self.tokenizer, s.tools, choice)
         generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        if s.num_tokens <= s.num_cached and not prefill_only:
+            raise ValueError(f"session {s.id!r} has no tokens to continue from; append some first")
         await self._make_resident(s)
-        await self.ensure_pages(s, s.num_tokens + (0 if prefill_only else params.max_tokens))
+        total = s.num_tokens + (0 if prefill_only else params.max_tokens)
+        await self.ensure_pages(s, total)
         prompt = s.tokens[s.num_cached :]
         if prefill_only:
             prompt = prompt[:-1]  # keep one token pending so the next generate has logits to sample from
@@ -405,17 +419,27 @@ class Engine:
                     on_finish=on_finish, generator=generator, constraint=constraint)
         work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
         if not prompt:
-            if not prefill_only:
-                raise ValueError(f"session {s.id!r} has no tokens to continue from; append some first")
             work.finish_reason = "stop"
             work.finished.set()
             if on_finish is not None:
                 on_finish()
             return work
         with self.mutex:
-            self.scheduler.submit(work)
+            # set aside every page this request may need (ensure_pages just made them free, with no await since)
+            work.reserved_pages = max(0, pages_needed(total, self.config.page_size) - len(s.pages))
+            self.pages.reserve(work.reserved_pages)
+            try:
+                self.scheduler.submit(work)
+            except BaseException:
+                self._unreserve(work)
+                raise
         self.runner.notify()
         return work
+
+    def _unreserve(self, work: Work) -> None:
+        with self.mutex:
+            self.pages.unreserve(work.reserved_pages)
+            work.reserved_pages = 0
 
     async def wait(self, work: Work) -> Work:
         """Wait for ``work``; if the waiting task is cancelled, the work is cancelled and its batch slot freed."""
@@ -452,9 +476,13 @@ class Engine:
             if w.on_token is not None and not w.cancelled:
                 w.on_token(tok)  # type: ignore[operator]
         for w in finished:
+            self._unreserve(w)
             w.finished.set()
             if w.on_finish is not None:
                 w.on_finish()
+        if finished:
+            self._work_ended.set()
+            self._work_ended = anyio.Event()
 
 
 async def open_snapshots(url: str, config: EngineConfig) -> SnapshotStore:

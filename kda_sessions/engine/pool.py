@@ -32,20 +32,38 @@ class SlotAllocator:
 
 
 class PageAllocator:
+    """Free list, reference counts and reservations. A request reserves at admission the pages it may need, so
+    that requests admitted together cannot run out of pages in the middle of their generations; ``num_free``
+    counts only pages nobody has reserved."""
+
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
         self.refs = [0] * num_pages
+        self.reserved = 0
+        """Free pages set aside for admitted requests (see ``reserve``)."""
         self.digests: dict[int, str] = {}
         """Digest of each full page's blob, valid until the page is freed: full pages never change."""
 
-    def alloc(self, n: int = 1) -> list[int]:
-        if n > len(self._free):
-            raise OutOfPages(f"need {n} KV pages, {len(self._free)} of {self.num_pages} are free")
+    def alloc(self, n: int = 1, reserved: int = 0) -> list[int]:
+        """``n`` pages, ``reserved`` of them out of the caller's reservation."""
+        assert 0 <= reserved <= min(n, self.reserved), (reserved, n, self.reserved)
+        if n - reserved > self.num_free:
+            raise OutOfPages(f"need {n - reserved} KV pages, {self.num_free} of {self.num_pages} are free")
+        self.reserved -= reserved
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self.refs[p] = 1
         return pages
+
+    def reserve(self, n: int) -> None:
+        if n > self.num_free:
+            raise OutOfPages(f"need {n} KV pages, {self.num_free} of {self.num_pages} are free")
+        self.reserved += n
+
+    def unreserve(self, n: int) -> None:
+        assert 0 <= n <= self.reserved, (n, self.reserved)
+        self.reserved -= n
 
     def incref(self, pages: list[int]) -> None:
         for p in pages:
@@ -62,4 +80,5 @@ class PageAllocator:
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Free pages nobody has reserved."""
+        return len(self._free) - self.reserved

@@ -188,7 +188,7 @@ class Runner:
         ok = []
         for i, (w, total) in enumerate(zip(works, need)):
             try:
-                self._ensure_pages(w.session, total)
+                self._ensure_pages(w, total)
             except Exception as e:
                 self._fail(w, e, finished)
             else:
@@ -197,11 +197,15 @@ class Runner:
 
     # -- model calls -----------------------------------------------------------------------------------------
 
-    def _ensure_pages(self, s: SessionState, total: int) -> None:
+    def _ensure_pages(self, w: Work, total: int) -> None:
+        """Pages for ``total`` tokens of ``w``'s session, out of the work's reservation first."""
+        s = w.session
         need = pages_needed(total, self.pools.page_size) - len(s.pages)
         if need > 0:
             with self.mutex:
-                s.pages.extend(self.pages.alloc(need))
+                take = min(need, w.reserved_pages)
+                s.pages.extend(self.pages.alloc(need, reserved=take))
+                w.reserved_pages -= take
 
     def _table(self, sessions: list[SessionState]) -> torch.Tensor:
         width = max(len(s.pages) for s in sessions)

@@ -55,6 +55,8 @@ class Work:
     """Length of the prompt as submitted (``prompt`` grows if a failed step makes the session replay)."""
     replayed: int = 0
     """Tokens run through the model again after a failed step rolled the session back (see Runner)."""
+    reserved_pages: int = 0
+    """KV pages set aside at admission and not used yet; given back when the work ends."""
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
