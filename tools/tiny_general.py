@@ -46,6 +46,7 @@ from tools.tiny_data import (
     Task,
     _Episode,
     _episode,
+    _plain_row,
     corpus,
     header_ids,
     numbered_lines,
@@ -62,6 +63,7 @@ MAX_TREE_FILES = 1500  # larger trees (torch, openai) take seconds to load into 
 GENERAL_KINDS = ("read_file", "grep", "list_dir", "multi_step")
 # shares of a general row's episodes: a rephrased tool task, multi-step, a tool error corrected, off-task
 MIX = {"task": 0.55, "multi": 0.15, "error": 0.15, "off_task": 0.15}
+MAX_MISSES = 12  # episodes that did not fit before a row ends (a small tree runs out of unused files)
 _ANSWER_NAME_RE = re.compile(r"(?:contains|has no) (.+)\.$")
 _CORRECT_INTRO = ["", "", "That call failed. Trying again.", "Wrong path; fixing the call.", "Let me fix that."]
 
@@ -274,12 +276,18 @@ def general_episode(
 # ---- rows and tasks -------------------------------------------------------------------------------------------
 
 
-def row_corpus(rng: random.Random, split: str, tree_share: float) -> Corpus | RenamedCorpus:
-    """For ``tree_share`` of rows a package tree of ``split`` (files split by path hash within), else the stdlib;
-    in training, RENAMED_FRACTION of the stdlib rows under random names (tiny_data.RenamedCorpus)."""
+def row_tree(rng: random.Random, split: str, tree_share: float) -> str | None:
+    """For ``tree_share`` of rows, the name of a package tree of ``split``; else None (the stdlib)."""
     names = trees(split)
-    if names and tree_share and rng.random() < tree_share:
-        return tree_corpus(rng.choice(names))
+    return rng.choice(names) if names and tree_share and rng.random() < tree_share else None
+
+
+def row_corpus(rng: random.Random, split: str, tree_share: float) -> Corpus | RenamedCorpus:
+    """The package tree ``row_tree`` draws (files split by path hash within), else the stdlib; in training,
+    RENAMED_FRACTION of the stdlib rows under random names (tiny_data.RenamedCorpus)."""
+    name = row_tree(rng, split, tree_share)
+    if name is not None:
+        return tree_corpus(name)
     if split == "train" and rng.random() < RENAMED_FRACTION:
         return RenamedCorpus(rng, corpus())
     return corpus()
@@ -298,9 +306,11 @@ def make_general_row(
     c = row_corpus(rng, split, tree_share)
     ids = list(header_ids())
     mask = [0] * len(ids)
+    if len(ids) + 400 > max_len:  # no room for a task after the header: source text, as tiny_data does
+        return _plain_row(rng, corpus(), split, max_len)
     used: set[str] = set()
     misses = 0
-    while misses < 4 and max_len - len(ids) >= 200:
+    while misses < MAX_MISSES and max_len - len(ids) >= 200:
         ep = general_episode(rng, c, split, max_len - len(ids), used)
         if ep is None:
             misses += 1

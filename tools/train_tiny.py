@@ -100,7 +100,7 @@ from kda_sessions.kernels.kda.naive import naive_chunk_kda
 from kda_sessions.model import HybridModel, save_model
 from kda_sessions.model.kda import KDAAttention
 from kda_sessions.model.mla import MLAttention
-from tools import tiny_data
+from tools import tiny_data, tiny_general
 
 CONFIG = REPO / "kda_sessions" / "builtin" / "tiny.json"
 MAX_SHIPPED_BYTES = 25_000_000  # issue 7: the weights in the package, as bf16 safetensors
@@ -235,8 +235,9 @@ def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor, kinds: Tensor) -
 # ---------------------------------------------------------------- data
 
 
-# seed, split, max_len, recall distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall
-RowJob = tuple[int, str, int, tuple[int, int], float, float, float, float, float]
+# seed, split, max_len, recall distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall,
+# general, tree_share
+RowJob = tuple[int, str, int, tuple[int, int], float, float, float, float, float, float, float]
 
 
 @dataclass(frozen=True)
@@ -266,9 +267,15 @@ def parse_curriculum(text: str) -> tuple[int, int, int]:
 
 
 def _row(args: RowJob) -> tuple[list[int], list[int]]:
-    seed, split, max_len, distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall = args
+    seed, split, max_len, distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall, general, \
+        tree_share = args
+    # a row of tiny_general for a share ``general`` of the seeds, drawn from a stream of its own: at 0 the rows of
+    # runs before the option are unchanged
+    is_general = general > 0 and random.Random(f"general:{seed}").random() < general
     for attempt in range(8):  # a file the tools refuse (a link out of the stdlib, say): another draw
         try:
+            if is_general:
+                return tiny_general.make_general_row(random.Random(seed + attempt * 10**7), split, max_len, tree_share)
             return tiny_data.make_row(
                 random.Random(seed + attempt * 10**7), split, max_len, distance, drill, near_miss, near_miss_defs,
                 near_miss_entries, line_recall,
@@ -294,13 +301,15 @@ def _row_worker(w: int, workers: int, jobs: Callable[[int], RowJob], out: Any) -
 def batches(
     seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int, prefetch: int = 4,
     recall: RecallData = RecallData(), first_step: int = 1, fact_weight: float = 1.0, near_miss: float = 0.0,
-    near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, line_recall: float = 0.0,
+    near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, line_recall: float = 0.0, general: float = 0.0,
+    tree_share: float = 0.5,
 ):
     """Endless batches (ids [B, T] int64, weights [B, T] float32, kinds [B, T] uint8: make_row's mask), rows from
     seeds seed*10**9 + i; the i-th row belongs to training step first_step + i // batch, whose recall distance
     it is generated with. Weights: 1 on the assistant's tokens, ``fact_weight`` on the fact tokens inside its
     answers, CONTEXT_WEIGHT elsewhere, PAD_WEIGHT on padding. ``near_miss``, ``near_miss_defs``, ``near_miss_entries``,
-    ``line_recall``: make_row's.
+    ``line_recall``: make_row's. ``general``: the share of rows made by tiny_general.make_general_row (grammar
+    phrasings, package trees, multi-step, tool errors, off-task refusals), ``tree_share`` its share on package trees.
 
     Each of ``workers`` processes makes every workers-th row, in order, into a queue of its own that holds about
     ``prefetch`` batches' worth of rows between them (an unbounded backlog let the workers run ahead and the
@@ -311,7 +320,7 @@ def batches(
 
     def jobs(i: int) -> RowJob:
         return (base + i, split, seq, recall.distance(first_step + i // batch), recall.drill, near_miss,
-                near_miss_defs, near_miss_entries, line_recall)
+                near_miss_defs, near_miss_entries, line_recall, general, tree_share)
 
     ctx = mp.get_context("fork")
     queues = [ctx.Queue(maxsize=-(-prefetch * batch // workers) + 1) for _ in range(workers)]
@@ -354,7 +363,29 @@ def batches(
 def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]]]:
     """Held-out rows as before any curriculum: recall at 2,000+ tokens (the eval's distance), no drill rows."""
     d = tiny_data.RECALL_DISTANCE
-    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), 0.0, 0.0, 0.0, 0.0, 0.0)) for i in range(n)]
+    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
+            for i in range(n)]
+
+
+def heldout_loss(
+    model: HybridModel, rows: list[tuple[list[int], list[int]]], device: torch.device, use_fla: bool
+) -> dict[str, float]:
+    """Masked mean cross-entropy of the rows under the training forward: on the assistant's tokens (``loss``)
+    and on the facts of its answers (``fact_loss``)."""
+    tot = cnt = tot_f = cnt_f = 0.0
+    with torch.no_grad():
+        for r_ids, r_mask in rows:
+            ids = torch.tensor([r_ids], device=device)
+            m = torch.tensor(r_mask[1:], device=device)
+            w, wf = (m > 0).float(), (m == tiny_data.FACT).float()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = train_logits(model, ids, use_fla)
+            ce = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+            tot += (ce * w).sum().item()
+            cnt += w.sum().item()
+            tot_f += (ce * wf).sum().item()
+            cnt_f += wf.sum().item()
+    return {"loss": tot / max(cnt, 1.0), "fact_loss": tot_f / max(cnt_f, 1.0), "fact_tokens": int(cnt_f)}
 
 
 # ---------------------------------------------------------------- main
@@ -420,6 +451,11 @@ def main(argv: list[str] | None = None) -> None:
                     help="share of renamed-project listed directories whose entries get new names (tiny_data.RenamedCorpus)")
     ap.add_argument("--line-recall", type=float, default=0.0,
                     help="share of recall sources that are line reads (tiny_data.make_row; not trained yet)")
+    ap.add_argument("--general-fraction", type=float, default=0.0,
+                    help="share of rows from tiny_general.make_general_row: grammar phrasings, package trees, "
+                         "multi-step tasks, corrected tool errors, off-task refusals (issue 31; not trained yet)")
+    ap.add_argument("--tree-share", type=float, default=0.5,
+                    help="share of --general-fraction rows over an installed package tree (else the stdlib)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
@@ -460,14 +496,16 @@ def main(argv: list[str] | None = None) -> None:
     if not 0.0 <= args.drill_fraction <= 1.0 - tiny_data.PLAIN_FRACTION:
         raise SystemExit(f"--drill-fraction must be in [0, {1.0 - tiny_data.PLAIN_FRACTION}], got {args.drill_fraction}")
     for flag, value in (("--near-miss", args.near_miss), ("--near-miss-defs", args.near_miss_defs),
-                        ("--near-miss-entries", args.near_miss_entries), ("--line-recall", args.line_recall)):
+                        ("--near-miss-entries", args.near_miss_entries), ("--line-recall", args.line_recall),
+                        ("--general-fraction", args.general_fraction), ("--tree-share", args.tree_share)):
         if not 0.0 <= value <= 1.0:
             raise SystemExit(f"{flag} must be in [0, 1], got {value}")
     recall = RecallData(args.recall_curriculum, args.drill_fraction)
     data = batches(args.seed * 1000 + args.start_step, "train", args.batch, args.seq, args.workers, pad_id,
                    recall=recall, first_step=args.start_step + 1, fact_weight=args.fact_weight,
                    near_miss=args.near_miss, near_miss_defs=args.near_miss_defs,
-                   near_miss_entries=args.near_miss_entries, line_recall=args.line_recall)
+                   near_miss_entries=args.near_miss_entries, line_recall=args.line_recall,
+                   general=args.general_fraction, tree_share=args.tree_share)
     t0 = time.perf_counter()
     tokens = 0
     step = 0
@@ -530,21 +568,13 @@ def main(argv: list[str] | None = None) -> None:
     (out / "train_log.json").write_text(json.dumps(log, indent=1))
     # held-out loss of the training forward (float32 weights), for tools/eval_tiny.py --loss to reproduce
     rows = heldout_rows(args.seed, 4 if args.quick else 16, args.seq)
-    tot = cnt = tot_f = cnt_f = 0.0
-    with torch.no_grad():
-        for r_ids, r_mask in rows:
-            ids = torch.tensor([r_ids], device=device)
-            m = torch.tensor(r_mask[1:], device=device)
-            w, wf = (m > 0).float(), (m == tiny_data.FACT).float()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                logits = train_logits(model, ids, use_fla)
-            ce = F.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
-            tot += (ce * w).sum().item()
-            cnt += w.sum().item()
-            tot_f += (ce * wf).sum().item()
-            cnt_f += wf.sum().item()
-    log["heldout"] = {"seed": args.seed, "rows": len(rows), "seq": args.seq, "loss": tot / max(cnt, 1.0),
-                      "fact_loss": tot_f / max(cnt_f, 1.0), "fact_tokens": int(cnt_f)}
+    log["heldout"] = {"seed": args.seed, "rows": len(rows), "seq": args.seq,
+                      **heldout_loss(model, rows, device, use_fla)}
+    # and of general rows in held-out phrasings, trees and files (tiny_general): how far the phrasing generalises
+    general_rows = [tiny_general.make_general_row(random.Random(args.seed * 10**9 + 7 * 10**8 + i), "heldout",
+                                                  args.seq) for i in range(2 if args.quick else 8)]
+    log["heldout_general"] = {"rows": len(general_rows), **heldout_loss(model, general_rows, device, use_fla)}
+    print(json.dumps({"heldout_general": log["heldout_general"]}), flush=True)
     # the rows themselves: they depend on the machine's stdlib, so eval_tiny --loss needs them, not a seed
     (out / "heldout_rows.json").write_text(json.dumps(
         {"ids": [r[0] for r in rows], "mask": [r[1] for r in rows], "loss": log["heldout"]["loss"]}

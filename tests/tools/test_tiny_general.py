@@ -1,0 +1,231 @@
+"""tools/tiny_phrasing.py (the question grammar) and tools/tiny_general.py (rows and tasks that generalise):
+the grammar's coverage, held-out phrasings and package trees never in training rows, and the episode shapes."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tools` is not installed
+
+from kda_sessions.tokenizer import parse_assistant_output, validate_arguments
+from kda_sessions.tools import TOOL_SCHEMAS
+from tools import eval_tiny
+from tools import tiny_general as tg
+from tools import tiny_phrasing as tp
+from tools.tiny_data import FACT, GEN_IDS, TOK, _episode, corpus, fact_in, make_row, render
+
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
+END = TOK.special_ids["<|im_end|>"]
+USER = TOK.special_ids["<|im_user|>"]
+MIDDLE = TOK.special_ids["<|im_middle|>"]
+SLOTS = {"p": "pkg/sub/mod_a.py", "d": "pkg/sub", "n": "417", "pat": "class Frobnicator", "what": "class",
+         "name": "Frobnicator", "x": "helpers.py"}
+
+
+def _user_turns(ids: list[int]) -> list[str]:
+    """The text of every user message of a rendered row."""
+    out = []
+    for i, t in enumerate(ids):
+        if t == USER:
+            j = ids.index(MIDDLE, i) + 1
+            out.append(TOK.decode(ids[j : ids.index(END, j)]))
+    return out
+
+
+def _rows(seed: int, n: int, max_len: int = 4096, tree_share: float = 0.5) -> list[tuple[list[int], list[int]]]:
+    rng = random.Random(seed)
+    return [tg.make_general_row(rng, "train", max_len, tree_share) for _ in range(n)]
+
+
+def test_grammar_covers_every_intent_in_both_splits():
+    assert set(tp.INTENTS) == set(tp.SLOTS)
+    texts = [t.text for ts in tp.TEMPLATES.values() for t in ts]
+    assert len(texts) == len(set(texts))  # a phrasing is in one split only
+    for intent, ts in tp.TEMPLATES.items():
+        train, held = tp.templates(intent, "train"), tp.templates(intent, "heldout")
+        assert len(train) >= 4 and len(held) >= 1, intent
+        for t in ts:
+            used = set(re.findall(r"\{(\w+)\}", t.text))
+            assert used <= tp.SLOTS[intent] and used & {"p", "d"}, t.text
+    # verbs and word orders: the templates of one intent start with several different words
+    assert all(len({t.text.split()[0] for t in tp.templates(i, "train")}) >= 4 for i in tp.INTENTS)
+    assert set(tp.OFF_TASK["train"]).isdisjoint(tp.OFF_TASK["heldout"]) and len(tp.OFF_TASK["heldout"]) >= 5
+    with pytest.raises(ValueError, match="intent"):
+        tp.templates("delete_file", "train")
+    with pytest.raises(ValueError, match="missing"):
+        tp.question(random.Random(0), "line", {"p": "a.py"}, "train")
+
+
+@pytest.mark.parametrize("intent", tp.INTENTS)
+def test_questions_vary_and_keep_their_slots_verbatim(intent: str):
+    rng = random.Random(1)
+    seen = set()
+    for _ in range(200):
+        text, tid = tp.question(rng, intent, SLOTS, "train", typo=1.0)
+        assert tid.startswith(intent + ":") and not any(t.id == tid and t.heldout for t in tp.TEMPLATES[intent])
+        slots_used = set(re.findall(r"\{(\w+)\}", tid.split(":", 1)[1]))
+        for k in slots_used - {"d"}:  # a typo never touches a slot; a folder may read "the pkg/sub folder"
+            assert SLOTS[k] in text, (k, text)
+        if "d" in slots_used:
+            assert "pkg/sub" in text, text
+        seen.add(text)
+    assert len(seen) > 120  # templates x quoting x context x politeness x typos
+    plain, _ = tp.question(random.Random(2), intent, SLOTS, "heldout", plain=True)
+    assert any(tp.template_regex(t).search(plain) for t in tp.templates(intent, "heldout"))
+
+
+def test_heldout_phrasings_and_off_task_messages_never_appear_in_training_rows():
+    held = [tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if t.heldout]
+    held += [tp.template_regex(t) for t in tp.OFF_TASK["heldout"]]
+    train = {t.id: tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if not t.heldout}
+    questions = [q for ids, _ in _rows(3, 32) for q in _user_turns(ids)]
+    assert len(questions) > 200
+    for q in questions:
+        assert not any(rx.search(q) for rx in held), q
+    used = {tid for tid, rx in train.items() if any(rx.search(q) for q in questions)}
+    assert len(used) > 0.5 * len(train)  # and many of the training phrasings do appear
+
+
+def test_heldout_trees_are_never_the_corpus_of_a_training_row():
+    names = tg.package_trees()
+    assert tg.EVAL_TREE in names and tg.tree_split(tg.EVAL_TREE) == "heldout"
+    assert all(tg.tree_split(n) == "heldout" for n in tg.HELDOUT_TREES)
+    assert set(tg.trees("train")).isdisjoint(tg.trees("heldout")) and tg.trees("train")
+    drawn = set()
+    for seed in range(300):  # make_general_row's first draws pick its tree (row_corpus): replay them
+        drawn.add(tg.row_tree(random.Random(seed), "train", 0.9))
+    assert None in drawn and len(drawn) > 10
+    assert all(tg.tree_split(n) == "train" for n in drawn - {None})
+    assert tg.row_tree(random.Random(0), "heldout", 1.0) in tg.trees("heldout")
+    c = tg.row_corpus(random.Random(1), "train", 1.0)
+    assert str(c.root) in {str(Path(names[n]).resolve()) for n in tg.trees("train")}
+
+
+def test_training_rows_on_a_tree_call_its_train_files_only():
+    checked = 0
+    for seed in range(6):
+        c = tg.row_corpus(random.Random(seed), "train", 1.0)
+        ids, mask = tg.make_general_row(random.Random(seed), "train", 4096, 1.0)
+        text = TOK.decode(ids)
+        for start in [i for i in range(len(ids)) if ids[i : i + len(GEN_IDS)] == GEN_IDS]:
+            end = ids.index(END, start)
+            for call in parse_assistant_output(ids[start + len(GEN_IDS) : end + 1], TOK).tool_calls:
+                path = json.loads(call.function.arguments)["path"]
+                if mask[start + len(GEN_IDS)] == 0:  # a failed call (left out of the loss): its path may not exist
+                    continue
+                assert path in c.files["train"] or path in c.dirs["train"], (path, c.root)
+                checked += 1
+        assert "error: " not in text or "<|tool_call_begin|>" in text
+    assert checked > 20
+
+
+def test_rows_are_full_masked_and_every_call_validates():
+    shapes = {"error": 0, "multi": 0, "off": 0}
+    rows = _rows(5, 8, 8192)
+    assert sum(len(ids) for ids, _ in rows) > 0.9 * 8 * 8192  # rows are full (padding is wasted training)
+    for ids, mask in rows:
+        assert len(ids) == len(mask) <= 8192 and set(mask) <= {0, 1, FACT}
+        for start in [i for i in range(len(ids)) if ids[i : i + len(GEN_IDS)] == GEN_IDS]:
+            parsed = parse_assistant_output(ids[start + len(GEN_IDS) : ids.index(END, start) + 1], TOK)
+            assert not parsed.errors
+            for call in parsed.tool_calls:
+                assert not validate_arguments(call.function.arguments, SCHEMAS[call.function.name])
+        text = TOK.decode(ids)
+        shapes["error"] += text.count("error: ")
+        shapes["multi"] += len(re.findall(r"The first Python file of|first Python file in", text))
+        shapes["off"] += text.count(tp.REFUSAL)
+    assert all(v >= 3 for v in shapes.values()), shapes
+
+
+def test_a_tool_error_is_answered_by_the_corrected_call():
+    c = corpus()
+    rng = random.Random(7)
+    made = 0
+    for _ in range(40):
+        ep = _episode(rng, c, "train", 3000, set())
+        fixed = ep and tg.error_episode(rng, c, tg.rephrase(rng, ep, "train"))
+        if not fixed:
+            continue
+        made += 1
+        user, wrong, error, right, result, answer = fixed.messages
+        assert error["content"].startswith("error: ") and error["tool_call_id"] == wrong["tool_calls"][0]["id"]
+        assert wrong["tool_calls"][0]["function"] != right["tool_calls"][0]["function"]
+        assert right["tool_calls"][0]["function"] == ep.messages[1]["tool_calls"][0]["function"]
+        assert result["content"] == ep.messages[2]["content"] and answer == ep.messages[3]
+        # the failed call is not learnt; the correction and the answer are
+        n_head = len(render([user, wrong])[0])
+        assert set(fixed.mask[:n_head]) == {0} and 1 in fixed.mask[n_head:] and FACT in fixed.mask[n_head:]
+    assert made >= 20
+
+
+def test_multi_step_lists_then_reads_the_first_python_file():
+    c = corpus()
+    rng = random.Random(8)
+    for _ in range(10):
+        ep = tg.multi_step_episode(rng, c, "train", 6000)
+        assert ep is not None and ep.tool == "list_dir"
+        _, _, listing, call2, result, answer = ep.messages
+        first = next(e for e in listing["content"].split("\n") if e.endswith(".py"))
+        args2 = json.loads(call2["tool_calls"][0]["function"]["arguments"])
+        assert args2["path"].rsplit("/", 1)[-1] == first
+        assert ep.fact in result["content"] and fact_in(answer["content"], ep.fact)
+
+
+def test_general_eval_tasks_use_the_heldout_tree_and_phrasings():
+    c = tg.tree_corpus(tg.EVAL_TREE, whole=True)
+    tasks = tg.general_tasks(0, 8)
+    assert [t.kind for t in tasks] == list(tg.GENERAL_KINDS) * 2
+    for t in tasks:
+        assert t.arguments["path"] in c.files["heldout"] or t.arguments["path"] in c.dirs["heldout"]
+        calls = [m for m in t.messages if m.get("tool_calls")]
+        for m in calls:
+            p = json.loads(m["tool_calls"][0]["function"]["arguments"])["path"]
+            assert p in c.files["heldout"] or p in c.dirs["heldout"]
+    assert [json.dumps(t.messages) for t in tg.general_tasks(0, 8)] == [json.dumps(t.messages) for t in tasks]
+    off = tg.off_task_tasks(0, 6)
+    held = [tp.template_regex(t) for t in tp.OFF_TASK["heldout"]]
+    assert all(t.fact == tp.REFUSAL and t.tool is None for t in off)
+    assert all(any(rx.search(t.messages[-1]["content"]) for rx in held) for t in off)
+    with pytest.raises(ValueError, match="used in training"):
+        tg.general_tasks(0, 2, tree=tg.trees("train")[0])
+
+
+def test_issue31_targets_compare_with_the_in_template_figures():
+    t = {"overall": {"right_call": 0.95, "fact": 0.85}}
+    good = eval_tiny.issue31(t, {"overall": {"right_call": 0.9, "fact": 0.8}}, {"refusal": 0.95})
+    assert all(good["pass"].values())
+    bad = eval_tiny.issue31(t, {"overall": {"right_call": 0.9, "fact": 0.72}}, {"refusal": 0.5})
+    assert bad["pass"] == {"right_call": True, "fact": True, "gap": False, "refusal": False}
+    assert bad["gap_to_in_template"] == {"right_call": 0.05, "fact": 0.13}
+
+
+def test_generation_config_of_tiny_is_greedy():
+    path = Path(tg.__file__).resolve().parents[1] / "kda_sessions" / "builtin" / "tiny.generation_config.json"
+    cfg = json.loads(path.read_text())
+    assert cfg["temperature"] == 0.0 and cfg["do_sample"] is False and 0 < cfg["max_new_tokens"] <= 512
+
+
+@pytest.mark.slow
+def test_general_eval_runs_on_tiny_random(capsys: pytest.CaptureFixture[str]):
+    eval_tiny.main(["--model", "tiny-random", "--n", "2", "--general", "--max-tokens", "4"])
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["general"]["overall"]["n"] == 2 and printed["off_task"]["n"] == 2
+    assert set(printed["issue31"]["pass"]) == {"right_call", "fact", "gap", "refusal"}
+
+
+def test_training_rows_take_a_share_of_general_rows_and_zero_changes_nothing():
+    from tools import train_tiny
+
+    def job(seed: int, general: float) -> tuple:
+        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5)
+
+    assert train_tiny._row(job(11, 0.0)) == make_row(random.Random(11), "train", 2048)
+    assert train_tiny._row(job(11, 1.0)) == tg.make_general_row(random.Random(11), "train", 2048, 0.5)
+    ids, mask = tg.make_general_row(random.Random(11), "train", 1024)  # no room after the header: source text
+    assert len(ids) == 1024 and set(mask) == {1}
