@@ -75,10 +75,9 @@ class MoE(nn.Module):
     def stack_experts(self) -> None:
         """Move the routed experts' weights into two stacked tensors, w13 [E, 2F, D] (w1 rows, then w3) and
         w2 [E, D, F], which the experts' own parameters then view: memory is unchanged, checkpoint names too, and
-        the routed experts can run from them in place.
-        On a GPU the routed experts then run in the fused MoE kernels (``kernels.moe``), for decode and prefill
-        alike, with no host sync. A later ``.to()`` of the module breaks the views; the stacked path then turns
-        itself off."""
+        the routed experts can run from them in place. On a GPU the routed experts then run in the fused MoE
+        kernels (``kernels.moe``), for decode and prefill alike, with no host sync. A later ``.to()`` of the
+        module breaks the views; the stacked path then turns itself off."""
         if not len(self.experts) or self._stacked_weights() is not None:
             return
         first = self.experts[0]
@@ -92,6 +91,25 @@ class MoE(nn.Module):
             w13[e, :F_].copy_(ex.w1.weight)
             w13[e, F_:].copy_(ex.w3.weight)
             w2[e].copy_(ex.w2.weight)
+        self._view_stacked(w13, w2)
+
+    def allocate_stacked(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Give the routed experts uninitialised stacked storage (w13 [E, 2F, D], w2 [E, D, F]) that their
+        parameters view, for a loader to fill expert by expert (the model built on the meta device)."""
+        if not len(self.experts):
+            return
+        first = self.experts[0]
+        assert isinstance(first, Expert)
+        F_, D = first.w1.weight.shape
+        E = len(self.experts)
+        w13 = torch.empty(E, 2 * F_, D, device=device, dtype=dtype)
+        w2 = torch.empty(E, D, F_, device=device, dtype=dtype)
+        self._view_stacked(w13, w2)
+
+    def _view_stacked(self, w13: Tensor, w2: Tensor) -> None:
+        F_ = w2.shape[2]
+        for e, ex in enumerate(self.experts):
+            assert isinstance(ex, Expert)
             grad = ex.w1.weight.requires_grad
             ex.w1.weight = nn.Parameter(w13[e, :F_], requires_grad=grad)
             ex.w3.weight = nn.Parameter(w13[e, F_:], requires_grad=grad)

@@ -1,22 +1,31 @@
 """Load and save models in the Kimi-Linear safetensors format; built-in models by name.
 
-Weights are assigned into a model built on the meta device, so no random weights are ever materialised.
+Weights go into a model built on the meta device, so no random weights are ever materialised. A checkpoint on
+disk streams tensor by tensor from memory-mapped shards into storage allocated on the target device in the
+target dtype (the routed experts straight into their stacked tensors): host memory holds one shard's mapping and
+one tensor at a time, never the whole model.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..config import ModelConfig
+from .ffn import MoE
 from .model import HybridModel
+
+log = logging.getLogger(__name__)
 
 BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 BUILTIN_MODELS = ("tiny-random", "tiny")
@@ -54,34 +63,105 @@ def _assign(model: HybridModel, tensors: dict[str, Tensor], device: str | torch.
     model.load_state_dict(state, strict=True, assign=True)
 
 
-def _read_safetensors(path: Path) -> dict[str, Tensor]:
+def _shard_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
         try:
             weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-        files = sorted(set(weight_map.values()))
+        names = sorted(set(weight_map.values()))
     else:
-        files = sorted(p.name for p in path.glob("*.safetensors"))
-        if not files:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+        if not names:
             raise CheckpointError(f"no *.safetensors files in {path}")
-    tensors: dict[str, Tensor] = {}
-    for fname in files:
+    files = []
+    for fname in names:
         fpath = path / fname
         if fpath.parent != path or not fpath.exists():
             raise CheckpointError(f"shard {fname!r} named by the index is missing from {path}")
+        files.append(fpath)
+    return files
+
+
+@dataclass
+class LoadStats:
+    """What a streamed load moved: checkpoint bytes read, seconds, and their rate."""
+
+    bytes_read: int
+    seconds: float
+    shards: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_read / max(self.seconds, 1e-9) / 1e9
+
+
+def _allocate(model: HybridModel, device: str | torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Uninitialised storage on the device for every parameter of a meta-built model (routed experts stacked);
+    returns the parameters by checkpoint name."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.allocate_stacked(device, dtype)
+    for mod_name, mod in model.named_modules():
+        for pname, p in list(mod._parameters.items()):
+            if p is not None and p.is_meta:
+                full = f"{mod_name}.{pname}" if mod_name else pname
+                t = torch.empty(p.shape, device=device, dtype=_param_dtype(full, dtype))
+                mod._parameters[pname] = nn.Parameter(t, requires_grad=p.requires_grad)
+    params = dict(model.state_dict(keep_vars=True))
+    assert not any(t.is_meta for t in params.values()), "a parameter kept no storage"
+    return params
+
+
+@torch.no_grad()
+def load_weights(model: HybridModel, files: list[Path], device: str | torch.device, dtype: torch.dtype) -> LoadStats:
+    """Stream the tensors of ``files`` (safetensors shards) into a meta-built ``model`` on ``device`` in ``dtype``
+    (float32 for FP32_PARAMS), one tensor at a time, checking names and shapes against the model."""
+    t0 = time.perf_counter()
+    params = _allocate(model, device, dtype)
+    expected = {n: tuple(p.shape) for n, p in params.items()}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    misshaped: list[str] = []
+    nbytes = 0
+    for fpath in files:
         try:
             with safe_open(str(fpath), framework="pt", device="cpu") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    if name in tensors:
+                    if name in seen:
                         raise CheckpointError(f"tensor {name} appears in more than one shard")
-                    tensors[name] = f.get_tensor(name)
+                    if name not in expected:
+                        unexpected.append(name)
+                        continue
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != expected[name]:
+                        misshaped.append(f"{name} (expected {expected[name]}, got {shape})")
+                        continue
+                    t = f.get_tensor(name)  # read from the mapping: one tensor in host memory
+                    params[name].copy_(t)
+                    nbytes += t.numel() * t.element_size()
+                    seen.add(name)
+                    del t
         except CheckpointError:
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"cannot read {fpath}: {e}") from None
-    return tensors
+    problems = []
+    if missing := sorted(set(expected) - seen - {m.split(" ")[0] for m in misshaped}):
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
+    if misshaped:
+        problems.append(f"mis-shaped tensors: {', '.join(sorted(misshaped))}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    stats = LoadStats(nbytes, time.perf_counter() - t0, len(files))
+    log.info("loaded %.2f GB from %d shard(s) in %.1f s (%.2f GB/s)", nbytes / 1e9, len(files), stats.seconds,
+             stats.gb_per_s)
+    return stats
 
 
 def _seeded(name: str, shape: tuple[int, ...], std: float) -> Tensor:
@@ -132,19 +212,22 @@ def load_model(
     path_or_name: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> HybridModel:
     """A built-in name (``tiny-random``, ``tiny``) or a directory with a Kimi-Linear ``config.json`` and
-    ``*.safetensors`` (single or sharded with ``model.safetensors.index.json``). Returns the model in eval mode."""
+    ``*.safetensors`` (single or sharded with ``model.safetensors.index.json``), streamed to ``device`` in ``dtype``
+    (``load_weights``; the routed experts stacked). Returns the model in eval mode."""
     name = str(path_or_name)
     if name in BUILTIN_MODELS:
         cfg = ModelConfig.from_file(BUILTIN_DIR / f"{name}.json")
         with torch.device("meta"):
             model = HybridModel(cfg)
         if name == "tiny-random":
-            tensors = _tiny_random_weights(model)
-        else:
-            weights = BUILTIN_DIR / "tiny.safetensors"
-            if not weights.exists():
-                raise CheckpointError("the built-in model 'tiny' has no weights in this install")
-            tensors = _read_safetensors_file(weights)
+            _assign(model, _tiny_random_weights(model), device, dtype)
+            if torch.device(device).type == "cuda":
+                model.stack_experts()
+            return model.eval()
+        weights = BUILTIN_DIR / "tiny.safetensors"
+        if not weights.exists():
+            raise CheckpointError("the built-in model 'tiny' has no weights in this install")
+        files = [weights]
     else:
         path = Path(path_or_name)
         if not path.is_dir():
@@ -152,14 +235,9 @@ def load_model(
         cfg = ModelConfig.from_file(path)
         with torch.device("meta"):
             model = HybridModel(cfg)
-        tensors = _read_safetensors(path)
-    _assign(model, tensors, device, dtype)
+        files = _shard_files(path)
+    load_weights(model, files, device, dtype)
     return model.eval()
-
-
-def _read_safetensors_file(path: Path) -> dict[str, Tensor]:
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
 
 
 def save_model(model: HybridModel, path: str | Path, max_shard_bytes: int | None = None) -> None:
@@ -167,7 +245,8 @@ def save_model(model: HybridModel, path: str | Path, max_shard_bytes: int | None
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(model.config.model_dump_json(indent=2, exclude_none=True))
-    state = {n: t.detach().cpu().contiguous() for n, t in model.state_dict().items()}
+    # stacked experts are views of one tensor: each saved tensor gets its own storage, as safetensors requires
+    state = {n: _own(t.detach().cpu()) for n, t in model.state_dict().items()}
     if max_shard_bytes is None:
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
         return
@@ -186,3 +265,9 @@ def save_model(model: HybridModel, path: str | Path, max_shard_bytes: int | None
         save_file(shard, str(path / fname), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, fname))
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+def _own(t: Tensor) -> Tensor:
+    """t, contiguous and the sole user of its storage (a copy when it views part of a larger one)."""
+    t = t.contiguous()
+    return t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
