@@ -35,6 +35,7 @@ from torch import Tensor
 from kda_sessions.config import ModelConfig
 from kda_sessions.kernels.moe import fused_moe
 from kda_sessions.kernels.moe.fused_moe import MoeLaunch, fused_moe_triton, launch_config
+from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs
@@ -128,11 +129,24 @@ def _gather_forward(self: MoE, x: Tensor) -> Tensor:
     return out + self.shared_experts(x)
 
 
+def _twin_forward(self: MoE, x: Tensor) -> Tensor:
+    """The layer with its routed experts from the fused kernels' naive twin (a loop with a host sync)."""
+    scores = torch.sigmoid(x.float() @ self.gate.weight.float().t())
+    _, chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), self.top_k, dim=-1)
+    weights = scores.gather(-1, chosen)
+    weights = (weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale).to(x.dtype)
+    stacked = self._stacked_weights()
+    assert stacked is not None and self.shared_experts is not None
+    return naive_fused_moe(x, *stacked, chosen, weights) + self.shared_experts(x)
+
+
 def set_moe_mode(model: HybridModel, mode: str) -> None:
+    """fused (the library), gather (the replaced code) or twin (the naive twin; not capturable)."""
+    forwards = {"gather": _gather_forward, "twin": _twin_forward}
     for m in model.modules():
         if isinstance(m, MoE):
-            if mode == "gather":
-                m.forward = types.MethodType(_gather_forward, m)  # type: ignore[method-assign]
+            if mode in forwards:
+                m.forward = types.MethodType(forwards[mode], m)  # type: ignore[method-assign]
             elif "forward" in m.__dict__:
                 del m.forward
 
@@ -281,6 +295,67 @@ def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
     return res
 
 
+def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
+    """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays) and with its naive
+    twin (eager), from the same states; the tokens of both and the first step's logits difference."""
+    P = 64
+    pages = -(-(L + steps + 1) // P)
+    pools = model.allocate_pools(1, pages, P)
+    gen = torch.Generator(device=device).manual_seed(3)
+    with torch.no_grad():
+        for t in pools.kv:
+            t.normal_(0.0, 1.0, generator=gen)
+        for t in pools.kda:
+            t.normal_(0.0, 0.01, generator=gen)
+    saved = [t.clone() for t in pools.kda + pools.conv + pools.kv]
+    table = [list(range(pages))]
+    out: dict = {"context": L, "steps": steps}
+    first: dict[str, Tensor] = {}
+    for mode in ("fused", "twin"):
+        for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
+            t.copy_(v)
+        set_moe_mode(model, mode)
+        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode == "fused")
+        tok, toks = 1, []
+        for i in range(steps):
+            logits = graphs.run([tok], [0], [L + 1 + i], table)
+            if i == 0:
+                first[mode] = logits.float().clone()
+            tok = int(logits[0].argmax())
+            toks.append(tok)
+        out[f"{mode}_tokens"] = toks
+        del graphs
+    set_moe_mode(model, "fused")
+    out["same_tokens"] = out["fused_tokens"] == out["twin_tokens"]
+    out["first_logits_rel_rms"] = float((first["fused"] - first["twin"]).norm() / first["twin"].norm())
+    return out
+
+
+def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> list[dict]:
+    """The eager decode step (batch 1, context L) under the torch profiler: the top kernels by device time."""
+    P = 64
+    pages = -(-(L + 1) // P)
+    pools = model.allocate_pools(1, pages, P)
+    graphs = DecodeGraphs(model, pools, max_batch=1, enabled=False)
+    args = ([1], [0], [L + 1], [list(range(pages))])
+    for _ in range(2):
+        graphs.run(*args)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            graphs.run(*args)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t:
+            rows.append({"name": e.key[:120], "calls_per_step": e.count / 3, "us_per_step": round(t / 3, 1)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -289,6 +364,8 @@ def main() -> None:
     ap.add_argument("--modes", default="fused,gather")
     ap.add_argument("--moe-tokens", default="1,8,32,256,2048", help="token counts of the MoE-layer-alone timings")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--greedy-steps", type=int, default=8, help="greedy steps, fused MoE vs its naive twin")
+    ap.add_argument("--profile", action="store_true", help="top kernels of the eager step at 1 x 8K")
     ap.add_argument("--sweep", action="store_true", help="also time the MoE layer under other tile sizes")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -309,6 +386,14 @@ def main() -> None:
             results["moe_layer"].append(moe_layer_case(model, T, args.reps, args.sweep))
             log(json.dumps(results["moe_layer"][-1]))
             dump()
+    if args.greedy_steps:
+        results["greedy"] = greedy_case(model, 8192 if not args.quick else 100, args.greedy_steps, args.device)
+        log(json.dumps(results["greedy"]))
+        dump()
+    if args.profile and args.device == "cuda":
+        results["profile_eager_1x8192"] = profile_case(model, 8192, args.device)
+        log(json.dumps(results["profile_eager_1x8192"][:12]))
+        dump()
     results["decode"] = []
     for case in args.cases.split(","):
         batch, L = (int(v) for v in case.split("x"))
