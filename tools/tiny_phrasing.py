@@ -223,6 +223,15 @@ def templates(intent: str, split: str) -> list[Template]:
     return [t for t in TEMPLATES[intent] if t.heldout == (split == "heldout")]
 
 
+def template_regex(t: Template | str) -> re.Pattern[str]:
+    """A regex that finds the template in a question whatever its slots, case and final punctuation (not through
+    a typo): how tests check that no training question uses a held-out phrasing."""
+    text = (t.text if isinstance(t, Template) else t).rstrip("?.!")
+    parts = _SLOT_RE.split(text)
+    body = "".join(re.escape(p) if i % 2 == 0 else ".+?" for i, p in enumerate(parts))
+    return re.compile(body, re.IGNORECASE | re.DOTALL)
+
+
 def render_slots(rng: random.Random, template: Template, slots: dict[str, str], typo: float = 0.0) -> str:
     """The template with its slots filled: files and entries maybe quoted, folders in one of their forms,
     patterns always in backticks where the template puts them. A typo touches the template's words only."""
@@ -285,7 +294,7 @@ OFF_TASK = {
     ],
     "heldout": [
         "Hello there! What's your name?", "Can you order me a pizza?", "Compose a haiku about {topic}.",
-        "How many people live in {country}?", "What's {a} divided by {b}?", "Remind me to call my mother at {a}.",
+        "How many people live in {country}?", "What's {a} divided by {b}?", "Set a timer for {a} minutes.",
         "Who painted the Mona Lisa?", "Tell me something interesting about {city}.",
     ],
 }
