@@ -73,6 +73,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     tracker: StatelessSessions = request.app.state.stateless
     tracker.begin(view, session.id, created=body.session_id is None)
     if body.stream:
+        await tracker.tidy(view)
         events = _then_finish(tracker, view, [session], stream_completion(request, session, new, sampling, body, tools, model))
         return EventStream(inflight.claimed_stream(view.tenant, session.id, events), headers=headers)
     sessions = [session]
@@ -89,13 +90,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
                 more.append(await send_with_tool_choice(child, [], {**sampling, "seed": seed}, body.tool_choice))
     except BaseException:
         for s in sessions:
-            await tracker.finish(view, s)
+            await tracker.finish(view, s, answered=False)
         raise
     decode = engine.tokenizer.decode
     answers = [(r, _checked_calls(request, r, tools, body.tool_choice),
                 logprobs_body(r.token_ids, r.logprobs, decode) if body.logprobs else None) for r in [reply, *more]]
     (r0, calls0, lp0), rest = answers[0], answers[1:]
     payload = completion_body(r0, calls0, model, new_completion_id(), lp0, more=rest)
+    await tracker.tidy(view)
     return JSONResponse(payload, headers=headers, background=BackgroundTask(_finish_all, tracker, view, sessions))
 
 
@@ -126,11 +128,12 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
                 await session.append(prompt)  # type: ignore[arg-type]
             reply = await session.generate(**sampling)
     except BaseException:
-        await tracker.finish(view, session)
+        await tracker.finish(view, session, answered=False)
         raise
     payload = text_completion_body(reply, body.model or settings.model_name, new_completion_id("cmpl-"),
                                    body.logprobs is not None, engine.tokenizer.decode)
     headers = {"X-Session-Id": session.id}
+    await tracker.tidy(view)
     background = BackgroundTask(_finish_all, tracker, view, [session])
     if not body.stream:
         return JSONResponse(payload, headers=headers, background=background)

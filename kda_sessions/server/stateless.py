@@ -70,13 +70,14 @@ class StatelessSessions:
         if created or key in self._last_used:
             self._touch(key)
 
-    async def finish(self, view: TenantEngine, session: Session) -> None:
+    async def finish(self, view: TenantEngine, session: Session, *, answered: bool = True) -> None:
         """After the request (its reply sent): save the session, then forget what is idle too long or too many
-        and expire what the retention policy says. Never raises: the reply is already out."""
+        and expire what the retention policy says. A request that failed (``answered`` False) saves nothing: a
+        session it created is forgotten with the next sweep. Never raises: the reply is already out."""
         key = (view.tenant, session.id)
         with anyio.CancelScope(shield=True):
             try:
-                if self.save:
+                if self.save and answered:
                     await self._save(key, session)
             finally:
                 self._in_use[key] -= 1
@@ -84,11 +85,16 @@ class StatelessSessions:
                     del self._in_use[key]
                 if key in self._last_used:
                     self._touch(key)
-            try:
-                await self.sweep(view)
-                await self.expire(view)
-            except Exception as e:  # a store outage: the next request sweeps again
-                log.warning("sweeping chat sessions failed: %s: %s", type(e).__name__, e)
+            await self.tidy(view)
+            await self.tidy(view, expire=True)
+
+    async def tidy(self, view: TenantEngine, *, expire: bool = False) -> None:
+        """``sweep`` (or ``expire``), logging instead of raising: a store outage waits for the next request.
+        Routes sweep before they answer too, so the bounds hold as soon as a reply is out."""
+        try:
+            await (self.expire(view) if expire else self.sweep(view))
+        except Exception as e:
+            log.warning("sweeping chat sessions failed: %s: %s", type(e).__name__, e)
 
     async def _save(self, key: Key, session: Session) -> None:
         try:
@@ -124,8 +130,9 @@ class StatelessSessions:
                 await self._save(key, await view.resume(key[1]))
                 if key in self._unsaved:
                     continue
-            # saved sessions stay in the store; with saving off, an evicted copy nobody asked for is dropped
-            if await view.forget(key[1], drop_unsaved=not self.save) or not view.holds(key[1]):
+            # saved sessions stay in the store; a copy that exists only because the engine evicted the session
+            # (saving off, or a request that failed) is dropped with it
+            if await view.forget(key[1], drop_unsaved=True) or not view.holds(key[1]):
                 self._last_used.pop(key, None)
                 n += 1
         self.forgotten += n

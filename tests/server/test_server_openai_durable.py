@@ -97,3 +97,18 @@ def test_saving_off_keeps_the_memory_only_policy(tmp_path):
         assert r.status_code == 404
     finally:
         srv.stop()
+
+
+def test_a_failed_request_leaves_nothing_in_the_store(tmp_path):
+    srv = start_server(store=f"disk:{tmp_path}")
+    try:
+        _wait_saved(srv, _chat(srv.url, "fine").headers["X-Session-Id"])
+        before = _stored(srv)
+        r = httpx.post(f"{srv.url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "too long"}], "max_tokens": 10**7})
+        assert r.status_code == 400, r.text
+        _chat(srv.url, "fine again")  # its finish sweeps; the failed request's session was not saved
+        time.sleep(0.5)
+        assert len(_stored(srv) - before) == 1
+    finally:
+        srv.stop()
