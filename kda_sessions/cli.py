@@ -282,8 +282,9 @@ async def _chat(args: argparse.Namespace) -> None:
 
     tools = Tools(args.tools_dir) if args.tools_dir else None
     system = args.system if args.system is not None or tools is None else SYSTEM  # what tiny was trained with
-    async with await Engine.open(model=args.model, store=args.store, device=args.device,
-                                 config=_engine_config(args)) as engine:
+    async with _Progress(f"loading {args.model}"):
+        engine = await Engine.open(model=args.model, store=args.store, device=args.device, config=_engine_config(args))
+    async with engine:
         async with _Progress("loading session"):
             if args.session:
                 s = await engine.resume(args.session)
@@ -415,8 +416,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
 
     tokens = [(i * 31) % 250 for i in range(args.context)]
     out: dict[str, Any] = {"context": args.context, "model": args.model, "device": args.device}
-    async with await Engine.open(model=args.model, store="memory:", device=args.device,
-                                 config=_engine_config(args)) as engine:
+    async with _Progress(f"loading {args.model}"):
+        engine = await Engine.open(model=args.model, store="memory:", device=args.device, config=_engine_config(args))
+    async with engine:
         s = await engine.create_session()
         async with _Progress("prefill", engine, total=args.context):
             t0 = time.perf_counter()
