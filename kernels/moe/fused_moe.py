@@ -40,10 +40,11 @@ class MoeLaunch:
 
 def launch_config(num_pairs: int) -> MoeLaunch:
     """Few pairs (decode): 16-row blocks, each a GEMV-like read of one expert's tile; many pairs (prefill):
-    64-row blocks that reuse each weight tile across rows."""
+    64-row blocks that reuse each weight tile across rows. Chosen by ``bench/decode_48b.py --sweep`` on an H200
+    (docs/benchmarks.md)."""
     if num_pairs <= 256:
         return MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
-    return MoeLaunch(BM=64, BN=128, BK=64, num_warps=8, num_stages=3)
+    return MoeLaunch(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
 
 
 def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
