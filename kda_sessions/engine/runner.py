@@ -16,7 +16,8 @@ from ..model import ForwardBatch, HybridModel, StatePools
 from ..model.graphs import DecodeGraphs
 from ..sessions.state import SessionState
 from ..tokenizer import Tokenizer
-from .pool import OutOfPages, PageAllocator
+from .pool import PageAllocator
+from .rollback import roll_back
 from .sampler import sample
 from .scheduler import Scheduler, Work, pages_needed
 
@@ -110,49 +111,9 @@ class Runner:
             finished.append(w)
 
     def rollback(self, s: SessionState) -> None:
-        """Bring ``s`` back to a state equal to a fresh prefill of ``tokens[:num_cached]`` after a model call that
-        failed half-way: its newest exact checkpoint state, else the empty state. KV pages past the new position
-        leave the session (pages it shares with forks or checkpoints are not written again: the partial one is
-        copied first)."""
-        assert s.slot is not None
-        P = self.pools.page_size
-        exact = [c for c in s.checkpoints.values()
-                 if c.kda is not None and c.conv is not None and 0 <= c.state_pos <= s.num_cached]
-        cp = max(exact, key=lambda c: c.state_pos, default=None)
+        """``roll_back`` (see there) under the pools' mutex."""
         with self.mutex:
-            for i, (st, cv) in enumerate(zip(self.pools.kda, self.pools.conv)):
-                if cp is None:
-                    st[s.slot].zero_()
-                    cv[s.slot].zero_()
-                else:
-                    assert cp.kda is not None and cp.conv is not None
-                    st[s.slot] = cp.kda[i].to(st.device)
-                    cv[s.slot] = cp.conv[i].to(cv.device)
-            pos = 0 if cp is None else cp.state_pos
-            keep = pages_needed(pos, P)
-            if s.pages[keep:]:
-                self.pages.decref(s.pages[keep:])
-                del s.pages[keep:]
-            rows = pos - (keep - 1) * P
-            if keep and rows < P:  # the partial page is written again from row `rows` on
-                last = s.pages[keep - 1]
-                if self.pages.refs[last] > 1:
-                    try:
-                        (page,) = self.pages.alloc(1)
-                    except OutOfPages:  # no page to copy into: start the session over
-                        self.pages.decref(s.pages)
-                        s.pages = []
-                        for st, cv in zip(self.pools.kda, self.pools.conv):
-                            st[s.slot].zero_()
-                            cv[s.slot].zero_()
-                        s.num_cached = 0
-                        return
-                    for kv in self.pools.kv:
-                        kv[page, :rows] = kv[last, :rows]
-                    self.pages.decref([last])
-                    s.pages[keep - 1] = page
-                self.pages.digests.pop(s.pages[keep - 1], None)
-            s.num_cached = pos
+            roll_back(s, self.pools, self.pages)
 
     def _replay(self, w: Work) -> None:
         """Turn ``w`` (its session rolled back) into a prefill of everything its session has not cached."""
