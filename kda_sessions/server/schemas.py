@@ -226,6 +226,15 @@ class SendMessages(Sampling):
     messages: list[ChatMessage] | None = None
     stream: bool = False
     tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
+    """As in chat completions: json_object / json_schema constrain the reply to JSON."""
+
+    def sampling(self) -> dict[str, Any]:
+        out = super().sampling()
+        fmt = self.response_format.plain() if self.response_format is not None else None
+        if fmt is not None:
+            out["response_format"] = fmt
+        return out
 
     @model_validator(mode="after")
     def _one_input(self) -> SendMessages:

@@ -181,3 +181,12 @@ async def test_completions_continue_a_raw_prompt(oai, server):
                                           stream=True, extra_body={"ignore_eos": True})
     chunks = [c async for c in stream]
     assert "".join(c.choices[0].text for c in chunks) and chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_session_route_messages_take_response_format(server):
+    sid = httpx.post(server.url + "/v1/sessions", json={"system": "sys"}, timeout=30).json()["session_id"]
+    r = httpx.post(f"{server.url}/v1/sessions/{sid}/messages", timeout=60, json={
+        "content": "json", "max_tokens": 60, "response_format": {"type": "json_schema",
+                                                                 "json_schema": {"name": "p", "schema": PERSON}}})
+    assert r.status_code == 200, r.text
+    assert validate_arguments(r.json()["text"], PERSON) == []
