@@ -169,6 +169,7 @@ class GuardMiddleware:
                 state["done"] = True
             await send(message)
 
+        failed: Exception | None = None
         async with anyio.create_task_group() as tg:
 
             async def watch() -> None:
@@ -182,8 +183,13 @@ class GuardMiddleware:
                     tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
-            await self.app(scope, receive_tracked, send_tracked)
+            try:
+                await self.app(scope, receive_tracked, send_tracked)
+            except Exception as e:  # raised as itself below, not wrapped in the task group's ExceptionGroup
+                failed = e
             tg.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
 
     def _counting(self, receive: Receive) -> Receive:
         seen = 0
