@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -227,22 +228,23 @@ class SnapshotIO:
         stream = torch.cuda.Stream(codec.device) if codec.device.type == "cuda" else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(codec.device))
-        send, receive = anyio.create_memory_object_stream[tuple[int, int, dict[str, bytes]]](1)
-
-        async def fetch() -> None:
-            async with send:
-                for a in range(0, full, codec.per_chunk):
-                    b = min(full, a + codec.per_chunk)
-                    await send.send((a, b, await self.snapshots.load_blobs(digests[a:b])))
-
         try:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(fetch)
-                async with receive:
-                    async for a, b, data in receive:
-                        await anyio.to_thread.run_sync(
-                            codec.load, pages[a:b], [data[d] for d in digests[a:b]], where, stream
-                        )
+            # the copy of chunk k (one worker thread) runs while the store reads and verifies chunk k + 1
+            with ThreadPoolExecutor(1, thread_name_prefix="page-load") as copier:
+                copying: Future[None] | None = None
+                try:
+                    for a in range(0, full, codec.per_chunk):
+                        b = min(full, a + codec.per_chunk)
+                        data = await self.snapshots.load_blobs(digests[a:b])
+                        if copying is not None:
+                            await anyio.to_thread.run_sync(copying.result)
+                        copying = copier.submit(codec.load, pages[a:b], [data[d] for d in digests[a:b]], where, stream)
+                    if copying is not None:
+                        await anyio.to_thread.run_sync(copying.result)
+                except BaseException:
+                    if copying is not None:
+                        copying.cancel()
+                    raise
             if rows:
                 t = decode_page(await self.snapshots.load_blob(digests[full]), eng.model.config, eng.model.dtype, rows, where)
                 with eng.mutex:
