@@ -83,7 +83,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
             reply = await send_with_tool_choice(session, new, sampling, body.tool_choice)
             more = []
             for i in range(1, body.n or 1):  # the other choices continue forks of the prompt's state
-                child = await view.fork(session.id, prompt_end)
+                child = await view.fork(session.id, prompt_end, new_id=new_chat_session_id())
                 tracker.begin(view, child.id, created=True)
                 sessions.append(child)
                 seed = None if sampling["seed"] is None else sampling["seed"] + i

@@ -109,6 +109,7 @@ async def test_n3_gives_three_distinct_choices_from_forks_of_the_prompt(oai, ser
     assert r.usage.completion_tokens == 18
     ids = [c.model_extra["session_id"] for c in r.choices]
     assert ids[0] == r.session_id and len(set(ids)) == 3
+    assert all(i.startswith("s_chat_") for i in ids)  # all under the chat-session retention
     prompt_len = r.usage.prompt_tokens
     for sid in ids[1:]:  # each fork holds the same prompt and its own answer
         info = httpx.get(f"{server.url}/v1/sessions/{sid}", timeout=30).json()
