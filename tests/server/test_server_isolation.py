@@ -155,3 +155,22 @@ def test_a_non_streamed_request_stops_when_its_client_leaves():
             assert srv.engine.stats()["tokens_decoded"] == decoded  # nothing runs on
     finally:
         srv.stop()
+
+
+def test_extreme_sampling_values_answer_and_impossible_schemas_are_400():
+    srv = start_server()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+            for extreme in ({"temperature": 1e-45}, {"top_p": 1e-300}, {"temperature": 1e-45, "top_p": 1e-300}):
+                r = http.post("/v1/chat/completions", json={**chat, **extreme})
+                assert r.status_code == 200, (extreme, r.text)
+            for schema, field in (({"type": "banana"}, "parameters.type"), ({"type": []}, "parameters.type"),
+                                  ({"additionalProperties": False, "required": ["a"]}, "parameters.required")):
+                tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+                r = http.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": "required"})
+                assert r.status_code == 400, r.text
+                assert field in r.json()["error"]["message"] and r.json()["error"]["code"] == "invalid_value"
+            assert http.get("/health").json()["status"] == "ok"
+    finally:
+        srv.stop()
