@@ -15,6 +15,9 @@ the same on every machine and Python version (only the set of files present diff
                                                                     tokens, 2 on the fact inside its answers
     curriculum_distances(step, a, b, s) -> (lo, hi)                  recall distances of a training step
     eval_tasks(seed, n, kind) -> list[Task]                          held-out tasks for tools/eval_tiny.py
+
+Rows and tasks in other phrasings, over installed package trees, with multi-step tasks, corrected tool errors
+and off-task refusals are tools/tiny_general.py's (issue 31); the questions here keep their fixed forms.
 """
 
 from __future__ import annotations
