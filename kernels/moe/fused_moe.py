@@ -54,10 +54,11 @@ def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
 
 @triton.jit
 def _align_kernel(
-    chosen, sorted_ids, block_expert, num_padded, num_pairs,
-    E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, MAXP: tl.constexpr, BB: tl.constexpr,
+    chosen, sorted_ids, block_expert, num_padded, num_pairs, maxp,
+    E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr,
 ):
-    """One program. chosen [num_pairs] -> sorted_ids [MAXP], block_expert [MAXP // BM], num_padded [1]."""
+    """One program. chosen [num_pairs] -> sorted_ids [maxp], block_expert [maxp // BM], num_padded [1]. The sizes
+    are runtime values, so a new batch size needs no new compile."""
     e = tl.arange(0, EP)
     e_ok = e < E
     i = tl.arange(0, BP)
@@ -73,8 +74,8 @@ def _align_kernel(
     run = ends - padded  # next free row of each expert
     total = tl.sum(padded, axis=0)
     tl.store(num_padded, total)
-    for r0 in range(0, MAXP, BP):
-        tl.store(sorted_ids + r0 + i, num_pairs, mask=r0 + i < MAXP)
+    for r0 in range(0, maxp, BP):
+        tl.store(sorted_ids + r0 + i, num_pairs, mask=r0 + i < maxp)
     tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites some of it
     for p0 in range(0, num_pairs, BP):
         valid = p0 + i < num_pairs
@@ -86,15 +87,17 @@ def _align_kernel(
         tl.store(sorted_ids + base + rank, p0 + i, mask=valid)
         run += tl.sum(hot.to(tl.int32), axis=0)
     b = tl.arange(0, BB)
-    for b0 in range(0, MAXP // BM, BB):
+    num_blocks = maxp // BM
+    for b0 in range(0, num_blocks, BB):
         start = (b0 + b) * BM  # [BB]
         # experts whose padded run ends at or before this block's first row precede it: their count is its id
         eb = tl.sum(((ends[None, :] <= start[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
-        tl.store(block_expert + b0 + b, eb, mask=b0 + b < MAXP // BM)
+        tl.store(block_expert + b0 + b, eb, mask=b0 + b < num_blocks)
 
 
 def align_triton(chosen: Tensor, num_experts: int, BM: int) -> tuple[Tensor, Tensor, Tensor]:
-    """chosen [T, k] -> (sorted_ids [MAXP] int32, block_expert [MAXP // BM] int32, num_padded [1] int32)."""
+    """chosen [T, k] -> (sorted_ids [maxp] int32, block_expert [maxp // BM] int32, num_padded [1] int32), maxp
+    from ``max_padded`` rounded up to BM."""
     P = chosen.numel()
     maxp = triton.cdiv(max_padded(P, num_experts, BM), BM) * BM
     dev = chosen.device
@@ -103,8 +106,8 @@ def align_triton(chosen: Tensor, num_experts: int, BM: int) -> tuple[Tensor, Ten
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     BP = min(64, max(16, triton.next_power_of_2(P)))
     _align_kernel[(1,)](
-        chosen.reshape(-1), sorted_ids, block_expert, num_padded, P,
-        E=num_experts, EP=triton.next_power_of_2(num_experts), BM=BM, BP=BP, MAXP=maxp, BB=64, num_warps=4,
+        chosen.reshape(-1), sorted_ids, block_expert, num_padded, P, maxp,
+        E=num_experts, EP=triton.next_power_of_2(num_experts), BM=BM, BP=BP, BB=64, num_warps=4,
     )
     return sorted_ids, block_expert, num_padded
 
