@@ -16,9 +16,13 @@ For each context N (random byte tokens):
               ``resume`` + ``generate(1)``;
   disk_warm   a NEW engine (no RAM tier) on the same store, files in the page cache: ``resume`` + ``generate(1)``;
   disk_cold   the same after dropping the page cache (where the machine allows it).
+Each resume row also gives the seconds spent in the store's ``load_blobs`` (read + sha256) and in the page
+codec's ``load`` (staging copy + device copies), summed over calls (they overlap); ``encode_pages_s`` is the bulk
+encode a save starts with (gather, copy to host, blobs, sha256) timed on its own before the save.
 Raw bandwidth of the same paths, same run: ``h2d`` (memcpy of the snapshot's bytes into pinned memory + one
 host-to-device copy), ``read_warm`` / ``read_cold`` (the store's files read with 8 threads, page cache warm /
-dropped). ``*_GBps`` are 10^9 bytes / s of the snapshot's bytes.
+dropped), ``write_fdatasync`` (dd of the snapshot's size, one fdatasync at the end), and sha256 on 1 and on all
+cores. ``*_GBps`` are 10^9 bytes / s of the snapshot's bytes.
 """
 
 from __future__ import annotations
