@@ -127,3 +127,15 @@ async def test_bytes_stored_counts_blobs_and_manifests(store: BlobStore) -> None
     await store.put_blob(digest(LARGE), LARGE)
     await store.put_manifest("s", b"0123456789")
     assert await store.bytes_stored() == len(LARGE) + 10
+
+
+async def test_verify_blobs_names_every_corrupt_or_missing_blob(store: BlobStore) -> None:
+    blobs = {digest(b): b for b in (SMALL, LARGE, b"third blob", b"fourth blob")}
+    for d, data in blobs.items():
+        await store.put_blob(d, data)
+    assert await store.verify_blobs(blobs) == set()
+    small, large = digest(SMALL), digest(LARGE)
+    await corrupt(store, small)
+    await corrupt(store, large, truncate=True)
+    absent = digest(b"never stored")
+    assert await store.verify_blobs([*blobs, absent]) == {small, large, absent}
