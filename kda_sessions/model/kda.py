@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from .batch import ForwardBatch
+from .fused import DerivedWeights
 
 
 class KDAAttention(nn.Module):
@@ -34,6 +35,9 @@ class KDAAttention(nn.Module):
         self.g_b_proj = nn.Linear(V, H * V, bias=False)
         self.o_norm = _HeadNorm(V, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
+        self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
+        self.fast_cpu = True
+        """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
 
     @property
     def conv_dim(self) -> int:
@@ -69,6 +73,9 @@ class KDAAttention(nn.Module):
     def decode(self, x: Tensor, slots: Tensor, cu_seqlens: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], slots [N] int,
         cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D]."""
+        if self.fast_cpu and not x.is_cuda:
+            return self._decode_cpu(x, slots, state, conv_state)
+        # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, Dc]
         qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)
         conv_state[slots] = new_tail
@@ -78,6 +85,59 @@ class KDAAttention(nn.Module):
             state_pool=state, slot_indices=slots,
         )
         return self._output(x, o)
+
+    def _cpu_sources(self) -> list[Tensor]:
+        mods = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj, self.f_b_proj,
+                self.g_b_proj, self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        return [m.weight for m in mods] + [self.A_log, self.dt_bias]
+
+    def _cpu_weights(self) -> tuple[Tensor, ...]:
+        """(w_in [Dc + K + V + H, D]: q | k | v | f_a | g_a | b rows; w_gate [H*K + H*V, K + V]: f_b and g_b
+        block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [W, Dc]; neg_a [H*K]
+        = -exp(A_log) per channel; dt_bias [H*K] float32)."""
+        H, K, V = self.H, self.K, self.V
+        w_in = torch.cat([m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
+                                             self.b_proj)])
+        w_gate = w_in.new_zeros(H * K + H * V, K + V)
+        w_gate[: H * K, :K] = self.f_b_proj.weight
+        w_gate[H * K :, K:] = self.g_b_proj.weight
+        a = self.A_log.float().view(H, 1).exp().expand(H, K).reshape(H * K)
+        return w_in, w_gate, self.conv_weight().t(), -a, self.dt_bias.float()
+
+    def _decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
+        """``decode`` on a CPU in few, large ops (a step there is bound by per-op overhead): one matmul for the
+        six input projections, one for both gates, the conv over [N, W, Dc], the recurrence batched over the N
+        sequences. The same math as the twins in another order of sums: outputs match to float rounding."""
+        N = x.shape[0]
+        H, K, V, eps = self.H, self.K, self.V, self.eps
+        Dc = self.conv_dim
+        w_in, w_gate, conv_w, neg_a, dt_bias = self._cpu.get()
+        y = x @ w_in.t()  # [N, Dc + K + V + H]
+        fg = y[:, Dc : Dc + K + V] @ w_gate.t()  # [N, H*K + H*V]: raw gate | output gate logits
+        # causal conv over the last W - 1 pre-conv rows and the new one: [N, W, Dc]
+        seq = torch.cat([conv_state.index_select(0, slots), y[:, None, :Dc].to(conv_state.dtype)], dim=1)
+        conv_state[slots] = seq[:, 1:]
+        qkv = torch.nn.functional.silu((seq.float() * conv_w.float()).sum(1))  # [N, Dc] float32
+        q, k, v = qkv.view(N, -1).split([H * K, H * K, H * V], dim=-1)
+        q, k, v = q.view(N, H, 1, K), k.view(N, H, 1, K), v.view(N, H, 1, V)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K**-0.5  # l2norm, then the read's scale
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        raw = fg[:, : H * K].float() + dt_bias  # [N, H*K]
+        if self.lower_bound is None:
+            g = neg_a * torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0)
+        else:
+            g = self.lower_bound * torch.sigmoid(-neg_a * raw)
+        beta = torch.sigmoid(y[:, Dc + K + V :].float()).view(N, H, 1, 1)
+        # one recurrence step per head: decay, delta update, read (KDA.md); S [N, H, K, V]
+        S = state.index_select(0, slots)
+        S.mul_(g.exp().view(N, H, K, 1))
+        delta = (v - k @ S) * beta  # [N, H, 1, V]
+        S.add_(k.transpose(-1, -2) @ delta)
+        state[slots] = S
+        o = q @ S  # [N, H, 1, V]
+        o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * self.o_norm.weight.float()
+        o = o.view(N, H * V) * torch.sigmoid(fg[:, H * K :].float())
+        return self.o_proj(o.to(x.dtype))
 
     def _qkv_gate(self, x: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc] -> q, k [1, T, H, K], v [1, T, H, V], g [1, T, H, K] float32, beta [1, T, H]."""

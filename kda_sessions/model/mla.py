@@ -9,6 +9,7 @@ from ..config import ModelConfig
 from ..kernels.mla import mla_decode_paged, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
+from .fused import DerivedWeights
 
 
 class MLAttention(nn.Module):
@@ -29,6 +30,9 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.r, H * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
+        self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
+        self.fast_cpu = True
+        """Decode on a CPU through ``_decode_cpu`` (False: through the paged-decode twin, the reference)."""
 
     def _query(self, x: Tensor) -> Tensor:
         if hasattr(self, "q_proj"):
@@ -61,11 +65,72 @@ class MLAttention(nn.Module):
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], page_table [N, max_pages]
         int32, seq_lens [N] int32 (the new token included), kv_rows [N] int64 flat cache row of each new token.
         Writes the new latent rows into ``kv_pages`` and returns [N, D]."""
+        if self.fast_cpu and not x.is_cuda:
+            return self._decode_cpu(x, page_table, seq_lens, kv_rows, kv_pages)
         N = x.shape[0]
         q, latent = self._project(x)
         kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
         o = self._decode(q, page_table, seq_lens, kv_pages)
         return self.o_proj(o.reshape(N, self.H * self.dv))
+
+    def _cpu_sources(self) -> list[Tensor]:
+        q = [self.q_proj.weight] if hasattr(self, "q_proj") else [self.q_a_proj.weight, self.q_b_proj.weight]
+        return [*q, self.kv_a_proj_with_mqa.weight, self.kv_b_proj.weight, self.o_proj.weight]
+
+    def _cpu_weights(self) -> tuple[Tensor, ...]:
+        """Weight absorption folded into the projections, computed in float32 and stored in the model's dtype.
+        (w_in [H * (r + dr) + r + dr, D]: per head the absorbed latent query, scaled, then the scaled q_pe rows,
+        then kv_a; or, with a q LoRA, w_in [q_lora + r + dr, D] and w_q [H * (r + dr), q_lora];
+        w_out [D, H * r]: kv_b's value part absorbed into o_proj)."""
+        H, dn, dr, dv, r = self.H, self.dn, self.dr, self.dv, self.r
+        dt = self.o_proj.weight.dtype
+        w_kv = self.kv_b_proj.weight.float().view(H, dn + dv, r)
+        w_q = (self.q_proj.weight if hasattr(self, "q_proj") else self.q_b_proj.weight).float()
+        w_q = w_q.view(H, dn + dr, -1)  # [H, dn + dr, D or q_lora]
+        # q_lat[h] = q_nope[h] @ w_uk[h]: [r, D or q_lora] per head, then the q_pe rows, both times the scale
+        q_abs = torch.cat([w_kv[:, :dn].transpose(1, 2) @ w_q[:, :dn], w_q[:, dn:]], dim=1) * self.scale
+        q_abs = q_abs.reshape(H * (r + dr), -1)
+        # o = o_proj(o_lat[h] @ w_uv[h]^T): w_out[:, h r:(h+1) r] = o_proj[:, h dv:(h+1) dv] @ w_uv[h]
+        w_o = self.o_proj.weight.float().view(-1, H, dv).transpose(0, 1)  # [H, D, dv]
+        w_out = (w_o @ w_kv[:, dn:]).transpose(0, 1).reshape(-1, H * r)  # [D, H * r]
+        if hasattr(self, "q_proj"):
+            return torch.cat([q_abs, self.kv_a_proj_with_mqa.weight.float()]).to(dt), w_out.to(dt)
+        w_in = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
+        return w_in, w_out.to(dt), q_abs.to(dt)
+
+    def _decode_cpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor,
+                    kv_pages: Tensor) -> Tensor:
+        """``decode`` on a CPU in few ops: kv_b_proj absorbed into the query and output projections (one matmul
+        in, one out), attention on the latent rows of all N sequences at once (padded to the longest, masked).
+        The same math as the paged-decode twin in another order of sums: outputs match to float rounding."""
+        N = x.shape[0]
+        H, dr, r = self.H, self.dr, self.r
+        w = self._cpu.get()
+        y = x @ w[0].t()
+        if hasattr(self, "q_proj"):
+            q, kv_a = y[:, : H * (r + dr)], y[:, H * (r + dr) :]
+        else:
+            ql = y[:, : -(r + dr)]
+            q, kv_a = self.q_a_layernorm(ql) @ w[2].t(), y[:, -(r + dr) :]
+        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [N, r + dr]
+        flat = kv_pages.view(-1, kv_pages.shape[-1])
+        flat.index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
+        # every sequence's rows up to the longest, as a CPU may sync: [N, L, r + dr]
+        P = kv_pages.shape[1]
+        L = int(seq_lens.max())
+        pages = page_table[:, : -(-L // P)].reshape(-1)
+        first = int(pages[0])
+        if N == 1 and torch.equal(pages, torch.arange(first, first + pages.numel(), dtype=pages.dtype)):
+            lat = kv_pages[first : first + pages.numel()]  # consecutive pages (a fresh pool's order): no copy
+        else:
+            lat = kv_pages.index_select(0, pages)
+        lat = lat.view(N, -1, kv_pages.shape[-1])[:, :L].to(x.dtype)
+        scores = q.view(N, H, r + dr) @ lat.transpose(1, 2)  # [N, H, L], the scale is in the weights
+        if N > 1:
+            pad = torch.arange(L)[None, :] >= seq_lens[:, None]  # [N, L]
+            scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        o_lat = scores.float().softmax(-1).to(x.dtype) @ lat[:, :, :r]  # [N, H, r]
+        return o_lat.view(N, H * r) @ w[1].t()
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
         idx = batch.kv_rows

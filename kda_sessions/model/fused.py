@@ -1,0 +1,40 @@
+"""Weights derived from a layer's parameters for its CPU decode path (projections concatenated into one matmul,
+absorbed products), rebuilt whenever a source parameter changes.
+
+A decode step on a CPU is bound by per-op overhead, not arithmetic: one matmul over concatenated weights costs
+about what one of its parts does. The derived tensors are a cache, never checkpoint state: they are keyed on
+each source parameter's storage, version counter, dtype and device, so loading weights, training steps and
+``.to()`` all invalidate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+
+def _key(params: Sequence[Tensor]) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
+    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+
+
+class DerivedWeights:
+    """``get()`` returns ``build()``'s tensors, recomputed only when one of ``params()`` changed since."""
+
+    def __init__(self, params: Callable[[], Sequence[Tensor]], build: Callable[[], tuple[Tensor, ...]]) -> None:
+        self._params = params
+        self._build = build
+        self._key: tuple[tuple[int, int, torch.dtype, torch.device], ...] | None = None
+        self._value: tuple[Tensor, ...] = ()
+
+    def get(self) -> tuple[Tensor, ...]:
+        key = _key(self._params())
+        if key != self._key:
+            with torch.no_grad():
+                self._value = tuple(t.detach().contiguous() for t in self._build())
+            self._key = key
+        return self._value
+
+
+__all__ = ["DerivedWeights"]
