@@ -272,6 +272,7 @@ class Engine:
             "sessions_active": sum(1 for s in self._sessions.values() if s.resident),
             "slots_free": self.slots.num_free,
             "pages_free": self.pages.num_free,
+            "pages_reserved": self.pages.reserved,
             "pages_total": self.pages.num_pages,
             "page_size": self.config.page_size,
             "queue_depth": self.scheduler.num_queued(),
