@@ -65,8 +65,8 @@ def _fused_recurrent_kernel(
 
 def launch_config(N: int, H: int, V: int) -> tuple[int, int]:
     """The V block and warps of a launch over N sequences of H heads: small V blocks for many programs when there
-    are few sequences (decode is latency-bound). Measured on the H200 (K = V = 128, H 32, pool in place;
-    bench/candidates/decode_sweep.py, runs B7-B8 in docs/benchmarks.md): BV 16 on 1 warp and BV 32 on 2 are even at
+    are few sequences (decode is latency-bound). Measured on the H200 (K = V = 128, H 32, pool in place,
+    every V block 16-128 on 1-8 warps): BV 16 on 1 warp and BV 32 on 2 are even at
     8 and 16 sequences (16.0-16.7 / 24.6-25.7 us); at 32 sequences BV 32 on 2 warps takes 41.2-42.0 us against
     45.1-46.0; from 64 up it is the best of BV 16-128 on 1-8 warps (75.5 / 278.1 us at 64 / 256)."""
     BV = min(triton.next_power_of_2(V), 16 if N * H <= 512 else 32)

@@ -14,7 +14,7 @@ safe). Two forms (``_default_form`` picks "tokens"; "heads" is kept to force, fo
 
 On an sm_90 GPU the "tokens" split kernel is the Gluon one of paged_decode_gluon.py wherever it applies (bf16,
 r 512, dr 64, P % 64 == 0): it keeps the next tile's copy in flight while a tile is computed, which this Triton
-kernel cannot (1 x 1M 283.8 us against 439.2, run A6). ``use_gluon=False`` forces the Triton kernel, which CI
+kernel cannot (1 x 1M 283.8 us against 439.2 on the H200). ``use_gluon=False`` forces the Triton kernel, which CI
 tests under the interpreter and which serves every other shape. There the split kernel and the merge are
 programmatic dependent launches (``pdl``, on by default): each waits in the kernel for its predecessor's writes,
 so neither pays a launch gap (1 x 32K 20.7 against 21.6 us).
@@ -141,7 +141,7 @@ def _split_kernel_tokens(
     acc = tl.zeros([BR, BH], dtype=tl.float32)  # acc^T
     pt = page_table + n.to(tl.int64) * max_pages
     # PAGE_TILE: each tile's page id is loaded one iteration ahead and carried, so the tile's copy does not wait
-    # on a page-table load of its own iteration (1 x 1M 441 us against 465, run U in docs/benchmarks.md)
+    # on a page-table load of its own iteration (1 x 1M 441 us against 465)
     page_nx = tl.load(pt + tl.minimum(start // P, max_pages - 1), mask=start < end, other=0)
     for t0 in range(start, end, BN):
         tok = t0 + tl.arange(0, BN)
@@ -219,8 +219,8 @@ def _pdl_launch(pdl: bool) -> dict:
 
 def _num_splits(N: int, capacity: int, sm_count: int) -> int:
     """(sequence, split) programs for two waves of the GPU (eight from 8 sequences up), each split at least 256
-    tokens of capacity. Measured on the H200 (graph replays, `bench/kernels.py --only mlasplits`, run E in
-    docs/benchmarks.md): 1 x 32K best at 128 splits (39.9-41.8 us, against 51 us at 64 with 512-token splits),
+    tokens of capacity. Measured on the H200 (graph replays, `bench/kernels.py --only mlasplits`):
+    1 x 32K best at 128 splits (39.9-41.8 us, against 51 us at 64 with 512-token splits),
     1 x 128K and 1 x 1M at about two waves (95.7 / 498 us; more splits were slower), 32 x 32K at 36 splits
     (551 us, against 651 at 9)."""
     waves = 8 if N >= 8 else 2
@@ -229,10 +229,10 @@ def _num_splits(N: int, capacity: int, sm_count: int) -> int:
 
 def _num_splits_tokens(N: int, capacity: int, sm_count: int, many_waves: int = 8) -> int:
     """The "tokens" form: (sequence, split) programs for one wave of the GPU below 8 sequences and ``many_waves``
-    from 8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays, runs M and N in
-    docs/benchmarks.md), Triton kernel: one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 /
+    from 8 up, each split at least 256 tokens of capacity. Measured on the H200 (graph replays,
+    `bench/kernels.py --only mlasplits`), Triton kernel: one sequence of 32K / 128K / 1M at 128 / 132 / 132 splits 31.2 / 73.7 /
     463.7 us, against 31.2 / 83.7 / 474.7 at two waves (128 / 264 / 264) and 58.4 / 104.7 / 492.2 at 528; 32 x
-    32K at 36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves). The Gluon kernel (run Y) keeps one
+    32K at 36 splits (eight waves) 512.7 us, against 597.5 at 9 (two waves). The Gluon kernel keeps one
     wave below 8 sequences (1 x 32K / 128K 24.3 / 51.5 us at 128 / 132 splits, 25.4 / 57.2 at 96) and wants
     long splits from 8 up (32 x 32K 297.7 us at 8 splits, two waves; 323.7 at 16, 351-382 at 17 and 32, and 382.2
     at 9, where 288 programs leave a third wave of 24). The count is rounded down so the programs fill whole waves
@@ -242,7 +242,7 @@ def _num_splits_tokens(N: int, capacity: int, sm_count: int, many_waves: int = 8
 
 
 def _default_form(N: int) -> str:
-    """The "tokens" form at every N (run N in docs/benchmarks.md, with the split counts above: 1 x 32K / 128K / 1M
+    """The "tokens" form at every N (on the H200, with the split counts above: 1 x 32K / 128K / 1M
     31.2 / 73.7 / 463.7 us against 44.8 / 107.4 / 580.3 for "heads", and 32 x 32K 512.7 against 595.4). "heads"
     stays as a form to force (``form="heads"``): its float32 partials are exact to 4e-4 where the "tokens"
     form's bf16 partials give 1.8e-3 against the float32 twin."""
@@ -257,8 +257,8 @@ def _launch(
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
-    H200: "heads" BN 64, 4 warps, 3 stages; "tokens" BN 64, 4 warps, 2 stages at every split length (run M in
-    docs/benchmarks.md: 1 x 32K / 128K / 1M 31.5 / 84.2 / 470.4 us, against 34.5 / 89.5 / 523.4 with the earlier
+    H200: "heads" BN 64, 4 warps, 3 stages; "tokens" BN 64, 4 warps, 2 stages at every split length
+    (1 x 32K / 128K / 1M 31.5 / 84.2 / 470.4 us, against 34.5 / 89.5 / 523.4 with
     BN 64, 8 warps, 2 stages below 384 tokens per split and BN 32, 4 warps, 3 stages above). ``use_gluon`` and
     ``pdl`` (None: wherever they apply) force the Gluon split kernel and programmatic dependent launch on or off;
     forcing either on where it cannot apply raises ValueError."""
@@ -317,7 +317,7 @@ def _launch(
                 num_warps=num_warps or 4, num_stages=num_stages or 2,
             )
         # below 8 sequences the merge reads every split in one pass on 4 warps (1 x 32K: 3.4 us against 6.2 for 16
-        # splits a step on 2 warps, run V in docs/benchmarks.md); from 8 up there are programs enough, and the
+        # splits a step on 2 warps); from 8 up there are programs enough, and the
         # wider pass lost (32 x 32K 483 us against 469-472)
         one_pass = N < 8
         bs = min(256, max(16, triton.next_power_of_2(num_splits))) if one_pass else 16

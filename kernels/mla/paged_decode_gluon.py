@@ -7,7 +7,7 @@ current tile's products at 2 stages, and 3 stages of 72 KB tiles do not fit in s
 explicit, in a ring of two stages: the prologue's loads (seq_lens, three page ids, q) go out together, then both
 stages' TMA copies, then q is staged; each iteration waits for its tile, runs its products and refills the stage
 it freed with the tile two ahead (1 x 32K / 128K / 1M 20.7 / 47.9 / 283.8 us, 43 / 74 / 100% of the copy
-bandwidth, against 28.1 / 67.6 / 439.2 us for the Triton kernel; run A6 in docs/benchmarks.md). A tile is two
+bandwidth, against 28.1 / 67.6 / 439.2 us for the Triton kernel on the H200). A tile is two
 TMA copies: its latent part as one [8, BN, 64] box of a strided 3-d view [8, rows, 64] of the cache (box b of row
 t at t * 576 + b * 64, so each 64-column box lands as its own [BN, 64] tile with the 128-byte swizzle that wgmma
 reads), and its rope part as one [BN, 64] box. Launched as a programmatic dependent launch (``pdl``), it waits
@@ -15,7 +15,7 @@ for the kernel before it (griddepcontrol.wait) before it reads anything, and let
 
 Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for sm_90 (no GPU needed) and tests
 the Triton kernel against the twin; this one is checked against the same twin on the device
-(tests/kernels/test_mla_gluon.py, bench/candidates/mla_gluon_check.py), where it is bitwise equal to the Triton
+(tests/kernels/test_mla_gluon.py, a gpu test), where it is bitwise equal to the Triton
 kernel. Served shapes (``gluon_split_ok``): bf16, r 512, dr 64, tiles of 64 rows within a page (P % 64 == 0),
 head blocks of 16-64.
 """
@@ -63,7 +63,7 @@ if gluon is not None:
         [8, rows, 64] of the latent part into buf[8 stage : 8 stage + 8] (seen as [2, 8, BN, 64] with the 3-d
         layout, which puts the same bytes where the 2-d boxes expect them), one [BN, 64] of the rope part into
         pe_buf[stage]. Two copies where nine 2-d ones took a CTA barrier each (split kernel 17.5 against 18.0 us
-        at 1 x 32K, run Z3)."""
+        at 1 x 32K)."""
         mbarrier.expect(bar.index(stage), NB * BN * 64 * 2, pred=pred)
         box3: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3)
         if _NEW_REINTERPRET:
@@ -76,7 +76,7 @@ if gluon is not None:
     @gluon.jit
     def _g_pv(buf, j, p_smem, acc):
         """acc^T chunk [64 r, BH] += c_j^T [64 r, BN] p [BN, BH], c_j^T a transposed view of box j (wgmma reads
-        it from shared memory; loading it into registers first was slower, 531 against 301 us at 1M, run Y3)."""
+        it from shared memory; loading it into registers first was slower, 531 against 301 us at 1M)."""
         return warpgroup_mma(buf.index(j).permute((1, 0)), p_smem, acc, is_async=True)
 
     @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
@@ -114,7 +114,7 @@ if gluon is not None:
         page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
         page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
         # q [BH, 576] as NB boxes [BH, 64] (the B operand, q_k^T K-major, of the score product): requested before
-        # the tiles' copies, since behind a tile's 72 KB its loads took 4.3 us (mla_timeline.py, run A1)
+        # the tiles' copies, since behind a tile's 72 KB its loads took 4.3 us
         rh_l = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
         rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
         q_ptr = q_lat + (n * H + rh_l[:, None]) * R + rc_l[None, :]
@@ -207,7 +207,7 @@ if gluon is not None:
         rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
         base = (n * NSPLIT + s) * H + rh
         # the partials leave through a layout with 8 consecutive r per thread (16-byte stores): straight from the
-        # wgmma layout they were 2-byte stores, 2.0 us of the program's time at any context (run A1)
+        # wgmma layout they were 2-byte stores, 2.0 us of the program's time at any context
         st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
                                               order=[0, 1])
         rh_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, st_l))

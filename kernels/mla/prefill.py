@@ -101,7 +101,7 @@ def _prefill_kernel(
 
 
 def _tiles(q: Tensor) -> tuple[int, int, int, int]:
-    """(BM, BN, num_warps, num_stages) on a GPU (the fastest of bench/candidates/prefill_tiles.py's sweep at the
+    """(BM, BN, num_warps, num_stages) on a GPU (the fastest of a sweep of tiles, warps and stages at the
     Kimi-Linear shape on an H200: 493-522 TFLOP/s, against 381-479 for the others), small tiles under the
     interpreter."""
     if q.is_cuda:
