@@ -101,13 +101,13 @@ def test_an_unreachable_redis_is_503_without_its_url_or_password(tmp_path: Path,
         srv.stop()
 
 
-def test_a_500_names_nothing_and_keeps_the_connection_open():
-    srv = start_server()
+def test_a_500_names_nothing_and_keeps_the_connection_open(server, monkeypatch):
+    srv = server
     try:
         def boom() -> dict:
             raise RuntimeError(f"failed at {Path(__file__).resolve()} (pid {os.getpid()})")
 
-        srv.engine.stats = boom  # an unexpected fault inside a route
+        monkeypatch.setattr(srv.engine, "stats", boom)  # an unexpected fault inside a route
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
         conn.request("GET", "/v1/stats", headers={"X-Request-Id": "client-chosen-id-42"})
         r = conn.getresponse()
@@ -123,54 +123,48 @@ def test_a_500_names_nothing_and_keeps_the_connection_open():
         assert conn.sock is sock  # not reopened
         conn.close()
     finally:
-        srv.stop()
+        monkeypatch.undo()
 
 
-def test_a_non_streamed_request_stops_when_its_client_leaves():
-    srv = start_server()
-    try:
-        with httpx.Client(base_url=srv.url, timeout=60) as http:
-            sid = http.post("/v1/sessions", json={}).json()["session_id"]
-            assert http.post(f"/v1/sessions/{sid}/append", json={"tokens": list(range(1, 40))}).status_code == 200
-            body = json.dumps({"max_tokens": 20000, "ignore_eos": True}).encode()
-            with socket.create_connection(("127.0.0.1", srv.port)) as s:
-                s.sendall(b"POST /v1/sessions/" + sid.encode() + b"/generate HTTP/1.1\r\nHost: x\r\n"
-                          b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
-                deadline = time.monotonic() + 30
-                while srv.engine.stats()["tokens_decoded"] < 5:  # it is generating
-                    assert time.monotonic() < deadline
-                    time.sleep(0.02)
-            # the client has gone: the generation stops and the session takes requests again at once
-            deadline = time.monotonic() + 10
-            while True:
-                r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2})
-                if r.status_code == 200 or time.monotonic() > deadline:
-                    break
-                assert r.json()["error"]["code"] == "session_busy"
-                time.sleep(0.05)
-            assert r.status_code == 200, r.text
-            decoded = srv.engine.stats()["tokens_decoded"]
-            assert decoded < 5000
-            time.sleep(0.3)
-            assert srv.engine.stats()["tokens_decoded"] == decoded  # nothing runs on
-    finally:
-        srv.stop()
+def test_a_non_streamed_request_stops_when_its_client_leaves(server):
+    srv = server
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        sid = http.post("/v1/sessions", json={}).json()["session_id"]
+        assert http.post(f"/v1/sessions/{sid}/append", json={"tokens": list(range(1, 40))}).status_code == 200
+        body = json.dumps({"max_tokens": 20000, "ignore_eos": True}).encode()
+        with socket.create_connection(("127.0.0.1", srv.port)) as s:
+            s.sendall(b"POST /v1/sessions/" + sid.encode() + b"/generate HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            deadline = time.monotonic() + 30
+            while srv.engine.stats()["tokens_decoded"] < 5:  # it is generating
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        # the client has gone: the generation stops and the session takes requests again at once
+        deadline = time.monotonic() + 10
+        while True:
+            r = http.post(f"/v1/sessions/{sid}/generate", json={"max_tokens": 2})
+            if r.status_code == 200 or time.monotonic() > deadline:
+                break
+            assert r.json()["error"]["code"] == "session_busy"
+            time.sleep(0.05)
+        assert r.status_code == 200, r.text
+        decoded = srv.engine.stats()["tokens_decoded"]
+        assert decoded < 5000
+        time.sleep(0.3)
+        assert srv.engine.stats()["tokens_decoded"] == decoded  # nothing runs on
 
 
-def test_extreme_sampling_values_answer_and_impossible_schemas_are_400():
-    srv = start_server()
-    try:
-        with httpx.Client(base_url=srv.url, timeout=60) as http:
-            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-            for extreme in ({"temperature": 1e-45}, {"top_p": 1e-300}, {"temperature": 1e-45, "top_p": 1e-300}):
-                r = http.post("/v1/chat/completions", json={**chat, **extreme})
-                assert r.status_code == 200, (extreme, r.text)
-            for schema, field in (({"type": "banana"}, "parameters.type"), ({"type": []}, "parameters.type"),
-                                  ({"additionalProperties": False, "required": ["a"]}, "parameters.required")):
-                tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
-                r = http.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": "required"})
-                assert r.status_code == 400, r.text
-                assert field in r.json()["error"]["message"] and r.json()["error"]["code"] == "invalid_value"
-            assert http.get("/health").json()["status"] == "ok"
-    finally:
-        srv.stop()
+def test_extreme_sampling_values_answer_and_impossible_schemas_are_400(server):
+    srv = server
+    with httpx.Client(base_url=srv.url, timeout=60) as http:
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        for extreme in ({"temperature": 1e-45}, {"top_p": 1e-300}, {"temperature": 1e-45, "top_p": 1e-300}):
+            r = http.post("/v1/chat/completions", json={**chat, **extreme})
+            assert r.status_code == 200, (extreme, r.text)
+        for schema, field in (({"type": "banana"}, "parameters.type"), ({"type": []}, "parameters.type"),
+                              ({"additionalProperties": False, "required": ["a"]}, "parameters.required")):
+            tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+            r = http.post("/v1/chat/completions", json={**chat, "tools": tools, "tool_choice": "required"})
+            assert r.status_code == 400, r.text
+            assert field in r.json()["error"]["message"] and r.json()["error"]["code"] == "invalid_value"
+        assert http.get("/health").json()["status"] == "ok"
