@@ -4,7 +4,7 @@ side with fla-core (when importable). Prints one JSON document; ``--out FILE`` a
 
     python bench/kernels.py --out $OUT/kernels.json [--quick] [--only check,chunk,decode,mla,mlasweep,tune]
         [--warm-procs 6] [--fla-bg] [--old PATH/chunk.py] [--old-tune '[{"offdiag_warps": 1}]']
-        [--mla-cand bench/candidates/paged_decode_vN.py] [--deadline 330] [--save-cache $OUT/tcache.tar.xz]
+        [--mla-cand PATH/paged_decode.py] [--deadline 330] [--save-cache $OUT/tcache.tar.xz]
 
 ``--old`` and ``--mla-cand`` name other versions of kernels/kda/chunk.py and kernels/mla/paged_decode.py (files
 anywhere, imported as modules of the kernels package so their relative imports resolve); they are checked against
@@ -67,7 +67,7 @@ import triton.testing
 from kda_sessions.kernels.conv.naive import naive_causal_conv
 from kda_sessions.kernels.conv.triton_conv import causal_conv_triton
 from kda_sessions.kernels.gate.naive import naive_kda_gate
-from kda_sessions.kernels.kda.chunk import chunk_kda_triton
+from kda_sessions.kernels.kda.chunk import ChunkTuning, chunk_kda_triton
 from kda_sessions.kernels.kda.fused_recurrent import fused_recurrent_kda_triton
 from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
@@ -99,7 +99,7 @@ def mla_cand_grid() -> list[dict]:
     if SMOKE:
         return [{"BN": 16, "tma": True, "num_warps": 4, "num_stages": 2}] + \
             [{"BN": 16, "trans": t, "num_warps": 4, "num_stages": 2} for t in (True, False)]
-    # BN 32 through TMA spills 0.7-1 KB per thread with 4 warps on sm_90 (bench/candidates/aot_sm90.py): left out
+    # BN 32 through TMA spills 0.7-1 KB per thread with 4 warps on sm_90: left out
     tma = [(64, 8, 2), (64, 8, 3), (64, 4, 2), (64, 4, 3), (32, 8, 2)]
     trans = [(64, 4, 2), (64, 8, 2), (64, 4, 3), (64, 8, 3), (32, 4, 3), (32, 8, 3), (32, 4, 4)]
     rows = [(64, 4, 2), (64, 4, 3), (32, 4, 3), (64, 8, 2)]  # heads on the rows, as the current kernel
@@ -162,7 +162,7 @@ def bench_stream(calls: list[Callable[[], object]], rep: int = 20, batches: int 
     reads DRAM); the median over ``batches``. This is a call's marginal cost inside a long captured decode step.
     bench_graph also charges each call its share of one replay's fixed cost: the graph's launch and the
     write-back of the dirty lines that do_bench's L2 flush leaves (about 10 us a replay on the H200, 2.5 us a call
-    in a graph of 4; bench/candidates/mla_floor.py)."""
+    in a graph of 4)."""
     if SMOKE:
         return bench_graph(calls)
     graph = capture(calls)
@@ -250,16 +250,26 @@ def load_old(paths: str | None, tunes: list[dict] | dict[str, list[dict]] | None
     for path in (paths or "").split(","):
         if not path or not Path(path).exists():
             continue
-        fn = load_module(path, "kda_sessions.kernels.kda").chunk_kda_triton
+        mod = load_module(path, "kda_sessions.kernels.kda")
+        fn = mod.chunk_kda_triton
         if Path(path).resolve() != REPO / "kernels" / "kda" / "chunk.py":  # the current one is timed anyway
             out[Path(path).stem] = fn
         for t in (tunes.get(Path(path).stem, []) if isinstance(tunes, dict) else tunes or []):
-            out[Path(path).stem + "+" + ",".join(f"{k}={v}" for k, v in t.items())] = functools.partial(fn, tune=t)
+            # earlier versions took the overrides as a ``tune`` dict
+            kw = {"tuning": mod.ChunkTuning(**t)} if hasattr(mod, "ChunkTuning") else {"tune": t}
+            out[Path(path).stem + "+" + ",".join(f"{k}={v}" for k, v in t.items())] = functools.partial(fn, **kw)
     return out
 
 
+def chunk_tuning(cfg: dict | None) -> ChunkTuning | None:
+    """Launch-parameter overrides (a variant of CHUNK_VARIANTS, or JSON from the command line) as the chunk
+    kernel's tuning object (None: its defaults)."""
+    return ChunkTuning(**cfg) if cfg else None
+
+
 def load_mla(paths: str | None) -> dict:
-    """The current MLA decode module as "current" plus the candidates (bench/candidates/paged_decode_v*.py)."""
+    """The current MLA decode module as "current" plus other versions of kernels/mla/paged_decode.py (e.g.
+    from git history or a work-in-progress file), by file stem."""
     from kda_sessions.kernels.mla import paged_decode
 
     out = {"current": paged_decode}
@@ -282,7 +292,8 @@ def check_chunk(old_chunk: dict) -> dict:
         key = "bounded" if bounded else "standard"
         o, f, c = chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, ck)
         out[key] = {"o": rel(o, ro), "final": rel(f, rf), "checkpoints": rel(c, rc)}
-        o, f, c = chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, ck, tune={"inv_ieee": 0})
+        o, f, c = chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, ck,
+                                   tuning=chunk_tuning({"inv_ieee": 0}))
         out[key]["tf32_inverse"] = {"o": rel(o, ro), "final": rel(f, rf), "checkpoints": rel(c, rc)}
         raw, A_log, dt_bias = gate_inputs(1, T_CHECK, 1000 + 1)  # the raw logits behind g
         lb = -5.0 if bounded else None
@@ -444,15 +455,16 @@ def time_chunk(fla_chunk, old_chunk: dict, Ts: list[int], cfg: dict | None = Non
     for T in Ts:
         q, k, v, g, beta = kda_inputs(1, T, False, seed=4)
         row: dict = {"T": T, "cfg": cfg}
+        tuning = chunk_tuning(cfg)
         ms = bench(lambda q=q, k=k, v=v, g=g, beta=beta: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True,
-                                                                         tune=cfg), rep=300)
+                                                                         tuning=tuning), rep=300)
         row["ours_ms"], row["ours_Mtok_s"] = ms, T / ms / 1e3
         raw, A_log, dt_bias = gate_inputs(1, T, 1000 + 4)
         ms = bench(lambda: chunk_kda_triton(q, k, v, raw, beta, None, None, True, None, True, use_gate_in_kernel=True,
-                                            A_log=A_log, dt_bias=dt_bias, tune=cfg), rep=300)
+                                            A_log=A_log, dt_bias=dt_bias, tuning=tuning), rep=300)
         row["ours_gate_in_kernel_ms"] = ms
         ms = bench(lambda: chunk_kda_triton(q, k, v, raw, beta, None, None, True, None, True, use_gate_in_kernel=True,
-                                            A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, tune=cfg), rep=300)
+                                            A_log=A_log, dt_bias=dt_bias, lower_bound=-5.0, tuning=tuning), rep=300)
         row["ours_bounded_gate_in_kernel_ms"] = ms
         for name, old in old_chunk.items():
             ms = bench(lambda old=old: old(q, k, v, g, beta, None, None, True, None, True), rep=100)
@@ -717,7 +729,8 @@ def tune(bw_tb_s: float) -> dict:
     best = (float("inf"), CHUNK_VARIANTS[0])
     for cfg in CHUNK_VARIANTS:
         try:
-            ms = bench(lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg))
+            ms = bench(lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True,
+                                                        tuning=chunk_tuning(cfg)))
             out["chunk"].append({"cfg": cfg, "ms": ms, "Mtok_s": T / ms / 1e3})
             best = min(best, (ms, cfg), key=lambda x: x[0])
         except Exception as e:
@@ -728,7 +741,7 @@ def tune(bw_tb_s: float) -> dict:
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=best[1])
+                chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tuning=chunk_tuning(best[1]))
             torch.cuda.synchronize()
         out["chunk_profile_T32K_x5"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=8)
     except Exception as e:
@@ -760,11 +773,12 @@ def warm_jobs(parts: set, old_path: str | None, old_tunes: list[dict], mla_paths
     if parts & {"check", "chunk", "tune"}:
         jobs += chunk_forms(chunk_kda_triton, (None, -5.0))
         jobs.append(lambda: chunk_kda_triton(q, k, v, g, beta, None, h0, True, cu, True, [[5], [7]],
-                                             tune={"inv_ieee": 0}))
+                                             tuning=chunk_tuning({"inv_ieee": 0})))
         for old in load_old(old_path, old_tunes).values():
             jobs += chunk_forms(old, (-5.0,))
     if "tune" in parts:
-        jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True, tune=cfg)
+        jobs += [lambda cfg=cfg: chunk_kda_triton(q, k, v, g, beta, None, None, True, None, True,
+                                                  tuning=chunk_tuning(cfg))
                  for cfg in CHUNK_VARIANTS[1:]]
     if parts & {"check", "checkmla", "mla", "mlasweep", "mlasplits", "tune"}:
         lens = [1, 100, 300, 1000] if SMOKE else [1, 1000, 5000, 33000]

@@ -1,31 +1,12 @@
 """Chunked KDA forward in Triton (inference only: nothing is kept for a backward pass), the intra step as short,
 wide stages (fla 0.6.0's decomposition, our code) rather than one long program per chunk.
 
-Promoted from bench/candidates/chunk_v5.py after device runs H-J (docs/benchmarks.md): 6.26 / 6.38 / 6.46 M
-tokens/s at T 8K / 32K / 128K (H 32, K = V = 128, bf16) with its defaults then, against 4.83 / 4.86 / 5.08 for
-the kernel it replaced (one long intra program per chunk; git history 4fa80c4). Why it is faster: each of those
-programs walked a long serial chain (gate, scan, norm sums, span reductions and a branch per diagonal block,
-twenty [16, 16] blocks); see bench/candidates/README.md, "chunk_kda v5: where fla's forward differs". The cost:
-the stages hand over G (float32), qn, kn, qg, kg, w, u, v', A_qk, X and the diagonal blocks through memory, about
-2.6 KB of scratch per (token, head) at K = V = 128 (2.75 GB at T 32K, H 32), plus one bf16 state per chunk.
-
-The diagonal step comes from bench/candidates/chunk_v6.py, promoted on 2026-11-30 (fifth session):
-6.78 / 6.96 / 6.70 M tokens/s at T 8K / 32K / 128K (standard gate, B 1, H 32, K = V = 128) with ``tok_bh`` 2
-and ``tok_warps`` 1, against 6.28 / 6.42 / 6.48 in the same run for v5's diagonal kernel, one program per
-chunk, head and sub-chunk over all 16 x 16 pairs (git history 7e7c724); error against the float32 twin
-unchanged (3.8e-3 standard, 4.3e-3 / 4.4e-3 bounded with the gate fused). Other variants:
-bench/candidates/README.md. Run M then set today's defaults (``tok_order`` 1, ``tok_bh`` 4, ``tok_warps`` 2:
-6.74 / 6.92 / 7.02 M tokens/s, the rows of a chunk on neighbouring programs so their key rows stay in L2 at
-128K) and sent the bounded fused gate through the exact kernel too (``diag_mid`` 0: 6.36 / 6.56 / 6.33 against
-6.27 / 6.42 / 6.44 through the midpoint kernel, whose 16 x 16 dots do not pay at 8K and 32K). Run P: the state
-kernel on 32-wide V blocks (``state_bv`` 32: 128 programs on the H200's 132 SMs for H 32, against 64 with 64-wide
-blocks) 6.99 / 7.17 / 7.27, against 6.79 / 6.96 / 7.06 (2 warps or 16-wide blocks: slower). Run R (sixth
-session): the prep kernel in one pass over all K channels (``prep_bk`` 128, so the norms come from the same loads;
-0.73 ms at 32K against 0.98 over 64-channel blocks) and the diagonal kernel with 8 heads per program on 4 warps
-(0.92 against 0.94 ms): 7.38 / 7.60 / 7.72 M tokens/s, 0.96-0.97 of fla 0.6.0 timed in the same session (7.61 /
-7.90 / 8.02). Tried there and dropped: the prep over K blocks on a grid of its own, kg loaded transposed in the
-state kernel, the state as two K halves (fla's 64-row blocks: 1.09 ms against 0.97), and candidate v7 (prep and
-diagonal fused: 4.1 M tokens/s); docs/benchmarks.md, run R.
+Why short stages: one long intra program per chunk walks a long serial chain (gate, scan, norm sums, span
+reductions and a branch per diagonal block, twenty [16, 16] blocks); short wide stages keep the SMs busy. The
+cost: the stages hand over G (float32), qn, kn, qg, kg, w, u, v', A_qk, X and the diagonal blocks through memory,
+about 2.6 KB of scratch per (token, head) at K = V = 128 (2.75 GB at T 32K, H 32), plus one bf16 state per chunk.
+The diagonal blocks are computed token-parallel and exact (each pair's decay formed on its own), so any decay span
+is safe. Throughput against fla: docs/benchmarks.md, "Kernels".
 
 Six launches over a table of chunks (at most ``BT`` = 64 tokens each, starting at every sequence's first token;
 a chunk also ends at every requested checkpoint position, so the state there is a chunk-boundary state):
@@ -40,7 +21,7 @@ a chunk also ends at every requested checkpoint position, so the state there is 
    the bounded gate fused and ``diag_mid`` 1, ``_diag_mid_kernel`` per (chunk, head, sub-chunk) instead: both
    factors through the midpoint of the sub-chunk's decay range, then two [16, K] x [K, 16] dots; that gate
    bounds the range by 15 |lb| / ln 2, so the launcher takes it, with no check in the kernel, when that is
-   within ``SPAN_MAX`` (off by default: slower at 8K and 32K in run M).
+   within ``SPAN_MAX`` (off by default: slower at 8K and 32K tokens).
 3. ``_offdiag_kernel`` per (chunk, head): the six off-diagonal blocks of A_qk and of L on tensor cores (twelve
    accumulators, nothing else in the K loop), then (I + L)^-1 by 16 x 16 blocks; X diag(beta) out.
 4. ``_wu_kernel``      per (chunk, head): w = X diag(beta) (kn 2^G), u = X diag(beta) v as [64, 64] MMAs.
@@ -53,7 +34,8 @@ Layout: every activation is packed ``[T_total, H, *]`` (B * T rows without cu_se
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -523,36 +505,49 @@ def _chunk_table(
     return starts, lens, cks, seq_chunks
 
 
-# launch parameters (``tune`` overrides any of them). Measured on the H200 (runs H and I, docs/benchmarks.md):
-# the off-diagonal kernel on 1 warp with tf32 dots in the block inverse is 6-7% faster than on 2 warps with
-# IEEE dots (2 warps: 8-9% faster than 4; 1 stage: 7% slower), at the same error against the float32 twin
-# (3.8e-3); the prep kernel over 64-channel blocks then adds 3% (run J). The token-parallel diagonal kernel
-# with 2 heads per program on 1 warp is the best of the seven variants timed on 2026-11-30 (fifth session;
-# 4 heads per program tie it at 8K and 32K but fall to 5.9-6.0 M tok/s at 128K against 6.70); since run M the
-# grid puts a chunk's rows on neighbouring programs, and run R found 8 heads on 4 warps 1.5% faster than 4 on 2.
-# Run R: ``prep_bk`` 128 (one pass over K, 4 warps) is 25% faster in the prep than 64 (8 warps: no faster than 64;
-# 2 warps: 10x slower, it spills). Run S: ``state_reg`` 1 (chunk starts computed where no checkpoint cuts a
-# chunk) with 3 stages pipelines the state kernel's loads: chunk_kda 5.6-6.3% faster than loaded starts on 2
-# stages (state_reg alone: +0.5%). ``diag_warps``:
-# the midpoint kernel's warps; ``diag_mid`` 0 sends the bounded fused gate to the exact kernel;
-# ``diag_ieee`` 1 runs the midpoint dots in IEEE float32 rather than tf32.
-DEFAULTS: dict[str, int] = {
-    "prep_bk": 128, "prep_warps": 4, "tok_bh": 8, "tok_warps": 4, "tok_order": 1, "diag_mid": 0, "diag_ieee": 0,
-    "diag_warps": 4, "offdiag_bk": 32, "offdiag_warps": 1, "offdiag_stages": 2, "inv_ieee": 0,
-    "wu_bk": 64, "wu_bv": 64, "wu_warps": 4, "wu_stages": 2,
-    "state_bv": 32, "state_warps": 4, "state_stages": 3, "state_reg": 1, "out_bv": 64, "out_warps": 4,
-}
+@dataclass(frozen=True)
+class ChunkTuning:
+    """Launch parameters of :func:`chunk_kda_triton`'s six kernels; the defaults are the fastest measured on the
+    H200 at H 32, K = V = 128 (bench/kernels.py ``--only tune`` times variants). Pass one as ``tuning=``;
+    ``dataclasses.replace(ChunkTuning(), state_bv=16)`` changes one field.
+
+    ``prep_bk``: K channels per prep program (128: one pass, the norms come from the same loads; narrower blocks
+    add a first pass for the squares). ``tok_bh`` / ``tok_warps``: heads per program and warps of the exact
+    diagonal kernel; ``tok_order`` 1 puts a chunk's rows on neighbouring programs (their key rows stay in L2).
+    ``diag_mid`` 1 sends the fused bounded gate to the midpoint diagonal kernel where its span bound allows
+    (slower at 8K and 32K tokens, so off); ``diag_ieee`` 1 runs its dots in IEEE float32 rather than tf32;
+    ``diag_warps``: its warps. ``offdiag_*``: the off-diagonal kernel (1 warp with tf32 dots in the block inverse
+    is fastest at the same error; ``inv_ieee`` 1 uses IEEE dots there). ``wu_*``: the w/u kernel's blocks, warps
+    and stages. ``state_bv``: V block of the state kernel (32 fills the H200's 132 SMs at H 32);
+    ``state_reg`` 1 computes chunk starts where no checkpoint cuts a chunk, which lets 3 stages pipeline the
+    loads. ``out_*``: the output kernel."""
+
+    prep_bk: int = 128
+    prep_warps: int = 4
+    tok_bh: int = 8
+    tok_warps: int = 4
+    tok_order: int = 1
+    diag_mid: int = 0
+    diag_ieee: int = 0
+    diag_warps: int = 4
+    offdiag_bk: int = 32
+    offdiag_warps: int = 1
+    offdiag_stages: int = 2
+    inv_ieee: int = 0
+    wu_bk: int = 64
+    wu_bv: int = 64
+    wu_warps: int = 4
+    wu_stages: int = 2
+    state_bv: int = 32
+    state_warps: int = 4
+    state_stages: int = 3
+    state_reg: int = 1
+    out_bv: int = 64
+    out_warps: int = 4
+
+
 SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint path: each factor within 2^100
 LN2 = 0.6931471805599453
-
-
-# (cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), chunks, H, K, BK, gate) -> None: launches the
-# diagonal step. ``_launch`` takes another one, so a candidate kernel can be timed inside the shipped launcher.
-DiagStep = Callable[[dict[str, int], tuple[Any, ...], int, int, int, int, Any], None]
-# (cfg, (q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, beta, Aqk, Ld, chunk_start, chunk_len, scale,
-# lower_bound), chunks, H, K, BK, l2norm, gate kind 0/1/2) -> None: launches the prep and diagonal steps both, for
-# a candidate that fuses them (it must write every buffer ``_prep_kernel`` and the diagonal step write).
-PrepStep = Callable[[dict[str, int], tuple[Any, ...], int, int, int, int, bool, int], None]
 
 
 def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any) -> None:
@@ -574,9 +569,8 @@ def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: i
 def _launch(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, h0: Tensor | None,
     output_final_state: bool, bounds: list[int], use_qk_l2norm: bool,
-    checkpoint_positions: Sequence[Sequence[int]] | None, tune: dict[str, int] | None = None,
-    gate: tuple[Tensor, Tensor, float | None] | None = None, diag_step: DiagStep | None = None,
-    defaults: dict[str, int] = DEFAULTS, prep_step: PrepStep | None = None,
+    checkpoint_positions: Sequence[Sequence[int]] | None, tuning: ChunkTuning,
+    gate: tuple[Tensor, Tensor, float | None] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Packed q, k, g [T, H, K], v [T, H, V], beta [T, H] (contiguous) -> o [T, H, V], final, checkpoints.
     ``gate``: (A_log [H] float32, dt_bias [H * K] float32, lower_bound) when g holds raw gate logits."""
@@ -590,10 +584,7 @@ def _launch(
     meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
     chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
     chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
-    unknown = set(tune or {}) - set(defaults)
-    if unknown:
-        raise ValueError(f"unknown launch parameters {sorted(unknown)}, expected some of {sorted(defaults)}")
-    cfg = {**defaults, **(tune or {})}
+    cfg = asdict(tuning)
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
     BVf = max(16, triton.next_power_of_2(V))
@@ -616,17 +607,13 @@ def _launch(
     A_log, dt_bias, lb = gate if gate is not None else (None, None, None)
     gate_kind = 0 if gate is None else (1 if lb is None else 2)
 
-    if prep_step is not None:
-        prep_step(cfg, (q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, beta, Aqk, Ld, chunk_start, chunk_len, scale,
-                        float(lb) if lb is not None else 0.0), NC, H, K, BK, use_qk_l2norm, gate_kind)
-    else:
-        _prep_kernel[(NC, H)](
-            q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
-            float(lb) if lb is not None else 0.0,
-            H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
-            num_warps=cfg["prep_warps"],
-        )
-        (diag_step or _diag_step)(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
+    _prep_kernel[(NC, H)](
+        q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
+        float(lb) if lb is not None else 0.0,
+        H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
+        num_warps=cfg["prep_warps"],
+    )
+    _diag_step(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
     _offdiag_kernel[(NC, H)](
         qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
         H=H, K=K, BT=BT, BC=BC, BK=min(cfg["offdiag_bk"], BK), INV_IEEE=bool(cfg["inv_ieee"]),
@@ -670,22 +657,16 @@ def chunk_kda_triton(
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
-    tune: dict[str, int] | None = None,
-    *,
-    _diag: DiagStep | None = None,
-    _defaults: dict[str, int] | None = None,
-    _prep: PrepStep | None = None,
+    tuning: ChunkTuning | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Chunked KDA forward (fla's ``chunk_kda`` arguments) plus float32 states at requested positions.
 
     q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay (<= 0, any float dtype); beta [B, T, H];
     initial_state [N, H, K, V] float32; cu_seqlens int [N + 1] (then B = 1). ``checkpoint_positions``: per
     sequence, ascending positions p in [1, T_n]. With ``use_gate_in_kernel`` g holds the raw gate logits and
-    the kernel computes the log-decay (see :func:`gate_params`). ``tune`` overrides launch parameters
-    (:data:`DEFAULTS`). Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 | None,
+    the kernel computes the log-decay (see :func:`gate_params`). ``tuning``: launch parameters
+    (:class:`ChunkTuning`, its defaults when None). Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 | None,
     checkpoint_states [M, H, K, V] float32 | None)``. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
-    ``_diag`` / ``_defaults`` / ``_prep`` (private, for candidates in bench/candidates): another diagonal step,
-    its launch parameters, and a step that replaces both the prep kernel and the diagonal step.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -722,6 +703,6 @@ def chunk_kda_triton(
         q.reshape(B * T, H, K).contiguous(), k.reshape(B * T, H, K).contiguous(),
         v.reshape(B * T, H, V).contiguous(), g.reshape(B * T, H, K).contiguous(),
         beta.reshape(B * T, H).contiguous(), float(scale), h0, output_final_state, bounds,
-        use_qk_l2norm_in_kernel, checkpoint_positions, tune, gate, _diag, _defaults or DEFAULTS, _prep,
+        use_qk_l2norm_in_kernel, checkpoint_positions, tuning or ChunkTuning(), gate,
     )
     return o.view(B, T, H, V), final, ckpt

@@ -18,6 +18,13 @@ SMALL_BLOCKS = {"prep_bk": 16, "offdiag_bk": 16, "wu_bk": 16, "wu_bv": 16, "stat
 IEEE_4WARPS = {"inv_ieee": 1, "offdiag_warps": 4, "tok_warps": 2}  # the inverse's IEEE dots, other warps
 
 
+def _tuning(overrides: dict | None):
+    """The chunk kernel's launch parameters with ``overrides`` (None: the defaults)."""
+    from kda_sessions.kernels.kda.chunk import ChunkTuning
+
+    return ChunkTuning(**overrides) if overrides is not None else None
+
+
 @pytest.mark.parametrize(
     "bounded,varlen,h0,l2norm,ckpts,tune",
     [
@@ -35,7 +42,7 @@ def test_chunk_kda_matches_recurrent(bounded, varlen, h0, l2norm, ckpts, tune):
     if not l2norm:  # unnormalised keys make the delta rule diverge; scale them down instead
         q, k = q * 0.25, k * 0.25
     init = torch.randn(N, H, K, V) if h0 else None
-    o, final, ck = chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts, tune=tune)
+    o, final, ck = chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts, tuning=_tuning(tune))
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, l2norm, ckpts)
     assert rel_rms(o, ro) < TOL
     assert rel_rms(final, rfinal) < TOL
@@ -154,7 +161,7 @@ def test_shipped_chunk_tunables_match_recurrent(gate, heads, varlen, h0, ckpts, 
     if gate == "steep":
         g = g * 30
     init = torch.randn(2, heads, K, V) if h0 else None
-    o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, norm, ckpts, tune=tune)
+    o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu, norm, ckpts, tuning=_tuning(tune))
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu, norm, ckpts)
     assert torch.isfinite(o).all()
     assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4
@@ -175,7 +182,7 @@ def test_shipped_chunk_computed_chunk_starts(cu, ckpts):
     cu_t = torch.tensor(cu)
     init = torch.randn(len(cu) - 1, H, K, V)
     tune = {"state_reg": 1, "state_bv": 16}
-    o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu_t, True, ckpts, tune=tune)
+    o, final, ck = chunk.chunk_kda_triton(q, k, v, g, beta, None, init, True, cu_t, True, ckpts, tuning=_tuning(tune))
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, None, init, True, cu_t, True, ckpts)
     assert rel_rms(o, ro) < TOL and rel_rms(final, rfinal) < TOL
     if ckpts is not None:
@@ -216,16 +223,14 @@ def test_shipped_chunk_gate_in_kernel(lower_bound, tune, midpoint, monkeypatch):
     g = naive_kda_gate(raw, A_log, dt_bias, lower_bound)
     o, final, ck = chunk.chunk_kda_triton(q, k, v, raw, beta, 0.3, init, True, cu, True, ckpts,
                                        use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-                                       lower_bound=lower_bound, tune=tune)
+                                       lower_bound=lower_bound, tuning=_tuning(tune))
     ro, rfinal, rck = naive_recurrent_kda(q, k, v, g, beta, 0.3, init, True, cu, True, ckpts)
     assert mid.launches == int(midpoint)
     assert rel_rms(o, ro) < 1e-4 and rel_rms(final, rfinal) < 1e-4 and rel_rms(ck, rck) < 1e-4
 
 
 @pytest.mark.parametrize("key", ["intra_bk", "diag_span_check", "state_k2"])
-def test_shipped_chunk_rejects_unknown_launch_parameter(key):
-    """Also the keys of earlier kernels (v6's span-check mode was dropped at its promotion)."""
-    from kda_sessions.kernels.kda import chunk
-    q, k, v, g, beta = kda_inputs(1, 16, H, K, V, False)
-    with pytest.raises(ValueError, match=key):
-        chunk.chunk_kda_triton(q, k, v, g, beta, tune={key: 16})
+def test_chunk_tuning_rejects_unknown_launch_parameter(key):
+    """A launch parameter the kernel does not have is an error, not silently ignored."""
+    with pytest.raises(TypeError, match=key):
+        _tuning({key: 16})
