@@ -1,0 +1,74 @@
+# ruff: noqa: B023  (the launch closures are timed inside the iteration that made them)
+"""MLA prefill's Triton kernel at the Kimi-Linear shape (H 32, r 512, dn 128, dr 64, dv 128, P 64, bf16), on the
+device:
+
+    python3 bench/mla_prefill.py
+
+First the shipped launch against the tiled twin (``naive_mla_prefill_paged``, float32 math) by relative RMS error,
+then every (BM, BN, num_warps, num_stages) of the sweep timed on one 8,192-token chunk after 24,576 and after
+122,880 cached tokens (the last chunks of 32K and 128K prefills; mean of 3 calls after one warm-up), with the
+achieved TFLOP/s of attention plus decompression. Prints one line per case, the shipped launch marked."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kda_sessions.kernels.mla import prefill
+from kda_sessions.kernels.mla.naive import naive_mla_prefill_paged
+
+H, R, DN, DR, DV, P = 32, 512, 128, 64, 128, 64
+SCALE = (DN + DR) ** -0.5
+SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3), (64, 128, 8, 2)]
+
+
+def case(T: int, start: int, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = -(-(start + T) // P)
+    kv = torch.randn(n + 3, P, R + DR, generator=g, device="cuda").bfloat16()
+    pages = torch.randperm(n + 3, generator=g, device="cuda")[:n].int()
+    q = torch.randn(T, H, DN + DR, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(H * (DN + DV), R, generator=g, device="cuda") / R**0.5).bfloat16()
+    return q, kv, pages, w
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def main() -> None:
+    for T, s in [(8192, 0), (2048, 20000), (300, 40000), (8192, 24576)]:
+        q, kv, pages, w = case(T, s)
+        o = prefill.mla_prefill_triton(q, kv, pages, s, w, DV, SCALE)
+        r = naive_mla_prefill_paged(q, kv, pages, s, w, DV, SCALE, tile=2048)
+        print(f"check T {T} start {s}: rel_rms {rel(o, r):.2e}", flush=True)
+    shipped = prefill._tiles(torch.empty(1, device="cuda"))
+    tiles = prefill._tiles
+    try:
+        for cfg in SWEEP:
+            prefill._tiles = lambda q, cfg=cfg: cfg
+            row = []
+            for s in (24576, 122880):
+                q, kv, pages, w = case(8192, s)
+
+                def f() -> torch.Tensor:
+                    return prefill.mla_prefill_triton(q, kv, pages, s, w, DV, SCALE)
+
+                f()
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                for _ in range(3):
+                    f()
+                torch.cuda.synchronize()
+                dt = (time.perf_counter() - t) / 3
+                flops = 8192 * (s + 8192 / 2) * 2 * H * (DN + DR + DV) + (s + 8192) * 2 * R * H * (DN + DV)
+                row.append(f"after {s}: {dt * 1e3:.1f} ms {flops / dt / 1e12:.0f} TFLOP/s")
+            print("(BM, BN, warps, stages)", cfg, "; ".join(row), "(shipped)" if cfg == shipped else "", flush=True)
+    finally:
+        prefill._tiles = tiles
+
+
+if __name__ == "__main__":
+    main()
