@@ -55,12 +55,12 @@ class KDAAttention(nn.Module):
         if batch.is_decode:
             return self.decode(x, batch.slots, batch.cu_seqlens, state, conv_state), None, None
         slots = batch.slots
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [T, Dc]
+        qkv, raw, b, og = self._projections(x)
         qkv, new_tail, ck_tail = causal_conv(
             qkv, self.conv_weight(), conv_state[slots], batch.cu_seqlens, batch.checkpoint_positions
         )
         conv_state[slots] = new_tail
-        q, k, v, g, beta = self._qkv_gate(x, qkv)
+        q, k, v, g, beta = self._qkv_gate(qkv, raw, b)
         o, final, ck_state = chunk_kda(
             q, k, v, g, beta, initial_state=state[slots], output_final_state=True,
             cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
@@ -68,23 +68,39 @@ class KDAAttention(nn.Module):
         )
         assert final is not None
         state[slots] = final
-        return self._output(x, o), ck_state, ck_tail
+        return self._output(x, o, og), ck_state, ck_tail
 
     def decode(self, x: Tensor, slots: Tensor, cu_seqlens: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], slots [N] int,
         cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D]."""
-        if self.fast_cpu and not x.is_cuda:
+        if self._use_fast_cpu(x):
             return self._decode_cpu(x, slots, state, conv_state)
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
-        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [N, Dc]
+        qkv, raw, b, og = self._projections(x)
         qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)
         conv_state[slots] = new_tail
-        q, k, v, g, beta = self._qkv_gate(x, qkv)
+        q, k, v, g, beta = self._qkv_gate(qkv, raw, b)
         o, _ = fused_recurrent_kda(
             q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
             state_pool=state, slot_indices=slots,
         )
-        return self._output(x, o)
+        return self._output(x, o, og)
+
+    def _use_fast_cpu(self, x: Tensor) -> bool:
+        # the fused weights are detached copies: training (autograd on) goes through the parameters themselves
+        return self.fast_cpu and not x.is_cuda and not torch.is_grad_enabled()
+
+    def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [T, D] -> (pre-conv q|k|v [T, Dc], raw gate logits [T, H*K], beta logits [T, H], output gate logits
+        [T, H*V]). On a CPU (``fast_cpu``) two matmuls over the fused weights; otherwise one linear each."""
+        if self._use_fast_cpu(x):
+            H, K, V, Dc = self.H, self.K, self.V, self.conv_dim
+            w_in, w_gate = self._cpu.get()[:2]
+            y = x @ w_in.t()  # [T, Dc + K + V + H]
+            fg = y[:, Dc : Dc + K + V] @ w_gate.t()  # [T, H*K + H*V]
+            return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
+        qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+        return qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))
 
     def _cpu_sources(self) -> list[Tensor]:
         mods = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj, self.f_b_proj,
@@ -139,22 +155,23 @@ class KDAAttention(nn.Module):
         o = o.view(N, H * V) * torch.sigmoid(fg[:, H * K :].float())
         return self.o_proj(o.to(x.dtype))
 
-    def _qkv_gate(self, x: Tensor, qkv: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-        """Post-conv qkv [T, Dc] -> q, k [1, T, H, K], v [1, T, H, V], g [1, T, H, K] float32, beta [1, T, H]."""
-        T = x.shape[0]
+    def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],
+        g [1, T, H, K] float32, beta [1, T, H]."""
+        T = qkv.shape[0]
         H, K, V = self.H, self.K, self.V
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        g = kda_gate(self.f_b_proj(self.f_a_proj(x)).view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x).float())  # [T, H]
+        g = kda_gate(raw.reshape(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.float())  # [T, H]
         # [T, H*K] -> [1, T, H, K]: packed sequences are one varlen batch
         q, k, v = q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, H, V)
         return q, k, v, g.unsqueeze(0), beta.unsqueeze(0)
 
-    def _output(self, x: Tensor, o: Tensor) -> Tensor:
-        """o [1, T, H, V] -> gated head norm -> o_proj -> [T, D]."""
+    def _output(self, x: Tensor, o: Tensor, og: Tensor) -> Tensor:
+        """o [1, T, H, V], output gate logits og [T, H*V] -> gated head norm -> o_proj -> [T, D]."""
         T = x.shape[0]
         H, V = self.H, self.V
-        o = self.o_norm(o[0]) * torch.sigmoid(self.g_b_proj(self.g_a_proj(x)).view(T, H, V))  # [T, H, V]
+        o = self.o_norm(o[0]) * torch.sigmoid(og.reshape(T, H, V))  # [T, H, V]
         return self.o_proj(o.reshape(T, H * V).to(x.dtype))
 
 

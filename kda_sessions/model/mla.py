@@ -66,7 +66,7 @@ class MLAttention(nn.Module):
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], page_table [N, max_pages]
         int32, seq_lens [N] int32 (the new token included), kv_rows [N] int64 flat cache row of each new token.
         Writes the new latent rows into ``kv_pages`` and returns [N, D]."""
-        if self.fast_cpu and not x.is_cuda:
+        if self.fast_cpu and not x.is_cuda and not torch.is_grad_enabled():  # fused weights are detached
             return self._decode_cpu(x, page_table, seq_lens, kv_rows, kv_pages)
         N = x.shape[0]
         q, latent = self._project(x)
