@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from kda_sessions.model.loader import _read_safetensors, _read_safetensors_file
+from kda_sessions.model.loader import read_checkpoint
 
 BUILTIN_CONFIG = Path(__file__).resolve().parents[1] / "kda_sessions" / "builtin" / "tiny.json"
 
@@ -36,7 +36,7 @@ class SoupError(ValueError):
 
 def read(path: Path) -> dict[str, Tensor]:
     """The tensors of a checkpoint folder or of one .safetensors file."""
-    return _read_safetensors(path) if path.is_dir() else _read_safetensors_file(path)
+    return read_checkpoint(path)
 
 
 def average(states: list[dict[str, Tensor]], weights: list[float] | None = None) -> dict[str, Tensor]:

@@ -474,9 +474,9 @@ def main(argv: list[str] | None = None) -> None:
                          f"over the {MAX_SHIPPED_BYTES / 1e6:.0f} MB the package may ship (issue 7)")
     init_weights(model, args.seed)
     if args.init:
-        from kda_sessions.model.loader import _read_safetensors
+        from kda_sessions.model.loader import read_checkpoint
 
-        state = _read_safetensors(Path(args.init))
+        state = read_checkpoint(Path(args.init))
         model.load_state_dict({k: v.float() for k, v in state.items()})
     model = model.to(device)
     log: dict = {"config": Path(args.config).name, "params": n_params, "args": vars(args), "steps": []}

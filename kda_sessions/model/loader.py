@@ -84,6 +84,21 @@ def _shard_files(path: Path) -> list[Path]:
     return files
 
 
+def read_checkpoint(path: str | Path) -> dict[str, Tensor]:
+    """Every tensor of a checkpoint, on the CPU in its stored dtype: a folder (single file or sharded with an
+    index) or one ``.safetensors`` file. For tools that edit weights (training, averaging); loading a model for
+    inference streams instead (``load_model``)."""
+    path = Path(path)
+    tensors: dict[str, Tensor] = {}
+    for fpath in _shard_files(path) if path.is_dir() else [path]:
+        with safe_open(str(fpath), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118
+                if name in tensors:
+                    raise CheckpointError(f"tensor {name!r} is in more than one shard of {path}")
+                tensors[name] = f.get_tensor(name)
+    return tensors
+
+
 @dataclass
 class LoadStats:
     """What a streamed load moved: checkpoint bytes read, seconds, and their rate."""

@@ -558,7 +558,7 @@ def test_eval_resume_check_matches_in_a_new_process(args: list[str], capsys: pyt
 
 
 def test_save_weights_replaces_the_previous_copy_whole(tmp_path: Path):
-    from kda_sessions.model.loader import _read_safetensors
+    from kda_sessions.model.loader import read_checkpoint
     from tools import train_tiny
 
     model = HybridModel(ModelConfig.from_file(train_tiny.CONFIG))
@@ -566,11 +566,11 @@ def test_save_weights_replaces_the_previous_copy_whole(tmp_path: Path):
     (tmp_path / "weights.partial").mkdir()  # left by a run killed while saving
     (tmp_path / "weights.partial" / "junk").write_text("x")
     train_tiny.save_weights(model, path, 4 << 20)
-    first = _read_safetensors(path)
+    first = read_checkpoint(path)
     with torch.no_grad():
         model.lm_head.weight.add_(1.0)
     train_tiny.save_weights(model, path, 4 << 20)
-    second = _read_safetensors(path)
+    second = read_checkpoint(path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["weights"]
     assert torch.equal(second["lm_head.weight"], first["lm_head.weight"] + 1.0)
     assert not (path / "junk").exists() and len(list(path.glob("*.safetensors"))) > 1  # sharded at 4 MiB
