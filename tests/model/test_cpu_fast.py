@@ -83,6 +83,7 @@ def test_autograd_goes_through_the_parameters():
     """With autograd on, the layers use their own parameters (the fused copies are detached)."""
     m = load_model("tiny")
     pools = m.allocate_pools(2, 2, 16)
+    pools.kda[0].normal_()  # a nonzero state, so that the decay (f_b_proj) matters
     layer = m.model.layers[0].self_attn
     x = torch.randn(2, m.config.hidden_size)
     y = layer.decode(x, torch.arange(2), torch.arange(3), pools.kda[0], pools.conv[0])
