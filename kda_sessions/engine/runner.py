@@ -130,10 +130,17 @@ class Runner:
                      sampled: list[tuple[Work, int]]) -> None:
         """After a model call over ``works`` raised: roll all back; alone, a row fails; else each runs again alone."""
         log.warning("model step over %d sequences failed (%s: %s); rolling back", len(works), type(e).__name__, e)
+        alone = len(works) == 1
         for w in works:
-            self.rollback(w.session)
-        if len(works) == 1:
-            self._fail(works[0], e, finished)
+            try:
+                self.rollback(w.session)
+            except Exception as again:
+                log.exception("session %s: rollback after a failed step failed", w.session.id)
+                self._fail(w, again, finished)
+        works = [w for w in works if w.error is None]
+        if alone:
+            for w in works:
+                self._fail(w, e, finished)
             return
         for w in works:
             self._replay(w)
