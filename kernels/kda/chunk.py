@@ -518,7 +518,7 @@ class ChunkTuning:
     (slower at 8K and 32K tokens, so off); ``diag_ieee`` 1 runs its dots in IEEE float32 rather than tf32;
     ``diag_warps``: its warps. ``offdiag_*``: the off-diagonal kernel (1 warp with tf32 dots in the block inverse
     is fastest at the same error; ``inv_ieee`` 1 uses IEEE dots there). ``wu_*``: the w/u kernel's blocks, warps
-    and stages. ``state_bv``: V block of the state kernel (32 fills the H200's 132 SMs at H 32);
+    and stages. ``state_bv``: V block of the state kernel (32: 128 programs at H 32 for the H200's 132 SMs);
     ``state_reg`` 1 computes chunk starts where no checkpoint cuts a chunk, which lets 3 stages pipeline the
     loads. ``out_*``: the output kernel."""
 
