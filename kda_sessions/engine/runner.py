@@ -98,7 +98,8 @@ class Runner:
     # per-row sampling; a row that fails in sampling or in its constraint only ends its own request; a model call
     # that raises has advanced some layers of every row in place, so each row is rolled back to its newest exact
     # checkpoint (or the empty state) and, if the batch had other rows, each is run again alone: the rows that
-    # fail alone fail, the others go on (their usage counts the tokens run again).
+    # fail alone fail, the others go on (their usage counts the tokens run again). A failed request's own session
+    # is rolled back too, so the tokens after that checkpoint are pending again and the next call continues it.
 
     def _fail(self, w: Work, e: BaseException, finished: list[Work], rollback: bool = False) -> None:
         if rollback and w.session.slot is not None:
@@ -246,7 +247,7 @@ class Runner:
                         self._sample(w, logits[i], finished, sampled)
             except Exception as e:
                 log.warning("session %s: request failed after the model step (%s: %s)", s.id, type(e).__name__, e)
-                self._fail(w, e, finished)
+                self._fail(w, e, finished, rollback=True)
 
     def _capture(self, s: SessionState, c, kda: torch.Tensor, conv: torch.Tensor) -> None:
         """Upgrade checkpoint ``c`` to hold the exact state at its position, sharing the session's pages."""
@@ -296,7 +297,7 @@ class Runner:
                 self._sample(w, logits[i], finished, sampled)
             except Exception as e:
                 log.warning("session %s: request failed in sampling (%s: %s)", w.session.id, type(e).__name__, e)
-                self._fail(w, e, finished)
+                self._fail(w, e, finished, rollback=True)
 
     def _sample(self, w: Work, logits: torch.Tensor, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
         if w.constraint is not None:

@@ -155,3 +155,72 @@ async def test_rollback_copies_a_partial_page_a_fork_shares(monkeypatch):
         r = await s.generate(max_tokens=2, ignore_eos=True)
         assert r.usage.prefill_tokens > 0
         await assert_equals_fresh_prefill(eng, s)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_random_faults_fail_exactly_their_requests(seed, monkeypatch):
+    """Faults at random rows and steps: the sampler raises for a random row now and then, and from a random step
+    on, one random session's row makes every model call that holds it raise. Exactly the requests hit fail; every
+    session, failed or not, holds pools equal to a fresh prefill of its tokens and answers the next call."""
+    import random
+
+    rng = random.Random(seed)
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        sessions = []
+        for i in range(4):
+            s = await eng.create_session()
+            await s.append(prompt(i))
+            sessions.append(s)
+        hit: set[int] = set()  # id() of the SamplingParams of requests whose sampler raised
+        poisoned = {"slot": None, "after": rng.randrange(2, 8), "calls": 0}
+        real_sample = runner_module.sample
+        real_step = eng.runner.model.step
+
+        def sample(logits, params, generator):  # type: ignore[no-untyped-def]
+            if rng.random() < 0.04:
+                hit.add(id(params))
+                raise Injected("sampler fault")
+            return real_sample(logits, params, generator)
+
+        def step(batch, pools):  # type: ignore[no-untyped-def]
+            poisoned["calls"] += 1
+            if poisoned["slot"] is None and poisoned["calls"] >= poisoned["after"]:
+                poisoned["slot"] = rng.choice(batch.slots.tolist())
+            if poisoned["slot"] in batch.slots.tolist():
+                raise Injected("model fault")
+            return real_step(batch, pools)
+
+        monkeypatch.setattr(runner_module, "sample", sample)
+        monkeypatch.setattr(eng.runner.model, "step", step)
+        out: dict[int, Any] = {}
+        params: dict[int, Any] = {}
+        real_start = eng.start
+
+        async def start(s, p, **kw):  # type: ignore[no-untyped-def]
+            params[next(i for i, x in enumerate(sessions) if x.state is s)] = p
+            return await real_start(s, p, **kw)
+
+        monkeypatch.setattr(eng, "start", start)
+
+        async def go(i: int) -> None:
+            try:
+                out[i] = await sessions[i].generate(max_tokens=10, ignore_eos=True)
+            except Injected as e:
+                out[i] = e
+
+        async with anyio.create_task_group() as tg:
+            with one_step(eng):
+                for i in range(4):
+                    tg.start_soon(go, i)
+                await wait_queued(eng, 4)
+        poisoned_slot = poisoned["slot"]
+        monkeypatch.undo()
+        for i, s in enumerate(sessions):
+            expect_fail = id(params[i]) in hit or s.state.slot == poisoned_slot
+            assert isinstance(out[i], Injected) == expect_fail, (i, out[i], expect_fail)
+            if not expect_fail:
+                assert len(out[i].token_ids) == 10
+            await assert_equals_fresh_prefill(eng, s)
+        for s in sessions:
+            assert len((await s.generate(max_tokens=2, ignore_eos=True)).token_ids) == 2
+            await assert_equals_fresh_prefill(eng, s)
