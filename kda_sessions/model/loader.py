@@ -8,6 +8,7 @@ one tensor at a time, never the whole model.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -200,6 +201,13 @@ def _seeded(name: str, shape: tuple[int, ...], std: float) -> Tensor:
     return ((u * 2 - 1) * (std * math.sqrt(3.0))).float().view(shape)
 
 
+@functools.lru_cache(maxsize=1)
+def _tiny_random_cached(config_json: str) -> dict[str, Tensor]:
+    with torch.device("meta"):
+        model = HybridModel(ModelConfig.model_validate_json(config_json))
+    return _tiny_random_weights(model)
+
+
 def _tiny_random_weights(model: HybridModel) -> dict[str, Tensor]:
     cfg = model.config
     out: dict[str, Tensor] = {}
@@ -235,7 +243,9 @@ def load_model(
         with torch.device("meta"):
             model = HybridModel(cfg)
         if name == "tiny-random":
-            _assign(model, _tiny_random_weights(model), device, dtype)
+            # generated once per process (seconds of hashing), then copied: every engine owns its weights
+            tensors = {n: t.clone() for n, t in _tiny_random_cached(cfg.model_dump_json()).items()}
+            _assign(model, tensors, device, dtype)
             if torch.device(device).type == "cuda":
                 model.stack_experts()
             return model.eval()
