@@ -131,8 +131,13 @@ class KDAAttention(nn.Module):
         y = x @ w_in.t()  # [N, Dc + K + V + H]
         fg = y[:, Dc : Dc + K + V] @ w_gate.t()  # [N, H*K + H*V]: raw gate | output gate logits
         # causal conv over the last W - 1 pre-conv rows and the new one: [N, W, Dc]
-        seq = torch.cat([conv_state.index_select(0, slots), y[:, None, :Dc].to(conv_state.dtype)], dim=1)
-        conv_state[slots] = seq[:, 1:]
+        one = int(slots[0]) if N == 1 else None  # one sequence (a CPU syncs for free): its pool rows as views
+        tails = conv_state[one : one + 1] if one is not None else conv_state.index_select(0, slots)
+        seq = torch.cat([tails, y[:, None, :Dc].to(conv_state.dtype)], dim=1)
+        if one is not None:
+            tails.copy_(seq[:, 1:])
+        else:
+            conv_state[slots] = seq[:, 1:]
         qkv = torch.nn.functional.silu((seq.float() * conv_w.float()).sum(1))  # [N, Dc] float32
         q, k, v = qkv.view(N, -1).split([H * K, H * K, H * V], dim=-1)
         q, k, v = q.view(N, H, 1, K), k.view(N, H, 1, K), v.view(N, H, 1, V)
@@ -145,13 +150,14 @@ class KDAAttention(nn.Module):
             g = self.lower_bound * torch.sigmoid(-neg_a * raw)
         beta = torch.sigmoid(y[:, Dc + K + V :].float()).view(N, H, 1, 1)
         # one recurrence step per head: decay, delta update, read (KDA.md); S [N, H, K, V]
-        S = state.index_select(0, slots)
+        S = state[one : one + 1] if one is not None else state.index_select(0, slots)
         S.mul_(g.exp().view(N, H, K, 1))
         delta = (v - k @ S) * beta  # [N, H, 1, V]
-        S.add_(k.transpose(-1, -2) @ delta)
-        state[slots] = S
+        S.addcmul_(k.transpose(-1, -2), delta)  # the rank-one update k delta^T, broadcast
+        if one is None:
+            state[slots] = S
         o = q @ S  # [N, H, 1, V]
-        o = o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * self.o_norm.weight.float()
+        o = o * torch.rsqrt((o * o).sum(-1, keepdim=True) * (1.0 / V) + eps) * self.o_norm.weight.float()
         o = o.view(N, H * V) * torch.sigmoid(fg[:, H * K :].float())
         return self.o_proj(o.to(x.dtype))
 

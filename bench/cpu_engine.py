@@ -1,0 +1,183 @@
+"""``tiny`` on this CPU through the Engine, beside ``HybridModel.step`` alone and the machine's floor.
+
+    python bench/cpu_engine.py [--threads 1,2] [--reps 5] [--out FILE]
+
+For each torch thread count (``OMP_NUM_THREADS``) and each path, a fresh process: ``fast`` (the CPU paths of
+``model/kda.py`` and ``model/mla.py``: fused projections, absorbed MLA decode) and ``reference`` (every attention
+layer's ``fast_cpu`` off: separate linears and the kernels' naive twins, the path the fast one is tested against):
+- ``engine_decode``: one session holding 1,024 tokens generates 64 (greedy, ``ignore_eos``); tokens/s of the
+  fastest of ``--reps`` runs, and the share of its wall time spent inside ``HybridModel.step``.
+- ``engine_prefill``: one fresh session appends 4,096 tokens (the engine runs them in steps of its prefill budget).
+- ``step_decode``: ``HybridModel.step`` alone, one token per step at 1,024 tokens of context, as the engine calls it.
+- ``ops``: torch operators per decode step (every ``aten::`` call the profiler records, nested ones included) and
+  the matmuls among them: a count that does not depend on the machine's load.
+- ``floor``: measured in the same process: a float32 matmul's GFLOP/s (512 x 512 x 512) and a 256 MiB copy's
+  GB/s (read + write); decode's floor is the float32 weights read once per token at that rate, prefill's the
+  FLOPs per token (2 x parameters) at that matmul rate.
+
+The machine is shared: every figure is the best of ``--reps`` and comes with the 1-minute load average read
+just before it (``os.getloadavg``), so a reader can tell a quiet run from a contended one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def floor(model: Any) -> dict[str, Any]:
+    import torch
+
+    a = torch.randn(512, 512)
+    best = min(_timed(lambda: a @ a) for _ in range(20))
+    gflops = 2 * 512**3 / best / 1e9
+    src = torch.randn(64 * common.MIB)  # 256 MiB of float32
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    gbs = 2 * src.numel() * 4 / best / 1e9
+    params = common.model_params(model)
+    return {"matmul_gflops": round(gflops, 1), "copy_gbs": round(gbs, 2), "params_M": round(params / 1e6, 2),
+            "decode_floor_tok_s": round(gbs * 1e9 / (params * 4)), "prefill_floor_tok_s": round(gflops * 1e9 / (2 * params)),
+            "load": _load()}
+
+
+def _timed(fn: Any) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def step_decode(model: Any, reps: int) -> dict[str, Any]:
+    import torch
+    from model_cpu import PooledRunner
+
+    r = PooledRunner(model, 1, 1024 + (reps + 1) * 64 + 2)
+    nxt = r.feed([0], [common.random_tokens(1024, seed=1)]).argmax(-1).tolist()
+    best, load = float("inf"), _load()
+    with torch.no_grad():
+        for i in range(reps + 1):
+            t = time.perf_counter()
+            for _ in range(64):
+                nxt = r.feed([0], [nxt]).argmax(-1).tolist()
+            if i:  # the first block warms up
+                s = time.perf_counter() - t
+                if s < best:
+                    best, load = s, _load()
+    return {"context": 1024, "ms_per_step": round(1000 * best / 64, 2), "tok_per_s": round(64 / best, 1), "load": load}
+
+
+def ops_per_step(model: Any) -> dict[str, Any]:
+    import torch
+    from model_cpu import PooledRunner
+    from torch.profiler import profile
+
+    r = PooledRunner(model, 1, 1200)
+    nxt = r.feed([0], [common.random_tokens(1024, seed=1)]).argmax(-1).tolist()
+    with profile() as prof:
+        for _ in range(10):
+            nxt = r.feed([0], [nxt]).argmax(-1).tolist()
+    events = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    mm = sum(e.count for e in events if e.key in ("aten::mm", "aten::bmm", "aten::addmm"))
+    return {"aten_calls": sum(e.count for e in events) // 10, "matmuls": mm // 10,
+            "self_cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 10 / 1000, 2)}
+
+
+async def engine_runs(reps: int, fast: bool) -> dict[str, Any]:
+    import kda_sessions as ks
+    from kda_sessions.model import HybridModel
+
+    inside = {"s": 0.0}
+    step = HybridModel.step
+
+    def timed_step(self: HybridModel, *args: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return step(self, *args)
+        finally:
+            inside["s"] += time.perf_counter() - t
+
+    HybridModel.step = timed_step  # type: ignore[method-assign]
+    toks = [(i * 31) % 250 for i in range(4096)]
+    dec: dict[str, Any] = {"context": 1024, "tok_per_s": 0.0}
+    pre: dict[str, Any] = {"tokens": 4096, "tok_per_s": 0.0}
+    async with await ks.Engine.open(model="tiny", store="memory:", device="cpu") as engine:
+        set_fast(engine.model, fast)
+        for _ in range(reps + 1):
+            s = await engine.create_session()
+            load = _load()
+            t = time.perf_counter()
+            await s.append(toks)
+            rate = 4096 / (time.perf_counter() - t)
+            if rate > pre["tok_per_s"]:
+                pre.update(tok_per_s=round(rate), load=load)
+            await engine.delete_session(s.id)
+            s = await engine.create_session()
+            await s.append(toks[:1024])
+            load, inside["s"] = _load(), 0.0
+            t = time.perf_counter()
+            r = await s.generate(max_tokens=64, ignore_eos=True)
+            wall = time.perf_counter() - t
+            if len(r.token_ids) / wall > dec["tok_per_s"]:
+                dec.update(tok_per_s=round(len(r.token_ids) / wall, 1), ms_per_token=round(1000 * wall / len(r.token_ids), 2),
+                           in_step=round(inside["s"] / wall, 3), load=load)
+            await engine.delete_session(s.id)
+    return {"engine_decode": dec, "engine_prefill": pre}
+
+
+def set_fast(model: Any, on: bool) -> None:
+    for layer in model.model.layers:
+        layer.self_attn.fast_cpu = on
+
+
+def child(reps: int, fast: bool) -> dict[str, Any]:
+    import anyio
+    import torch
+
+    from kda_sessions.model import load_model
+
+    model = load_model("tiny")
+    set_fast(model, fast)
+    out: dict[str, Any] = {"threads": torch.get_num_threads(), "path": "fast" if fast else "reference"}
+    out["floor"] = floor(model)
+    out.update(anyio.run(engine_runs, reps, fast))
+    out["step_decode"] = step_decode(model, reps)
+    out["ops"] = ops_per_step(model)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--paths", default="reference,fast")
+    p.add_argument("--child", choices=["reference", "fast"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.reps, args.child == "fast")))
+        return
+    result: dict[str, Any] = {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "runs": []}
+    for n in args.threads:
+        for path in args.paths.split(","):
+            env = {**os.environ, "OMP_NUM_THREADS": str(n)}
+            res = subprocess.run([sys.executable, __file__, "--child", path, "--reps", str(args.reps)], env=env,
+                                 capture_output=True, text=True, check=True)
+            result["runs"].append(json.loads(res.stdout.strip().splitlines()[-1]))
+    common.emit(result, args.out)
+
+
+if __name__ == "__main__":
+    main()
