@@ -80,7 +80,6 @@ def step_decode(model: Any, reps: int) -> dict[str, Any]:
 
 
 def ops_per_step(model: Any) -> dict[str, Any]:
-    import torch
     from model_cpu import PooledRunner
     from torch.profiler import profile
 
