@@ -1,35 +1,73 @@
-"""kda_sessions: durable, resumable, forkable sessions for coding agents on a hybrid KDA + MLA model."""
+"""kda_sessions: durable, resumable, forkable sessions for coding agents on a hybrid KDA + MLA model.
+
+The client, the public types and the errors import without torch; the engine and the model (which need torch)
+load on first use of ``ks.Engine``, ``ks.Session``, ``ks.HybridModel``, ``ks.load_model`` or ``ks.save_model``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .client import Client
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
 from .engine.config import EngineConfig
-from .engine.engine import Engine
-from .engine.pool import OutOfPages, OutOfSlots
-from .engine.sampler import SamplingParams
-from .engine.scheduler import EngineBusy
-from .engine.types import (
-    CheckpointInfo,
-    Done,
-    Reply,
-    SessionInfo,
-    StreamEvent,
-    TokenDelta,
-    ToolCallEvent,
-    Usage,
-)
 from .errors import (
+    CheckpointError,
     CheckpointNotFound,
+    ConfigError,
+    EngineBusy,
     IncompatibleSnapshot,
     IntegrityError,
     KdaSessionsError,
+    OutOfPages,
+    OutOfSlots,
     SessionBusy,
     SessionNotFound,
     SnapshotConflict,
     StoreError,
     StoreUnavailable,
 )
-from .model import CheckpointError, HybridModel, load_model, save_model
-from .sessions.session import Session
+from .types import (
+    CheckpointInfo,
+    Done,
+    Reply,
+    SamplingParams,
+    SaveResult,
+    SessionInfo,
+    StreamEvent,
+    TokenDelta,
+    ToolCallEvent,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from .engine.engine import Engine
+    from .model import HybridModel, load_model, save_model
+    from .sessions.session import Session
+
+_LAZY = {
+    "Engine": "kda_sessions.engine.engine",
+    "HybridModel": "kda_sessions.model",
+    "Session": "kda_sessions.sessions.session",
+    "load_model": "kda_sessions.model",
+    "save_model": "kda_sessions.model",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Import the torch-backed names on first use, so ``import kda_sessions.client`` stays torch-free."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 
@@ -52,6 +90,7 @@ __all__ = [
     "OutOfSlots",
     "Reply",
     "SamplingParams",
+    "SaveResult",
     "Session",
     "SessionBusy",
     "SessionInfo",

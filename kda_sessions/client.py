@@ -19,48 +19,36 @@ import anyio
 import httpx
 from pydantic import TypeAdapter
 
-from .engine.pool import OutOfPages, OutOfSlots
-from .engine.scheduler import EngineBusy
-from .engine.types import (
+from .errors import (
+    AuthenticationError,
+    CheckpointNotFound,
+    EngineBusy,
+    IncompatibleSnapshot,
+    IntegrityError,
+    OutOfPages,
+    OutOfSlots,
+    ServerError,
+    ServerUnreachable,
+    SessionBusy,
+    SessionNotFound,
+    StoreUnavailable,
+)
+from .types import (
     CheckpointInfo,
     Done,
     Reply,
+    SaveResult,
     SessionInfo,
     StreamEvent,
     TokenDelta,
     ToolCallEvent,
     Usage,
 )
-from .errors import (
-    CheckpointNotFound,
-    IncompatibleSnapshot,
-    IntegrityError,
-    KdaSessionsError,
-    SessionBusy,
-    SessionNotFound,
-    StoreUnavailable,
-)
-from .storage import SaveResult
 
 SAMPLING_ARGS = frozenset({"max_tokens", "temperature", "seed", "stop", "top_p", "top_k", "logprobs", "ignore_eos"})
 _EVENT: TypeAdapter[StreamEvent] = TypeAdapter(TokenDelta | ToolCallEvent | Done)
-
-
-class AuthenticationError(KdaSessionsError, PermissionError):
-    """The server refused the API key (HTTP 401)."""
-
-
-class ServerError(KdaSessionsError):
-    """The server failed (HTTP 5xx other than 503) or answered something unexpected."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class ServerUnreachable(KdaSessionsError, ConnectionError):
-    """No connection to the server (after retries, for idempotent calls)."""
-
+# the client's own errors live in kda_sessions.errors; these names stay importable from here
+__all__ = ["AuthenticationError", "Client", "RemoteSession", "ServerError", "ServerUnreachable", "error_from_body"]
 
 _BY_CODE: dict[str, type[Exception]] = {
     "session_not_found": SessionNotFound,

@@ -9,9 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-
-class ConfigError(ValueError):
-    """A model config that is malformed or does not add up; the message names the field."""
+from .errors import ConfigError
 
 
 class LinearAttnConfig(BaseModel):

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol, runtime_checkable
 
-from .engine.types import CheckpointInfo, Reply, SessionInfo, StreamEvent, Usage
-from .storage import SaveResult
+from .types import CheckpointInfo, Reply, SaveResult, SessionInfo, StreamEvent, Usage
 
 
 @runtime_checkable

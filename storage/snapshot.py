@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from ..types import SaveResult
 from .backends.base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats, check_session_id
 from .backends.registry import DEFAULT_STORE_URL, open_store
 from .errors import (
@@ -41,18 +42,6 @@ _GC_BATCH = 256  # candidates checked for fresh touches at a time, right before 
 
 DEFAULT_GC_GRACE_S = 600.0
 _MAX_VERIFIED = 1_000_000  # digests remembered as verified (~120 MB); past it they are checked again
-
-
-@dataclass(frozen=True)
-class SaveResult:
-    """What one save wrote: blobs new to the store vs. ones it already had (dedup)."""
-
-    blobs_written: int
-    bytes_written: int
-    blobs_reused: int
-    manifest_bytes: int
-    generation: int = 0
-    """The generation now stored (the manifest's, unless an earlier uncertain commit had landed)."""
 
 
 @dataclass(frozen=True)

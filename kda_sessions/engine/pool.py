@@ -3,13 +3,7 @@ shares a full page only increments its count; a page returns to the free list wh
 
 from __future__ import annotations
 
-
-class OutOfSlots(RuntimeError):
-    """No free KDA state slot; the engine answers busy or evicts an idle session."""
-
-
-class OutOfPages(RuntimeError):
-    """No free KV page; the engine answers busy or evicts an idle session."""
+from ..errors import OutOfPages, OutOfSlots
 
 
 class SlotAllocator:

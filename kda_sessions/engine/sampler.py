@@ -7,56 +7,12 @@ greedily, and the scaled logits are shifted by their maximum first, so no temper
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-MIN_TEMPERATURE = 1e-5
-"""Temperatures below this sample as greedy: at such a temperature the distribution is the argmax anyway."""
-SEED_RANGE = (-(2**63), 2**64 - 1)
-"""What torch.Generator.manual_seed takes."""
+from ..types import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 64
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: list[str] | None = None
-    logprobs: bool = False
-    ignore_eos: bool = False
-    """Keep generating past end-of-turn tokens (benchmarks, raw continuation)."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if not _real(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not _real(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
-            raise ValueError(f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is not None:
-            if not all(isinstance(x, str) for x in self.stop):
-                raise ValueError(f"stop must be strings, got {self.stop!r}")
-            self.stop = [x for x in self.stop if x] or None  # an empty stop string would end every reply at once
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < MIN_TEMPERATURE
-
-
-def _real(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+__all__ = ["MIN_TEMPERATURE", "SEED_RANGE", "SamplingParams", "sample"]
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:

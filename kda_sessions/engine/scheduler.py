@@ -15,16 +15,13 @@ from dataclasses import dataclass, field
 import anyio
 import torch
 
+from ..errors import EngineBusy
 from ..sessions.state import Checkpoint, SessionState
 from .constraint import ToolChoiceConstraint
 from .sampler import SamplingParams
 
 MIN_SHARE = 64
 """Smallest prefill chunk a prompt is given in a step (smaller ones waste the step on overhead)."""
-
-
-class EngineBusy(RuntimeError):
-    """Too many requests are queued; retry later (HTTP 429/503)."""
 
 
 @dataclass(eq=False)  # compared by identity: a field-wise == would compare whole sessions

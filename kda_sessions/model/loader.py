@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from ..config import ModelConfig
+from ..errors import CheckpointError
 from .ffn import MoE
 from .model import HybridModel
 
@@ -32,10 +33,6 @@ BUILTIN_DIR = Path(__file__).resolve().parent.parent / "builtin"
 BUILTIN_MODELS = ("tiny-random", "tiny")
 # parameters kept in float32 whatever the model dtype: they feed exp/softplus or the router's selection
 FP32_PARAMS = ("A_log", "dt_bias", "e_score_correction_bias")
-
-
-class CheckpointError(ValueError):
-    """Missing, unexpected or mis-shaped tensors, or unreadable files; the message lists the names."""
 
 
 def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
