@@ -27,7 +27,7 @@ CALL_END = "<|tool_call_end|>"
 SECTION_END = "<|tool_calls_section_end|>"
 END_OF_TURN = "<|im_end|>"
 _SAMPLE_POOL = 512
-_CLOSING_RESERVE = 48  # tokens kept to finish the arguments and the envelope
+_ENVELOPE_AFTER_ARGS = 3  # CALL_END, SECTION_END, END_OF_TURN
 _CLOSING_ORDER = b'"}],:0tn[{'
 
 
@@ -145,7 +145,7 @@ class ToolChoiceConstraint:
             return arg, float(logprobs[arg])
         if kind == "args":
             self._allowed = json_prefix(self.buf, self.schemas[self.name])[1]
-        if kind == "args" and (len(self.buf) >= self.max_arg_bytes or remaining <= _CLOSING_RESERVE):
+        if kind == "args" and (len(self.buf) >= self.max_arg_bytes or self._must_close(remaining)):
             closing = self._closing_token()
             if closing is not None:
                 return closing, float(logprobs[closing])
@@ -158,8 +158,26 @@ class ToolChoiceConstraint:
         _, allowed = json_prefix(self.buf, self.schemas[self.name])
         if not allowed:
             return None
-        b = next((c for c in _CLOSING_ORDER if c in allowed), min(allowed))
+        b = _closing_byte(allowed)
         return next((t for t in self._byte_tokens() if self._token_bytes(t) == bytes([b])), None)
+
+    def _must_close(self, remaining: int) -> bool:
+        """The budget left is down to what the shortest end needs (and one token of slack)."""
+        if remaining > self.max_arg_bytes + _ENVELOPE_AFTER_ARGS + 1:  # more than any end can need
+            return False
+        return remaining <= self._tokens_to_finish() + 1
+
+    def _tokens_to_finish(self) -> int:
+        """Tokens the call still needs if steered to its shortest end now: the closing bytes (one token each at
+        most) and the envelope. The model writes freely until its budget comes down to this."""
+        buf, schema, n = self.buf, self.schemas[self.name], 0
+        while n < self.max_arg_bytes:
+            status, allowed = json_prefix(buf, schema)
+            if status == "complete" or not allowed:
+                break
+            buf += bytes([_closing_byte(allowed)])
+            n += 1
+        return n + _ENVELOPE_AFTER_ARGS
 
     def _byte_tokens(self) -> list[int]:
         if not hasattr(self, "_singles"):
@@ -180,6 +198,10 @@ class ToolChoiceConstraint:
         elif kind == "args" and json_prefix(self.buf, self.schemas[self.name])[0] == "complete":
             self.buf = b""
             self.step += 1
+
+
+def _closing_byte(allowed: set[int]) -> int:
+    return next((c for c in _CLOSING_ORDER if c in allowed), min(allowed))
 
 
 def _choose(logits: Tensor, valid: Callable[[int], bool], params: SamplingParams, generator: torch.Generator | None) -> int:

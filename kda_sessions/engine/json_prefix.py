@@ -4,8 +4,9 @@
 bytes). It drives constrained decoding of tool-call arguments: the model may only pick tokens that keep the
 arguments a valid prefix. Supported schema subset: type (object, array, string, number, integer, boolean,
 null, or a list of them), properties, required, additionalProperties, items, enum of strings; other keywords
-are not enforced while decoding (the finished call is still validated). Output is compact JSON: whitespace
-outside strings is not allowed, so the model cannot pad forever.
+are not enforced while decoding (the finished call is still validated). Outside strings the only whitespace
+allowed is one optional space after a ``:`` or a ``,``: compact JSON and ``json.dumps``'s default separators both
+pass (models learn one or the other), and the model cannot pad forever.
 
 ``check_schema(schema, where)`` is the admission check: it refuses (ValueError naming the keyword's path) a
 schema outside that subset's shapes, or one with a part that admits no value (an empty or unknown type, an
@@ -136,6 +137,11 @@ class _Parser:
         self.i += 1
         return c
 
+    def space(self, then: set[int] | frozenset[int]) -> None:
+        """One optional space (after a separator), then a byte of ``then``."""
+        if self.peek(set(then) | {ord(" ")}) == ord(" "):
+            self.i += 1
+
     def value(self, schema: dict[str, Any], follow: set[int]) -> None:
         types = _types(schema)
         first = {b for t in types for b in _FIRST[t]}
@@ -178,12 +184,14 @@ class _Parser:
             seen.add(key)
             self.take({ord(":")})
             sub = props.get(key, extra if isinstance(extra, dict) else {})
+            self.space({b for t in _types(sub) for b in _FIRST[t]})
             more = bool([k for k in props if k not in seen]) or extra is not False
             follow = ({ord(",")} if more else set()) | ({ord("}")} if required <= seen else set())
             self.value(sub, follow)
             c = self.take(follow)
             if c == ord("}"):
                 return
+            self.space({ord('"')})
             self.peek({ord('"')})
 
     def array(self, schema: dict[str, Any]) -> None:
@@ -199,6 +207,7 @@ class _Parser:
             self.value(items, {ord(","), ord("]")})
             if self.take({ord(","), ord("]")}) == ord("]"):
                 return
+            self.space(first)
 
     def string(self, options: list[bytes] | None, exclude: set[str] | frozenset[str] = frozenset()) -> str:
         """A string, returned decoded; with ``options`` (JSON-encoded enum values or property names) its raw bytes

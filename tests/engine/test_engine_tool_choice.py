@@ -24,7 +24,9 @@ SCHEMA = {
     "text, status",
     [
         (b"", "incomplete"), (b'{"pa', "incomplete"), (b'{"path":"a"}', "complete"), (b'{"n":1}', "bad"),
-        (b'{"path":"a","n":1.5', "bad"), (b'{"path": "a"}', "bad"), (b'{"path":"a","mode":"w', "bad"),
+        (b'{"path":"a","n":1.5', "bad"), (b'{"path": "a"}', "complete"),
+        (b'{"path":  "a"}', "bad"), (b'{ "path":"a"}', "bad"), (b'{"path" :"a"}', "bad"), (b'{"path":"a" }', "bad"),
+        (b'{"path": "a", "tags": ["x", "y"]}', "complete"), (b'{"path":"a", ', "incomplete"), (b'{"path":"a","mode":"w', "bad"),
         (b'{"path":"a","tags":["x",', "incomplete"), (b'{"path":"a","x":-1.5e+3}', "complete"),
         (b'{"path":"\\u00e9"}', "complete"), (b'{"path":"a","path', "bad"),
     ],
@@ -67,3 +69,19 @@ async def test_none_forbids_calls_and_bad_choices_are_refused():
         bare = await eng.create_session()
         with pytest.raises(ValueError, match="needs tools"):
             await bare.send("hi", tool_choice="required")
+
+
+@pytest.mark.parametrize("max_tokens", [40, 160])
+async def test_forced_call_is_the_call_the_model_makes_freely(max_tokens):
+    """`tiny` writes its arguments as json.dumps does ('": "'): a forced call must allow that spacing and must
+    not steer the arguments to an early end while the budget still has room, so it equals the free call."""
+    system, task = "You are a coding agent. Call tools to inspect files.", "What is the first entry of the project root?"
+    calls = {}
+    async with await ks.Engine.open(model="tiny", store="memory:") as engine:
+        for choice in ("auto", "required", "list_dir"):
+            s = await engine.create_session(system=system, tools=TOOL_SCHEMAS)
+            kw = {} if choice == "auto" else {"tool_choice": choice}
+            r = await s.send(task, max_tokens=max_tokens, **kw)
+            calls[choice] = [(c.function.name, c.function.arguments) for c in r.tool_calls]
+    assert calls["auto"] == [("list_dir", '{"path": "."}')]
+    assert calls["required"] == calls["auto"] and calls["list_dir"] == calls["auto"]
