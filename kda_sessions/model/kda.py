@@ -92,13 +92,7 @@ class KDAAttention(nn.Module):
 
     def _projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [T, D] -> (pre-conv q|k|v [T, Dc], raw gate logits [T, H*K], beta logits [T, H], output gate logits
-        [T, H*V]). On a CPU (``fast_cpu``) two matmuls over the fused weights; otherwise one linear each."""
-        if self._use_fast_cpu(x):
-            H, K, V, Dc = self.H, self.K, self.V, self.conv_dim
-            w_in, w_gate = self._cpu.get()[:2]
-            y = x @ w_in.t()  # [T, Dc + K + V + H]
-            fg = y[:, Dc : Dc + K + V] @ w_gate.t()  # [T, H*K + H*V]
-            return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
+        [T, H*V]), one linear each: for prefill a CPU runs these as fast as the fused matmul of ``_decode_cpu``."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))
 

@@ -1,6 +1,6 @@
-"""The CPU paths (fused projections; decode with absorbed MLA and a batched recurrence) against the reference
-path through separate linears and the kernels' naive twins: same logits to float rounding, same pooled states,
-same greedy tokens."""
+"""The CPU decode path (fused projections, absorbed MLA, a batched recurrence) against the reference path through
+separate linears and the kernels' naive twins: same logits to float rounding, same pooled states, same greedy
+tokens."""
 
 import pytest
 import torch
@@ -35,7 +35,7 @@ def test_fast_decode_matches_reference(model, lengths):
     for fast in (False, True):
         set_fast(model, fast)
         r = Runner(model, len(lengths), 120)
-        logits, _ = r.feed(seqs, prompts)  # prefill: the fused projections against separate linears
+        logits, _ = r.feed(seqs, prompts)  # prefill: the same path either way
         steps = [(None, logits)]
         for _ in range(12):  # greedy decode; the tokens are fed back, so a wrong step changes the rest
             nxt = logits.argmax(-1)
