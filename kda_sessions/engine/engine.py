@@ -84,7 +84,11 @@ class Engine:
             model, self.pools, self.pages, self.scheduler, tokenizer, self.mutex, self._deliver_from_thread,
             cuda_graphs=config.cuda_graphs,
         )
-        self.counters = {"prefill_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "resumes": 0, "forks": 0, "saves": 0}
+        self.counters = {
+            "prefill_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "resumes": 0, "forks": 0, "saves": 0,
+            # new sessions looked up in the prefix index, those started from a stored prefix, and its tokens
+            "prefix_cache_lookups": 0, "prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0,
+        }
         self.resume_seconds: list[float] = []
         self.closed = False
         self.runner.start()

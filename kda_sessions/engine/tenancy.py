@@ -124,14 +124,20 @@ class TenantEngine:
         return s
 
     async def _start_from_prefix(self, sid: str, tokens: list[int]) -> SessionState:
-        """A fresh session holding ``tokens``; starts from this tenant's longest indexed checkpoint prefix."""
+        """A fresh session holding ``tokens``; starts from the longest checkpointed prefix of them among all of
+        this tenant's sessions (held or stored), never another tenant's."""
         hit = self.io.index.longest(tokens)
+        counters = self.engine.counters
+        counters["prefix_cache_lookups"] += 1
         s: SessionState | None = None
         if hit is not None:
             try:
                 s = await self._fork_state(hit.session_id, hit.checkpoint, sid, hold_parent=False)
             except (SessionNotFound, CheckpointNotFound):
                 s = None
+            else:
+                counters["prefix_cache_hits"] += 1
+                counters["prefix_cache_hit_tokens"] += s.num_cached
         if s is None:
             s = SessionState(id=sid, tenant=self.tenant)
             await self.engine._make_resident(s)

@@ -169,6 +169,15 @@ class Session:
         parse_tool_choice(tool_choice, s.tools)  # a bad choice fails before the session changes
         response_schema(response_format)
         tok, tpl = eng.tokenizer, eng.template
+        checkpoints: list[Checkpoint] = []
+        head_name = f"msg-{len(s.messages) - 1}"
+        if s.messages and s.num_cached < s.num_tokens - 1 and head_name not in s.checkpoints:
+            # the end of what is pending before this turn (a new conversation's system prompt + tools): indexed
+            # once this prefill reaches it, so other conversations with the same head start from its state
+            checkpoints.append(Checkpoint(
+                name=head_name, position=s.num_tokens, state_pos=-1,
+                num_messages=len(s.messages), turn_open=s.turn_open,
+            ))
         ids: list[int] = encode_end_of_turn(tok, tpl) if s.turn_open else []
         body = encode_chat_delta(tok, messages, add_generation_prompt=False, template=tpl, history=s.messages, tools=s.tools)
         full = encode_chat_delta(tok, messages, add_generation_prompt=True, template=tpl, history=s.messages, tools=s.tools)
@@ -180,9 +189,9 @@ class Session:
         s.turn_open = False
         name = f"msg-{len(s.messages) - 1}"
         # the input's end: captured by this very prefill, from the state at that position
-        cp = Checkpoint(name=name, position=boundary, state_pos=-1, num_messages=len(s.messages))
+        checkpoints.append(Checkpoint(name=name, position=boundary, state_pos=-1, num_messages=len(s.messages)))
         try:
-            return await eng.start(s, params, checkpoints=[cp], on_token=on_token, on_finish=on_finish,
+            return await eng.start(s, params, checkpoints=checkpoints, on_token=on_token, on_finish=on_finish,
                                    tool_choice=tool_choice, response_format=response_format)
         except BaseException:  # refused before anything ran (bad max_tokens, no room): the session is as it was
             del s.tokens[undo[0] :]
@@ -251,11 +260,16 @@ class Session:
         return cp
 
     async def checkpoint(self, name: str) -> CheckpointInfo:
-        """Name the current position; ``engine.fork(session_id, checkpoint=name)`` continues from it."""
+        """Name the current position; ``engine.fork(session_id, checkpoint=name)`` continues from it. Tokens not
+        yet run through the model are prefilled first, so a fork from it re-runs nothing of its prefix."""
         if not name or name == "head" or name.startswith("__"):
             raise ValueError(f"checkpoint name must be non-empty, not 'head' and not start with '__', got {name!r}")
-        async with self.state.lock:
-            await self.engine._make_resident(self.state)
+        s = self.state
+        async with s.lock:
+            await self.engine._make_resident(s)
+            if s.num_cached < s.num_tokens - 1:  # pending tokens: prefill them so the checkpoint holds their state
+                work = await self.engine.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+                await self.engine.wait(work)
             cp = self._record_checkpoint(name)
             return CheckpointInfo(session_id=self.id, name=name, position=cp.position)
 

@@ -73,12 +73,13 @@ async def test_session_id_continues_with_new_messages_only(oai):
 async def test_full_history_resend_reuses_stored_prefix(oai):
     history = [SYSTEM, {"role": "user", "content": "a question nobody else asked"}]
     first = await oai.chat.completions.create(model="tiny-random", messages=history, max_tokens=3, temperature=0)
-    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # the shared system prompt may come from other conversations (prefix reuse across them); nothing after it
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - len(history[1]["content"])
     history += [{"role": "assistant", "content": first.choices[0].message.content},
                 {"role": "user", "content": "and a follow-up"}]
     second = await oai.chat.completions.create(model="tiny-random", messages=history, max_tokens=3, temperature=0)
     assert second.session_id != first.session_id
-    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 1
 
 
 async def test_tools_with_named_tool_choice_returns_a_valid_call(oai):

@@ -1,0 +1,36 @@
+"""A checkpoint named while tokens are pending holds their state: a fork from it re-prefills nothing of its prefix."""
+
+from __future__ import annotations
+
+import kda_sessions as ks
+
+PROMPT = list(range(40, 140))  # 100 byte tokens: several KV pages (page_size 16)
+
+
+async def test_checkpoint_before_any_prefill_holds_the_state():
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        s = await eng.create_session()
+        s.state.tokens.extend(PROMPT)  # pending, as after a create_session_from_messages with no call yet
+        info = await s.checkpoint("start")
+        assert info.position == len(PROMPT)
+        cp = s.state.checkpoints["start"]
+        assert cp.state_pos == cp.target == len(PROMPT) - 1
+        child = await eng.fork(s.id, checkpoint="start")
+        got = await child.generate(max_tokens=6, ignore_eos=True)
+        # only the prefix's last token is fed again (checkpoints keep the state one token short, for logits)
+        assert got.usage.prefill_tokens == 1
+        assert got.usage.cached_tokens == len(PROMPT) - 1
+        ref = await eng.create_session()
+        await ref.append(PROMPT)
+        want = await ref.generate(max_tokens=6, ignore_eos=True)
+        assert got.token_ids == want.token_ids
+
+
+async def test_checkpoint_of_a_new_chat_session_holds_its_head():
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        s = await eng.create_session(system="You are a careful coding agent. " * 4)
+        head = s.num_tokens
+        await s.checkpoint("head-named")
+        child = await eng.fork(s.id, checkpoint="head-named")
+        r = await child.send("hi", max_tokens=4, ignore_eos=True)
+        assert r.usage.cached_tokens == head - 1
