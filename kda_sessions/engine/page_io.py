@@ -108,8 +108,10 @@ class PageCodec:
                 futures.extend(hashes)
                 in_flight.append((host, hashes))
                 if len(in_flight) > 2:  # bound the pinned memory held: two chunks
-                    for f in in_flight.pop(0)[1]:
+                    oldest, oldest_hashes = in_flight.pop(0)
+                    for f in oldest_hashes:
                         f.result()
+                    del oldest  # freed only now: the hash threads read it through views that do not own it
             return [(f.result(), data) for f, data in zip(futures, blobs)]
 
     # -- load ------------------------------------------------------------------------------------------------

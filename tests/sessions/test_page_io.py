@@ -31,3 +31,25 @@ async def test_bulk_encode_matches_one_page_encoder_and_load_round_trips(monkeyp
             codec.load(fresh[:1], [foreign], "session 'x'")
         with pytest.raises(ks.IntegrityError):
             codec.load(fresh[:1], [got[0][1][:-2]], "session 'x'")
+
+
+async def test_digests_hold_while_hash_threads_lag_behind_the_copies(monkeypatch):
+    """Hash threads read each chunk's host buffer through views that do not own it: the buffer must live until
+    its hashes are done, however slow they are (a freed buffer reused by the next chunk gave wrong digests)."""
+    import hashlib
+    import time
+
+    monkeypatch.setattr(page_io, "CHUNK_BYTES", 1)  # one page a chunk: buffers are freed and reallocated often
+    real = page_io._page_digest
+
+    def slow_digest(header: bytes, payload: memoryview) -> str:
+        time.sleep(0.02)  # the next chunks are gathered and copied meanwhile
+        return real(header, payload)
+
+    monkeypatch.setattr(page_io, "_page_digest", slow_digest)
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        s = await eng.create_session()
+        await s.append([(i * 7) % 250 for i in range(12 * 16)])
+        codec = page_io.PageCodec(eng.pools, eng.model.config, eng.model.dtype)
+        got = codec.encode(s.state.pages[:12])
+    assert [d for d, _ in got] == [hashlib.sha256(data).hexdigest() for _, data in got]
