@@ -45,7 +45,8 @@ from .types import (
     Usage,
 )
 
-SAMPLING_ARGS = frozenset({"max_tokens", "temperature", "seed", "stop", "top_p", "top_k", "logprobs", "ignore_eos"})
+SAMPLING_ARGS = frozenset({"max_tokens", "temperature", "seed", "stop", "top_p", "top_k", "logprobs", "ignore_eos",
+                           "top_logprobs"})
 _EVENT: TypeAdapter[StreamEvent] = TypeAdapter(TokenDelta | ToolCallEvent | Done)
 # the client's own errors live in kda_sessions.errors; these names stay importable from here
 __all__ = ["AuthenticationError", "Client", "RemoteSession", "ServerError", "ServerUnreachable", "error_from_body"]
@@ -279,9 +280,10 @@ class RemoteSession:
         top_k: int = 0,
         logprobs: bool = False,
         ignore_eos: bool = False,
+        top_logprobs: int = 0,
     ) -> Reply:
         body = {"max_tokens": max_tokens, "temperature": temperature, "seed": seed, "stop": stop, "top_p": top_p,
-                "top_k": top_k, "logprobs": logprobs, "ignore_eos": ignore_eos}
+                "top_k": top_k, "logprobs": logprobs, "ignore_eos": ignore_eos, "top_logprobs": top_logprobs}
         return self._replied(Reply.model_validate(await self._call("/generate", body)))
 
     async def send(self, content: str, **sampling: Any) -> Reply:

@@ -34,6 +34,7 @@ class SessionLike(Protocol):
         top_k: int = 0,
         logprobs: bool = False,
         ignore_eos: bool = False,
+        top_logprobs: int = 0,
     ) -> Reply: ...
 
     async def send(self, content: str, **sampling: Any) -> Reply: ...

@@ -13,6 +13,7 @@ from pydantic import BaseModel, Field
 from .tokenizer import ToolCall
 
 MIN_TEMPERATURE = 1e-5
+MAX_TOP_LOGPROBS = 20
 """Temperatures below this sample as greedy: at such a temperature the distribution is the argmax anyway."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What torch.Generator.manual_seed takes."""
@@ -31,6 +32,8 @@ class SamplingParams:
     logprobs: bool = False
     ignore_eos: bool = False
     """Keep generating past end-of-turn tokens (benchmarks, raw continuation)."""
+    top_logprobs: int = 0
+    """With ``logprobs``: also the ``top_logprobs`` most likely tokens at each position (0-20), as in OpenAI."""
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -41,6 +44,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0, got {self.top_k!r}")
+        if (isinstance(self.top_logprobs, bool) or not isinstance(self.top_logprobs, int)
+                or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=True")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(f"seed must be an int in [-2**63, 2**64), got {self.seed!r}")
@@ -89,6 +97,11 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled"]
 
 
+class TopLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
 class Reply(BaseModel):
     session_id: str
     text: str
@@ -97,6 +110,9 @@ class Reply(BaseModel):
     finish_reason: FinishReason
     usage: Usage
     logprobs: list[float] | None = None
+    """With ``logprobs``: the log-probability of each generated token under the model."""
+    top_logprobs: list[list[TopLogprob]] | None = None
+    """With ``top_logprobs`` N: the N most likely tokens at each generated position, most likely first."""
 
 
 class TokenDelta(BaseModel):

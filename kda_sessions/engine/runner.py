@@ -309,6 +309,9 @@ class Runner:
         w.session.tokens.append(tok)  # pending: fed by the next decode step or the next call
         if w.params.logprobs:
             w.logprobs.append(lp)
+        if w.params.top_logprobs:
+            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), w.params.top_logprobs)
+            w.top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
         sampled.append((w, tok))
         if tok in self.tokenizer.eos_ids and not w.params.ignore_eos:
             w.finish_reason = "stop"

@@ -37,6 +37,7 @@ class Work:
     done_prefill: int = 0
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     finish_reason: str | None = None
     error: BaseException | None = None
     cancelled: bool = False

@@ -37,6 +37,8 @@ def sampling_args(req: ChatCompletionRequest, settings: ServerSettings) -> dict[
         "stop": req.stop,
         "logprobs": bool(req.logprobs),
     }
+    if req.top_logprobs:
+        args["top_logprobs"] = req.top_logprobs
     if req.response_format is not None and req.response_format.plain() is not None:
         args["response_format"] = req.response_format.plain()
     if req.ignore_eos:
@@ -110,13 +112,19 @@ def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
     return body
 
 
-def logprobs_body(token_ids: list[int], logprobs: list[float] | None, decode: Any) -> dict[str, Any] | None:
-    if logprobs is None:
+def logprobs_body(reply: Reply, decode: Any) -> dict[str, Any] | None:
+    """OpenAI's ``choices[i].logprobs``: each generated token, and the most likely ones at its position when
+    ``top_logprobs`` was asked for."""
+    if reply.logprobs is None:
         return None
-    content = []
-    for tok, lp in zip(token_ids, logprobs):
+
+    def entry(tok: int, lp: float) -> dict[str, Any]:
         text = decode([tok])
-        content.append({"token": text, "logprob": lp, "bytes": list(text.encode()), "top_logprobs": []})
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    tops = reply.top_logprobs or [[] for _ in reply.token_ids]
+    content = [{**entry(tok, lp), "top_logprobs": [entry(t.token_id, t.logprob) for t in top]}
+               for tok, lp, top in zip(reply.token_ids, reply.logprobs, tops)]
     return {"content": content, "refusal": None}
 
 

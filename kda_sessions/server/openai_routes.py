@@ -94,7 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
         raise
     decode = engine.tokenizer.decode
     answers = [(r, _checked_calls(request, r, tools, body.tool_choice),
-                logprobs_body(r.token_ids, r.logprobs, decode) if body.logprobs else None) for r in [reply, *more]]
+                logprobs_body(r, decode) if body.logprobs else None) for r in [reply, *more]]
     (r0, calls0, lp0), rest = answers[0], answers[1:]
     payload = completion_body(r0, calls0, model, new_completion_id(), lp0, more=rest)
     await tracker.tidy(view)

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..types import MAX_TOP_LOGPROBS
+
 MAX_CHOICES = 8
 """``n`` accepted by chat completions: each extra choice is a fork of the prompt's state."""
 
@@ -124,7 +126,7 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
     session_id: str | None = Field(default=None, max_length=128)
     """Extension: continue this session; ``messages`` are then only the new ones."""
@@ -136,8 +138,8 @@ class ChatCompletionRequest(BaseModel):
     def _check(self) -> ChatCompletionRequest:
         if self.n not in (None, 1) and self.stream:
             raise ValueError("n > 1 is served without streaming only; send stream=false or n=1")
-        if self.top_logprobs:
-            raise ValueError("top_logprobs is not supported; logprobs=true returns the sampled tokens' logprobs")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
         forced = self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
         if forced and self.response_format is not None and self.response_format.type != "text":
             raise ValueError("response_format cannot be combined with a tool_choice that forces a tool call")
@@ -216,6 +218,7 @@ class Sampling(BaseModel):
     stop: str | list[str] | None = None
     logprobs: bool = False
     ignore_eos: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
 
     def sampling(self) -> dict[str, Any]:
         return self.model_dump(include=set(Sampling.model_fields))

@@ -22,6 +22,7 @@ from ..tokenizer import (
     encode_end_of_turn,
     parse_assistant_output,
 )
+from ..types import TopLogprob
 from .prefix_index import PrefixHit
 from .state import Checkpoint, SessionState
 
@@ -78,9 +79,11 @@ class Session:
         top_k: int = 0,
         logprobs: bool = False,
         ignore_eos: bool = False,
+        top_logprobs: int = 0,
     ) -> Reply:
         """Continue the context with up to ``max_tokens`` new tokens (no chat template)."""
-        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, _stops(stop), logprobs, ignore_eos)
+        params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, _stops(stop), logprobs, ignore_eos,
+                                top_logprobs)
         async with self.state.lock:
             work = await self.engine.start(self.state, params)
             await self.engine.wait(work)
@@ -244,6 +247,8 @@ class Session:
         return Reply(
             session_id=self.id, text=text, token_ids=list(out), tool_calls=tool_calls, finish_reason=finish,  # type: ignore[arg-type]
             usage=usage, logprobs=list(work.logprobs) if work.params.logprobs else None,
+            top_logprobs=[[TopLogprob(token_id=t, logprob=lp) for t, lp in row] for row in work.top_logprobs]
+            if work.params.top_logprobs else None,
         )
 
     # -- checkpoints, save, fork -----------------------------------------------------------------------------
@@ -298,7 +303,7 @@ def _stops(stop: list[str] | str | None) -> list[str] | None:
 
 
 def _params(sampling: dict[str, Any]) -> SamplingParams:
-    allowed = {"max_tokens", "temperature", "seed", "stop", "top_p", "top_k", "logprobs", "ignore_eos"}
+    allowed = {"max_tokens", "temperature", "seed", "stop", "top_p", "top_k", "logprobs", "ignore_eos", "top_logprobs"}
     unknown = set(sampling) - allowed
     if unknown:
         raise TypeError(f"unknown sampling arguments {sorted(unknown)}; allowed: {sorted(allowed)}")

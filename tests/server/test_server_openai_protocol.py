@@ -191,3 +191,19 @@ def test_session_route_messages_take_response_format(server):
                                                                  "json_schema": {"name": "p", "schema": PERSON}}})
     assert r.status_code == 200, r.text
     assert validate_arguments(r.json()["text"], PERSON) == []
+
+
+async def test_top_logprobs_list_the_most_likely_tokens_at_each_position(oai):
+    r = await oai.chat.completions.create(model="tiny-random", messages=_user("hi"), max_tokens=4, temperature=0,
+                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+    content = r.choices[0].logprobs.content
+    assert len(content) == 4
+    for tok in content:
+        alts = tok.top_logprobs
+        assert len(alts) == 3 and [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
+        assert alts[0].token == tok.token and alts[0].logprob == pytest.approx(tok.logprob)  # greedy: the top one
+    with pytest.raises(openai.BadRequestError):  # OpenAI's rule: top_logprobs needs logprobs
+        await oai.chat.completions.create(model="tiny-random", messages=_user("hi"), max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError):
+        await oai.chat.completions.create(model="tiny-random", messages=_user("hi"), max_tokens=2, logprobs=True,
+                                          top_logprobs=21)
