@@ -168,17 +168,23 @@ _CHAT_HELP = ("commands: /help, /save, /checkpoint NAME, /fork NAME (continue in
 
 
 class _Progress:
-    """A one-line progress display on stderr (only on a terminal): prefill tokens done, or elapsed time."""
+    """A progress bar on stderr (tqdm; only on a terminal): prefill tokens done out of ``total``, or the time
+    elapsed on work with no count (loading, decode)."""
 
     def __init__(self, label: str, engine: Any = None, total: int | None = None) -> None:
         self.label, self.engine, self.total = label, engine, total
-        self.on = sys.stderr.isatty()
         self.task: Any = None
+        self.bar: Any = None
 
     async def __aenter__(self) -> _Progress:
-        self.t0 = time.perf_counter()
+        from tqdm import tqdm
+
+        counted = self.engine is not None and bool(self.total)
         self.base = self.engine.runner.tokens_prefilled if self.engine is not None else 0
-        if self.on:
+        self.bar = tqdm(total=self.total if counted else None, desc=self.label, unit=" tokens", file=sys.stderr,
+                        leave=False, disable=not sys.stderr.isatty(), dynamic_ncols=True,
+                        bar_format=None if counted else "{desc}: {elapsed}")
+        if not self.bar.disable:
             import asyncio
 
             self.task = asyncio.get_running_loop().create_task(self._tick())
@@ -187,17 +193,15 @@ class _Progress:
     async def _tick(self) -> None:
         while True:
             await anyio.sleep(0.2)
-            done = (self.engine.runner.tokens_prefilled - self.base) if self.engine is not None else 0
-            bar = ""
-            if self.total:
-                frac = min(done / self.total, 1.0)
-                bar = f" [{'#' * int(frac * 30):30s}] {done}/{self.total} tokens"
-            print(f"\r{self.label}{bar} {time.perf_counter() - self.t0:5.1f}s", end="", file=sys.stderr, flush=True)
+            if self.engine is not None and self.total:
+                self.bar.n = min(self.engine.runner.tokens_prefilled - self.base, self.total)
+            self.bar.refresh()
 
     def stop(self) -> None:
         if self.task is not None and not self.task.done():
             self.task.cancel()
-            print("\r\033[K", end="", file=sys.stderr, flush=True)
+        if self.bar is not None:
+            self.bar.close()
 
     async def __aexit__(self, *exc: object) -> None:
         self.stop()
