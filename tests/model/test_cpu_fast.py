@@ -88,3 +88,34 @@ def test_autograd_goes_through_the_parameters():
     y.sum().backward()
     for p in (layer.q_proj.weight, layer.f_b_proj.weight, layer.g_b_proj.weight, layer.b_proj.weight):
         assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_mla_decode_with_q_lora_matches_reference():
+    """The absorbed query also holds with a low-rank query (q_a_proj -> norm -> q_b_proj), N ragged sequences."""
+    import json
+
+    from kda_sessions.config import ModelConfig
+    from kda_sessions.model.loader import BUILTIN_DIR
+    from kda_sessions.model.mla import MLAttention
+
+    cfg = ModelConfig.from_dict({**json.loads((BUILTIN_DIR / "tiny.json").read_text()), "q_lora_rank": 48})
+    torch.manual_seed(0)
+    layer = MLAttention(cfg)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    P, lens = 16, [5, 23, 40]
+    pages = torch.zeros(8, P, cfg.latent_dim)
+    pages.normal_()
+    # pages out of order, and the first two sequences sharing pages (as forks do)
+    table = torch.tensor([[1, 3, 2, 0], [0, 1, 2, 3], [6, 7, 4, 5]], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    rows = torch.stack([table[n, (s - 1) // P].long() * P + (s - 1) % P for n, s in enumerate(lens)])
+    x = torch.randn(3, cfg.hidden_size)
+    out = {}
+    with torch.inference_mode():
+        for fast in (False, True):
+            layer.fast_cpu = fast
+            kv = pages.clone()
+            out[fast] = (layer.decode(x, table, seq_lens, rows, kv), kv)
+    assert rel_err(out[True][0], out[False][0]) < TOL
+    assert rel_err(out[True][1], out[False][1]) < TOL
