@@ -2,10 +2,15 @@
 separate linears and the kernels' naive twins: same logits to float rounding, same pooled states, same greedy
 tokens."""
 
+import json
+
 import pytest
 import torch
 
+from kda_sessions.config import ModelConfig
 from kda_sessions.model import HybridModel, load_model
+from kda_sessions.model.loader import BUILTIN_DIR
+from kda_sessions.model.mla import MLAttention
 
 from .helpers import Runner
 
@@ -92,12 +97,6 @@ def test_autograd_goes_through_the_parameters():
 
 def test_mla_decode_with_q_lora_matches_reference():
     """The absorbed query also holds with a low-rank query (q_a_proj -> norm -> q_b_proj), N ragged sequences."""
-    import json
-
-    from kda_sessions.config import ModelConfig
-    from kda_sessions.model.loader import BUILTIN_DIR
-    from kda_sessions.model.mla import MLAttention
-
     cfg = ModelConfig.from_dict({**json.loads((BUILTIN_DIR / "tiny.json").read_text()), "q_lora_rank": 48})
     torch.manual_seed(0)
     layer = MLAttention(cfg)
