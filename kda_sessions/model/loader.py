@@ -48,17 +48,17 @@ def _assign(model: HybridModel, tensors: dict[str, Tensor], device: str | torch.
         for n in set(expected) & set(tensors)
         if tuple(tensors[n].shape) != expected[n]
     )
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
-    if misshaped:
-        problems.append(f"mis-shaped tensors: {', '.join(misshaped)}")
-    if problems:
-        raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
+    _refuse_mismatch(missing, unexpected, misshaped)
     state = {n: t.to(device=device, dtype=_param_dtype(n, dtype)) for n, t in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
+
+
+def _refuse_mismatch(missing: list[str], unexpected: list[str], misshaped: list[str]) -> None:
+    """CheckpointError listing every tensor the checkpoint lacks, has in excess, or has in another shape."""
+    problems = [f"{what} tensors: {', '.join(names)}" for what, names in
+                (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if names]
+    if problems:
+        raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
 
 
 def _shard_files(path: Path) -> list[Path]:
@@ -160,15 +160,8 @@ def load_weights(model: HybridModel, files: list[Path], device: str | torch.devi
             raise
         except Exception as e:  # safetensors raises its own error types for corrupt headers
             raise CheckpointError(f"cannot read {fpath}: {e}") from None
-    problems = []
-    if missing := sorted(set(expected) - seen - {m.split(" ")[0] for m in misshaped}):
-        problems.append(f"missing tensors: {', '.join(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {', '.join(sorted(unexpected))}")
-    if misshaped:
-        problems.append(f"mis-shaped tensors: {', '.join(sorted(misshaped))}")
-    if problems:
-        raise CheckpointError("checkpoint does not match the config: " + "; ".join(problems))
+    missing = sorted(set(expected) - seen - {m.split(" ")[0] for m in misshaped})
+    _refuse_mismatch(missing, sorted(unexpected), sorted(misshaped))
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
     stats = LoadStats(nbytes, time.perf_counter() - t0, len(files))
