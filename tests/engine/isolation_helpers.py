@@ -78,3 +78,16 @@ async def wait_queued(eng: ks.Engine, n: int) -> None:
     with anyio.fail_after(10):
         while len(eng.scheduler.waiting) < n:
             await anyio.sleep(0.005)
+
+
+def collect(out: dict[str, object]):
+    """``go(name, call)`` for a task group: awaits ``call()`` and stores its result, or the exception it raised
+    (the tests inspect both), in ``out[name]``."""
+
+    async def go(name: str, call) -> None:  # type: ignore[no-untyped-def]
+        try:
+            out[name] = await call()
+        except Exception as e:  # the test inspects it
+            out[name] = e
+
+    return go

@@ -15,7 +15,7 @@ import kda_sessions as ks
 import kda_sessions.engine.runner as runner_module
 from kda_sessions.engine.constraint import ToolChoiceConstraint
 
-from .isolation_helpers import assert_equals_fresh_prefill, one_step, pool_state, prompt, wait_queued
+from .isolation_helpers import assert_equals_fresh_prefill, collect, one_step, pool_state, prompt, wait_queued
 
 CULPRIT_SEED = 4242
 TOOLS = [{"type": "function", "function": {"name": "grep", "parameters": {
@@ -37,12 +37,7 @@ async def co_batched(eng: ks.Engine, culprit: str, n_victims: int = 2) -> tuple[
     c = await eng.create_session(system="sys", tools=TOOLS)
     await c.append(prompt(7))
     out: dict[str, Any] = {}
-
-    async def go(name: str, call: Any) -> None:
-        try:
-            out[name] = await call()
-        except Exception as e:  # the test inspects it
-            out[name] = e
+    go = collect(out)
 
     async with anyio.create_task_group() as tg:
         with one_step(eng):

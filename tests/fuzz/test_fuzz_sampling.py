@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
-from engine.isolation_helpers import assert_equals_fresh_prefill, one_step, prompt, wait_queued
+from engine.isolation_helpers import assert_equals_fresh_prefill, collect, one_step, prompt, wait_queued
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -76,12 +76,7 @@ async def _co_batched(eng: ks.Engine, want: list[list[int]], culprit_call: str, 
         await v.append(prompt(i))
         victims.append(v)
     out: dict[str, Any] = {}
-
-    async def go(name: str, call: Any) -> None:
-        try:
-            out[name] = await call()
-        except Exception as e:  # the test inspects it
-            out[name] = e
+    go = collect(out)
 
     tools = None
     if culprit_call == "tool":

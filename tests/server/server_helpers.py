@@ -10,6 +10,16 @@ import uvicorn
 from kda_sessions.server import ServerSettings, build_app
 
 API_KEY = "test-key-0123456789"
+# a chat request's system message and one tool, shared by the OpenAI-protocol tests
+SYSTEM = {"role": "system", "content": "You are a coding agent."}
+READ_FILE = {
+    "type": "function",
+    "function": {
+        "name": "read_file",
+        "description": "Read a file",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+    },
+}
 
 
 class ServerThread:

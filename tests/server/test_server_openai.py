@@ -11,15 +11,7 @@ from kda_sessions.engine.types import Reply, Usage
 from kda_sessions.server import openai_routes
 from kda_sessions.tokenizer import FunctionCall, ToolCall, validate_arguments
 
-SYSTEM = {"role": "system", "content": "You are a coding agent."}
-READ_FILE = {
-    "type": "function",
-    "function": {
-        "name": "read_file",
-        "description": "Read a file",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-    },
-}
+from .server_helpers import READ_FILE, SYSTEM
 
 
 @pytest.fixture

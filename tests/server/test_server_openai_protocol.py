@@ -12,17 +12,8 @@ import pytest
 from kda_sessions.server.schemas import ChatMessage
 from kda_sessions.tokenizer import validate_arguments
 
-from .server_helpers import start_server
+from .server_helpers import READ_FILE, SYSTEM, start_server
 
-SYSTEM = {"role": "system", "content": "You are a coding agent."}
-READ_FILE = {
-    "type": "function",
-    "function": {
-        "name": "read_file",
-        "description": "Read a file",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
-    },
-}
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "admin": {"type": "boolean"}},
