@@ -1,12 +1,13 @@
-"""RMSNorm kernel against its twin under TRITON_INTERPRET=1: relative RMS error 1e-6 (float32), 1e-3 (float16)."""
+"""Norm kernels against their twins under TRITON_INTERPRET=1: relative RMS error 1e-6 (float32), 1e-3 (float16);
+bf16 on the GPU (gpu-marked) 1e-2."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kda_sessions.kernels.norm import rms_norm
-from kda_sessions.kernels.norm.naive import naive_rms_norm
+from kda_sessions.kernels.norm import add_rms_norm, gated_rms_norm, rms_norm
+from kda_sessions.kernels.norm.naive import naive_add_rms_norm, naive_gated_rms_norm, naive_rms_norm
 
 from .kernel_helpers import rel_rms
 
@@ -36,11 +37,52 @@ def test_rms_norm_of_a_strided_slice_and_validation() -> None:
         rms_norm(x, w[:8], 1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 48), (7, 100), (2, 3, 64)], ids=["1x48", "7x100", "2x3x64"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
+def test_add_rms_norm_matches_the_twin(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Both results: the sum exactly as x + h in x's dtype, the norm of that rounded sum."""
+    from kda_sessions.kernels.norm.triton_norm import add_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(len(shape) + 10)
+    x, h = ((torch.randn(shape, generator=gen) * 3).to(dtype) for _ in range(2))
+    w = torch.randn(shape[-1], generator=gen)
+    s, y = add_rms_norm_triton(x, h, w, 1e-5)
+    rs, ry = naive_add_rms_norm(x, h, w, 1e-5)
+    assert s.dtype == y.dtype == dtype and y.shape == x.shape
+    assert torch.equal(s, rs)
+    assert rel_rms(y, naive_rms_norm(rs.float(), w, 1e-5)) < (1e-6 if dtype == torch.float32 else 1e-3)
+    cs, cy = add_rms_norm(x, h, w, 1e-5)  # the CPU path (F.rms_norm)
+    assert torch.equal(cs, rs) and rel_rms(cy, ry) < 1e-3
+
+
+@pytest.mark.parametrize("T,H,V", [(1, 3, 16), (5, 4, 24), (33, 2, 128)], ids=["1x3x16", "5x4x24", "33x2x128"])
+def test_gated_rms_norm_matches_the_twin(T: int, H: int, V: int) -> None:
+    from kda_sessions.kernels.norm.triton_norm import gated_rms_norm_triton
+
+    gen = torch.Generator().manual_seed(T * V)
+    o = torch.randn(T, H, V, generator=gen) * 2
+    g = torch.randn(T, H, V, generator=gen) * 3
+    w = torch.randn(V, generator=gen)
+    ref = naive_gated_rms_norm(o, w, g, 1e-5, torch.float32)
+    assert rel_rms(gated_rms_norm_triton(o, w, g, 1e-5, torch.float32), ref) < 1e-6
+    y = gated_rms_norm_triton(o, w, g.half(), 1e-5, torch.float16)
+    assert y.dtype == torch.float16 and rel_rms(y, ref) < 1e-3
+    with pytest.raises(ValueError, match="gate must have"):
+        gated_rms_norm(o, w, g[:, :1], 1e-5, torch.float32)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("D", [512, 2304], ids=["D512", "D2304"])
-def test_rms_norm_bf16_on_the_gpu(D: int) -> None:
+def test_norms_bf16_on_the_gpu(D: int) -> None:
     gen = torch.Generator("cuda").manual_seed(D)
-    x = torch.randn(33, D, generator=gen, device="cuda").bfloat16()
+    x, h = (torch.randn(33, D, generator=gen, device="cuda").bfloat16() for _ in range(2))
     w = torch.randn(D, generator=gen, device="cuda").bfloat16()
     assert rel_rms(rms_norm(x, w, 1e-5), naive_rms_norm(x, w, 1e-5)) < 1e-2
+    s, y = add_rms_norm(x, h, w, 1e-5)
+    rs, ry = naive_add_rms_norm(x, h, w, 1e-5)
+    assert torch.equal(s, rs) and rel_rms(y, ry) < 1e-2
+    o, g = (torch.randn(33, 32, 128, generator=gen, device="cuda") for _ in range(2))
+    wv = torch.randn(128, generator=gen, device="cuda")
+    ref = naive_gated_rms_norm(o, wv, g.bfloat16(), 1e-5, torch.float32)
+    assert rel_rms(gated_rms_norm(o, wv, g.bfloat16(), 1e-5, torch.bfloat16), ref) < 1e-2
