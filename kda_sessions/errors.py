@@ -119,14 +119,51 @@ class ServerUnreachable(KdaSessionsError, ConnectionError):
     """No connection to the server (after retries, for idempotent calls)."""
 
 
+class TokenizerNotFound(KdaSessionsError, ValueError):
+    """Neither a built-in name nor a directory with a tokenizer file."""
+
+    def __init__(
+        self, path_or_name: str, looked_for: tuple[str, ...], builtin_names: tuple[str, ...] = ()
+    ) -> None:
+        self.path_or_name = path_or_name
+        self.looked_for = looked_for
+        super().__init__(
+            f"no tokenizer for {path_or_name!r}: not a built-in name {list(builtin_names)} and no "
+            f"{' or '.join(looked_for)} in that directory"
+        )
+
+
+class ChatTemplateError(KdaSessionsError, ValueError):
+    """Messages the template cannot render, or a template that cannot render incrementally."""
+
+
+class ToolCallParseError(KdaSessionsError, ValueError):
+    """A malformed tool-call envelope: returned in a list, not raised. `raw` is the offending text."""
+
+    def __init__(self, reason: str, raw: str = "") -> None:
+        self.reason = reason
+        self.raw = raw
+        super().__init__(f"{reason}: {raw!r}" if raw else reason)
+
+
+class ToolError(KdaSessionsError, ValueError):
+    """A tool call that cannot run (unknown tool, bad arguments, path outside the root)."""
+
+
+class InsecureBindError(KdaSessionsError, RuntimeError):
+    """The server would listen beyond this machine with no API key."""
+
+
 __all__ = [
     "AuthenticationError",
     "BlobNotFound",
+    "ChatTemplateError",
     "CheckpointError",
     "CheckpointNotFound",
     "ConfigError",
     "EngineBusy",
     "IncompatibleSnapshot",
+    "InsecureBindError",
     "IntegrityError",
     "KdaSessionsError",
     "ManifestNotFound",
@@ -139,4 +176,7 @@ __all__ = [
     "SnapshotConflict",
     "StoreError",
     "StoreUnavailable",
+    "TokenizerNotFound",
+    "ToolCallParseError",
+    "ToolError",
 ]

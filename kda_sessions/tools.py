@@ -13,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kda_sessions.errors import ToolError
+
 MAX_OUTPUT = 8000
 
 TOOL_SCHEMAS: list[dict[str, Any]] = [
@@ -88,10 +90,6 @@ def _numbered(lines: list[str], limit: int, start: int, count: int | None) -> st
         out.append(row)
         size += 1 + len(row)
     return "\n".join(out)
-
-
-class ToolError(ValueError):
-    """A tool call that cannot run (unknown tool, bad arguments, path outside the root)."""
 
 
 def _line_arg(name: str, v: Any) -> Any:

@@ -78,3 +78,16 @@ def test_lazy_names_resolve() -> None:
     assert set(ks.__all__) <= set(dir(ks))
     with pytest.raises(AttributeError):
         ks.NoSuchName  # noqa: B018
+
+
+def test_tokenizer_tool_and_server_errors_are_kda_sessions_errors() -> None:
+    from kda_sessions.server.auth import InsecureBindError
+    from kda_sessions.tokenizer.chat import ChatTemplateError
+    from kda_sessions.tokenizer.loader import TokenizerNotFound
+    from kda_sessions.tokenizer.tool_calls import ToolCallParseError
+    from kda_sessions.tools import ToolError
+
+    for cls in (InsecureBindError, ChatTemplateError, TokenizerNotFound, ToolCallParseError, ToolError):
+        assert issubclass(cls, ks.KdaSessionsError), cls.__name__
+        assert getattr(errors, cls.__name__) is cls
+    assert issubclass(ToolError, ValueError) and issubclass(InsecureBindError, RuntimeError)

@@ -6,11 +6,8 @@ import hashlib
 import hmac
 import ipaddress
 
+from ..errors import InsecureBindError
 from .settings import ServerSettings
-
-
-class InsecureBindError(RuntimeError):
-    """The server would listen beyond this machine with no API key."""
 
 
 def is_loopback(host: str) -> bool:

@@ -31,6 +31,7 @@ from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kda_sessions.errors import ChatTemplateError
 from kda_sessions.tokenizer.base import Segment, Tokenizer
 from kda_sessions.tokenizer.checkpoint_files import END_OF_TURN, read_tokenizer_config, token_content
 from kda_sessions.tokenizer.loader import BUILTIN_NAMES
@@ -80,10 +81,6 @@ BUILTIN_TEMPLATE = (
 # when content holds it literally. Undone in plain segments after splitting.
 _ESC = "\ue000"
 _UNESCAPE = re.compile(_ESC + "(.)", re.DOTALL)
-
-
-class ChatTemplateError(ValueError):
-    """Messages the template cannot render, or a template that cannot render incrementally."""
 
 
 class ChatTemplate:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kda_sessions.errors import TokenizerNotFound
 from kda_sessions.tokenizer.base import Tokenizer
 from kda_sessions.tokenizer.byte import ByteTokenizer
 from kda_sessions.tokenizer.checkpoint_files import read_tokenizer_config
@@ -11,18 +12,6 @@ from kda_sessions.tokenizer.checkpoint_files import read_tokenizer_config
 BUILTIN_NAMES = ("tiny-random", "tiny")
 HF_FILE = "tokenizer.json"
 TIKTOKEN_FILE = "tiktoken.model"
-
-
-class TokenizerNotFound(ValueError):
-    """Neither a built-in name nor a directory with a tokenizer file."""
-
-    def __init__(self, path_or_name: str, looked_for: tuple[str, ...]) -> None:
-        self.path_or_name = path_or_name
-        self.looked_for = looked_for
-        super().__init__(
-            f"no tokenizer for {path_or_name!r}: not a built-in name {list(BUILTIN_NAMES)} and no "
-            f"{' or '.join(looked_for)} in that directory"
-        )
 
 
 def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
@@ -45,4 +34,4 @@ def load_tokenizer(path_or_name: str | Path) -> Tokenizer:
             from kda_sessions.tokenizer.tiktoken_tok import TiktokenTokenizer
 
             return TiktokenTokenizer(path / TIKTOKEN_FILE, config=config)
-    raise TokenizerNotFound(str(path_or_name), (HF_FILE, TIKTOKEN_FILE))
+    raise TokenizerNotFound(str(path_or_name), (HF_FILE, TIKTOKEN_FILE), tuple(BUILTIN_NAMES))

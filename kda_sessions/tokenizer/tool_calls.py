@@ -20,6 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from kda_sessions.errors import ToolCallParseError
 from kda_sessions.tokenizer.base import Tokenizer
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
@@ -48,15 +49,6 @@ class ToolCall(BaseModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
-
-
-class ToolCallParseError(ValueError):
-    """A malformed envelope: returned in a list, not raised. `raw` is the offending text."""
-
-    def __init__(self, reason: str, raw: str = "") -> None:
-        self.reason = reason
-        self.raw = raw
-        super().__init__(f"{reason}: {raw!r}" if raw else reason)
 
 
 @dataclass(frozen=True)
