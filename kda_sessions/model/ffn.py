@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..kernels.moe import fused_moe, moe_route
-from ..kernels.norm import rms_norm
+from ..kernels.norm import add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,6 +19,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def residual(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+        """The residual add before this norm, fused with it: (x + h, norm(x + h)), x and h [..., D]."""
+        return add_rms_norm(x, h, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
+from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
 from .fused import DerivedWeights
 
@@ -171,6 +172,9 @@ class KDAAttention(nn.Module):
         """o [1, T, H, V], output gate logits og [T, H*V] -> gated head norm -> o_proj -> [T, D]."""
         T = x.shape[0]
         H, V = self.H, self.V
+        if o.is_cuda:  # norm, gate and cast in one kernel
+            o = gated_rms_norm(o[0], self.o_norm.weight, og.reshape(T, H, V), self.o_norm.eps, x.dtype)
+            return self.o_proj(o.reshape(T, H * V))
         o = self.o_norm(o[0]) * torch.sigmoid(og.reshape(T, H, V))  # [T, H, V]
         return self.o_proj(o.reshape(T, H * V).to(x.dtype))
 

@@ -96,24 +96,23 @@ class HybridModel(nn.Module):
         ck_kda: list[Tensor] = []
         ck_conv: list[Tensor] = []
         ik = im = 0
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            h = layer.input_layernorm(x)
+        layers = self._layers()
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
             if isinstance(layer.self_attn, KDAAttention):
-                h, s_at, c_at = layer.self_attn(h, batch, pools.kda[ik], pools.conv[ik])
+                a, s_at, c_at = layer.self_attn(h, batch, pools.kda[ik], pools.conv[ik])
                 if batch.checkpoint_positions is not None:
                     assert s_at is not None and c_at is not None
                     ck_kda.append(s_at)
                     ck_conv.append(c_at)
                 ik += 1
             else:
-                h = layer.self_attn(h, batch, pools.kv[im])
+                a = layer.self_attn(h, batch, pools.kv[im])
                 im += 1
-            x = x + h
-            x = x + layer.ffn(layer.post_attention_layernorm(x))
+            x, h = self._residual_norms(i, layer, x, a)
         if not batch.all_logits:
-            x = x[batch.cu_seqlens[1:] - 1]  # each sequence's last token
-        logits = self.lm_head(self.model.norm(x)).float()
+            h = h[batch.cu_seqlens[1:] - 1]  # each sequence's last token
+        logits = self.lm_head(h).float()
         checkpoints = None
         if batch.checkpoint_positions is not None:
             checkpoints = CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))
@@ -131,18 +130,31 @@ class HybridModel(nn.Module):
             kv_rows = inp.kv_rows(pools.page_size)  # [N] on the device
         x = self.model.embed_tokens(inp.input_ids)  # [N, D]
         ik = im = 0
-        for layer in self.model.layers:
-            assert isinstance(layer, DecoderLayer)
-            h = layer.input_layernorm(x)
+        layers = self._layers()
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
             if isinstance(layer.self_attn, KDAAttention):
-                h = layer.self_attn.decode(h, inp.slots, inp.cu_seqlens, pools.kda[ik], pools.conv[ik])
+                a = layer.self_attn.decode(h, inp.slots, inp.cu_seqlens, pools.kda[ik], pools.conv[ik])
                 ik += 1
             else:
-                h = layer.self_attn.decode(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im])
+                a = layer.self_attn.decode(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im])
                 im += 1
-            x = x + h
-            x = x + layer.ffn(layer.post_attention_layernorm(x))
-        return self.lm_head(self.model.norm(x)).float()
+            x, h = self._residual_norms(i, layer, x, a)
+        return self.lm_head(h).float()
+
+    def _layers(self) -> list[DecoderLayer]:
+        layers = list(self.model.layers)
+        assert all(isinstance(layer, DecoderLayer) for layer in layers)
+        return layers  # type: ignore[return-value]
+
+    def _residual_norms(self, i: int, layer: DecoderLayer, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
+        """Layer i's two residual adds from its attention output a, each fused with the norm that follows it
+        (the FFN's, then the next layer's input norm or the final norm): returns (x, the next normed input)."""
+        x, h = layer.post_attention_layernorm.residual(x, a)
+        layers = self.model.layers
+        norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+        assert isinstance(norm, RMSNorm)
+        return norm.residual(x, layer.ffn(h))
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor) -> Tensor:
