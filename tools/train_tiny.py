@@ -421,6 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--minutes", type=float, default=None, help="stop after this wall time")
+    ap.add_argument("--time-schedule", action="store_true",
+                    help="with --minutes: the cosine runs over the wall time left after the first step (on a fresh "
+                         "machine that step compiles and autotunes fla's kernels) instead of over --steps")
     ap.add_argument("--checkpoint-every", type=float, default=None, metavar="MIN",
                     help="save the weights and the log every MIN minutes of training (a killed run keeps them)")
     ap.add_argument("--seed", type=int, default=0)
@@ -520,9 +523,15 @@ def main(argv: list[str] | None = None) -> None:
         previous_handler = signal.signal(signal.SIGTERM, lambda signum, frame: terminated.append(signum))
     model.train()
     first = args.start_step + 1
+    if args.time_schedule and args.minutes is None:
+        raise SystemExit("--time-schedule needs --minutes")
+    t_first: float | None = None  # end of the first step: the time schedule starts there
     for step in range(first, args.steps + 1):
         warm = (step - args.start_step) / 20 if args.start_step else step / args.warmup
-        lr = args.lr * min(1.0, warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / args.steps))))
+        progress = step / args.steps
+        if args.time_schedule and t_first is not None:
+            progress = (time.perf_counter() - t_first) / max(1.0, args.minutes * 60 - (t_first - t0))
+        lr = args.lr * min(1.0, warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
         for group in opt.param_groups:
             group["lr"] = lr
         t_wait = time.perf_counter()
@@ -538,6 +547,8 @@ def main(argv: list[str] | None = None) -> None:
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens += ids.numel()
+        if t_first is None:
+            t_first = time.perf_counter()
         if step % 25 == 0 or step == first or step == args.steps:
             el = time.perf_counter() - t0
             entry = {"step": step, "loss": round(loss.item(), 4), "assistant_loss": round(mine.item(), 4),
