@@ -35,11 +35,14 @@ _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--store", "disk:", str, "snapshot store: disk:PATH (disk: alone is the user cache dir), redis://host:port/db, "
                               "memory:"),
     ("--device", "cpu", str, "torch device the model runs on: cpu, cuda, cuda:1"),
+    ("--dtype", "auto", str, "weights' dtype: auto (bfloat16 on CUDA, float32 on the CPU), float32, bfloat16, float16"),
     ("--max-active-sessions", None, int, "KDA state slots in the pools (EngineConfig.max_active_sessions, 64)"),
     ("--num-pages", None, int, "MLA latent KV pages in the pool (EngineConfig.num_pages, 4096)"),
     ("--page-size", None, int, "tokens per KV page (EngineConfig.page_size, 64)"),
     ("--ram-tier-mib", None, int, "host-RAM cache of snapshot blobs in MiB (EngineConfig.ram_tier_bytes, 1024)"),
     ("--lease-ttl", None, float, "seconds a session's write lease lasts (EngineConfig.lease_ttl_s; the store's, 30)"),
+    ("--page-wait", None, float, "seconds a request waits at admission for KV pages held by running requests "
+                                 "before a 503 (EngineConfig.page_wait_s, 30)"),
 ]
 _STORE_FLAGS = {"--store"}
 _DEFAULTS = {f.lstrip("-").replace("-", "_"): d for f, d, _, _ in _ENGINE_FLAGS} | {"enforce_eager": False}
@@ -75,9 +78,17 @@ def _engine_config(args: argparse.Namespace) -> Any:
     fields = {
         "max_active_sessions": get("max_active_sessions"), "num_pages": get("num_pages"), "page_size": get("page_size"),
         "ram_tier_bytes": None if get("ram_tier_mib") is None else get("ram_tier_mib") << 20,
-        "lease_ttl_s": get("lease_ttl"), "cuda_graphs": False if get("enforce_eager") else None,
+        "lease_ttl_s": get("lease_ttl"), "page_wait_s": get("page_wait"),
+        "cuda_graphs": False if get("enforce_eager") else None,
     }
     return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
+
+
+def _dtype(args: argparse.Namespace) -> Any:
+    """The weights' torch dtype for ``--dtype`` on ``--device`` (a bad name is a ConfigError naming it)."""
+    from .dtypes import resolve_dtype
+
+    return resolve_dtype(getattr(args, "dtype", "auto"), args.device)
 
 
 def _sub(sub: Any, name: str, text: str) -> argparse.ArgumentParser:
@@ -287,7 +298,8 @@ async def _chat(args: argparse.Namespace) -> None:
     tools = Tools(args.tools_dir) if args.tools_dir else None
     system = args.system if args.system is not None or tools is None else SYSTEM  # what tiny was trained with
     async with _Progress(f"loading {args.model}"):
-        engine = await Engine.open(model=args.model, store=args.store, device=args.device, config=_engine_config(args))
+        engine = await Engine.open(model=args.model, store=args.store, device=args.device, dtype=_dtype(args),
+                                   config=_engine_config(args))
     async with engine:
         async with _Progress("loading session"):
             if args.session:
@@ -421,7 +433,8 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     tokens = [(i * 31) % 250 for i in range(args.context)]
     out: dict[str, Any] = {"context": args.context, "model": args.model, "device": args.device}
     async with _Progress(f"loading {args.model}"):
-        engine = await Engine.open(model=args.model, store="memory:", device=args.device, config=_engine_config(args))
+        engine = await Engine.open(model=args.model, store="memory:", device=args.device, dtype=_dtype(args),
+                                   config=_engine_config(args))
     async with engine:
         s = await engine.create_session()
         async with _Progress("prefill", engine, total=args.context):
@@ -467,7 +480,7 @@ def _serve_settings(args: argparse.Namespace) -> Any:
     from .server.settings import ServerSettings
 
     return ServerSettings(
-        model=args.model, store=args.store, device=args.device, host=args.host, port=args.port, api_keys=args.api_key,
+        model=args.model, store=args.store, device=args.device, dtype=args.dtype, host=args.host, port=args.port, api_keys=args.api_key,
         engine=_engine_config(args), served_model_name=args.served_model_name, served_model_aliases=args.model_alias,
         default_max_tokens=args.default_max_tokens, save_chat_sessions=not args.no_save_chat_sessions,
         stateless_session_ttl_s=args.chat_session_idle, max_stateless_sessions=args.chat_sessions_in_memory,
@@ -487,7 +500,8 @@ def startup_summary(settings: Any) -> str:
             else "kept until deleted")
     saving = f"saved after every turn, {keep}" if settings.save_chat_sessions else "memory only (not saved)"
     return "\n".join([
-        f"kda-sessions serve: model {settings.model} (served as {settings.model_name!r}) on {settings.device}",
+        f"kda-sessions serve: model {settings.model} (served as {settings.model_name!r}) on {settings.device}, "
+        f"dtype {settings.dtype}",
         f"  store         {store}",
         f"  listening     http://{settings.host}:{settings.port}/v1"
         + ("  (API key required)" if settings.api_keys else "  (no API key: loopback only)"),
@@ -513,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "demo":
             from .demo import run_demo
 
-            anyio.run(lambda: run_demo(args.dir, model=args.model, store=args.store, config=_engine_config(args)))
+            anyio.run(lambda: run_demo(args.dir, model=args.model, store=args.store, config=_engine_config(args),
+                                        device=args.device, dtype=_dtype(args)))
         elif args.cmd == "sessions":
             anyio.run(_sessions, args)
         elif args.cmd == "bench":

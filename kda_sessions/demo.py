@@ -32,8 +32,11 @@ async def run_demo(
     say: Callable[[str], None] = print,
     max_tokens: int | None = None,
     config: EngineConfig | None = None,
+    device: str = "cpu",
+    dtype: Any = None,
 ) -> dict[str, Any]:
     root = Path(folder) if folder else Path(__file__).resolve().parent
+    where: dict[str, Any] = {"device": device} | ({} if dtype is None else {"dtype": dtype})
     tools = Tools(root)
     files = sorted(p.relative_to(root).as_posix() for p in root.rglob("*.py"))
     # files with top-level defs or classes (the kinds of question tiny was trained on: it answers "first def or
@@ -59,7 +62,7 @@ async def run_demo(
     # a byte-level tool call takes 60-150 tokens; random weights rarely make one, so they get short turns
     sampling = {"max_tokens": max_tokens or (16 if model == "tiny-random" else 160), "temperature": 0.0}
     outputs: list[str] = []
-    async with await Engine.open(model=model, store=store, config=config) as engine:
+    async with await Engine.open(model=model, store=store, config=config, **where) as engine:
         s = await engine.create_session(system=SYSTEM, tools=TOOL_SCHEMAS)
         for i, (question, name, args) in enumerate(turns):
             r = await s.send(question, **sampling)
@@ -94,7 +97,7 @@ async def run_demo(
         tokens = list(s.state.tokens)
 
     # a NEW engine: the session comes back from the store, no prefill
-    async with await Engine.open(model=model, store=store, config=config) as engine:
+    async with await Engine.open(model=model, store=store, config=config, **where) as engine:
         t0 = time.perf_counter()
         s2 = await engine.resume(sid)
         r = await s2.send("What next?", max_tokens=1)
@@ -111,7 +114,7 @@ async def run_demo(
         await b.save()
 
     # the same context re-prefilled from scratch, in an engine with nothing stored
-    async with await Engine.open(model=model, store="memory:", config=config) as engine:
+    async with await Engine.open(model=model, store="memory:", config=config, **where) as engine:
         fresh = await engine.create_session()
         t0 = time.perf_counter()
         await fresh.append(tokens)

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from ..dtypes import resolve_dtype
 from ..engine.engine import Engine
 from .auth import check_bind
 from .errors import install_error_handlers
@@ -35,7 +36,7 @@ def build_app(engine: Engine | None, settings: ServerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         owned = engine is None
         eng = engine or await Engine.open(model=settings.model, store=settings.store, device=settings.device,
-                                          config=settings.engine)
+                                          dtype=resolve_dtype(settings.dtype, settings.device), config=settings.engine)
         app.state.engine = eng
         log.info("serving %s (store %s) on %s:%d", settings.model_name, settings.store, settings.host, settings.port)
         try:

@@ -15,6 +15,8 @@ class ServerSettings(BaseModel):
     store: str = "disk:"
     """``disk:PATH``, ``redis://host:port/db`` or ``memory:``."""
     device: str = "cpu"
+    dtype: str = "auto"
+    """The weights' dtype: ``auto`` (bfloat16 on CUDA, float32 on the CPU), ``float32``, ``bfloat16``, ``float16``."""
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=0, le=65535)
     """0 picks a free port (tests)."""
@@ -59,6 +61,15 @@ class ServerSettings(BaseModel):
             if len(k.strip()) < 8:
                 raise ValueError("each API key must have at least 8 non-blank characters")
         return keys
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, name: str) -> str:
+        from ..dtypes import DTYPE_NAMES
+
+        if name not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {name!r}")
+        return name
 
     @property
     def model_name(self) -> str:
