@@ -4,9 +4,7 @@ cluster tests) one 3-node Redis Cluster on loopback."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +15,6 @@ import torch
 if not torch.cuda.is_available():  # (importing torch does not import triton)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# tests/ holds helpers shared by all test folders (redis_server.py)
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 from redis_server import (
     REDIS_CLI,
     REDIS_SERVER,

@@ -9,10 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from server.server_helpers import ServerThread, start_server
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples").glob("*.py"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
-from server_helpers import ServerThread, start_server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -5,18 +5,14 @@ with StoreUnavailable. A server that may evict keys is refused unless the url al
 from __future__ import annotations
 
 import random
-import sys
 import time
-from pathlib import Path
 
 import pytest
+from redis_server import REDIS_SERVER, start_redis_server
 from rel_helpers import Verifier, Zygote, dangling_references, read_log, wait_for
 
 import kda_sessions as ks
 from kda_sessions.storage import StoreError, open_store
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from redis_server import REDIS_SERVER, start_redis_server
 
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not on PATH")
 

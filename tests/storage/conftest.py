@@ -3,15 +3,11 @@
 
 from __future__ import annotations
 
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-
-# tests/ holds helpers shared by all test folders (no tests/__init__.py in this layout).
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from storage_helpers import open_redis
 
 from kda_sessions.storage.backends.base import BlobStore

@@ -204,7 +204,6 @@ async def test_crash_inside_compaction_leaves_a_redundant_pack_that_open_removes
 
 
 async def test_gc_spares_packed_blobs_of_live_and_in_flight_saves(tmp_path: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).parent))
     from storage_helpers import make_snapshot
 
     store = await DiskStore.open(tmp_path, pack_min_blobs=2)
