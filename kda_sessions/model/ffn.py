@@ -77,73 +77,118 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def stack_experts(self) -> None:
-        """Move the routed experts' weights into two stacked tensors, w13 [E, 2F, D] (w1 rows, then w3) and
-        w2 [E, D, F], which the experts' own parameters then view: memory is unchanged, checkpoint names too, and
-        the routed experts can run from them in place. On a GPU the routed experts then run in the fused MoE
-        kernels (``kernels.moe``), for decode and prefill alike, with no host sync. A later ``.to()`` of the
-        module breaks the views; the stacked path then turns itself off."""
+        """Move the routed experts' weights into two stacked tensors, w13 [E', 2F, D] (w1 rows, then w3) and
+        w2 [E', D, F], which the experts' own parameters then view: memory is unchanged, checkpoint names too, and
+        the experts can run from them in place. When the shared expert has the routed experts' width it is stacked
+        last (E' = E + 1, its gate/up/down views too) and runs as an always-on expert in the same launches. On a
+        GPU the layer then runs in the fused MoE kernels (``kernels.moe``), for decode and prefill alike, with no
+        host sync. A later ``.to()`` of the module breaks the views; the stacked path then turns itself off."""
         if not len(self.experts) or self._stacked_weights() is not None:
             return
         first = self.experts[0]
         assert isinstance(first, Expert)
         F_, D = first.w1.weight.shape
         E = len(self.experts)
-        w13 = first.w1.weight.new_empty(E, 2 * F_, D)
-        w2 = first.w2.weight.new_empty(E, D, F_)
+        shared = self._foldable_shared()
+        w13 = first.w1.weight.new_empty(E + (shared is not None), 2 * F_, D)
+        w2 = first.w2.weight.new_empty(E + (shared is not None), D, F_)
         for e, ex in enumerate(self.experts):
             assert isinstance(ex, Expert)
             w13[e, :F_].copy_(ex.w1.weight)
             w13[e, F_:].copy_(ex.w3.weight)
             w2[e].copy_(ex.w2.weight)
+        if shared is not None:
+            w13[E, :F_].copy_(shared.gate_proj.weight)
+            w13[E, F_:].copy_(shared.up_proj.weight)
+            w2[E].copy_(shared.down_proj.weight)
         self._view_stacked(w13, w2)
 
     def allocate_stacked(self, device: torch.device | str, dtype: torch.dtype) -> None:
-        """Give the routed experts uninitialised stacked storage (w13 [E, 2F, D], w2 [E, D, F]) that their
-        parameters view, for a loader to fill expert by expert (the model built on the meta device)."""
+        """Give the experts (the shared one too when it is stacked, see ``stack_experts``) uninitialised stacked
+        storage that their parameters view, for a loader to fill expert by expert (the model built on the meta
+        device)."""
         if not len(self.experts):
             return
         first = self.experts[0]
         assert isinstance(first, Expert)
         F_, D = first.w1.weight.shape
-        E = len(self.experts)
+        E = len(self.experts) + (self._foldable_shared() is not None)
         w13 = torch.empty(E, 2 * F_, D, device=device, dtype=dtype)
         w2 = torch.empty(E, D, F_, device=device, dtype=dtype)
         self._view_stacked(w13, w2)
 
+    def _foldable_shared(self) -> SwiGLU | None:
+        """The shared expert when it has the routed experts' shapes (then it can be stacked with them)."""
+        sh, first = self.shared_experts, self.experts[0]
+        assert isinstance(first, Expert)
+        if sh is None or sh.gate_proj.weight.shape != first.w1.weight.shape:
+            return None
+        if sh.down_proj.weight.shape != first.w2.weight.shape:
+            return None
+        return sh
+
     def _view_stacked(self, w13: Tensor, w2: Tensor) -> None:
         F_ = w2.shape[2]
+
+        def view(t: Tensor, like: Tensor) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=like.requires_grad)
+
         for e, ex in enumerate(self.experts):
             assert isinstance(ex, Expert)
-            grad = ex.w1.weight.requires_grad
-            ex.w1.weight = nn.Parameter(w13[e, :F_], requires_grad=grad)
-            ex.w3.weight = nn.Parameter(w13[e, F_:], requires_grad=grad)
-            ex.w2.weight = nn.Parameter(w2[e], requires_grad=grad)
+            ex.w1.weight = view(w13[e, :F_], ex.w1.weight)
+            ex.w3.weight = view(w13[e, F_:], ex.w3.weight)
+            ex.w2.weight = view(w2[e], ex.w2.weight)
+        if w13.shape[0] > len(self.experts):
+            sh = self.shared_experts
+            assert sh is not None
+            E = len(self.experts)
+            sh.gate_proj.weight = view(w13[E, :F_], sh.gate_proj.weight)
+            sh.up_proj.weight = view(w13[E, F_:], sh.up_proj.weight)
+            sh.down_proj.weight = view(w2[E], sh.down_proj.weight)
         self._stacked = (w13, w2)
 
-    def _stacked_weights(self) -> tuple[Tensor, Tensor] | None:
+    def _fused_weights(self) -> tuple[Tensor, Tensor, int | None] | None:
+        """(w13 [E', 2F, D], w2 [E', D, F], the shared expert's index E when it is stacked, else None), or None
+        when the parameters no longer view the stacked storage (moved or converted since)."""
         if self._stacked is None:
             return None
         w13, w2 = self._stacked
+        E = len(self.experts)
         first, last = self.experts[0], self.experts[-1]
         assert isinstance(first, Expert) and isinstance(last, Expert)
-        if first.w1.weight.data_ptr() != w13.data_ptr() or last.w2.weight.data_ptr() != w2[-1].data_ptr():
-            self._stacked = None  # the parameters were moved or converted since: the views no longer hold
+        views = [(first.w1.weight, w13[0]), (last.w2.weight, w2[E - 1])]
+        shared_id = E if w13.shape[0] > E else None
+        if shared_id is not None:
+            assert self.shared_experts is not None
+            views.append((self.shared_experts.down_proj.weight, w2[E]))
+        if any(p.data_ptr() != t.data_ptr() for p, t in views):
+            self._stacked = None
             return None
-        return w13, w2
+        return w13, w2, shared_id
+
+    def _stacked_weights(self) -> tuple[Tensor, Tensor] | None:
+        """The routed experts' stacked weights (w13 [E, 2F, D], w2 [E, D, F]), or None (see ``_fused_weights``)."""
+        fused = self._fused_weights()
+        if fused is None:
+            return None
+        E = len(self.experts)
+        return fused[0][:E], fused[1][:E]
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]. On a GPU with stacked experts: the fused MoE kernels (no host sync, CUDA-graph
-        safe); otherwise the loop over the experts that received tokens (one host sync; ``naive_fused_moe``)."""
+        safe), the shared expert among them when stacked; otherwise the loop over the experts that received
+        tokens (one host sync; ``naive_fused_moe``) and the shared expert on its own."""
+        fused = self._fused_weights() if x.is_cuda else None
+        shared_id = fused[2] if fused is not None else None
         chosen, weights = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
-                                    self.renormalize, self.scale)  # [T, k] each
-        stacked = self._stacked_weights() if x.is_cuda else None
-        if stacked is not None:
-            out = fused_moe(x, *stacked, chosen, weights)
+                                    self.renormalize, self.scale, shared_id)  # [T, k] each, [T, k + 1] shared
+        if fused is not None:
+            out = fused_moe(x, fused[0], fused[1], chosen, weights)
         else:
             out = torch.zeros_like(x)
             for e in torch.unique(chosen).tolist():
                 rows, slot = (chosen == e).nonzero(as_tuple=True)
                 out.index_add_(0, rows, self.experts[e](x[rows]) * weights[rows, slot, None])
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and shared_id is None:
             out = out + self.shared_experts(x)
         return out

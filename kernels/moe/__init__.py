@@ -34,13 +34,16 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
 
 
 def moe_route(
-    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float,
+    always_on: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The sigmoid router. x [T, D], gate [E, D] (the router's weight, x's dtype), bias [E]
     (``e_score_correction_bias``) -> (chosen [T, k] int64: the top k of ``sigmoid(x @ gate.T) + bias``, the
     logits in float32, best first; weights [T, k] in x's dtype: the chosen plain sigmoid scores, divided by their
-    sum when ``renormalize``, times ``scale``). CUDA tensors (k a power of two) go to two Triton kernels (their
-    float32 sums run in another order, so a near-tie between two experts may resolve the other way)."""
+    sum when ``renormalize``, times ``scale``). With ``always_on`` (an expert id, e.g. E for a shared expert stacked
+    after the routed ones) both are [T, k + 1], the last column that id with weight 1. CUDA tensors (k a power of
+    two) go to two Triton kernels (their float32 sums run in another order, so a near-tie between two experts may
+    resolve the other way)."""
     if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1] or bias.shape != (gate.shape[0],):
         raise ValueError(f"x must be [T, D], gate [E, D] and bias [E], got {tuple(x.shape)}, {tuple(gate.shape)}, "
                          f"{tuple(bias.shape)}")
@@ -49,8 +52,8 @@ def moe_route(
     if x.is_cuda and top_k & (top_k - 1) == 0 and gate.dtype == x.dtype and gate.stride(1) == 1:
         from .route import moe_route_triton
 
-        return moe_route_triton(x, gate, bias, top_k, renormalize, scale)
-    return naive_moe_route(x, gate, bias, top_k, renormalize, scale)
+        return moe_route_triton(x, gate, bias, top_k, renormalize, scale, always_on)
+    return naive_moe_route(x, gate, bias, top_k, renormalize, scale, always_on)
 
 
 __all__ = ["fused_moe", "moe_route"]

@@ -24,20 +24,25 @@ def naive_fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights:
     return out
 
 
-
 def naive_moe_route(
-    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float,
+    always_on: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """x [T, D], gate [E, D] (the router's weight), bias [E] (``e_score_correction_bias``) -> (chosen [T, k]
     int64: the top k of ``sigmoid(x @ gate.T) + bias`` (in float32), best first; weights [T, k] in x's dtype: the
-    chosen plain sigmoid scores, divided by their sum when ``renormalize``, times ``scale``)."""
+    chosen plain sigmoid scores, divided by their sum when ``renormalize``, times ``scale``). With ``always_on``
+    both get a last column k: that expert id with weight 1 (an expert every token runs, such as a shared one)."""
     scores = torch.sigmoid(x.float() @ gate.float().t())  # [T, E]
     bias = bias.float()
     _, chosen = torch.topk(scores + bias, top_k, dim=-1)
     weights = scores.gather(-1, chosen)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return chosen, (weights * scale).to(x.dtype)
+    weights = (weights * scale).to(x.dtype)
+    if always_on is not None:
+        chosen = torch.cat([chosen, chosen.new_full((chosen.shape[0], 1), always_on)], dim=1)
+        weights = torch.cat([weights, weights.new_ones(weights.shape[0], 1)], dim=1)
+    return chosen, weights
 
 
 __all__ = ["naive_fused_moe", "naive_moe_route"]

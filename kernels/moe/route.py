@@ -37,8 +37,8 @@ def _logits_kernel(x, w, out, T, E, D, stride_x, stride_w, BT: tl.constexpr, BE:
 
 @triton.jit
 def _route_kernel(
-    logits, bias, chosen, weights, E, scale,
-    K: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
+    logits, bias, chosen, weights, E, scale, always_on,
+    K: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, EXTRA: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, EP)
@@ -57,8 +57,12 @@ def _route_kernel(
         sel = tl.where(e == idx, float("-inf"), sel)
     if RENORM:
         w = w / (tl.sum(w, axis=0) + 1e-20)
-    tl.store(chosen + t * K + j, ids.to(tl.int64))
-    tl.store(weights + t * K + j, (w * scale).to(weights.dtype.element_ty))
+    KO: tl.constexpr = K + EXTRA  # the row width of chosen and weights
+    tl.store(chosen + t * KO + j, ids.to(tl.int64))
+    tl.store(weights + t * KO + j, (w * scale).to(weights.dtype.element_ty))
+    if EXTRA:
+        tl.store(chosen + t * KO + K, always_on.to(tl.int64))
+        tl.store(weights + t * KO + K, tl.full((), 1.0, tl.float32).to(weights.dtype.element_ty))
 
 
 def router_logits_triton(x: Tensor, gate: Tensor) -> Tensor:
@@ -78,19 +82,21 @@ def router_logits_triton(x: Tensor, gate: Tensor) -> Tensor:
 
 
 def moe_route_triton(
-    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float,
+    always_on: int | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """x [T, D], gate [E, D], bias [E] float32 -> (chosen [T, k] int64, weights [T, k] in x's dtype); see
-    ``naive_moe_route``. k must be a power of two."""
+    """x [T, D], gate [E, D], bias [E] float32 -> (chosen [T, k'] int64, weights [T, k'] in x's dtype), k' = k,
+    or k + 1 with ``always_on``; see ``naive_moe_route``. k must be a power of two."""
     assert top_k & (top_k - 1) == 0, "top_k must be a power of two"
     logits = router_logits_triton(x.contiguous(), gate)  # [T, E] float32
     T, E = logits.shape
     dtype = x.dtype
-    chosen = torch.empty(T, top_k, dtype=torch.int64, device=logits.device)
-    weights = torch.empty(T, top_k, dtype=dtype, device=logits.device)
+    extra = int(always_on is not None)
+    chosen = torch.empty(T, top_k + extra, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(T, top_k + extra, dtype=dtype, device=logits.device)
     if T:
-        _route_kernel[(T,)](logits, bias.float(), chosen, weights, E, scale, K=top_k, EP=triton.next_power_of_2(E),
-                            RENORM=renormalize, num_warps=4)
+        _route_kernel[(T,)](logits, bias.float(), chosen, weights, E, scale, always_on or 0, K=top_k,
+                            EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra, num_warps=4)
     return chosen, weights
 
 

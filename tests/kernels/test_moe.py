@@ -85,26 +85,32 @@ def test_fused_moe_half_precision() -> None:
 
 
 def test_fused_moe_runs_the_tiny_random_moe_layer() -> None:
-    """The kernels on a real MoE layer's stacked weights and routing equal the layer's own CPU loop."""
+    """The kernels on a real MoE layer's stacked weights, its shared expert stacked last and routed as an
+    always-on expert, equal the layer's own CPU loop plus its shared expert."""
+    from kda_sessions.kernels.moe import moe_route
     from kda_sessions.kernels.moe.fused_moe import MoeLaunch, fused_moe_triton
     from kda_sessions.model import load_model
     from kda_sessions.model.ffn import MoE
 
     model = load_model("tiny-random")
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    moe.stack_experts()
-    stacked = moe._stacked_weights()
-    assert stacked is not None and moe.shared_experts is not None
     x = torch.randn(9, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
     torch.set_grad_enabled(False)  # restored below; the layer's parameters require grad
-    scores = torch.sigmoid(x @ moe.gate.weight.t())
-    _, chosen = torch.topk(scores + moe.gate.e_score_correction_bias, moe.top_k, dim=-1)
-    w = scores.gather(-1, chosen)
-    w = w / w.sum(-1, keepdim=True) * moe.scale
-    out = fused_moe_triton(x, *stacked, chosen, w, MoeLaunch(16, 32, 32, 4, 1)) + moe.shared_experts(x)
-    ref = moe(x)
+    before = moe(x)
+    moe.stack_experts()
+    fused = moe._fused_weights()
+    assert fused is not None and moe.shared_experts is not None
+    w13, w2, shared_id = fused
+    E = len(moe.experts)
+    assert shared_id == E and w13.shape[0] == E + 1  # the shared expert has the routed experts' width
+    assert moe.shared_experts.down_proj.weight.data_ptr() == w2[E].data_ptr()
+    chosen, w = moe_route(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.top_k, moe.renormalize,
+                          moe.scale, shared_id)
+    out = fused_moe_triton(x, w13, w2, chosen, w, MoeLaunch(16, 32, 32, 4, 1))
+    ref = moe(x)  # the CPU path: the loop over the routed experts, then the shared expert
     shared = moe.shared_experts(x)
     torch.set_grad_enabled(True)
+    assert torch.equal(ref, before)
     assert rel_rms(out, ref) < TOL and rel_rms(shared, ref) > 0.1  # the routed experts contributed
 
 
@@ -156,12 +162,15 @@ def test_fused_moe_replays_in_a_cuda_graph(T: int) -> None:
     assert torch.equal(out, eager)
 
 
-ROUTE_CASES = [(1, 16, 4, True), (9, 256, 8, True), (5, 40, 2, False), (70, 80, 4, True)]
+ROUTE_CASES = [(1, 16, 4, True, False), (9, 256, 8, True, True), (5, 40, 2, False, True), (70, 80, 4, True, False)]
 
 
-@pytest.mark.parametrize("T,E,k,renorm", ROUTE_CASES, ids=[f"T{t}-E{e}-k{k}-{'renorm' if r else 'raw'}" for t, e, k, r in ROUTE_CASES])
-def test_route_kernels_match_the_twin(T: int, E: int, k: int, renorm: bool) -> None:
-    """Same experts in the same order (no near-ties in random scores) and the same weights."""
+@pytest.mark.parametrize("T,E,k,renorm,shared", ROUTE_CASES,
+                         ids=[f"T{t}-E{e}-k{k}-{'renorm' if r else 'raw'}{'-shared' if a else ''}"
+                              for t, e, k, r, a in ROUTE_CASES])
+def test_route_kernels_match_the_twin(T: int, E: int, k: int, renorm: bool, shared: bool) -> None:
+    """Same experts in the same order (no near-ties in random scores) and the same weights; with a shared expert
+    (always_on = E) a last column E with weight 1."""
     from kda_sessions.kernels.moe.naive import naive_moe_route
     from kda_sessions.kernels.moe.route import moe_route_triton
 
@@ -169,9 +178,13 @@ def test_route_kernels_match_the_twin(T: int, E: int, k: int, renorm: bool) -> N
     x = torch.randn(T, 48, generator=gen)
     gate = torch.randn(E, 48, generator=gen) / 4
     bias = torch.randn(E, generator=gen) * 0.1
-    chosen, w = moe_route_triton(x, gate, bias, k, renorm, 2.446)
-    rc, rw = naive_moe_route(x, gate, bias, k, renorm, 2.446)
+    always_on = E if shared else None
+    chosen, w = moe_route_triton(x, gate, bias, k, renorm, 2.446, always_on)
+    rc, rw = naive_moe_route(x, gate, bias, k, renorm, 2.446, always_on)
     assert torch.equal(chosen, rc) and rel_rms(w, rw) < TOL
+    assert chosen.shape == (T, k + shared)
+    if shared:
+        assert bool((chosen[:, -1] == E).all()) and bool((w[:, -1] == 1).all())
 
 
 @pytest.mark.gpu

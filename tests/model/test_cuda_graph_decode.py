@@ -297,3 +297,16 @@ def test_graph_replay_equals_eager_on_cuda():
     for x, y in zip(replay.pools.kda + replay.pools.kv, static.pools.kda + static.pools.kv):
         n = x.shape[0] - 1  # scratch excluded: its padded rows race by design
         assert rel_err(x[:n], y[:n]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_cuda_model_matches_the_cpu_model():
+    """float32: the GPU path (fused MoE with the shared expert stacked in, fused residual norms, KDA's fused
+    output norm) against the CPU path (expert loop, separate shared expert, torch norms): logits within 1e-3."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    cpu = load_model("tiny-random")
+    gpu = load_model("tiny-random", device="cuda", dtype=torch.float32)
+    ids = torch.randint(0, 272, (2, 40), generator=torch.Generator().manual_seed(7))
+    a, b = gpu(ids.cuda()).cpu(), cpu(ids)
+    assert rel_err(a, b) < 1e-3 and float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.95

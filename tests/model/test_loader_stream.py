@@ -45,6 +45,7 @@ def test_sharded_bf16_checkpoint_streams_in(tmp_path, reference) -> None:
         assert torch.equal(t.to(torch.bfloat16), ref[n]), n
     moes = [x for x in m.modules() if isinstance(x, MoE)]
     assert moes and all(x._stacked_weights() is not None for x in moes)  # experts loaded into stacked storage
+    assert all((f := x._fused_weights()) is not None and f[2] == len(x.experts) for x in moes)  # shared too
     ids = torch.arange(12).view(1, 12)
     assert torch.isfinite(m(ids)).all()
 
