@@ -77,7 +77,7 @@ class KDAAttention(nn.Module):
         if self._use_fast_cpu(x):
             return self._decode_cpu(x, slots, state, conv_state)
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
-        qkv, raw, b, og = self._projections(x)
+        qkv, raw, b, og = self._projections_merged(x) if x.is_cuda else self._projections(x)
         qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)
         conv_state[slots] = new_tail
         q, k, v, g, beta = self._qkv_gate(qkv, raw, b)
@@ -96,6 +96,16 @@ class KDAAttention(nn.Module):
         [T, H*V]), one linear each: for prefill a CPU runs these as fast as the fused matmul of ``_decode_cpu``."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))
+
+    def _projections_merged(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``_projections`` from the merged weights of ``_cpu_weights``: two matvecs instead of eight launches
+        (GPU decode: each small projection costs a launch and reads its weight at a fraction of the bandwidth)."""
+        H, K, V = self.H, self.K, self.V
+        Dc = self.conv_dim
+        w_in, w_gate = self._cpu.get()[:2]
+        y = x @ w_in.t()  # [N, Dc + K + V + H]
+        fg = y[:, Dc : Dc + K + V] @ w_gate.t()  # [N, H*K + H*V]: raw gate | output gate logits
+        return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
 
     def _cpu_sources(self) -> list[Tensor]:
         mods = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj, self.f_b_proj,

@@ -302,7 +302,8 @@ def test_graph_replay_equals_eager_on_cuda():
 @pytest.mark.gpu
 def test_cuda_model_matches_the_cpu_model():
     """float32: the GPU path (fused MoE with the shared expert stacked in, fused residual norms, KDA's fused
-    output norm) against the CPU path (expert loop, separate shared expert, torch norms): logits within 1e-3."""
+    output norm and merged decode projections) against the CPU path (expert loop, separate shared expert, torch
+    norms, the CPU decode): prefill and decode logits within 1e-3."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     cpu = load_model("tiny-random")
@@ -310,3 +311,19 @@ def test_cuda_model_matches_the_cpu_model():
     ids = torch.randint(0, 272, (2, 40), generator=torch.Generator().manual_seed(7))
     a, b = gpu(ids.cuda()).cpu(), cpu(ids)
     assert rel_err(a, b) < 1e-3 and float((a.argmax(-1) == b.argmax(-1)).float().mean()) > 0.95
+    on_gpu, on_cpu = twins(gpu, [5, 33, 70], seed=8)[0], twins(cpu, [5, 33, 70], seed=8)[0]
+    for step in range(3):
+        tokens = [step + 1, step + 20, step + 40]
+        x, y = on_gpu.eager_decode([0, 1, 2], tokens).cpu(), on_cpu.eager_decode([0, 1, 2], tokens)
+        assert rel_err(x, y) < 1e-3, step
+
+
+def test_merged_decode_projections_equal_the_separate_ones(model):
+    """The GPU decode's two matvecs over merged weights give the eight projections' outputs (run here on a CPU)."""
+    from kda_sessions.model.kda import KDAAttention
+
+    attn = next(m for m in model.modules() if isinstance(m, KDAAttention))
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        for merged, separate in zip(attn._projections_merged(x), attn._projections(x)):
+            assert merged.shape == separate.shape and rel_err(merged, separate) < 1e-5
