@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from ..gate.naive import gate_params, naive_kda_gate
+from .chunk_cpu import chunk_kda_cpu
 from .naive import naive_chunk_kda, naive_recurrent_kda
 
 
@@ -45,7 +47,9 @@ def chunk_kda(
     if use_gate_in_kernel:
         A_log, dt_bias, lower_bound = gate_params(q.shape[2], q.shape[3], A_log, dt_bias, lower_bound)
         g = naive_kda_gate(g, A_log, dt_bias, lower_bound)
-    return naive_chunk_kda(
+    # inference on a CPU: the batched form (in-place ops, no autograd); training keeps the obvious twin
+    chunked = chunk_kda_cpu if not torch.is_grad_enabled() else naive_chunk_kda
+    return chunked(
         q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
         use_qk_l2norm_in_kernel, checkpoint_positions,
     )

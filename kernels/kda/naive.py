@@ -33,7 +33,9 @@ def _split(
     return [(0, bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
 
 
-def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions):
+def prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions):
+    """Validate the arguments of the twins (and of ``chunk_cpu``); returns float32 q, k (l2-normed when asked), v,
+    g, beta, the scale and every sequence's (batch index, start, end)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     if k.shape != q.shape or g.shape != q.shape:
@@ -78,7 +80,7 @@ def naive_recurrent_kda(
     """The KDA recurrence one token at a time: decay, delta update, read (KDA.md). Returns
     ``(o [B, T, H, V], final_state [N, H, K, V] | None, checkpoint_states [M, H, K, V] | None)``."""
     out_dtype = v.dtype
-    q, k, v, g, beta, scale, seqs = _prepare(
+    q, k, v, g, beta, scale, seqs = prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
     )
     _, _, H, K = q.shape
@@ -157,7 +159,7 @@ def naive_chunk_kda(
     CPU the intra-chunk decay tensor [H, C, C, K] costs more than the per-chunk overhead saves (the Triton kernel
     uses 64; docs/benchmarks.md, "CPU prefill")."""
     out_dtype = v.dtype
-    q, k, v, g, beta, scale, seqs = _prepare(
+    q, k, v, g, beta, scale, seqs = prepare(
         q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
     )
     _, _, H, K = q.shape
