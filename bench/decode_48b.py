@@ -14,7 +14,10 @@ The floor counts the bytes a step reads at least: every non-routed weight once (
 shared experts, dense layer, lm_head), each routed expert chosen in the step once (its three matrices), the
 latent KV of every sequence, and the KDA states read and written; divided by 4.8 TB/s (the H200's HBM peak).
 
-    python bench/decode_48b.py --out $OUT/decode_48b.json                # on the device (about 4 minutes)
+The greedy check (fused MoE against its naive twin, same tokens) runs on a real-width model of ``--greedy-layers``
+layers: at 27 random layers bf16 rounding alone flips greedy tokens.
+
+    python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
     python bench/decode_48b.py --quick --device cpu                      # tiny sizes, to check the script
 """
 
@@ -49,7 +52,8 @@ def log(msg: str) -> None:
     print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
 
 
-def config(quick: bool) -> ModelConfig:
+def config(quick: bool, layers: int | None = None) -> ModelConfig:
+    """The 48B shape (``quick``: tiny sizes); ``layers`` keeps only the first that many layers (real width)."""
     if quick:
         D, L, H, E, k, Fw, dense, vocab = 64, 4, 2, 16, 4, 32, 128, 512
         kda, mla = [1, 2, 3], [4]
@@ -57,6 +61,9 @@ def config(quick: bool) -> ModelConfig:
         D, L, H, E, k, Fw, dense, vocab = 2304, 27, 32, 256, 8, 1024, 9216, 163840
         mla = [4, 8, 12, 16, 20, 24, 27]
         kda = [i for i in range(1, L + 1) if i not in mla]
+    if layers is not None:
+        L = min(L, layers)
+        kda, mla = [i for i in kda if i <= L], [i for i in mla if i <= L]
     return ModelConfig.from_dict({
         "model_type": "kimi_linear", "vocab_size": vocab, "hidden_size": D, "intermediate_size": dense,
         "moe_intermediate_size": Fw, "num_hidden_layers": L, "num_attention_heads": H, "kv_lora_rank": 512 if not quick else 32,
@@ -331,8 +338,9 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
     return out
 
 
-def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> list[dict]:
-    """The eager decode step (batch 1, context L) under the torch profiler: the top kernels by device time."""
+def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> dict:
+    """The eager decode step (batch 1, context L) under the torch profiler: kernel launches and device time per
+    step, and the top kernels by device time."""
     P = 64
     pages = -(-(L + 1) // P)
     pools = model.allocate_pools(1, pages, P)
@@ -350,21 +358,44 @@ def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> list
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t:
+        if t and e.device_type == torch.autograd.DeviceType.CUDA:
             rows.append({"name": e.key[:120], "calls_per_step": e.count / 3, "us_per_step": round(t / 3, 1)})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return rows[:top]
+    return {"kernels_per_step": sum(r["calls_per_step"] for r in rows),
+            "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
+
+
+def gemv_case(reps: int) -> list[dict]:
+    """cuBLAS ``x @ W.T`` at 1 and 8 rows for the step's non-routed weight shapes, as graph replays: GB/s of
+    weight read (what the decode step's dense matvecs achieve)."""
+    shapes = {"kda_in_merged": (12576, 2304), "kda_o_proj": (2304, 4096), "mla_q_proj": (6144, 2304),
+              "mla_o_proj": (2304, 4096), "dense_up": (9216, 2304), "lm_head": (163840, 2304),
+              "kda_gate_merged": (8192, 256), "expert_up": (1024, 2304)}
+    out = []
+    for name, (n, d) in shapes.items():
+        copies = max(1, int(2e8 // (n * d * 2)))  # cycle through > L2 of weights: every replay reads DRAM
+        ws = [torch.randn(n, d, device="cuda").bfloat16() for _ in range(copies)]
+        for T in (1, 8):
+            x = torch.randn(T, d, device="cuda").bfloat16()
+            us = graph_us(lambda x=x, ws=ws: [x @ w.t() for w in ws], reps) / copies
+            out.append({"name": name, "T": T, "N": n, "D": d, "us": round(us, 2),
+                        "GB_per_s": round(n * d * 2 / us / 1e3, 0)})
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
-    ap.add_argument("--cases", default="1x8192,1x131072,8x32768,32x32768", help="BATCHxCONTEXT, comma-separated")
-    ap.add_argument("--modes", default="fused,gather")
+    ap.add_argument("--cases", default="1x8192,1x131072,8x32768,32x32768,1x1048576",
+                    help="BATCHxCONTEXT, comma-separated")
+    ap.add_argument("--modes", default="fused", help="fused (the library), gather (the replaced MoE), comma-separated")
     ap.add_argument("--moe-tokens", default="1,8,32,256,2048", help="token counts of the MoE-layer-alone timings")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--greedy-steps", type=int, default=8, help="greedy steps, fused MoE vs its naive twin")
+    ap.add_argument("--greedy-layers", type=int, default=4,
+                    help="depth of the real-width model of the greedy check (27 random layers amplify bf16 rounding)")
+    ap.add_argument("--gemv", action="store_true", help="also time cuBLAS matvecs of the non-routed weight shapes")
     ap.add_argument("--profile", action="store_true", help="top kernels of the eager step at 1 x 8K")
     ap.add_argument("--sweep", action="store_true", help="also time the MoE layer under other tile sizes")
     ap.add_argument("--out", type=Path)
@@ -376,6 +407,19 @@ def main() -> None:
         if args.out is not None:
             args.out.write_text(json.dumps(results, indent=1))
 
+    if args.greedy_steps:
+        small = build(config(args.quick, args.greedy_layers), args.device)
+        results["greedy"] = {"layers": small.config.num_hidden_layers,
+                             **greedy_case(small, 8192 if not args.quick else 100, args.greedy_steps, args.device)}
+        log(json.dumps(results["greedy"]))
+        dump()
+        del small
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    if args.gemv and args.device == "cuda":
+        results["gemv"] = gemv_case(args.reps)
+        log(json.dumps(results["gemv"]))
+        dump()
     cfg = config(args.quick)
     model = build(cfg, args.device)
     results["params"] = sum(p.numel() for p in model.parameters())
@@ -386,13 +430,9 @@ def main() -> None:
             results["moe_layer"].append(moe_layer_case(model, T, args.reps, args.sweep))
             log(json.dumps(results["moe_layer"][-1]))
             dump()
-    if args.greedy_steps:
-        results["greedy"] = greedy_case(model, 8192 if not args.quick else 100, args.greedy_steps, args.device)
-        log(json.dumps(results["greedy"]))
-        dump()
     if args.profile and args.device == "cuda":
         results["profile_eager_1x8192"] = profile_case(model, 8192, args.device)
-        log(json.dumps(results["profile_eager_1x8192"][:12]))
+        log(json.dumps(results["profile_eager_1x8192"]))
         dump()
     results["decode"] = []
     for case in args.cases.split(","):
