@@ -365,9 +365,15 @@ def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> dict
             "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
 
 
+SKINNY_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 6), (64, 128, 8, 4), (16, 512, 4, 3), (8, 512, 4, 4)]
+
+
 def gemv_case(reps: int) -> list[dict]:
-    """cuBLAS ``x @ W.T`` at 1 and 8 rows for the step's non-routed weight shapes, as graph replays: GB/s of
-    weight read (what the decode step's dense matvecs achieve)."""
+    """``x @ W.T`` at 1 and 8 rows for the step's non-routed weight shapes, as graph replays, GB/s of weight
+    read: cuBLAS (what the decode step's dense matvecs achieve) beside ``kernels.linear``'s skinny kernel under
+    its default launch and the launches of SKINNY_SWEEP."""
+    from kda_sessions.kernels.linear.skinny import launch, skinny_linear_triton
+
     shapes = {"kda_in_merged": (12576, 2304), "kda_o_proj": (2304, 4096), "mla_q_proj": (6144, 2304),
               "mla_o_proj": (2304, 4096), "dense_up": (9216, 2304), "lm_head": (163840, 2304),
               "kda_gate_merged": (8192, 256), "expert_up": (1024, 2304)}
@@ -378,8 +384,15 @@ def gemv_case(reps: int) -> list[dict]:
         for T in (1, 8):
             x = torch.randn(T, d, device="cuda").bfloat16()
             us = graph_us(lambda x=x, ws=ws: [x @ w.t() for w in ws], reps) / copies
-            out.append({"name": name, "T": T, "N": n, "D": d, "us": round(us, 2),
-                        "GB_per_s": round(n * d * 2 / us / 1e3, 0)})
+            row = {"name": name, "T": T, "N": n, "D": d, "cublas_us": round(us, 2),
+                   "cublas_GB_per_s": round(n * d * 2 / us / 1e3, 0)}
+            for cfg in [launch(n, d), *SKINNY_SWEEP]:
+                try:
+                    t_us = graph_us(lambda x=x, ws=ws, c=cfg: [skinny_linear_triton(x, w, c) for w in ws], reps)
+                    row[f"skinny {cfg}"] = round(t_us / copies, 2)
+                except Exception as e:  # a launch the shape cannot take (shared memory): its error instead
+                    row[f"skinny {cfg}"] = type(e).__name__
+            out.append(row)
     return out
 
 
