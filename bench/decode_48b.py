@@ -366,27 +366,32 @@ def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> dict
 
 
 SKINNY_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 6), (64, 128, 8, 4), (16, 512, 4, 3), (8, 512, 4, 4)]
+SKINNY_SWEEP_N_MAJOR = [(64, 64, 4, 4), (128, 32, 4, 4), (128, 64, 8, 3), (64, 128, 4, 3), (256, 32, 8, 4)]
 
 
 def gemv_case(reps: int) -> list[dict]:
     """``x @ W.T`` at 1 and 8 rows for the step's non-routed weight shapes, as graph replays, GB/s of weight
     read: cuBLAS (what the decode step's dense matvecs achieve) beside ``kernels.linear``'s skinny kernel under
-    its default launch and the launches of SKINNY_SWEEP."""
+    its default launch and the launches of SKINNY_SWEEP. ``_t`` rows hold the weight as [D, N] (the layout of the
+    merged KDA weights)."""
     from kda_sessions.kernels.linear.skinny import launch, skinny_linear_triton
 
-    shapes = {"kda_in_merged": (12576, 2304), "kda_o_proj": (2304, 4096), "mla_q_proj": (6144, 2304),
-              "mla_o_proj": (2304, 4096), "dense_up": (9216, 2304), "lm_head": (163840, 2304),
-              "kda_gate_merged": (8192, 256), "expert_up": (1024, 2304)}
+    shapes = {"kda_in_merged": (12576, 2304), "kda_in_merged_t": (12576, 2304), "kda_o_proj": (2304, 4096),
+              "mla_q_proj": (6144, 2304), "dense_up": (9216, 2304), "lm_head": (163840, 2304),
+              "kda_gate_merged_t": (8192, 256), "expert_up": (1024, 2304)}
     out = []
     for name, (n, d) in shapes.items():
+        n_major = name.endswith("_t")
         copies = max(1, int(2e8 // (n * d * 2)))  # cycle through > L2 of weights: every replay reads DRAM
         ws = [torch.randn(n, d, device="cuda").bfloat16() for _ in range(copies)]
+        if n_major:
+            ws = [w.t().contiguous().t() for w in ws]  # [N, D] views of [D, N] storage
         for T in (1, 8):
             x = torch.randn(T, d, device="cuda").bfloat16()
             us = graph_us(lambda x=x, ws=ws: [x @ w.t() for w in ws], reps) / copies
             row = {"name": name, "T": T, "N": n, "D": d, "cublas_us": round(us, 2),
                    "cublas_GB_per_s": round(n * d * 2 / us / 1e3, 0)}
-            for cfg in [launch(n, d), *SKINNY_SWEEP]:
+            for cfg in [launch(n, d, n_major), *(SKINNY_SWEEP_N_MAJOR if n_major else SKINNY_SWEEP)]:
                 try:
                     t_us = graph_us(lambda x=x, ws=ws, c=cfg: [skinny_linear_triton(x, w, c) for w in ws], reps)
                     row[f"skinny {cfg}"] = round(t_us / copies, 2)

@@ -12,10 +12,11 @@ MAX_ROWS = 16
 
 
 def skinny_linear(x: Tensor, w: Tensor) -> Tensor:
-    """x [T, D], w [N, D] (same dtype) -> [T, N] in x's dtype."""
+    """x [T, D], w [N, D] (same dtype; either dimension contiguous, so ``w_t.t()`` of a [D, N] weight serves)
+    -> [T, N] in x's dtype."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [T, D] and w [N, D], got {tuple(x.shape)}, {tuple(w.shape)}")
-    if x.is_cuda and x.shape[0] <= MAX_ROWS and w.stride(1) == 1 and w.dtype == x.dtype:
+    if x.is_cuda and x.shape[0] <= MAX_ROWS and 1 in w.stride() and w.dtype == x.dtype:
         from .skinny import skinny_linear_triton
 
         return skinny_linear_triton(x, w)

@@ -23,9 +23,12 @@ def test_skinny_linear_matches_the_twin(T: int, N: int, D: int, dtype: torch.dty
     x = torch.randn(T, D, generator=gen)
     w = torch.randn(N, D, generator=gen) / D**0.5
     ref = naive_linear(x, w)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
     y = skinny_linear_triton(x.to(dtype), w.to(dtype), (16, 32, 4, 1))
     assert y.dtype == dtype and y.shape == (T, N)
-    assert rel_rms(y, ref) < (1e-5 if dtype == torch.float32 else 1e-3)
+    assert rel_rms(y, ref) < tol
+    w_t = w.to(dtype).t().contiguous()  # a [D, N] weight, passed as its [N, D] view
+    assert rel_rms(skinny_linear_triton(x.to(dtype), w_t.t(), (16, 32, 4, 1)), ref) < tol
     with pytest.raises(ValueError, match="x must be"):
         skinny_linear(x, w[:, :-1])
 
@@ -38,4 +41,6 @@ def test_skinny_linear_bf16_on_the_gpu(T: int) -> None:
     for N, D in [(12576, 2304), (2304, 4096), (163840, 2304)]:
         x = torch.randn(T, D, generator=gen, device="cuda").bfloat16()
         w = (torch.randn(N, D, generator=gen, device="cuda") / D**0.5).bfloat16()
-        assert rel_rms(skinny_linear(x, w), naive_linear(x.float(), w.float())) < 1e-2
+        ref = naive_linear(x.float(), w.float())
+        assert rel_rms(skinny_linear(x, w), ref) < 1e-2
+        assert rel_rms(skinny_linear(x, w.t().contiguous().t()), ref) < 1e-2  # the [D, N] layout
