@@ -137,8 +137,9 @@ async def engine_runs(reps: int, fast: bool) -> dict[str, Any]:
 
 
 def set_fast(model: Any, on: bool) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.fast_cpu = on
+    for m in model.modules():  # attention layers and dense FFNs
+        if hasattr(m, "fast_cpu"):
+            m.fast_cpu = on
 
 
 def child(reps: int, fast: bool) -> dict[str, Any]:

@@ -37,6 +37,8 @@ class KDAAttention(nn.Module):
         self.o_norm = _HeadNorm(V, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
         self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
+        self._cpu_out = DerivedWeights(lambda: [self.o_proj.weight], lambda: (self.o_proj.weight.t(),))
+        """o_proj [H*V, D] for ``x @ w`` (CPU decode only: a GPU decode uses the merged inputs, not this copy)."""
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
 
@@ -103,8 +105,8 @@ class KDAAttention(nn.Module):
         H, K, V = self.H, self.K, self.V
         Dc = self.conv_dim
         w_in, w_gate = self._cpu.get()[:2]
-        y = x @ w_in.t()  # [N, Dc + K + V + H]
-        fg = y[:, Dc : Dc + K + V] @ w_gate.t()  # [N, H*K + H*V]: raw gate | output gate logits
+        y = x @ w_in  # [N, Dc + K + V + H]
+        fg = y[:, Dc : Dc + K + V] @ w_gate  # [N, H*K + H*V]: raw gate | output gate logits
         return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
 
     def _cpu_sources(self) -> list[Tensor]:
@@ -113,9 +115,12 @@ class KDAAttention(nn.Module):
         return [m.weight for m in mods] + [self.A_log, self.dt_bias]
 
     def _cpu_weights(self) -> tuple[Tensor, ...]:
-        """(w_in [Dc + K + V + H, D]: q | k | v | f_a | g_a | b rows; w_gate [H*K + H*V, K + V]: f_b and g_b
+        """(w_in [D, Dc + K + V + H]: q | k | v | f_a | g_a | b columns; w_gate [K + V, H*K + H*V]: f_b and g_b
         block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [W, Dc]; neg_a [H*K]
-        = -exp(A_log) per channel; dt_bias [H*K] float32)."""
+        = -exp(A_log) per channel; dt_bias [H*K] float32).
+
+        Matmul weights are stored [in, out] (``x @ w``): a CPU's one-row matmul reads that layout about a third
+        faster than a linear's [out, in] (bench/cpu_paths.py, ``decode_layout``)."""
         H, K, V = self.H, self.K, self.V
         w_in = torch.cat([m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
                                              self.b_proj)])
@@ -123,7 +128,7 @@ class KDAAttention(nn.Module):
         w_gate[: H * K, :K] = self.f_b_proj.weight
         w_gate[H * K :, K:] = self.g_b_proj.weight
         a = self.A_log.float().view(H, 1).exp().expand(H, K).reshape(H * K)
-        return w_in, w_gate, self.conv_weight().t(), -a, self.dt_bias.float()
+        return w_in.t(), w_gate.t(), self.conv_weight().t(), -a, self.dt_bias.float()
 
     def _decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
         """``decode`` on a CPU in few, large ops (a step there is bound by per-op overhead): one matmul for the
@@ -133,8 +138,8 @@ class KDAAttention(nn.Module):
         H, K, V, eps = self.H, self.K, self.V, self.eps
         Dc = self.conv_dim
         w_in, w_gate, conv_w, neg_a, dt_bias = self._cpu.get()
-        y = x @ w_in.t()  # [N, Dc + K + V + H]
-        fg = y[:, Dc : Dc + K + V] @ w_gate.t()  # [N, H*K + H*V]: raw gate | output gate logits
+        y = x @ w_in  # [N, Dc + K + V + H]
+        fg = y[:, Dc : Dc + K + V] @ w_gate  # [N, H*K + H*V]: raw gate | output gate logits
         # causal conv over the last W - 1 pre-conv rows and the new one: [N, W, Dc]
         one = int(slots[0]) if N == 1 else None  # one sequence (a CPU syncs for free): its pool rows as views
         tails = conv_state[one : one + 1] if one is not None else conv_state.index_select(0, slots)
@@ -164,7 +169,7 @@ class KDAAttention(nn.Module):
         o = q @ S  # [N, H, 1, V]
         o = o * torch.rsqrt((o * o).sum(-1, keepdim=True) * (1.0 / V) + eps) * self.o_norm.weight.float()
         o = o.view(N, H * V) * torch.sigmoid(fg[:, H * K :].float())
-        return self.o_proj(o.to(x.dtype))
+        return o.to(x.dtype) @ self._cpu_out.get()[0]
 
     def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],

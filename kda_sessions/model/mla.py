@@ -79,10 +79,11 @@ class MLAttention(nn.Module):
         return [*q, self.kv_a_proj_with_mqa.weight, self.kv_b_proj.weight, self.o_proj.weight]
 
     def _cpu_weights(self) -> tuple[Tensor, ...]:
-        """Weight absorption folded into the projections, computed in float32 and stored in the model's dtype.
-        (w_in [H * (r + dr) + r + dr, D]: per head the absorbed latent query, scaled, then the scaled q_pe rows,
-        then kv_a; or, with a q LoRA, w_in [q_lora + r + dr, D] and w_q [H * (r + dr), q_lora];
-        w_out [D, H * r]: kv_b's value part absorbed into o_proj)."""
+        """Weight absorption folded into the projections, computed in float32 and stored in the model's dtype, each
+        [in, out] for ``x @ w`` (the layout a CPU's one-row matmul reads fastest; see ``KDAAttention``).
+        (w_in [D, H * (r + dr) + r + dr]: per head the absorbed latent query, scaled, then the scaled q_pe
+        columns, then kv_a; or, with a q LoRA, w_in [D, q_lora + r + dr] and w_q [q_lora, H * (r + dr)];
+        w_out [H * r, D]: kv_b's value part absorbed into o_proj)."""
         H, dn, dr, dv, r = self.H, self.dn, self.dr, self.dv, self.r
         dt = self.o_proj.weight.dtype
         w_kv = self.kv_b_proj.weight.float().view(H, dn + dv, r)
@@ -95,9 +96,9 @@ class MLAttention(nn.Module):
         w_o = self.o_proj.weight.float().view(-1, H, dv).transpose(0, 1)  # [H, D, dv]
         w_out = (w_o @ w_kv[:, dn:]).transpose(0, 1).reshape(-1, H * r)  # [D, H * r]
         if hasattr(self, "q_proj"):
-            return torch.cat([q_abs, self.kv_a_proj_with_mqa.weight.float()]).to(dt), w_out.to(dt)
+            return torch.cat([q_abs, self.kv_a_proj_with_mqa.weight.float()]).to(dt).t(), w_out.to(dt).t()
         w_in = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
-        return w_in, w_out.to(dt), q_abs.to(dt)
+        return w_in.t(), w_out.to(dt).t(), q_abs.to(dt).t()
 
     def _decode_cpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor,
                     kv_pages: Tensor) -> Tensor:
@@ -107,12 +108,12 @@ class MLAttention(nn.Module):
         N = x.shape[0]
         H, dr, r = self.H, self.dr, self.r
         w = self._cpu.get()
-        y = x @ w[0].t()
+        y = x @ w[0]
         if hasattr(self, "q_proj"):
             q, kv_a = y[:, : H * (r + dr)], y[:, H * (r + dr) :]
         else:
             ql = y[:, : -(r + dr)]
-            q, kv_a = self.q_a_layernorm(ql) @ w[2].t(), y[:, -(r + dr) :]
+            q, kv_a = self.q_a_layernorm(ql) @ w[2], y[:, -(r + dr) :]
         latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [N, r + dr]
         flat = kv_pages.view(-1, kv_pages.shape[-1])
         flat.index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
@@ -134,7 +135,7 @@ class MLAttention(nn.Module):
         probs = F.threshold(scores.float().softmax(-1), 1e-30, 0.0).to(x.dtype)
         # over the whole rows, k_pe columns included: a matmul over the strided c columns alone runs far slower
         o_lat = (probs @ lat)[:, :, :r]  # [N, H, r]
-        return o_lat.reshape(N, H * r) @ w[1].t()
+        return o_lat.reshape(N, H * r) @ w[1]
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
         idx = batch.kv_rows

@@ -22,8 +22,9 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def set_fast(model: HybridModel, on: bool) -> None:
-    for layer in model.model.layers:
-        layer.self_attn.fast_cpu = on
+    for m in model.modules():  # attention layers and dense FFNs
+        if hasattr(m, "fast_cpu"):
+            m.fast_cpu = on
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +66,8 @@ def _scale_weights(m: HybridModel, factor: float) -> None:
             attn.o_proj.weight.mul_(factor)  # absorbed into MLA's fused output weight
             if hasattr(attn, "k_proj"):
                 attn.k_proj.weight.mul_(factor)  # part of KDA's fused input weight
+            if hasattr(layer, "mlp"):
+                layer.mlp.up_proj.weight.mul_(factor)  # part of the FFN's fused gate | up weight
 
 
 def test_fast_decode_sees_new_weights():
