@@ -6,9 +6,10 @@ The model is built on the device in bf16 with random weights (D 2304, 27 layers:
 The context is not prefilled: latent KV pages and KDA states hold random values (content does not change the
 cost). Each case captures ``DecodeGraphs`` and times back-to-back graph replays between two CUDA events.
 
-MoE modes: ``fused`` (the library: ``kernels.moe.fused_moe``) and ``gather`` (the routed-expert code the fused
-kernels replaced, kept here as the baseline: ``index_select`` copies of the chosen experts' weights and batched
-matmuls when 3 T k < E, else every expert on every token weighted by the routing).
+Modes: ``fused`` (the library: ``kernels.moe.fused_moe``), ``skinny`` (the same with the dense linears on
+``kernels.linear``'s skinny kernel: ``model.linear.use_skinny_linears``) and ``gather`` (the routed-expert code the
+fused kernels replaced, kept here as the baseline: ``index_select`` copies of the chosen experts' weights and
+batched matmuls when 3 T k < E, else every expert on every token weighted by the routing).
 
 The floor counts the bytes a step reads at least: every non-routed weight once (attention, norms, router,
 shared experts, dense layer, lm_head), each routed expert chosen in the step once (its three matrices), the
@@ -42,6 +43,7 @@ from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs
+from kda_sessions.model.linear import use_skinny_linears
 from kda_sessions.model.loader import FP32_PARAMS
 
 HBM_BYTES_PER_S = 4.8e12
@@ -148,8 +150,10 @@ def _twin_forward(self: MoE, x: Tensor) -> Tensor:
 
 
 def set_moe_mode(model: HybridModel, mode: str) -> None:
-    """fused (the library), gather (the replaced code) or twin (the naive twin; not capturable)."""
+    """fused (the library), skinny (fused, and the dense linears on the skinny kernel: ``model.linear``), gather
+    (the replaced MoE code) or twin (the naive twin; not capturable)."""
     forwards = {"gather": _gather_forward, "twin": _twin_forward}
+    use_skinny_linears(model, mode == "skinny")
     for m in model.modules():
         if isinstance(m, MoE):
             if mode in forwards:
@@ -303,8 +307,9 @@ def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
 
 
 def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
-    """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays) and with its naive
-    twin (eager), from the same states; the tokens of both and the first step's logits difference."""
+    """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays; also with skinny
+    linears) and with its naive twin (eager), from the same states; the tokens of each and the first step's
+    logits difference to the twin's."""
     P = 64
     pages = -(-(L + steps + 1) // P)
     pools = model.allocate_pools(1, pages, P)
@@ -318,11 +323,11 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
     table = [list(range(pages))]
     out: dict = {"context": L, "steps": steps}
     first: dict[str, Tensor] = {}
-    for mode in ("fused", "twin"):
+    for mode in ("fused", "skinny", "twin"):
         for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
             t.copy_(v)
         set_moe_mode(model, mode)
-        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode == "fused")
+        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode != "twin")
         tok, toks = 1, []
         for i in range(steps):
             logits = graphs.run([tok], [0], [L + 1 + i], table)
@@ -333,8 +338,9 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
         out[f"{mode}_tokens"] = toks
         del graphs
     set_moe_mode(model, "fused")
-    out["same_tokens"] = out["fused_tokens"] == out["twin_tokens"]
-    out["first_logits_rel_rms"] = float((first["fused"] - first["twin"]).norm() / first["twin"].norm())
+    for mode in ("fused", "skinny"):
+        out[f"{mode}_same_tokens"] = out[f"{mode}_tokens"] == out["twin_tokens"]
+        out[f"{mode}_first_logits_rel_rms"] = float((first[mode] - first["twin"]).norm() / first["twin"].norm())
     return out
 
 
@@ -407,7 +413,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
     ap.add_argument("--cases", default="1x8192,1x131072,8x32768,32x32768,1x1048576",
                     help="BATCHxCONTEXT, comma-separated")
-    ap.add_argument("--modes", default="fused", help="fused (the library), gather (the replaced MoE), comma-separated")
+    ap.add_argument("--modes", default="fused,skinny",
+                    help="fused (the library), skinny (fused + skinny linears), gather (the replaced MoE), comma-separated")
     ap.add_argument("--moe-tokens", default="1,8,32,256,2048", help="token counts of the MoE-layer-alone timings")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--greedy-steps", type=int, default=8, help="greedy steps, fused MoE vs its naive twin")
@@ -449,9 +456,12 @@ def main() -> None:
             log(json.dumps(results["moe_layer"][-1]))
             dump()
     if args.profile and args.device == "cuda":
-        results["profile_eager_1x8192"] = profile_case(model, 8192, args.device)
-        log(json.dumps(results["profile_eager_1x8192"]))
-        dump()
+        for mode in ("fused", "skinny"):
+            set_moe_mode(model, mode)
+            results[f"profile_eager_1x8192_{mode}"] = profile_case(model, 8192, args.device)
+            log(json.dumps(results[f"profile_eager_1x8192_{mode}"]))
+            dump()
+        set_moe_mode(model, "fused")
     results["decode"] = []
     for case in args.cases.split(","):
         batch, L = (int(v) for v in case.split("x"))

@@ -327,3 +327,35 @@ def test_merged_decode_projections_equal_the_separate_ones(model):
     with torch.no_grad():
         for merged, separate in zip(attn._projections_merged(x), attn._projections(x)):
             assert merged.shape == separate.shape and rel_err(merged, separate) < 1e-5
+
+
+def test_skinny_linears_switch_and_keep_the_weights(model):
+    """use_skinny_linears swaps every bias-free linear's class both ways; names, parameters and (on a CPU, where
+    the skinny kernel never runs) outputs stay."""
+    from kda_sessions.model.linear import SkinnyLinear, use_skinny_linears
+
+    m = copy.deepcopy(model)
+    ids = torch.arange(12).view(1, 12)
+    before, names = m(ids), list(m.state_dict())
+    n = use_skinny_linears(m, True)
+    assert n > 0 and isinstance(m.lm_head, SkinnyLinear) and list(m.state_dict()) == names
+    assert torch.equal(m(ids), before)
+    assert use_skinny_linears(m, False) == n and type(m.lm_head) is torch.nn.Linear
+
+
+@pytest.mark.gpu
+def test_skinny_linears_on_cuda_match_cublas():
+    """bf16 decode through graphs with and without skinny linears: logits within bf16 rounding."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.model.linear import use_skinny_linears
+
+    model = load_model("tiny-random", device="cuda", dtype=torch.bfloat16)
+    a, b = twins(model, [5, 33, 70], seed=10)
+    out = []
+    for sessions, skinny in ((a, False), (b, True)):
+        use_skinny_linears(model, skinny)
+        graphs = DecodeGraphs(model, sessions.pools)
+        out.append(sessions.static_decode(graphs, [0, 1, 2], [7, 8, 9]).float())
+    use_skinny_linears(model, False)
+    assert rel_err(out[1], out[0]) < 2e-2
