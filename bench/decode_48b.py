@@ -29,6 +29,7 @@ import json
 import math
 import statistics
 import time
+import traceback
 import types
 from pathlib import Path
 
@@ -361,11 +362,15 @@ def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> dict
         for _ in range(3):
             graphs.run(*args)
         torch.cuda.synchronize()
-    rows = []
+    rows, kernels = [], []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t and e.device_type == torch.autograd.DeviceType.CUDA:
-            rows.append({"name": e.key[:120], "calls_per_step": e.count / 3, "us_per_step": round(t / 3, 1)})
+        if t:
+            row = {"name": e.key[:120], "calls_per_step": e.count / 3, "us_per_step": round(t / 3, 1)}
+            rows.append(row)
+            if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:  # a kernel, not an op around one
+                kernels.append(row)
+    rows = kernels or rows
     rows.sort(key=lambda r: -r["us_per_step"])
     return {"kernels_per_step": sum(r["calls_per_step"] for r in rows),
             "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
@@ -432,45 +437,58 @@ def main() -> None:
         if args.out is not None:
             args.out.write_text(json.dumps(results, indent=1))
 
-    if args.greedy_steps:
+    def guarded(name: str, fn) -> None:
+        """Run one part; a failure is recorded under ``errors`` and the next part still runs."""
+        try:
+            fn()
+        except Exception as e:
+            results.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            log(f"{name} failed: {traceback.format_exc()}")
+        dump()
+
+    def greedy() -> None:
         small = build(config(args.quick, args.greedy_layers), args.device)
         results["greedy"] = {"layers": small.config.num_hidden_layers,
                              **greedy_case(small, 8192 if not args.quick else 100, args.greedy_steps, args.device)}
         log(json.dumps(results["greedy"]))
-        dump()
-        del small
+
+    if args.greedy_steps:
+        guarded("greedy", greedy)
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    if args.gemv and args.device == "cuda":
-        results["gemv"] = gemv_case(args.reps)
-        log(json.dumps(results["gemv"]))
-        dump()
-    cfg = config(args.quick)
-    model = build(cfg, args.device)
+    model = build(config(args.quick), args.device)
     results["params"] = sum(p.numel() for p in model.parameters())
     log(f"built {results['params'] / 1e9:.2f} B parameters")
-    if args.device == "cuda":
-        results["moe_layer"] = []
-        for T in [int(t) for t in args.moe_tokens.split(",") if t]:
-            results["moe_layer"].append(moe_layer_case(model, T, args.reps, args.sweep))
-            log(json.dumps(results["moe_layer"][-1]))
-            dump()
-    if args.profile and args.device == "cuda":
-        for mode in ("fused", "skinny"):
-            set_moe_mode(model, mode)
-            results[f"profile_eager_1x8192_{mode}"] = profile_case(model, 8192, args.device)
-            log(json.dumps(results[f"profile_eager_1x8192_{mode}"]))
-            dump()
-        set_moe_mode(model, "fused")
     results["decode"] = []
     for case in args.cases.split(","):
         batch, L = (int(v) for v in case.split("x"))
         if args.quick:
             L = min(L, 256)
-        r = decode_case(model, batch, L, args.modes.split(","), args.reps, args.device)
-        results["decode"].append(r)
-        log(json.dumps(r))
-        dump()
+        # the skinny kernel serves at most 16 rows: above that its mode is the fused one
+        modes = [m for m in args.modes.split(",") if m != "skinny" or batch <= 16]
+
+        def one(batch: int = batch, L: int = L, modes: list[str] = modes) -> None:
+            results["decode"].append(decode_case(model, batch, L, modes, args.reps, args.device))
+            log(json.dumps(results["decode"][-1]))
+
+        guarded(f"decode {case}", one)
+    if args.device != "cuda":
+        return
+    for T in [int(t) for t in args.moe_tokens.split(",") if t]:
+        guarded(f"moe_layer {T}", lambda T=T: results.setdefault("moe_layer", []).append(
+            moe_layer_case(model, T, args.reps, args.sweep)))
+    if args.profile:
+        for mode in ("fused", "skinny"):
+            def prof(mode: str = mode) -> None:
+                set_moe_mode(model, mode)
+                results[f"profile_eager_1x8192_{mode}"] = profile_case(model, 8192, args.device)
+                log(json.dumps(results[f"profile_eager_1x8192_{mode}"]))
+
+            guarded(f"profile {mode}", prof)
+        set_moe_mode(model, "fused")
+    if args.gemv:
+        guarded("gemv", lambda: results.__setitem__("gemv", gemv_case(args.reps)))
+    log(json.dumps({k: v for k, v in results.items() if k in ("moe_layer", "gemv", "errors")}))
 
 
 if __name__ == "__main__":
