@@ -195,6 +195,14 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         res["weights_and_pools_gib"] = round(base / 2**30, 2)
         # warm-up: compiles every kernel variant (MLA prefill's first, middle and last blocks of 16,384 tokens)
         await prefill_once(engine, 512 if args.quick else 40960, seed=0)
+        if args.profile and cuda:  # before the long contexts, so a run cut short by a time limit still has it
+            timer = LayerTimer(model)
+            dt, _ = await prefill_once(engine, args.profile, seed=1)
+            parts = timer.totals_s()
+            parts["rest"] = dt - sum(parts.values())
+            res["profile"] = {"N": args.profile, "s": round(dt, 2),
+                              **{k: round(v, 3) for k, v in sorted(parts.items())}}
+            print(json.dumps(res["profile"]), flush=True)
         for N in args.contexts:
             if cuda:
                 torch.cuda.empty_cache()
@@ -209,14 +217,6 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps(run), flush=True)
             if args.out:
                 Path(args.out).write_text(json.dumps(res, indent=1))
-        if args.profile and cuda:  # after the timed runs, so every kernel variant is compiled
-            timer = LayerTimer(model)
-            dt, _ = await prefill_once(engine, args.profile, seed=1)
-            parts = timer.totals_s()
-            parts["rest"] = dt - sum(parts.values())
-            res["profile"] = {"N": args.profile, "s": round(dt, 2),
-                              **{k: round(v, 3) for k, v in sorted(parts.items())}}
-            print(json.dumps(res["profile"]), flush=True)
     finally:
         await engine.close()
     return res
