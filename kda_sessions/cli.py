@@ -424,55 +424,6 @@ async def _remove(args: argparse.Namespace, store: Any) -> None:
         print("nothing to remove")
 
 
-# -- bench -----------------------------------------------------------------------------------------------------
-
-
-async def _bench(args: argparse.Namespace) -> dict[str, Any]:
-    from .engine.engine import Engine
-
-    tokens = [(i * 31) % 250 for i in range(args.context)]
-    out: dict[str, Any] = {"context": args.context, "model": args.model, "device": args.device}
-    async with _Progress(f"loading {args.model}"):
-        engine = await Engine.open(model=args.model, store="memory:", device=args.device, dtype=_dtype(args),
-                                   config=_engine_config(args))
-    async with engine:
-        s = await engine.create_session()
-        async with _Progress("prefill", engine, total=args.context):
-            t0 = time.perf_counter()
-            await s.append(tokens)
-            out["prefill_tokens_per_s"] = args.context / (time.perf_counter() - t0)
-        async with _Progress("decode"):
-            t0 = time.perf_counter()
-            r = await s.generate(max_tokens=32, ignore_eos=True)
-            out["decode_tokens_per_s"] = len(r.token_ids) / (time.perf_counter() - t0)
-        await s.save()
-        await engine.default.forget(s.id)
-        t0 = time.perf_counter()
-        s2 = await engine.resume(s.id)
-        await s2.generate(max_tokens=1)
-        out["ttft_resume_s"] = time.perf_counter() - t0
-        fresh = await engine.create_session()
-        async with _Progress("re-prefill", engine, total=args.context + len(r.token_ids)):
-            t0 = time.perf_counter()
-            await fresh.append(tokens + r.token_ids)
-            await fresh.generate(max_tokens=1)
-            out["ttft_reprefill_s"] = time.perf_counter() - t0
-    out["resume_speedup"] = out["ttft_reprefill_s"] / out["ttft_resume_s"]
-    return out
-
-
-def bench_table(out: dict[str, Any]) -> str:
-    rows = [
-        ["prefill", f"{out['prefill_tokens_per_s']:,.0f} tokens/s"],
-        ["decode (batch of 1)", f"{out['decode_tokens_per_s']:,.1f} tokens/s"],
-        ["first token, resumed from the store", f"{out['ttft_resume_s'] * 1000:,.1f} ms"],
-        ["first token, context prefilled again", f"{out['ttft_reprefill_s'] * 1000:,.1f} ms"],
-        ["resume speedup", f"{out['resume_speedup']:,.1f}x"],
-    ]
-    title = f"kda-sessions bench: model {out['model']}, {out['context']:,} context tokens, device {out['device']}"
-    return title + "\n\n" + table(rows, ["", ""], right={1}).split("\n", 2)[2]
-
-
 # -- serve -----------------------------------------------------------------------------------------------------
 
 
@@ -532,7 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.cmd == "sessions":
             anyio.run(_sessions, args)
         elif args.cmd == "bench":
-            out = anyio.run(_bench, args)
+            from .bench_cli import bench_table, run_bench
+
+            out = anyio.run(run_bench, args, _engine_config(args), _dtype(args), _Progress)
             print(json.dumps(out, indent=2) if args.json else bench_table(out))
     except KeyboardInterrupt:
         return 130

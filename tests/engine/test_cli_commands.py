@@ -162,10 +162,11 @@ def test_bench_prints_a_table(capsys):
     assert cli.main(["bench", "--model", "tiny-random", "--context", "64", "--page-size", "16"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("kda-sessions bench: model tiny-random, 64 context tokens, device cpu")
-    rows = {line.split("  ")[0].strip(): line for line in out.splitlines()[2:] if line.strip()}
+    rows = {line.split("  ")[0].strip(): line for line in out.split("\n\n")[1].splitlines()[2:]}
     assert set(rows) == {"prefill", "decode (batch of 1)", "first token, resumed from the store",
-                         "first token, context prefilled again", "resume speedup"}
-    assert rows["prefill"].endswith("tokens/s") and rows["resume speedup"].endswith("x")
+                         "first token, context prefilled again", "resume speedup", "matmul (float32, 1024 cubed)",
+                         "memory copy (256 MiB, read + write)"}
+    assert rows["prefill"].endswith("%") and "tokens/s" in rows["prefill"] and rows["resume speedup"].endswith("x")
     assert cli.main(["bench", "--model", "tiny-random", "--context", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["context"] == 64
 
