@@ -3,9 +3,12 @@
 
     python bench/cpu_paths.py [--quick] [--out FILE]
 
-- ``kda_chunk``: one KDA layer's ``naive_chunk_kda`` (T tokens, l2-normed q/k, no grad) at chunk sizes 16 and 64,
-  for tiny's shape (T 3,500, H 4, K = V = 64) and Kimi's (T 1,024, H 32, K = V = 128), with its relative RMS
-  difference from the token-by-token recurrence.
+- ``kda_chunk``: one KDA layer's ``naive_chunk_kda`` (T tokens, l2-normed q/k, no grad) at chunk sizes 16 and 64
+  and ``chunk_kda_cpu`` (the batched form the model runs on a CPU), for tiny's shape (T 3,500, H 4, K = V = 64)
+  and Kimi's (T 1,024, H 32, K = V = 128), with their relative RMS difference from the token-by-token recurrence.
+- ``decode_layout``: the one-row matmuls of a ``tiny`` decode step (its weight shapes, one read of each), with the
+  weights as a linear stores them ([out, in], ``x @ w.t()``), as the CPU decode stores them ([in, out], ``x @ w``),
+  and the latter in bfloat16 (half the bytes): what decides the CPU decode's weight layout and dtype.
 - ``mla_sdpa``: causal SDPA at T 3,500 over H 4 heads, q/k 96 wide and v 64 (tiny's MLA), as the model calls it
   (one tile of ``kernels/mla/prefill_cpu.py``: v padded, torch's CPU flash kernel) against torch's math path
   (``SDPBackend.MATH``).
@@ -34,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from model_cpu import PooledRunner
 
+from kda_sessions.kernels.kda.chunk_cpu import chunk_kda_cpu
 from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kda_sessions.model import load_model
 
@@ -67,11 +71,37 @@ def kda_chunk(T: int, H: int, K: int, reps: int) -> dict[str, Any]:
     g, beta = -torch.rand(1, T, H, K, generator=gen) * 0.5, torch.rand(1, T, H, generator=gen)
     ref, _, _ = naive_recurrent_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     out: dict[str, Any] = {"T": T, "H": H, "K": K, "quiet": common.wait_quiet()}
-    for C in (16, 64):
-        o, _, _ = naive_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=C)
-        s = _median_s(lambda C=C: naive_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=C), reps)
-        out[f"chunk{C}_ms"] = round(s * 1000, 1)
-        out[f"chunk{C}_rel_vs_recurrent"] = float(f"{_rel(o, ref):.2e}")
+    runs: dict[str, Callable[[], Any]] = {
+        f"chunk{C}": lambda C=C: naive_chunk_kda(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, chunk_size=C)
+        for C in (16, 64)
+    }
+    runs["chunk_cpu"] = lambda: chunk_kda_cpu(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    with torch.no_grad():
+        for name, fn in runs.items():
+            out[f"{name}_ms"] = round(_median_s(fn, reps) * 1000, 1)
+            out[f"{name}_rel_vs_recurrent"] = float(f"{_rel(fn()[0], ref):.2e}")
+    return out
+
+
+def decode_layout(reps: int) -> dict[str, Any]:
+    m = load_model("tiny", device="cpu", dtype=torch.float32)
+    weights = [p.detach() for n, p in m.named_parameters() if p.dim() == 2 and "embed" not in n]
+    layouts = {
+        "out_in_f32": ([w.contiguous() for w in weights], lambda x, w: x @ w.t()),
+        "in_out_f32": ([w.t().contiguous() for w in weights], lambda x, w: x @ w),
+        "in_out_bf16": ([w.t().contiguous().bfloat16() for w in weights], lambda x, w: x @ w),
+    }
+    out: dict[str, Any] = {"weights_MB": round(sum(w.numel() for w in weights) * 4 / 1e6, 1),
+                           "threads": torch.get_num_threads(), "quiet": common.wait_quiet()}
+    for name, (ws, mm) in layouts.items():
+        xs = [torch.randn(1, w.shape[1] if name.startswith("out_in") else w.shape[0], dtype=w.dtype) for w in ws]
+
+        def step(ws: list[torch.Tensor] = ws, mm: Callable[..., Any] = mm, xs: list[torch.Tensor] = xs) -> None:
+            for _ in range(20):
+                for x, w in zip(xs, ws):
+                    mm(x, w)
+
+        out[f"{name}_ms"] = round(_median_s(step, reps) * 1000 / 20, 2)
     return out
 
 
@@ -130,6 +160,7 @@ def main() -> None:
         "machine": common.machine(),
         "command": " ".join(["python", *sys.argv]),
         "kda_chunk": [kda_chunk(t, h, k, reps) for t, h, k in shapes],
+        "decode_layout": decode_layout(max(reps, 5)),
         "mla_sdpa": mla_sdpa(T, reps),
         "forward": forward(T, reps),
         "decode": [decode(b, 256 if args.quick else 2048, 8 if args.quick else 50, reps) for b in (1, 8)],
