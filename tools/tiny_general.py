@@ -283,11 +283,12 @@ def row_tree(rng: random.Random, split: str, tree_share: float) -> str | None:
 
 
 def row_corpus(rng: random.Random, split: str, tree_share: float) -> Corpus | RenamedCorpus:
-    """The package tree ``row_tree`` draws (files split by path hash within), else the stdlib; in training,
-    RENAMED_FRACTION of the stdlib rows under random names (tiny_data.RenamedCorpus)."""
+    """The package tree ``row_tree`` draws (in training its files split by path hash, held out: all of them), else
+    the stdlib; in training, RENAMED_FRACTION of the stdlib rows under random names (tiny_data.RenamedCorpus)."""
     name = row_tree(rng, split, tree_share)
     if name is not None:
-        return tree_corpus(name)
+        # a held-out tree is held out whole: its own path-hash split can leave no held-out folder at all
+        return tree_corpus(name, whole=split == "heldout")
     if split == "train" and rng.random() < RENAMED_FRACTION:
         return RenamedCorpus(rng, corpus())
     return corpus()

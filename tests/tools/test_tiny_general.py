@@ -105,6 +105,10 @@ def test_heldout_trees_are_never_the_corpus_of_a_training_row():
     assert tg.row_tree(random.Random(0), "heldout", 1.0) in tg.trees("heldout")
     c = tg.row_corpus(random.Random(1), "train", 1.0)
     assert str(c.root) in {str(Path(names[n]).resolve()) for n in tg.trees("train")}
+    # a held-out tree is held out whole (its own path-hash split may hold no folder): every file is a held-out one
+    for seed in range(4):
+        h = tg.row_corpus(random.Random(seed), "heldout", 1.0)
+        assert not h.files["train"] and not h.dirs["train"] and h.dirs["heldout"]
 
 
 def test_training_rows_on_a_tree_call_its_train_files_only():
