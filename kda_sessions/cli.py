@@ -110,7 +110,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(default: the model's name)")
     p.add_argument("--model-alias", action="append", default=[], metavar="NAME", help="another model name requests may use; "
                    "may be given several times (any other name answers 404 model_not_found)")
-    p.add_argument("--default-max-tokens", type=int, default=512, metavar="N", help="max_tokens of a completion that names none")
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N", help="max_tokens of a completion that names "
+                   "none (default: the model's generation config, else 512)")
     g = p.add_argument_group("chat-completion sessions (docs/server.md, 'Durability')")
     g.add_argument("--no-save-chat-sessions", action="store_true", help="keep them in memory only (default: each "
                    "is saved after every turn, so its session_id answers after a restart)")

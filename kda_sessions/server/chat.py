@@ -28,11 +28,13 @@ def split_history(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
 
 
 def sampling_args(req: ChatCompletionRequest, settings: ServerSettings) -> dict[str, Any]:
-    """Session.send_messages keyword arguments; unset fields take OpenAI's defaults."""
+    """Session.send_messages keyword arguments; unset fields take the model's generation config, else OpenAI's
+    defaults (ServerSettings.sampling_defaults)."""
+    default = settings.sampling_defaults()
     args: dict[str, Any] = {
-        "max_tokens": req.max_completion_tokens or req.max_tokens or settings.default_max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
+        "max_tokens": req.max_completion_tokens or req.max_tokens or default["max_tokens"],
+        "temperature": default["temperature"] if req.temperature is None else req.temperature,
+        "top_p": default["top_p"] if req.top_p is None else req.top_p,
         "seed": req.seed,
         "stop": req.stop,
         "logprobs": bool(req.logprobs),

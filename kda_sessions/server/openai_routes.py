@@ -116,9 +116,11 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     inflight.check(view.tenant, session.id)
     tracker: StatelessSessions = request.app.state.stateless
     tracker.begin(view, session.id, created=created)
+    default = settings.sampling_defaults()  # the model's generation config (max_tokens stays OpenAI's 16)
     sampling: dict[str, Any] = {
-        "max_tokens": body.max_tokens or 16, "temperature": 1.0 if body.temperature is None else body.temperature,
-        "top_p": 1.0 if body.top_p is None else body.top_p, "seed": body.seed, "stop": body.stop,
+        "max_tokens": body.max_tokens or 16,
+        "temperature": default["temperature"] if body.temperature is None else body.temperature,
+        "top_p": default["top_p"] if body.top_p is None else body.top_p, "seed": body.seed, "stop": body.stop,
         "logprobs": body.logprobs is not None, "ignore_eos": body.ignore_eos, "top_k": body.top_k or 0,
     }
     try:

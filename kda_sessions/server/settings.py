@@ -31,8 +31,9 @@ class ServerSettings(BaseModel):
     """Requests per minute per API key (token bucket); None: unlimited."""
     max_concurrent_per_key: int | None = Field(default=None, ge=1)
     """Requests in flight per API key (a stream counts until it ends); None: unlimited."""
-    default_max_tokens: int = Field(default=512, ge=1)
-    """max_tokens of a chat completion that names none."""
+    default_max_tokens: int | None = Field(default=None, ge=1)
+    """max_tokens of a chat completion that names none; None: the model's generation config's
+    ``max_new_tokens`` (256 for ``tiny``), else 512."""
     served_model_name: str | None = None
     """The id /v1/models reports; default: the model's name."""
     served_model_aliases: list[str] = Field(default_factory=list)
@@ -70,6 +71,18 @@ class ServerSettings(BaseModel):
         if name not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {name!r}")
         return name
+
+    def sampling_defaults(self) -> dict[str, float | int]:
+        """temperature, top_p and max_tokens of a request that names none: the model's generation config
+        (greedy for ``tiny``) where it has one, else OpenAI's (1.0, 1.0) and ``default_max_tokens`` or 512."""
+        from ..generation_config import generation_defaults
+
+        gen = generation_defaults(self.model)
+        return {
+            "temperature": 1.0 if gen.temperature is None else gen.temperature,
+            "top_p": 1.0 if gen.top_p is None else gen.top_p,
+            "max_tokens": self.default_max_tokens or gen.max_tokens or 512,
+        }
 
     @property
     def model_name(self) -> str:
