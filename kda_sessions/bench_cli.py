@@ -22,7 +22,7 @@ COPY_BYTES = 256 * 2**20
 """The floor's copy: large enough to leave every cache."""
 
 
-async def run_bench(args: argparse.Namespace, engine_config: Any, dtype: torch.dtype | None,
+async def run_bench(args: argparse.Namespace, engine_config: Any, dtype: torch.dtype,
                     progress: Callable[..., Any]) -> dict[str, Any]:
     """The CLI's bench: ``args`` has model, device and context; ``progress(label, engine=None, total=None)`` is an
     async context manager showing progress. Returns the figures ``bench_table`` prints."""

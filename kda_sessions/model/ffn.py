@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels.moe import fused_moe, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
-from .fused import DerivedWeights
+from .fused import DerivedWeights, weights
 
 
 class RMSNorm(nn.Module):
@@ -34,9 +34,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, width, bias=False)
         self.up_proj = nn.Linear(dim, width, bias=False)
         self.down_proj = nn.Linear(width, dim, bias=False)
-        self._cpu = DerivedWeights(
-            lambda: [self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight], self._cpu_weights
-        )
+        self._cpu = DerivedWeights(lambda: weights(self, ("gate_proj", "up_proj", "down_proj")), self._cpu_weights)
         self.fast_cpu = True
         """On a CPU without autograd: gate and up in one matmul, weights [in, out] (False: the three linears)."""
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+
+def weights(module: nn.Module, names: Sequence[str]) -> list[Tensor]:
+    """``[getattr(module, n).weight for n in names]`` read from the modules' dicts: a decode step checks its
+    sources every layer, and nn.Module's ``__getattr__`` costs more per name than the rest of the check."""
+    mods = module._modules
+    return [mods[n]._parameters["weight"] for n in names]  # type: ignore[union-attr,misc]
 
 
 def _key(params: Sequence[Tensor]) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
@@ -37,4 +44,4 @@ class DerivedWeights:
         return self._value
 
 
-__all__ = ["DerivedWeights"]
+__all__ = ["DerivedWeights", "weights"]

@@ -9,7 +9,7 @@ from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
-from .fused import DerivedWeights
+from .fused import DerivedWeights, weights
 from .linear import is_skinny, linear
 
 
@@ -38,7 +38,7 @@ class KDAAttention(nn.Module):
         self.o_norm = _HeadNorm(V, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
         self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
-        self._cpu_out = DerivedWeights(lambda: [self.o_proj.weight], lambda: (self.o_proj.weight.t(),))
+        self._cpu_out = DerivedWeights(lambda: weights(self, ("o_proj",)), lambda: (self.o_proj.weight.t(),))
         """o_proj [H*V, D] for ``x @ w`` (CPU decode only: a GPU decode uses the merged inputs, not this copy)."""
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
@@ -112,9 +112,10 @@ class KDAAttention(nn.Module):
         return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
 
     def _cpu_sources(self) -> list[Tensor]:
-        mods = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj, self.f_b_proj,
-                self.g_b_proj, self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        return [m.weight for m in mods] + [self.A_log, self.dt_bias]
+        names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj", "f_b_proj", "g_b_proj", "q_conv1d",
+                 "k_conv1d", "v_conv1d")
+        params = self._parameters  # A_log and dt_bias straight from the dict, as ``weights`` does
+        return [*weights(self, names), params["A_log"], params["dt_bias"]]  # type: ignore[list-item]
 
     def _cpu_weights(self) -> tuple[Tensor, ...]:
         """(w_in [D, Dc + K + V + H]: q | k | v | f_a | g_a | b columns; w_gate [K + V, H*K + H*V]: f_b and g_b

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..kernels.mla import mla_decode_paged, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
-from .fused import DerivedWeights
+from .fused import DerivedWeights, weights
 
 
 class MLAttention(nn.Module):
@@ -75,8 +75,8 @@ class MLAttention(nn.Module):
         return self.o_proj(o.reshape(N, self.H * self.dv))
 
     def _cpu_sources(self) -> list[Tensor]:
-        q = [self.q_proj.weight] if hasattr(self, "q_proj") else [self.q_a_proj.weight, self.q_b_proj.weight]
-        return [*q, self.kv_a_proj_with_mqa.weight, self.kv_b_proj.weight, self.o_proj.weight]
+        q = ("q_proj",) if "q_proj" in self._modules else ("q_a_proj", "q_b_proj")
+        return weights(self, (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
 
     def _cpu_weights(self) -> tuple[Tensor, ...]:
         """Weight absorption folded into the projections, computed in float32 and stored in the model's dtype, each
