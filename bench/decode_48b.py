@@ -39,8 +39,8 @@ from torch import Tensor
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.kernels.moe import fused_moe
-from kda_sessions.kernels.moe.fused_moe import MoeLaunch, fused_moe_triton, launch_config
 from kda_sessions.kernels.moe.naive import naive_fused_moe
+from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton, launch_config
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs

@@ -27,7 +27,7 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"w13 and w2 must be in x's dtype {x.dtype}, got {w13.dtype}, {w2.dtype}")
     if x.is_cuda:
-        from .fused_moe import fused_moe_triton
+        from .triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, chosen, weights)
     return naive_fused_moe(x, w13, w2, chosen, weights)

@@ -42,7 +42,7 @@ ALIGN_CASES = [(1, 8, 2, 16), (5, 8, 3, 16), (40, 16, 4, 16), (40, 16, 4, 64), (
 def test_align_kernel_equals_the_sorted_grouping(T: int, E: int, k: int, BM: int) -> None:
     """The one-program align kernel gives exactly the stable sort's grouping, and that grouping is right: every
     pair once, in pair order within its expert, each expert's run padded to BM, each block on one expert."""
-    from kda_sessions.kernels.moe.fused_moe import align_torch, align_triton
+    from kda_sessions.kernels.moe.triton_moe import align_torch, align_triton
 
     chosen = moe_case(T, E, k, 8, 8, seed=T)[3]
     ids, blocks, total = align_triton(chosen, E, BM)
@@ -65,7 +65,7 @@ MOE_CASES = [(1, 8, 2, 48, 40, False), (5, 8, 3, 48, 40, False), (40, 16, 4, 40,
 
 @pytest.mark.parametrize("T,E,k,D,Fw,skew", MOE_CASES, ids=[f"T{c[0]}-E{c[1]}-k{c[2]}{'-skew' if c[5] else ''}" for c in MOE_CASES])
 def test_fused_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: int, skew: bool) -> None:
-    from kda_sessions.kernels.moe.fused_moe import MoeLaunch, fused_moe_triton
+    from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton
 
     x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T, skew=skew)
     ref = naive_fused_moe(x, w13, w2, chosen, weights)
@@ -75,7 +75,7 @@ def test_fused_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: i
 
 
 def test_fused_moe_half_precision() -> None:
-    from kda_sessions.kernels.moe.fused_moe import MoeLaunch, fused_moe_triton
+    from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton
 
     x, w13, w2, chosen, weights = moe_case(6, 8, 2, 48, 40, seed=3)
     ref = naive_fused_moe(x, w13, w2, chosen, weights)
@@ -88,7 +88,7 @@ def test_fused_moe_runs_the_tiny_random_moe_layer() -> None:
     """The kernels on a real MoE layer's stacked weights, its shared expert stacked last and routed as an
     always-on expert, equal the layer's own CPU loop plus its shared expert."""
     from kda_sessions.kernels.moe import moe_route
-    from kda_sessions.kernels.moe.fused_moe import MoeLaunch, fused_moe_triton
+    from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton
     from kda_sessions.model import load_model
     from kda_sessions.model.ffn import MoE
 
