@@ -12,7 +12,9 @@ training differs in how it runs, never in its math:
   same gate (``naive_kda_gate``), the same beta, output norm and output gate; the delta rule itself runs through
   fla-core's ``chunk_kda`` on a GPU (it has a backward) and the library's ``naive_chunk_kda`` on a CPU.
 - MLA: the same latent, the same decompression, causal SDPA with the same scale (NoPE: no positions).
-- FFN, norms, embedding and head: the library's modules, called as they are.
+- FFN, embedding and head: the library's modules, called as they are; the RMSNorms through the kernels' naive
+  twin (same math), since on CUDA the modules run a Triton kernel with no backward. The first step checks that
+  every parameter got a gradient.
 
 Checks printed in the log: at the start, the training forward against the library's own inference forward
 (``HybridModel.forward``, which uses the library's Triton kernels on a GPU) on the same ids; at the end, the
@@ -97,6 +99,7 @@ from torch import Tensor
 from kda_sessions.config import ModelConfig
 from kda_sessions.kernels.gate.naive import naive_kda_gate
 from kda_sessions.kernels.kda.naive import naive_chunk_kda
+from kda_sessions.kernels.norm.naive import naive_rms_norm
 from kda_sessions.model import HybridModel, save_model
 from kda_sessions.model.kda import KDAAttention
 from kda_sessions.model.mla import MLAttention
@@ -172,6 +175,21 @@ def trim_fla_autotune(keep: int) -> int:
     return trimmed
 
 
+def _norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
+    """The library's RMSNorm module through its differentiable twin: on CUDA the module itself runs a Triton
+    kernel with no backward, whose output would cut every gradient below it (only lm_head would learn)."""
+    return naive_rms_norm(x, norm.weight, norm.eps)
+
+
+def check_gradients(model: HybridModel) -> None:
+    """Stop at once when a parameter got no gradient from the step's backward: a module of the training forward
+    ran a kernel without autograd (a run that trains the head alone otherwise looks healthy)."""
+    dead = [n for n, p in model.named_parameters() if p.requires_grad and (p.grad is None or not p.grad.any())]
+    if dead:
+        raise SystemExit(f"{len(dead)} parameters got no gradient (first: {dead[:3]}): a module of the training "
+                         "forward runs a kernel without a backward on this device")
+
+
 def _kda(layer: KDAAttention, x: Tensor, use_fla: bool) -> Tensor:
     B, T, _ = x.shape
     H, K, V = layer.H, layer.K, layer.V
@@ -194,9 +212,10 @@ def _kda(layer: KDAAttention, x: Tensor, use_fla: bool) -> Tensor:
 def _mla(layer: MLAttention, x: Tensor) -> Tensor:
     B, T, _ = x.shape
     H, r, dn, dr, dv = layer.H, layer.r, layer.dn, layer.dr, layer.dv
-    q = layer._query(x).view(B, T, H, dn + dr)
+    q = (layer.q_proj(x) if hasattr(layer, "q_proj") else
+         layer.q_b_proj(_norm(layer.q_a_layernorm, layer.q_a_proj(x)))).view(B, T, H, dn + dr)
     kv_a = layer.kv_a_proj_with_mqa(x)
-    latent = torch.cat([layer.kv_a_layernorm(kv_a[..., :r]), kv_a[..., r:]], dim=-1)
+    latent = torch.cat([_norm(layer.kv_a_layernorm, kv_a[..., :r]), kv_a[..., r:]], dim=-1)
     kv = layer.kv_b_proj(latent[..., :r]).view(B, T, H, dn + dv)
     k = torch.cat([kv[..., :dn], latent[:, :, None, r:].expand(B, T, H, dr)], dim=-1)
     # v zero-padded to the q/k head size: flash attention needs one head size (dv 64 < 96 otherwise sends
@@ -212,12 +231,12 @@ def train_logits(model: HybridModel, ids: Tensor, use_fla: bool) -> Tensor:
     """ids [B, T] (fresh rows) -> logits [B, T, vocab], differentiable."""
     x = model.model.embed_tokens(ids)
     for layer in model.model.layers:
-        h = layer.input_layernorm(x)
+        h = _norm(layer.input_layernorm, x)
         attn = layer.self_attn
         h = _kda(attn, h, use_fla) if isinstance(attn, KDAAttention) else _mla(attn, h)
         x = x + h
-        x = x + layer.ffn(layer.post_attention_layernorm(x))
-    return model.lm_head(model.model.norm(x)).float()
+        x = x + layer.ffn(_norm(layer.post_attention_layernorm, x))
+    return model.lm_head(_norm(model.model.norm, x)).float()
 
 
 def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor, kinds: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -544,6 +563,8 @@ def main(argv: list[str] | None = None) -> None:
         loss, mine, fact = masked_losses(logits, ids, w, kinds)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if step == first:
+            check_gradients(model)
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         tokens += ids.numel()
