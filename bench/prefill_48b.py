@@ -34,7 +34,7 @@ import torch
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.engine.config import EngineConfig
-from kda_sessions.engine.engine import Engine, open_snapshots
+from kda_sessions.api import Engine, open_snapshots
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.kda import KDAAttention

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 from common import MIB, Timer
 
-from kda_sessions.engine import snapshots as engine_snapshots
+from kda_sessions.sessions import store_io as engine_snapshots
 from kda_sessions.storage import SnapshotStore, faults
 
 DISK_ROUNDS = 3
@@ -144,10 +144,9 @@ async def ttft_resume(eng, sid: str) -> tuple[float, Any]:
     return t.s, r
 
 
-def forget(eng, sid: str) -> None:
+async def forget(eng, sid: str) -> None:
     """Drop a session from the engine's memory (slot, pages, checkpoint states); the store keeps it."""
-    st = eng.sessions.pop(sid)
-    eng._release(st, keep_checkpoint_states=False)
+    assert await eng.default.forget(sid)
 
 
 def tier_hits(eng) -> int:
@@ -179,13 +178,13 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
         row["engine_save_phases"] = ph.segments()
         sid = s.id
 
-        forget(eng, sid)
+        await forget(eng, sid)
         h0 = tier_hits(eng)
         row["ram_s"], r_ram = await ttft_resume(eng, sid)
         row["ram_tier_hits"] = tier_hits(eng) - h0
         row["resume_prefill_tokens"] = r_ram.usage.prefill_tokens
         row["resume_cached_tokens"] = r_ram.usage.cached_tokens
-        forget(eng, sid)
+        await forget(eng, sid)
     finally:
         await eng.close()
 

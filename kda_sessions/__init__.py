@@ -42,12 +42,12 @@ from .types import (
 )
 
 if TYPE_CHECKING:
-    from .engine.engine import Engine
+    from .api import Engine
     from .model import HybridModel, load_model, save_model
     from .sessions.session import Session
 
 _LAZY = {
-    "Engine": "kda_sessions.engine.engine",
+    "Engine": "kda_sessions.api",
     "HybridModel": "kda_sessions.model",
     "Session": "kda_sessions.sessions.session",
     "load_model": "kda_sessions.model",

@@ -292,8 +292,8 @@ def run_tool(tools: Any, call: Any, limit: int = 2000) -> str:
 
 
 async def _chat(args: argparse.Namespace) -> None:
+    from .api import Engine
     from .demo import SYSTEM
-    from .engine.engine import Engine
     from .tools import TOOL_SCHEMAS, Tools
 
     tools = Tools(args.tools_dir) if args.tools_dir else None
@@ -367,7 +367,7 @@ async def _sessions(args: argparse.Namespace) -> None:
 
     url = args.store
     if args.tenant:
-        from .engine.tenancy import tenant_store_url
+        from .sessions.store_io import tenant_store_url
 
         url = tenant_store_url(url, args.tenant)
     async with await SnapshotStore.open(url, gc_grace_s=getattr(args, "grace", 600.0)) as store:

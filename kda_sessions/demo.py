@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .api import Engine
 from .engine.config import EngineConfig
-from .engine.engine import Engine
 from .tools import TOOL_SCHEMAS, Tools
 
 SYSTEM = "You are a careful coding agent. Use the tools to look at the project before you answer."

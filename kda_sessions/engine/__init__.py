@@ -1,1 +1,1 @@
-"""The engine: scheduler, runner, sampler, pools, snapshot I/O."""
+"""The step machinery: scheduler, runner (plan -> run -> postprocess), sampler, state pools, rollback."""

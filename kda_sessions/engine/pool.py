@@ -1,9 +1,29 @@
-"""Slot and page allocators for the state pools. Pages are reference-counted: a fork or a checkpoint that
-shares a full page only increments its count; a page returns to the free list when the count drops to 0."""
+"""The state pools and their allocators: every read, write and copy of a KDA slot or a KV page goes through
+``Pools``, under its ``mutex``.
+
+Pages are reference-counted: a fork or a checkpoint that shares a full page only increments its count; a page
+returns to the free list when the count drops to 0. Checkpoint states live in a host pool (``HostStates``)
+indexed by id: a checkpoint names its state, it does not hold it.
+
+Shapes: KDA slot [L_kda, H, K, V] float32, conv tail [L_kda, W - 1, Dc] (model dtype), KV page [P, C] per MLA
+layer (C = r + dr).
+"""
 
 from __future__ import annotations
 
+import itertools
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import anyio
+import torch
+from torch import Tensor
+
 from ..errors import OutOfPages, OutOfSlots
+from ..model import StatePools
+
+T = TypeVar("T")
 
 
 class SlotAllocator:
@@ -76,3 +96,117 @@ class PageAllocator:
     def num_free(self) -> int:
         """Free pages nobody has reserved."""
         return len(self._free) - self.reserved
+
+
+class HostStates:
+    """Checkpoint states on the host, by id: (kda [L_kda, H, K, V] float32, conv [L_kda, W - 1, Dc])."""
+
+    def __init__(self) -> None:
+        self._states: dict[int, tuple[Tensor, Tensor]] = {}
+        self._ids = itertools.count(1)
+
+    def put(self, kda: Tensor, conv: Tensor) -> int:
+        assert kda.device.type == "cpu" and conv.device.type == "cpu"
+        sid = next(self._ids)
+        self._states[sid] = (kda, conv)
+        return sid
+
+    def get(self, state_id: int) -> tuple[Tensor, Tensor]:
+        return self._states[state_id]
+
+    def free(self, state_id: int) -> None:
+        del self._states[state_id]
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+
+def pages_needed(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+class Pools:
+    """The model's ``StatePools`` with their slot and page allocators and the host pool of checkpoint states.
+    Callers hold ``mutex`` around every call (the step thread and the event loop share the pools)."""
+
+    def __init__(self, tensors: StatePools, num_slots: int, num_pages: int) -> None:
+        self.tensors = tensors
+        self.slots = SlotAllocator(num_slots)
+        self.pages = PageAllocator(num_pages)
+        self.host = HostStates()
+        self.mutex = threading.RLock()
+        self.page_size = tensors.page_size
+
+    async def run_locked(self, fn: Callable[[], T]) -> T:
+        """``fn()`` under the mutex on a worker thread: device copies never hold up the event loop (and the step
+        thread may hold the mutex for a whole model call)."""
+
+        def run() -> T:
+            with self.mutex:
+                return fn()
+
+        return await anyio.to_thread.run_sync(run)
+
+    # -- slots -----------------------------------------------------------------------------------------------
+
+    def read_slot(self, slot: int) -> tuple[Tensor, Tensor]:
+        """Host copies of the slot's state: (kda [L_kda, H, K, V], conv [L_kda, W - 1, Dc])."""
+        kda = torch.stack([st[slot] for st in self.tensors.kda]).cpu()
+        conv = torch.stack([cv[slot] for cv in self.tensors.conv]).cpu()
+        return kda, conv
+
+    def write_slot(self, slot: int, kda: Tensor, conv: Tensor) -> None:
+        for i, (st, cv) in enumerate(zip(self.tensors.kda, self.tensors.conv)):
+            st[slot] = kda[i].to(st.device)
+            cv[slot] = conv[i].to(cv.device)
+
+    def zero_slot(self, slot: int) -> None:
+        for st, cv in zip(self.tensors.kda, self.tensors.conv):
+            st[slot].zero_()
+            cv[slot].zero_()
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Slot ``dst`` = slot ``src``, on the device."""
+        for st, cv in zip(self.tensors.kda, self.tensors.conv):
+            st[dst] = st[src]
+            cv[dst] = cv[src]
+
+    def capture(self, slot: int) -> int:
+        """The slot's state copied into the host pool; its id."""
+        return self.host.put(*self.read_slot(slot))
+
+    def restore(self, state_id: int, slot: int) -> None:
+        """Slot ``slot`` = the host state ``state_id``."""
+        self.write_slot(slot, *self.host.get(state_id))
+
+    # -- pages -----------------------------------------------------------------------------------------------
+
+    def copy_rows(self, src: int, dst: int, rows: int) -> None:
+        """The first ``rows`` KV rows of page ``src`` into page ``dst``, in every MLA layer."""
+        for kv in self.tensors.kv:
+            kv[dst, :rows] = kv[src, :rows]
+
+    def write_rows(self, page: int, rows: Tensor) -> None:
+        """Page ``page``'s first rows = ``rows`` [L_mla, n, C]."""
+        for layer, kv in enumerate(self.tensors.kv):
+            kv[page, : rows.shape[1]] = rows[layer].to(kv.device)
+
+    def read_rows(self, page: int, rows: int) -> Tensor:
+        """Host copy of page ``page``'s first ``rows`` KV rows: [L_mla, rows, C]."""
+        return torch.stack([kv[page, :rows] for kv in self.tensors.kv]).cpu()
+
+    def share(self, pages: list[int], num_tokens: int) -> list[int]:
+        """A new holder's pages for the first ``num_tokens`` tokens of ``pages``: full pages shared (refcount),
+        the partial last page copied (copy on write)."""
+        full, rows = divmod(num_tokens, self.page_size)
+        out = list(pages[:full])
+        self.pages.incref(out)
+        if rows:
+            try:
+                (page,) = self.pages.alloc(1)
+            except BaseException:
+                self.pages.decref(out)
+                raise
+            self.copy_rows(pages[full], page, rows)
+            out.append(page)
+        return out

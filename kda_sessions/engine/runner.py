@@ -1,7 +1,16 @@
-"""The engine step, top to bottom: schedule -> run model -> sample -> postprocess.
+"""The engine step, top to bottom: plan -> run (model calls, then sampling of the whole batch) -> postprocess.
 
 Runs on one dedicated thread so the event loop never waits on the model; results are handed back to the
-event loop once per step. Pools and allocators are touched only under ``mutex``.
+event loop once per step. Pools and allocators are touched only under ``pools.mutex``.
+
+Failure isolation: a failure fails only the request it belongs to. Every other sequence of the step keeps the
+invariant that its pool state (KDA slot, conv tails, KV rows below num_cached) equals a fresh prefill of
+``tokens[:num_cached]``: bookkeeping advances for the whole batch right after the model call, before any
+per-row sampling; a row that fails in sampling or in its constraint only ends its own request; a model call
+that raises has advanced some layers of every row in place, so each row is rolled back to its newest exact
+checkpoint (or the empty state) and, if the batch had other rows, each is run again alone: the rows that fail
+alone fail, the others go on (their usage counts the tokens run again). A failed request's own sequence is
+rolled back too, so the tokens after that checkpoint are pending again and the next call continues it.
 """
 
 from __future__ import annotations
@@ -9,48 +18,57 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from ..model import ForwardBatch, HybridModel, StatePools
+from ..model import ForwardBatch, HybridModel
 from ..model.graphs import DecodeGraphs
-from ..sessions.state import SessionState
 from ..tokenizer import Tokenizer
-from .pool import PageAllocator
+from .checkpoints import capture
+from .pool import Pools, pages_needed
+from .postprocess import Sampled, postprocess
 from .rollback import roll_back
-from .sampler import sample
-from .scheduler import Scheduler, Work, pages_needed
+from .sampler import sample_batch
+from .scheduler import Scheduler, StepPlan, Work
+from .sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+Deliver = Callable[[list[Work], list[tuple[Work, int]]], None]
+
+
+@dataclass
+class StepResult:
+    """What one step produced, for postprocess: sampled tokens (not yet appended) and works that ended."""
+
+    sampled: list[Sampled] = field(default_factory=list)
+    finished: list[Work] = field(default_factory=list)
 
 
 class Runner:
     def __init__(
         self,
         model: HybridModel,
-        pools: StatePools,
-        pages: PageAllocator,
+        pools: Pools,
         scheduler: Scheduler,
         tokenizer: Tokenizer,
-        mutex: threading.RLock,
-        deliver: Callable[[list[Work], list[tuple[Work, int]]], None],
+        deliver: Deliver,
         cuda_graphs: bool = True,
     ) -> None:
         self.model = model
         self.pools = pools
-        self.pages = pages
         self.scheduler = scheduler
         self.tokenizer = tokenizer
-        self.mutex = mutex
-        self.cv = threading.Condition(mutex)
+        self.cv = threading.Condition(pools.mutex)
         self.deliver = deliver
         self.stopping = False
         self.steps = 0
         self.tokens_prefilled = 0
         self.tokens_decoded = 0
         self.graphs: DecodeGraphs | None = None
-        if cuda_graphs and model.device.type == "cuda" and pools.scratch_slot is not None:
-            self.graphs = DecodeGraphs(model, pools, capture_lock=mutex)
+        if cuda_graphs and model.device.type == "cuda" and pools.tensors.scratch_slot is not None:
+            self.graphs = DecodeGraphs(model, pools.tensors, capture_lock=pools.mutex)
         self.thread = threading.Thread(target=self._main, name="kda-engine", daemon=True)
 
     def start(self) -> None:
@@ -74,50 +92,43 @@ class Runner:
                 if self.stopping:
                     return
                 plan = self.scheduler.plan()
-            finished: list[Work] = []
-            sampled: list[tuple[Work, int]] = []
-            try:
-                self._prefill(plan.prefill, finished, sampled)
-                self._decode(plan.decode, finished, sampled)
-            except BaseException as e:  # a fault outside the per-row guards: fail the plan, never the engine
-                log.exception("engine step failed")
-                for w in [w for w, _ in plan.prefill] + plan.decode:
-                    if w.finish_reason is None and w.error is None:
-                        self._fail(w, e, finished, rollback=True)
-            finished.extend(plan.dropped)
-            with self.mutex:
-                self.scheduler.running = [w for w in self.scheduler.running if w not in finished]
+            result = self.run(plan)
+            sampled = postprocess(plan, result.sampled, result.finished, self.pools, self.scheduler, self.tokenizer)
             self.steps += 1
-            self.deliver(finished, sampled)
+            self.deliver(result.finished, sampled)
 
-    # -- failure isolation -----------------------------------------------------------------------------------
-    #
-    # A failure fails only the request it belongs to. Every other session of the step keeps the invariant that
-    # its pool state (KDA slot, conv tails, KV rows below num_cached) equals a fresh prefill of
-    # tokens[:num_cached]: bookkeeping advances for the whole batch right after the model call, before any
-    # per-row sampling; a row that fails in sampling or in its constraint only ends its own request; a model call
-    # that raises has advanced some layers of every row in place, so each row is rolled back to its newest exact
-    # checkpoint (or the empty state) and, if the batch had other rows, each is run again alone: the rows that
-    # fail alone fail, the others go on (their usage counts the tokens run again). A failed request's own session
-    # is rolled back too, so the tokens after that checkpoint are pending again and the next call continues it.
+    def run(self, plan: StepPlan) -> StepResult:
+        """The model calls of ``plan`` (one packed prefill, one decode batch) and the sampling of their rows."""
+        out = StepResult()
+        try:
+            self._prefill(plan.prefill, out)
+            self._decode(plan.decode, out)
+        except BaseException as e:  # a fault outside the per-row guards: fail the plan, never the engine
+            log.exception("engine step failed")
+            for w in [w for w, _ in plan.prefill] + plan.decode:
+                if w.finish_reason is None and w.error is None:
+                    self._fail(w, e, out, rollback=True)
+        return out
 
-    def _fail(self, w: Work, e: BaseException, finished: list[Work], rollback: bool = False) -> None:
+    # -- failure isolation (see the module docstring) --------------------------------------------------------
+
+    def _fail(self, w: Work, e: BaseException, out: StepResult, rollback: bool = False) -> None:
         if rollback and w.session.slot is not None:
             try:
                 self.rollback(w.session)
-            except Exception:  # the session cannot be trusted any more: it will prefill from scratch
+            except Exception:  # the sequence cannot be trusted any more: it will prefill from scratch
                 log.exception("session %s: rollback after a failed step failed", w.session.id)
         w.error = w.error or e
-        if w not in finished:
-            finished.append(w)
+        if w not in out.finished:
+            out.finished.append(w)
 
-    def rollback(self, s: SessionState) -> None:
+    def rollback(self, s: Sequence) -> None:
         """``roll_back`` (see there) under the pools' mutex."""
-        with self.mutex:
-            roll_back(s, self.pools, self.pages)
+        with self.pools.mutex:
+            roll_back(s, self.pools)
 
     def _replay(self, w: Work) -> None:
-        """Turn ``w`` (its session rolled back) into a prefill of everything its session has not cached."""
+        """Turn ``w`` (its sequence rolled back) into a prefill of everything its sequence has not cached."""
         s = w.session
         end = len(s.tokens) - (1 if w.prefill_only else 0)
         left = len(w.prompt) - w.done_prefill if w.in_prefill else 0
@@ -127,8 +138,7 @@ class Runner:
         w.done_prefill = 0
         w.replayed += max(0, len(w.prompt) - left)
 
-    def _retry_alone(self, works: list[Work], e: BaseException, finished: list[Work],
-                     sampled: list[tuple[Work, int]]) -> None:
+    def _retry_alone(self, works: list[Work], e: BaseException, out: StepResult) -> None:
         """After a model call over ``works`` raised: roll all back; alone, a row fails; else each runs again alone."""
         log.warning("model step over %d sequences failed (%s: %s); rolling back", len(works), type(e).__name__, e)
         alone = len(works) == 1
@@ -137,29 +147,29 @@ class Runner:
                 self.rollback(w.session)
             except Exception as again:
                 log.exception("session %s: rollback after a failed step failed", w.session.id)
-                self._fail(w, again, finished)
+                self._fail(w, again, out)
         works = [w for w in works if w.error is None]
         if alone:
             for w in works:
-                self._fail(w, e, finished)
+                self._fail(w, e, out)
             return
         for w in works:
             self._replay(w)
             while w.in_prefill and w.error is None and w.finish_reason is None and not w.cancelled:
                 n = min(len(w.prompt) - w.done_prefill, self.scheduler.prefill_budget)
-                self._prefill([(w, n)], finished, sampled)
-            if w.cancelled and w not in finished:
+                self._prefill([(w, n)], out)
+            if w.cancelled and w not in out.finished:
                 w.finish_reason = w.finish_reason or "cancelled"
-                finished.append(w)
+                out.finished.append(w)
 
-    def _with_pages(self, works: list[Work], need: list[int], finished: list[Work]) -> list[int]:
-        """Indices of the works whose sessions got pages for ``need`` tokens; the others fail alone."""
+    def _with_pages(self, works: list[Work], need: list[int], out: StepResult) -> list[int]:
+        """Indices of the works whose sequences got pages for ``need`` tokens; the others fail alone."""
         ok = []
         for i, (w, total) in enumerate(zip(works, need)):
             try:
                 self._ensure_pages(w, total)
             except Exception as e:
-                self._fail(w, e, finished)
+                self._fail(w, e, out)
             else:
                 ok.append(i)
         return ok
@@ -167,32 +177,40 @@ class Runner:
     # -- model calls -----------------------------------------------------------------------------------------
 
     def _ensure_pages(self, w: Work, total: int) -> None:
-        """Pages for ``total`` tokens of ``w``'s session, out of the work's reservation first."""
+        """Pages for ``total`` tokens of ``w``'s sequence, out of the work's reservation first."""
         s = w.session
         need = pages_needed(total, self.pools.page_size) - len(s.pages)
         if need > 0:
-            with self.mutex:
+            with self.pools.mutex:
                 take = min(need, w.reserved_pages)
-                s.pages.extend(self.pages.alloc(need, reserved=take))
+                s.pages.extend(self.pools.pages.alloc(need, reserved=take))
                 w.reserved_pages -= take
 
-    def _table(self, sessions: list[SessionState]) -> torch.Tensor:
-        width = max(len(s.pages) for s in sessions)
-        rows = [s.pages + [0] * (width - len(s.pages)) for s in sessions]
-        return torch.tensor(rows, dtype=torch.int32, device=self.model.device)
+    def _batch(self, works: list[Work], ids: list[int], num_new: list[int],
+               positions: list[list[int]] | None = None) -> ForwardBatch:
+        seqs = [w.session for w in works]
+        dev = self.model.device
+        width = max(len(s.pages) for s in seqs)
+        table = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
+        rows = ForwardBatch.rows_for([s.pages for s in seqs], [s.num_cached for s in seqs], num_new, self.pools.page_size)
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            num_new=num_new,
+            start=[s.num_cached for s in seqs],
+            slots=torch.tensor([s.slot for s in seqs], device=dev),
+            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            checkpoint_positions=positions if positions and any(positions) else None,
+            kv_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+        )
 
-    def _rows(self, sessions: list[SessionState], num_new: list[int]) -> torch.Tensor:
-        rows = ForwardBatch.rows_for([s.pages for s in sessions], [s.num_cached for s in sessions], num_new, self.pools.page_size)
-        return torch.tensor(rows, dtype=torch.long, device=self.model.device)
-
-    def _prefill(self, chunks: list[tuple[Work, int]], finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
-        ok = self._with_pages([w for w, _ in chunks], [w.session.num_cached + n for w, n in chunks], finished)
+    def _prefill(self, chunks: list[tuple[Work, int]], out: StepResult) -> None:
+        ok = self._with_pages([w for w, _ in chunks], [w.session.num_cached + n for w, n in chunks], out)
         chunks = [chunks[i] for i in ok]
         if not chunks:
             return
         ids: list[int] = []
         positions: list[list[int]] = []
-        wanted: list[list] = []
+        wanted = []
         for w, n in chunks:
             s = w.session
             assert s.slot is not None
@@ -201,129 +219,101 @@ class Runner:
             pending = [c for c in w.checkpoints if lo <= c.target <= hi and c.state_pos < c.target]
             for c in pending:
                 if c.target == lo:  # exactly the state before this chunk
-                    with self.mutex:
-                        kda = torch.stack([st[s.slot] for st in self.pools.kda]).cpu()
-                        conv = torch.stack([cv[s.slot] for cv in self.pools.conv]).cpu()
-                    self._capture(s, c, kda, conv)
+                    with self.pools.mutex:
+                        capture(s, c, c.target, self.pools.read_slot(s.slot), self.pools)
             cps = sorted((c for c in pending if c.target > lo), key=lambda c: c.target)
             positions.append(sorted({c.target - lo for c in cps}))
             wanted.append(cps)
-        sessions = [w.session for w, _ in chunks]
+        works = [w for w, _ in chunks]
         try:
-            batch = ForwardBatch(
-                input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
-                num_new=[n for _, n in chunks],
-                start=[s.num_cached for s in sessions],
-                slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
-                page_table=self._table(sessions),
-                checkpoint_positions=positions if any(positions) else None,
-                kv_rows=self._rows(sessions, [n for _, n in chunks]),
-            )
-            logits, states = self.model.step(batch, self.pools)
+            logits, states = self.model.step(self._batch(works, ids, [n for _, n in chunks], positions), self.pools.tensors)
         except Exception as e:
-            self._retry_alone([w for w, _ in chunks], e, finished, sampled)
+            self._retry_alone(works, e, out)
             return
         # bookkeeping for every row first: the pools have advanced for all of them
-        starts = [w.session.num_cached for w, _ in chunks]
+        starts = [w.session.num_cached for w in works]
         for w, n in chunks:
             w.session.num_cached += n
             w.done_prefill += n
             self.tokens_prefilled += n
         m = 0
-        for i, (w, _) in enumerate(chunks):
+        to_sample: list[int] = []
+        for i, w in enumerate(works):
             s = w.session
             try:
                 if states is not None:
                     rel = positions[i]
                     for c in wanted[i]:
                         j = m + rel.index(c.target - starts[i])
-                        self._capture(s, c, states.kda[j].cpu(), states.conv[j].cpu())
+                        state = (states.kda[j].cpu(), states.conv[j].cpu())
+                        with self.pools.mutex:
+                            capture(s, c, c.target, state, self.pools)
                     m += len(rel)
-                if not w.in_prefill:
-                    if w.prefill_only:
-                        w.finish_reason = "stop"
-                        finished.append(w)
-                    else:
-                        self._sample(w, logits[i], finished, sampled)
             except Exception as e:
-                log.warning("session %s: request failed after the model step (%s: %s)", s.id, type(e).__name__, e)
-                self._fail(w, e, finished, rollback=True)
+                log.warning("session %s: checkpoint capture failed (%s: %s)", s.id, type(e).__name__, e)
+                self._fail(w, e, out, rollback=True)
+                continue
+            if not w.in_prefill:
+                if w.prefill_only:
+                    w.finish_reason = "stop"
+                    out.finished.append(w)
+                else:
+                    to_sample.append(i)
+        self._sample(works, logits, to_sample, out)
 
-    def _capture(self, s: SessionState, c, kda: torch.Tensor, conv: torch.Tensor) -> None:
-        """Upgrade checkpoint ``c`` to hold the exact state at its position, sharing the session's pages."""
-        with self.mutex:
-            if c.pages:
-                self.pages.decref(c.pages)
-            keep = pages_needed(c.target, self.pools.page_size)
-            c.pages = s.pages[:keep]
-            self.pages.incref(c.pages)
-            c.kda, c.conv, c.state_pos = kda, conv, c.target
-            c.state_blob, c.page_blobs = None, None
-            s.checkpoints[c.name] = c
-
-    def _decode(self, works: list[Work], finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
+    def _decode(self, works: list[Work], out: StepResult) -> None:
         works = [w for w in works if not w.cancelled and w.finish_reason is None and w.error is None]
-        ok = self._with_pages(works, [w.session.num_cached + 1 for w in works], finished)
+        ok = self._with_pages(works, [w.session.num_cached + 1 for w in works], out)
         works = [works[i] for i in ok]
         if not works:
             return
-        sessions = [w.session for w in works]
-        ids = [s.tokens[s.num_cached] for s in sessions]
+        seqs = [w.session for w in works]
+        ids = [s.tokens[s.num_cached] for s in seqs]
         try:
-            if self.graphs is not None and self.graphs.accepts(len(sessions)):
+            if self.graphs is not None and self.graphs.accepts(len(seqs)):
                 # static buffers + a replayed CUDA graph: no per-step tensors, no host sync before sampling
-                slots = [s.slot for s in sessions if s.slot is not None]
-                assert len(slots) == len(sessions)
-                lens = [s.num_cached + 1 for s in sessions]
-                logits = self.graphs.run(ids, slots, lens, [s.pages for s in sessions])
+                slots = [s.slot for s in seqs if s.slot is not None]
+                assert len(slots) == len(seqs)
+                logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in seqs], [s.pages for s in seqs])
             else:
-                batch = ForwardBatch(
-                    input_ids=torch.tensor(ids, dtype=torch.long, device=self.model.device),
-                    num_new=[1] * len(works),
-                    start=[s.num_cached for s in sessions],
-                    slots=torch.tensor([s.slot for s in sessions], device=self.model.device),
-                    page_table=self._table(sessions),
-                    kv_rows=self._rows(sessions, [1] * len(sessions)),
-                )
-                logits, _ = self.model.step(batch, self.pools)
+                logits, _ = self.model.step(self._batch(works, ids, [1] * len(works)), self.pools.tensors)
         except Exception as e:
-            self._retry_alone(works, e, finished, sampled)
+            self._retry_alone(works, e, out)
             return
-        for s in sessions:  # every row advanced: bookkeeping before any row can fail
+        for s in seqs:  # every row advanced: bookkeeping before any row can fail
             s.num_cached += 1
         self.tokens_decoded += len(works)
-        for i, w in enumerate(works):
+        self._sample(works, logits, list(range(len(works))), out)
+
+    # -- sampling --------------------------------------------------------------------------------------------
+
+    def _sample(self, works: list[Work], logits: torch.Tensor, rows: list[int], out: StepResult) -> None:
+        """Sample row ``i`` of ``logits`` for ``works[i]``, for every ``i`` in ``rows``: unconstrained rows together
+        on the device (one host copy), constrained ones on the host. A row that fails ends only its request."""
+        free = [i for i in rows if works[i].constraint is None]
+        picked: dict[int, tuple[int, float] | Exception] = {}
+        if free:
+            idx = torch.tensor(free, device=logits.device)
+            got = sample_batch(logits.index_select(0, idx), [works[i].params for i in free],
+                               [works[i].generator for i in free])
+            picked.update(zip(free, got))
+        for i in rows:
+            w = works[i]
             try:
-                self._sample(w, logits[i], finished, sampled)
+                if w.constraint is not None:
+                    tok, lp = w.constraint.pick(logits[i], w.params, w.generator, w.params.max_tokens - len(w.output))
+                    w.constraint.advance(tok)
+                else:
+                    res = picked[i]
+                    if isinstance(res, Exception):
+                        raise res
+                    tok, lp = res
+                top: list[tuple[int, float]] = []
+                if w.params.top_logprobs:
+                    t = torch.topk(torch.log_softmax(logits[i].float(), dim=-1), w.params.top_logprobs)
+                    top = list(zip(t.indices.tolist(), t.values.tolist()))
             except Exception as e:
                 log.warning("session %s: request failed in sampling (%s: %s)", w.session.id, type(e).__name__, e)
-                self._fail(w, e, finished, rollback=True)
-
-    def _sample(self, w: Work, logits: torch.Tensor, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
-        if w.constraint is not None:
-            tok, lp = w.constraint.pick(logits, w.params, w.generator, w.params.max_tokens - len(w.output))
-            w.constraint.advance(tok)
-        else:
-            tok, lp = sample(logits, w.params, w.generator)
-        w.output.append(tok)
-        w.session.tokens.append(tok)  # pending: fed by the next decode step or the next call
-        if w.params.logprobs:
-            w.logprobs.append(lp)
-        if w.params.top_logprobs:
-            top = torch.topk(torch.log_softmax(logits.float(), dim=-1), w.params.top_logprobs)
-            w.top_logprobs.append(list(zip(top.indices.tolist(), top.values.tolist())))
-        sampled.append((w, tok))
-        if tok in self.tokenizer.eos_ids and not w.params.ignore_eos:
-            w.finish_reason = "stop"
-        elif len(w.output) >= w.params.max_tokens:
-            w.finish_reason = "length"
-        elif w.params.stop and self._hit_stop(w):
-            w.finish_reason = "stop"
-        if w.finish_reason is not None and w not in finished:
-            finished.append(w)
-
-    def _hit_stop(self, w: Work) -> bool:
-        longest = max(len(s) for s in w.params.stop or [])
-        # decode only a tail long enough to hold any stop string (byte tokens: 4 bytes per char at most)
-        tail = self.tokenizer.decode(w.output[-(4 * longest + 8) :], skip_special=True)
-        return any(s in tail for s in w.params.stop or [])
+                self._fail(w, e, out, rollback=True)
+            else:
+                out.sampled.append(Sampled(w, tok, lp, top))

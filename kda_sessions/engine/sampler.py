@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..types import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
-__all__ = ["MIN_TEMPERATURE", "SEED_RANGE", "SamplingParams", "sample"]
+__all__ = ["MIN_TEMPERATURE", "SEED_RANGE", "SamplingParams", "draw", "sample", "sample_batch"]
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
@@ -21,6 +21,13 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
     if params.greedy:
         tok = int(torch.argmax(logits))
         return tok, float(logprobs[tok])
+    tok = int(draw(logits, params, generator))
+    return tok, float(logprobs[tok])
+
+
+def draw(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
+    """A non-greedy draw from logits [vocab]: the token id as a 0-d long tensor on the logits' device (drawn
+    where the request's generator lives); no host sync unless those devices differ."""
     scaled = logits.float()
     scaled = (scaled - scaled.max()) / params.temperature  # max 0: no overflow at any temperature
     if params.top_k > 0:
@@ -32,5 +39,38 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
         keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
         keep[0] = True  # the most likely token, even where top_p rounds to 0 in float32
         probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    tok = int(torch.multinomial(probs, 1, generator=generator))
-    return tok, float(logprobs[tok])
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)  # a seeded draw uses the request's own generator, where it lives
+    return torch.multinomial(probs, 1, generator=generator)[0].to(logits.device)
+
+
+def sample_batch(
+    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[tuple[int, float] | Exception]:
+    """One token per row of logits [N, vocab]: (token id, its log-probability under the model), or the
+    exception that row raised (it fails alone). Greedy rows take one argmax together; every row's token and
+    log-probability reach the host in one copy."""
+    N = logits.shape[0]
+    out: list[tuple[int, float] | Exception] = [ValueError("not sampled")] * N
+    picks: list[Tensor | None] = [None] * N
+    greedy = [i for i in range(N) if params[i].greedy]
+    if greedy:
+        idx = torch.tensor(greedy, device=logits.device)
+        for i, t in zip(greedy, torch.argmax(logits.index_select(0, idx), dim=-1)):
+            picks[i] = t
+    for i in range(N):
+        if picks[i] is None:
+            try:
+                picks[i] = draw(logits[i], params[i], generators[i])
+            except Exception as e:  # an unsampleable row fails its own request only
+                out[i] = e
+    ok = [i for i in range(N) if picks[i] is not None]
+    if not ok:
+        return out
+    toks = torch.stack([picks[i] for i in ok])  # type: ignore[misc]
+    rows = logits.index_select(0, torch.tensor(ok, device=logits.device)).float()
+    lps = torch.log_softmax(rows, dim=-1).gather(1, toks[:, None])[:, 0]
+    host = torch.stack([toks.double(), lps.double()]).cpu().tolist()  # the one device-to-host copy
+    for j, i in enumerate(ok):
+        out[i] = (int(host[0][j]), float(host[1][j]))
+    return out

@@ -7,33 +7,49 @@ prompt chunk has run, and leaves when it finishes or is cancelled.
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import anyio
 import torch
+from torch import Tensor
 
 from ..errors import EngineBusy
-from ..sessions.state import Checkpoint, SessionState
-from .constraint import ToolChoiceConstraint
-from .sampler import SamplingParams
+from ..types import SamplingParams
+from .sequence import Checkpoint, Sequence
+
+__all__ = ["Constraint", "EngineBusy", "Scheduler", "StepPlan", "Work"]
 
 MIN_SHARE = 64
 """Smallest prefill chunk a prompt is given in a step (smaller ones waste the step on overhead)."""
+
+
+class Constraint(Protocol):
+    """Constrained decoding of one request (tool_choice, response_format): picks each token on the host."""
+
+    def pick(self, logits: Tensor, params: SamplingParams, generator: torch.Generator | None,
+             remaining: int) -> tuple[int, float]:
+        """The next token given logits [vocab] and ``remaining`` tokens of budget; (token, its logprob)."""
+        ...
+
+    def advance(self, token: int) -> None: ...
 
 
 @dataclass(eq=False)  # compared by identity: a field-wise == would compare whole sessions
 class Work:
     """One call on one session: prefill ``prompt`` (pending + new tokens), then generate (unless prefill_only)."""
 
-    session: SessionState
+    session: Sequence
     prompt: list[int]
     params: SamplingParams
     prefill_only: bool = False
     checkpoints: list[Checkpoint] = field(default_factory=list)
     """Checkpoints whose state should be captured when the prefill passes their position."""
+    end_checkpoint: Checkpoint | None = None
+    """Captured (state and pages) at the session's position when the work ends without an error: the state a
+    next turn, a fork or a rollback starts from. Its position and state_pos are set then."""
     done_prefill: int = 0
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -43,8 +59,8 @@ class Work:
     cancelled: bool = False
     finished: anyio.Event = field(default_factory=anyio.Event)
     generator: torch.Generator | None = None
-    constraint: ToolChoiceConstraint | None = None
-    """Constrained decoding for tool_choice (required / named / none)."""
+    constraint: Constraint | None = None
+    """Constrained decoding (tool_choice, response_format), or None."""
     on_token: Callable[[int], None] | None = None
     """Run on the event loop after each sampled token (streaming)."""
     on_finish: Callable[[], None] | None = None
@@ -129,7 +145,3 @@ class Scheduler:
 
     def num_queued(self) -> int:
         return len(self.waiting) + sum(1 for w in self.running if w.in_prefill)
-
-
-def pages_needed(num_tokens: int, page_size: int) -> int:
-    return math.ceil(num_tokens / page_size)

@@ -12,8 +12,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from ..api import Engine
 from ..dtypes import resolve_dtype
-from ..engine.engine import Engine
 from .auth import check_bind
 from .errors import install_error_handlers
 from .inflight import InFlight

@@ -12,10 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from starlette.background import BackgroundTask
 
-from ..engine.engine import Engine
-from ..engine.tenancy import TenantEngine
+from ..api import Engine
 from ..engine.types import Done, Reply, StreamEvent, TokenDelta, ToolCallEvent
 from ..sessions.session import Session
+from ..sessions.tenancy import TenantSessions
 from .chat import (
     ChunkWriter,
     check_tool_calls,
@@ -153,12 +153,12 @@ async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
         yield c
 
 
-async def _finish_all(tracker: StatelessSessions, view: TenantEngine, sessions: list[Session]) -> None:
+async def _finish_all(tracker: StatelessSessions, view: TenantSessions, sessions: list[Session]) -> None:
     for s in sessions:
         await tracker.finish(view, s)
 
 
-async def _then_finish(tracker: StatelessSessions, view: TenantEngine, sessions: list[Session],
+async def _then_finish(tracker: StatelessSessions, view: TenantSessions, sessions: list[Session],
                        events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """The stream's events, then (however it ends) the sessions' saves and the sweep."""
     try:
@@ -169,7 +169,7 @@ async def _then_finish(tracker: StatelessSessions, view: TenantEngine, sessions:
 
 
 async def open_session(
-    engine: Engine | TenantEngine, session_id: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    engine: Engine | TenantSessions, session_id: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
 ) -> tuple[Session, list[dict[str, Any]]]:
     """(the session to answer in, the messages still to send). Without a session id, the closed part of the
     history becomes a new session started from the longest stored prefix of its tokens."""
@@ -237,7 +237,7 @@ async def stream_completion(
     body: ChatCompletionRequest, tools: list[dict[str, Any]] | None, model: str,
 ) -> AsyncIterator[bytes]:
     chunks = ChunkWriter(new_completion_id(), model, session.id)
-    specials = list(session.engine.tokenizer.special_ids)
+    specials = list(request.app.state.engine.tokenizer.special_ids)
     yield sse_data(chunks.role())
     calls: list[Any] = []
     events = _stream_events(session, messages, sampling, body.tool_choice)

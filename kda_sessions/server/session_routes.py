@@ -10,10 +10,10 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from ..engine.tenancy import TenantEngine
 from ..engine.types import CheckpointInfo, Reply, SessionInfo, Usage
 from ..errors import SessionNotFound
 from ..sessions.session import Session
+from ..sessions.tenancy import TenantSessions
 from .errors import ApiError, to_api_error
 from .openai_routes import send_with_tool_choice
 from .schemas import Append, CreateCheckpoint, CreateSession, Fork, Sampling, SendMessages
@@ -28,7 +28,7 @@ def session_info(s: Session, saved: bool | None = None) -> SessionInfo:
                        active=st.resident, saved=st.generation > 0 if saved is None else saved, parent=st.parent)
 
 
-async def _engine(request: Request) -> TenantEngine:
+async def _engine(request: Request) -> TenantSessions:
     """The engine's session API for the caller's tenant: other tenants' sessions do not exist for it."""
     return await request.app.state.engine.for_tenant(request.scope.get("state", {}).get("tenant"))
 
@@ -60,7 +60,7 @@ async def create_session(body: CreateSession, request: Request) -> JSONResponse:
     return _created(session_info(s, saved=False))
 
 
-async def _stored(engine: TenantEngine, session_id: str) -> bool:
+async def _stored(engine: TenantSessions, session_id: str) -> bool:
     return any(i.session_id == session_id for i in await engine.list_sessions())
 
 

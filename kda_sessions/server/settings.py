@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from ..dtypes import DTYPE_NAMES
 from ..engine.config import EngineConfig
+from ..generation_config import generation_defaults
 
 
 class ServerSettings(BaseModel):
@@ -66,7 +68,6 @@ class ServerSettings(BaseModel):
     @field_validator("dtype")
     @classmethod
     def _known_dtype(cls, name: str) -> str:
-        from ..dtypes import DTYPE_NAMES
 
         if name not in DTYPE_NAMES:
             raise ValueError(f"dtype must be one of {list(DTYPE_NAMES)}, got {name!r}")
@@ -75,7 +76,6 @@ class ServerSettings(BaseModel):
     def sampling_defaults(self) -> dict[str, float | int]:
         """temperature, top_p and max_tokens of a request that names none: the model's generation config
         (greedy for ``tiny``) where it has one, else OpenAI's (1.0, 1.0) and ``default_max_tokens`` or 512."""
-        from ..generation_config import generation_defaults
 
         gen = generation_defaults(self.model)
         return {

@@ -26,8 +26,8 @@ from collections import OrderedDict
 
 import anyio
 
-from ..engine.tenancy import TenantEngine
 from ..sessions.session import Session
+from ..sessions.tenancy import TenantSessions
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class StatelessSessions:
     def __contains__(self, key: object) -> bool:
         return key in self._last_used
 
-    def begin(self, view: TenantEngine, session_id: str, *, created: bool) -> None:
+    def begin(self, view: TenantSessions, session_id: str, *, created: bool) -> None:
         """Before a request on ``session_id``: track it if ``created`` (or already tracked) and keep it from
         being forgotten until ``finish``."""
         key = (view.tenant, session_id)
@@ -70,7 +70,7 @@ class StatelessSessions:
         if created or key in self._last_used:
             self._touch(key)
 
-    async def finish(self, view: TenantEngine, session: Session, *, answered: bool = True) -> None:
+    async def finish(self, view: TenantSessions, session: Session, *, answered: bool = True) -> None:
         """After the request (its reply sent): save the session, then forget what is idle too long or too many
         and expire what the retention policy says. A request that failed (``answered`` False) saves nothing: a
         session it created is forgotten with the next sweep. Never raises: the reply is already out."""
@@ -88,7 +88,7 @@ class StatelessSessions:
             await self.tidy(view)
             await self.tidy(view, expire=True)
 
-    async def tidy(self, view: TenantEngine, *, expire: bool = False) -> None:
+    async def tidy(self, view: TenantSessions, *, expire: bool = False) -> None:
         """``sweep`` (or ``expire``), logging instead of raising: a store outage waits for the next request.
         Routes sweep before they answer too, so the bounds hold as soon as a reply is out."""
         try:
@@ -110,7 +110,7 @@ class StatelessSessions:
         self._last_used[key] = time.monotonic()
         self._last_used.move_to_end(key)
 
-    async def sweep(self, view: TenantEngine) -> int:
+    async def sweep(self, view: TenantSessions) -> int:
         """Forget tracked sessions idle longer than the TTL, then the least recently used beyond the cap
         (sessions of other tenants are forgotten through their own views). How many were forgotten."""
         now = time.monotonic()
@@ -140,7 +140,7 @@ class StatelessSessions:
             log.debug("forgot %d idle chat sessions (%d held)", n, len(self._last_used))
         return n
 
-    async def expire(self, view: TenantEngine, *, force: bool = False) -> int:
+    async def expire(self, view: TenantSessions, *, force: bool = False) -> int:
         """Delete this tenant's stored ``s_chat_`` sessions unused for longer than the retention (at most every
         quarter of it, and at least hourly); how many were deleted."""
         if self.retention_s <= 0:

@@ -1,18 +1,16 @@
-"""The user's handle on one session. Bookkeeping lives in ``SessionState``; tensors in the engine's pools."""
+"""The user's handle on one session: calls go to the session manager's public methods. Bookkeeping lives in
+``SessionState``; tensors in the pools."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
-from ..engine.constraint import parse_tool_choice
-from ..engine.json_reply import response_schema
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import Work
-from ..engine.types import CheckpointInfo, Done, Reply, StreamEvent, TokenDelta, ToolCallEvent, Usage
 from ..storage import SaveResult
 from ..tokenizer import (
     ContentDelta,
@@ -22,18 +20,18 @@ from ..tokenizer import (
     encode_end_of_turn,
     parse_assistant_output,
 )
-from ..types import TopLogprob
-from .prefix_index import PrefixHit
+from ..types import CheckpointInfo, Done, Reply, StreamEvent, TokenDelta, ToolCallEvent, TopLogprob, Usage
+from .admission import check_request
+from .manager import SessionManager
 from .state import Checkpoint, SessionState
-
-if TYPE_CHECKING:
-    from ..engine.engine import Engine
 
 
 class Session:
-    def __init__(self, engine: Engine, state: SessionState) -> None:
-        self.engine = engine
+    def __init__(self, manager: SessionManager, state: SessionState) -> None:
+        self.manager = manager
         self.state = state
+        self._turns_done: dict[Work, Reply] = {}
+        """The reply of the last turn, once recorded (a stream's cleanup may finish a turn a second time)."""
 
     @property
     def id(self) -> str:
@@ -54,18 +52,18 @@ class Session:
 
     async def append(self, tokens: list[int] | str) -> Usage:
         """Feed token ids (or text, encoded without special tokens) into the context: prefill only."""
-        ids = self.engine.tokenizer.encode(tokens) if isinstance(tokens, str) else list(tokens)
+        ids = self.manager.tokenizer.encode(tokens) if isinstance(tokens, str) else list(tokens)
         self._check_ids(ids)
         s = self.state
         async with s.lock:
             before = s.num_tokens
             s.tokens.extend(ids)
             try:
-                work = await self.engine.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+                work = await self.manager.start(s, SamplingParams(max_tokens=1), prefill_only=True)
             except BaseException:
                 del s.tokens[before:]  # refused before anything ran: the session is as it was
                 raise
-            await self.engine.wait(work)
+            await self.manager.wait(work)
             run = work.prompt_len + work.replayed
             return Usage(prompt_tokens=s.num_tokens, prefill_tokens=run, cached_tokens=max(0, s.num_tokens - run))
 
@@ -85,12 +83,12 @@ class Session:
         params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, _stops(stop), logprobs, ignore_eos,
                                 top_logprobs)
         async with self.state.lock:
-            work = await self.engine.start(self.state, params)
-            await self.engine.wait(work)
+            work = await self.manager.start(self.state, params)
+            await self.manager.wait(work)
             return self._reply(work, chat=False)
 
     def _check_ids(self, ids: list[int]) -> None:
-        vocab = self.engine.model.config.vocab_size
+        vocab = self.manager.core.model.config.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids must be ints in [0, {vocab}), got {bad[:5]}")
@@ -124,10 +122,10 @@ class Session:
         work: Work | None = None
         try:
             work = await self._start_turn(messages, sampling, on_token=send.send_nowait, on_finish=send.close)
-            decoder = self.engine.tokenizer.incremental_decoder()
+            decoder = self.manager.tokenizer.incremental_decoder()
             parser = ToolCallStreamParser()
             async with recv:
-                tk = self.engine.tokenizer
+                tk = self.manager.tokenizer
                 markers = {tk.token_to_id(m) for m in _TOOL_MARKERS if m in tk.special_ids}
                 async for tok in recv:
                     if tk.is_special(tok) and tok not in markers:  # end of turn etc. are not content
@@ -140,11 +138,11 @@ class Session:
                 out = _event(ev, None)
                 if out is not None:
                     yield out
-            await self.engine.wait(work)
+            await self.manager.wait(work)
             yield Done(reply=self._finish_turn(work))
         finally:
             if work is not None and not work.finished.is_set():
-                await self.engine.cancel(work)
+                await self.manager.cancel(work)
                 self._finish_turn(work)
             s.lock.release()
 
@@ -152,7 +150,7 @@ class Session:
         async with self.state.lock:
             work = await self._start_turn(messages, sampling)
             try:
-                await self.engine.wait(work)
+                await self.manager.wait(work)
             finally:
                 reply = self._finish_turn(work)
             return reply
@@ -164,14 +162,13 @@ class Session:
         on_token: Callable[[int], None] | None = None,
         on_finish: Callable[[], None] | None = None,
     ) -> Work:
-        eng, s = self.engine, self.state
+        m, s = self.manager, self.state
         sampling = dict(sampling)
         tool_choice = sampling.pop("tool_choice", None)
         response_format = sampling.pop("response_format", None)
         params = _params(sampling)
-        parse_tool_choice(tool_choice, s.tools)  # a bad choice fails before the session changes
-        response_schema(response_format)
-        tok, tpl = eng.tokenizer, eng.template
+        check_request(s, tool_choice, response_format)  # a bad request fails before the session changes
+        tok, tpl = m.tokenizer, m.template
         checkpoints: list[Checkpoint] = []
         head_name = f"msg-{len(s.messages) - 1}"
         if s.messages and s.num_cached < s.num_tokens - 1 and head_name not in s.checkpoints:
@@ -193,9 +190,11 @@ class Session:
         name = f"msg-{len(s.messages) - 1}"
         # the input's end: captured by this very prefill, from the state at that position
         checkpoints.append(Checkpoint(name=name, position=boundary, state_pos=-1, num_messages=len(s.messages)))
+        # the reply's end: captured by the step thread when the work ends (the assistant message comes next)
+        end = Checkpoint(name=f"msg-{len(s.messages)}", position=-1, state_pos=-1, num_messages=len(s.messages) + 1)
         try:
-            return await eng.start(s, params, checkpoints=checkpoints, on_token=on_token, on_finish=on_finish,
-                                   tool_choice=tool_choice, response_format=response_format)
+            return await m.start(s, params, checkpoints=checkpoints, end_checkpoint=end, on_token=on_token,
+                                 on_finish=on_finish, tool_choice=tool_choice, response_format=response_format)
         except BaseException:  # refused before anything ran (bad max_tokens, no room): the session is as it was
             del s.tokens[undo[0] :]
             del s.messages[undo[1] :]
@@ -204,29 +203,30 @@ class Session:
 
     def _finish_turn(self, work: Work) -> Reply:
         """Record the assistant message and the checkpoint after it; build the reply."""
-        eng, s = self.engine, self.state
-        if getattr(work, "_turn_done", None) is not None:
-            return work._turn_done  # type: ignore[attr-defined]
+        m, s = self.manager, self.state
+        if work in self._turns_done:
+            return self._turns_done[work]
         reply = self._reply(work, chat=True)
         message: dict[str, Any] = {"role": "assistant", "content": reply.text}
         if reply.tool_calls:
             message["tool_calls"] = [tc.model_dump() for tc in reply.tool_calls]
         s.messages.append(message)
-        s.turn_open = not (work.output and work.output[-1] in eng.tokenizer.eos_ids)
+        s.turn_open = not (work.output and work.output[-1] in m.tokenizer.eos_ids)
         for c in work.checkpoints:
             if c.state_pos >= 0:
-                eng.space_of(s).index.add(s.tokens, PrefixHit(s.id, c.name, c.position))
-        if s.resident and work.error is None:
-            self._record_checkpoint(f"msg-{len(s.messages) - 1}")
-        eng.trim_checkpoints(s)
-        work._turn_done = reply  # type: ignore[attr-defined]
+                m.index(s, c)
+        end = work.end_checkpoint
+        if end is not None and end.resident and s.checkpoints.get(end.name) is end:
+            end.turn_open = s.turn_open
+            m.index(s, end)
+        m.residency.trim_checkpoints(s)
+        self._turns_done = {work: reply}
         return reply
 
     def _reply(self, work: Work, chat: bool) -> Reply:
-        eng = self.engine
         out = work.output
-        parsed = parse_assistant_output(out, eng.tokenizer) if chat else None
-        text = parsed.content if parsed is not None else eng.tokenizer.decode(out, skip_special=True)
+        parsed = parse_assistant_output(out, self.manager.tokenizer) if chat else None
+        text = parsed.content if parsed is not None else self.manager.tokenizer.decode(out, skip_special=True)
         tool_calls: list[ToolCall] = list(parsed.tool_calls) if parsed is not None else []
         if work.params.stop:
             cut = min((i for i in (text.find(st) for st in work.params.stop) if i >= 0), default=-1)
@@ -241,9 +241,10 @@ class Session:
             prompt_tokens=prompt, prefill_tokens=run, cached_tokens=max(0, prompt - run),
             completion_tokens=len(out),
         )
-        eng.counters["prefill_tokens"] += usage.prefill_tokens
-        eng.counters["cached_tokens"] += usage.cached_tokens
-        eng.counters["completion_tokens"] += usage.completion_tokens
+        counters = self.manager.counters
+        counters["prefill_tokens"] += usage.prefill_tokens
+        counters["cached_tokens"] += usage.cached_tokens
+        counters["completion_tokens"] += usage.completion_tokens
         return Reply(
             session_id=self.id, text=text, token_ids=list(out), tool_calls=tool_calls, finish_reason=finish,  # type: ignore[arg-type]
             usage=usage, logprobs=list(work.logprobs) if work.params.logprobs else None,
@@ -253,17 +254,6 @@ class Session:
 
     # -- checkpoints, save, fork -----------------------------------------------------------------------------
 
-    def _record_checkpoint(self, name: str) -> Checkpoint:
-        eng, s = self.engine, self.state
-        cp = eng._head_checkpoint(s)
-        cp.name = name
-        old = s.checkpoints.get(name)
-        if old is not None:
-            eng._release_checkpoint(old)
-        s.checkpoints[name] = cp
-        eng.space_of(s).index.add(s.tokens, PrefixHit(s.id, name, cp.position))
-        return cp
-
     async def checkpoint(self, name: str) -> CheckpointInfo:
         """Name the current position; ``engine.fork(session_id, checkpoint=name)`` continues from it. Tokens not
         yet run through the model are prefilled first, so a fork from it re-runs nothing of its prefix."""
@@ -271,23 +261,22 @@ class Session:
             raise ValueError(f"checkpoint name must be non-empty, not 'head' and not start with '__', got {name!r}")
         s = self.state
         async with s.lock:
-            await self.engine._make_resident(s)
+            await self.manager.residency.make_resident(s)
             if s.num_cached < s.num_tokens - 1:  # pending tokens: prefill them so the checkpoint holds their state
-                work = await self.engine.start(s, SamplingParams(max_tokens=1), prefill_only=True)
-                await self.engine.wait(work)
-            cp = self._record_checkpoint(name)
+                work = await self.manager.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+                await self.manager.wait(work)
+            cp = await self.manager.checkpoint_here(s, name)
             return CheckpointInfo(session_id=self.id, name=name, position=cp.position)
 
     async def save(self) -> SaveResult:
         """Returns once the snapshot is durable in the store."""
         async with self.state.lock:
-            result = await self.engine.space_of(self.state).save(self.state)
-            self.state.stored_by_eviction_only = False
-            return result
+            return await self.manager.save(self.state)
 
     async def fork(self, checkpoint: str | None = None) -> Session:
-        view = await self.engine.for_tenant(self.state.tenant)
-        return await view.fork(self.id, checkpoint)
+        """A new session from ``checkpoint`` of this one (default: its current position)."""
+        m = self.manager
+        return Session(m, await m.fork(self.state.tenant, self.id, checkpoint, m.new_id(self.state.tenant)))
 
 
 _TOOL_MARKERS = (

@@ -1,5 +1,5 @@
-"""Per-session bookkeeping: plain objects with counters. Tensors live in the engine's pools, except the
-host copies of checkpoint states (small next to the KV cache: one [L, H, K, V] per checkpoint)."""
+"""Per-session bookkeeping: a plain object with counters. Tensors live in the pools (``engine.pool.Pools``),
+checkpoint states included (in its host pool, by id)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-from torch import Tensor
+
+from ..engine.sequence import Checkpoint, Sequence
+
+__all__ = ["Checkpoint", "SessionLock", "SessionState"]
 
 
 class SessionLock:
@@ -34,46 +37,12 @@ class SessionLock:
         self.release()
 
 
-@dataclass
-class Checkpoint:
-    """The prefix ``tokens[:position]``. Its model state is held at ``state_pos`` (<= ``target`` =
-    position - 1; the tokens in between are fed again by whoever continues from it). ``kda`` [L, H, K, V] float32 and
-    ``conv`` [L, W - 1, Dc] are host copies (None when only the store has them); ``pages`` are pool pages
-    (refcounted) covering ``state_pos`` tokens, or empty when not resident."""
+@dataclass(eq=False)  # compared by identity
+class SessionState(Sequence):
+    """A conversation: the sequence the engine runs (tokens, slot, pages, checkpoints) and what the session
+    layer adds (tenant, chat messages, store generation, lock)."""
 
-    name: str
-    position: int
-    state_pos: int
-    kda: Tensor | None = None
-    conv: Tensor | None = None
-    pages: list[int] = field(default_factory=list)
-    state_blob: str | None = None
-    page_blobs: list[str] | None = None
-    num_messages: int = 0
-    turn_open: bool = False
-    created_at: float = field(default_factory=time.time)
-
-    @property
-    def resident(self) -> bool:
-        return self.kda is not None
-
-    @property
-    def target(self) -> int:
-        """Where the state is kept once exact: one token short of the prefix, so that whoever continues
-        feeds that last token and gets logits to sample from (no logits are ever stored)."""
-        return max(self.position - 1, 0)
-
-
-@dataclass
-class SessionState:
-    id: str
     tenant: str | None = None
-    tokens: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    """Tokens whose effect is in the pools (KDA slot + KV pages); the rest of ``tokens`` is pending."""
-    slot: int | None = None
-    pages: list[int] = field(default_factory=list)
-    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)
     system: str | None = None
     tools: list[dict[str, Any]] | None = None
     messages: list[dict[str, Any]] = field(default_factory=list)
@@ -92,14 +61,6 @@ class SessionState:
     last_used: float = field(default_factory=time.monotonic)
     lock: SessionLock = field(default_factory=SessionLock)
     next_message_index: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def resident(self) -> bool:
-        return self.slot is not None
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

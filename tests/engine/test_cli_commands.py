@@ -13,7 +13,7 @@ import pytest
 
 import kda_sessions as ks
 from kda_sessions import cli
-from kda_sessions.engine import engine as engine_module
+from kda_sessions import api as engine_module
 
 
 def _all_parsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kda_sessions as ks
-from kda_sessions.engine.constraint import check_tools
-from kda_sessions.engine.json_prefix import check_schema, json_prefix
+from kda_sessions.constrain.tool_choice import check_tools
+from kda_sessions.constrain.json_prefix import check_schema, json_prefix
 from kda_sessions.engine.sampler import SamplingParams, sample
 
 
@@ -86,7 +86,7 @@ def test_a_tool_whose_arguments_cannot_be_an_object_is_refused():
     with pytest.raises(ValueError, match=r"parameters\.type must allow 'object'"):
         check_tools([tool({"type": "integer"})])
     with pytest.raises(ValueError, match="top level"):
-        from kda_sessions.engine.json_prefix import check_top_level
+        from kda_sessions.constrain.json_prefix import check_top_level
 
         check_top_level({"type": ["string", "number"]}, "response_format.json_schema.schema")
 

@@ -112,10 +112,10 @@ async def test_stream_yields_deltas_then_done():
 def test_queue_bound_answers_busy():
     from kda_sessions.engine.sampler import SamplingParams
     from kda_sessions.engine.scheduler import Scheduler, Work
-    from kda_sessions.sessions.state import SessionState
+    from kda_sessions.engine.sequence import Sequence
 
     sched = Scheduler(prefill_budget=64, max_queued=2)
-    works = [Work(session=SessionState(id=f"s{i}"), prompt=[1, 2], params=SamplingParams()) for i in range(3)]
+    works = [Work(session=Sequence(id=f"s{i}"), prompt=[1, 2], params=SamplingParams()) for i in range(3)]
     sched.submit(works[0])
     sched.submit(works[1])
     with pytest.raises(ks.EngineBusy, match="queued"):
@@ -151,10 +151,10 @@ async def test_checkpoints_in_memory_are_bounded(tmp_path):
         for word in ("two", "three", "four"):
             await s.send(word, max_tokens=2)
         await s.checkpoint("mine")
-        in_memory = [c.name for c in s.state.checkpoints.values() if c.kda is not None]
+        in_memory = [c.name for c in s.state.checkpoints.values() if c.resident]
         assert sum(1 for n in in_memory if n.startswith("msg-")) == 3 and "mine" in in_memory
         # an old, saved checkpoint still forks (its state comes back from the store)
-        assert s.state.checkpoints["msg-1"].kda is None
+        assert not s.state.checkpoints["msg-1"].resident
         child = await eng.fork(s.id, "msg-1")
         r = await child.send("again", max_tokens=2)
         assert r.usage.cached_tokens > 0
@@ -163,11 +163,11 @@ async def test_checkpoints_in_memory_are_bounded(tmp_path):
 def test_prefill_budget_is_shared_fairly():
     from kda_sessions.engine.sampler import SamplingParams
     from kda_sessions.engine.scheduler import Scheduler, Work
-    from kda_sessions.sessions.state import SessionState
+    from kda_sessions.engine.sequence import Sequence
 
     sched = Scheduler(prefill_budget=1000, max_queued=8)
-    huge = Work(session=SessionState(id="big"), prompt=[1] * 100_000, params=SamplingParams())
-    small = [Work(session=SessionState(id=f"s{i}"), prompt=[1] * 150, params=SamplingParams()) for i in range(3)]
+    huge = Work(session=Sequence(id="big"), prompt=[1] * 100_000, params=SamplingParams())
+    small = [Work(session=Sequence(id=f"s{i}"), prompt=[1] * 150, params=SamplingParams()) for i in range(3)]
     for w in (huge, *small):
         sched.submit(w)
     plan = sched.plan()

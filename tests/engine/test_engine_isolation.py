@@ -13,7 +13,7 @@ import pytest
 
 import kda_sessions as ks
 import kda_sessions.engine.runner as runner_module
-from kda_sessions.engine.constraint import ToolChoiceConstraint
+from kda_sessions.constrain.tool_choice import ToolChoiceConstraint
 
 from .isolation_helpers import assert_equals_fresh_prefill, collect, one_step, pool_state, prompt, wait_queued
 
@@ -55,16 +55,18 @@ def inject(monkeypatch: pytest.MonkeyPatch, eng: ks.Engine, where: str) -> None:
     """Raise on the culprit's third token: in the sampler, in its constraint, or in the model call of that step."""
     calls = {"n": 0}
     if where == "sampler":
-        real = runner_module.sample
+        real = runner_module.sample_batch
 
-        def sample(logits, params, generator):  # type: ignore[no-untyped-def]
-            if params.seed == CULPRIT_SEED:
-                calls["n"] += 1
-                if calls["n"] == 3:
-                    raise Injected("sampler fault")
-            return real(logits, params, generator)
+        def sample_batch(logits, params, generators):  # type: ignore[no-untyped-def]
+            out = real(logits, params, generators)
+            for i, p in enumerate(params):
+                if p.seed == CULPRIT_SEED:
+                    calls["n"] += 1
+                    if calls["n"] == 3:
+                        out[i] = Injected("sampler fault")
+            return out
 
-        monkeypatch.setattr(runner_module, "sample", sample)
+        monkeypatch.setattr(runner_module, "sample_batch", sample_batch)
     elif where == "constraint":
         real_pick = ToolChoiceConstraint.pick
 
@@ -80,7 +82,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, eng: ks.Engine, where: str) -> None:
         broken = {"yes": False}
 
         def step(batch, pools):  # type: ignore[no-untyped-def]
-            culprit = next((s for s in eng._sessions.values() if s.tools), None)
+            culprit = next((s for s in eng.sessions.values() if s.tools), None)
             if culprit is not None and culprit.slot in batch.slots.tolist():
                 if batch.is_decode and len(batch.num_new) > 1:
                     calls["n"] += 1
@@ -168,14 +170,16 @@ async def test_random_faults_fail_exactly_their_requests(seed, monkeypatch):
             sessions.append(s)
         hit: set[int] = set()  # id() of the SamplingParams of requests whose sampler raised
         poisoned = {"slot": None, "after": rng.randrange(2, 8), "calls": 0}
-        real_sample = runner_module.sample
+        real_sample = runner_module.sample_batch
         real_step = eng.runner.model.step
 
-        def sample(logits, params, generator):  # type: ignore[no-untyped-def]
-            if rng.random() < 0.04:
-                hit.add(id(params))
-                raise Injected("sampler fault")
-            return real_sample(logits, params, generator)
+        def sample_batch(logits, params, generators):  # type: ignore[no-untyped-def]
+            out = real_sample(logits, params, generators)
+            for i, p in enumerate(params):
+                if rng.random() < 0.04:
+                    hit.add(id(p))
+                    out[i] = Injected("sampler fault")
+            return out
 
         def step(batch, pools):  # type: ignore[no-untyped-def]
             poisoned["calls"] += 1
@@ -185,17 +189,17 @@ async def test_random_faults_fail_exactly_their_requests(seed, monkeypatch):
                 raise Injected("model fault")
             return real_step(batch, pools)
 
-        monkeypatch.setattr(runner_module, "sample", sample)
+        monkeypatch.setattr(runner_module, "sample_batch", sample_batch)
         monkeypatch.setattr(eng.runner.model, "step", step)
         out: dict[int, Any] = {}
         params: dict[int, Any] = {}
-        real_start = eng.start
+        real_start = eng.manager.start
 
         async def start(s, p, **kw):  # type: ignore[no-untyped-def]
             params[next(i for i, x in enumerate(sessions) if x.state is s)] = p
             return await real_start(s, p, **kw)
 
-        monkeypatch.setattr(eng, "start", start)
+        monkeypatch.setattr(eng.manager, "start", start)
 
         async def go(i: int) -> None:
             try:

@@ -7,7 +7,7 @@ import json
 import pytest
 
 import kda_sessions as ks
-from kda_sessions.engine.json_prefix import json_prefix
+from kda_sessions.constrain.json_prefix import json_prefix
 from kda_sessions.tokenizer import validate_arguments
 from kda_sessions.tools import TOOL_SCHEMAS
 

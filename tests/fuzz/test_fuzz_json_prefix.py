@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kda_sessions.engine.json_prefix import json_prefix
+from kda_sessions.constrain.json_prefix import json_prefix
 from kda_sessions.tokenizer import validate_arguments
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -135,5 +135,5 @@ async def _forget(server: ServerThread, session_id: str) -> bool:
     """`forget` on the server's engine, run on the server's own event loop (its store client belongs there)."""
     engine = server.engine
     return await anyio.to_thread.run_sync(
-        lambda: anyio.from_thread.run(engine.default.forget, session_id, token=engine._token)
+        lambda: anyio.from_thread.run(engine.default.forget, session_id, token=engine.loop_token)
     )

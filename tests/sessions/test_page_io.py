@@ -1,4 +1,4 @@
-"""Bulk page codec (engine/page_io): the same blobs as the one-page encoder, so stored snapshots keep loading;
+"""Bulk page codec (sessions/page_io): the same blobs as the one-page encoder, so stored snapshots keep loading;
 loads write the pool exactly; a foreign page blob is refused by name."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import kda_sessions as ks
-from kda_sessions.engine import page_io
-from kda_sessions.sessions.snapshot import blob, encode_page
+from kda_sessions.sessions import page_io
+from kda_sessions.sessions.codec import blob, encode_page
 from kda_sessions.storage import encode_tensor
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kda_sessions as ks
-from kda_sessions.engine import page_io
+from kda_sessions.sessions import page_io
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +34,7 @@ def in_new_process(store: str, sid: str, n: int, checkpoint: str | None = None) 
     """Resume ``sid`` (or fork it at ``checkpoint``) in a new process on CUDA and generate ``n`` tokens."""
     code = (
         "import json, anyio, torch, kda_sessions as ks\n"
-        "from kda_sessions.engine import page_io\n"
+        "from kda_sessions.sessions import page_io\n"
         "page_io.CHUNK_BYTES = 1 << 20\n"
         "async def main():\n"
         f"    async with await ks.Engine.open({OPEN}, store={store!r}) as e:\n"

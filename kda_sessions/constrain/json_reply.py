@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..tokenizer import Tokenizer
-from .constraint import END_OF_TURN, ToolChoiceConstraint
+from .tool_choice import END_OF_TURN, ToolChoiceConstraint
 
 MAX_REPLY_BYTES = 1 << 20
 

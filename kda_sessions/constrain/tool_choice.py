@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..engine.sampler import SamplingParams, sample
 from ..tokenizer import Tokenizer
 from .json_prefix import check_schema, decoding_schema, json_prefix
-from .sampler import SamplingParams
 
 SECTION_BEGIN = "<|tool_calls_section_begin|>"
 CALL_BEGIN = "<|tool_call_begin|>"
@@ -136,8 +136,6 @@ class ToolChoiceConstraint:
         if not self.script:  # "none": the envelope's opening tokens are masked
             masked = logits.clone()
             masked[list(self.forbid)] = float("-inf")
-            from .sampler import sample
-
             tok, _ = sample(masked, params, generator)
             return tok, float(logprobs[tok])
         kind, arg = self.script[self.step]

@@ -23,8 +23,8 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..model import StatePools
-from ..sessions.snapshot import decode_page
 from ..storage.blobs import HASH_THREADS, tensor_header
+from .codec import decode_page
 
 CHUNK_BYTES = 64 << 20
 """Bytes of pages moved per device copy: large enough for full copy bandwidth, small enough to overlap."""

@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import Any
 
 import anyio
 import anyio.from_thread
 
 from ..errors import SessionBusy
-
-if TYPE_CHECKING:
-    from anyio.lowlevel import EventLoopToken
-
-    from ..storage import SnapshotStore
-    from .engine import Engine
+from ..storage import SnapshotStore
+from .manager import SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +31,11 @@ MIN_INTERVAL_S = 0.05
 
 
 class LeaseKeeper:
-    """Renews the write leases of the sessions ``engine`` holds, every ``lease_ttl_s / 4`` (see module doc)."""
+    """Renews the write leases of the sessions ``manager`` holds, every ``lease_ttl_s / 4`` (see module doc).
+    ``token`` is the event loop the stores belong to."""
 
-    def __init__(self, engine: Engine, token: EventLoopToken) -> None:
-        self.engine = engine
+    def __init__(self, manager: SessionManager, token: Any) -> None:
+        self.manager = manager
         self._token = token
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kda-lease-keeper", daemon=True)
@@ -50,7 +47,7 @@ class LeaseKeeper:
     def interval_s(self) -> float:
         """A quarter of the shortest lease lifetime among the engine's stores: renewed well before expiry
         (a disk lease is only rewritten once less than half of it is left, so it is rewritten at about TTL/2)."""
-        ttl = min(view.io.snapshots.lease_ttl_s for view in list(self.engine.spaces.values()))
+        ttl = min(io.snapshots.lease_ttl_s for io in self.manager.stores().values())
         return max(MIN_INTERVAL_S, ttl / 4)
 
     def start(self) -> None:
@@ -75,13 +72,12 @@ class LeaseKeeper:
         """Renew the lease of every session this engine holds and its store has leased; how many were."""
         renewed = 0
         failed: list[tuple[str, Exception]] = []
-        held = set(self.engine._sessions)
-        for tenant, view in list(self.engine.spaces.items()):
-            snaps = view.io.snapshots
+        for tenant, io in self.manager.stores().items():
+            snaps = io.snapshots
             for sid in sorted(snaps.leased):
                 if self._stop.is_set():
                     return renewed
-                if (tenant, sid) not in held:
+                if not self.manager.is_held(tenant, sid):
                     continue  # being resumed (not held yet) or forgotten: left to the next round or to expire
                 try:
                     await snaps.acquire_lease(sid)

@@ -1,4 +1,5 @@
-"""Save and load sessions: pools <-> content-addressed blobs + a manifest (blobs first, manifest last).
+"""One tenant's snapshot store as the session manager uses it: save and load sessions, pools <-> content-
+addressed blobs + a manifest (blobs first, manifest last), and the tenant's prefix index.
 
 Full KV pages never change, so each is encoded and hashed once (digest cached per pool page) and, once the
 store holds it, never sent again: forks and equal prefixes share page blobs.
@@ -7,36 +8,59 @@ store holds it, never sent again: forks and equal prefixes share page blobs.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import anyio
 import torch
 
+from ..engine.config import EngineConfig
+from ..engine.core import EngineCore
 from ..errors import SessionBusy, SessionNotFound
-from ..sessions.prefix_index import PrefixHit, PrefixIndex, prefix_hash
-from ..sessions.snapshot import (
-    blob,
-    decode_page,
-    decode_state,
-    decode_tokens,
-    encode_page,
-    encode_state,
-    encode_tokens,
-)
-from ..sessions.state import Checkpoint, SessionState
 from ..storage import CheckpointRecord, SaveResult, SessionManifest, SnapshotStore
+from ..storage.backends.registry import default_disk_root
 from ..storage.errors import IntegrityError, ManifestNotFound
+from ..storage.manifest import ModelFingerprint
+from .codec import blob, decode_page, decode_state, decode_tokens, encode_page, encode_state, encode_tokens
 from .page_io import PageCodec
+from .prefix_index import PrefixHit, PrefixIndex, prefix_hash
+from .state import Checkpoint, SessionState
 
-if TYPE_CHECKING:
-    from .engine import Engine
+TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
-class SnapshotIO:
-    def __init__(self, engine: Engine, snapshots: SnapshotStore) -> None:
-        self.engine = engine
+def tenant_store_url(url: str, tenant: str) -> str:
+    """The store URL of a tenant's namespace: a sub-folder on disk, a key prefix in Redis, its own memory."""
+    if not re.match(TENANT_PATTERN, tenant):
+        raise ValueError(f"tenant must match {TENANT_PATTERN}, got {tenant!r}")
+    scheme, _, rest = url.partition(":")
+    if scheme == "disk":
+        root = rest or str(default_disk_root())
+        return f"disk:{root.rstrip('/')}/tenants/{tenant}"
+    if scheme in ("redis", "rediss"):
+        parts = urlsplit(url)
+        query = dict(parse_qsl(parts.query))
+        query["prefix"] = f"{query.get('prefix', 'kda:')}t.{tenant}:"
+        return urlunsplit(parts._replace(query=urlencode(query)))
+    return url  # memory: every open is a new, separate store
+
+
+async def open_snapshots(url: str, config: EngineConfig) -> SnapshotStore:
+    """The snapshot store at ``url`` with the engine's RAM tier, GC grace and lease lifetime."""
+    snapshots = await SnapshotStore.open(url, ram_bytes=config.ram_tier_bytes, gc_grace_s=config.gc_grace_s)
+    if config.lease_ttl_s is not None:
+        snapshots.lease_ttl_s = config.lease_ttl_s
+    return snapshots
+
+
+class StoreIO:
+    def __init__(self, core: EngineCore, fingerprint: ModelFingerprint, snapshots: SnapshotStore) -> None:
+        self.core = core
+        self.pools = core.pools
+        self.fingerprint = fingerprint
         self.snapshots = snapshots
         self.index = PrefixIndex()
         """This namespace's prefix index: prefix reuse never crosses tenants."""
@@ -53,25 +77,23 @@ class SnapshotIO:
     @property
     def codec(self) -> PageCodec:
         if self._codec is None:
-            eng = self.engine
-            self._codec = PageCodec(eng.pools, eng.model.config, eng.model.dtype)
+            self._codec = PageCodec(self.pools.tensors, self.core.model.config, self.core.model.dtype)
         return self._codec
 
     def _page_blobs(self, pages: list[int], state_pos: int, known: set[str], out: dict[str, bytes]) -> list[str]:
         """Digests of the pages covering ``state_pos`` tokens; blobs the store may lack go into ``out``. Full
         pages not encoded before are encoded together (page_io); the partial last page on its own."""
-        eng = self.engine
-        P = eng.config.page_size
+        P = self.pools.page_size
         full, rows = divmod(state_pos, P)
-        digests = [eng.pages.digests.get(page) for page in pages[:full]]
+        digests = [self.pools.pages.digests.get(page) for page in pages[:full]]
         todo = [i for i, d in enumerate(digests) if d is None]
         for i, (d, data) in zip(todo, self.codec.encode([pages[i] for i in todo])):
-            eng.pages.digests[pages[i]] = d
+            self.pools.pages.digests[pages[i]] = d
             if d not in known:
                 out[d] = data
             digests[i] = d
         if rows:
-            d, data = blob(encode_page(eng.pools, pages[full], rows))
+            d, data = blob(encode_page(self.pools.tensors, pages[full], rows))
             if d not in known:
                 out[d] = data
             digests.append(d)
@@ -79,7 +101,6 @@ class SnapshotIO:
 
     def _build(self, s: SessionState) -> tuple[SessionManifest, dict[str, bytes]]:
         """Runs in a worker thread: encode what the store lacks and assemble the manifest."""
-        eng = self.engine
         blobs: dict[str, bytes] = {}
         known = s.stored_digests
 
@@ -91,9 +112,8 @@ class SnapshotIO:
 
         if s.resident:
             assert s.slot is not None
-            with eng.mutex:
-                kda = torch.stack([st[s.slot] for st in eng.pools.kda]).cpu()
-                conv = torch.stack([c[s.slot] for c in eng.pools.conv]).cpu()
+            with self.pools.mutex:
+                kda, conv = self.pools.read_slot(s.slot)
             head_state = add(encode_state(kda, conv))
             head_pages = self._page_blobs(s.pages, s.num_cached, known, blobs)
         else:
@@ -102,8 +122,8 @@ class SnapshotIO:
         records = []
         for cp in s.checkpoints.values():
             if cp.state_blob is None:
-                assert cp.kda is not None and cp.conv is not None
-                cp.state_blob = add(encode_state(cp.kda, cp.conv))
+                assert cp.state_id is not None
+                cp.state_blob = add(encode_state(*self.pools.host.get(cp.state_id)))
             if cp.page_blobs is None:
                 cp.page_blobs = self._page_blobs(cp.pages, cp.state_pos, known, blobs)
             records.append(CheckpointRecord(
@@ -113,7 +133,7 @@ class SnapshotIO:
             ))
         manifest = SessionManifest(
             session_id=s.id,
-            fingerprint=eng.fingerprint,
+            fingerprint=self.fingerprint,
             tokens_blob=add(encode_tokens(s.tokens)),
             num_tokens=s.num_tokens,
             head=CheckpointRecord(
@@ -137,6 +157,7 @@ class SnapshotIO:
 
         Compare-and-set on the generation this engine last loaded or saved, under the session's lease:
         SessionBusy if another engine holds the lease, SnapshotConflict if another engine saved it since."""
+        # the head's pages may not change while they are encoded: the caller's lock keeps works off the session
         manifest, blobs = await anyio.to_thread.run_sync(self._build, s)
         try:
             # every blob of `blobs` was named by hashing its bytes in _build: no second hash pass in the store
@@ -149,7 +170,6 @@ class SnapshotIO:
         s.head_blobs = (manifest.head.state_blob, list(manifest.head.pages))
         for cp in s.checkpoints.values():
             self.index.add(s.tokens, PrefixHit(s.id, cp.name, cp.position))
-        self.engine.counters["saves"] += 1
         return result
 
     async def index_stored(self, limit: int = 100_000) -> int:
@@ -157,7 +177,7 @@ class SnapshotIO:
         n = 0
         for sid in (await self.list_stored())[:limit]:
             try:
-                m = await self.snapshots.load_manifest(sid, self.engine.fingerprint)
+                m = await self.snapshots.load_manifest(sid, self.fingerprint)
             except Exception:  # another model's or an unreadable manifest is simply not reusable here
                 continue
             hashes = m.meta.get("prefix_hashes") or {}
@@ -172,29 +192,29 @@ class SnapshotIO:
         """After a failed save, drop cached digests of blobs it built: the store may not have them, so the
         next save must encode and send them again (else its manifest would name blobs nobody stored)."""
         for cp in s.checkpoints.values():
-            if cp.state_blob in unsaved and cp.kda is not None:
+            if cp.state_blob in unsaved and cp.state_id is not None:
                 cp.state_blob = None
             if cp.page_blobs is not None and unsaved.intersection(cp.page_blobs) and cp.pages:
                 cp.page_blobs = None
-        with self.engine.mutex:
-            for page in [p for p, d in self.engine.pages.digests.items() if d in unsaved]:
-                del self.engine.pages.digests[page]
+        with self.pools.mutex:
+            digests = self.pools.pages.digests
+            for page in [p for p, d in digests.items() if d in unsaved]:
+                del digests[page]
 
     # -- load ------------------------------------------------------------------------------------------------
 
     async def load_session(self, sid: str) -> SessionState:
         """The session's bookkeeping from its manifest (state not yet in the pools: see ``restore_head``)."""
-        eng = self.engine
         # Another engine holding the lease may still be read from (resume, fork); our saves then raise
         # SessionBusy until its lease is released or expires, and compare-and-set keeps them from losing its saves.
         with contextlib.suppress(SessionBusy):
             await self.snapshots.acquire_lease(sid)
         try:
-            m = await self.snapshots.load_manifest(sid, eng.fingerprint)
+            m = await self.snapshots.load_manifest(sid, self.fingerprint)
         except ManifestNotFound:
             await self.snapshots.release_lease(sid)
             raise SessionNotFound(f"no session {sid!r} in this engine or its store") from None
-        tokens = decode_tokens(await self.snapshots.load_blob(m.tokens_blob), m.num_tokens, eng.model.config.vocab_size, f"session {sid!r}")
+        tokens = decode_tokens(await self.snapshots.load_blob(m.tokens_blob), m.num_tokens, self.core.model.config.vocab_size, f"session {sid!r}")
         meta: dict[str, Any] = m.meta
         messages = meta.get("messages") or []
         if not isinstance(messages, list) or not all(isinstance(x, dict) for x in messages):
@@ -218,13 +238,12 @@ class SnapshotIO:
         """Load page blobs into newly allocated pool pages; returns the page ids. Chunks of full pages are read
         and verified by the store while the previous chunk is copied into the pool (page_io); on CUDA through
         pinned staging buffers on a side stream, synchronized before this returns."""
-        eng = self.engine
-        codec = self.codec
-        P = eng.config.page_size
-        full, rows = divmod(state_pos, P)
+        pools, codec = self.pools, self.codec
+        full, rows = divmod(state_pos, pools.page_size)
         if len(digests) != full + (1 if rows else 0):
-            raise IntegrityError(f"{where}: {len(digests)} KV pages stored for {state_pos} tokens of pages of {P}")
-        pages = eng._alloc_pages(len(digests))
+            raise IntegrityError(f"{where}: {len(digests)} KV pages stored for {state_pos} tokens of pages of {pools.page_size}")
+        with pools.mutex:
+            pages = pools.pages.alloc(len(digests))
         stream = torch.cuda.Stream(codec.device) if codec.device.type == "cuda" else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(codec.device))
@@ -246,50 +265,45 @@ class SnapshotIO:
                         copying.cancel()
                     raise
             if rows:
-                t = decode_page(await self.snapshots.load_blob(digests[full]), eng.model.config, eng.model.dtype, rows, where)
-                with eng.mutex:
-                    for layer, kv in enumerate(eng.pools.kv):
-                        kv[pages[full], :rows] = t[layer].to(kv.device)
+                t = decode_page(await self.snapshots.load_blob(digests[full]), codec.cfg, codec.dtype, rows, where)
+                await pools.run_locked(lambda: pools.write_rows(pages[full], t))
             if stream is not None:
                 await anyio.to_thread.run_sync(stream.synchronize)
         except BaseException:
             if stream is not None:
                 stream.synchronize()
-            with eng.mutex:
-                eng.pages.decref(pages)
+            with pools.mutex:
+                pools.pages.decref(pages)
             raise
-        with eng.mutex:
+        with pools.mutex:
             for page, d in zip(pages[:full], digests):
-                eng.pages.digests[page] = d
+                pools.pages.digests[page] = d
             if rows:
-                eng.pages.digests.pop(pages[full], None)
+                pools.pages.digests.pop(pages[full], None)
         return pages
 
     async def restore_head(self, s: SessionState) -> None:
-        """Put the head state of a session loaded from the store into its slot and fresh pages."""
-        eng = self.engine
+        """Put the head state of a session loaded from the store into its slot and fresh pages (the caller made
+        sure that enough pages are free)."""
         assert s.slot is not None and s.head_blobs is not None
         state_d, page_ds = s.head_blobs
         where = f"session {s.id!r}"
-        kda, conv = decode_state(await self.snapshots.load_blob(state_d), eng.model.config, eng.model.dtype, where)
-        await eng.ensure_pages(s, s.num_cached)
+        kda, conv = decode_state(await self.snapshots.load_blob(state_d), self.codec.cfg, self.codec.dtype, where)
         pages = await self._load_pages(page_ds, s.num_cached, where)
-        with eng.mutex:
-            for i, (st, cv) in enumerate(zip(eng.pools.kda, eng.pools.conv)):
-                st[s.slot] = kda[i].to(st.device)
-                cv[s.slot] = conv[i].to(cv.device)
+        slot = s.slot
+        await self.pools.run_locked(lambda: self.pools.write_slot(slot, kda, conv))
         s.pages = pages
 
     async def materialize(self, cp: Checkpoint) -> None:
-        """Make a checkpoint's state and pages resident (from the store if needed)."""
-        eng = self.engine
+        """Make a checkpoint's state (host pool) and pages (KV pool) resident, from the store if needed."""
         where = f"checkpoint {cp.name!r}"
-        if cp.kda is None or cp.conv is None:
+        if cp.state_id is None:
             if cp.state_blob is None:
                 raise IntegrityError(f"{where} has neither a state in memory nor a stored state")
-            cp.kda, cp.conv = decode_state(await self.snapshots.load_blob(cp.state_blob), eng.model.config, eng.model.dtype, where)
-        need = -(-cp.state_pos // eng.config.page_size)
-        if len(cp.pages) < need:
+            state = decode_state(await self.snapshots.load_blob(cp.state_blob), self.codec.cfg, self.codec.dtype, where)
+            with self.pools.mutex:
+                cp.state_id = self.pools.host.put(*state)
+        if len(cp.pages) < self.core.pages_for(cp.state_pos):
             if cp.page_blobs is None:
                 raise IntegrityError(f"{where} has neither pages in memory nor stored pages")
             cp.pages = await self._load_pages(cp.page_blobs, cp.state_pos, where)

@@ -1,0 +1,134 @@
+"""The step machinery behind one event loop: the model, its pools, the scheduler and the step thread.
+
+``EngineCore`` knows sequences and works, not sessions: the session manager (``kda_sessions.sessions``)
+decides what runs and where its state lives, and submits works here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+
+from ..model import HybridModel
+from ..tokenizer import Tokenizer
+from .config import EngineConfig
+from .pool import Pools, pages_needed
+from .runner import Runner
+from .scheduler import Scheduler, Work
+
+log = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Must be created on the event loop that will use it (results are handed back to that loop)."""
+
+    def __init__(self, model: HybridModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        tensors = model.allocate_pools(config.max_active_sessions, config.num_pages, config.page_size)
+        self.pools = Pools(tensors, config.max_active_sessions, config.num_pages)
+        self.scheduler = Scheduler(config.prefill_chunk_tokens, config.max_queued_requests)
+        self.loop_token = anyio.lowlevel.current_token()
+        """The event loop this core delivers results to (and where other threads hand work back)."""
+        self.work_ended = anyio.Event()
+        """Set (and replaced) whenever works end; what a request waiting for pages waits on."""
+        self.runner = Runner(model, self.pools, self.scheduler, tokenizer, self._deliver_from_thread,
+                             cuda_graphs=config.cuda_graphs)
+        self.runner.start()
+
+    def close(self) -> None:
+        """Stop the step thread (blocking: call it from a worker thread)."""
+        self.runner.stop()
+
+    @property
+    def busy(self) -> bool:
+        """Whether any work is queued or running."""
+        return self.scheduler.has_work
+
+    def pages_for(self, num_tokens: int) -> int:
+        return pages_needed(num_tokens, self.config.page_size)
+
+    # -- works -----------------------------------------------------------------------------------------------
+
+    def submit(self, work: Work, reserve: int) -> None:
+        """Queue ``work``, setting aside ``reserve`` free pages for it (given back when it ends)."""
+        with self.pools.mutex:
+            self.pools.pages.reserve(reserve)
+            work.reserved_pages = reserve
+            try:
+                self.scheduler.submit(work)
+            except BaseException:
+                self._unreserve(work)
+                raise
+        self.runner.notify()
+
+    def _unreserve(self, work: Work) -> None:
+        with self.pools.mutex:
+            self.pools.pages.unreserve(work.reserved_pages)
+            work.reserved_pages = 0
+
+    async def wait(self, work: Work) -> Work:
+        """Wait for ``work``; if the waiting task is cancelled, the work is cancelled and its batch slot freed.
+        Raises the work's error, if it failed."""
+        try:
+            await work.finished.wait()
+        except BaseException:
+            await self.cancel(work)
+            raise
+        if work.error is not None:
+            raise work.error
+        return work
+
+    async def cancel(self, work: Work) -> None:
+        work.cancelled = True
+        self.runner.notify()
+        with anyio.CancelScope(shield=True):
+            await work.finished.wait()
+
+    def stats(self) -> dict[str, Any]:
+        pages = self.pools.pages
+        return {
+            "slots_free": self.pools.slots.num_free,
+            "pages_free": pages.num_free,
+            "pages_reserved": pages.reserved,
+            "pages_total": pages.num_pages,
+            "page_size": self.config.page_size,
+            "checkpoint_states_in_memory": len(self.pools.host),
+            "queue_depth": self.scheduler.num_queued(),
+            "steps": self.runner.steps,
+            "tokens_prefilled": self.runner.tokens_prefilled,
+            "tokens_decoded": self.runner.tokens_decoded,
+        }
+
+    # -- results back on the event loop ----------------------------------------------------------------------
+
+    def _deliver_from_thread(self, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
+        # On asyncio, hand the results over without waiting for the loop, so the next step starts at once;
+        # other backends get a blocking hand-over.
+        loop = getattr(self.loop_token, "native_token", None)
+        try:
+            if isinstance(loop, asyncio.AbstractEventLoop):
+                loop.call_soon_threadsafe(self._deliver, finished, sampled)
+            else:
+                anyio.from_thread.run_sync(self._deliver, finished, sampled, token=self.loop_token)
+        except RuntimeError:  # the event loop is gone (engine not closed before its loop ended)
+            log.warning("engine results dropped: the event loop that opened the engine has stopped")
+
+    def _deliver(self, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
+        for w, tok in sampled:
+            if w.on_token is not None and not w.cancelled:
+                w.on_token(tok)
+        for w in finished:
+            self._unreserve(w)
+            w.finished.set()
+            if w.on_finish is not None:
+                w.on_finish()
+        if finished:
+            self.work_ended.set()
+            self.work_ended = anyio.Event()

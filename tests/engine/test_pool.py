@@ -1,0 +1,110 @@
+"""The pools' slot and page operations, the host pool of checkpoint states, rollback and batch sampling, on
+hand-made pools (no model)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_sessions.engine.checkpoints import capture, release
+from kda_sessions.engine.pool import Pools
+from kda_sessions.engine.rollback import roll_back
+from kda_sessions.engine.sampler import sample, sample_batch
+from kda_sessions.engine.sequence import Checkpoint, Sequence
+from kda_sessions.errors import OutOfPages
+from kda_sessions.model import StatePools
+from kda_sessions.types import SamplingParams
+
+P = 4  # page size
+
+
+def pools(num_slots: int = 3, num_pages: int = 8) -> Pools:
+    g = torch.Generator().manual_seed(0)
+    tensors = StatePools(
+        kda=[torch.randn(num_slots, 2, 3, 3, generator=g) for _ in range(2)],  # [S, H, K, V] per KDA layer
+        conv=[torch.randn(num_slots, 2, 5, generator=g) for _ in range(2)],  # [S, W - 1, Dc]
+        kv=[torch.randn(num_pages, P, 6, generator=g) for _ in range(3)],  # [pages, P, C] per MLA layer
+        page_size=P,
+    )
+    return Pools(tensors, num_slots, num_pages)
+
+
+def test_pages_are_refcounted_and_reservations_hold_pages_back() -> None:
+    p = pools(num_pages=4)
+    a = p.pages.alloc(2)
+    p.pages.reserve(1)
+    assert p.pages.num_free == 1
+    with pytest.raises(OutOfPages):
+        p.pages.alloc(2)
+    b = p.pages.alloc(2, reserved=1)  # one out of the reservation, one free
+    assert p.pages.num_free == 0 and p.pages.reserved == 0
+    p.pages.incref(a)
+    p.pages.decref(a)
+    assert p.pages.num_free == 0  # still held once
+    p.pages.decref(a + b)
+    assert p.pages.num_free == 4
+
+
+def test_slot_operations_and_the_host_pool_round_trip() -> None:
+    p = pools()
+    sid = p.capture(0)
+    kda, conv = p.host.get(sid)
+    assert torch.equal(kda, torch.stack([t[0] for t in p.tensors.kda]))
+    p.copy_slot(0, 1)
+    assert all(torch.equal(t[0], t[1]) for t in p.tensors.kda + p.tensors.conv)
+    p.zero_slot(0)
+    assert all(not t[0].any() for t in p.tensors.kda + p.tensors.conv)
+    p.restore(sid, 0)
+    assert all(torch.equal(t[0], t[1]) for t in p.tensors.kda + p.tensors.conv)
+    p.host.free(sid)
+    assert len(p.host) == 0
+
+
+def test_share_shares_full_pages_and_copies_the_partial_one() -> None:
+    p = pools()
+    src = p.pages.alloc(3)
+    got = p.share(src, 2 * P + 1)  # two full pages and one row
+    assert got[:2] == src[:2] and got[2] not in src
+    assert [p.pages.refs[x] for x in src] == [2, 2, 1]
+    for kv in p.tensors.kv:
+        assert torch.equal(kv[got[2], :1], kv[src[2], :1])
+
+
+def test_rollback_restores_the_newest_exact_checkpoint_and_copies_a_shared_partial_page() -> None:
+    p = pools()
+    s = Sequence(id="s", tokens=list(range(12)), num_cached=6, slot=0, pages=p.pages.alloc(2))
+    cp = Checkpoint(name="c", position=6, state_pos=0)
+    capture(s, cp, 5, p.read_slot(0), p)  # state at 5 tokens: one full page, one row of the next
+    want = [t[0].clone() for t in p.tensors.kda]
+    shared = s.pages[1]
+    p.pages.incref([shared])  # as a fork would hold it
+    s.num_cached = 10
+    s.pages += p.pages.alloc(1)
+    p.tensors.kda[0][0].add_(1.0)  # the state moved on (or half of it did, in a failed step)
+    roll_back(s, p)
+    assert s.num_cached == 5 and len(s.pages) == 2 and s.pages[1] != shared
+    assert all(torch.equal(t[0], w) for t, w in zip(p.tensors.kda, want))
+    release(cp, p)
+    assert cp.state_id is None and not cp.pages and len(p.host) == 0
+
+
+def test_rollback_without_a_checkpoint_starts_over() -> None:
+    p = pools()
+    s = Sequence(id="s", tokens=list(range(9)), num_cached=8, slot=2, pages=p.pages.alloc(2))
+    roll_back(s, p)
+    assert s.num_cached == 0 and s.pages == [] and p.pages.num_free == 8
+    assert all(not t[2].any() for t in p.tensors.kda + p.tensors.conv)
+
+
+def test_sample_batch_matches_row_by_row_sampling_and_isolates_a_bad_row() -> None:
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 50, generator=g)
+    logits[2] = float("nan")  # no distribution: that row fails, the others do not
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0),
+              SamplingParams(top_k=5)]
+    gens = [None, torch.Generator().manual_seed(3), None, None]
+    got = sample_batch(logits, params, gens)
+    assert isinstance(got[2], Exception)
+    assert got[0] == sample(logits[0], params[0], None)  # greedy: the same token and logprob
+    assert got[3] == sample(logits[3], params[3], None)
+    assert got[1] == sample(logits[1], params[1], torch.Generator().manual_seed(3))  # same seed, same draw
