@@ -231,7 +231,7 @@ def decode_case(model: HybridModel, batch: int, L: int, modes: list[str], reps: 
         for t, v in zip(pools.kda + pools.conv, saved):
             t.copy_(v)
         set_moe_mode(model, mode)
-        graphs = DecodeGraphs(model, pools, max_batch=max(batch, 1))
+        graphs = DecodeGraphs(model, pools, max_batch=max(batch, 1), skinny_linears=mode == "skinny")
         t0 = time.perf_counter()
         logits[mode] = graphs.run(ids, list(range(batch)), [L + 1] * batch, table).float().clone()
         first_s = time.perf_counter() - t0
@@ -328,7 +328,7 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
         for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
             t.copy_(v)
         set_moe_mode(model, mode)
-        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode != "twin")
+        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode != "twin", skinny_linears=mode == "skinny")
         tok, toks = 1, []
         for i in range(steps):
             logits = graphs.run([tok], [0], [L + 1 + i], table)
@@ -345,13 +345,13 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
     return out
 
 
-def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> dict:
+def profile_case(model: HybridModel, L: int, device: str, skinny: bool, top: int = 25) -> dict:
     """The eager decode step (batch 1, context L) under the torch profiler: kernel launches and device time per
     step, and the top kernels by device time."""
     P = 64
     pages = -(-(L + 1) // P)
     pools = model.allocate_pools(1, pages, P)
-    graphs = DecodeGraphs(model, pools, max_batch=1, enabled=False)
+    graphs = DecodeGraphs(model, pools, max_batch=1, enabled=False, skinny_linears=skinny)
     args = ([1], [0], [L + 1], [list(range(pages))])
     for _ in range(2):
         graphs.run(*args)
@@ -481,7 +481,7 @@ def main() -> None:
         for mode in ("fused", "skinny"):
             def prof(mode: str = mode) -> None:
                 set_moe_mode(model, mode)
-                results[f"profile_eager_1x8192_{mode}"] = profile_case(model, 8192, args.device)
+                results[f"profile_eager_1x8192_{mode}"] = profile_case(model, 8192, args.device, mode == "skinny")
                 log(json.dumps(results[f"profile_eager_1x8192_{mode}"]))
 
             guarded(f"profile {mode}", prof)
