@@ -152,10 +152,10 @@ class KDAAttention(nn.Module):
         else:
             conv_state[slots] = seq[:, 1:]
         qkv = torch.nn.functional.silu((seq.float() * conv_w.float()).sum(1))  # [N, Dc] float32
-        q, k, v = qkv.view(N, -1).split([H * K, H * K, H * V], dim=-1)
-        q, k, v = q.view(N, H, 1, K), k.view(N, H, 1, K), v.view(N, H, 1, V)
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) * K**-0.5  # l2norm, then the read's scale
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        qk = qkv[:, : 2 * H * K].view(N, 2 * H, 1, K)  # the q heads, then the k heads
+        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)  # l2norm of every q and k head at once
+        q, k = qk[:, :H] * K**-0.5, qk[:, H:]  # q with the read's scale
+        v = qkv[:, 2 * H * K :].view(N, H, 1, V)
         raw = fg[:, : H * K].float() + dt_bias  # [N, H*K]
         if self.lower_bound is None:
             g = neg_a * torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0)
