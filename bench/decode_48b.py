@@ -6,17 +6,18 @@ The model is built on the device in bf16 with random weights (D 2304, 27 layers:
 The context is not prefilled: latent KV pages and KDA states hold random values (content does not change the
 cost). Each case captures ``DecodeGraphs`` and times back-to-back graph replays between two CUDA events.
 
-Modes: ``fused`` (the library: ``kernels.moe.fused_moe``), ``skinny`` (the same with the dense linears on
-``kernels.linear``'s skinny kernel: ``model.linear.use_skinny_linears``) and ``gather`` (the routed-expert code the
-fused kernels replaced, kept here as the baseline: ``index_select`` copies of the chosen experts' weights and
-batched matmuls when 3 T k < E, else every expert on every token weighted by the routing).
+MoE modes: ``fused`` (the library: ``kernels.moe.fused_moe``) and ``gather`` (the routed-expert code the fused
+kernels replaced, kept here as the baseline: ``index_select`` copies of the chosen experts' weights and batched
+matmuls when 3 T k < E, else every expert on every token weighted by the routing).
 
 The floor counts the bytes a step reads at least: every non-routed weight once (attention, norms, router,
 shared experts, dense layer, lm_head), each routed expert chosen in the step once (its three matrices), the
 latent KV of every sequence, and the KDA states read and written; divided by 4.8 TB/s (the H200's HBM peak).
 
-The greedy check (fused MoE against its naive twin, same tokens) runs on a real-width model of ``--greedy-layers``
-layers: at 27 random layers bf16 rounding alone flips greedy tokens.
+The greedy check (fused MoE, graphed, against its naive twin, eager, same tokens) runs on a real-width model of
+``--greedy-layers`` layers, both routed by the library's router: random router weights leave near-ties among the
+256 experts that rounding differences flip (a flipped expert moves the logits by ~10%), so a twin with its own
+router, or 27 layers, measures routing luck rather than the experts' math.
 
     python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
     python bench/decode_48b.py --quick --device cpu                      # tiny sizes, to check the script
@@ -38,13 +39,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kda_sessions.config import ModelConfig
-from kda_sessions.kernels.moe import fused_moe
+from kda_sessions.kernels.moe import fused_moe, moe_route
 from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton, launch_config
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs
-from kda_sessions.model.linear import use_skinny_linears
 from kda_sessions.model.loader import FP32_PARAMS
 
 HBM_BYTES_PER_S = 4.8e12
@@ -140,21 +140,18 @@ def _gather_forward(self: MoE, x: Tensor) -> Tensor:
 
 
 def _twin_forward(self: MoE, x: Tensor) -> Tensor:
-    """The layer with its routed experts from the fused kernels' naive twin (a loop with a host sync)."""
-    scores = torch.sigmoid(x.float() @ self.gate.weight.float().t())
-    _, chosen = torch.topk(scores + self.gate.e_score_correction_bias.float(), self.top_k, dim=-1)
-    weights = scores.gather(-1, chosen)
-    weights = (weights / (weights.sum(-1, keepdim=True) + 1e-20) * self.scale).to(x.dtype)
+    """The layer with its routed experts from the fused kernels' naive twin (a loop with a host sync), routed by
+    the library's router as the fused layer is (see the module docstring: near-ties)."""
+    chosen, weights = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
+                                self.renormalize, self.scale)
     stacked = self._stacked_weights()
     assert stacked is not None and self.shared_experts is not None
     return naive_fused_moe(x, *stacked, chosen, weights) + self.shared_experts(x)
 
 
 def set_moe_mode(model: HybridModel, mode: str) -> None:
-    """fused (the library), skinny (fused, and the dense linears on the skinny kernel: ``model.linear``), gather
-    (the replaced MoE code) or twin (the naive twin; not capturable)."""
+    """fused (the library), gather (the replaced code) or twin (the naive twin; not capturable)."""
     forwards = {"gather": _gather_forward, "twin": _twin_forward}
-    use_skinny_linears(model, mode == "skinny")
     for m in model.modules():
         if isinstance(m, MoE):
             if mode in forwards:
@@ -231,7 +228,7 @@ def decode_case(model: HybridModel, batch: int, L: int, modes: list[str], reps: 
         for t, v in zip(pools.kda + pools.conv, saved):
             t.copy_(v)
         set_moe_mode(model, mode)
-        graphs = DecodeGraphs(model, pools, max_batch=max(batch, 1), skinny_linears=mode == "skinny")
+        graphs = DecodeGraphs(model, pools, max_batch=max(batch, 1))
         t0 = time.perf_counter()
         logits[mode] = graphs.run(ids, list(range(batch)), [L + 1] * batch, table).float().clone()
         first_s = time.perf_counter() - t0
@@ -308,9 +305,8 @@ def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
 
 
 def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
-    """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays; also with skinny
-    linears) and with its naive twin (eager), from the same states; the tokens of each and the first step's
-    logits difference to the twin's."""
+    """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays) and with its naive
+    twin (eager), from the same states; the tokens of both and the first step's logits difference."""
     P = 64
     pages = -(-(L + steps + 1) // P)
     pools = model.allocate_pools(1, pages, P)
@@ -324,11 +320,11 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
     table = [list(range(pages))]
     out: dict = {"context": L, "steps": steps}
     first: dict[str, Tensor] = {}
-    for mode in ("fused", "skinny", "twin"):
+    for mode in ("fused", "twin"):
         for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
             t.copy_(v)
         set_moe_mode(model, mode)
-        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode != "twin", skinny_linears=mode == "skinny")
+        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode == "fused")
         tok, toks = 1, []
         for i in range(steps):
             logits = graphs.run([tok], [0], [L + 1 + i], table)
@@ -339,19 +335,18 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
         out[f"{mode}_tokens"] = toks
         del graphs
     set_moe_mode(model, "fused")
-    for mode in ("fused", "skinny"):
-        out[f"{mode}_same_tokens"] = out[f"{mode}_tokens"] == out["twin_tokens"]
-        out[f"{mode}_first_logits_rel_rms"] = float((first[mode] - first["twin"]).norm() / first["twin"].norm())
+    out["same_tokens"] = out["fused_tokens"] == out["twin_tokens"]
+    out["first_logits_rel_rms"] = float((first["fused"] - first["twin"]).norm() / first["twin"].norm())
     return out
 
 
-def profile_case(model: HybridModel, L: int, device: str, skinny: bool, top: int = 25) -> dict:
+def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> dict:
     """The eager decode step (batch 1, context L) under the torch profiler: kernel launches and device time per
     step, and the top kernels by device time."""
     P = 64
     pages = -(-(L + 1) // P)
     pools = model.allocate_pools(1, pages, P)
-    graphs = DecodeGraphs(model, pools, max_batch=1, enabled=False, skinny_linears=skinny)
+    graphs = DecodeGraphs(model, pools, max_batch=1, enabled=False)
     args = ([1], [0], [L + 1], [list(range(pages))])
     for _ in range(2):
         graphs.run(*args)
@@ -376,39 +371,24 @@ def profile_case(model: HybridModel, L: int, device: str, skinny: bool, top: int
             "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
 
 
-SKINNY_SWEEP = [(16, 256, 4, 4), (32, 256, 4, 4), (32, 128, 4, 6), (64, 128, 8, 4), (16, 512, 4, 3), (8, 512, 4, 4)]
-SKINNY_SWEEP_N_MAJOR = [(64, 64, 4, 4), (128, 32, 4, 4), (128, 64, 8, 3), (64, 128, 4, 3), (256, 32, 8, 4)]
-
-
 def gemv_case(reps: int) -> list[dict]:
-    """``x @ W.T`` at 1 and 8 rows for the step's non-routed weight shapes, as graph replays, GB/s of weight
-    read: cuBLAS (what the decode step's dense matvecs achieve) beside ``kernels.linear``'s skinny kernel under
-    its default launch and the launches of SKINNY_SWEEP. ``_t`` rows hold the weight as [D, N] (the layout of the
+    """cuBLAS ``x @ W.T`` at 1 and 8 rows for the step's non-routed weight shapes, as graph replays: GB/s of weight
+    read (what the decode step's dense matvecs achieve). ``_t`` rows hold the weight as [D, N] (the layout of the
     merged KDA weights)."""
-    from kda_sessions.kernels.linear.skinny import launch, skinny_linear_triton
-
     shapes = {"kda_in_merged": (12576, 2304), "kda_in_merged_t": (12576, 2304), "kda_o_proj": (2304, 4096),
               "mla_q_proj": (6144, 2304), "dense_up": (9216, 2304), "lm_head": (163840, 2304),
               "kda_gate_merged_t": (8192, 256), "expert_up": (1024, 2304)}
     out = []
     for name, (n, d) in shapes.items():
-        n_major = name.endswith("_t")
         copies = max(1, int(2e8 // (n * d * 2)))  # cycle through > L2 of weights: every replay reads DRAM
         ws = [torch.randn(n, d, device="cuda").bfloat16() for _ in range(copies)]
-        if n_major:
+        if name.endswith("_t"):
             ws = [w.t().contiguous().t() for w in ws]  # [N, D] views of [D, N] storage
         for T in (1, 8):
             x = torch.randn(T, d, device="cuda").bfloat16()
             us = graph_us(lambda x=x, ws=ws: [x @ w.t() for w in ws], reps) / copies
-            row = {"name": name, "T": T, "N": n, "D": d, "cublas_us": round(us, 2),
-                   "cublas_GB_per_s": round(n * d * 2 / us / 1e3, 0)}
-            for cfg in [launch(n, d, n_major), *(SKINNY_SWEEP_N_MAJOR if n_major else SKINNY_SWEEP)]:
-                try:
-                    t_us = graph_us(lambda x=x, ws=ws, c=cfg: [skinny_linear_triton(x, w, c) for w in ws], reps)
-                    row[f"skinny {cfg}"] = round(t_us / copies, 2)
-                except Exception as e:  # a launch the shape cannot take (shared memory): its error instead
-                    row[f"skinny {cfg}"] = type(e).__name__
-            out.append(row)
+            out.append({"name": name, "T": T, "N": n, "D": d, "us": round(us, 2),
+                        "GB_per_s": round(n * d * 2 / us / 1e3, 0)})
     return out
 
 
@@ -418,8 +398,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes, to check the script")
     ap.add_argument("--cases", default="1x8192,1x131072,8x32768,32x32768,1x1048576",
                     help="BATCHxCONTEXT, comma-separated")
-    ap.add_argument("--modes", default="fused,skinny",
-                    help="fused (the library), skinny (fused + skinny linears), gather (the replaced MoE), comma-separated")
+    ap.add_argument("--modes", default="fused", help="fused (the library), gather (the replaced MoE), comma-separated")
     ap.add_argument("--moe-tokens", default="1,8,32,256,2048", help="token counts of the MoE-layer-alone timings")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--greedy-steps", type=int, default=8, help="greedy steps, fused MoE vs its naive twin")
@@ -464,8 +443,7 @@ def main() -> None:
         batch, L = (int(v) for v in case.split("x"))
         if args.quick:
             L = min(L, 256)
-        # the skinny kernel serves at most 16 rows: above that its mode is the fused one
-        modes = [m for m in args.modes.split(",") if m != "skinny" or batch <= 16]
+        modes = args.modes.split(",")
 
         def one(batch: int = batch, L: int = L, modes: list[str] = modes) -> None:
             results["decode"].append(decode_case(model, batch, L, modes, args.reps, args.device))
@@ -478,14 +456,11 @@ def main() -> None:
         guarded(f"moe_layer {T}", lambda T=T: results.setdefault("moe_layer", []).append(
             moe_layer_case(model, T, args.reps, args.sweep)))
     if args.profile:
-        for mode in ("fused", "skinny"):
-            def prof(mode: str = mode) -> None:
-                set_moe_mode(model, mode)
-                results[f"profile_eager_1x8192_{mode}"] = profile_case(model, 8192, args.device, mode == "skinny")
-                log(json.dumps(results[f"profile_eager_1x8192_{mode}"]))
+        def prof() -> None:
+            results["profile_eager_1x8192"] = profile_case(model, 8192, args.device)
+            log(json.dumps(results["profile_eager_1x8192"]))
 
-            guarded(f"profile {mode}", prof)
-        set_moe_mode(model, "fused")
+        guarded("profile", prof)
     if args.gemv:
         guarded("gemv", lambda: results.__setitem__("gemv", gemv_case(args.reps)))
     log(json.dumps({k: v for k, v in results.items() if k in ("moe_layer", "gemv", "errors")}))

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from .batch import DecodeInputs, StatePools
-from .linear import use_skinny_linears
 from .model import HybridModel
 
 log = logging.getLogger(__name__)
@@ -70,11 +69,7 @@ class DecodeGraphs:
     def __init__(
         self, model: HybridModel, pools: StatePools, max_batch: int = MAX_DECODE_BATCH,
         enabled: bool = True, min_width: int = 16, capture_lock: AbstractContextManager | None = None,
-        skinny_linears: bool = True,
     ) -> None:
-        """On CUDA, ``skinny_linears`` puts the model's dense linears on the skinny kernel for decode-sized calls
-        (``model.linear``): as fast as cuBLAS in the graphed 48B step, and its graphed logits agree with the eager
-        step where the graphed cuBLAS ones measured off (docs/benchmarks.md, decode)."""
         if pools.scratch_slot is None or pools.scratch_page is None:
             raise ValueError("DecodeGraphs needs pools with a scratch slot and page (allocate_pools(scratch=True))")
         self.max_batch = max(1, max_batch)
@@ -85,7 +80,6 @@ class DecodeGraphs:
         self.use_graphs = enabled and self.device.type == "cuda"
         if self.device.type == "cuda":
             model.stack_experts()  # the routed experts then run in the fused MoE kernels, graph-safe
-            use_skinny_linears(model, skinny_linears)
         self.min_width = min_width
         self.capture_lock = capture_lock or nullcontext()
         """Held while warming up and capturing (the engine's pool mutex keeps other threads off the device)."""

@@ -10,7 +10,6 @@ from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
 from .fused import DerivedWeights, weights
-from .linear import is_skinny, linear
 
 
 class KDAAttention(nn.Module):
@@ -106,9 +105,8 @@ class KDAAttention(nn.Module):
         H, K, V = self.H, self.K, self.V
         Dc = self.conv_dim
         w_in, w_gate = self._cpu.get()[:2]  # [in, out]
-        skinny = is_skinny(self.o_proj)  # the model's choice of decode linear (model/linear.py)
-        y = linear(x, w_in.t(), skinny)  # [N, Dc + K + V + H]
-        fg = linear(y[:, Dc : Dc + K + V], w_gate.t(), skinny)  # [N, H*K + H*V]: raw gate | output gate logits
+        y = x @ w_in  # [N, Dc + K + V + H]
+        fg = y[:, Dc : Dc + K + V] @ w_gate  # [N, H*K + H*V]: raw gate | output gate logits
         return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
 
     def _cpu_sources(self) -> list[Tensor]:
