@@ -7,8 +7,9 @@
   and ``chunk_kda_cpu`` (the batched form the model runs on a CPU), for tiny's shape (T 3,500, H 4, K = V = 64)
   and Kimi's (T 1,024, H 32, K = V = 128), with their relative RMS difference from the token-by-token recurrence.
 - ``decode_layout``: the one-row matmuls of a ``tiny`` decode step (its weight shapes, one read of each), with the
-  weights as a linear stores them ([out, in], ``x @ w.t()``), as the CPU decode stores them ([in, out], ``x @ w``),
-  and the latter in bfloat16 (half the bytes): what decides the CPU decode's weight layout and dtype.
+  weights as a linear stores them ([out, in], ``x @ w.t()``), all transposed ([in, out] contiguous), each in the
+  layout ``model/fused.row_matmul_weight`` picks (the longer dimension contiguous: what the CPU decode uses), and
+  that in bfloat16 (half the bytes): what decides the CPU decode's weight layout and dtype.
 - ``mla_sdpa``: causal SDPA at T 3,500 over H 4 heads, q/k 96 wide and v 64 (tiny's MLA), as the model calls it
   (one tile of ``kernels/mla/prefill_cpu.py``: v padded, torch's CPU flash kernel) against torch's math path
   (``SDPBackend.MATH``).
@@ -40,6 +41,7 @@ from model_cpu import PooledRunner
 from kda_sessions.kernels.kda.chunk_cpu import chunk_kda_cpu
 from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kda_sessions.model import load_model
+from kda_sessions.model.fused import row_matmul_weight
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
@@ -87,19 +89,20 @@ def decode_layout(reps: int) -> dict[str, Any]:
     m = load_model("tiny", device="cpu", dtype=torch.float32)
     weights = [p.detach() for n, p in m.named_parameters() if p.dim() == 2 and "embed" not in n]
     layouts = {
-        "out_in_f32": ([w.contiguous() for w in weights], lambda x, w: x @ w.t()),
-        "in_out_f32": ([w.t().contiguous() for w in weights], lambda x, w: x @ w),
-        "in_out_bf16": ([w.t().contiguous().bfloat16() for w in weights], lambda x, w: x @ w),
+        "out_in_f32": [w.t() for w in weights],
+        "in_out_f32": [w.t().contiguous() for w in weights],
+        "picked_f32": [row_matmul_weight(w) for w in weights],
+        "picked_bf16": [row_matmul_weight(w.bfloat16()) for w in weights],
     }
     out: dict[str, Any] = {"weights_MB": round(sum(w.numel() for w in weights) * 4 / 1e6, 1),
                            "threads": torch.get_num_threads(), "quiet": common.wait_quiet()}
-    for name, (ws, mm) in layouts.items():
-        xs = [torch.randn(1, w.shape[1] if name.startswith("out_in") else w.shape[0], dtype=w.dtype) for w in ws]
+    for name, ws in layouts.items():
+        xs = [torch.randn(1, w.shape[0], dtype=w.dtype) for w in ws]  # every w is [in, out], as x @ w takes it
 
-        def step(ws: list[torch.Tensor] = ws, mm: Callable[..., Any] = mm, xs: list[torch.Tensor] = xs) -> None:
+        def step(ws: list[torch.Tensor] = ws, xs: list[torch.Tensor] = xs) -> None:
             for _ in range(20):
                 for x, w in zip(xs, ws):
-                    mm(x, w)
+                    x @ w
 
         out[f"{name}_ms"] = round(_median_s(step, reps) * 1000 / 20, 2)
     return out

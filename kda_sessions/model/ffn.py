@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels.moe import fused_moe, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
-from .fused import DerivedWeights, weights
+from .fused import DerivedWeights, row_matmul_weight, weights
 
 
 class RMSNorm(nn.Module):
@@ -39,9 +39,10 @@ class SwiGLU(nn.Module):
         """On a CPU without autograd: gate and up in one matmul, weights [in, out] (False: the three linears)."""
 
     def _cpu_weights(self) -> tuple[Tensor, Tensor]:
-        """(w13 [D, 2F]: gate | up columns; w2 [F, D]), [in, out] for ``x @ w``: a CPU's one-row matmul reads
-        that layout about a third faster than a linear's [out, in] (bench/cpu_paths.py, ``decode_layout``)."""
-        return torch.cat([self.gate_proj.weight, self.up_proj.weight]).t(), self.down_proj.weight.t()
+        """(w13 [D, 2F]: gate | up columns; w2 [F, D]), [in, out] operands of ``x @ w`` in the layout a CPU's
+        one-row matmul reads fastest (``row_matmul_weight``: w13 a copy, w2 a view of down_proj's weight)."""
+        w13 = torch.cat([self.gate_proj.weight, self.up_proj.weight])
+        return row_matmul_weight(w13), row_matmul_weight(self.down_proj.weight)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]."""

@@ -22,12 +22,22 @@ def weights(module: nn.Module, names: Sequence[str]) -> list[Tensor]:
     return [mods[n]._parameters["weight"] for n in names]  # type: ignore[union-attr,misc]
 
 
+def row_matmul_weight(w: Tensor) -> Tensor:
+    """A linear's weight w [out, in] as the [in, out] operand of ``x @ w`` in the layout a CPU's one-row matmul
+    reads fastest: the one whose contiguous dimension is the longer (BLAS's gemv runs 2-3.5x faster along long
+    rows than along short ones; bench/cpu_paths.py, ``decode_layout``). That is w's own transpose (a view, no
+    copy) when ``in >= out``, else a contiguous [in, out] copy."""
+    out_f, in_f = w.shape
+    return w.t() if in_f >= out_f else w.t().contiguous()
+
+
 def _key(params: Sequence[Tensor]) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
     return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
 
 
 class DerivedWeights:
-    """``get()`` returns ``build()``'s tensors, recomputed only when one of ``params()`` changed since."""
+    """``get()`` returns ``build()``'s tensors (detached, in the layout built), recomputed only when one of
+    ``params()`` changed since."""
 
     def __init__(self, params: Callable[[], Sequence[Tensor]], build: Callable[[], tuple[Tensor, ...]]) -> None:
         self._params = params
@@ -39,9 +49,9 @@ class DerivedWeights:
         key = _key(self._params())
         if key != self._key:
             with torch.no_grad():
-                self._value = tuple(t.detach().contiguous() for t in self._build())
+                self._value = tuple(t.detach() for t in self._build())
             self._key = key
         return self._value
 
 
-__all__ = ["DerivedWeights", "weights"]
+__all__ = ["DerivedWeights", "row_matmul_weight", "weights"]

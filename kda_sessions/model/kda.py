@@ -9,7 +9,7 @@ from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
-from .fused import DerivedWeights, weights
+from .fused import DerivedWeights, row_matmul_weight, weights
 
 
 class KDAAttention(nn.Module):
@@ -37,8 +37,8 @@ class KDAAttention(nn.Module):
         self.o_norm = _HeadNorm(V, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
         self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
-        self._cpu_out = DerivedWeights(lambda: weights(self, ("o_proj",)), lambda: (self.o_proj.weight.t(),))
-        """o_proj [H*V, D] for ``x @ w`` (CPU decode only: a GPU decode uses the merged inputs, not this copy)."""
+        self._cpu_out = DerivedWeights(lambda: weights(self, ("o_proj",)), lambda: (row_matmul_weight(self.o_proj.weight),))
+        """o_proj [H*V, D] for ``x @ w`` (CPU decode only: a GPU decode uses the merged inputs, not this one)."""
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
 
@@ -120,8 +120,8 @@ class KDAAttention(nn.Module):
         block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [W, Dc]; neg_a [H*K]
         = -exp(A_log) per channel; dt_bias [H*K] float32).
 
-        Matmul weights are stored [in, out] (``x @ w``): a CPU's one-row matmul reads that layout about a third
-        faster than a linear's [out, in] (bench/cpu_paths.py, ``decode_layout``)."""
+        Matmul weights are [in, out] operands of ``x @ w``, laid out as a CPU's one-row matmul reads them fastest
+        (``row_matmul_weight``)."""
         H, K, V = self.H, self.K, self.V
         w_in = torch.cat([m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
                                              self.b_proj)])
@@ -129,7 +129,8 @@ class KDAAttention(nn.Module):
         w_gate[: H * K, :K] = self.f_b_proj.weight
         w_gate[H * K :, K:] = self.g_b_proj.weight
         a = self.A_log.float().view(H, 1).exp().expand(H, K).reshape(H * K)
-        return w_in.t(), w_gate.t(), self.conv_weight().t(), -a, self.dt_bias.float()
+        return (row_matmul_weight(w_in), row_matmul_weight(w_gate), self.conv_weight().t().contiguous(), -a,
+                self.dt_bias.float())
 
     def _decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
         """``decode`` on a CPU in few, large ops (a step there is bound by per-op overhead): one matmul for the

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..kernels.mla import mla_decode_paged, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
-from .fused import DerivedWeights, weights
+from .fused import DerivedWeights, row_matmul_weight, weights
 
 
 class MLAttention(nn.Module):
@@ -80,7 +80,7 @@ class MLAttention(nn.Module):
 
     def _cpu_weights(self) -> tuple[Tensor, ...]:
         """Weight absorption folded into the projections, computed in float32 and stored in the model's dtype, each
-        [in, out] for ``x @ w`` (the layout a CPU's one-row matmul reads fastest; see ``KDAAttention``).
+        an [in, out] operand of ``x @ w`` in the layout a CPU's one-row matmul reads fastest (``row_matmul_weight``).
         (w_in [D, H * (r + dr) + r + dr]: per head the absorbed latent query, scaled, then the scaled q_pe
         columns, then kv_a; or, with a q LoRA, w_in [D, q_lora + r + dr] and w_q [q_lora, H * (r + dr)];
         w_out [H * r, D]: kv_b's value part absorbed into o_proj)."""
@@ -96,9 +96,10 @@ class MLAttention(nn.Module):
         w_o = self.o_proj.weight.float().view(-1, H, dv).transpose(0, 1)  # [H, D, dv]
         w_out = (w_o @ w_kv[:, dn:]).transpose(0, 1).reshape(-1, H * r)  # [D, H * r]
         if hasattr(self, "q_proj"):
-            return torch.cat([q_abs, self.kv_a_proj_with_mqa.weight.float()]).to(dt).t(), w_out.to(dt).t()
+            w_in = torch.cat([q_abs, self.kv_a_proj_with_mqa.weight.float()]).to(dt)
+            return row_matmul_weight(w_in), row_matmul_weight(w_out.to(dt))
         w_in = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
-        return w_in.t(), w_out.to(dt).t(), q_abs.to(dt).t()
+        return row_matmul_weight(w_in), row_matmul_weight(w_out.to(dt)), row_matmul_weight(q_abs.to(dt))
 
     def _decode_cpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor,
                     kv_pages: Tensor) -> Tensor:
