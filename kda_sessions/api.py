@@ -19,6 +19,7 @@ from .model import HybridModel, StatePools, load_model
 from .sessions.leases import LeaseKeeper
 from .sessions.manager import SessionManager
 from .sessions.prefix_index import PrefixIndex
+from .sessions.relief import PageRelief
 from .sessions.session import Session
 from .sessions.state import SessionState
 from .sessions.store_io import StoreIO, open_snapshots
@@ -72,6 +73,8 @@ class Engine:
         self.closed = False
         self.leases = LeaseKeeper(self.manager, self.core.loop_token)
         self.leases.start()
+        self.relief = PageRelief(self.core, self.manager.residency)
+        self.relief.start()
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -114,6 +117,7 @@ class Engine:
             return
         self.closed = True
         await self.leases.stop()
+        await self.relief.stop()
         await anyio.to_thread.run_sync(self.core.close)
         await self.manager.close()
 

@@ -35,8 +35,9 @@ class EngineConfig(BaseModel):
     after this long (on disk at once, when the holder was a dead process of the same host), and only then can
     another engine save the session. Shorter means a faster takeover after a crash and more renewal traffic."""
     page_wait_s: float = Field(default=30.0, ge=0)
-    """How long a request waits at admission for KV pages that running requests hold (their sessions become
-    idle, and evictable, when they end) before it is refused with OutOfPages (503)."""
+    """How long a request waits for KV pages that others hold before it fails with OutOfPages (503): at
+    admission, for the pages of its prompt (running requests end, and their sessions become idle and evictable);
+    while generating, parked after a preemption, for pages to resume with."""
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""

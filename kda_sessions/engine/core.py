@@ -39,7 +39,8 @@ class EngineCore:
         self.work_ended = anyio.Event()
         """Set (and replaced) whenever works end; what a request waiting for pages waits on."""
         self.runner = Runner(model, self.pools, self.scheduler, tokenizer, self._deliver_from_thread,
-                             cuda_graphs=config.cuda_graphs)
+                             cuda_graphs=config.cuda_graphs, park_timeout_s=config.page_wait_s)
+        self.preemption = self.runner.preemption
         self.runner.start()
 
     def close(self) -> None:
@@ -104,6 +105,7 @@ class EngineCore:
             "steps": self.runner.steps,
             "tokens_prefilled": self.runner.tokens_prefilled,
             "tokens_decoded": self.runner.tokens_decoded,
+            "preemptions": self.preemption.preemptions,
         }
 
     # -- results back on the event loop ----------------------------------------------------------------------

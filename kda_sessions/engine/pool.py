@@ -195,6 +195,21 @@ class Pools:
         """Host copy of page ``page``'s first ``rows`` KV rows: [L_mla, rows, C]."""
         return torch.stack([kv[page, :rows] for kv in self.tensors.kv]).cpu()
 
+    def read_kv(self, pages: list[int], num_tokens: int) -> list[Tensor]:
+        """Host copies of the first ``num_tokens`` KV rows held in ``pages``: one [num_tokens, C] per MLA layer."""
+        idx = torch.tensor(pages, dtype=torch.long, device=self.tensors.kv[0].device) if self.tensors.kv else None
+        return [kv.index_select(0, idx).flatten(0, 1)[:num_tokens].cpu() for kv in self.tensors.kv]  # type: ignore[arg-type]
+
+    def write_kv(self, pages: list[int], rows: list[Tensor]) -> None:
+        """The inverse of ``read_kv``: ``rows`` (one [n, C] per MLA layer) into ``pages`` (covering n tokens)."""
+        P = self.page_size
+        for kv, r in zip(self.tensors.kv, rows):
+            n = r.shape[0]
+            for i, page in enumerate(pages):
+                lo, hi = i * P, min(n, (i + 1) * P)
+                if lo < hi:
+                    kv[page, : hi - lo] = r[lo:hi].to(kv.device)
+
     def share(self, pages: list[int], num_tokens: int) -> list[int]:
         """A new holder's pages for the first ``num_tokens`` tokens of ``pages``: full pages shared (refcount),
         the partial last page copied (copy on write)."""

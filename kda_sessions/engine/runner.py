@@ -22,18 +22,23 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import OutOfPages
 from ..model import ForwardBatch, HybridModel
 from ..model.graphs import DecodeGraphs
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
 from .pool import Pools, pages_needed
 from .postprocess import Sampled, postprocess
+from .preemption import Preemption
 from .rollback import roll_back
 from .sampler import sample_batch
 from .scheduler import Scheduler, StepPlan, Work
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+PARKED_POLL_S = 0.05
+"""How often the step thread looks for pages for parked works when nothing else runs."""
 
 Deliver = Callable[[list[Work], list[tuple[Work, int]]], None]
 
@@ -55,6 +60,7 @@ class Runner:
         tokenizer: Tokenizer,
         deliver: Deliver,
         cuda_graphs: bool = True,
+        park_timeout_s: float = 30.0,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -66,6 +72,7 @@ class Runner:
         self.steps = 0
         self.tokens_prefilled = 0
         self.tokens_decoded = 0
+        self.preemption = Preemption(pools, scheduler, park_timeout_s)
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and model.device.type == "cuda" and pools.tensors.scratch_slot is not None:
             self.graphs = DecodeGraphs(model, pools.tensors, capture_lock=pools.mutex)
@@ -87,12 +94,18 @@ class Runner:
     def _main(self) -> None:
         while True:
             with self.cv:
-                while not self.stopping and not self.scheduler.has_work:
-                    self.cv.wait()
-                if self.stopping:
-                    return
+                while True:
+                    if self.stopping:
+                        return
+                    timed_out = self.preemption.resume_ready()
+                    if timed_out or self.scheduler.runnable:
+                        break
+                    self.cv.wait(PARKED_POLL_S if self.scheduler.parked else None)
                 plan = self.scheduler.plan()
+                for w in plan.dropped:
+                    self.preemption.discard(w)
             result = self.run(plan)
+            result.finished.extend(timed_out)
             sampled = postprocess(plan, result.sampled, result.finished, self.pools, self.scheduler, self.tokenizer)
             self.steps += 1
             self.deliver(result.finished, sampled)
@@ -163,16 +176,30 @@ class Runner:
                 out.finished.append(w)
 
     def _with_pages(self, works: list[Work], need: list[int], out: StepResult) -> list[int]:
-        """Indices of the works whose sequences got pages for ``need`` tokens; the others fail alone."""
+        """Indices of the works whose sequences got pages for ``need`` tokens. Short of pages, a generating work
+        parks younger ones of ``works`` (see preemption.py), or is parked itself; others fail alone."""
         ok = []
         for i, (w, total) in enumerate(zip(works, need)):
+            if w.parked is not None:  # parked for an older work earlier in this loop
+                continue
             try:
                 self._ensure_pages(w, total)
+            except OutOfPages as e:
+                if w.in_prefill or w.prefill_only:
+                    self._fail(w, e, out)
+                    continue
+                with self.pools.mutex:
+                    pages = pages_needed(total, self.pools.page_size) - len(w.session.pages)
+                    if not self.preemption.make_room(w, pages, works):
+                        self.preemption.park(w)
+                        continue
+                self._ensure_pages(w, total)
+                ok.append(i)
             except Exception as e:
                 self._fail(w, e, out)
             else:
                 ok.append(i)
-        return ok
+        return [i for i in ok if works[i].parked is None]
 
     # -- model calls -----------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ prompt chunk has run, and leaves when it finishes or is cancelled.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ class Constraint(Protocol):
         ...
 
     def advance(self, token: int) -> None: ...
+
+
+_ARRIVALS = itertools.count()
 
 
 @dataclass(eq=False)  # compared by identity: a field-wise == would compare whole sessions
@@ -71,6 +75,10 @@ class Work:
     """Tokens run through the model again after a failed step rolled the session back (see Runner)."""
     reserved_pages: int = 0
     """KV pages set aside at admission and not used yet; given back when the work ends."""
+    arrival: int = field(default_factory=lambda: next(_ARRIVALS))
+    """Admission order: under page pressure the youngest works are parked first."""
+    parked: list[Tensor] | None = None
+    """While parked (preempted for pages): the session's KV rows [num_cached, C] per MLA layer, on the host."""
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0:
@@ -95,22 +103,37 @@ class Scheduler:
         self.max_queued = max_queued
         self.waiting: deque[Work] = deque()
         self.running: list[Work] = []
-        self.wakeup = anyio.Event()
+        self.parked: list[Work] = []
+        """Works preempted under page pressure, oldest first: their KV rows wait on the host for free pages."""
         self._rotate = 0
 
     def submit(self, work: Work) -> None:
         if len(self.waiting) >= self.max_queued:
             raise EngineBusy(f"{len(self.waiting)} requests are queued (limit {self.max_queued}); retry later")
         self.waiting.append(work)
-        self.wakeup.set()
 
     @property
     def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.parked)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether a step has anything to run (parked works wait for pages)."""
         return bool(self.waiting or self.running)
 
+    def park(self, w: Work) -> None:
+        self.running.remove(w)
+        self.parked.append(w)
+        self.parked.sort(key=lambda x: x.arrival)
+
+    def unpark(self, w: Work) -> None:
+        self.parked.remove(w)
+        self.running.append(w)
+
     def plan(self) -> StepPlan:
-        dropped = [w for w in self.running if w.cancelled]
+        dropped = [w for w in self.running + self.parked if w.cancelled]
         self.running = [w for w in self.running if not w.cancelled and w.finish_reason is None]
+        self.parked = [w for w in self.parked if not w.cancelled]
         while self.waiting:
             w = self.waiting.popleft()
             (dropped if w.cancelled else self.running).append(w)
@@ -144,4 +167,4 @@ class Scheduler:
         return [(w, grant[id(w)]) for w in order if grant[id(w)] > 0]
 
     def num_queued(self) -> int:
-        return len(self.waiting) + sum(1 for w in self.running if w.in_prefill)
+        return len(self.waiting) + len(self.parked) + sum(1 for w in self.running if w.in_prefill)

@@ -314,8 +314,14 @@ class SessionManager:
         work = work_for(s, params, self.core, self.tokenizer, prefill_only=prefill_only, tool_choice=tool_choice,
                         response_format=response_format)
         await self.residency.make_resident(s)
-        total = s.num_tokens + (0 if prefill_only else params.max_tokens)
-        await self.residency.ensure_pages(s, total)
+        # Pages: the worst case (the whole max_tokens) is set aside when the pool has it; while other requests
+        # run, the prompt and first token are enough to start: later pages come from the free pool, and
+        # preemption parks younger requests to make room (engine/preemption.py). With nothing running, a
+        # request waits for its worst case (idle sessions are evicted), as preemption would have no one to park.
+        worst = s.num_tokens + (0 if prefill_only else params.max_tokens)
+        least = s.num_tokens + (0 if prefill_only else 1)
+        admit = least if self.core.busy else worst
+        await self.residency.ensure_pages(s, admit)
         work.prompt = s.tokens[s.num_cached : s.num_tokens - (1 if prefill_only else 0)]
         work.prompt_len = len(work.prompt)
         work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
@@ -327,8 +333,8 @@ class SessionManager:
             if on_finish is not None:
                 on_finish()
             return work
-        # set aside every page this request may need (ensure_pages just made them free, with no await since)
-        self.core.submit(work, reserve=max(0, self.core.pages_for(total) - len(s.pages)))
+        # set the pages aside (ensure_pages just made them free, with no await since)
+        self.core.submit(work, reserve=max(0, self.core.pages_for(admit) - len(s.pages)))
         return work
 
     async def wait(self, work: Work) -> Work:

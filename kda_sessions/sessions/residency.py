@@ -81,7 +81,7 @@ class Residency:
             with anyio.move_on_after(min(left, 0.25)):  # a work ending, or a caller releasing its session
                 await self.core.work_ended.wait()
 
-    async def evict_one(self, exclude: SessionState) -> bool:
+    async def evict_one(self, exclude: SessionState | None = None) -> bool:
         """Save the least recently used idle resident session to the store and free its slot and pages. A session
         this engine cannot save (another engine holds its lease, or saved it since) is skipped for the next one."""
         idle = [s for s in self.held() if s.resident and s is not exclude and not s.lock.locked()]

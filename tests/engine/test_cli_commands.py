@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import kda_sessions as ks
-from kda_sessions import cli
 from kda_sessions import api as engine_module
+from kda_sessions import cli
 
 
 def _all_parsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kda_sessions as ks
-from kda_sessions.constrain.tool_choice import check_tools
 from kda_sessions.constrain.json_prefix import check_schema, json_prefix
+from kda_sessions.constrain.tool_choice import check_tools
 from kda_sessions.engine.sampler import SamplingParams, sample
 
 

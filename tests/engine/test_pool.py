@@ -50,6 +50,7 @@ def test_slot_operations_and_the_host_pool_round_trip() -> None:
     sid = p.capture(0)
     kda, conv = p.host.get(sid)
     assert torch.equal(kda, torch.stack([t[0] for t in p.tensors.kda]))
+    assert torch.equal(conv, torch.stack([t[0] for t in p.tensors.conv]))
     p.copy_slot(0, 1)
     assert all(torch.equal(t[0], t[1]) for t in p.tensors.kda + p.tensors.conv)
     p.zero_slot(0)
