@@ -320,9 +320,8 @@ class Runner:
         free = [i for i in rows if works[i].constraint is None]
         picked: dict[int, tuple[int, float] | Exception] = {}
         if free:
-            idx = torch.tensor(free, device=logits.device)
-            got = sample_batch(logits.index_select(0, idx), [works[i].params for i in free],
-                               [works[i].generator for i in free])
+            rows_logits = logits if len(free) == logits.shape[0] else torch.stack([logits[i] for i in free])
+            got = sample_batch(rows_logits, [works[i].params for i in free], [works[i].generator for i in free])
             picked.update(zip(free, got))
         for i in rows:
             w = works[i]

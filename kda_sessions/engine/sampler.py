@@ -48,28 +48,28 @@ def sample_batch(
     logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[tuple[int, float] | Exception]:
     """One token per row of logits [N, vocab]: (token id, its log-probability under the model), or the
-    exception that row raised (it fails alone). Greedy rows take one argmax together; every row's token and
-    log-probability reach the host in one copy."""
+    exception that row raised (it fails alone). Every row's token and log-probability reach the host in one copy,
+    and nothing before it waits for the device (no index tensors are copied to it)."""
     N = logits.shape[0]
     out: list[tuple[int, float] | Exception] = [ValueError("not sampled")] * N
-    picks: list[Tensor | None] = [None] * N
-    greedy = [i for i in range(N) if params[i].greedy]
-    if greedy:
-        idx = torch.tensor(greedy, device=logits.device)
-        for i, t in zip(greedy, torch.argmax(logits.index_select(0, idx), dim=-1)):
-            picks[i] = t
-    for i in range(N):
-        if picks[i] is None:
+    if all(p.greedy for p in params):
+        toks = torch.argmax(logits, dim=-1)  # the whole batch at once
+        ok = list(range(N))
+    else:
+        picks: list[Tensor] = []
+        ok = []
+        for i in range(N):
             try:
-                picks[i] = draw(logits[i], params[i], generators[i])
+                picks.append(torch.argmax(logits[i]) if params[i].greedy else draw(logits[i], params[i], generators[i]))
             except Exception as e:  # an unsampleable row fails its own request only
                 out[i] = e
-    ok = [i for i in range(N) if picks[i] is not None]
-    if not ok:
-        return out
-    toks = torch.stack([picks[i] for i in ok])  # type: ignore[misc]
-    rows = logits.index_select(0, torch.tensor(ok, device=logits.device)).float()
-    lps = torch.log_softmax(rows, dim=-1).gather(1, toks[:, None])[:, 0]
+            else:
+                ok.append(i)
+        if not ok:
+            return out
+        toks = torch.stack(picks)
+    rows = logits if len(ok) == N else torch.stack([logits[i] for i in ok])
+    lps = torch.log_softmax(rows.float(), dim=-1).gather(1, toks[:, None])[:, 0]
     host = torch.stack([toks.double(), lps.double()]).cpu().tolist()  # the one device-to-host copy
     for j, i in enumerate(ok):
         out[i] = (int(host[0][j]), float(host[1][j]))
