@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
+from .cpu import causal_conv_cpu
 from .naive import naive_causal_conv
 
 
@@ -22,7 +24,9 @@ def causal_conv(
         from .triton_conv import causal_conv_triton
 
         return causal_conv_triton(x, weight, tail, cu_seqlens, tail_positions)
-    return naive_causal_conv(x, weight, tail, cu_seqlens, tail_positions)
+    # inference on a CPU: shifted multiply-adds in place (no autograd); training keeps the twin
+    conv = causal_conv_cpu if not torch.is_grad_enabled() else naive_causal_conv
+    return conv(x, weight, tail, cu_seqlens, tail_positions)
 
 
 __all__ = ["causal_conv"]
