@@ -14,7 +14,8 @@ from ..engine.core import EngineCore
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import Constraint, Work
 from ..tokenizer import Tokenizer
-from .state import SessionState
+from .residency import Residency
+from .state import Checkpoint, SessionState
 
 
 def check_request(s: SessionState, tool_choice: Any, response_format: Any) -> None:
@@ -53,3 +54,66 @@ def work_for(
     generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
     return Work(session=s, prompt=[], params=params, prefill_only=prefill_only, generator=generator,
                 constraint=constraint)
+
+
+class Admission:
+    """Turns calls on sessions into works for the step machinery: checks, residency, pages, submission."""
+
+    def __init__(self, core: EngineCore, residency: Residency, tokenizer: Tokenizer) -> None:
+        self.core = core
+        self.residency = residency
+        self.tokenizer = tokenizer
+
+    async def start(
+        self,
+        s: SessionState,
+        params: SamplingParams,
+        *,
+        prefill_only: bool = False,
+        checkpoints: list[Checkpoint] | None = None,
+        end_checkpoint: Checkpoint | None = None,
+        on_token: Any = None,
+        on_finish: Any = None,
+        tool_choice: Any = None,
+        response_format: Any = None,
+    ) -> Work:
+        """Queue the session's pending tokens for prefill and (unless prefill_only) generation. Caller holds
+        ``s.lock`` until the work has finished (see ``wait``). Everything a request can get wrong is refused
+        before the session or the pools change."""
+        work = work_for(s, params, self.core, self.tokenizer, prefill_only=prefill_only, tool_choice=tool_choice,
+                        response_format=response_format)
+        await self.residency.make_resident(s)
+        # Pages: the worst case (the whole max_tokens) is set aside when the pool has it; while other requests
+        # run, the prompt and first token are enough to start: later pages come from the free pool, and
+        # preemption parks younger requests to make room (engine/preemption.py). With nothing running, a
+        # request waits for its worst case (idle sessions are evicted), as preemption would have no one to park.
+        worst = s.num_tokens + (0 if prefill_only else params.max_tokens)
+        least = s.num_tokens + (0 if prefill_only else 1)
+        admit = least if self.core.busy else worst
+        await self.residency.ensure_pages(s, admit)
+        work.prompt = s.tokens[s.num_cached : s.num_tokens - (1 if prefill_only else 0)]
+        work.prompt_len = len(work.prompt)
+        work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
+        work.end_checkpoint = end_checkpoint
+        work.on_token, work.on_finish = on_token, on_finish
+        if not work.prompt:
+            work.finish_reason = "stop"
+            work.finished.set()
+            if on_finish is not None:
+                on_finish()
+            return work
+        # set the pages aside (ensure_pages just made them free, with no await since)
+        self.core.submit(work, reserve=max(0, self.core.pages_for(admit) - len(s.pages)))
+        return work
+
+    async def wait(self, work: Work) -> Work:
+        """Wait for ``work`` (cancelled with the waiting task); raises its error."""
+        try:
+            return await self.core.wait(work)
+        finally:
+            s = work.session
+            assert isinstance(s, SessionState)
+            s.touch()
+
+    async def cancel(self, work: Work) -> None:
+        await self.core.cancel(work)

@@ -2,7 +2,7 @@
 
 It holds the (tenant, id) -> ``SessionState`` registry and each tenant's store (``StoreIO``: snapshot I/O and
 prefix index), decides residency (``Residency``: slots, pages, eviction), creates, resumes, forks, saves and
-forgets sessions, and turns calls into works for the step machinery (``EngineCore``). ``Session`` and
+forgets sessions; ``Admission`` turns calls into works for the step machinery (``EngineCore``). ``Session`` and
 ``TenantSessions`` are handles on its public methods; ``Engine`` is the facade over it.
 """
 
@@ -17,15 +17,13 @@ from typing import Any
 import anyio
 
 from ..engine.core import EngineCore
-from ..engine.sampler import SamplingParams
-from ..engine.scheduler import Work
 from ..errors import CheckpointNotFound, SessionNotFound
 from ..storage import SaveResult, SnapshotStore
 from ..storage.manifest import SESSION_ID_PATTERN, ModelFingerprint
 from ..tokenizer import Tokenizer
 from ..tokenizer.chat import ChatTemplate
 from ..types import SessionInfo
-from .admission import work_for
+from .admission import Admission
 from .prefix_index import PrefixHit
 from .residency import Residency
 from .state import Checkpoint, SessionState
@@ -56,6 +54,7 @@ class SessionManager:
         self._stores: dict[str | None, StoreIO] = {None: StoreIO(core, fingerprint, snapshots)}
         self._stores_lock = anyio.Lock()
         self.residency = Residency(core, self._held.values, self._save_for_eviction, self.store_of)
+        self.admission = Admission(core, self.residency, tokenizer)
         self.counters = {
             "prefill_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "resumes": 0, "forks": 0, "saves": 0,
             # new sessions looked up in the prefix index, those started from a stored prefix, and its tokens
@@ -292,62 +291,6 @@ class SessionManager:
     def index(self, s: SessionState, cp: Checkpoint) -> None:
         """Make ``cp`` a prefix other conversations of the tenant may start from."""
         self.store_of(s.tenant).index.add(s.tokens, PrefixHit(s.id, cp.name, cp.position))
-
-    # -- running ---------------------------------------------------------------------------------------------
-
-    async def start(
-        self,
-        s: SessionState,
-        params: SamplingParams,
-        *,
-        prefill_only: bool = False,
-        checkpoints: list[Checkpoint] | None = None,
-        end_checkpoint: Checkpoint | None = None,
-        on_token: Any = None,
-        on_finish: Any = None,
-        tool_choice: Any = None,
-        response_format: Any = None,
-    ) -> Work:
-        """Queue the session's pending tokens for prefill and (unless prefill_only) generation. Caller holds
-        ``s.lock`` until the work has finished (see ``wait``). Everything a request can get wrong is refused
-        before the session or the pools change."""
-        work = work_for(s, params, self.core, self.tokenizer, prefill_only=prefill_only, tool_choice=tool_choice,
-                        response_format=response_format)
-        await self.residency.make_resident(s)
-        # Pages: the worst case (the whole max_tokens) is set aside when the pool has it; while other requests
-        # run, the prompt and first token are enough to start: later pages come from the free pool, and
-        # preemption parks younger requests to make room (engine/preemption.py). With nothing running, a
-        # request waits for its worst case (idle sessions are evicted), as preemption would have no one to park.
-        worst = s.num_tokens + (0 if prefill_only else params.max_tokens)
-        least = s.num_tokens + (0 if prefill_only else 1)
-        admit = least if self.core.busy else worst
-        await self.residency.ensure_pages(s, admit)
-        work.prompt = s.tokens[s.num_cached : s.num_tokens - (1 if prefill_only else 0)]
-        work.prompt_len = len(work.prompt)
-        work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
-        work.end_checkpoint = end_checkpoint
-        work.on_token, work.on_finish = on_token, on_finish
-        if not work.prompt:
-            work.finish_reason = "stop"
-            work.finished.set()
-            if on_finish is not None:
-                on_finish()
-            return work
-        # set the pages aside (ensure_pages just made them free, with no await since)
-        self.core.submit(work, reserve=max(0, self.core.pages_for(admit) - len(s.pages)))
-        return work
-
-    async def wait(self, work: Work) -> Work:
-        """Wait for ``work`` (cancelled with the waiting task); raises its error."""
-        try:
-            return await self.core.wait(work)
-        finally:
-            s = work.session
-            assert isinstance(s, SessionState)
-            s.touch()
-
-    async def cancel(self, work: Work) -> None:
-        await self.core.cancel(work)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

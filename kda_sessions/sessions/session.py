@@ -59,11 +59,11 @@ class Session:
             before = s.num_tokens
             s.tokens.extend(ids)
             try:
-                work = await self.manager.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+                work = await self.manager.admission.start(s, SamplingParams(max_tokens=1), prefill_only=True)
             except BaseException:
                 del s.tokens[before:]  # refused before anything ran: the session is as it was
                 raise
-            await self.manager.wait(work)
+            await self.manager.admission.wait(work)
             run = work.prompt_len + work.replayed
             return Usage(prompt_tokens=s.num_tokens, prefill_tokens=run, cached_tokens=max(0, s.num_tokens - run))
 
@@ -83,8 +83,8 @@ class Session:
         params = SamplingParams(max_tokens, temperature, top_p, top_k, seed, _stops(stop), logprobs, ignore_eos,
                                 top_logprobs)
         async with self.state.lock:
-            work = await self.manager.start(self.state, params)
-            await self.manager.wait(work)
+            work = await self.manager.admission.start(self.state, params)
+            await self.manager.admission.wait(work)
             return self._reply(work, chat=False)
 
     def _check_ids(self, ids: list[int]) -> None:
@@ -138,11 +138,11 @@ class Session:
                 out = _event(ev, None)
                 if out is not None:
                     yield out
-            await self.manager.wait(work)
+            await self.manager.admission.wait(work)
             yield Done(reply=self._finish_turn(work))
         finally:
             if work is not None and not work.finished.is_set():
-                await self.manager.cancel(work)
+                await self.manager.admission.cancel(work)
                 self._finish_turn(work)
             s.lock.release()
 
@@ -150,7 +150,7 @@ class Session:
         async with self.state.lock:
             work = await self._start_turn(messages, sampling)
             try:
-                await self.manager.wait(work)
+                await self.manager.admission.wait(work)
             finally:
                 reply = self._finish_turn(work)
             return reply
@@ -193,8 +193,9 @@ class Session:
         # the reply's end: captured by the step thread when the work ends (the assistant message comes next)
         end = Checkpoint(name=f"msg-{len(s.messages)}", position=-1, state_pos=-1, num_messages=len(s.messages) + 1)
         try:
-            return await m.start(s, params, checkpoints=checkpoints, end_checkpoint=end, on_token=on_token,
-                                 on_finish=on_finish, tool_choice=tool_choice, response_format=response_format)
+            return await m.admission.start(s, params, checkpoints=checkpoints, end_checkpoint=end,
+                                           on_token=on_token, on_finish=on_finish, tool_choice=tool_choice,
+                                           response_format=response_format)
         except BaseException:  # refused before anything ran (bad max_tokens, no room): the session is as it was
             del s.tokens[undo[0] :]
             del s.messages[undo[1] :]
@@ -263,8 +264,8 @@ class Session:
         async with s.lock:
             await self.manager.residency.make_resident(s)
             if s.num_cached < s.num_tokens - 1:  # pending tokens: prefill them so the checkpoint holds their state
-                work = await self.manager.start(s, SamplingParams(max_tokens=1), prefill_only=True)
-                await self.manager.wait(work)
+                work = await self.manager.admission.start(s, SamplingParams(max_tokens=1), prefill_only=True)
+                await self.manager.admission.wait(work)
             cp = await self.manager.checkpoint_here(s, name)
             return CheckpointInfo(session_id=self.id, name=name, position=cp.position)
 

@@ -193,13 +193,13 @@ async def test_random_faults_fail_exactly_their_requests(seed, monkeypatch):
         monkeypatch.setattr(eng.runner.model, "step", step)
         out: dict[int, Any] = {}
         params: dict[int, Any] = {}
-        real_start = eng.manager.start
+        real_start = eng.manager.admission.start
 
         async def start(s, p, **kw):  # type: ignore[no-untyped-def]
             params[next(i for i, x in enumerate(sessions) if x.state is s)] = p
             return await real_start(s, p, **kw)
 
-        monkeypatch.setattr(eng.manager, "start", start)
+        monkeypatch.setattr(eng.manager.admission, "start", start)
 
         async def go(i: int) -> None:
             try:
