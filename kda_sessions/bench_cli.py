@@ -1,7 +1,7 @@
 """``kda-sessions bench``: tokens/s through the Engine beside what the machine allows, measured in the same run.
 
-Prefill and decode (one session) are timed through the Engine; the first token of a resumed session against
-one whose context is prefilled again. The floor is measured right after on the same device: a matmul's
+Prefill and decode (one session, after an untimed warm-up session) are timed through the Engine; the first
+token of a resumed session against one whose context is prefilled again. The floor is measured right after on the same device: a matmul's
 GFLOP/s (the model's dtype) and a memory copy's GB/s (read + write). Prefill's floor is that matmul rate over
 2 FLOPs per active weight a token; decode's, the copy rate over the active weights' bytes read once a token
 (both ignore attention over the context, so they bound from above what a step can reach).
@@ -34,6 +34,11 @@ async def run_bench(args: argparse.Namespace, engine_config: Any, dtype: torch.d
         engine = await Engine.open(model=args.model, store="memory:", device=args.device, dtype=dtype,
                                    config=engine_config)
     async with engine:
+        # first calls pay one-time costs (the CPU paths derive their fused weights, oneDNN sets up): not timed
+        warm = await engine.create_session()
+        await warm.append(tokens[:64])
+        await warm.generate(max_tokens=2, ignore_eos=True)
+        await engine.delete_session(warm.id)
         s = await engine.create_session()
         async with progress("prefill", engine, total=args.context):
             t0 = time.perf_counter()
