@@ -28,6 +28,15 @@ class EngineConfig(BaseModel):
     max_checkpoints_in_memory: int = Field(default=8, ge=1)
     """Automatic (msg-N) checkpoint states kept on the host per session (each is one copy of the KDA state:
     40 MiB at Kimi-Linear's shape); older ones survive in the store once saved. Named checkpoints are kept."""
+    checkpoint_interval_pages: int = Field(default=64, ge=0)
+    """Inside a long prompt, the prefill also keeps the state every this many KV pages (4,096 tokens at the
+    default page size: one KDA state, 40 MiB at Kimi-Linear's shape, per 32 MiB of its KV), so a request that
+    resends that prompt with another tail, or again after a cancelled prefill, reuses all of it up to the last such
+    boundary. Page-aligned, so these checkpoints share whole pages. 0: only at message boundaries."""
+    checkpoint_memory_bytes: int = Field(default=4 << 30, ge=0)
+    """Host bytes of checkpoint states the engine keeps across all sessions: beyond it the automatic checkpoints
+    least recently used (captured or started another session from) are dropped; a saved one keeps its stored
+    blobs. Named checkpoints and each conversation's system prompt + tools head are never dropped."""
     lease_ttl_s: float | None = Field(default=None, ge=0.5, le=86_400)
     """Lifetime of a session's write lease in the store (None: the store's own, 30 s, or a Redis url's
     ``?lease_ttl=``). The engine renews the lease of every session it holds every quarter of this, so a held

@@ -25,6 +25,8 @@ class Checkpoint:
     num_messages: int = 0
     turn_open: bool = False
     created_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    """When it was captured or last started another context: what the checkpoint memory policy keeps longest."""
 
     @property
     def resident(self) -> bool:

@@ -14,6 +14,7 @@ from ..engine.core import EngineCore
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import Constraint, Work
 from ..tokenizer import Tokenizer
+from .prefix_cache import PrefixCache
 from .residency import Residency
 from .state import Checkpoint, SessionState
 
@@ -59,9 +60,10 @@ def work_for(
 class Admission:
     """Turns calls on sessions into works for the step machinery: checks, residency, pages, submission."""
 
-    def __init__(self, core: EngineCore, residency: Residency, tokenizer: Tokenizer) -> None:
+    def __init__(self, core: EngineCore, residency: Residency, tokenizer: Tokenizer, prefix_cache: PrefixCache) -> None:
         self.core = core
         self.residency = residency
+        self.prefix_cache = prefix_cache
         self.tokenizer = tokenizer
 
     async def start(
@@ -83,6 +85,8 @@ class Admission:
         work = work_for(s, params, self.core, self.tokenizer, prefill_only=prefill_only, tool_choice=tool_choice,
                         response_format=response_format)
         await self.residency.make_resident(s)
+        end = s.num_tokens - (1 if prefill_only else 0)
+        await self.prefix_cache.reuse(s, end)  # another session may hold a longer prefix of these tokens
         # Pages: the worst case (the whole max_tokens) is set aside when the pool has it; while other requests
         # run, the prompt and first token are enough to start: later pages come from the free pool, and
         # preemption parks younger requests to make room (engine/preemption.py). With nothing running, a
@@ -94,6 +98,7 @@ class Admission:
         work.prompt = s.tokens[s.num_cached : s.num_tokens - (1 if prefill_only else 0)]
         work.prompt_len = len(work.prompt)
         work.checkpoints = [c for c in s.checkpoints.values() if c.state_pos < c.target] + list(checkpoints or [])
+        work.checkpoints += self.prefix_cache.interval_checkpoints(s, end, len(work.checkpoints) + 1)
         work.end_checkpoint = end_checkpoint
         work.on_token, work.on_finish = on_token, on_finish
         if not work.prompt:
@@ -114,6 +119,7 @@ class Admission:
             s = work.session
             assert isinstance(s, SessionState)
             s.touch()
+            self.prefix_cache.settle(work)
 
     async def cancel(self, work: Work) -> None:
         await self.core.cancel(work)

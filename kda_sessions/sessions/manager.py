@@ -24,6 +24,7 @@ from ..tokenizer import Tokenizer
 from ..tokenizer.chat import ChatTemplate
 from ..types import SessionInfo
 from .admission import Admission
+from .prefix_cache import PrefixCache
 from .prefix_index import PrefixHit
 from .residency import Residency
 from .state import Checkpoint, SessionState
@@ -54,12 +55,13 @@ class SessionManager:
         self._stores: dict[str | None, StoreIO] = {None: StoreIO(core, fingerprint, snapshots)}
         self._stores_lock = anyio.Lock()
         self.residency = Residency(core, self._held.values, self._save_for_eviction, self.store_of)
-        self.admission = Admission(core, self.residency, tokenizer)
         self.counters = {
             "prefill_tokens": 0, "cached_tokens": 0, "completion_tokens": 0, "resumes": 0, "forks": 0, "saves": 0,
             # new sessions looked up in the prefix index, those started from a stored prefix, and its tokens
             "prefix_cache_lookups": 0, "prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0,
         }
+        self.prefix_cache = PrefixCache(core, self.residency, self._held.values, self.get, self.store_of, self.counters)
+        self.admission = Admission(core, self.residency, tokenizer, self.prefix_cache)
         self.resume_seconds: list[float] = []
 
     async def close(self) -> None:
@@ -121,17 +123,17 @@ class SessionManager:
         """A held session holding ``tokens``; it starts from the longest checkpointed prefix of them among all
         of the tenant's sessions (held or stored), never another tenant's."""
         io = self.store_of(tenant)
-        hit = io.index.longest(tokens)
         self.counters["prefix_cache_lookups"] += 1
         s: SessionState | None = None
-        if hit is not None:
+        for hit in list(io.index.matches(tokens))[:4]:  # a stale entry (its session gone): the next longest
             try:
                 s = await self.fork_state(tenant, hit.session_id, hit.checkpoint, sid, hold_parent=False)
             except (SessionNotFound, CheckpointNotFound):
-                s = None
-            else:
-                self.counters["prefix_cache_hits"] += 1
-                self.counters["prefix_cache_hit_tokens"] += s.num_cached
+                io.index.remove(hit.session_id, hit.checkpoint)
+                continue
+            self.counters["prefix_cache_hits"] += 1
+            self.counters["prefix_cache_hit_tokens"] += s.num_cached
+            break
         if s is None:
             s = SessionState(id=sid, tenant=tenant)
             await self.residency.make_resident(s)
@@ -179,6 +181,7 @@ class SessionManager:
                 cp = parent.checkpoints.get(checkpoint or "")
                 if cp is None:
                     raise CheckpointNotFound(f"session {parent_id!r} has no checkpoint {checkpoint!r}")
+                cp.last_used = time.monotonic()  # the memory policy keeps checkpoints that start others
             position, state_pos = (parent.num_tokens, parent.num_cached) if cp is None else (cp.position, cp.state_pos)
             num_messages = len(parent.messages) if cp is None else cp.num_messages
             child = SessionState(

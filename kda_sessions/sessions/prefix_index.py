@@ -1,15 +1,23 @@
-"""Prefix reuse: token-prefix hash -> a checkpoint whose state covers that prefix.
+"""Prefix reuse: per-page token-hash chains -> checkpoints whose state covers that prefix.
 
-A new session (or a stateless request that resends a whole history) starts from the longest indexed prefix
-of its tokens instead of prefilling it again.
+As vLLM's block hashes: the key of page k is ``sha256(key of page k-1 + its P tokens)``, so one pass over a
+request's tokens gives the key of every page-aligned prefix. A checkpoint of ``tokens[:position]`` is filed under
+the key of its last full page (a *node*) plus a hash of the ``r = position mod P`` tokens after it, so
+checkpoints at any position (message ends, interval boundaries) are found by the same walk: for each node of the
+request that holds entries, try the tail lengths filed there. A new session (or a stateless request that resends
+a whole history) starts from the longest indexed prefix of its tokens instead of prefilling it again.
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+
+ROOT = hashlib.sha256(b"kda-sessions prefix chain v1").digest()
+"""The key of the empty prefix."""
 
 
 @dataclass(frozen=True)
@@ -19,59 +27,138 @@ class PrefixHit:
     position: int
 
 
-def _hashes(tokens: Sequence[int], lengths: Sequence[int]) -> dict[int, str]:
-    """sha256 of tokens[:L] for every L in ``lengths``, in one pass over the tokens."""
-    out: dict[int, str] = {}
-    h = hashlib.sha256()
-    done = 0
-    for L in sorted(set(lengths)):
-        if len(tokens) < L:
-            break
-        h.update(array("i", tokens[done:L]).tobytes())
-        done = L
-        out[L] = h.copy().hexdigest()
-    return out
+@dataclass(frozen=True)
+class PrefixKey:
+    """Where a prefix of ``position`` tokens is filed: its last full page's chain key and its own key."""
+
+    node: bytes
+    rows: int
+    """Tokens after the node's page boundary (0 <= rows < P)."""
+    key: bytes
+
+    def to_json(self) -> list[str | int]:
+        return [self.node.hex(), self.rows, self.key.hex()]
+
+    @classmethod
+    def from_json(cls, value: object) -> PrefixKey | None:
+        """The key stored in a manifest, or None when the value is not one (another format: not indexed)."""
+        if not (isinstance(value, list) and len(value) == 3 and isinstance(value[1], int)):
+            return None
+        try:
+            return cls(bytes.fromhex(str(value[0])), value[1], bytes.fromhex(str(value[2])))
+        except ValueError:
+            return None
 
 
-def prefix_hash(tokens: Sequence[int], length: int) -> str:
-    return _hashes(tokens, [length])[length]
+def _link(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent + array("i", tokens).tobytes()).digest()
+
+
+def page_chain(tokens: Sequence[int], page_size: int, num_pages: int) -> list[bytes]:
+    """``chain[k]`` = key of ``tokens[:k * P]`` for k in [0, num_pages] (the caller makes sure the tokens hold
+    that many full pages)."""
+    chain = [ROOT]
+    for k in range(num_pages):
+        chain.append(_link(chain[-1], tokens[k * page_size : (k + 1) * page_size]))
+    return chain
+
+
+def prefix_key(tokens: Sequence[int], position: int, page_size: int) -> PrefixKey:
+    full, rows = divmod(position, page_size)
+    node = page_chain(tokens, page_size, full)[-1]
+    tail = tokens[full * page_size : position]
+    return PrefixKey(node, rows, _link(node, tail) if rows else node)
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
-        self._by_hash: dict[str, PrefixHit] = {}
-        self._lengths: dict[int, int] = {}  # length -> number of entries
+    """One tenant's checkpoints by prefix key. Several checkpoints may cover the same prefix (forks, equal
+    conversations): each is kept, so removing one leaves the others findable."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self._hits: dict[bytes, dict[tuple[str, str], PrefixHit]] = {}
+        self._tails: dict[bytes, Counter[int]] = {}  # node -> tail lengths filed under it (entry counts)
+        self._keys: dict[tuple[str, str], PrefixKey] = {}  # (session, checkpoint) -> where it is filed
 
     def add(self, tokens: Sequence[int], hit: PrefixHit) -> None:
-        if hit.position <= 0:
-            return
-        self.add_hashed(prefix_hash(tokens, hit.position), hit)
+        if 0 < hit.position <= len(tokens):
+            self.add_key(prefix_key(tokens, hit.position, self.page_size), hit)
 
-    def add_hashed(self, key: str, hit: PrefixHit) -> None:
-        """Index a checkpoint by the stored hash of its prefix (no tokens needed: startup indexing)."""
+    def add_key(self, key: PrefixKey, hit: PrefixHit) -> None:
+        """Index a checkpoint by its stored key (no tokens needed: startup indexing)."""
         if hit.position <= 0:
             return
-        if key not in self._by_hash:
-            self._lengths[hit.position] = self._lengths.get(hit.position, 0) + 1
-        self._by_hash[key] = hit
+        who = (hit.session_id, hit.checkpoint)
+        old = self._keys.get(who)
+        if old == key:
+            self._hits[key.key][who] = hit
+            return
+        if old is not None:
+            self.remove(*who)
+        self._keys[who] = key
+        self._hits.setdefault(key.key, {})[who] = hit
+        self._tails.setdefault(key.node, Counter())[key.rows] += 1
+
+    def key_of(self, session_id: str, checkpoint: str, position: int) -> PrefixKey | None:
+        """Where the checkpoint is filed, if it is, at that position."""
+        key = self._keys.get((session_id, checkpoint))
+        if key is None or self._hits[key.key][(session_id, checkpoint)].position != position:
+            return None
+        return key
+
+    def indexed(self, tokens: Sequence[int], positions: Sequence[int]) -> set[int]:
+        """Those of ``positions`` (each <= len(tokens)) whose prefix of ``tokens`` some checkpoint covers."""
+        if not positions:
+            return set()
+        P = self.page_size
+        chain = page_chain(tokens, P, max(positions) // P)
+        out = set()
+        for p in positions:
+            k, rows = divmod(p, P)
+            key = _link(chain[k], tokens[k * P : p]) if rows else chain[k]
+            if key in self._hits:
+                out.add(p)
+        return out
+
+    def remove(self, session_id: str, checkpoint: str) -> None:
+        key = self._keys.pop((session_id, checkpoint), None)
+        if key is None:
+            return
+        hits = self._hits[key.key]
+        del hits[(session_id, checkpoint)]
+        if not hits:
+            del self._hits[key.key]
+        tails = self._tails[key.node]
+        tails[key.rows] -= 1
+        if not tails[key.rows]:
+            del tails[key.rows]
+        if not tails:
+            del self._tails[key.node]
 
     def remove_session(self, session_id: str) -> None:
-        for key, hit in list(self._by_hash.items()):
-            if hit.session_id == session_id:
-                del self._by_hash[key]
-                self._lengths[hit.position] -= 1
-                if not self._lengths[hit.position]:
-                    del self._lengths[hit.position]
+        for sid, name in [w for w in self._keys if w[0] == session_id]:
+            self.remove(sid, name)
+
+    def matches(self, tokens: Sequence[int], max_len: int | None = None) -> Iterator[PrefixHit]:
+        """Indexed checkpoints whose prefix is a prefix of ``tokens`` (at most ``max_len`` tokens), longest
+        first."""
+        limit = len(tokens) if max_len is None else min(max_len, len(tokens))
+        P = self.page_size
+        chain = page_chain(tokens, P, limit // P)
+        for k in range(len(chain) - 1, -1, -1):
+            tails = self._tails.get(chain[k])
+            if not tails:
+                continue
+            for rows in sorted(tails, reverse=True):
+                end = k * P + rows
+                if end > limit:
+                    continue
+                key = _link(chain[k], tokens[k * P : end]) if rows else chain[k]
+                yield from sorted(self._hits.get(key, {}).values(), key=lambda h: h.session_id)
 
     def longest(self, tokens: Sequence[int], max_len: int | None = None) -> PrefixHit | None:
         """The indexed checkpoint with the longest prefix of ``tokens`` (at most ``max_len`` tokens)."""
-        limit = len(tokens) if max_len is None else min(max_len, len(tokens))
-        lengths = [L for L in self._lengths if limit >= L]
-        best = None
-        for L, key in _hashes(tokens, lengths).items():
-            if key in self._by_hash and (best is None or best.position < L):
-                best = self._by_hash[key]
-        return best
+        return next(self.matches(tokens, max_len), None)
 
     def __len__(self) -> int:
-        return len(self._by_hash)
+        return len(self._keys)

@@ -163,9 +163,11 @@ class Residency:
     def trim_checkpoints(self, s: SessionState) -> None:
         """Bound the host memory a long conversation holds in checkpoints: keep the newest
         ``max_checkpoints_in_memory`` automatic (msg-N) ones in memory; an older one that was saved keeps only its
-        stored blobs (a fork loads them back), an unsaved one is dropped. Named checkpoints are always kept."""
+        stored blobs (a fork loads them back), an unsaved one is dropped, its prefix index entry too. Named
+        checkpoints are always kept."""
         auto = [c for c in s.checkpoints.values() if c.name.startswith("msg-") and (c.resident or c.pages)]
         for c in sorted(auto, key=lambda c: c.position)[: max(0, len(auto) - self.config.max_checkpoints_in_memory)]:
             self.release_checkpoint(c)
             if c.state_blob is None or c.page_blobs is None:
                 del s.checkpoints[c.name]
+                self.store_of(s.tenant).index.remove(s.id, c.name)

@@ -26,7 +26,7 @@ from ..storage.errors import IntegrityError, ManifestNotFound
 from ..storage.manifest import ModelFingerprint
 from .codec import blob, decode_page, decode_state, decode_tokens, encode_page, encode_state, encode_tokens
 from .page_io import PageCodec
-from .prefix_index import PrefixHit, PrefixIndex, prefix_hash
+from .prefix_index import PrefixHit, PrefixIndex, PrefixKey, prefix_key
 from .state import Checkpoint, SessionState
 
 TENANT_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
@@ -62,7 +62,7 @@ class StoreIO:
         self.pools = core.pools
         self.fingerprint = fingerprint
         self.snapshots = snapshots
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(core.config.page_size)
         """This namespace's prefix index: prefix reuse never crosses tenants."""
         self._codec: PageCodec | None = None
 
@@ -143,8 +143,8 @@ class StoreIO:
             checkpoints=records,
             meta={
                 "system": s.system, "tools": s.tools, "messages": s.messages, "next_message_index": s.next_message_index,
-                # lets a restarted engine index stored prefixes from manifests alone
-                "prefix_hashes": {cp.name: prefix_hash(s.tokens, cp.position) for cp in s.checkpoints.values() if cp.position > 0},
+                # lets a restarted engine index stored prefixes from manifests alone (see prefix_index)
+                "prefix_keys": {cp.name: self._key(s, cp).to_json() for cp in s.checkpoints.values() if cp.position > 0},
             },
             parent=s.parent,
             generation=s.generation + 1,
@@ -180,13 +180,18 @@ class StoreIO:
                 m = await self.snapshots.load_manifest(sid, self.fingerprint)
             except Exception:  # another model's or an unreadable manifest is simply not reusable here
                 continue
-            hashes = m.meta.get("prefix_hashes") or {}
+            keys = m.meta.get("prefix_keys") or {}
             for cp in m.checkpoints:
-                key = hashes.get(cp.name)
-                if isinstance(key, str):
-                    self.index.add_hashed(key, PrefixHit(sid, cp.name, cp.position))
+                key = PrefixKey.from_json(keys.get(cp.name)) if isinstance(keys, dict) else None
+                if key is not None:
+                    self.index.add_key(key, PrefixHit(sid, cp.name, cp.position))
                     n += 1
         return n
+
+    def _key(self, s: SessionState, cp: Checkpoint) -> PrefixKey:
+        """The checkpoint's prefix key: from the index when it is filed there (no hashing), else computed."""
+        key = self.index.key_of(s.id, cp.name, cp.position)
+        return key if key is not None else prefix_key(s.tokens, cp.position, self.pools.page_size)
 
     def _forget_unsaved(self, s: SessionState, unsaved: set[str]) -> None:
         """After a failed save, drop cached digests of blobs it built: the store may not have them, so the

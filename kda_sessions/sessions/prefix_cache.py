@@ -1,0 +1,173 @@
+"""The prefix cache's policy: where checkpoints are kept inside long prompts, which checkpoint states stay in host
+memory, and starting a session's prefill from the longest indexed prefix of what it is about to run.
+
+Checkpoints every ``checkpoint_interval_pages`` pages (named ``__at-B``: state at token B, a page boundary, for
+the prefix ``tokens[:B + 1]``) let a request that resends a long prompt with another tail, or again after a
+cancelled prefill, reuse all of it up to the last boundary. Their host states, with every other checkpoint's,
+are bounded by ``checkpoint_memory_bytes``: the automatic checkpoints least recently used (captured, or a start
+for another session) are dropped first; named checkpoints and conversation heads (system prompt + tools) stay.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from functools import partial
+
+from ..engine.core import EngineCore
+from ..engine.pool import pages_needed
+from ..engine.scheduler import Work
+from .prefix_index import PrefixHit
+from .residency import Residency
+from .state import Checkpoint, SessionState
+from .store_io import StoreIO
+
+INTERVAL = "__at-"
+
+
+def is_automatic(name: str) -> bool:
+    """Checkpoints the engine makes (message ends, interval boundaries), which the memory policy may drop."""
+    return name.startswith(("msg-", INTERVAL))
+
+
+class PrefixCache:
+    """``held`` lists the sessions the manager holds, ``get`` finds one by (tenant, id), ``store_of`` gives a
+    tenant's StoreIO (its prefix index); ``counters`` are the manager's (prefix_cache_*)."""
+
+    def __init__(
+        self,
+        core: EngineCore,
+        residency: Residency,
+        held: Callable[[], Iterable[SessionState]],
+        get: Callable[[str | None, str], SessionState | None],
+        store_of: Callable[[str | None], StoreIO],
+        counters: dict[str, int],
+    ) -> None:
+        self.pools = core.pools
+        self.config = core.config
+        self.residency = residency
+        self.held = held
+        self.get = get
+        self.store_of = store_of
+        self.counters = counters
+        tensors = core.pools.tensors
+        self.state_bytes = sum(t[0].numel() * t.element_size() for t in [*tensors.kda, *tensors.conv])
+        """Host bytes of one checkpoint state (KDA states and conv tails of every KDA layer)."""
+
+    @property
+    def max_states(self) -> int:
+        return self.config.checkpoint_memory_bytes // max(1, self.state_bytes)
+
+    # -- where checkpoints are kept --------------------------------------------------------------------------
+
+    def interval_checkpoints(self, s: SessionState, end: int, others: int) -> list[Checkpoint]:
+        """Checkpoints at the interval boundaries B in (num_cached, end] that a prefill of ``s.tokens[:end]``
+        passes, except those whose prefix the tenant's index already holds. Room is made for them and for
+        ``others`` states the work captures anyway; when the budget cannot hold them all, every n-th is kept
+        (the last one always), so they stay aligned. Caller holds ``s.lock``."""
+        step = self.config.checkpoint_interval_pages * self.config.page_size
+        if not step:
+            return []
+        bounds = list(range((s.num_cached // step + 1) * step, min(end, s.num_tokens - 1) + 1, step))
+        held = self.store_of(s.tenant).index.indexed(s.tokens, [b + 1 for b in bounds])
+        bounds = [b for b in bounds if b + 1 not in held and INTERVAL + str(b) not in s.checkpoints]
+        if not bounds:
+            return []
+        room = self.make_room(s, len(bounds) + others) - others
+        if room <= 0:
+            return []
+        stride = -(-len(bounds) // room)
+        kept = bounds[::-1][::stride][::-1]
+        return [Checkpoint(name=f"{INTERVAL}{b}", position=b + 1, state_pos=-1) for b in kept]
+
+    def settle(self, work: Work) -> None:
+        """After a work on ``s`` (the caller holds its lock): index the interval checkpoints its prefill took,
+        then bring the checkpoint states back within the budget."""
+        s = work.session
+        assert isinstance(s, SessionState)
+        index = self.store_of(s.tenant).index
+        for c in work.checkpoints:
+            if c.name.startswith(INTERVAL) and c.state_pos >= 0 and s.checkpoints.get(c.name) is c:
+                index.add(s.tokens, PrefixHit(s.id, c.name, c.position))
+        self.make_room(s, 0)
+
+    # -- the memory bound ------------------------------------------------------------------------------------
+
+    def make_room(self, current: SessionState, need: int) -> int:
+        """Drop least recently used automatic checkpoint states (of idle sessions and ``current``, whose lock the
+        caller holds) until ``need`` more fit in the budget; returns how many fit (at most ``need``)."""
+        free = self.max_states - len(self.pools.host)
+        if free >= need:
+            return need
+        victims = sorted(
+            ((c, s) for s in self.held() if s is current or not s.lock.locked()
+             for c in s.checkpoints.values() if c.resident and not self.pinned(s, c)),
+            key=lambda cs: cs[0].last_used,
+        )
+        for c, s in victims:
+            if free >= need:
+                break
+            self.drop(s, c)
+            free += 1
+        return max(0, min(need, free))
+
+    @staticmethod
+    def pinned(s: SessionState, c: Checkpoint) -> bool:
+        """Named checkpoints, and the conversation's head: the end of its leading system messages (with tools)."""
+        if not is_automatic(c.name):
+            return True
+        head = c.name.startswith("msg-") and c.num_messages > 0
+        return head and all(m.get("role") == "system" for m in s.messages[: c.num_messages])
+
+    def drop(self, s: SessionState, c: Checkpoint) -> None:
+        """Free the checkpoint's host state and pages; one never saved is forgotten, index entry included (a saved
+        one keeps its stored blobs: a fork loads them back)."""
+        self.residency.release_checkpoint(c)
+        if c.state_blob is None or c.page_blobs is None:
+            del s.checkpoints[c.name]
+            self.store_of(s.tenant).index.remove(s.id, c.name)
+
+    # -- starting from an indexed prefix ---------------------------------------------------------------------
+
+    async def reuse(self, s: SessionState, end: int) -> int:
+        """Before ``s.tokens[num_cached:end]`` are prefilled, seat ``s`` on the longest indexed prefix of them
+        held in memory by another of the tenant's sessions (equal tokens: the same state and KV rows), when that
+        saves at least a page. Returns the tokens gained. Caller holds ``s.lock``; ``s`` is resident."""
+        P = self.config.page_size
+        if end - s.num_cached < P:
+            return 0
+        index = self.store_of(s.tenant).index
+        for hit in list(index.matches(s.tokens, min(end + 1, s.num_tokens))):
+            if hit.position - 1 < s.num_cached + P:
+                break
+            parent = self.get(s.tenant, hit.session_id)
+            if parent is None or parent is s:
+                continue
+            cp = parent.checkpoints.get(hit.checkpoint)
+            if cp is None:
+                index.remove(hit.session_id, hit.checkpoint)
+                continue
+            gained = await self.pools.run_locked(partial(self._seat, s, cp))
+            if gained:
+                cp.last_used = time.monotonic()
+                self.counters["prefix_cache_lookups"] += 1
+                self.counters["prefix_cache_hits"] += 1
+                self.counters["prefix_cache_hit_tokens"] += gained
+                return gained
+        return 0
+
+    def _seat(self, s: SessionState, cp: Checkpoint) -> int:
+        """Under the pools' mutex: ``s``'s slot = the checkpoint's state, its pages = the checkpoint's (full pages
+        shared, the partial one copied), when the checkpoint's state and pages are in memory and go further."""
+        pos = cp.state_pos
+        if cp.state_id is None or len(cp.pages) < pages_needed(pos, self.config.page_size) or pos <= s.num_cached:
+            return 0
+        assert s.slot is not None
+        if pos % self.config.page_size and not self.pools.pages.num_free:
+            return 0  # no page to copy the partial one into
+        pages = self.pools.share(cp.pages, pos)
+        self.pools.restore(cp.state_id, s.slot)
+        self.pools.pages.decref(s.pages)
+        gained = pos - s.num_cached
+        s.pages, s.num_cached = pages, pos
+        return gained
