@@ -18,7 +18,7 @@ import hashlib
 import logging
 import secrets
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -270,6 +270,14 @@ class SnapshotStore:
         out = await self.store.get_blobs(digests, max_in_flight=self.max_in_flight)
         self._trust(out)
         return out
+
+    async def load_blobs_into(self, targets: Sequence[tuple[str, Sequence[memoryview]]]) -> list[int]:
+        """Verified bytes of many blobs written into the caller's buffers (see `BlobStore.get_blobs_into`);
+        returns the indices whose stored size differs from their buffers (not written)."""
+        bad = await self.store.get_blobs_into(targets, max_in_flight=self.max_in_flight)
+        skip = set(bad)
+        self._trust(d for i, (d, _) in enumerate(targets) if i not in skip)
+        return bad
 
     async def list_sessions(self) -> list[str]:
         """Ids of every session with a manifest in the store."""

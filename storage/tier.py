@@ -7,10 +7,12 @@ persistent store (write-through), so the RAM tier never holds the only copy of a
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from .backends.base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats
+import anyio.to_thread
+
+from .backends.base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats, scatter_all
 
 DEFAULT_RAM_BYTES = 2 * 1024**3
 
@@ -133,6 +135,27 @@ class TieredStore(BlobStore):
                 self.tier.put(d, data)
             out.update(fetched)
         return out
+
+    async def get_blobs_into(
+        self, targets: Sequence[tuple[str, Sequence[memoryview]]], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> list[int]:
+        # Blobs RAM lacks are read by the persistent store straight into the buffers and not cached: they have
+        # no bytes object to keep, and making one would cost the copy this path exists to avoid.
+        hits: list[int] = []
+        found: list[tuple[bytes, Sequence[memoryview]]] = []
+        missing: list[int] = []
+        for i, (d, bufs) in enumerate(targets):
+            data = self.tier.get(d)
+            if data is None:
+                missing.append(i)
+            else:
+                hits.append(i)
+                found.append((data, bufs))
+        bad = [hits[j] for j in await anyio.to_thread.run_sync(scatter_all, found)] if found else []
+        if missing:
+            got = await self.store.get_blobs_into([targets[i] for i in missing], max_in_flight=max_in_flight)
+            bad.extend(missing[j] for j in got)
+        return sorted(bad)
 
     async def has_blobs(self, digests: Iterable[str]) -> set[str]:
         # Asks the persistent store: another process may have deleted what RAM still holds.

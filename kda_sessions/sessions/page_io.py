@@ -1,11 +1,12 @@
 """Full KV pages between the pool and their blobs in bulk: no Python work per page beyond a slice.
 
-Every full page of a model has the same blob header (`tensor_header` of [L_mla, P, r + dr]), so a batch of
-pages is encoded by one gather per MLA layer and one device-to-host copy per chunk (into pinned memory on CUDA),
-then cut into blobs, hashed on several threads while the next chunk is copied; and decoded by checking each
-blob's header with one comparison, copying the payloads into one (pinned) staging buffer, one host-to-device
-copy per chunk and one ``index_copy_`` per layer. A blob whose header or length differs goes through
-``decode_page`` for its precise error.
+Every full page of a model has the same blob header (`tensor_header` of [L_mla, P, r + dr]). Save: per chunk one
+gather per MLA layer and one device-to-host copy (into pinned memory on CUDA), cut into blobs and hashed on
+several threads while the next chunk is gathered. Restore: the store writes each verified blob straight into
+its place (`SnapshotStore.load_blobs_into`): on the CPU the pool pages themselves, on CUDA a pinned staging
+buffer per chunk, copied to the device while the next chunk is read; headers land in a scratch buffer and are
+checked with one comparison. A blob whose header or length differs goes through ``decode_page`` for its precise
+error.
 
 Shapes: pool ``kv[l]`` [num_pages, P, C] (C = r + dr), a chunk [n, L_mla, P, C], a page blob's payload the
 C-contiguous bytes of [L_mla, P, C].
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..model import StatePools
+from ..storage import SnapshotStore
 from ..storage.blobs import HASH_THREADS, tensor_header
 from .codec import decode_page
 
@@ -30,39 +32,21 @@ CHUNK_BYTES = 64 << 20
 """Bytes of pages moved per device copy: large enough for full copy bandwidth, small enough to overlap."""
 
 
+def _raw_view(address: int, nbytes: int) -> memoryview:
+    """``nbytes`` of memory at ``address`` as a writable memoryview (valid while its owner lives)."""
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
 def _host_view(t: Tensor) -> memoryview:
     """The bytes of contiguous CPU tensor ``t`` as a writable memoryview (valid while ``t`` lives)."""
     assert t.device.type == "cpu" and t.is_contiguous()
-    n = t.numel() * t.element_size()
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+    return _raw_view(t.data_ptr(), t.numel() * t.element_size())
 
 
 def _page_digest(header: bytes, payload: memoryview) -> str:
     h = hashlib.sha256(header)
     h.update(payload)
     return h.hexdigest()
-
-
-def _copy_payloads(host: Tensor, blobs: Sequence[bytes], offset: int, size: int) -> None:
-    """host[j] = blobs[j][offset : offset + size] for every j, with memmove on up to HASH_THREADS threads
-    (ctypes releases the GIL around it, so the copies run in parallel)."""
-    base = host.data_ptr()
-
-    def run(lo: int, hi: int) -> None:
-        for j in range(lo, hi):
-            src = ctypes.cast(ctypes.c_char_p(blobs[j]), ctypes.c_void_p).value
-            assert src is not None and len(blobs[j]) == offset + size
-            ctypes.memmove(base + j * size, src + offset, size)
-
-    n = len(blobs)
-    threads = min(HASH_THREADS, max(1, n * size // (8 << 20)))  # about 8 MiB a thread at least
-    if threads <= 1:
-        run(0, n)
-        return
-    step = -(-n // threads)
-    with ThreadPoolExecutor(threads, thread_name_prefix="page-copy") as ex:
-        for f in [ex.submit(run, lo, min(n, lo + step)) for lo in range(0, n, step)]:
-            f.result()
 
 
 class PageCodec:
@@ -116,34 +100,56 @@ class PageCodec:
 
     # -- load ------------------------------------------------------------------------------------------------
 
+    async def restore(
+        self, snapshots: SnapshotStore, pages: Sequence[int], digests: Sequence[str], where: str, stream: object = None
+    ) -> None:
+        """Read the full-page blobs ``digests`` from ``snapshots`` into pool ``pages``, verified, with no bytes
+        object in between where the store reads files (`SnapshotStore.load_blobs_into`). On the CPU each blob
+        goes straight into its pool pages: header into a scratch buffer, each layer's rows into that layer's
+        page, all pages in one batch that the store spreads over its threads. On CUDA a chunk at a time into
+        a pinned staging buffer, whose device copy and ``index_copy_`` per layer are queued on ``stream`` (a
+        torch.cuda.Stream) while the next chunk is read; the caller synchronizes it before the pages are used.
+        A blob that is not a full page of this model raises what ``decode_page`` says of it."""
+        assert len(pages) == len(digests)
+        cuda = self.device.type == "cuda"
+        step = self.per_chunk if cuda else max(1, len(pages))
+        for a in range(0, len(pages), step):
+            ids, ds = list(pages[a : a + step]), list(digests[a : a + step])
+            n, hlen = len(ids), len(self.header)
+            heads = memoryview(bytearray(n * hlen))
+            if cuda:
+                host = self._staging(n)
+                view = _host_view(host)
+                bodies = [[view[j * self.page_bytes : (j + 1) * self.page_bytes]] for j in range(n)]
+            else:
+                layer_bytes = self.page_bytes // self.shape[0]
+                # kv[l] is [num_pages, P, C], contiguous: page p of layer l starts p * layer_bytes into it
+                assert all(kv.is_contiguous() for kv in self.pools.kv)
+                bases = [kv.data_ptr() for kv in self.pools.kv]
+                bodies = [[_raw_view(base + page * layer_bytes, layer_bytes) for base in bases] for page in ids]
+            targets = [(d, [heads[j * hlen : (j + 1) * hlen], *bodies[j]]) for j, d in enumerate(ds)]
+            bad = set(await snapshots.load_blobs_into(targets))
+            if bad or heads != self.header * n:
+                bad |= {j for j in range(n) if heads[j * hlen : (j + 1) * hlen] != self.header}
+                for j in sorted(bad):
+                    self.check(await snapshots.load_blob(ds[j]), where)  # raises, naming what differs
+                    raise AssertionError("a stored page blob changed while it was read")  # pragma: no cover
+            if cuda:
+                assert isinstance(stream, torch.cuda.Stream)
+                self._to_device(host, ids, stream)
+
+    def _to_device(self, host: Tensor, pages: list[int], stream: torch.cuda.Stream) -> None:
+        """Queue host [n, page_bytes] (pinned) -> pool ``pages`` on ``stream``: one copy, one index_copy_ a layer.
+        The caching host allocator keeps ``host`` from reuse until the queued copy is done."""
+        L, P, C = self.shape
+        with torch.cuda.stream(stream):
+            block = host.to(self.device, non_blocking=True).view(self.dtype).view(len(pages), L, P, C)
+            idx = torch.tensor(pages, dtype=torch.long).to(self.device, non_blocking=True)
+            for layer, kv in enumerate(self.pools.kv):
+                kv.index_copy_(0, idx, block[:, layer])
+
     def check(self, data: bytes, where: str) -> None:
         """Raise IncompatibleSnapshot / IntegrityError unless ``data`` is a full page blob of this model."""
         if len(data) != len(self.header) + self.page_bytes or data[: len(self.header)] != self.header:
             decode_page(data, self.cfg, self.dtype, self.shape[1], where)  # raises, naming what differs
             raise AssertionError("decode_page accepted a blob the page codec refused")  # pragma: no cover
-
-    def load(self, pages: Sequence[int], blobs: Sequence[bytes], where: str, stream: object = None) -> None:
-        """Write the full-page ``blobs`` (verified bytes) into pool ``pages``: one staging copy, one device
-        copy and one ``index_copy_`` per layer. On CUDA the copies run on ``stream`` (a torch.cuda.Stream);
-        the caller synchronizes it before the pages are used."""
-        if not pages:
-            return
-        assert len(pages) == len(blobs)
-        for data in blobs:
-            self.check(data, where)
-        n = len(pages)
-        host = self._staging(n)
-        _copy_payloads(host, blobs, len(self.header), self.page_bytes)
-        L, P, C = self.shape
-        if self.device.type == "cuda":
-            assert isinstance(stream, torch.cuda.Stream)
-            with torch.cuda.stream(stream):
-                block = host.to(self.device, non_blocking=True).view(self.dtype).view(n, L, P, C)
-                idx = torch.tensor(list(pages), dtype=torch.long).to(self.device, non_blocking=True)
-                for layer, kv in enumerate(self.pools.kv):
-                    kv.index_copy_(0, idx, block[:, layer])
-        else:
-            block = host.view(self.dtype).view(n, L, P, C)
-            idx = torch.tensor(list(pages), dtype=torch.long)
-            for layer, kv in enumerate(self.pools.kv):
-                kv.index_copy_(0, idx, block[:, layer])

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -240,9 +239,9 @@ class StoreIO:
         return s
 
     async def _load_pages(self, digests: list[str], state_pos: int, where: str) -> list[int]:
-        """Load page blobs into newly allocated pool pages; returns the page ids. Chunks of full pages are read
-        and verified by the store while the previous chunk is copied into the pool (page_io); on CUDA through
-        pinned staging buffers on a side stream, synchronized before this returns."""
+        """Load page blobs into newly allocated pool pages; returns the page ids. Full pages are read and
+        verified by the store straight into the pool (page_io); on CUDA through pinned staging buffers on a side
+        stream, synchronized before this returns."""
         pools, codec = self.pools, self.codec
         full, rows = divmod(state_pos, pools.page_size)
         if len(digests) != full + (1 if rows else 0):
@@ -253,22 +252,7 @@ class StoreIO:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(codec.device))
         try:
-            # the copy of chunk k (one worker thread) runs while the store reads and verifies chunk k + 1
-            with ThreadPoolExecutor(1, thread_name_prefix="page-load") as copier:
-                copying: Future[None] | None = None
-                try:
-                    for a in range(0, full, codec.per_chunk):
-                        b = min(full, a + codec.per_chunk)
-                        data = await self.snapshots.load_blobs(digests[a:b])
-                        if copying is not None:
-                            await anyio.to_thread.run_sync(copying.result)
-                        copying = copier.submit(codec.load, pages[a:b], [data[d] for d in digests[a:b]], where, stream)
-                    if copying is not None:
-                        await anyio.to_thread.run_sync(copying.result)
-                except BaseException:
-                    if copying is not None:
-                        copying.cancel()
-                    raise
+            await codec.restore(self.snapshots, pages[:full], digests[:full], where, stream)
             if rows:
                 t = decode_page(await self.snapshots.load_blob(digests[full]), codec.cfg, codec.dtype, rows, where)
                 await pools.run_locked(lambda: pools.write_rows(pages[full], t))

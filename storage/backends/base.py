@@ -8,18 +8,20 @@ A store holds two kinds of objects:
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 
 import anyio
 import anyio.to_thread
 
-from ..blobs import check_digest
+from ..blobs import HASH_THREADS, check_digest
 from ..errors import BlobNotFound, IntegrityError
 from ..manifest import SESSION_ID_PATTERN
 
@@ -67,6 +69,35 @@ async def verify_blob(digest: str, data: bytes | memoryview, *, where: str) -> N
         raise IntegrityError(
             f"{where}: blob {digest} has sha256 {actual} ({len(data)} bytes); corrupt or truncated"
         )
+
+
+def scatter(data: bytes, bufs: Sequence[memoryview]) -> bool:
+    """Copy ``data`` into ``bufs`` back to back if their sizes add up to its length; False (nothing copied)
+    otherwise. memmove through ctypes, which releases the GIL: several threads scatter in parallel."""
+    if sum(len(b) for b in bufs) != len(data):
+        return False
+    src = ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    for b in bufs:
+        if len(b):
+            ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(b)), src, len(b))
+            src += len(b)
+    return True
+
+
+def scatter_all(items: Sequence[tuple[bytes, Sequence[memoryview]]]) -> list[int]:
+    """`scatter` of every (data, buffers) pair, on up to HASH_THREADS threads for large batches; the indices
+    whose sizes did not add up (nothing copied there)."""
+    nbytes = sum(len(data) for data, _ in items)
+    threads = min(HASH_THREADS, max(1, nbytes // (8 << 20)))  # about 8 MiB a thread at least
+    if threads <= 1:
+        return [i for i, (data, bufs) in enumerate(items) if not scatter(data, bufs)]
+    step = -(-len(items) // threads)
+
+    def run(lo: int) -> list[int]:
+        return [i for i in range(lo, min(len(items), lo + step)) if not scatter(*items[i])]
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="scatter") as ex:
+        return [i for part in ex.map(run, range(0, len(items), step)) for i in part]
 
 
 def stored_generation(data: bytes | None) -> int | None:
@@ -178,6 +209,18 @@ class BlobStore(ABC):
             raise errors[0]
         return out
 
+    async def get_blobs_into(
+        self, targets: Sequence[tuple[str, Sequence[memoryview]]], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> list[int]:
+        """Read blob ``targets[i][0]`` into the writable byte buffers ``targets[i][1]``, back to back (its first
+        bytes fill the first buffer, and so on), verified against its digest. Returns the indices ``i`` whose
+        stored size is not the buffers' total: nothing is written to those (the caller reads them with
+        `get_blob` to learn why). BlobNotFound / IntegrityError as `get_blobs`; after an error the buffers hold
+        garbage. This default copies out of `get_blobs`; a backend that reads files reads into the buffers."""
+        data = await self.get_blobs([d for d, _ in targets], max_in_flight=max_in_flight)
+        items = [(data[d], bufs) for d, bufs in targets]
+        return await anyio.to_thread.run_sync(scatter_all, items)
+
     async def verify_blobs(
         self, digests: Iterable[str], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     ) -> set[str]:
@@ -274,6 +317,8 @@ __all__ = [
     "StoreStats",
     "check_digest",
     "check_session_id",
+    "scatter",
+    "scatter_all",
     "stored_generation",
     "verify_blob",
 ]

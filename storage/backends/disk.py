@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -460,6 +461,110 @@ class DiskStore(BlobStore):
                 results = [f.result() for f in [ex.submit(t) for t in tasks]]
         return {d: data for part in results for d, data in part}
 
+    async def get_blobs_into(
+        self, targets: Sequence[tuple[str, Sequence[memoryview]]], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    ) -> list[int]:
+        """As `BlobStore.get_blobs_into`, with no bytes object in between: one preadv per blob straight into its
+        buffers, hashed there while the bytes are still in the CPU's cache, on up to `_IO_THREADS` threads. The
+        buffers are memory the caller has touched already: reading into fresh allocations costs a page fault
+        per 4 KiB, which made reads 3-5x slower than the copy itself."""
+        for d, _ in targets:
+            check_digest(d)
+        if not targets:
+            return []
+        job = partial(self._get_into_sync, list(targets), max(1, max_in_flight))
+        return await self._run("read", self._blobs, job)
+
+    def _get_into_sync(self, targets: list[tuple[str, Sequence[memoryview]]], max_threads: int) -> list[int]:
+        self._packs.refresh()
+        try:
+            return self._read_into(targets, max_threads)
+        except _PackGone:  # as in _get_blobs_sync: re-scan and read again
+            self._packs.refresh()
+            return self._read_into(targets, max_threads)
+
+    def _read_into(self, targets: list[tuple[str, Sequence[memoryview]]], max_threads: int) -> list[int]:
+        by_pack: dict[str, tuple[Path, list[tuple[int, int, int]]]] = {}  # pack -> (path, [(target, off, n)])
+        loose: list[int] = []
+        for i, (d, _) in enumerate(targets):
+            loc = self._packs.locate(d)
+            if loc is None:
+                loose.append(i)
+                continue
+            pack, off, n = loc
+            by_pack.setdefault(pack.name, (self._packs.path(pack), []))[1].append((i, off, n))
+        tasks: list[Callable[[], list[int]]] = []
+        for path, entries in by_pack.values():
+            entries.sort(key=lambda e: e[1])
+            per = max(1, _READ_CHUNK_BYTES // max(1, entries[0][2]))  # a read task's share: about 8 MiB
+            for lo in range(0, len(entries), per):
+                tasks.append(partial(self._read_pack_into, path, entries[lo : lo + per], targets))
+        step = max(1, -(-len(loose) // _IO_THREADS))
+        for lo in range(0, len(loose), step):
+            tasks.append(partial(self._read_loose_into, loose[lo : lo + step], targets))
+        threads = min(_IO_THREADS, max_threads, len(tasks))
+        if threads <= 1:
+            results = [t() for t in tasks]
+        else:
+            with ThreadPoolExecutor(threads, thread_name_prefix="disk-read") as ex:
+                results = [f.result() for f in [ex.submit(t) for t in tasks]]
+        return sorted(i for part in results for i in part)
+
+    def _check_into(self, digest: str, bufs: Sequence[memoryview], got: int, size: int, where: object) -> None:
+        h = hashlib.sha256()
+        for b in bufs:
+            h.update(b)
+        if got != size or h.hexdigest() != digest:
+            raise IntegrityError(
+                f"{self.url} ({where}): blob {digest} has sha256 {h.hexdigest()} ({got} of {size} bytes read); "
+                f"corrupt or truncated"
+            )
+
+    def _read_pack_into(
+        self, path: Path, entries: list[tuple[int, int, int]], targets: list[tuple[str, Sequence[memoryview]]]
+    ) -> list[int]:
+        try:
+            fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except FileNotFoundError:
+            raise _PackGone(path) from None
+        bad = []
+        try:
+            start, end = entries[0][1], entries[-1][1] + entries[-1][2]
+            with contextlib.suppress(AttributeError, OSError):  # read-ahead is a hint
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            for i, off, n in entries:
+                d, bufs = targets[i]
+                if sum(len(b) for b in bufs) != n:
+                    bad.append(i)
+                    continue
+                self._check_into(d, bufs, os.preadv(fd, bufs, off), n, f"{path} at {off}")
+        finally:
+            os.close(fd)
+        return bad
+
+    def _read_loose_into(self, indices: list[int], targets: list[tuple[str, Sequence[memoryview]]]) -> list[int]:
+        bad = []
+        for i in indices:
+            d, bufs = targets[i]
+            path = self._blob_path(d)
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+            except FileNotFoundError:
+                raise self._not_found(d) from None
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise IntegrityError(f"{self.url}: {path} is a symlink; refusing to follow it") from e
+                raise
+            try:
+                size = os.fstat(fd).st_size
+                if sum(len(b) for b in bufs) != size:
+                    bad.append(i)
+                    continue
+                self._check_into(d, bufs, os.preadv(fd, bufs, 0), size, path)  # a blob file never changes
+            finally:
+                os.close(fd)
+        return bad
+
     def _check(self, digest: str, data: bytes, where: object) -> bytes:
         actual = sha256_hex(data)
         if actual != digest:
@@ -485,6 +590,14 @@ class DiskStore(BlobStore):
         finally:
             os.close(fd)
 
+    def _not_found(self, digest: str) -> Exception:
+        if self._packs.corrupt:
+            return IntegrityError(
+                f"{self.url}: blob {digest} is missing and packs {sorted(self._packs.corrupt)} are corrupt "
+                f"(may have held it)"
+            )
+        return BlobNotFound(digest)
+
     def _read_loose(self, digests: list[str]) -> list[tuple[str, bytes]]:
         out = []
         for d in digests:
@@ -492,12 +605,7 @@ class DiskStore(BlobStore):
             try:
                 fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
             except FileNotFoundError:
-                if self._packs.corrupt:
-                    raise IntegrityError(
-                        f"{self.url}: blob {d} is missing and packs {sorted(self._packs.corrupt)} are corrupt "
-                        f"(may have held it)"
-                    ) from None
-                raise BlobNotFound(d) from None
+                raise self._not_found(d) from None
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise IntegrityError(f"{self.url}: {path} is a symlink; refusing to follow it") from e

@@ -1,5 +1,6 @@
 """Bulk page codec (sessions/page_io): the same blobs as the one-page encoder, so stored snapshots keep loading;
-loads write the pool exactly; a foreign page blob is refused by name."""
+restores write the pool exactly, from memory and from disk (loose and packed); a foreign page blob is refused by
+name."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import torch
 import kda_sessions as ks
 from kda_sessions.sessions import page_io
 from kda_sessions.sessions.codec import blob, encode_page
-from kda_sessions.storage import encode_tensor
+from kda_sessions.storage import BlobNotFound, SnapshotStore, digest, encode_tensor
+from kda_sessions.storage.backends.disk import DiskStore
+from kda_sessions.storage.backends.registry import open_store
 
 
-async def test_bulk_encode_matches_one_page_encoder_and_load_round_trips(monkeypatch):
+@pytest.mark.parametrize("store", ["memory", "disk"])
+async def test_bulk_encode_matches_one_page_encoder_and_restore_round_trips(monkeypatch, tmp_path, store):
     monkeypatch.setattr(page_io, "CHUNK_BYTES", 1)  # one page a chunk: the chunk loop runs many times
     async with await ks.Engine.open(store="memory:", page_size=16) as eng:
         s = await eng.create_session()
@@ -21,16 +25,26 @@ async def test_bulk_encode_matches_one_page_encoder_and_load_round_trips(monkeyp
         codec = page_io.PageCodec(eng.pools, eng.model.config, eng.model.dtype)
         got = codec.encode(full)
         assert got == [blob(encode_page(eng.pools, p, 16)) for p in full]
-        fresh = eng.pages.alloc(5)
-        codec.load(fresh[::-1], [data for _, data in got][::-1], "test")
-        for kv in eng.pools.kv:
-            assert torch.equal(kv[fresh], kv[full])
         L, P, C = codec.shape
         foreign = encode_tensor(torch.zeros(L, P, C, dtype=torch.bfloat16))  # another model's dtype
+        short = encode_tensor(torch.zeros(L, P - 1, C, dtype=eng.model.dtype))  # a partial page
+        extra = {digest(foreign): foreign, digest(short): short}
+        # loose files and a pack: the disk store reads either straight into the pool
+        backend = await (open_store("memory:") if store == "memory" else DiskStore.open(tmp_path, pack_min_blobs=3))
+        snapshots = SnapshotStore(backend)
+        await snapshots.store.put_blobs(dict(got))
+        await snapshots.store.put_blobs(extra)
+        fresh = eng.pages.alloc(5)
+        await codec.restore(snapshots, fresh[::-1], [d for d, _ in got][::-1], "test")
+        for kv in eng.pools.kv:
+            assert torch.equal(kv[fresh], kv[full])
         with pytest.raises(ks.IncompatibleSnapshot, match="KV page"):
-            codec.load(fresh[:1], [foreign], "session 'x'")
-        with pytest.raises(ks.IntegrityError):
-            codec.load(fresh[:1], [got[0][1][:-2]], "session 'x'")
+            await codec.restore(snapshots, fresh[:2], [got[0][0], digest(foreign)], "session 'x'")
+        with pytest.raises(ks.IncompatibleSnapshot, match="KV page"):
+            await codec.restore(snapshots, fresh[:1], [digest(short)], "session 'x'")
+        with pytest.raises(BlobNotFound):
+            await codec.restore(snapshots, fresh[:1], ["0" * 64], "session 'x'")
+        await snapshots.close()
 
 
 async def test_digests_hold_while_hash_threads_lag_behind_the_copies(monkeypatch):
