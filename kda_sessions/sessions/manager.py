@@ -60,7 +60,9 @@ class SessionManager:
             # new sessions looked up in the prefix index, those started from a stored prefix, and its tokens
             "prefix_cache_lookups": 0, "prefix_cache_hits": 0, "prefix_cache_hit_tokens": 0,
         }
-        self.prefix_cache = PrefixCache(core, self.residency, self._held.values, self.get, self.store_of, self.counters)
+        self.prefix_cache = PrefixCache(
+            core, self.residency, self._held.values, self.get, self.load_unheld, self.store_of, self.counters
+        )
         self.admission = Admission(core, self.residency, tokenizer, self.prefix_cache)
         self.resume_seconds: list[float] = []
 
@@ -174,7 +176,7 @@ class SessionManager:
         head = checkpoint in (None, "head")
         transient = parent is None and not hold_parent and not head
         if parent is None:
-            parent = await self._load_unheld(tenant, parent_id) if transient else await self.resume_state(tenant, parent_id)
+            parent = await self.load_unheld(tenant, parent_id) if transient else await self.resume_state(tenant, parent_id)
         async with parent.lock:
             cp: Checkpoint | None = None
             if not head:
@@ -201,7 +203,7 @@ class SessionManager:
                     self.residency.release_checkpoint(cp)
         return child
 
-    async def _load_unheld(self, tenant: str | None, session_id: str) -> SessionState:
+    async def load_unheld(self, tenant: str | None, session_id: str) -> SessionState:
         """The bookkeeping of a stored session, without a slot, without holding it and without keeping a lease
         that this load took (a fork from it would otherwise keep it in memory for the engine's life)."""
         snapshots = self.store_of(tenant).snapshots

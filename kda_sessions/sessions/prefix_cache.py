@@ -11,12 +11,13 @@ for another session) are dropped first; named checkpoints and conversation heads
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 
 from ..engine.core import EngineCore
 from ..engine.pool import pages_needed
 from ..engine.scheduler import Work
+from ..errors import KdaSessionsError, SessionNotFound
 from .prefix_index import PrefixHit
 from .residency import Residency
 from .state import Checkpoint, SessionState
@@ -31,8 +32,9 @@ def is_automatic(name: str) -> bool:
 
 
 class PrefixCache:
-    """``held`` lists the sessions the manager holds, ``get`` finds one by (tenant, id), ``store_of`` gives a
-    tenant's StoreIO (its prefix index); ``counters`` are the manager's (prefix_cache_*)."""
+    """``held`` lists the sessions the manager holds, ``get`` finds one by (tenant, id), ``load_unheld`` reads a
+    stored one's bookkeeping without holding it, ``store_of`` gives a tenant's StoreIO (its prefix index);
+    ``counters`` are the manager's (prefix_cache_*)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class PrefixCache:
         residency: Residency,
         held: Callable[[], Iterable[SessionState]],
         get: Callable[[str | None, str], SessionState | None],
+        load_unheld: Callable[[str | None, str], Awaitable[SessionState]],
         store_of: Callable[[str | None], StoreIO],
         counters: dict[str, int],
     ) -> None:
@@ -48,6 +51,7 @@ class PrefixCache:
         self.residency = residency
         self.held = held
         self.get = get
+        self.load_unheld = load_unheld
         self.store_of = store_of
         self.counters = counters
         tensors = core.pools.tensors
@@ -131,30 +135,56 @@ class PrefixCache:
 
     async def reuse(self, s: SessionState, end: int) -> int:
         """Before ``s.tokens[num_cached:end]`` are prefilled, seat ``s`` on the longest indexed prefix of them
-        held in memory by another of the tenant's sessions (equal tokens: the same state and KV rows), when that
-        saves at least a page. Returns the tokens gained. Caller holds ``s.lock``; ``s`` is resident."""
+        that another of the tenant's sessions (held, or in the store) checkpointed: equal tokens, so the same
+        state and KV rows. Only when that saves at least a page. Returns the tokens gained. Caller holds
+        ``s.lock``; ``s`` is resident."""
         P = self.config.page_size
         if end - s.num_cached < P:
             return 0
         index = self.store_of(s.tenant).index
-        for hit in list(index.matches(s.tokens, min(end + 1, s.num_tokens))):
+        hits = [h for h in index.matches(s.tokens, min(end + 1, s.num_tokens)) if h.session_id != s.id]
+        for hit in hits[:4]:
             if hit.position - 1 < s.num_cached + P:
                 break
-            parent = self.get(s.tenant, hit.session_id)
-            if parent is None or parent is s:
-                continue
-            cp = parent.checkpoints.get(hit.checkpoint)
-            if cp is None:
+            try:
+                gained = await self._seat_from(s, hit)
+            except SessionNotFound:  # deleted since it was indexed
                 index.remove(hit.session_id, hit.checkpoint)
-                continue
-            gained = await self.pools.run_locked(partial(self._seat, s, cp))
+                gained = 0
+            except KdaSessionsError:  # unreadable, or no pages to load it into: the next, else prefill
+                gained = 0
             if gained:
-                cp.last_used = time.monotonic()
                 self.counters["prefix_cache_lookups"] += 1
                 self.counters["prefix_cache_hits"] += 1
                 self.counters["prefix_cache_hit_tokens"] += gained
                 return gained
         return 0
+
+    async def _seat_from(self, s: SessionState, hit: PrefixHit) -> int:
+        """Seat ``s`` on ``hit``'s checkpoint: from memory, else loaded from the store (a held parent's under its
+        lock, skipped while it is busy; an unheld parent's only for this seat)."""
+        index = self.store_of(s.tenant).index
+        parent = self.get(s.tenant, hit.session_id)
+        transient = parent is None
+        if parent is None:
+            parent = await self.load_unheld(s.tenant, hit.session_id)
+        cp = parent.checkpoints.get(hit.checkpoint)
+        if cp is None or cp.position != hit.position:
+            index.remove(hit.session_id, hit.checkpoint)
+            return 0
+        io = self.store_of(s.tenant)
+        if transient:
+            try:
+                await io.materialize(cp)
+                return await self.pools.run_locked(partial(self._seat, s, cp))
+            finally:
+                self.residency.release_checkpoint(cp)
+        gained = await self.pools.run_locked(partial(self._seat, s, cp))
+        if gained or parent.lock.locked() or (cp.state_blob is None or cp.page_blobs is None):
+            return gained
+        async with parent.lock:  # dropped from memory by the budget, kept in the store
+            await io.materialize(cp)
+            return await self.pools.run_locked(partial(self._seat, s, cp))
 
     def _seat(self, s: SessionState, cp: Checkpoint) -> int:
         """Under the pools' mutex: ``s``'s slot = the checkpoint's state, its pages = the checkpoint's (full pages
@@ -169,5 +199,6 @@ class PrefixCache:
         self.pools.restore(cp.state_id, s.slot)
         self.pools.pages.decref(s.pages)
         gained = pos - s.num_cached
+        cp.last_used = time.monotonic()
         s.pages, s.num_cached = pages, pos
         return gained
