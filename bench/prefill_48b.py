@@ -186,6 +186,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     P = 64
     num_pages = -(-max([*args.contexts, args.profile or 0]) // P) + 64
     config = EngineConfig(max_active_sessions=2, num_pages=num_pages, page_size=P, prefill_chunk_tokens=args.chunk,
+                          prefill_chunk_tokens_idle=args.chunk,
                           max_checkpoints_in_memory=1)
     snapshots = await open_snapshots("memory:", config)
     engine = Engine(model, "kimi-linear-48b-shape-random", ByteTokenizer(), builtin_template(), snapshots, config)
@@ -228,6 +229,7 @@ async def cpu_rss(N: int, chunk: int) -> dict[str, Any]:
     import kda_sessions as ks
 
     async with await ks.Engine.open(model="tiny-random", store="memory:", prefill_chunk_tokens=chunk,
+                                    prefill_chunk_tokens_idle=chunk,
                                     num_pages=-(-N // 64) + 8) as engine:
         await prefill_once(engine, 256, seed=0)
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

@@ -41,6 +41,10 @@ _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--page-size", None, int, "tokens per KV page (EngineConfig.page_size, 64)"),
     ("--ram-tier-mib", None, int, "host-RAM cache of snapshot blobs in MiB (EngineConfig.ram_tier_bytes, 1024)"),
     ("--lease-ttl", None, float, "seconds a session's write lease lasts (EngineConfig.lease_ttl_s; the store's, 30)"),
+    ("--prefill-chunk-tokens", None, int, "tokens of a step while requests generate: decode rows first, prompt "
+                                          "chunks share the rest (EngineConfig.prefill_chunk_tokens, 2048)"),
+    ("--prefill-chunk-tokens-idle", None, int, "prompt tokens of a step when no request generates "
+                                               "(EngineConfig.prefill_chunk_tokens_idle, 8192)"),
     ("--page-wait", None, float, "seconds a request waits at admission for KV pages held by running requests "
                                  "before a 503 (EngineConfig.page_wait_s, 30)"),
 ]
@@ -79,6 +83,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "max_active_sessions": get("max_active_sessions"), "num_pages": get("num_pages"), "page_size": get("page_size"),
         "ram_tier_bytes": None if get("ram_tier_mib") is None else get("ram_tier_mib") << 20,
         "lease_ttl_s": get("lease_ttl"), "page_wait_s": get("page_wait"),
+        "prefill_chunk_tokens": get("prefill_chunk_tokens"), "prefill_chunk_tokens_idle": get("prefill_chunk_tokens_idle"),
         "cuda_graphs": False if get("enforce_eager") else None,
     }
     return EngineConfig(**{k: v for k, v in fields.items() if v is not None})

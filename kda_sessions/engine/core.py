@@ -33,7 +33,8 @@ class EngineCore:
         self.config = config
         tensors = model.allocate_pools(config.max_active_sessions, config.num_pages, config.page_size)
         self.pools = Pools(tensors, config.max_active_sessions, config.num_pages)
-        self.scheduler = Scheduler(config.prefill_chunk_tokens, config.max_queued_requests)
+        self.scheduler = Scheduler(config.prefill_chunk_tokens, config.max_queued_requests,
+                                   config.prefill_chunk_tokens_idle)
         self.loop_token = anyio.lowlevel.current_token()
         """The event loop this core delivers results to (and where other threads hand work back)."""
         self.work_ended = anyio.Event()

@@ -1,8 +1,14 @@
 """Continuous batching: which sequences run in the next step.
 
-Each step runs one packed prefill batch (chunks of waiting prompts, up to a token budget, oldest first) and
-one decode batch (every request that is generating). A request moves from prefill to decode when its last
-prompt chunk has run, and leaves when it finishes or is cancelled.
+Each step runs one decode batch (every request that is generating) and one packed prefill batch (chunks of
+several waiting prompts in one varlen model call). A request moves from prefill to decode when its last prompt
+chunk has run, and leaves when it finishes or is cancelled.
+
+The step's token budget (``prefill_chunk_tokens``) bounds how long a generating request waits between tokens:
+decode rows come first and count one token each, the prefill chunks share what is left (at least
+``MIN_SHARE``). When nothing decodes, no one waits on the step, so the prefill gets the larger idle budget
+(``prefill_chunk_tokens_idle``): fewer, larger model calls, which a GPU runs at a higher rate. A request that
+arrives meanwhile waits at most one such step for its first chunk.
 """
 
 from __future__ import annotations
@@ -98,8 +104,11 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, prefill_budget: int, max_queued: int) -> None:
+    def __init__(self, prefill_budget: int, max_queued: int, idle_prefill_budget: int | None = None) -> None:
         self.prefill_budget = prefill_budget
+        """Tokens a step runs while requests are generating (decode rows included)."""
+        self.idle_prefill_budget = max(idle_prefill_budget or prefill_budget, prefill_budget)
+        """Prefill tokens a step runs when no request is generating."""
         self.max_queued = max_queued
         self.waiting: deque[Work] = deque()
         self.running: list[Work] = []
@@ -139,11 +148,19 @@ class Scheduler:
             (dropped if w.cancelled else self.running).append(w)
         for w in dropped:
             w.finish_reason = w.finish_reason or "cancelled"
-        prefill = self._share_budget([w for w in self.running if w.in_prefill])
         decode = [w for w in self.running if not w.in_prefill and not w.prefill_only and w.finish_reason is None]
+        prefill = self._share_budget([w for w in self.running if w.in_prefill], self.budget(len(decode)))
         return StepPlan(prefill, decode, dropped)
 
-    def _share_budget(self, waiting: list[Work]) -> list[tuple[Work, int]]:
+    def budget(self, num_decode: int) -> int:
+        """Prefill tokens of a step that also decodes ``num_decode`` rows: the idle budget when there are none,
+        else what the rows leave of the step's budget, never below MIN_SHARE (nor the budget itself, if smaller)
+        so that prompts still advance under a full decode batch."""
+        if num_decode == 0:
+            return self.idle_prefill_budget
+        return max(self.prefill_budget - num_decode, min(MIN_SHARE, self.prefill_budget))
+
+    def _share_budget(self, waiting: list[Work], budget: int) -> list[tuple[Work, int]]:
         """Split the step's prefill budget fairly: every prompt gets an equal share (at least MIN_SHARE tokens),
         what a short prompt leaves goes to the others, and the starting point rotates each step, so one huge
         tool output cannot hold back the prompts queued behind it."""
@@ -151,7 +168,6 @@ class Scheduler:
             return []
         self._rotate = (self._rotate + 1) % len(waiting)
         order = waiting[self._rotate :] + waiting[: self._rotate]
-        budget = self.prefill_budget
         grant = {id(w): 0 for w in order}
         active = list(order)
         while budget > 0 and active:

@@ -16,7 +16,8 @@ async def test_chunked_prefill_greedy_equals_unchunked(chunk, monkeypatch):
     ids = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(5)).tolist()
     out = {}
     for c in (chunk, 4096):
-        async with await ks.Engine.open(store="memory:", prefill_chunk_tokens=c, page_size=16) as eng:
+        async with await ks.Engine.open(store="memory:", prefill_chunk_tokens=c, prefill_chunk_tokens_idle=c,
+                                          page_size=16) as eng:
             s = await eng.create_session()
             u = await s.append(ids)
             r = await s.generate(max_tokens=12, temperature=0.0)
