@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from kda_sessions.engine.checkpoints import capture, release
-from kda_sessions.engine.pool import Pools
+from kda_sessions.engine.pool import HostStates, PageAllocator, Pools, SlotAllocator, pages_needed
 from kda_sessions.engine.rollback import roll_back
 from kda_sessions.engine.sampler import sample, sample_batch
 from kda_sessions.engine.sequence import Checkpoint, Sequence
-from kda_sessions.errors import OutOfPages
+from kda_sessions.errors import OutOfPages, OutOfSlots
 from kda_sessions.model import StatePools
 from kda_sessions.types import SamplingParams
 
@@ -43,6 +43,89 @@ def test_pages_are_refcounted_and_reservations_hold_pages_back() -> None:
     assert p.pages.num_free == 0  # still held once
     p.pages.decref(a + b)
     assert p.pages.num_free == 4
+
+
+def test_slots_come_out_lowest_first_and_run_out_with_a_typed_error() -> None:
+    slots = SlotAllocator(3)
+    assert [slots.alloc() for _ in range(3)] == [0, 1, 2] and slots.num_free == 0
+    with pytest.raises(OutOfSlots, match="all 3 state slots"):
+        slots.alloc()
+    slots.free(1)
+    assert slots.alloc() == 1  # a freed slot is the next one handed out
+    with pytest.raises(AssertionError):
+        slots.free(5)  # not a slot
+    slots.free(0)
+    with pytest.raises(AssertionError):
+        slots.free(0)  # freed twice
+
+
+def test_a_refused_page_request_changes_nothing() -> None:
+    pages = PageAllocator(4)
+    held = pages.alloc(3)
+    with pytest.raises(OutOfPages, match="need 2 KV pages, 1 of 4 are free"):
+        pages.alloc(2)
+    with pytest.raises(OutOfPages):
+        pages.reserve(2)
+    assert pages.num_free == 1 and pages.reserved == 0 and [pages.refs[p] for p in held] == [1, 1, 1]
+    pages.reserve(1)
+    pages.unreserve(1)
+    assert pages.num_free == 1
+    with pytest.raises(AssertionError):
+        pages.unreserve(1)  # more than was reserved
+    with pytest.raises(AssertionError):
+        pages.alloc(1, reserved=1)  # out of a reservation nobody made
+
+
+def test_a_freed_page_forgets_its_digest_and_a_shared_one_keeps_it() -> None:
+    pages = PageAllocator(2)
+    a, b = pages.alloc(2)
+    pages.digests.update({a: "da", b: "db"})
+    pages.incref([a])
+    pages.decref([a, b])
+    assert pages.digests == {a: "da"} and pages.num_free == 1  # b back in the pool, a still held once
+    with pytest.raises(AssertionError):
+        pages.decref([b])  # not held
+    pages.decref([a])
+    assert pages.digests == {} and pages.num_free == 2 and pages.refs == [0, 0]
+
+
+def test_host_states_take_ids_that_are_never_reused() -> None:
+    host = HostStates()
+    x = host.put(torch.zeros(2, 2), torch.ones(1))
+    y = host.put(torch.ones(2, 2), torch.zeros(1))
+    host.free(x)
+    z = host.put(torch.zeros(2, 2), torch.ones(1))
+    assert len({x, y, z}) == 3 and len(host) == 2  # a stale id never names a newer state
+    assert torch.equal(host.get(y)[0], torch.ones(2, 2))
+    with pytest.raises(KeyError):
+        host.get(x)
+
+
+@pytest.mark.parametrize(("tokens", "want"), [(0, 0), (1, 1), (P, 1), (P + 1, 2), (3 * P, 3)],
+                         ids=["none", "one", "full", "one-past", "three-full"])
+def test_pages_needed(tokens: int, want: int) -> None:
+    assert pages_needed(tokens, P) == want
+
+
+def test_kv_rows_round_trip_across_pages() -> None:
+    p = pools()
+    src, dst = p.pages.alloc(3), p.pages.alloc(3)
+    rows = p.read_kv(src, 2 * P + 3)  # one [n, C] per MLA layer
+    assert [r.shape for r in rows] == [torch.Size([2 * P + 3, 6])] * 3
+    p.write_kv(dst, rows)
+    assert all(torch.equal(a, b) for a, b in zip(p.read_kv(dst, 2 * P + 3), rows))
+    page_rows = p.read_rows(src[1], 2)  # [L_mla, rows, C]
+    p.write_rows(dst[2], page_rows)
+    assert torch.equal(p.read_rows(dst[2], 2), page_rows)
+
+
+def test_share_gives_back_its_references_when_the_partial_page_cannot_be_had() -> None:
+    p = pools(num_pages=3)
+    src = p.pages.alloc(3)
+    with pytest.raises(OutOfPages):
+        p.share(src, 2 * P + 1)
+    assert [p.pages.refs[x] for x in src] == [1, 1, 1]
+    assert p.share(src, 2 * P) == src[:2]  # page-aligned: nothing to copy, nothing to allocate
 
 
 def test_slot_operations_and_the_host_pool_round_trip() -> None:

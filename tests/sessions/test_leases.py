@@ -49,14 +49,14 @@ def keeper(manager: FakeManager) -> LeaseKeeper:
 
 
 async def test_renew_keeps_the_fence_of_held_sessions_and_skips_unheld_ones() -> None:
-    a, b = await two_owners(ttl_s=0.3)
+    a, b = await two_owners(ttl_s=0.5)
     fence = await a.acquire_lease("s_held")
     await a.acquire_lease("s_gone")
     k = keeper(FakeManager({None: FakeIO(a)}, held={(None, "s_held")}))
-    assert k.interval_s() == pytest.approx(0.3 / 4)
-    time.sleep(0.2)
+    assert k.interval_s() == pytest.approx(0.5 / 4)
+    time.sleep(0.3)
     assert await k.renew_once() == 1 and k.renewals == 1 and k.failures == 0
-    time.sleep(0.2)  # 0.4 s after the first acquire: only the renewed lease is still live
+    time.sleep(0.3)  # 0.6 s after the first acquire: only the renewed lease is still live
     with pytest.raises(ks.SessionBusy):
         await b.acquire_lease("s_held")
     assert await b.acquire_lease("s_gone") > 1  # expired: taken over, with a larger fencing token
