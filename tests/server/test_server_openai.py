@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+
 import anyio
 import httpx
 import openai
@@ -26,8 +28,10 @@ async def test_models(oai):
 
 
 async def test_plain_completion(oai):
+    # a system prompt no other test of the module sends: nothing to reuse, whichever test ran first
+    system = {"role": "system", "content": f"{secrets.token_hex(8)}: you are a coding agent."}
     r = await oai.chat.completions.create(
-        model="tiny-random", messages=[SYSTEM, {"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
+        model="tiny-random", messages=[system, {"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
         extra_body={"ignore_eos": True},
     )
     assert r.object == "chat.completion" and r.choices[0].finish_reason == "length"

@@ -24,11 +24,11 @@ def test_longest_first_at_page_boundaries_and_inside_pages():
 
 def test_a_different_token_cuts_the_chain_where_it_differs():
     index = _index(5, 8, 13, 21)
-    other = TOKENS[:10] + [0] + TOKENS[11:]  # token 10 differs: prefixes up to 10 tokens still match
+    other = [*TOKENS[:10], 0, *TOKENS[11:]]  # token 10 differs: prefixes up to 10 tokens still match
     assert [h.position for h in index.matches(other)] == [8, 5]
-    tail = TOKENS[:12] + [0]  # differs inside the last partial page of the 13-token entry
+    tail = [*TOKENS[:12], 0]  # differs inside the last partial page of the 13-token entry
     assert index.longest(tail).position == 8
-    assert index.longest([0] + TOKENS[1:]) is None
+    assert index.longest([0, *TOKENS[1:]]) is None
 
 
 def test_remove_leaves_other_holders_of_the_same_prefix():
