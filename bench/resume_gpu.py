@@ -16,9 +16,9 @@ For each context N (random byte tokens):
               ``resume`` + ``generate(1)``;
   disk_warm   a NEW engine (no RAM tier) on the same store, files in the page cache: ``resume`` + ``generate(1)``;
   disk_cold   the same after dropping the page cache (where the machine allows it).
-Each resume row also gives the seconds spent in the store's ``load_blobs`` (read + sha256) and in the page
-codec's ``load`` (staging copy + device copies), summed over calls (they overlap); ``encode_pages_s`` is the bulk
-encode a save starts with (gather, copy to host, blobs, sha256) timed on its own before the save.
+Each resume row also gives the seconds spent in the store's ``load_blobs_into`` (read + sha256 into pinned
+staging) and in the page codec's ``restore`` (those reads + queueing the device copies); ``encode_pages_s`` is the
+bulk encode a save starts with (gather, copy to host, blobs, sha256) timed on its own before the save.
 Raw bandwidth of the same paths, same run: ``h2d`` (memcpy of the snapshot's bytes into pinned memory + one
 host-to-device copy), ``read_warm`` / ``read_cold`` (the store's files read with 8 threads, page cache warm /
 dropped), ``write_fdatasync`` (dd of the snapshot's size, one fdatasync at the end), and sha256 on 1 and on all
@@ -121,30 +121,31 @@ async def timed(coro: Any) -> tuple[float, Any]:
 
 
 class Phases:
-    """Seconds spent inside the store's ``load_blobs`` (read + verify) and the page codec's ``load`` (staging
-    copy + device copies), summed over calls: wraps the two on the instances of one engine."""
+    """Seconds spent inside the store's ``load_blobs_into`` (read + verify, into the pool or pinned staging)
+    and the page codec's ``restore`` (all full pages: those reads plus queueing the device copies), summed
+    over calls: wraps the two on the instances of one engine."""
 
     def __init__(self, eng: ks.Engine) -> None:
-        self.store_s = self.copy_s = 0.0
+        self.store_s = self.pages_s = 0.0
         snapshots, codec = eng.io.snapshots, eng.io.codec
-        load_blobs, load = snapshots.load_blobs, codec.load
+        load_into, restore = snapshots.load_blobs_into, codec.restore
 
-        async def timed_load_blobs(digests: Any) -> Any:
+        async def timed_load_into(*args: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return await load_blobs(digests)
+                return await load_into(*args)
             finally:
                 self.store_s += time.perf_counter() - t0
 
-        def timed_load(*args: Any) -> None:
+        async def timed_restore(*args: Any) -> None:
             t0 = time.perf_counter()
             try:
-                load(*args)
+                await restore(*args)
             finally:
-                self.copy_s += time.perf_counter() - t0
+                self.pages_s += time.perf_counter() - t0
 
-        snapshots.load_blobs = timed_load_blobs  # type: ignore[method-assign]
-        codec.load = timed_load  # type: ignore[method-assign]
+        snapshots.load_blobs_into = timed_load_into  # type: ignore[method-assign]
+        codec.restore = timed_restore  # type: ignore[method-assign]
 
 
 async def resume_first_token(eng: ks.Engine, sid: str) -> dict[str, float]:
@@ -160,7 +161,7 @@ async def resume_first_token(eng: ks.Engine, sid: str) -> dict[str, float]:
     assert r.usage.prefill_tokens <= 1, r.usage
     return {
         "resume_s": round(t1 - t0, 4), "first_token_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4),
-        "in_store_load_s": round(phases.store_s, 4), "in_page_copy_s": round(phases.copy_s, 4),
+        "in_store_read_s": round(phases.store_s, 4), "in_page_restore_s": round(phases.pages_s, 4),
     }
 
 

@@ -6,10 +6,16 @@ store throughput against the raw bandwidth of the same disk (dd) and Redis (redi
 For each model and context length N (random byte tokens, a fresh seed per N so nothing dedups):
   re-prefill  a fresh session: ``append(N tokens)`` + ``generate(max_tokens=1)``; that session is then saved
               (engine-level save: encode + hash + write);
-  ram         the session is dropped from the engine (slot and pages released) but its blobs stay in the
-              engine's RAM tier: ``resume(id)`` + ``generate(max_tokens=1)``;
+  ram         the session is dropped from the engine through its session manager (slot and pages released)
+              but its blobs stay in the engine's RAM tier: ``resume(id)`` + ``generate(max_tokens=1)``
+              (``ram_tier_misses`` 0: nothing came from disk);
   disk        a NEW engine on the same ``disk:`` store, OS page cache dropped first: resume + generate(1);
+  disk_warm   the same with the store's files in the page cache;
   redis       the snapshot copied into a private redis-server, a NEW engine on it: resume + generate(1).
+``{tier}_resume_MBps`` is the snapshot's bytes over the resume alone (without the first token), and
+``{tier}_resume_of_raw`` its ratio to the raw path of the same run: a memcpy of as many bytes (ram), the store's
+files read on 2 threads cold / warm (disk / disk_warm), redis-benchmark GET of fresh keys of the snapshot's mean
+blob size (redis).
 Store throughput is measured on the storage layer (``SnapshotStore.save(verified=True, expected_generation=0)``, as
 the engine calls it: compare-and-set under the lease, / ``load_blobs`` of the whole snapshot,
 fresh store objects without a RAM tier, page cache dropped before disk reads). Disk saves: DISK_ROUNDS rounds,
@@ -33,10 +39,12 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import anyio
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
@@ -137,11 +145,46 @@ def dd_same_size(folder: Path, nbytes: int) -> float:
         f.unlink(missing_ok=True)
 
 
-async def ttft_resume(eng, sid: str) -> tuple[float, Any]:
+async def ttft_resume(eng, sid: str, row: dict[str, Any] | None = None, tier: str = "") -> tuple[float, Any]:
+    """Seconds of resume + first token; with ``row``, also ``{tier}_resume_s`` (resume alone)."""
     with Timer() as t:
         s = await eng.resume(sid)
+        resumed = time.perf_counter() - t.t0
         r = await s.generate(max_tokens=1, ignore_eos=True)
+    if row is not None:
+        row[f"{tier}_resume_s"] = resumed
     return t.s, r
+
+
+def raw_memcpy_s(nbytes: int) -> float:
+    """Best of 3: seconds to copy ``nbytes`` between two buffers both touched before (torch, all threads)."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def raw_read_s(root: Path, cold: bool) -> tuple[float, int]:
+    """Seconds to read every file under ``root`` into reused 1 MiB buffers on 2 threads (page cache dropped
+    first if ``cold``), and the bytes read."""
+    files = [p for p in root.rglob("*") if p.is_file()]
+    if cold:
+        common.drop_page_cache()
+
+    def read(path: Path) -> int:
+        buf, n = bytearray(1 << 20), 0
+        with open(path, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+        return n
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(2) as ex:
+        total = sum(ex.map(read, files))
+    return time.perf_counter() - t0, total
 
 
 async def forget(eng, sid: str) -> None:
@@ -152,6 +195,11 @@ async def forget(eng, sid: str) -> None:
 def tier_hits(eng) -> int:
     tier = getattr(eng.io.snapshots.store, "tier", None)
     return tier.hits if tier is not None else -1
+
+
+def tier_misses(eng) -> int:
+    tier = getattr(eng.io.snapshots.store, "tier", None)
+    return tier.misses if tier is not None else -1
 
 
 async def one_length(model, n: int, root: Path, redis_url: str | None, notes: list[str]) -> dict[str, Any]:
@@ -179,21 +227,28 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
         sid = s.id
 
         await forget(eng, sid)
-        h0 = tier_hits(eng)
-        row["ram_s"], r_ram = await ttft_resume(eng, sid)
-        row["ram_tier_hits"] = tier_hits(eng) - h0
+        h0, m0 = tier_hits(eng), tier_misses(eng)
+        row["ram_s"], r_ram = await ttft_resume(eng, sid, row, "ram")
+        # every blob from the tier, none from disk: the figure is the RAM tier's
+        row["ram_tier_hits"], row["ram_tier_misses"] = tier_hits(eng) - h0, tier_misses(eng) - m0
         row["resume_prefill_tokens"] = r_ram.usage.prefill_tokens
         row["resume_cached_tokens"] = r_ram.usage.cached_tokens
         await forget(eng, sid)
     finally:
         await eng.close()
 
-    eng = await common.open_engine(model, disk_url, notes)
-    try:
-        row["disk_cache_dropped"] = common.drop_page_cache()
-        row["disk_s"], r_disk = await ttft_resume(eng, sid)
-    finally:
-        await eng.close()
+    for tier in ("disk", "disk_warm"):  # a new engine each time: page cache dropped, then warm
+        eng = await common.open_engine(model, disk_url, notes)
+        try:
+            if tier == "disk":
+                row["disk_cache_dropped"] = common.drop_page_cache()
+            row[f"{tier}_s"], r_disk = await ttft_resume(eng, sid, row, tier)
+        finally:
+            await eng.close()
+    store_dir = root / "store"
+    read_cold, nread = raw_read_s(store_dir, cold=True)
+    read_warm, _ = raw_read_s(store_dir, cold=False)
+    row["raw_read_cold_MBps"], row["raw_read_warm_MBps"] = nread / read_cold / 1e6, nread / read_warm / 1e6
 
     # storage layer: whole-snapshot load / save throughput
     src = await SnapshotStore.open(disk_url)
@@ -224,6 +279,7 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
         for key, v in {"disk_save_MBps": save, "dd_same_size_MBps": dd, "disk_save_of_dd_same_size": save / dd}.items():
             per.setdefault(key, []).append(v)
     row.update({key: statistics.median(v) for key, v in per.items()})
+    row["engine_save_of_dd_same_size"] = row["engine_save_MBps"] / row["dd_same_size_MBps"]
     row["disk_save_rounds_MBps"] = [round(v) for v in per["disk_save_MBps"]]
 
     tokens = {"ram": r_ram.token_ids, "disk": r_disk.token_ids}
@@ -234,14 +290,21 @@ async def one_length(model, n: int, root: Path, redis_url: str | None, notes: li
         await dst.close()
         eng = await common.open_engine(model, redis_url, notes)
         try:
-            row["redis_s"], r_redis = await ttft_resume(eng, sid)
+            row["redis_s"], r_redis = await ttft_resume(eng, sid, row, "redis")
         finally:
             await eng.close()
         tokens["redis"] = r_redis.token_ids
     row["resumed_tokens_agree"] = len({tuple(v) for v in tokens.values()}) == 1
-    for tier in ("ram", "disk", "redis"):
+    # resume (without the first token) in MB/s of the snapshot, against the raw path of the same run
+    row["raw_memcpy_MBps"] = nbytes / raw_memcpy_s(nbytes) / 1e6
+    raw_path = {"ram": "raw_memcpy_MBps", "disk": "raw_read_cold_MBps", "disk_warm": "raw_read_warm_MBps",
+                "redis": "raw_redis_sized_get_MBps"}
+    for tier, raw in raw_path.items():
         if f"{tier}_s" in row:
             row[f"speedup_{tier}"] = row["reprefill_s"] / row[f"{tier}_s"]
+            row[f"{tier}_resume_MBps"] = nbytes / row[f"{tier}_resume_s"] / 1e6
+            if raw in row:
+                row[f"{tier}_resume_of_raw"] = row[f"{tier}_resume_MBps"] / row[raw]
     return row
 
 
