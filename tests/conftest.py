@@ -7,6 +7,13 @@ import os
 from collections.abc import Iterator
 
 import pytest
+
+# One intra-op thread unless the caller chose: the tests run a tiny model, where a second OpenMP thread gains
+# little, and on a shared 2-core machine its spin-waits made CPU steps ~10x slower (test_cuda_graph_decode.py:
+# 150 s against 19 s under load). Set before torch is imported; subprocesses (new-process resumes, crash
+# workers, servers) inherit it, so a parent and its child compute with the same thread count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 
 # Triton kernels run on the CPU through Triton's interpreter. Set here, before any test module is collected,

@@ -251,7 +251,7 @@ def test_runner_uses_the_static_path(model):
         async with await ks.Engine.open(model="tiny-random", store="memory:", device="cpu") as eng:
             if static:
                 r = eng.runner
-                r.graphs = DecodeGraphs(r.model, r.pools, enabled=False, capture_lock=r.mutex)
+                r.graphs = DecodeGraphs(r.model, r.pools.tensors, enabled=False, capture_lock=r.pools.mutex)
             sessions = [await eng.create_session(system="s") for _ in range(3)]
             for i, s in enumerate(sessions):
                 await s.append("x" * (5 + 13 * i))
