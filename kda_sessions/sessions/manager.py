@@ -12,6 +12,7 @@ import logging
 import re
 import secrets
 import time
+from itertools import islice
 from typing import Any
 
 import anyio
@@ -127,7 +128,7 @@ class SessionManager:
         io = self.store_of(tenant)
         self.counters["prefix_cache_lookups"] += 1
         s: SessionState | None = None
-        for hit in list(io.index.matches(tokens))[:4]:  # a stale entry (its session gone): the next longest
+        for hit in islice(io.index.matches(tokens), 4):  # a stale entry (its session gone): the next longest
             try:
                 s = await self.fork_state(tenant, hit.session_id, hit.checkpoint, sid, hold_parent=False)
             except (SessionNotFound, CheckpointNotFound):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
+from itertools import islice
 
 from ..engine.core import EngineCore
 from ..engine.pool import pages_needed
@@ -142,8 +143,8 @@ class PrefixCache:
         if end - s.num_cached < P:
             return 0
         index = self.store_of(s.tenant).index
-        hits = [h for h in index.matches(s.tokens, min(end + 1, s.num_tokens)) if h.session_id != s.id]
-        for hit in hits[:4]:
+        hits = (h for h in index.matches(s.tokens, min(end + 1, s.num_tokens)) if h.session_id != s.id)
+        for hit in islice(hits, 4):  # a few tries: entries whose sessions were deleted are removed on the way
             if hit.position - 1 < s.num_cached + P:
                 break
             try:
