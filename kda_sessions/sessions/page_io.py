@@ -83,8 +83,12 @@ class PageCodec:
                 ids = list(pages[i : i + self.per_chunk])
                 idx = torch.tensor(ids, dtype=torch.long, device=self.device)
                 block = torch.stack([kv.index_select(0, idx) for kv in self.pools.kv], dim=1)  # [n, L, P, C]
-                host = self._staging(len(ids))
-                host.copy_(block.view(len(ids), -1).view(torch.uint8))
+                raw = block.view(len(ids), -1).view(torch.uint8)
+                if self.device.type == "cuda":
+                    host = self._staging(len(ids))
+                    host.copy_(raw)
+                else:
+                    host = raw  # the gather's own buffer is host memory already
                 view = _host_view(host)
                 chunk = [view[j * b : (j + 1) * b] for j in range(len(ids))]
                 hashes = [pool.submit(_page_digest, self.header, v) for v in chunk]
