@@ -1,13 +1,14 @@
 """Prefix cache across conversations: N coding agents sharing a system prompt and tools, through the openai SDK.
 
-    python bench/prefix_cache.py [--agents 6] [--turns 8] [--system-tokens 3300] [--out FILE]
+    python bench/prefix_cache.py [--agents 6] [--turns 8] [--system-tokens 3300] [--file-chars 1500] [--out FILE]
 
 Starts ``kda-sessions serve --model tiny-random`` (CPU, a fresh disk store in a temp dir) as a child process and
 runs --agents agents at once, each a stateless client that resends its full history every turn (as agent
 frameworks do): the same system prompt (about --system-tokens tokens, the repository's own docs) and four tools,
 a task of its own, then --turns turns where the model's reply (16 tokens, greedy) is followed by a message
-holding a real file of this repository (a tool's output, sent as a user message because tiny-random's replies
-are not tool calls). Turns of different agents interleave; the first agent's first turn goes first.
+holding --file-chars characters of real files of this repository (a tool's output, sent as a user message because
+tiny-random's replies are not tool calls; long ones span several of the engine's interval checkpoints). Turns of
+different agents interleave; the first agent's first turn goes first.
 
 Reports, over all requests: prompt tokens, cached tokens (``prompt_tokens_details.cached_tokens``) and what perfect
 reuse would give (for each request, its longest token prefix in common with any earlier request's prompt plus
@@ -114,7 +115,21 @@ class Trace:
         return max((common_prefix(ids, s) for s in self.seen), default=0)
 
 
-async def agent(i: int, oai: openai.AsyncOpenAI, system: str, turns: int, trace: Trace, start: anyio.Event) -> None:
+def tool_output(start: int, chars: int) -> str:
+    """``chars`` characters of the repository's source files, from the ``start``-th file on."""
+    text = ""
+    for k in range(len(FILES)):
+        path = FILES[(start + k) % len(FILES)]
+        text += f"read_file {path.relative_to(common.REPO)}:\n{path.read_text()}\n"
+        if len(text) >= chars:
+            break
+    return text[:chars]
+
+
+async def agent(
+    i: int, oai: openai.AsyncOpenAI, system: str, args: argparse.Namespace, trace: Trace, start: anyio.Event
+) -> None:
+    turns = args.turns
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}, {"role": "user", "content": TASKS[i % len(TASKS)]}]
     if i:
         await start.wait()  # the first agent's first turn goes first, as when agents start one after another
@@ -132,8 +147,7 @@ async def agent(i: int, oai: openai.AsyncOpenAI, system: str, turns: int, trace:
                            "cached": r.usage.prompt_tokens_details.cached_tokens, "perfect": perfect})
         messages.append({"role": "assistant", "content": reply})
         trace.seen.append(encode_chat(trace.tok, messages, TOOLS, add_generation_prompt=False, template=trace.tpl))
-        path = FILES[(i * turns + turn) % len(FILES)]
-        messages.append({"role": "user", "content": f"read_file {path.relative_to(common.REPO)}:\n{path.read_text()[:1500]}"})
+        messages.append({"role": "user", "content": tool_output(i * turns + turn, args.file_chars)})
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -151,7 +165,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 start = anyio.Event()
                 async with anyio.create_task_group() as tg:
                     for i in range(args.agents):
-                        tg.start_soon(agent, i, oai, system, args.turns, trace, start)
+                        tg.start_soon(agent, i, oai, system, args, trace, start)
             seconds = time.perf_counter() - t0
             stats = httpx.get(f"http://127.0.0.1:{port}/v1/stats", timeout=10).json()
         finally:
@@ -163,12 +177,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     perfect = sum(r["perfect"] for r in rows)
     first_turns = [r["cached"] / head for r in rows if r["turn"] == 0 and r["agent"] > 0]
     return {
-        "bench": "prefix_cache", "agents": args.agents, "turns": args.turns, "shared_head_tokens": head,
+        "bench": "prefix_cache", "agents": args.agents, "turns": args.turns, "file_chars": args.file_chars,
+        "shared_head_tokens": head,
         "requests": len(rows), "prompt_tokens": prompt, "cached_tokens": cached, "perfect_cached_tokens": perfect,
         "cached_share": round(cached / prompt, 4), "perfect_share": round(perfect / prompt, 4),
         "cached_vs_perfect": round(cached / perfect, 4) if perfect else None,
         "first_turn_head_reuse_min": round(min(first_turns), 4) if first_turns else None,
-        "prefix_cache": {k: stats.get(k) for k in ("prefix_cache_lookups", "prefix_cache_hits", "prefix_cache_hit_tokens")},
+        "prefix_cache": {k: stats.get(k) for k in ("prefix_cache_lookups", "prefix_cache_hits", "prefix_cache_hit_tokens",
+                                                   "prefix_index_entries", "checkpoint_states_in_memory")},
         "seconds": round(seconds, 1), "machine": common.machine(),
     }
 
@@ -178,6 +194,7 @@ def main() -> None:
     ap.add_argument("--agents", type=int, default=6)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--system-tokens", type=int, default=3300)
+    ap.add_argument("--file-chars", type=int, default=1500, help="characters of each tool output")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     result = anyio.run(run, args)
