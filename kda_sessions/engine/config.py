@@ -43,7 +43,8 @@ class EngineConfig(BaseModel):
     checkpoint_memory_bytes: int = Field(default=4 << 30, ge=0)
     """Host bytes of checkpoint states the engine keeps across all sessions: beyond it the automatic checkpoints
     least recently used (captured or started another session from) are dropped; a saved one keeps its stored
-    blobs. Named checkpoints and each conversation's system prompt + tools head are never dropped."""
+    blobs. Named checkpoints and each conversation's system prompt + tools head are never dropped. Checked when a
+    request is admitted (room is made for what its prefill will capture) and when it ends."""
     lease_ttl_s: float | None = Field(default=None, ge=0.5, le=86_400)
     """Lifetime of a session's write lease in the store (None: the store's own, 30 s, or a Redis url's
     ``?lease_ttl=``). The engine renews the lease of every session it holds every quarter of this, so a held
