@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from kda_sessions import cli
+from kda_sessions import cli, demo
 from kda_sessions.demo import run_demo
 from kda_sessions.model.loader import BUILTIN_DIR
 
@@ -20,9 +21,21 @@ def _project(root: Path) -> Path:
     return root
 
 
-async def test_demo_runs_on_tiny_and_resumes_without_prefill(tmp_path: Path) -> None:
-    lines: list[str] = []
-    out = await run_demo(_project(tmp_path / "proj"), store=f"disk:{tmp_path / 'store'}", say=lines.append)
+def test_cli_demo_runs_on_tiny_and_resumes_without_prefill(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run of the demo through the command line (its defaults: the trained tiny, the disk store), checked by
+    what it prints and what ``run_demo`` returns."""
+    results: list[dict[str, Any]] = []
+
+    async def recorded(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        results.append(await run_demo(*args, **kwargs))
+        return results[-1]
+
+    monkeypatch.setattr(demo, "run_demo", recorded)
+    assert cli.main(["demo", "--dir", str(_project(tmp_path / "proj")), "--store", f"disk:{tmp_path / 'store'}"]) == 0
+    (out,) = results
+    lines = capsys.readouterr().out.splitlines()
     text = "\n".join(lines)
     assert "model: tiny " in text
     assert text.count("  tool (") == 3  # three tool rounds, each with a real tool result
@@ -41,8 +54,3 @@ async def test_demo_runs_on_tiny_and_resumes_without_prefill(tmp_path: Path) -> 
     assert out["recall_right"] in (True, False, None)
     if out["recall_right"] is not None:
         assert recall.endswith(": right)" if out["recall_right"] else ": wrong)")
-
-
-def test_cli_demo_defaults_to_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["demo", "--dir", str(_project(tmp_path / "proj")), "--store", f"disk:{tmp_path / 'store'}"]) == 0
-    assert "model: tiny " in capsys.readouterr().out

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -14,7 +15,6 @@ PROMPT = list(range(40, 240))  # 200 byte tokens: spans several KV pages and KDA
 N, M = 12, 10
 
 
-
 @pytest.fixture(params=["disk", "redis"])
 def store_url(request, tmp_path) -> str:
     if request.param == "disk":
@@ -22,7 +22,7 @@ def store_url(request, tmp_path) -> str:
     return request.getfixturevalue("redis_url") + f"?prefix=t{tmp_path.name[-12:]}:"
 
 
-async def test_resume_in_new_process_is_bit_identical(store_url):
+async def test_resume_in_new_process_is_bit_identical(store_url, other_process):
     async with await ks.Engine.open(store="memory:") as ref:
         s = await ref.create_session()
         await s.append(PROMPT)
@@ -36,28 +36,61 @@ async def test_resume_in_new_process_is_bit_identical(store_url):
         sid = s.id
     assert got_first.token_ids == first.token_ids
     # page size is part of the snapshot: the child must open with the same one
-    out = child_generate_with_page_size(store_url, sid, M)
+    out = other_process.generate(store_url, sid, M)
     assert out["tokens"] == want.token_ids
     assert out["usage"]["prefill_tokens"] == 1  # only the pending last token, no re-prefill
     assert out["usage"]["cached_tokens"] == len(PROMPT) + N - 1
 
 
-def child_generate_with_page_size(store: str, sid: str, n: int, checkpoint: str | None = None) -> dict:
-    code = (
-        "import sys, json, anyio, kda_sessions as ks\n"
-        "async def main():\n"
-        f"    async with await ks.Engine.open(model='tiny-random', store={store!r}, page_size=16) as e:\n"
-        f"        s = await (e.fork({sid!r}, {checkpoint!r}) if {checkpoint!r} else e.resume({sid!r}))\n"
-        f"        r = await s.generate(max_tokens={n}, ignore_eos=True)\n"
-        "        print(json.dumps({'tokens': r.token_ids, 'usage': r.usage.model_dump()}))\n"
-        "anyio.run(main)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
+CHILD = """
+import json, sys, anyio, kda_sessions as ks
+async def job(store, sid, n, checkpoint):
+    async with await ks.Engine.open(model="tiny-random", store=store, page_size=16) as e:
+        s = await (e.fork(sid, checkpoint) if checkpoint else e.resume(sid))
+        r = await s.generate(max_tokens=n, ignore_eos=True)
+        return {"tokens": r.token_ids, "usage": r.usage.model_dump()}
+for line in sys.stdin:
+    try:
+        out = anyio.run(job, *json.loads(line))
+    except Exception as e:
+        out = {"error": f"{type(e).__name__}: {e}"}
+    print(json.dumps(out), flush=True)
+"""
 
 
-async def test_fork_from_mid_conversation_checkpoint(store_url):
+class Child:
+    """One other Python process (torch imported once) that opens a fresh engine per job: resume or fork a stored
+    session there and generate. It never held the sessions it is given, as a restarted process would not."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, bufsize=1)
+
+    def generate(self, store: str, sid: str, n: int, checkpoint: str | None = None) -> dict:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps([store, sid, n, checkpoint]) + "\n")
+        out = json.loads(self.proc.stdout.readline() or '{"error": "the child process died"}')
+        assert "error" not in out, out["error"]
+        return out
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def other_process() -> Iterator[Child]:
+    c = Child()
+    yield c
+    c.close()
+
+
+async def test_fork_from_mid_conversation_checkpoint(store_url, other_process):
     async with await ks.Engine.open(store=store_url, page_size=16) as eng:
         p = await eng.create_session()
         await p.append(PROMPT)
@@ -70,7 +103,7 @@ async def test_fork_from_mid_conversation_checkpoint(store_url):
         child = await eng.fork(p.id, "mid")
         child_tokens = (await child.generate(max_tokens=M, ignore_eos=True)).token_ids
         parent_after = (await p.generate(max_tokens=M, ignore_eos=True)).token_ids
-        remote = child_generate_with_page_size(store_url, p.id, M, checkpoint="mid")
+        remote = other_process.generate(store_url, p.id, M, checkpoint="mid")
     assert remote["tokens"] == child_tokens
     assert remote["usage"]["prefill_tokens"] == 1
     # a fresh session fed the same prefix the same way gives the same tokens
