@@ -25,11 +25,13 @@ def _report(name: str, v, kills: int, t0: float | None = None) -> None:
 
 
 # Each campaign runs short by default and long with -m slow. (kills per fault point, kills at random moments):
-# short 9 * 2 + 20 = 38 and 3 * 2 + 6 = 12 at the storage level, 9 + 2 = 11 and 3 + 1 = 4 engine-level (65
-# SIGKILLs, ~45 s); long 170, 40, 17 and 7 (234 SIGKILLs, ~100 s). Every fault point is hit in both.
+# short 9 * 2 + 10 = 28 and 3 * 2 + 3 = 9 at the storage level, 9 + 2 = 11 and 3 + 1 = 4 engine-level (52
+# SIGKILLs); long 170, 40, 17 and 7 (234 SIGKILLs). Every fault point is hit in both. The short engine-level
+# workers save 4 sessions, the long ones 6.
 SIZES = ["short", pytest.param("long", marks=pytest.mark.slow)]
-STORE_KILLS_DISK = {"short": (2, 20), "long": (8, 98)}
-STORE_KILLS_REDIS = {"short": (2, 6), "long": (8, 16)}
+STORE_KILLS_DISK = {"short": (2, 10), "long": (8, 98)}
+STORE_KILLS_REDIS = {"short": (2, 3), "long": (8, 16)}
+ENGINE_SESSIONS = {"short": 4, "long": 6}
 ENGINE_KILLS_DISK = {"short": (1, 2), "long": (1, 8)}
 ENGINE_KILLS_REDIS = {"short": (1, 1), "long": (1, 4)}
 # How long an engine worker may run before it reaches its fault point's nth hit. `disk.lease.written` past its 6
@@ -91,7 +93,8 @@ async def test_disk_kills_leave_every_session_whole(tmp_path, size):
     root = tmp_path / "store"
     per_point, n_random = ENGINE_KILLS_DISK[size]
     plan = random_plan(n_random, DISK_POINTS, per_point, seed=1)
-    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=1, fault_timeout_s=ENGINE_FAULT_TIMEOUT_S[size])
+    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=1, fault_timeout_s=ENGINE_FAULT_TIMEOUT_S[size],
+                     sessions=ENGINE_SESSIONS[size])
     _report("disk", v, len(plan))
     assert v.problems == []
     assert v.counts["corrupt"] == 0
@@ -107,7 +110,7 @@ async def test_redis_kills_leave_every_session_whole(tmp_path, redis_url, size):
     per_point, n_random = ENGINE_KILLS_REDIS[size]
     plan = random_plan(n_random, REDIS_POINTS, per_point, seed=2)
     # a restarted worker first waits out its dead predecessor's lease (0.5 s): give it time to save before a kill
-    v = run_campaign(url, tmp_path, plan, seed=2, max_delay_s=2.0)
+    v = run_campaign(url, tmp_path, plan, seed=2, max_delay_s=2.0, sessions=ENGINE_SESSIONS[size])
     _report("redis", v, len(plan))
     assert v.problems == []
     assert v.counts["acks"] > len(plan)
