@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 
 from kda_sessions.engine.config import EngineConfig
 
@@ -34,14 +35,19 @@ def _wait_saved(srv, sid: str, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_session_answers_after_40_others_and_a_restart(tmp_path):
+# Sessions after the first: twice the memory cap forgets it; 40 (with -m slow) churns the store as a day would.
+OTHERS = [8, pytest.param(40, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("others", OTHERS)
+def test_a_session_answers_after_many_others_and_a_restart(tmp_path, others):
     store = f"disk:{tmp_path}"
     srv = start_server(store=store, max_stateless_sessions=4, engine=EngineConfig(max_active_sessions=4))
     try:
         first = _chat(srv.url, "remember the number 42").json()
         sid = first["session_id"]
         assert sid.startswith("s_chat_")
-        for i in range(40):
+        for i in range(others):
             _chat(srv.url, f"another question {i}")
         assert sid not in srv.engine.sessions  # forgotten from memory (cap of 4) ...
         assert sid in _stored(srv)  # ... but saved
