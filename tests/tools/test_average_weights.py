@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tools` is not installed
 
 from kda_sessions import Engine
 from tools.average_weights import SoupError, average, main

@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 import random
 import re
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tools` is not installed
 
 from kda_sessions import Engine
 from kda_sessions.config import ModelConfig

@@ -6,12 +6,9 @@ from __future__ import annotations
 import json
 import random
 import re
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tools` is not installed
 
 from kda_sessions.tokenizer import parse_assistant_output, validate_arguments
 from kda_sessions.tools import TOOL_SCHEMAS

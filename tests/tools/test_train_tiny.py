@@ -3,13 +3,8 @@ kernels without a backward (on CUDA its RMSNorm is a Triton kernel: a run traine
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tools` is not installed
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.kernels.norm.naive import naive_rms_norm
