@@ -28,7 +28,10 @@ async def test_bulk_encode_matches_one_page_encoder_and_restore_round_trips(monk
         L, P, C = codec.shape
         foreign = encode_tensor(torch.zeros(L, P, C, dtype=torch.bfloat16))  # another model's dtype
         short = encode_tensor(torch.zeros(L, P - 1, C, dtype=eng.model.dtype))  # a partial page
-        extra = {digest(foreign): foreign, digest(short): short}
+        # as long as a page blob, another header: found by the header check, not by the size
+        reshaped = encode_tensor(torch.zeros(1, L * P, C, dtype=eng.model.dtype))
+        assert len(reshaped) == len(got[0][1]) and reshaped[:60] != got[0][1][:60]
+        extra = {digest(foreign): foreign, digest(short): short, digest(reshaped): reshaped}
         # loose files and a pack: the disk store reads either straight into the pool
         backend = await (open_store("memory:") if store == "memory" else DiskStore.open(tmp_path, pack_min_blobs=3))
         snapshots = SnapshotStore(backend)
@@ -42,6 +45,8 @@ async def test_bulk_encode_matches_one_page_encoder_and_restore_round_trips(monk
             await codec.restore(snapshots, fresh[:2], [got[0][0], digest(foreign)], "session 'x'")
         with pytest.raises(ks.IncompatibleSnapshot, match="KV page"):
             await codec.restore(snapshots, fresh[:1], [digest(short)], "session 'x'")
+        with pytest.raises(ks.IncompatibleSnapshot, match="KV page"):
+            await codec.restore(snapshots, fresh[:2], [got[1][0], digest(reshaped)], "session 'x'")
         with pytest.raises(BlobNotFound):
             await codec.restore(snapshots, fresh[:1], ["0" * 64], "session 'x'")
         await snapshots.close()
