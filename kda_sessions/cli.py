@@ -44,7 +44,7 @@ _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
     ("--prefill-chunk-tokens", None, int, "tokens of a step while requests generate: decode rows first, prompt "
                                           "chunks share the rest (EngineConfig.prefill_chunk_tokens, 2048)"),
     ("--prefill-chunk-tokens-idle", None, int, "prompt tokens of a step when no request generates "
-                                               "(EngineConfig.prefill_chunk_tokens_idle, 8192)"),
+                                               "(EngineConfig.prefill_chunk_tokens_idle; 8192 on a GPU, 2048 on a CPU)"),
     ("--page-wait", None, float, "seconds a request waits at admission for KV pages held by running requests "
                                  "before a 503 (EngineConfig.page_wait_s, 30)"),
 ]

@@ -19,9 +19,11 @@ class EngineConfig(BaseModel):
     prefill_chunk_tokens: int = Field(default=2048, ge=16)
     """Tokens of a step while requests are generating: their decode rows first, prompt chunks share the rest
     (at least 64), so a huge tool output does not stall the other sessions' decode."""
-    prefill_chunk_tokens_idle: int | None = Field(default=8192, ge=16)
-    """Prompt tokens of a step when no request is generating (None: ``prefill_chunk_tokens``; never below it).
-    Fewer, larger model calls: a prefill call of the 48B shape reads every expert's weights (~94 GB in bf16,
+    prefill_chunk_tokens_idle: int | None = Field(default=None, ge=16)
+    """Prompt tokens of a step when no request is generating, never below ``prefill_chunk_tokens``. None: 8,192
+    on a GPU, ``prefill_chunk_tokens`` on a CPU (where the prefill rate does not grow with the chunk, and a
+    request arriving during an 8K step would wait seconds for it). On a GPU, fewer, larger model calls: a
+    prefill call of the 48B shape reads every expert's weights (~94 GB in bf16,
     ~20 ms on an H200), and 8,192-token chunks prefill 32K there at ~33,000 tokens/s. Memory grows linearly
     with the chunk (MLA prefill runs in tiles, KDA in chunks: 2.8 GiB above weights and pools at 8,192). A
     request that arrives meanwhile waits up to one such step for its first chunk."""

@@ -23,6 +23,9 @@ from .scheduler import Scheduler, Work
 
 log = logging.getLogger(__name__)
 
+IDLE_PREFILL_TOKENS_GPU = 8192
+"""Prompt tokens of a step with nothing generating on a GPU, unless EngineConfig names its own."""
+
 
 class EngineCore:
     """Must be created on the event loop that will use it (results are handed back to that loop)."""
@@ -33,8 +36,10 @@ class EngineCore:
         self.config = config
         tensors = model.allocate_pools(config.max_active_sessions, config.num_pages, config.page_size)
         self.pools = Pools(tensors, config.max_active_sessions, config.num_pages)
-        self.scheduler = Scheduler(config.prefill_chunk_tokens, config.max_queued_requests,
-                                   config.prefill_chunk_tokens_idle)
+        idle = config.prefill_chunk_tokens_idle
+        if idle is None:
+            idle = IDLE_PREFILL_TOKENS_GPU if model.device.type == "cuda" else config.prefill_chunk_tokens
+        self.scheduler = Scheduler(config.prefill_chunk_tokens, config.max_queued_requests, idle)
         self.loop_token = anyio.lowlevel.current_token()
         """The event loop this core delivers results to (and where other threads hand work back)."""
         self.work_ended = anyio.Event()
