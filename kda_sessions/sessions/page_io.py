@@ -25,7 +25,7 @@ from torch import Tensor
 from ..config import ModelConfig
 from ..model import StatePools
 from ..storage import SnapshotStore
-from ..storage.blobs import HASH_THREADS, tensor_header
+from ..storage.blobs import HASH_THREADS, digest, tensor_header
 from .codec import decode_page
 
 CHUNK_BYTES = 64 << 20
@@ -74,6 +74,8 @@ class PageCodec:
         GIL) while this thread copies the pages out into their blobs and the next chunk is gathered."""
         if not pages:
             return []
+        if self.device.type != "cuda":
+            return self._encode_host(pages)
         blobs: list[bytes] = []
         futures: list[Future[str]] = []
         in_flight: list[tuple[Tensor, list[Future[str]]]] = []  # host buffers the hash threads still read
@@ -83,12 +85,8 @@ class PageCodec:
                 ids = list(pages[i : i + self.per_chunk])
                 idx = torch.tensor(ids, dtype=torch.long, device=self.device)
                 block = torch.stack([kv.index_select(0, idx) for kv in self.pools.kv], dim=1)  # [n, L, P, C]
-                raw = block.view(len(ids), -1).view(torch.uint8)
-                if self.device.type == "cuda":
-                    host = self._staging(len(ids))
-                    host.copy_(raw)
-                else:
-                    host = raw  # the gather's own buffer is host memory already
+                host = self._staging(len(ids))
+                host.copy_(block.view(len(ids), -1).view(torch.uint8))
                 view = _host_view(host)
                 chunk = [view[j * b : (j + 1) * b] for j in range(len(ids))]
                 hashes = [pool.submit(_page_digest, self.header, v) for v in chunk]
@@ -101,6 +99,19 @@ class PageCodec:
                         f.result()
                     del oldest  # freed only now: the hash threads read it through views that do not own it
             return [(f.result(), data) for f, data in zip(futures, blobs)]
+
+    def _encode_host(self, pages: Sequence[int]) -> list[tuple[str, bytes]]:
+        """``encode`` of a pool in host memory: each blob joined straight from its pool pages (one copy, no
+        gather), hashed on threads while the next blobs are joined."""
+        layer_bytes = self.page_bytes // self.shape[0]
+        assert all(kv.is_contiguous() for kv in self.pools.kv)
+        views = [_host_view(kv) for kv in self.pools.kv]  # kv[l] [num_pages, P, C]: page p at p * layer_bytes
+        out: list[tuple[Future[str], bytes]] = []
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="page-hash") as pool:
+            for p in pages:
+                data = b"".join([self.header, *(v[p * layer_bytes : (p + 1) * layer_bytes] for v in views)])
+                out.append((pool.submit(digest, data), data))
+            return [(f.result(), data) for f, data in out]
 
     # -- load ------------------------------------------------------------------------------------------------
 
