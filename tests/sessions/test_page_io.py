@@ -53,8 +53,9 @@ async def test_bulk_encode_matches_one_page_encoder_and_restore_round_trips(monk
 
 
 async def test_digests_hold_while_hash_threads_lag_behind_the_copies(monkeypatch):
-    """Hash threads read each chunk's host buffer through views that do not own it: the buffer must live until
-    its hashes are done, however slow they are (a freed buffer reused by the next chunk gave wrong digests)."""
+    """Hash threads read host memory through views that do not own it (on CUDA each chunk's pinned buffer): it
+    must live until its hashes are done, however slow they are (a freed buffer reused by the next chunk gave wrong
+    digests). Both hash functions are slowed: CUDA's per chunk, and the CPU's per blob joined from the pool."""
     import hashlib
     import time
 
@@ -66,6 +67,13 @@ async def test_digests_hold_while_hash_threads_lag_behind_the_copies(monkeypatch
         return real(header, payload)
 
     monkeypatch.setattr(page_io, "_page_digest", slow_digest)
+    real_digest = page_io.digest
+
+    def slow_blob_digest(data: bytes) -> str:
+        time.sleep(0.02)
+        return real_digest(data)
+
+    monkeypatch.setattr(page_io, "digest", slow_blob_digest)
     async with await ks.Engine.open(store="memory:", page_size=16) as eng:
         s = await eng.create_session()
         await s.append([(i * 7) % 250 for i in range(12 * 16)])
