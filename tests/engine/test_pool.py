@@ -172,6 +172,23 @@ def test_rollback_restores_the_newest_exact_checkpoint_and_copies_a_shared_parti
     assert cp.state_id is None and not cp.pages and len(p.host) == 0
 
 
+def test_a_checkpoint_captured_again_under_its_name_gives_back_the_old_state_and_pages() -> None:
+    p = pools()
+    s = Sequence(id="s", tokens=list(range(12)), num_cached=9, slot=0, pages=p.pages.alloc(3))
+    first = Checkpoint(name="c", position=6, state_pos=0)
+    capture(s, first, 5, p.read_slot(0), p)  # 5 tokens: pages 0 and 1
+    assert len(p.host) == 1 and [p.pages.refs[x] for x in s.pages] == [2, 2, 1]
+    again = Checkpoint(name="c", position=10, state_pos=0)
+    capture(s, again, 9, p.read_slot(0), p)  # 9 tokens: all three pages
+    assert s.checkpoints == {"c": again} and len(p.host) == 1
+    assert first.state_id is None and first.pages == [] and again.pages == s.pages
+    assert [p.pages.refs[x] for x in s.pages] == [2, 2, 2]
+    release(again, p, keep_state=True)  # pages back, the state kept (a checkpoint moved out to the store)
+    assert again.resident and [p.pages.refs[x] for x in s.pages] == [1, 1, 1]
+    release(again, p)
+    assert len(p.host) == 0
+
+
 def test_rollback_without_a_checkpoint_starts_over() -> None:
     p = pools()
     s = Sequence(id="s", tokens=list(range(9)), num_cached=8, slot=2, pages=p.pages.alloc(2))

@@ -91,6 +91,8 @@ class Verifier:
 
     base: dict[str, tuple[int, list[int], list[int]]] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    points_hit: set[str] = field(default_factory=set)
+    """Fault points where a worker killed itself (a worker still short of its nth hit is killed where it is)."""
     counts: dict[str, int] = field(
         default_factory=lambda: {"acks": 0, "resumed_at_ack": 0, "resumed_in_flight": 0, "missing": 0, "corrupt": 0}
     )
@@ -113,6 +115,8 @@ class Verifier:
                 self.base[sid] = (e["gen"], e["tokens"], e["next"])
             elif ev == "crash":
                 self.problems.append(f"worker crashed: {e['type']}: {e['msg']}")
+            elif ev == "fault":
+                self.points_hit.add(e["point"])
 
     def _check_resume(self, sid: str, gen: int, tokens: list[int], nxt: list[int]) -> None:
         if sid not in self.base:
@@ -139,6 +143,7 @@ class StoreVerifier:
 
     acked: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    points_hit: set[str] = field(default_factory=set)
     counts: dict[str, int] = field(default_factory=lambda: {
         "acks": 0, "resumed_at_ack": 0, "resumed_in_flight": 0, "missing": 0, "corrupt": 0, "temp_files": 0,
     })
@@ -171,6 +176,8 @@ class StoreVerifier:
                 self.acked[sid] = gen
             elif ev == "crash":
                 self.problems.append(f"worker crashed: {e['type']}: {e['msg']}")
+            elif ev == "fault":
+                self.points_hit.add(e["point"])
 
 
 def temp_files(root: Path) -> list[Path]:
@@ -243,13 +250,17 @@ def run_campaign(
     return v
 
 
-def random_plan(n_random: int, points: list[str], per_point: int, seed: int) -> list[tuple[str, int] | None]:
-    """`n_random` random-moment kills plus `per_point` injected kills at each point (nth hit drawn at random)."""
+def random_plan(
+    n_random: int, points: list[str], per_point: int, seed: int, max_nth: dict[str, int] | None = None
+) -> list[tuple[str, int] | None]:
+    """`n_random` random-moment kills plus `per_point` injected kills at each point (nth hit drawn at random from
+    1..10, or 1..max_nth[point] for a point a worker reaches only that often before it would time out)."""
     import random
 
     rng = random.Random(seed)
+    caps = max_nth or {}
     plan: list[tuple[str, int] | None] = [None] * n_random
-    plan += [(p, rng.randint(1, 10)) for p in points for _ in range(per_point)]
+    plan += [(p, rng.randint(1, caps.get(p, 10))) for p in points for _ in range(per_point)]
     rng.shuffle(plan)
     return plan
 

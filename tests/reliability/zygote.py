@@ -27,8 +27,9 @@ def log(fd: int, **event: Any) -> None:
     os.write(fd, (json.dumps(event) + "\n").encode())
 
 
-def install_fault(point: str, nth: int) -> None:
-    """SIGKILL this process at the nth time the storage layer passes `point`."""
+def install_fault(point: str, nth: int, fd: int) -> None:
+    """SIGKILL this process at the nth time the storage layer passes `point` (logged first, so that the test knows
+    the point was reached rather than the worker killed where it was)."""
     hits = 0
 
     def hook(name: str) -> None:
@@ -36,6 +37,7 @@ def install_fault(point: str, nth: int) -> None:
         if name == point:
             hits += 1
             if hits >= nth:
+                log(fd, ev="fault", point=point)
                 os.kill(os.getpid(), signal.SIGKILL)
 
     faults.hook = hook
@@ -44,7 +46,7 @@ def install_fault(point: str, nth: int) -> None:
 def run_worker(job: dict[str, Any], work: Work) -> None:
     fd = os.open(job["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     if job.get("fault"):
-        install_fault(*job["fault"])
+        install_fault(*job["fault"], fd)
     try:
         anyio.run(work, job, fd)
     except BaseException as e:
