@@ -36,7 +36,8 @@ class EngineConfig(BaseModel):
     another process sharing the store never loses a blob it counts on."""
     max_checkpoints_in_memory: int = Field(default=8, ge=1)
     """Automatic (msg-N) checkpoint states kept on the host per session (each is one copy of the KDA state:
-    40 MiB at Kimi-Linear's shape); older ones survive in the store once saved. Named checkpoints are kept."""
+    40 MiB at Kimi-Linear's shape); older ones survive in the store once saved. Named checkpoints and the
+    conversation's head (system prompt + tools) are kept besides."""
     checkpoint_interval_pages: int = Field(default=64, ge=0)
     """Inside a long prompt, the prefill also keeps the state every this many KV pages (4,096 tokens at the
     default page size: one KDA state, 40 MiB at Kimi-Linear's shape, per 32 MiB of its KV), so a request that

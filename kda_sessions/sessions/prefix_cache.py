@@ -20,7 +20,7 @@ from ..engine.pool import pages_needed
 from ..engine.scheduler import Work
 from ..errors import KdaSessionsError, SessionNotFound
 from .prefix_index import PrefixHit
-from .residency import Residency
+from .residency import Residency, is_head
 from .state import Checkpoint, SessionState
 from .store_io import StoreIO
 
@@ -118,11 +118,8 @@ class PrefixCache:
 
     @staticmethod
     def pinned(s: SessionState, c: Checkpoint) -> bool:
-        """Named checkpoints, and the conversation's head: the end of its leading system messages (with tools)."""
-        if not is_automatic(c.name):
-            return True
-        head = c.name.startswith("msg-") and c.num_messages > 0
-        return head and all(m.get("role") == "system" for m in s.messages[: c.num_messages])
+        """Named checkpoints, and the conversation's head (system prompt + tools)."""
+        return not is_automatic(c.name) or is_head(s, c)
 
     def drop(self, s: SessionState, c: Checkpoint) -> None:
         """Free the checkpoint's host state and pages; one never saved is forgotten, index entry included (a saved

@@ -19,6 +19,14 @@ from .store_io import StoreIO
 log = logging.getLogger(__name__)
 
 
+def is_head(s: SessionState, c: Checkpoint) -> bool:
+    """Whether ``c`` is the conversation's head: the end of its leading system messages (with the tools), the
+    prefix other conversations of the tenant share. Kept in memory however long the conversation grows."""
+    return c.name.startswith("msg-") and c.num_messages > 0 and all(
+        m.get("role") == "system" for m in s.messages[: c.num_messages]
+    )
+
+
 class Residency:
     """``held`` lists the sessions the manager holds (the eviction candidates), ``save`` saves one (its caller
     holds its lock) and ``store_of`` is the StoreIO of a tenant."""
@@ -164,8 +172,9 @@ class Residency:
         """Bound the host memory a long conversation holds in checkpoints: keep the newest
         ``max_checkpoints_in_memory`` automatic (msg-N) ones in memory; an older one that was saved keeps only its
         stored blobs (a fork loads them back), an unsaved one is dropped, its prefix index entry too. Named
-        checkpoints are always kept."""
-        auto = [c for c in s.checkpoints.values() if c.name.startswith("msg-") and (c.resident or c.pages)]
+        checkpoints and the head are always kept."""
+        auto = [c for c in s.checkpoints.values()
+                if c.name.startswith("msg-") and (c.resident or c.pages) and not is_head(s, c)]
         for c in sorted(auto, key=lambda c: c.position)[: max(0, len(auto) - self.config.max_checkpoints_in_memory)]:
             self.release_checkpoint(c)
             if c.state_blob is None or c.page_blobs is None:

@@ -84,3 +84,15 @@ async def test_checkpoint_memory_is_bounded_and_keeps_what_was_hit():
                 assert a.state.checkpoints[hit].resident and "__at-64" not in a.state.checkpoints
                 assert eng.prefix_index.longest(a.state.tokens[:66]).checkpoint != "__at-64"
         assert a.state.checkpoints["msg-0"].resident  # the shared head is pinned
+
+
+async def test_a_trimmed_unsaved_checkpoint_leaves_the_index():
+    async with await ks.Engine.open(store="memory:", max_checkpoints_in_memory=1, **OPTIONS) as eng:
+        s = await eng.create_session(system=SYSTEM)
+        for word in ("one", "two", "three"):
+            await s.send(word, max_tokens=2, ignore_eos=True)
+        kept = {n for n in s.state.checkpoints if n.startswith("msg-")}
+        assert kept == {"msg-0", "msg-6"}  # the newest, and the head (system prompt), which others start from
+        index = eng.prefix_index
+        assert all(index.key_of(s.id, f"msg-{i}", 1) is None for i in range(1, 6))
+        assert {h.checkpoint for h in index.matches(s.state.tokens)} <= set(s.state.checkpoints)
