@@ -38,9 +38,10 @@ class EngineConfig(BaseModel):
     """Automatic (msg-N) checkpoint states kept on the host per session (each is one copy of the KDA state:
     40 MiB at Kimi-Linear's shape); older ones survive in the store once saved. Named checkpoints and the
     conversation's head (system prompt + tools) are kept besides."""
-    checkpoint_interval_pages: int = Field(default=64, ge=0)
-    """Inside a long prompt, the prefill also keeps the state every this many KV pages (4,096 tokens at the
-    default page size: one KDA state, 40 MiB at Kimi-Linear's shape, per 32 MiB of its KV), so a request that
+    checkpoint_interval_pages: int = Field(default=256, ge=0)
+    """Inside a long prompt, the prefill also keeps the state every this many KV pages (16,384 tokens at the
+    default page size: one KDA state, 40 MiB at Kimi-Linear's shape, per 126 MiB of its KV, so a saved session
+    grows by about a third; at 64 pages a save of the 48B shape doubled), so a request that
     resends that prompt with another tail, or again after a cancelled prefill, reuses all of it up to the last such
     boundary. Page-aligned, so these checkpoints share whole pages. 0: only at message boundaries."""
     checkpoint_memory_bytes: int = Field(default=4 << 30, ge=0)
