@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
+from kda_sessions.api import Engine, open_snapshots
 from kda_sessions.config import ModelConfig
 from kda_sessions.engine.config import EngineConfig
-from kda_sessions.api import Engine, open_snapshots
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.kda import KDAAttention
