@@ -17,11 +17,12 @@ Shapes as in :mod:`.naive`; float32 throughout, outputs cast back to ``v.dtype``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
 
-from .naive import prepare
+from .naive import run_sequences
 
 _BLOCK = 32
 """Chunks whose state-independent tensors are built together."""
@@ -45,33 +46,14 @@ def chunk_kda_cpu(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Same contract as :func:`.naive.naive_chunk_kda` (inference only: no autograd through the in-place ops).
     Returns ``(o [B, T, H, V], final_state [N, H, K, V] | None, checkpoint_states [M, H, K, V] | None)``."""
-    out_dtype = v.dtype
-    q, k, v, g, beta, scale, seqs = prepare(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
+    return run_sequences(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+        checkpoint_positions, partial(_sequence, C=chunk_size),
     )
-    _, _, H, K = q.shape
-    V = v.shape[-1]
-    o = torch.empty_like(v)
-    finals: list[Tensor] = []
-    ckpts: list[Tensor] = []
-    for n, (b, bos, eos) in enumerate(seqs):
-        S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
-        if initial_state is not None:
-            S = initial_state[n].float().clone()
-        wanted = list(checkpoint_positions[n]) if checkpoint_positions is not None else []
-        sl = slice(bos, eos)
-        S = _sequence(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], S, scale, chunk_size, wanted,
-                      o[b, sl], ckpts)
-        finals.append(S)
-    final = torch.stack(finals) if output_final_state else None
-    ck = None
-    if checkpoint_positions is not None:
-        ck = torch.stack(ckpts) if ckpts else q.new_zeros(0, H, K, V)
-    return o.to(out_dtype), final, ck
 
 
-def _sequence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float, C: int,
-              wanted: list[int], out: Tensor, ckpts: list[Tensor]) -> Tensor:
+def _sequence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, scale: float,
+              wanted: list[int], out: Tensor, ckpts: list[Tensor], C: int) -> Tensor:
     """One sequence: q, k, g [T, H, K], v [T, H, V], beta [T, H], S [H, K, V] its starting state. Writes ``out``
     [T, H, V], appends the states after the ``wanted`` positions (1-based) and returns the final state."""
     T = q.shape[0]

@@ -11,7 +11,8 @@ which the state after the first p tokens of that call is returned, flattened in 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -64,6 +65,42 @@ def prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in
     return q.float(), k.float(), v.float(), g.float(), beta.float(), scale, seqs
 
 
+SequenceRun = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, float, list[int], Tensor, list[Tensor]], Tensor]
+"""One sequence's KDA: ``(q, k, v, g, beta, S, scale, wanted, out, ckpts) -> final S``, with q, k, g [T, H, K],
+v [T, H, V], beta [T, H] float32, S [H, K, V] its starting state, ``wanted`` the checkpoint positions (tokens
+after the sequence's start), ``out`` [T, H, V] the output rows to write, ``ckpts`` the list to append states to."""
+
+
+def run_sequences(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None, initial_state: Tensor | None,
+    output_final_state: bool, cu_seqlens: Tensor | None, use_qk_l2norm_in_kernel: bool,
+    checkpoint_positions: Sequence[Sequence[int]] | None, run: SequenceRun,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The driver every CPU path of KDA shares: :func:`prepare`, then ``run`` once per sequence; returns
+    ``(o [B, T, H, V], final_state [N, H, K, V] | None, checkpoint_states [M, H, K, V] | None)``."""
+    out_dtype = v.dtype
+    q, k, v, g, beta, scale, seqs = prepare(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
+    )
+    _, _, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.zeros_like(v)
+    finals: list[Tensor] = []
+    ckpts: list[Tensor] = []
+    for n, (b, bos, eos) in enumerate(seqs):
+        S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
+        if initial_state is not None:
+            S = initial_state[n].float().clone()
+        wanted = list(checkpoint_positions[n]) if checkpoint_positions is not None else []
+        sl = slice(bos, eos)
+        finals.append(run(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], S, scale, wanted, o[b, sl], ckpts))
+    final = torch.stack(finals) if output_final_state else None
+    ck = None
+    if checkpoint_positions is not None:
+        ck = torch.stack(ckpts) if ckpts else q.new_zeros(0, H, K, V)
+    return o.to(out_dtype), final, ck
+
+
 def naive_recurrent_kda(
     q: Tensor,
     k: Tensor,
@@ -79,33 +116,20 @@ def naive_recurrent_kda(
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The KDA recurrence one token at a time: decay, delta update, read (KDA.md). Returns
     ``(o [B, T, H, V], final_state [N, H, K, V] | None, checkpoint_states [M, H, K, V] | None)``."""
-    out_dtype = v.dtype
-    q, k, v, g, beta, scale, seqs = prepare(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
-    )
-    _, _, H, K = q.shape
-    V = v.shape[-1]
-    o = torch.zeros_like(v)
-    finals, ckpts = [], []
-    for n, (b, bos, eos) in enumerate(seqs):
-        S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
-        if initial_state is not None:
-            S = initial_state[n].float().clone()
-        wanted = set(checkpoint_positions[n]) if checkpoint_positions is not None else set()
-        for t in range(bos, eos):
-            S = S * g[b, t].exp()[:, :, None]
-            kt = k[b, t]
-            pred = torch.einsum("hk,hkv->hv", kt, S)
-            S = S + beta[b, t][:, None, None] * kt[:, :, None] * (v[b, t] - pred)[:, None, :]
-            o[b, t] = torch.einsum("hk,hkv->hv", q[b, t] * scale, S)
-            if t - bos + 1 in wanted:
-                ckpts.append(S.clone())
-        finals.append(S)
-    final = torch.stack(finals) if output_final_state else None
-    ck = torch.stack(ckpts) if checkpoint_positions is not None and ckpts else None
-    if checkpoint_positions is not None and ck is None:
-        ck = q.new_zeros(0, H, K, V)
-    return o.to(out_dtype), final, ck
+    return run_sequences(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                         use_qk_l2norm_in_kernel, checkpoint_positions, _recurrent)
+
+
+def _recurrent(q, k, v, g, beta, S, scale: float, wanted: list[int], out: Tensor, ckpts: list[Tensor]) -> Tensor:
+    """One sequence token by token (a :data:`SequenceRun`)."""
+    for t in range(q.shape[0]):
+        S = S * g[t].exp()[:, :, None]
+        pred = torch.einsum("hk,hkv->hv", k[t], S)
+        S = S + beta[t][:, None, None] * k[t][:, :, None] * (v[t] - pred)[:, None, :]
+        out[t] = torch.einsum("hk,hkv->hv", q[t] * scale, S)
+        if t + 1 in wanted:
+            ckpts.append(S.clone())
+    return S
 
 
 def _chunk(q, k, v, g, beta, S, scale: float, wanted: list[int], out: Tensor, ckpts: list[Tensor]) -> Tensor:
@@ -158,27 +182,18 @@ def naive_chunk_kda(
     :func:`naive_recurrent_kda`. Chunks start at each sequence's first token of this call. ``chunk_size`` 16: on a
     CPU the intra-chunk decay tensor [H, C, C, K] costs more than the per-chunk overhead saves (the Triton kernel
     uses 64; docs/benchmarks.md, "CPU prefill")."""
-    out_dtype = v.dtype
-    q, k, v, g, beta, scale, seqs = prepare(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, use_qk_l2norm_in_kernel, checkpoint_positions
+    return run_sequences(
+        q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+        checkpoint_positions, partial(_chunks, chunk_size=chunk_size),
     )
-    _, _, H, K = q.shape
-    V = v.shape[-1]
-    o = torch.zeros_like(v)
-    finals: list[Tensor] = []
-    ckpts: list[Tensor] = []
-    for n, (b, bos, eos) in enumerate(seqs):
-        S = torch.zeros(H, K, V, dtype=torch.float32, device=q.device)
-        if initial_state is not None:
-            S = initial_state[n].float().clone()
-        wanted = list(checkpoint_positions[n]) if checkpoint_positions is not None else []
-        for s in range(bos, eos, chunk_size):
-            e = min(s + chunk_size, eos)
-            here = [p - (s - bos) for p in wanted if s - bos < p <= e - bos]
-            S = _chunk(q[b, s:e], k[b, s:e], v[b, s:e], g[b, s:e], beta[b, s:e], S, scale, here, o[b, s:e], ckpts)
-        finals.append(S)
-    final = torch.stack(finals) if output_final_state else None
-    ck = None
-    if checkpoint_positions is not None:
-        ck = torch.stack(ckpts) if ckpts else q.new_zeros(0, H, K, V)
-    return o.to(out_dtype), final, ck
+
+
+def _chunks(q, k, v, g, beta, S, scale: float, wanted: list[int], out: Tensor, ckpts: list[Tensor],
+            chunk_size: int) -> Tensor:
+    """One sequence chunk by chunk (a :data:`SequenceRun` once ``chunk_size`` is bound)."""
+    T = q.shape[0]
+    for s in range(0, T, chunk_size):
+        e = min(s + chunk_size, T)
+        here = [p - s for p in wanted if s < p <= e]
+        S = _chunk(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], S, scale, here, out[s:e], ckpts)
+    return S
