@@ -34,6 +34,13 @@ def test_a_bad_dtype_is_a_one_line_error(capsys: pytest.CaptureFixture[str]):
     assert "ConfigError: dtype must be one of" in capsys.readouterr().err
 
 
-def test_bench_loads_the_weights_in_the_dtype_asked_for(capsys: pytest.CaptureFixture[str]):
-    assert cli.main(["bench", "--context", "64", "--dtype", "bfloat16", "--model", "tiny-random", "--json"]) == 0
-    assert "resume" in capsys.readouterr().out
+async def test_the_engine_loads_the_weights_in_the_dtype_asked_for():
+    from kda_sessions.api import Engine
+
+    args = cli.parse_args(["chat", "--model", "tiny-random", "--dtype", "bfloat16"])
+    async with await Engine.open(model=args.model, store="memory:", device=args.device, dtype=cli._dtype(args),
+                                 config=cli._engine_config(args)) as engine:
+        assert engine.fingerprint.dtype == "bfloat16" and engine.model.dtype is torch.bfloat16
+        s = await engine.create_session()
+        reply = await s.send("hi", max_tokens=2, temperature=0.0)
+        assert reply.usage.completion_tokens >= 1

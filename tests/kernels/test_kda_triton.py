@@ -134,16 +134,18 @@ def test_dispatch_cuda_bf16():
     assert rel_rms(o, ro) < 2e-2 and rel_rms(f, rf) < 2e-2
 
 
-CHUNK_CASES = [  # (gate, heads, varlen, h0, checkpoints, l2norm, launch parameters)
+# (gate, heads, varlen, h0, checkpoints, l2norm, launch parameters); the launch-parameter variants that only the
+# benches' tuning uses run with -m slow (each is 5-9 s in the interpreter)
+CHUNK_CASES = [
     pytest.param("standard", H, True, True, [[5, 37], [1, 63]], True, None, id="standard-varlen-h0-ckpt"),
     pytest.param("bounded", H, True, False, [[37], [64]], True, SMALL_BLOCKS,
                  id="bounded-varlen-small-blocks"),
     pytest.param("standard", H, False, True, None, False,
                  {"inv_ieee": 1, "offdiag_warps": 4, "prep_bk": 32, "tok_bh": 1, "tok_warps": 1},
-                 id="standard-batch2-no-norm-ieee-inverse-1-head-per-program"),
+                 id="standard-batch2-no-norm-ieee-inverse-1-head-per-program", marks=pytest.mark.slow),
     pytest.param("steep", H, True, True, [[20], [2, 50]], True, None, id="steep-decay-varlen-ckpt"),
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, {"tok_bh": 2, "tok_order": 0},
-                 id="3-heads-2-per-program-chunks-fastest-grid"),
+                 id="3-heads-2-per-program-chunks-fastest-grid", marks=pytest.mark.slow),
     pytest.param("standard", 3, True, True, [[5, 37], [1, 63]], True, None, id="3-heads-4-per-program"),
     pytest.param("standard", H, False, True, None, True, {"state_reg": 0, "state_stages": 2},
                  id="batch2-state-chunk-starts-loaded"),  # the batch2 cases above compute them (the default)

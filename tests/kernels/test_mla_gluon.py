@@ -66,6 +66,7 @@ def _compile_sm90(BH: int, pdl: bool) -> dict:
 
 
 @needs_gluon
+@pytest.mark.slow  # ~70 s on a CPU machine (the first sm90 compile in a process builds Triton's toolchain state)
 @pytest.mark.parametrize("BH,pdl", [(16, False), (32, True)], ids=["bh16", "bh32-pdl"])
 def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     """It compiles with this Triton (Gluon's API moves between releases), fits in shared memory, and its tile loop
