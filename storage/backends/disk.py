@@ -547,14 +547,7 @@ class DiskStore(BlobStore):
         for i in indices:
             d, bufs = targets[i]
             path = self._blob_path(d)
-            try:
-                fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
-            except FileNotFoundError:
-                raise self._not_found(d) from None
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise IntegrityError(f"{self.url}: {path} is a symlink; refusing to follow it") from e
-                raise
+            fd = self._open_loose(d, path)
             try:
                 size = os.fstat(fd).st_size
                 if sum(len(b) for b in bufs) != size:
@@ -590,6 +583,17 @@ class DiskStore(BlobStore):
         finally:
             os.close(fd)
 
+    def _open_loose(self, digest: str, path: Path) -> int:
+        """The loose blob file ``path`` of ``digest``, read-only, never through a symlink (IntegrityError)."""
+        try:
+            return os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        except FileNotFoundError:
+            raise self._not_found(digest) from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise IntegrityError(f"{self.url}: {path} is a symlink; refusing to follow it") from e
+            raise
+
     def _not_found(self, digest: str) -> Exception:
         if self._packs.corrupt:
             return IntegrityError(
@@ -602,14 +606,7 @@ class DiskStore(BlobStore):
         out = []
         for d in digests:
             path = self._blob_path(d)
-            try:
-                fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
-            except FileNotFoundError:
-                raise self._not_found(d) from None
-            except OSError as e:
-                if e.errno == errno.ELOOP:
-                    raise IntegrityError(f"{self.url}: {path} is a symlink; refusing to follow it") from e
-                raise
+            fd = self._open_loose(d, path)
             try:
                 size = os.fstat(fd).st_size
                 data = os.pread(fd, size, 0)
