@@ -4,6 +4,7 @@ completion answers in is saved once the reply is out (server/stateless.py has th
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -74,8 +75,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> JSO
     tracker.begin(view, session.id, created=body.session_id is None)
     if body.stream:
         await tracker.tidy(view)
-        events = _then_finish(tracker, view, [session], stream_completion(request, session, new, sampling, body, tools, model))
-        return EventStream(inflight.claimed_stream(view.tenant, session.id, events), headers=headers)
+        events = stream_completion(request, session, new, sampling, body, tools, model)
+        return EventStream(inflight.claimed_stream(view.tenant, session.id, events), headers=headers,
+                           on_close=functools.partial(_finish_all, tracker, view, [session]))
     sessions = [session]
     try:
         with inflight.claim(view.tenant, session.id):
@@ -145,7 +147,7 @@ async def completions(body: CompletionRequest, request: Request) -> JSONResponse
     if body.stream_options is not None and body.stream_options.include_usage:
         chunks.append(sse_data({**payload, "choices": [], "usage": usage}))
     chunks.append(sse_data("[DONE]"))
-    return EventStream(_then_finish(tracker, view, [session], _iterate(chunks)), headers=headers)
+    return EventStream(_iterate(chunks), headers=headers, on_close=functools.partial(_finish_all, tracker, view, [session]))
 
 
 async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
@@ -156,16 +158,6 @@ async def _iterate(chunks: list[bytes]) -> AsyncIterator[bytes]:
 async def _finish_all(tracker: StatelessSessions, view: TenantSessions, sessions: list[Session]) -> None:
     for s in sessions:
         await tracker.finish(view, s)
-
-
-async def _then_finish(tracker: StatelessSessions, view: TenantSessions, sessions: list[Session],
-                       events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """The stream's events, then (however it ends) the sessions' saves and the sweep."""
-    try:
-        async for chunk in events:
-            yield chunk
-    finally:
-        await _finish_all(tracker, view, sessions)
 
 
 async def open_session(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -20,10 +20,15 @@ def sse_data(obj: Any, event: str | None = None) -> bytes:
 
 
 class EventStream(StreamingResponse):
-    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None) -> None:
+    """``on_close`` runs once when the response ends, however it ends: also when the client went away before the
+    first event, when the generator never started and so never reached its own ``finally``."""
+
+    def __init__(self, events: AsyncIterator[bytes], headers: dict[str, str] | None = None,
+                 on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -41,7 +46,11 @@ class EventStream(StreamingResponse):
                         break
                 tg.cancel_scope.cancel()
         finally:
-            aclose = getattr(self._events, "aclose", None)
-            if aclose is not None:
-                with anyio.CancelScope(shield=True):
-                    await aclose()
+            with anyio.CancelScope(shield=True):
+                try:
+                    aclose = getattr(self._events, "aclose", None)
+                    if aclose is not None:
+                        await aclose()
+                finally:
+                    if self._on_close is not None:
+                        await self._on_close()
