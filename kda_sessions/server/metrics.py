@@ -29,6 +29,9 @@ _ENGINE_METRICS = [
     ("kda_resumes_total", "counter", "Sessions loaded from the store.", "resumes"),
     ("kda_forks_total", "counter", "Sessions forked.", "forks"),
     ("kda_saves_total", "counter", "Session snapshots saved.", "saves"),
+    ("kda_evictions_total", "counter", "Idle sessions saved to the store to free their slot and pages.", "evictions"),
+    ("kda_preemptions_total", "counter",
+     "Running generations parked (KV rows to host memory) to make room for others.", "preemptions"),
 ]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)

@@ -309,5 +309,6 @@ class SessionManager:
             "resume_seconds_last": self.resume_seconds[-1] if self.resume_seconds else None,
             "prefix_index_entries": sum(len(io.index) for io in self._stores.values()),
             "tenants": len(self._stores),
+            "evictions": self.residency.evictions,
             **c,
         }

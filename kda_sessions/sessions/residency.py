@@ -40,6 +40,7 @@ class Residency:
     ) -> None:
         self.core = core
         self.pools = core.pools
+        self.evictions = 0  # idle sessions saved to the store to free their slot and pages
         self.config = core.config
         self.held = held
         self.save = save
@@ -107,6 +108,7 @@ class Residency:
                     continue
                 victim.stored_by_eviction_only = victim.stored_by_eviction_only or never_saved
                 self.release(victim, keep_checkpoint_states=True)
+            self.evictions += 1
             log.info("evicted idle session %s to the store", victim.id)
             return True
         return False

@@ -134,6 +134,7 @@ async def test_idle_sessions_are_evicted_and_come_back(tmp_path):
             await s.append(prompt(i, 100))
             sessions.append(s)
         assert sum(1 for s in sessions if s.state.resident) <= 2
+        assert eng.stats()["evictions"] >= 2
         for s in sessions:
             ref.append((await s.generate(max_tokens=4, ignore_eos=True)).token_ids)
     async with await ks.Engine.open(store="memory:", page_size=16) as eng:
