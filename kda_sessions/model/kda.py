@@ -7,6 +7,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
+from ..kernels.kda.decode import kda_decode
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
 from .fused import DerivedWeights, row_matmul_weight, weights
@@ -39,8 +40,14 @@ class KDAAttention(nn.Module):
         self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
         self._cpu_out = DerivedWeights(lambda: weights(self, ("o_proj",)), lambda: (row_matmul_weight(self.o_proj.weight),))
         """o_proj [H*V, D] for ``x @ w`` (CPU decode only: a GPU decode uses the merged inputs, not this one)."""
+        self._conv = DerivedWeights(lambda: weights(self, ("q_conv1d", "k_conv1d", "v_conv1d")),
+                                    lambda: (self.conv_weight().contiguous(),))
+        """The conv weight [Dc, W] of ``conv_weight``, built once rather than concatenated in every GPU step."""
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
+        self.fused_decode = True
+        """Decode on a GPU through ``kda_decode`` (two launches; False: the separate conv, gate and recurrence
+        kernels, its twin in the model)."""
 
     @property
     def conv_dim(self) -> int:
@@ -78,6 +85,11 @@ class KDAAttention(nn.Module):
         cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D]."""
         if self._use_fast_cpu(x):
             return self._decode_cpu(x, slots, state, conv_state)
+        if x.is_cuda and self.fused_decode:
+            qkv, raw, b, og = self._projections_merged(x)
+            o = kda_decode(qkv, raw, b, self._conv.get()[0], conv_state, self.A_log, self.dt_bias, self.lower_bound,
+                           state, slots)  # [N, H, V]
+            return self._output(x, o[None], og)
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
         qkv, raw, b, og = self._projections_merged(x) if x.is_cuda else self._projections(x)
         qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)

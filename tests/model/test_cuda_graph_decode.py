@@ -327,3 +327,31 @@ def test_merged_decode_projections_equal_the_separate_ones(model):
     with torch.no_grad():
         for merged, separate in zip(attn._projections_merged(x), attn._projections(x)):
             assert merged.shape == separate.shape and rel_err(merged, separate) < 1e-5
+
+
+def test_fused_kda_decode_equals_the_separate_kernels(model, monkeypatch):
+    """A KDA layer's GPU decode (``kda_decode``: two launches) against its separate conv, gate and recurrence
+    twins, run here on a CPU through Triton's interpreter: output, states and conv tails at the slots."""
+    from kda_sessions.model.kda import KDAAttention
+
+    attn = next(m for m in model.modules() if isinstance(m, KDAAttention))
+    pools = model.allocate_pools(4, 4, P)
+    g = torch.Generator().manual_seed(10)
+    for t in pools.kda[:1] + pools.conv[:1]:
+        t.copy_(torch.randn(t.shape, generator=g) * 0.3)
+    x = torch.randn(3, model.config.hidden_size, generator=g)
+    slots, cu = torch.tensor([3, 0, 1]), torch.arange(4)
+    state, conv = pools.kda[0].clone(), pools.conv[0].clone()
+    with torch.no_grad():
+        attn.fast_cpu = False
+        try:
+            ref = attn.decode(x, slots, cu, pools.kda[0], pools.conv[0])
+        finally:
+            attn.fast_cpu = True
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        out = attn.decode(x, slots, cu, state, conv)
+        monkeypatch.undo()
+    assert rel_err(out, ref) < 1e-5
+    assert rel_err(state, pools.kda[0]) < 1e-6
+    assert rel_err(conv, pools.conv[0]) < 1e-6  # the new rows: merged vs separate projections, last bits
+    assert torch.equal(conv[2], pools.conv[0][2])  # a slot outside the batch is untouched

@@ -1,0 +1,94 @@
+"""One KDA decode step from the projections: short conv with its tails, gate, beta, q/k l2norm, the recurrence
+and the read, with the conv tails and the states updated in place in their pools at each sequence's slot.
+
+CUDA tensors go to two Triton launches (:mod:`.decode_triton`); CPU tensors to the twin, which is the separate
+ops this step fuses (conv, gate, sigmoid, fused-recurrent with a pool), each through its own twin.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ..conv.naive import naive_causal_conv
+from ..gate.naive import naive_kda_gate
+from .naive import naive_recurrent_kda
+
+
+def kda_decode(
+    qkv: Tensor,
+    raw: Tensor,
+    b: Tensor,
+    conv_weight: Tensor,
+    conv_state: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float | None,
+    state: Tensor,
+    slots: Tensor,
+    scale: float | None = None,
+) -> Tensor:
+    """One new token for each of N sequences.
+
+    qkv [N, Dc] pre-conv q | k | v rows (Dc = 2 H K + H V), raw [N, H * K] gate logits, b [N, H] beta logits
+    (rows of any stride: slices of one projection output); conv_weight [Dc, W] (any strides); conv_state
+    [S, W - 1, Dc] contiguous, in qkv's dtype; A_log [H], dt_bias [H * K] (the gate of
+    :mod:`kda_sessions.kernels.gate.naive`, ``lower_bound`` None or < 0); state [S, H, K, V] float32 contiguous;
+    slots [N] int, distinct except for rows no one reads back. q and k are l2-normalised, q scaled by ``scale``
+    (None: K^-0.5). Returns o [N, H, V] in qkv's dtype; the tails and states at the slots are updated in place.
+    No host sync on CUDA, so it can be captured in a CUDA graph.
+    """
+    N, H = b.shape
+    S, H_, K, V = state.shape
+    Dc, W = conv_weight.shape
+    if H_ != H or Dc != 2 * H * K + H * V:
+        raise ValueError(f"state must be [S, H={H}, K, V] with conv_weight [2HK + HV, W], got {tuple(state.shape)} "
+                         f"and {tuple(conv_weight.shape)}")
+    if tuple(qkv.shape) != (N, Dc) or tuple(raw.shape) != (N, H * K) or qkv.stride(1) != 1 or raw.stride(1) != 1:
+        raise ValueError(f"qkv must be [N, Dc]={N, Dc} and raw [N, H*K]={N, H * K} with unit column stride, got "
+                         f"{tuple(qkv.shape)} {qkv.stride()}, {tuple(raw.shape)} {raw.stride()}")
+    if tuple(conv_state.shape) != (S, W - 1, Dc) or not conv_state.is_contiguous() or conv_state.dtype != qkv.dtype:
+        raise ValueError(f"conv_state must be contiguous {qkv.dtype} [S, W - 1, Dc]={S, W - 1, Dc}, got "
+                         f"{conv_state.dtype} {tuple(conv_state.shape)}")
+    if state.dtype != torch.float32 or not state.is_contiguous():
+        raise ValueError(f"state must be contiguous float32 [S, H, K, V], got {state.dtype}")
+    if A_log.numel() != H or dt_bias.numel() != H * K or slots.shape != (N,):
+        raise ValueError(f"A_log must hold H={H}, dt_bias H*K={H * K} values and slots be [N]={N}, got "
+                         f"{A_log.numel()}, {dt_bias.numel()}, {tuple(slots.shape)}")
+    if lower_bound is not None and not lower_bound < 0:
+        raise ValueError(f"lower_bound must be < 0, got {lower_bound}")
+    if scale is None:
+        scale = K**-0.5
+    if qkv.is_cuda:
+        from .decode_triton import kda_decode_triton
+
+        return kda_decode_triton(qkv, raw, b, conv_weight, conv_state, A_log.reshape(H), dt_bias.reshape(H * K),
+                                 lower_bound, state, slots, float(scale))
+    return naive_kda_decode(qkv, raw, b, conv_weight, conv_state, A_log, dt_bias, lower_bound, state, slots, scale)
+
+
+def naive_kda_decode(
+    qkv: Tensor, raw: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, A_log: Tensor, dt_bias: Tensor,
+    lower_bound: float | None, state: Tensor, slots: Tensor, scale: float,
+) -> Tensor:
+    """The twin: the separate ops of a decode step over gathered pool rows, scattered back."""
+    N, H = b.shape
+    K, V = state.shape[2:]
+    idx = slots.long()
+    cu = torch.arange(N + 1, device=qkv.device)
+    y, new_tail, _ = naive_causal_conv(qkv, conv_weight, conv_state[idx], cu)
+    conv_state[idx] = new_tail
+    q, k, v = y.split([H * K, H * K, H * V], dim=-1)
+    g = naive_kda_gate(raw.reshape(N, H, K), A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(b.float())
+    # [N, H*K] -> [N, 1, H, K]: one token per sequence
+    o, final, _ = naive_recurrent_kda(
+        q.reshape(N, 1, H, K), k.reshape(N, 1, H, K), v.reshape(N, 1, H, V), g.unsqueeze(1), beta.unsqueeze(1),
+        scale, state[idx], True, None, True,
+    )
+    assert final is not None
+    state[idx] = final
+    return o[:, 0]
+
+
+__all__ = ["kda_decode", "naive_kda_decode"]

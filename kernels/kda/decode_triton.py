@@ -1,0 +1,119 @@
+"""One KDA decode step in two Triton launches: conv + gate + beta + q/k norm + recurrence + read in one kernel,
+then the shift of the conv tails, both in place in the pools at the sequences' slots.
+
+The decode kernel runs one program per (V block, sequence, head) like the fused-recurrent kernel; every program
+computes its head's q and k from the conv tails (the K channels are shared by the V blocks of a head), so no
+program may overwrite a tail another still reads: the tails shift in a second launch, ordered after the first by
+the stream. Nothing is gathered or scattered and no intermediate tensor is written, so a step costs two launches
+instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .fused_recurrent import launch_config
+
+
+@triton.jit
+def _conv_silu(x_row, tail, cw, s_cd, s_cw, ch, m, Dc: tl.constexpr, W: tl.constexpr):
+    """Channels ``ch`` of one token's conv: sum over the W - 1 tail rows and the new row x of weight * row, then
+    SiLU, rounded to x's dtype (as the separate conv kernel stores it); float32."""
+    acc = tl.zeros(ch.shape, dtype=tl.float32)
+    for w in tl.static_range(W - 1):
+        acc += tl.load(tail + w * Dc + ch, mask=m, other=0.0).to(tl.float32) * \
+            tl.load(cw + ch * s_cd + w * s_cw, mask=m, other=0.0).to(tl.float32)
+    acc += tl.load(x_row + ch, mask=m, other=0.0).to(tl.float32) * \
+        tl.load(cw + ch * s_cd + (W - 1) * s_cw, mask=m, other=0.0).to(tl.float32)
+    y = acc * tl.sigmoid(acc)
+    return y.to(x_row.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _decode_kernel(
+    qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BOUNDED: tl.constexpr,
+):
+    iv = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // H
+    h = nh % H
+    Dc: tl.constexpr = 2 * H * K + H * V
+    slot = tl.load(slots + n).to(tl.int64)
+    rk = tl.arange(0, BK)
+    cv = iv * BV + tl.arange(0, BV)
+    mk = rk < K
+    mv = cv < V
+    x_row = qkv + n.to(tl.int64) * s_x
+    tail = conv + slot * (W - 1) * Dc
+    qt = _conv_silu(x_row, tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
+    kt = _conv_silu(x_row, tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
+    vt = _conv_silu(x_row, tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
+    qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6) * scale
+    kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
+    # the gate: raw logits + dt_bias -> log-decay (kernels/gate/naive.py)
+    gx = tl.load(raw + n.to(tl.int64) * s_raw + h * K + rk, mask=mk, other=0.0).to(tl.float32) + \
+        tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if BOUNDED:
+        gt = lower_bound * tl.sigmoid(a * gx)
+    else:
+        softplus = tl.where(gx > 20.0, gx, tl.maximum(gx, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(gx))))
+        gt = -a * softplus
+    bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
+    # the recurrence on this program's [K, BV] slice of the state, in place at the slot
+    mkv = mk[:, None] & mv[None, :]
+    sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
+    S = tl.load(sptr, mask=mkv, other=0.0)
+    S = S * tl.exp(gt)[:, None]
+    pred = tl.sum(kt[:, None] * S, axis=0)
+    S += kt[:, None] * (bt * (vt - pred))[None, :]
+    tl.store(sptr, S, mask=mkv)
+    ot = tl.sum(qt[:, None] * S, axis=0)
+    tl.store(o + nh.to(tl.int64) * V + cv, ot.to(o.dtype.element_ty), mask=mv)
+
+
+@triton.jit
+def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr, BD: tl.constexpr):
+    """Tail rows 1 .. W - 2 move down one row and the new pre-conv row becomes the last."""
+    n = tl.program_id(0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    md = d < Dc
+    slot = tl.load(slots + n).to(tl.int64)
+    tail = conv + slot * (W - 1) * Dc
+    for w in tl.static_range(W - 2):
+        tl.store(tail + w * Dc + d, tl.load(tail + (w + 1) * Dc + d, mask=md), mask=md)
+    row = tl.load(qkv + n.to(tl.int64) * s_x + d, mask=md)
+    tl.store(tail + (W - 2) * Dc + d, row.to(conv.dtype.element_ty), mask=md)
+
+
+def kda_decode_triton(
+    qkv: Tensor, raw: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, A_log: Tensor, dt_bias: Tensor,
+    lower_bound: float | None, state: Tensor, slots: Tensor, scale: float,
+) -> Tensor:
+    """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V]."""
+    N, H = b.shape
+    S, H_, K, V = state.shape
+    Dc, W = conv_weight.shape
+    o = qkv.new_empty(N, H, V)
+    if N == 0:
+        return o
+    BV, num_warps = launch_config(N, H, V)
+    _decode_kernel[(triton.cdiv(V, BV), N * H)](
+        qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
+        conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
+        H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
+        num_warps=num_warps,
+    )
+    if W > 1:
+        BD = min(1024, triton.next_power_of_2(Dc))
+        _conv_shift_kernel[(N, triton.cdiv(Dc, BD))](qkv, qkv.stride(0), conv_state, slots, Dc=Dc, W=W, BD=BD,
+                                                    num_warps=4)
+    return o
+
+
+__all__ = ["kda_decode_triton"]

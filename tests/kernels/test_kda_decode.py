@@ -1,0 +1,82 @@
+"""The fused KDA decode step (conv + gate + norm + recurrence, pools updated in place) against its twin, the
+separate ops it replaces; under TRITON_INTERPRET=1 at small shapes on a CPU, compiled with ``-m gpu``.
+
+Tolerance: relative RMS 1e-5 for float32 (the same sums in another order), 2e-2 for bfloat16 (the conv output
+is rounded to bf16 in both, but one ulp of a rounding flip moves the normalised q and k)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_sessions.kernels.kda.decode import kda_decode, naive_kda_decode
+
+from .kernel_helpers import rel_rms
+
+H, K, V, W = 2, 16, 32, 4
+S = 6
+Dc = 2 * H * K + H * V
+
+
+def _case(dtype: torch.dtype, device: str, seed: int = 0):
+    """Projection rows as strided slices of one [N, Dc + H*K + H + 5] output, as the layer hands them over."""
+    gen = torch.Generator().manual_seed(seed)
+    N = 3
+    y = torch.randn(N, Dc + H * K + H + 5, generator=gen)
+    conv_w = torch.randn(W, Dc, generator=gen) * 0.5  # [W, Dc] storage, passed as a [Dc, W] view
+    conv_state = torch.randn(S, W - 1, Dc, generator=gen)
+    state = torch.randn(S, H, K, V, generator=gen) * 0.1
+    A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(H * K, generator=gen) * 0.5 - 2.0
+    slots = torch.tensor([4, 0, 2])
+    y, conv_w, conv_state = y.to(dtype), conv_w.to(dtype), conv_state.to(dtype)
+    t = [y, conv_w, conv_state, state, A_log, dt_bias, slots]
+    y, conv_w, conv_state, state, A_log, dt_bias, slots = (x.to(device) for x in t)
+    qkv, raw, b = y[:, :Dc], y[:, Dc : Dc + H * K], y[:, Dc + H * K : Dc + H * K + H]
+    return qkv, raw, b, conv_w.t(), conv_state, A_log, dt_bias, state, slots
+
+
+def _run(fn, case, lower_bound):
+    qkv, raw, b, cw, conv_state, A_log, dt_bias, state, slots = case
+    conv_state, state = conv_state.clone(), state.clone()
+    o = fn(qkv, raw, b, cw, conv_state, A_log, dt_bias, lower_bound, state, slots, K**-0.5)
+    return o, conv_state, state
+
+
+def _check(dtype: torch.dtype, device: str, lower_bound: float | None) -> None:
+    from kda_sessions.kernels.kda.decode_triton import kda_decode_triton
+
+    case = _case(dtype, device)
+    o, conv, st = _run(kda_decode_triton, case, lower_bound)
+    ro, rconv, rst = _run(naive_kda_decode, tuple(x.cpu() for x in case), lower_bound)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert o.shape == (3, H, V) and o.dtype == dtype
+    assert rel_rms(o.cpu(), ro) < tol
+    assert rel_rms(st.cpu(), rst) < tol
+    assert torch.equal(conv.cpu(), rconv)  # the tails are moved, not computed
+    untouched = [1, 3, 5]
+    assert torch.equal(st.cpu()[untouched], case[7].cpu()[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
+def test_fused_decode_matches_the_separate_ops(dtype, lower_bound):
+    _check(dtype, "cpu", lower_bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_decode_matches_the_separate_ops_on_cuda(dtype):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _check(dtype, "cuda", None)
+
+
+def test_public_function_checks_shapes():
+    qkv, raw, b, cw, conv_state, A_log, dt_bias, state, slots = _case(torch.float32, "cpu")
+    with pytest.raises(ValueError, match="conv_state"):
+        kda_decode(qkv, raw, b, cw, conv_state[:, :2], A_log, dt_bias, None, state, slots)
+    with pytest.raises(ValueError, match="lower_bound"):
+        kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, 1.0, state, slots)
+    o = kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots)  # the CPU twin
+    assert o.shape == (3, H, V)
