@@ -466,7 +466,13 @@ def startup_summary(settings: Any) -> str:
         f"({e.num_pages * e.page_size:,} tokens)",
         f"  chat sessions {saving}; at most {settings.max_stateless_sessions} in memory, "
         f"forgotten after {settings.stateless_session_ttl_s:.0f} s idle",
+        f"  sampling      {_sampling_line(settings.sampling_defaults())} (for a request that names none)",
     ])
+
+
+def _sampling_line(d: dict[str, float | int]) -> str:
+    how = "greedy" if d["temperature"] == 0 else f"temperature {d['temperature']:g}, top_p {d['top_p']:g}"
+    return f"{how}, max_tokens {d['max_tokens']}"
 
 
 def main(argv: list[str] | None = None) -> int:

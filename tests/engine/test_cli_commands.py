@@ -178,5 +178,5 @@ def test_serve_summary_names_model_store_device_and_pools():
     assert settings.served_model_aliases == ["kimi"] and settings.chat_session_retention_s == 0
     text = cli.startup_summary(settings)
     for part in ("model tiny", "on cpu", "store         memory:", "http://127.0.0.1:8000/v1", "128 KV pages",
-                 "64 session slots", "kept until deleted"):
+                 "64 session slots", "kept until deleted", "sampling      greedy"):  # tiny's generation config
         assert part in text, part
