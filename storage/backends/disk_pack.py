@@ -37,6 +37,7 @@ from pathlib import Path
 
 from .. import faults
 from ..errors import IntegrityError
+from .disk_files import O_CLOEXEC, O_NOFOLLOW, fsync_dir, sha256_hex, write_all
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,6 @@ PACK_SUFFIX = ".pack"
 DEAD_SUFFIX = ".dead"
 COMPACT_DEAD_FRACTION = 0.75
 """A pack with at least this fraction of its data bytes dead is rewritten without them."""
-
-_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 
 WRITEBACK_CHUNK_BYTES = 1 << 20
 """A pack's bytes are handed to the disk every this many bytes while the rest is still being written (see
@@ -87,15 +84,6 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         raise OSError(code, os.strerror(code))
 
 
-def fsync_dir(path: Path) -> None:
-    """fsync a directory (makes the links and renames inside it durable)."""
-    fd = os.open(path, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def encode_index(items: Sequence[tuple[str, int]]) -> bytes:
     """Header + index of a pack holding blobs ``(digest, length)`` in this order."""
     offset = _HEADER.size + _ENTRY.size * len(items)
@@ -129,10 +117,6 @@ def parse_index(read: Callable[[int, int], bytes], size: int, where: str) -> dic
     if expect != size:
         raise IntegrityError(f"{where}: pack data ends at {expect}, the file has {size} bytes; truncated?")
     return out
-
-
-def sha256_hex(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 @dataclass
@@ -222,7 +206,7 @@ class PackSet:
 
     def _load(self, name: str, st: os.stat_result) -> Pack:
         path = self.folder / f"{name}{PACK_SUFFIX}"
-        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
             entries = parse_index(lambda off, n: os.pread(fd, n, off), size, str(path))
@@ -297,14 +281,14 @@ class PackSet:
             fsync_dir(self.folder.parent)
         name = f"pack-{time.time_ns():x}-{secrets.token_hex(8)}"
         tmp = self.folder / f"{tmp_prefix}{secrets.token_hex(8)}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
         try:
             index = encode_index([(d, len(b)) for d, b in items])
-            _write_all(fd, index)
+            write_all(fd, index)
             written = flushed = len(index)
             for i, (_, data) in enumerate(items):
                 verified(i)
-                _write_all(fd, data)
+                write_all(fd, data)
                 written += len(data)
                 if written - flushed >= WRITEBACK_CHUNK_BYTES:
                     start_writeback(fd, flushed, written - flushed)
@@ -335,7 +319,7 @@ class PackSet:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644)
+        fd = os.open(self.folder / ".lock", os.O_RDWR | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -353,10 +337,10 @@ class PackSet:
             for pack in holders:
                 fd = os.open(
                     self.folder / f"{pack.name}{DEAD_SUFFIX}",
-                    os.O_WRONLY | os.O_APPEND | os.O_CREAT | _O_NOFOLLOW | _O_CLOEXEC, 0o644,
+                    os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0o644,
                 )
                 try:
-                    _write_all(fd, bytes.fromhex(digest))
+                    write_all(fd, bytes.fromhex(digest))
                 finally:
                     os.close(fd)
                 pack.dead.add(digest)
@@ -379,7 +363,7 @@ class PackSet:
         """Rewrite ``pack`` without its dead blobs; a live blob that fails verification is left out (logged):
         the store then lacks it, so the next save that needs it writes it again."""
         items: list[tuple[str, bytes]] = []
-        fd = os.open(self.path(pack), os.O_RDONLY | _O_NOFOLLOW | _O_CLOEXEC)
+        fd = os.open(self.path(pack), os.O_RDONLY | O_NOFOLLOW | O_CLOEXEC)
         try:
             for d in pack.live():
                 off, n = pack.entries[d]
@@ -413,9 +397,3 @@ class PackSet:
                 if set(pack.live()) <= others:
                     logger.info("removing pack %s: every live blob is held by another pack", pack.name)
                     self._drop(pack)
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]

@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 
 import kda_sessions as ks
-from kda_sessions.storage.backends import disk
+from kda_sessions.storage.backends import disk, disk_files
 
 ENGINE = {"model": "tiny-random", "page_size": 16, "ram_tier_bytes": 0}
 
@@ -48,8 +48,8 @@ async def test_injected_io_error_fails_the_save_and_keeps_the_previous_version(
             return real(fd, *args)
 
         monkeypatch.setattr(disk.os, call, failing)
-        real_syncfs = disk._syncfs
-        if call == "fsync" and disk._LIBC_SYNCFS is not None:
+        real_syncfs = disk_files.syncfs
+        if call == "fsync" and disk_files.LIBC_SYNCFS is not None:
             # batched blob writes flush with one syncfs(2) instead of an fsync per file: fail that the same way
 
             def failing_syncfs(fd: int) -> None:
@@ -59,11 +59,11 @@ async def test_injected_io_error_fails_the_save_and_keeps_the_previous_version(
                     raise OSError(code, os.strerror(code))
                 real_syncfs(fd)
 
-            monkeypatch.setattr(disk, "_syncfs", failing_syncfs)
+            monkeypatch.setattr(disk_files, "syncfs", failing_syncfs)
         with pytest.raises(ks.StoreUnavailable, match=errno.errorcode[code]):
             await s.save()
         monkeypatch.setattr(disk.os, call, real)
-        monkeypatch.setattr(disk, "_syncfs", real_syncfs)
+        monkeypatch.setattr(disk_files, "syncfs", real_syncfs)
         assert calls and set(calls.values()) == {1}  # each failing file was tried once, then abandoned
         assert list(root.rglob(disk.TMP_PREFIX + "*")) == []
     async with await ks.Engine.open(store=f"disk:{root}", **ENGINE) as eng:

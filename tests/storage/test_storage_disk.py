@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kda_sessions.storage.backends import disk as disk_mod
+from kda_sessions.storage.backends import disk_files
 from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
 from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import IntegrityError, StoreUnavailable
@@ -53,8 +53,8 @@ async def test_open_removes_temp_files_of_dead_writers_of_this_host(tmp_path: Pa
     await DiskStore.open(tmp_path)
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
-    dead = tmp_path / "manifests" / f"{TMP_PREFIX}{disk_mod._HOST_TAG}-{gone.pid}-0123456789abcdef"
-    live = tmp_path / "leases" / f"{TMP_PREFIX}{disk_mod._HOST_TAG}-{os.getppid()}-0123456789abcdef"
+    dead = tmp_path / "manifests" / f"{TMP_PREFIX}{disk_files.HOST_TAG}-{gone.pid}-0123456789abcdef"
+    live = tmp_path / "leases" / f"{TMP_PREFIX}{disk_files.HOST_TAG}-{os.getppid()}-0123456789abcdef"
     other_host = tmp_path / "manifests" / f"{TMP_PREFIX}00000000-{gone.pid}-0123456789abcdef"  # can't be checked
     for p in (dead, live, other_host):
         p.write_bytes(b"half a file")
@@ -69,7 +69,7 @@ async def test_failed_write_leaves_nothing(tmp_path: Path, monkeypatch: pytest.M
     def full_disk(fd: int, data: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod.os, "write", full_disk)
+    monkeypatch.setattr(disk_files.os, "write", full_disk)
     with pytest.raises(StoreUnavailable, match="ENOSPC") as info:
         await store.put_blob(digest(b"abc"), b"abc")
     assert isinstance(info.value.__cause__, OSError)

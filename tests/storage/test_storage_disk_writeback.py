@@ -14,7 +14,7 @@ import pytest
 from storage_helpers import make_snapshot, pack_files, synthetic_blobs
 
 from kda_sessions.storage import SnapshotStore
-from kda_sessions.storage.backends import disk as disk_mod
+from kda_sessions.storage.backends import disk_files
 from kda_sessions.storage.backends import disk_pack
 from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
 from kda_sessions.storage.errors import StoreUnavailable
@@ -53,7 +53,7 @@ async def test_pack_bytes_are_handed_to_the_disk_in_order_then_fsynced_once(
 
     monkeypatch.setattr(disk_pack, "WRITEBACK_CHUNK_BYTES", 12_000)
     monkeypatch.setattr(disk_pack, "start_writeback", writeback)
-    monkeypatch.setattr(disk_mod.os, "fsync", fsync)
+    monkeypatch.setattr(disk_files.os, "fsync", fsync)
     assert await store.put_blobs(blobs) == set(blobs)
     monkeypatch.undo()
     tmp = [e for e in events if TMP_PREFIX in e[1]]
@@ -93,7 +93,7 @@ async def test_writeback_io_error_abandons_the_pack(tmp_path: Path, monkeypatch:
 
     monkeypatch.setattr(disk_pack, "WRITEBACK_CHUNK_BYTES", 6000)
     monkeypatch.setattr(disk_pack, "_LIBC_SYNC_FILE_RANGE", fake)
-    monkeypatch.setattr(disk_mod.os, "fsync", fsync)
+    monkeypatch.setattr(disk_files.os, "fsync", fsync)
     new = _blobs(8, seed=2)
     with pytest.raises(StoreUnavailable, match="EIO"):
         await store.put_blobs(new)
@@ -147,13 +147,13 @@ async def test_a_save_that_fails_mid_pack_keeps_the_previous_snapshot(
 
 async def test_open_creates_the_layout_durably_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     synced: list[Path] = []
-    real = disk_mod.fsync_dir
+    real = disk_files.fsync_dir
 
     def fsync_dir(path: Path) -> None:
         synced.append(Path(path))
         real(path)
 
-    monkeypatch.setattr(disk_mod, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(disk_files, "fsync_dir", fsync_dir)
     root = tmp_path / "store"
     await DiskStore.open(root)
     assert (root / "blobs" / "packs").is_dir()
