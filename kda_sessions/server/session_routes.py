@@ -24,7 +24,8 @@ router = APIRouter(prefix="/v1/sessions")
 
 def session_info(s: Session, saved: bool | None = None) -> SessionInfo:
     st = s.state
-    return SessionInfo(session_id=s.id, num_tokens=st.num_tokens, checkpoints=sorted(st.checkpoints),
+    named = sorted(n for n in st.checkpoints if not n.startswith("__"))  # "__" names are the engine's own
+    return SessionInfo(session_id=s.id, num_tokens=st.num_tokens, checkpoints=named,
                        active=st.resident, saved=st.generation > 0 if saved is None else saved, parent=st.parent)
 
 

@@ -5,6 +5,7 @@ reuse; the host memory of checkpoint states stays within its bound and keeps the
 from __future__ import annotations
 
 import kda_sessions as ks
+from kda_sessions.server.session_routes import session_info
 
 SYSTEM = "You are a careful coding agent. "
 LONG = "".join(f"line {i}: def f{i}(x): return x * {i} + {i * i}\n" for i in range(22))  # ~800 byte tokens
@@ -36,6 +37,8 @@ async def test_a_resent_long_message_reuses_up_to_its_last_interval_boundary():
         a = await eng.create_session(system=SYSTEM)
         await a.send(LONG, max_tokens=6, ignore_eos=True)
         assert sum(n.startswith("__at-") for n in a.state.checkpoints) >= 10
+        listed = session_info(a).checkpoints  # what GET /v1/sessions/{id} shows: the engine's own are not listed
+        assert "msg-1" in listed and not any(n.startswith("__") for n in listed)
         b = await eng.create_session(system=SYSTEM)
         got = await b.send(EDITED, max_tokens=6, ignore_eos=True)
         assert got.usage.cached_tokens == _last_boundary(_common(a.state.tokens, b.state.tokens))
