@@ -10,7 +10,6 @@ instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and 
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -97,7 +96,7 @@ def kda_decode_triton(
 ) -> Tensor:
     """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V]."""
     N, H = b.shape
-    S, H_, K, V = state.shape
+    K, V = state.shape[2:]
     Dc, W = conv_weight.shape
     o = qkv.new_empty(N, H, V)
     if N == 0:
