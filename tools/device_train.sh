@@ -11,8 +11,8 @@
 # ($OUT/run/weights, $OUT/run/train_log.json), so a call killed early still brings back its latest weights; set
 # TRAIN_LIMIT_S below the time left (the default 560 s leaves the 600-s call time to save). Do not pipe the call's
 # output through `tail`: a killed pipeline prints nothing. Writes to $OUT: run/weights/* (5 files), meta.tar (train_log.json and
-# heldout_rows.json) and the Triton cache as tcache.tar.xz.part-aa, -ab (15 MiB parts: at most 8 files of at most
-# 16 MiB come back). Restore it next time with: mkdir -p .out/tcache && cp /work/.device/N/tcache.tar.xz.part-* .out/tcache/
+# heldout_rows.json) and the Triton cache as tcache.tar.xz.part-aa, -ab (parts of 15-16 MiB, when they fit beside the rest:
+# at most 8 files of at most 16 MiB, 64 MiB in all, come back). Restore it next time with: mkdir -p .out/tcache && cp /work/.device/N/tcache.tar.xz.part-* .out/tcache/
 #
 # .whl/train holds the cp312 wheels the machine lacks: pydantic, pydantic-core, annotated-types,
 # typing-inspection, typing-extensions, jinja2, markupsafe, safetensors, fla-core==0.6.0, einops
@@ -39,5 +39,15 @@ if [ -f "$OUT/run/train_log.json" ]; then
   tar cf "$OUT/meta.tar" -C "$OUT/run" train_log.json $(cd "$OUT/run" && ls heldout_rows.json 2>/dev/null)
   rm -f "$OUT/run/train_log.json" "$OUT/run/heldout_rows.json"
 fi
-tar cf - -C /tmp tc | xz -T0 -2 > /tmp/tcache.tar.xz && split -b 15m /tmp/tcache.tar.xz "$OUT/tcache.tar.xz.part-"
+# what comes back is at most 8 files and 64 MiB: the weights and meta.tar first, the Triton cache only in what is left
+tar cf - -C /tmp tc | xz -T0 -2 > /tmp/tcache.tar.xz
+used=$(du -sb "$OUT" | cut -f1); files=$(find "$OUT" -type f | wc -l)
+size=$(stat -c %s /tmp/tcache.tar.xz); left=$(( 64 * 2**20 - used - 2**20 )); slots=$(( 8 - files ))
+part=$(( (size + slots - 1) / (slots > 0 ? slots : 1) ))
+if [ "$slots" -gt 0 ] && [ "$size" -le "$left" ] && [ "$part" -le $(( 16 * 2**20 - 4096 )) ]; then
+  [ "$part" -lt $(( 15 * 2**20 )) ] && part=$(( 15 * 2**20 ))
+  split -b "$part" /tmp/tcache.tar.xz "$OUT/tcache.tar.xz.part-"
+else
+  echo "# Triton cache ($size bytes) left behind: $left bytes and $slots files left of what comes back"
+fi
 exit $rc
