@@ -1,0 +1,229 @@
+"""Decode through the public API at the Kimi-Linear-48B-A3B shape: ``Session.generate`` through ``Engine``, next
+to the floor set by the bytes a step must read, the graph replays of the bare step, and the profiler's kernels.
+
+Parts, each written to ``--out`` as it ends:
+  engine    for each BATCHxCONTEXT of ``--cases``: BATCH fresh sessions, ``append`` CONTEXT random byte ids each
+            (concurrently), one warm-up ``generate`` (captures the graph of that batch and width), then
+            ``generate(1)`` and ``generate(1 + --steps)`` on every session at once (greedy, ``ignore_eos``): the
+            time per step is their difference over ``--steps`` (host work, sampling and detokenising included);
+  replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
+            random pools (no prefill, so 1M fits in the time);
+  profile   the eager step at 1 x 8K under the torch profiler (``decode_48b.profile_case``), with KDA's fused decode
+            (``KDAAttention.fused_decode``) and with the separate kernels it replaces: kernels per step, top kernels;
+            and the top kernels of graphed ``generate`` steps through the Engine;
+  prefill_2b  with ``--prefill-2b N``: the 2 B hybrid bench model of ``bench/e2e_gpu.py`` prefills N tokens through
+            ``Engine`` (``append`` + ``generate(1)``, after a warm-up that compiles), tokens/s.
+
+The floor (``decode_48b.floor_bytes``): every non-routed weight once, the chosen experts, latent KV, KDA states read
+and written, at 4.8 TB/s. Model: ``prefill_48b.build_model`` (random bf16 weights built on the device).
+
+    PYTHONUNBUFFERED=1 python3 bench/decode_engine_48b.py --prefill-2b 131072 --out $OUT/de.json   # on the device
+    python bench/decode_engine_48b.py --quick --device cpu                                      # checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_48b import decode_case, floor_bytes, profile_case
+from prefill_48b import build_model, config_48b, prefill_once
+
+from kda_sessions.api import Engine, open_snapshots
+from kda_sessions.config import ModelConfig
+from kda_sessions.engine.config import EngineConfig
+from kda_sessions.model import HybridModel
+from kda_sessions.model.kda import KDAAttention
+from kda_sessions.tokenizer import ByteTokenizer, builtin_template
+
+T0 = time.time()
+P = 64
+
+
+def log(msg: str) -> None:
+    print(f"[{time.time() - T0:6.1f}s] {msg}", flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+async def open_engine(model: HybridModel, sessions: int, tokens: int, name: str) -> Engine:
+    """An Engine over ``model`` with room for ``sessions`` sessions of ``tokens`` tokens each, memory store."""
+    config = EngineConfig(max_active_sessions=sessions, num_pages=sessions * (-(-tokens // P) + 8) + 64, page_size=P,
+                          max_checkpoints_in_memory=1)
+    snapshots = await open_snapshots("memory:", config)
+    return Engine(model, name, ByteTokenizer(), builtin_template(), snapshots, config)
+
+
+async def generate_all(sessions: list, n: int) -> float:
+    """Seconds for ``generate(n)`` on every session at once (greedy, no early stop)."""
+    t = time.perf_counter()
+    replies = await asyncio.gather(*(s.generate(max_tokens=n, temperature=0.0, ignore_eos=True) for s in sessions))
+    sync()
+    assert all(r.usage.completion_tokens == n for r in replies), [r.usage.completion_tokens for r in replies]
+    return time.perf_counter() - t
+
+
+async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(L + batch)
+    sessions = [await engine.create_session() for _ in range(batch)]
+    t = time.perf_counter()
+    await asyncio.gather(*(s.append(torch.randint(0, 256, (L,), generator=gen).tolist()) for s in sessions))
+    sync()
+    prefill_s = time.perf_counter() - t
+    await generate_all(sessions, 2)  # captures the graphs of this batch and page-table width
+    one = await generate_all(sessions, 1)
+    many = await generate_all(sessions, 1 + steps)
+    step_ms = (many - one) / steps * 1e3
+    floor = floor_bytes(model, batch, L)
+    for s in sessions:
+        await engine.delete_session(s.id)
+    return {"batch": batch, "context": L, "prefill_s": round(prefill_s, 2), "step_ms": round(step_ms, 3),
+            "tok_per_s": round(batch * 1e3 / step_ms, 1), "floor_ms": round(floor["floor_ms"], 3),
+            "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor}
+
+
+async def engine_profile(engine: Engine, L: int, steps: int, top: int = 20) -> dict[str, Any]:
+    """Top kernels of graphed decode steps through ``generate`` (batch 1, context L), per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    s = await engine.create_session()
+    await s.append(torch.randint(0, 256, (L,), generator=torch.Generator().manual_seed(5)).tolist())
+    await generate_all([s], 2)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        await generate_all([s], steps)
+    await engine.delete_session(s.id)
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            rows.append({"name": e.key[:100], "calls_per_step": round(e.count / steps, 2),
+                         "us_per_step": round(us / steps, 1)})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"steps": steps, "kernels_per_step": round(sum(r["calls_per_step"] for r in rows), 1),
+            "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
+
+
+def set_fused_decode(model: HybridModel, on: bool) -> None:
+    for m in model.modules():
+        if isinstance(m, KDAAttention):
+            m.fused_decode = on
+
+
+def config_2b(quick: bool) -> ModelConfig:
+    """The hybrid 2 B bench model of ``bench/e2e_gpu.py`` (imported late: that script sets up its own imports)."""
+    from e2e_gpu import config_dict
+
+    return ModelConfig.from_dict(config_dict("hybrid", quick, False))
+
+
+async def prefill_2b(N: int, quick: bool, device: str) -> dict[str, Any]:
+    model = build_model(config_2b(quick), device)
+    engine = await open_engine(model, 1, max(N, 8192 if not quick else 512), "e2e-2b-random")
+    try:
+        await prefill_once(engine, 8192 if not quick else 256, seed=0)  # compiles the prefill kernels
+        dt, pre = await prefill_once(engine, N, seed=N)
+    finally:
+        await engine.close()
+    return {"N": N, "prefill_tokens": pre, "s": round(dt, 2), "tok_per_s": round(N / dt)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quick", action="store_true", help="a small shape and contexts, to check the script")
+    ap.add_argument("--cases", default="1x8192,1x131072,8x32768", help="Engine cases, BATCHxCONTEXT")
+    ap.add_argument("--replay-cases", default="1x8192,1x131072,1x1048576,8x32768,32x32768")
+    ap.add_argument("--steps", type=int, default=64, help="decode steps timed per Engine case")
+    ap.add_argument("--reps", type=int, default=20, help="graph replays timed per replay case")
+    ap.add_argument("--prefill-2b", type=int, default=0, help="also prefill the 2 B bench model N tokens (0: no)")
+    ap.add_argument("--budget", type=float, default=420.0, help="start no new part after this many seconds")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    res: dict[str, Any] = {"machine": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv)}
+
+    def dump() -> None:
+        if args.out is not None:
+            args.out.write_text(json.dumps(res, indent=1))
+
+    def part(name: str, fn) -> None:
+        if time.time() - T0 > args.budget:
+            res.setdefault("errors", {})[name] = "skipped: time budget"
+            return
+        try:
+            res[name] = fn()
+            log(f"{name}: {json.dumps(res[name])[:2000]}")
+        except Exception as e:
+            res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"
+            log(f"{name} failed: {traceback.format_exc()}")
+        dump()
+
+    def cases(spec: str) -> list[tuple[int, int]]:
+        out = [tuple(int(v) for v in c.split("x")) for c in spec.split(",") if c]
+        return [(b, min(L, 300) if args.quick else L) for b, L in out]  # type: ignore[misc]
+
+    t = time.perf_counter()
+    model = build_model(config_48b(args.quick), args.device)
+    res["build_s"] = round(time.perf_counter() - t, 1)
+    res["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
+    log(f"built {res['params_b']} B parameters in {res['build_s']} s")
+
+    async def engine_parts() -> None:
+        todo = cases(args.cases)
+        engine = await open_engine(model, max(b for b, _ in todo), max(L for _, L in todo) + args.steps + 8,
+                                   "kimi-linear-48b-shape-random")
+        try:
+            for b, L in todo:
+                try:
+                    r = await engine_case(engine, model, b, L, args.steps)
+                    res.setdefault("engine", []).append(r)
+                    log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
+                except Exception as e:
+                    res.setdefault("errors", {})[f"engine {b}x{L}"] = f"{type(e).__name__}: {e}"
+                    log(traceback.format_exc())
+                dump()
+            if cuda:
+                try:
+                    res["engine_profile_1x8192"] = await engine_profile(engine, min(8192, todo[0][1]), 16)
+                except Exception as e:
+                    res.setdefault("errors", {})["engine_profile"] = f"{type(e).__name__}: {e}"
+                dump()
+        finally:
+            await engine.close()
+
+    asyncio.run(engine_parts())
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        for on in (False, True):
+            set_fused_decode(model, on)
+            part(f"profile_eager_1x8192_kda_{'fused' if on else 'separate'}",
+                 lambda: profile_case(model, 8192, args.device))
+    for b, L in cases(args.replay_cases):
+        part(f"replay_{b}x{L}", lambda b=b, L=L: decode_case(model, b, L, ["fused"], args.reps, args.device))
+    if args.prefill_2b:
+        del model
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        part("prefill_2b", lambda: asyncio.run(prefill_2b(args.prefill_2b if not args.quick else 600, args.quick,
+                                                           args.device)))
+    dump()
+
+
+if __name__ == "__main__":
+    main()
