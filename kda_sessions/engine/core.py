@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 IDLE_PREFILL_TOKENS_GPU = 8192
 """Prompt tokens of a step with nothing generating on a GPU, unless EngineConfig names its own."""
 
+SMALL_MODEL_PARAMS = 64_000_000
+"""Below this many parameters a CPU step runs on one torch thread unless ``EngineConfig.cpu_threads`` says
+otherwise: ``tiny``'s decode step is ~1,700 small ops, and each parallel region costs more than it saves
+(docs/benchmarks.md, "`tiny` on the CPU")."""
+
 
 class EngineCore:
     """Must be created on the event loop that will use it (results are handed back to that loop)."""
@@ -45,9 +50,19 @@ class EngineCore:
         self.work_ended = anyio.Event()
         """Set (and replaced) whenever works end; what a request waiting for pages waits on."""
         self.runner = Runner(model, self.pools, self.scheduler, tokenizer, self._deliver_from_thread,
-                             cuda_graphs=config.cuda_graphs, park_timeout_s=config.page_wait_s)
+                             cuda_graphs=config.cuda_graphs, park_timeout_s=config.page_wait_s,
+                             cpu_threads=self._cpu_threads(model, config))
         self.preemption = self.runner.preemption
         self.runner.start()
+
+    @staticmethod
+    def _cpu_threads(model: HybridModel, config: EngineConfig) -> int | None:
+        """The step thread's torch threads (None: leave torch's default); see ``EngineConfig.cpu_threads``."""
+        if model.device.type != "cpu":
+            return None
+        if config.cpu_threads is not None:
+            return config.cpu_threads
+        return 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None
 
     def close(self) -> None:
         """Stop the step thread (blocking: call it from a worker thread)."""
@@ -117,6 +132,10 @@ class EngineCore:
     # -- results back on the event loop ----------------------------------------------------------------------
 
     def _deliver_from_thread(self, finished: list[Work], sampled: list[tuple[Work, int]]) -> None:
+        # A step whose tokens nobody streams and that ended no work has nothing for the loop: waking it for every
+        # decoded token would cost the step thread the GIL hand-over each time (the tokens are read at the end).
+        if not finished and all(w.on_token is None for w, _ in sampled):
+            return
         # On asyncio, hand the results over without waiting for the loop, so the next step starts at once;
         # other backends get a blocking hand-over.
         loop = getattr(self.loop_token, "native_token", None)

@@ -61,6 +61,7 @@ class Runner:
         deliver: Deliver,
         cuda_graphs: bool = True,
         park_timeout_s: float = 30.0,
+        cpu_threads: int | None = None,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -76,6 +77,8 @@ class Runner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and model.device.type == "cuda" and pools.tensors.scratch_slot is not None:
             self.graphs = DecodeGraphs(model, pools.tensors, capture_lock=pools.mutex)
+        self.cpu_threads = cpu_threads
+        """Torch threads the step thread sets for itself (None: torch's default); OpenMP's count is per thread."""
         self.thread = threading.Thread(target=self._main, name="kda-engine", daemon=True)
 
     def start(self) -> None:
@@ -92,6 +95,8 @@ class Runner:
             self.cv.notify_all()
 
     def _main(self) -> None:
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
         while True:
             with self.cv:
                 while True:
