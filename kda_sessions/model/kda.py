@@ -38,8 +38,8 @@ class KDAAttention(nn.Module):
         self.o_norm = _HeadNorm(V, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
         self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
-        self._cpu_out = DerivedWeights(lambda: weights(self, ("o_proj",)), lambda: (row_matmul_weight(self.o_proj.weight),))
-        """o_proj [H*V, D] for ``x @ w`` (CPU decode only: a GPU decode uses the merged inputs, not this one)."""
+        self._cpu_out = DerivedWeights(self._cpu_out_sources, self._cpu_out_weights)
+        """CPU decode only (a GPU decode uses the merged inputs, not these); see ``_cpu_out_weights``."""
         self._conv = DerivedWeights(lambda: weights(self, ("q_conv1d", "k_conv1d", "v_conv1d")),
                                     lambda: (self.conv_weight().contiguous(),))
         """The conv weight [Dc, W] of ``conv_weight``, built once rather than concatenated in every GPU step."""
@@ -144,46 +144,65 @@ class KDAAttention(nn.Module):
         return (row_matmul_weight(w_in), row_matmul_weight(w_gate), self.conv_weight().t().contiguous(), -a,
                 self.dt_bias.float())
 
+    def _cpu_out_sources(self) -> list[Tensor]:
+        params = self._parameters
+        return [*weights(self, ("o_proj", "o_norm")), params["dt_bias"]]  # type: ignore[list-item]
+
+    def _cpu_out_weights(self) -> tuple[Tensor, ...]:
+        """(w_out [H*V, D]: o_proj for ``x @ w`` (``row_matmul_weight``); o_norm's weight [V] float32; the gate
+        matmul's bias [H*K + H*V] float32: dt_bias for the raw gate columns, 0 for the output gate's)."""
+        H, V = self.H, self.V
+        bias = torch.cat([self.dt_bias.float(), self.dt_bias.new_zeros(H * V, dtype=torch.float32)])
+        return row_matmul_weight(self.o_proj.weight), self.o_norm.weight.float(), bias
+
     def _decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
-        """``decode`` on a CPU in few, large ops (a step there is bound by per-op overhead): one matmul for the
-        six input projections, one for both gates, the conv over [N, W, Dc], the recurrence batched over the N
-        sequences. The same math as the twins in another order of sums: outputs match to float rounding."""
+        """``decode`` on a CPU in few, large ops (a step there is bound by per-op overhead, ~50 ops a layer):
+        one matmul for the six input projections, one for both gates (dt_bias its bias), the conv over
+        [N, W, Dc], the recurrence batched over the N sequences, the output norm as one ``rms_norm``. The same
+        math as the twins in another order of sums: outputs match to float rounding."""
         N = x.shape[0]
-        H, K, V, eps = self.H, self.K, self.V, self.eps
+        H, K, V = self.H, self.K, self.V
         Dc = self.conv_dim
-        w_in, w_gate, conv_w, neg_a, dt_bias = self._cpu.get()
+        f32 = torch.float32
+        w_in, w_gate, conv_w, neg_a, _ = self._cpu.get()
+        w_out, o_w, gate_bias = self._cpu_out.get()
         y = x @ w_in  # [N, Dc + K + V + H]
-        fg = y[:, Dc : Dc + K + V] @ w_gate  # [N, H*K + H*V]: raw gate | output gate logits
+        fa = y[:, Dc : Dc + K + V]
+        # [N, H*K + H*V]: raw gate (+ dt_bias) | output gate logits, float32
+        fg = torch.addmm(gate_bias, fa if fa.dtype == f32 else fa.float(), w_gate if w_gate.dtype == f32 else w_gate.float())
         # causal conv over the last W - 1 pre-conv rows and the new one: [N, W, Dc]
         one = int(slots[0]) if N == 1 else None  # one sequence (a CPU syncs for free): its pool rows as views
         tails = conv_state[one : one + 1] if one is not None else conv_state.index_select(0, slots)
-        seq = torch.cat([tails, y[:, None, :Dc].to(conv_state.dtype)], dim=1)
+        new = y[:, None, :Dc]
+        seq = torch.cat([tails, new if new.dtype == conv_state.dtype else new.to(conv_state.dtype)], dim=1)
         if one is not None:
             tails.copy_(seq[:, 1:])
         else:
             conv_state[slots] = seq[:, 1:]
-        qkv = torch.nn.functional.silu((seq.float() * conv_w.float()).sum(1))  # [N, Dc] float32
+        if seq.dtype != f32:
+            seq, conv_w = seq.float(), conv_w.float()
+        qkv = torch.nn.functional.silu((seq * conv_w).sum(1))  # [N, Dc] float32
         qk = qkv[:, : 2 * H * K].view(N, 2 * H, 1, K)  # the q heads, then the k heads
-        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True) + 1e-6)  # l2norm of every q and k head at once
+        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True).add_(1e-6))  # l2norm of every q and k head at once
         q, k = qk[:, :H] * K**-0.5, qk[:, H:]  # q with the read's scale
         v = qkv[:, 2 * H * K :].view(N, H, 1, V)
-        raw = fg[:, : H * K].float() + dt_bias  # [N, H*K]
+        raw = fg[:, : H * K]
         if self.lower_bound is None:
-            g = neg_a * torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0)
+            g = torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0).mul_(neg_a)
         else:
-            g = self.lower_bound * torch.sigmoid(-neg_a * raw)
-        beta = torch.sigmoid(y[:, Dc + K + V :].float()).view(N, H, 1, 1)
+            g = torch.sigmoid(-neg_a * raw).mul_(self.lower_bound)
+        b = y[:, Dc + K + V :]
+        beta = torch.sigmoid(b if b.dtype == f32 else b.float()).view(N, H, 1, 1)
         # one recurrence step per head: decay, delta update, read (KDA.md); S [N, H, K, V]
         S = state[one : one + 1] if one is not None else state.index_select(0, slots)
-        S.mul_(g.exp().view(N, H, K, 1))
-        delta = (v - k @ S) * beta  # [N, H, 1, V]
+        S.mul_(g.exp_().view(N, H, K, 1))
+        delta = (v - k @ S).mul_(beta)  # [N, H, 1, V]
         S.addcmul_(k.transpose(-1, -2), delta)  # the rank-one update k delta^T, broadcast
         if one is None:
             state[slots] = S
-        o = q @ S  # [N, H, 1, V]
-        o = o * torch.rsqrt((o * o).sum(-1, keepdim=True) * (1.0 / V) + eps) * self.o_norm.weight.float()
-        o = o.view(N, H * V) * torch.sigmoid(fg[:, H * K :].float())
-        return o.to(x.dtype) @ self._cpu_out.get()[0]
+        o = torch.nn.functional.rms_norm(q @ S, (V,), o_w, self.eps)  # [N, H, 1, V]: o_norm, per head
+        o = o.view(N, H * V).mul_(torch.sigmoid(fg[:, H * K :]))
+        return (o if o.dtype == x.dtype else o.to(x.dtype)) @ w_out
 
     def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],
