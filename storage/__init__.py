@@ -18,12 +18,14 @@ from .errors import (
 )
 from .manifest import FORMAT_VERSION, CheckpointRecord, ModelFingerprint, SessionManifest
 from .snapshot import GcResult, SaveResult, SnapshotStore
+from .stream import BlobStream
 from .tier import RamTier, TieredStore
 
 __all__ = [
     "FORMAT_VERSION",
     "BlobNotFound",
     "BlobStore",
+    "BlobStream",
     "CheckpointRecord",
     "GcResult",
     "IncompatibleSnapshot",

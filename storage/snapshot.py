@@ -35,6 +35,7 @@ from .errors import (
     StoreError,
 )
 from .manifest import ModelFingerprint, SessionManifest
+from .stream import BlobStream
 from .tier import RamTier, TieredStore
 
 logger = logging.getLogger(__name__)
@@ -177,6 +178,17 @@ class SnapshotStore:
             manifest_bytes=len(data),
             generation=manifest.generation,
         )
+
+    async def put_stream(self, stream: BlobStream) -> set[str]:
+        """Write the blobs of ``stream`` while its producer is still making them (`BlobStore.put_blob_stream`),
+        ahead of the `save` whose manifest names them; returns the digests written. The producer named every
+        blob by hashing its bytes (as `save(verified=True)`). Pass the same blobs to that `save` (`stream.blobs()`):
+        it finds them stored, neither writes nor reads again those this call wrote, verifies those the store held
+        already (as for any blob a save reuses), and can write them again should a racing collection delete them
+        before the commit (written blobs are recent, which a collection spares for `gc_grace_s`)."""
+        written = await self.store.put_blob_stream(stream, max_in_flight=self.max_in_flight, verified=True)
+        self._trust(written)
+        return written
 
     def _trust(self, digests: Iterable[str]) -> None:
         if len(self._verified) > _MAX_VERIFIED:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import anyio.to_thread
 
 from .backends.base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats, scatter_all
+from .stream import BlobStream
 
 DEFAULT_RAM_BYTES = 2 * 1024**3
 
@@ -108,6 +109,14 @@ class TieredStore(BlobStore):
     ) -> set[str]:
         written = await self.store.put_blobs(blobs, max_in_flight=max_in_flight, verified=verified)
         for d, data in blobs.items():
+            self.tier.put(d, data)
+        return written
+
+    async def put_blob_stream(
+        self, stream: BlobStream, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
+    ) -> set[str]:
+        written = await self.store.put_blob_stream(stream, max_in_flight=max_in_flight, verified=verified)
+        for d, data in stream.blobs().items():
             self.tier.put(d, data)
         return written
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import torch
 from torch import Tensor
@@ -69,18 +69,29 @@ class PageCodec:
     # -- save ------------------------------------------------------------------------------------------------
 
     def encode(self, pages: Sequence[int]) -> list[tuple[str, bytes]]:
-        """(digest, blob) of each full pool page in ``pages``, in order. Per chunk: one gather per layer and one
-        copy to (pinned) host memory; threads hash each page straight from that buffer (hashlib releases the
-        GIL) while this thread copies the pages out into their blobs and the next chunk is gathered."""
+        """(digest, blob) of each full pool page in ``pages``, in order (`encode_chunks`, every hash awaited)."""
+        return [(f.result(), data) for chunk in self.encode_chunks(pages) for f, data in chunk]
+
+    def encode_chunks(self, pages: Sequence[int]) -> Iterator[list[tuple[Future[str], bytes]]]:
+        """(hash future, blob) of each full pool page in ``pages``, in order, a chunk of up to `per_chunk` pages
+        at a time, yielded as soon as its blobs exist: its hashes may still run (hashlib releases the GIL) while
+        the consumer writes the chunk and this generator makes the next. On CUDA, per chunk one gather per layer
+        and one copy to pinned host memory, hashed there by threads while this thread copies the pages out into
+        their blobs; on the CPU each blob is joined straight from its pool pages (one copy, no gather)."""
         if not pages:
-            return []
-        if self.device.type != "cuda":
-            return self._encode_host(pages)
-        blobs: list[bytes] = []
-        futures: list[Future[str]] = []
+            return
+        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="page-hash") as pool:
+            if self.device.type == "cuda":
+                yield from self._chunks_cuda(pages, pool)
+            else:
+                yield from self._chunks_host(pages, pool)
+
+    def _chunks_cuda(
+        self, pages: Sequence[int], pool: ThreadPoolExecutor
+    ) -> Iterator[list[tuple[Future[str], bytes]]]:
         in_flight: list[tuple[Tensor, list[Future[str]]]] = []  # host buffers the hash threads still read
         b = self.page_bytes
-        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="page-hash") as pool:
+        try:
             for i in range(0, len(pages), self.per_chunk):
                 ids = list(pages[i : i + self.per_chunk])
                 idx = torch.tensor(ids, dtype=torch.long, device=self.device)
@@ -90,28 +101,28 @@ class PageCodec:
                 view = _host_view(host)
                 chunk = [view[j * b : (j + 1) * b] for j in range(len(ids))]
                 hashes = [pool.submit(_page_digest, self.header, v) for v in chunk]
-                blobs.extend(self.header + v for v in chunk)
-                futures.extend(hashes)
                 in_flight.append((host, hashes))
+                yield list(zip(hashes, [self.header + v for v in chunk]))
                 if len(in_flight) > 2:  # bound the pinned memory held: two chunks
                     oldest, oldest_hashes = in_flight.pop(0)
-                    for f in oldest_hashes:
-                        f.result()
+                    wait(oldest_hashes)
                     del oldest  # freed only now: the hash threads read it through views that do not own it
-            return [(f.result(), data) for f, data in zip(futures, blobs)]
+        finally:  # also when the consumer stops early: the buffers die with this frame, after their readers
+            for _, hashes in in_flight:
+                wait(hashes)
 
-    def _encode_host(self, pages: Sequence[int]) -> list[tuple[str, bytes]]:
-        """``encode`` of a pool in host memory: each blob joined straight from its pool pages (one copy, no
-        gather), hashed on threads while the next blobs are joined."""
+    def _chunks_host(
+        self, pages: Sequence[int], pool: ThreadPoolExecutor
+    ) -> Iterator[list[tuple[Future[str], bytes]]]:
         layer_bytes = self.page_bytes // self.shape[0]
         assert all(kv.is_contiguous() for kv in self.pools.kv)
         views = [_host_view(kv) for kv in self.pools.kv]  # kv[l] [num_pages, P, C]: page p at p * layer_bytes
-        out: list[tuple[Future[str], bytes]] = []
-        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="page-hash") as pool:
-            for p in pages:
+        for i in range(0, len(pages), self.per_chunk):
+            chunk = []
+            for p in pages[i : i + self.per_chunk]:
                 data = b"".join([self.header, *(v[p * layer_bytes : (p + 1) * layer_bytes] for v in views)])
-                out.append((pool.submit(digest, data), data))
-            return [(f.result(), data) for f, data in out]
+                chunk.append((pool.submit(digest, data), data))
+            yield chunk
 
     # -- load ------------------------------------------------------------------------------------------------
 

@@ -8,8 +8,11 @@ store holds it, never sent again: forks and equal prefixes share page blobs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -19,10 +22,11 @@ import torch
 from ..engine.config import EngineConfig
 from ..engine.core import EngineCore
 from ..errors import SessionBusy, SessionNotFound
-from ..storage import CheckpointRecord, SaveResult, SessionManifest, SnapshotStore
+from ..storage import BlobStream, CheckpointRecord, SaveResult, SessionManifest, SnapshotStore
 from ..storage.backends.registry import default_disk_root
 from ..storage.errors import IntegrityError, ManifestNotFound
 from ..storage.manifest import ModelFingerprint
+from ..storage.stream import StreamAbandoned
 from .codec import blob, decode_page, decode_state, decode_tokens, encode_page, encode_state, encode_tokens
 from .page_io import PageCodec
 from .prefix_index import PrefixHit, PrefixIndex, PrefixKey, prefix_key
@@ -79,61 +83,89 @@ class StoreIO:
             self._codec = PageCodec(self.pools.tensors, self.core.model.config, self.core.model.dtype)
         return self._codec
 
-    def _page_blobs(self, pages: list[int], state_pos: int, known: set[str], out: dict[str, bytes]) -> list[str]:
-        """Digests of the pages covering ``state_pos`` tokens; blobs the store may lack go into ``out``. Full
-        pages not encoded before are encoded together (page_io); the partial last page on its own."""
+    def _partial_page(self, pages: list[int], state_pos: int, add: Callable[[bytes], str]) -> str | None:
+        """The blob of the partial last page of ``state_pos`` tokens (through ``add``), or None if it has none."""
+        full, rows = divmod(state_pos, self.pools.page_size)
+        return add(encode_page(self.pools.tensors, pages[full], rows)) if rows else None
+
+    def _page_digests(self, pages: list[int], state_pos: int, partial: str | None) -> list[str]:
+        """Digests of the pages covering ``state_pos`` tokens: every full page's is cached once it was encoded."""
+        digests = self.pools.pages.digests
+        return [digests[p] for p in pages[: state_pos // self.pools.page_size]] + ([partial] if partial else [])
+
+    def _pages_to_encode(self, s: SessionState) -> list[int]:
+        """Full pool pages this save names whose blobs were never made (no cached digest), each once."""
         P = self.pools.page_size
-        full, rows = divmod(state_pos, P)
-        digests = [self.pools.pages.digests.get(page) for page in pages[:full]]
-        todo = [i for i, d in enumerate(digests) if d is None]
-        for i, (d, data) in zip(todo, self.codec.encode([pages[i] for i in todo])):
-            self.pools.pages.digests[pages[i]] = d
-            if d not in known:
-                out[d] = data
-            digests[i] = d
-        if rows:
-            d, data = blob(encode_page(self.pools.tensors, pages[full], rows))
-            if d not in known:
-                out[d] = data
-            digests.append(d)
-        return [d for d in digests if d is not None]
+        runs = [s.pages[: s.num_cached // P]] if s.resident else []
+        runs += [cp.pages[: cp.state_pos // P] for cp in s.checkpoints.values() if cp.page_blobs is None]
+        digests = self.pools.pages.digests
+        return [p for p in dict.fromkeys(p for run in runs for p in run) if p not in digests]
 
-    def _build(self, s: SessionState) -> tuple[SessionManifest, dict[str, bytes]]:
-        """Runs in a worker thread: encode what the store lacks and assemble the manifest."""
-        blobs: dict[str, bytes] = {}
-        known = s.stored_digests
+    def _build(self, s: SessionState, stream: BlobStream) -> SessionManifest:
+        """Runs in a worker thread: encode every blob the store may lack into ``stream`` and assemble the
+        manifest. The small blobs first (states, partial last pages, tokens; one copy and hash each), then the
+        full pages a chunk at a time (page_io): the store writes each chunk while the next is copied and hashed.
+        Every full page's digest is cached in the pool, so a later save encodes only new pages."""
+        try:
+            blobs: dict[str, bytes] = {}
+            known = s.stored_digests
 
-        def add(data: bytes) -> str:
-            d, b = blob(data)
-            if d not in known:
-                blobs[d] = b
-            return d
+            def add(data: bytes) -> str:
+                d, b = blob(data)
+                if d not in known:
+                    blobs[d] = b
+                return d
 
+            head_partial: str | None = None
+            if s.resident:
+                assert s.slot is not None
+                with self.pools.mutex:
+                    kda, conv = self.pools.read_slot(s.slot)
+                head_state = add(encode_state(kda, conv))
+                head_partial = self._partial_page(s.pages, s.num_cached, add)
+            else:
+                assert s.head_blobs is not None, "a session that is not resident was loaded from the store"
+            partials: dict[str, str | None] = {}
+            for cp in s.checkpoints.values():
+                if cp.state_blob is None:
+                    assert cp.state_id is not None
+                    cp.state_blob = add(encode_state(*self.pools.host.get(cp.state_id)))
+                if cp.page_blobs is None:
+                    partials[cp.name] = self._partial_page(cp.pages, cp.state_pos, add)
+            tokens_blob = add(encode_tokens(s.tokens))
+            pages = self._pages_to_encode(s)
+            stream.announce(len(blobs) + len(pages))
+            if blobs:
+                stream.put(list(blobs.items()))
+            hashes: list[Future[str]] = []
+            for chunk in self.codec.encode_chunks(pages):
+                stream.put(chunk)
+                hashes.extend(f for f, _ in chunk)
+            stream.close()
+        except BaseException as e:
+            stream.fail(e)
+            raise
+        for page, f in zip(pages, hashes, strict=True):
+            self.pools.pages.digests[page] = f.result()
         if s.resident:
-            assert s.slot is not None
-            with self.pools.mutex:
-                kda, conv = self.pools.read_slot(s.slot)
-            head_state = add(encode_state(kda, conv))
-            head_pages = self._page_blobs(s.pages, s.num_cached, known, blobs)
+            head_pages = self._page_digests(s.pages, s.num_cached, head_partial)
         else:
-            assert s.head_blobs is not None, "a session that is not resident was loaded from the store"
+            assert s.head_blobs is not None
             head_state, head_pages = s.head_blobs
         records = []
         for cp in s.checkpoints.values():
-            if cp.state_blob is None:
-                assert cp.state_id is not None
-                cp.state_blob = add(encode_state(*self.pools.host.get(cp.state_id)))
             if cp.page_blobs is None:
-                cp.page_blobs = self._page_blobs(cp.pages, cp.state_pos, known, blobs)
+                cp.page_blobs = self._page_digests(cp.pages, cp.state_pos, partials[cp.name])
+            assert cp.state_blob is not None
             records.append(CheckpointRecord(
                 name=cp.name, position=cp.position, state_position=cp.state_pos, state_blob=cp.state_blob,
                 pages=cp.page_blobs, created_at=cp.created_at,
                 num_messages=cp.num_messages, turn_open=cp.turn_open,
             ))
-        manifest = SessionManifest(
+        return SessionManifest(
             session_id=s.id,
             fingerprint=self.fingerprint,
-            tokens_blob=add(encode_tokens(s.tokens)),
+            tokens_blob=tokens_blob,
             num_tokens=s.num_tokens,
             head=CheckpointRecord(
                 name="head", position=s.num_tokens, state_position=s.num_cached, state_blob=head_state,
@@ -149,21 +181,52 @@ class StoreIO:
             generation=s.generation + 1,
             saved_at=time.time(),
         )
-        return manifest, blobs
 
     async def save(self, s: SessionState) -> SaveResult:
         """Make the session's current state durable. Caller holds ``s.lock``.
 
-        Compare-and-set on the generation this engine last loaded or saved, under the session's lease:
-        SessionBusy if another engine holds the lease, SnapshotConflict if another engine saved it since."""
+        The blobs are written while they are made (`_build` into a `BlobStream`, `SnapshotStore.put_stream`),
+        then the manifest commits: compare-and-set on the generation this engine last loaded or saved, under the
+        session's lease: SessionBusy if another engine holds the lease, SnapshotConflict if another engine saved
+        it since."""
         # the head's pages may not change while they are encoded: the caller's lock keeps works off the session
-        manifest, blobs = await anyio.to_thread.run_sync(self._build, s)
+        stream = BlobStream()
+        streamed: set[str] = set()
+        built: list[SessionManifest] = []
+        errors: list[Exception] = []
+
+        async def write() -> None:
+            try:
+                streamed.update(await self.snapshots.put_stream(stream))
+            except Exception as e:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                errors.append(e)
+
+        async def build() -> None:
+            try:
+                built.append(await anyio.to_thread.run_sync(self._build, s, stream))
+            except Exception as e:
+                errors.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            tg.start_soon(build)
         try:
-            # every blob of `blobs` was named by hashing its bytes in _build: no second hash pass in the store
-            result = await self.snapshots.save(manifest, blobs, expected_generation=s.generation, verified=True)
+            if errors:  # the cause first: a producer told that the writer gave up says only that
+                raise next((e for e in errors if not isinstance(e, StreamAbandoned)), errors[0])
+            manifest, given = built[0], stream.blobs()
+            # every blob was named by hashing its bytes: no second hash pass in the store
+            result = await self.snapshots.save(manifest, given, expected_generation=s.generation, verified=True)
         except BaseException:
-            self._forget_unsaved(s, set(blobs))
+            # a state blob named before the build failed may not have reached the stream: forget it too
+            named = {cp.state_blob for cp in s.checkpoints.values() if cp.state_blob is not None}
+            self._forget_unsaved(s, stream.digests() | (named - s.stored_digests))
             raise
+        result = dataclasses.replace(
+            result,
+            blobs_written=result.blobs_written + len(streamed),
+            bytes_written=result.bytes_written + sum(len(given[d]) for d in streamed),
+            blobs_reused=result.blobs_reused - len(streamed),
+        )
         s.generation = result.generation
         s.stored_digests = manifest.blob_digests()
         s.head_blobs = (manifest.head.state_blob, list(manifest.head.pages))

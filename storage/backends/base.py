@@ -24,6 +24,7 @@ import anyio.to_thread
 from ..blobs import HASH_THREADS, check_digest
 from ..errors import BlobNotFound, IntegrityError
 from ..manifest import SESSION_ID_PATTERN
+from ..stream import BlobStream
 
 _SESSION_ID_RE = re.compile(SESSION_ID_PATTERN)
 # Hashing releases the GIL; above this size it runs in a worker thread so the event loop stays responsive.
@@ -182,6 +183,23 @@ class BlobStore(ABC):
                 tg.start_soon(one, d, data)
         if errors:
             raise errors[0]
+        return written
+
+    async def put_blob_stream(
+        self, stream: BlobStream, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
+    ) -> set[str]:
+        """Store the blobs of ``stream`` as its producer hands them over, writing one chunk while the next is
+        made; returns the digests actually written. Raises what the producer failed with, or what `put_blobs`
+        raises (the stream is then abandoned). This default writes each chunk with `put_blobs`; a disk store
+        writes the whole stream into one pack."""
+        written: set[str] = set()
+        chunks = stream.chunks()
+        try:
+            while (chunk := await anyio.to_thread.run_sync(next, chunks, None)) is not None:
+                written |= await self.put_blobs(dict(chunk), max_in_flight=max_in_flight, verified=verified)
+        except BaseException:
+            stream.abandon()
+            raise
         return written
 
     async def get_blobs(

@@ -1,15 +1,8 @@
 """Pack files of the disk store: one save's new blobs in one file, so a save costs one file, not one per page.
 
-A pack is immutable once named (``ROOT/blobs/packs/pack-<time>-<random>.pack``)::
-
-    header  b"KDAP" | version u8 | 3 zero bytes | count u32 LE | sha256 of the index (32 raw bytes)
-    index   count x (sha256 of the blob: 32 raw bytes | offset u64 LE | length u64 LE)
-    data    the blobs, back to back, in index order
-
-Content addressing is unchanged: every blob keeps its own digest, is deduplicated by it and is verified
-against it on every read. The header and index are checked (magic, version, a count the file size can hold,
-the index's sha256, offsets that tile the data exactly to the end of the file) before anything is allocated
-from them, so a bit flip, truncation or zeroed block anywhere in a pack is an IntegrityError, never wrong data.
+A pack is immutable once named (``ROOT/blobs/packs/pack-<time>-<random>.pack``); its layout and checks are
+disk_pack_format's. Content addressing is unchanged: every blob keeps its own digest, is deduplicated by it and is
+verified against it on every read.
 
 Deleting a packed blob appends its digest to ``<pack>.dead`` (not fsynced: a tombstone lost in a crash only
 brings back an unreferenced blob, which the next collection deletes again). A pack whose blobs are all dead is
@@ -24,27 +17,22 @@ import contextlib
 import ctypes
 import errno
 import fcntl
-import hashlib
 import logging
 import os
 import secrets
-import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import faults
 from ..errors import IntegrityError
 from .disk_files import O_CLOEXEC, O_NOFOLLOW, fsync_dir, sha256_hex, write_all
+from .disk_pack_format import ENTRY_BYTES, HEADER_BYTES, encode_index, parse_index
 
 logger = logging.getLogger(__name__)
 
-PACK_MAGIC = b"KDAP"
-PACK_VERSION = 1
-_HEADER = struct.Struct("<4sB3xI32s")  # magic, version, pad, count, sha256 of the index
-_ENTRY = struct.Struct("<32sQQ")  # raw sha256, offset, length
 PACK_SUFFIX = ".pack"
 DEAD_SUFFIX = ".dead"
 COMPACT_DEAD_FRACTION = 0.75
@@ -82,41 +70,6 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
         if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ESPIPE, errno.EPERM):
             return  # not offered here (a sandbox, another kernel): the fsync does all of the work
         raise OSError(code, os.strerror(code))
-
-
-def encode_index(items: Sequence[tuple[str, int]]) -> bytes:
-    """Header + index of a pack holding blobs ``(digest, length)`` in this order."""
-    offset = _HEADER.size + _ENTRY.size * len(items)
-    entries = bytearray()
-    for d, n in items:
-        entries += _ENTRY.pack(bytes.fromhex(d), offset, n)
-        offset += n
-    return _HEADER.pack(PACK_MAGIC, PACK_VERSION, len(items), hashlib.sha256(entries).digest()) + entries
-
-
-def parse_index(read: Callable[[int, int], bytes], size: int, where: str) -> dict[str, tuple[int, int]]:
-    """Validate a pack's header and index (read through ``read(offset, n)``) against its file ``size``;
-    digest -> (offset, length). IntegrityError naming ``where`` on anything inconsistent."""
-    if size < _HEADER.size:
-        raise IntegrityError(f"{where}: pack truncated: {size} bytes, header needs {_HEADER.size}")
-    magic, version, count, index_sha = _HEADER.unpack(read(0, _HEADER.size))
-    if magic != PACK_MAGIC or version != PACK_VERSION:
-        raise IntegrityError(f"{where}: bad pack header (magic {magic!r}, version {version})")
-    if count == 0 or _HEADER.size + count * _ENTRY.size > size:
-        raise IntegrityError(f"{where}: pack claims {count} blobs, which its {size} bytes cannot hold")
-    raw = read(_HEADER.size, count * _ENTRY.size)
-    if len(raw) != count * _ENTRY.size or hashlib.sha256(raw).digest() != index_sha:
-        raise IntegrityError(f"{where}: pack index does not match its checksum; corrupt or truncated")
-    out: dict[str, tuple[int, int]] = {}
-    expect = _HEADER.size + count * _ENTRY.size
-    for d, off, n in _ENTRY.iter_unpack(raw):
-        if off != expect or d.hex() in out:
-            raise IntegrityError(f"{where}: pack index entry at {off} breaks the layout (expected {expect})")
-        out[d.hex()] = (off, n)
-        expect = off + n
-    if expect != size:
-        raise IntegrityError(f"{where}: pack data ends at {expect}, the file has {size} bytes; truncated?")
-    return out
 
 
 @dataclass
@@ -271,36 +224,70 @@ class PackSet:
     # --- writing -----------------------------------------------------------------------------------------
 
     def write(self, items: Sequence[tuple[str, bytes]], verified: Callable[[int], None], tmp_prefix: str) -> None:
-        """Write one pack of ``items`` (digest, bytes) and make it durable; ``verified(i)`` raises if item i's
-        bytes do not match its digest (checked just before they are written). On any error the temp file is
-        closed and removed, never written or fsynced again. The temp file is named ``tmp_prefix`` plus a random
-        suffix (the store's prefix names this host and process)."""
-        new_folder = not self.folder.is_dir()
-        if new_folder:
+        """Write one pack of ``items`` (digest, bytes) and make it durable: `write_stream` of one chunk."""
+        self.write_stream([items], len(items), verified, tmp_prefix)
+
+    def write_stream(
+        self,
+        chunks: Iterable[Sequence[tuple[str, bytes]]],
+        count: int,
+        verified: Callable[[int], None],
+        tmp_prefix: str,
+    ) -> list[str]:
+        """Write one pack of the ``count`` blobs (digest, bytes) that ``chunks`` yields, each written as soon as
+        its chunk arrives (the data region starts where an index of ``count`` entries ends; the index is written
+        last), then make it durable; returns the digests in the pack. ``verified(i)`` raises if the i-th blob's
+        bytes do not match its digest (checked just before they are written). A digest seen twice is written
+        once; if that leaves fewer than ``count`` blobs, the pack is written again from the blobs held (rare:
+        equal pages in one save). ValueError if ``chunks`` yields more than ``count`` blobs. On any error the
+        temp file is closed and removed, never written or fsynced again. The temp file is named ``tmp_prefix``
+        plus a random suffix (the store's prefix names this host and process)."""
+        if count < 1:
+            raise ValueError(f"a pack holds at least one blob, got count {count}")
+        if not self.folder.is_dir():
             self.folder.mkdir(exist_ok=True)
             fsync_dir(self.folder.parent)
         name = f"pack-{time.time_ns():x}-{secrets.token_hex(8)}"
         tmp = self.folder / f"{tmp_prefix}{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
+        kept: list[tuple[str, bytes]] = []
         try:
-            index = encode_index([(d, len(b)) for d, b in items])
-            write_all(fd, index)
-            written = flushed = len(index)
-            for i, (_, data) in enumerate(items):
-                verified(i)
-                write_all(fd, data)
-                written += len(data)
-                if written - flushed >= WRITEBACK_CHUNK_BYTES:
-                    start_writeback(fd, flushed, written - flushed)
-                    flushed = written
-            faults.point("disk.blob.written")
-            os.fsync(fd)
-            faults.point("disk.blob.fsynced")
+            written = flushed = HEADER_BYTES + ENTRY_BYTES * count
+            os.lseek(fd, written, os.SEEK_SET)
+            seen: set[str] = set()
+            i = 0
+            for chunk in chunks:
+                for d, data in chunk:
+                    verified(i)
+                    i += 1
+                    if d in seen:
+                        continue
+                    if len(kept) == count:
+                        raise ValueError(f"a pack stream announced {count} blobs and yielded more")
+                    seen.add(d)
+                    kept.append((d, data))
+                    write_all(fd, data)
+                    written += len(data)
+                    if written - flushed >= WRITEBACK_CHUNK_BYTES:
+                        start_writeback(fd, flushed, written - flushed)
+                        flushed = written
+            if len(kept) == count:
+                index = encode_index([(d, len(b)) for d, b in kept])
+                assert len(index) == HEADER_BYTES + ENTRY_BYTES * count
+                _pwrite_all(fd, index, 0)
+                faults.point("disk.blob.written")
+                os.fsync(fd)
+                faults.point("disk.blob.fsynced")
         except BaseException:
             os.close(fd)
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
+        if len(kept) < count:  # duplicates shrank the pack: its data would not start where the index ends
+            tmp.unlink(missing_ok=True)
+            if kept:
+                self.write_stream([kept], len(kept), lambda i: None, tmp_prefix)
+            return [d for d, _ in kept]
         try:
             os.rename(tmp, self.folder / f"{name}{PACK_SUFFIX}")
         except BaseException:
@@ -309,6 +296,7 @@ class PackSet:
         faults.point("disk.blob.linked")
         fsync_dir(self.folder)
         faults.point("disk.blob.done")
+        return [d for d, _ in kept]
 
     def touch(self, packs: set[str]) -> None:
         for name in packs:
@@ -397,3 +385,10 @@ class PackSet:
                 if set(pack.live()) <= others:
                     logger.info("removing pack %s: every live blob is held by another pack", pack.name)
                     self._drop(pack)
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
