@@ -222,6 +222,23 @@ class RedisIO:
             await run_all(job(todo[i : i + per]) for i in range(0, len(todo), per))
         return results
 
+    async def get_many_into(
+        self, op: str, keys: list[str], targets: Sequence[Sequence[memoryview]], digests: Sequence[str],
+        max_in_flight: int,
+    ) -> list[Any] | None:
+        """`Lane.get_into` of every key over the bulk lanes (per key True, False, None or REDIRECTED, as there);
+        None when this connection has no lanes (TLS, unix socket)."""
+        if self.lanes is None:
+            return None
+        where = self.url
+        return await self.on_lanes(
+            op, keys,
+            lambda lane, idx: lane.get_into(
+                [keys[i] for i in idx], [targets[i] for i in idx], [digests[i] for i in idx], PIPELINE_BYTES, where
+            ),
+            min(max_in_flight, LOAD_LANES),
+        )
+
     async def on_lanes(
         self, op: str, keys: list[str], work: Callable[[Lane, list[int]], list[Any]], lanes: int
     ) -> list[Any]:

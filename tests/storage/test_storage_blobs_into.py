@@ -1,6 +1,6 @@
 """`get_blobs_into`: blobs read straight into the caller's buffers, verified, on every backend (disk loose and
 packed, memory, Redis, and through the RAM tier); a size that is not the buffers' total is reported, not written;
-a corrupt blob is an IntegrityError, a missing one BlobNotFound."""
+a corrupt blob is an IntegrityError, a missing one BlobNotFound; Redis's bulk lanes receive into the buffers."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import itertools
 from pathlib import Path
 
 import pytest
-from storage_helpers import corrupt, synthetic_blobs
+from storage_helpers import corrupt, open_redis, synthetic_blobs
 
 from kda_sessions.storage import BlobNotFound, IntegrityError
 from kda_sessions.storage.backends.base import BlobStore
 from kda_sessions.storage.backends.disk import DiskStore
+from kda_sessions.storage.backends.redis import RedisStore
 from kda_sessions.storage.tier import RamTier, TieredStore
 
 
@@ -78,3 +79,36 @@ async def test_ram_tier_serves_hits_and_reads_misses_through(tmp_path: Path) -> 
     for d, views in targets[1:3]:
         assert b"".join(bytes(v) for v in views) == blobs[d]
     assert tiered.tier.hits >= 2
+
+
+async def test_redis_lanes_receive_into_the_buffers(redis_url: str, redis_prefix: str, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Values of one key each are received straight into the buffers by the bulk lanes (never as bytes through
+    `get_blobs`); a chunked blob among them still takes the default path."""
+    store = await open_redis(redis_url, redis_prefix, chunk_size=50_000)
+    try:
+        assert store._io.lanes is not None
+        blobs = synthetic_blobs(30, 20_000, seed=5)
+        big = synthetic_blobs(1, 120_000, seed=6)  # stored in 3 chunks
+        await store.put_blobs(blobs | big)
+        fetched: list[str] = []
+        real_get_blobs = RedisStore.get_blobs
+
+        async def get_blobs(self, digests, **kw):  # type: ignore[no-untyped-def]
+            fetched.extend(digests)
+            return await real_get_blobs(self, digests, **kw)
+
+        monkeypatch.setattr(RedisStore, "get_blobs", get_blobs)
+        targets = _targets(blobs | big)
+        wrong = (targets[4][0], [memoryview(bytearray(100))])
+        assert await store.get_blobs_into([*targets, wrong], max_in_flight=4) == [len(targets)]
+        assert [b"".join(bytes(v) for v in views) for _, views in targets] == list((blobs | big).values())
+        assert bytes(wrong[1][0]) == bytes(100)
+        assert fetched == list(big)  # only the chunked blob went through get_blobs
+        await corrupt(store, targets[7][0])
+        with pytest.raises(IntegrityError):
+            await store.get_blobs_into(targets[5:10])
+        assert await store.get_blobs_into(targets[:3]) == []  # the lanes are fine after the error
+        with pytest.raises(BlobNotFound):
+            await store.get_blobs_into([("0" * 64, [memoryview(bytearray(4))])])
+    finally:
+        await store.close()
