@@ -18,7 +18,10 @@ For each context N (random byte tokens):
   disk_cold   the same after dropping the page cache (where the machine allows it).
 Each resume row also gives the seconds spent in the store's ``load_blobs_into`` (read + sha256 into pinned
 staging) and in the page codec's ``restore`` (those reads + queueing the device copies); ``encode_pages_s`` is the
-bulk encode a save starts with (gather, copy to host, blobs, sha256) timed on its own before the save.
+bulk encode a save starts with (gather, copy to host, blobs, sha256) timed on its own before the save; the save
+overlaps it with the write (blobs streamed into one pack), and ``save_marks_s`` gives the seconds from the save's
+start to the first hit of each of the store's write steps (storage/faults.py: ``disk.blob.written`` = every blob
+and the pack index written, ``disk.blob.fsynced``, ..., ``disk.manifest.done``).
 Raw bandwidth of the same paths, same run: ``h2d`` (memcpy of the snapshot's bytes into pinned memory + one
 host-to-device copy), ``read_warm`` / ``read_cold`` (the store's files read with 8 threads, page cache warm /
 dropped), ``write_fdatasync`` (dd of the snapshot's size, one fdatasync at the end), and sha256 on 1 and on all
@@ -49,7 +52,7 @@ import kda_sessions as ks
 from kda_sessions.config import ModelConfig
 from kda_sessions.model import HybridModel
 from kda_sessions.model.loader import BUILTIN_DIR
-from kda_sessions.storage import SnapshotStore
+from kda_sessions.storage import SnapshotStore, faults
 from kda_sessions.tokenizer import ByteTokenizer, builtin_template
 
 KIMI_SHAPE: dict[str, Any] = {
@@ -225,7 +228,14 @@ async def one_context(model: HybridModel, n: int, device: str, root: Path) -> di
         row["encode_pages_s"] = round(t, 4)  # gather + copy to host + blobs + sha256, what save's build does
         del encoded
         eng.pages.digests.clear()  # so that the save encodes every page again
-        t, res = await timed(s.save())
+        marks: dict[str, float] = {}
+        faults.hook = lambda name: marks.setdefault(name, time.perf_counter())  # the first hit of each point
+        t_start = time.perf_counter()
+        try:
+            t, res = await timed(s.save())
+        finally:
+            faults.hook = None
+        row["save_marks_s"] = {k: round(v - t_start, 4) for k, v in marks.items()}
         snap = res.bytes_written
         row["snapshot_MB"] = round(snap / 1e6, 1)
         row["save_s"] = round(t, 4)
