@@ -27,10 +27,10 @@ def kda_inputs(B: int, T: int, H: int, K: int, V: int, bounded: bool, seed: int 
 
 
 def packed_or_batched(varlen: bool, H: int, K: int, V: int, bounded: bool):
-    """(q, k, v, g, beta, cu_seqlens) of two sequences: packed (37 and 64 tokens, 37 not a multiple of the chunk)
-    when ``varlen``, else a batch of two of 70 tokens (cu_seqlens None)."""
+    """(q, k, v, g, beta, cu_seqlens) of two sequences: packed (21 and 70 tokens: one partial chunk, and a whole
+    chunk then a partial one) when ``varlen``, else a batch of two of 70 tokens (cu_seqlens None)."""
     if varlen:
-        return (*kda_inputs(1, 101, H, K, V, bounded, seed=1), torch.tensor([0, 37, 101]))
+        return (*kda_inputs(1, 91, H, K, V, bounded, seed=1), torch.tensor([0, 21, 91]))
     return (*kda_inputs(2, 70, H, K, V, bounded, seed=2), None)
 
 
