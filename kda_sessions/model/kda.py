@@ -124,8 +124,8 @@ class KDAAttention(nn.Module):
         """(w_in [Dc + K + V + H, D]: q | k | v | f_a | g_a | b rows; w_gate [H*K + H*V, K + V]: f_b and g_b
         block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [Dc, W]).
 
-        Matmul weights stay [out, in] as ``F.linear`` takes them: cuBLAS streams a one-row product over that
-        layout faster than over [in, out] on an H200 (the merged w_in: ~17 us as [in, out], 29 MB)."""
+        Matmul weights stay [out, in] as ``F.linear`` takes them. Kept apart from ``_cpu_weights``, whose layout
+        follows what a CPU's one-row matmul reads fastest."""
         H, K, V = self.H, self.K, self.V
         w_in = torch.cat([m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
                                              self.b_proj)])
