@@ -127,6 +127,7 @@ class SnapshotStore:
         *,
         expected_generation: int | None = None,
         verified: bool = False,
+        streamed: Iterable[str] = (),
     ) -> SaveResult:
         """Make `manifest` durable: write the blobs the store lacks, then the manifest.
 
@@ -142,6 +143,9 @@ class SnapshotStore:
         the lease, SnapshotConflict if the stored generation differs. If this store's previous commit of the
         session failed with an unknown outcome (connection lost mid-command) and did land, the save builds on
         it: the manifest is stored with generation `expected_generation + 2` (see SaveResult.generation).
+
+        `streamed`: the blobs `put_stream` just wrote for this save (what it returned): fresh, so not touched
+        again; they are counted as written by the stream's caller, not here.
         """
         referenced = manifest.blob_digests()
         extra = set(blobs) - referenced
@@ -159,8 +163,9 @@ class SnapshotStore:
                     f"neither given nor stored"
                 )
             # Refresh reused blobs so a concurrent GC in another process leaves them alone (grace period).
-            if stored:
-                await self.store.touch_blobs(stored)
+            reused = stored - set(streamed)
+            if reused:
+                await self.store.touch_blobs(reused)
             corrupt = await self._verify_reused(manifest.session_id, stored & set(blobs))
             to_write = {d: blobs[d] for d in missing | corrupt}
             written = await self.store.put_blobs(to_write, max_in_flight=self.max_in_flight, verified=verified)
@@ -182,8 +187,8 @@ class SnapshotStore:
     async def put_stream(self, stream: BlobStream) -> set[str]:
         """Write the blobs of ``stream`` while its producer is still making them (`BlobStore.put_blob_stream`),
         ahead of the `save` whose manifest names them; returns the digests written. The producer named every
-        blob by hashing its bytes (as `save(verified=True)`). Pass the same blobs to that `save` (`stream.blobs()`):
-        it finds them stored, neither writes nor reads again those this call wrote, verifies those the store held
+        blob by hashing its bytes (as `save(verified=True)`). Pass the same blobs to that `save` (`stream.blobs()`, and
+        what this returns as its `streamed`): it finds them stored, touches none it wrote, neither writes nor reads again those this call wrote, verifies those the store held
         already (as for any blob a save reuses), and can write them again should a racing collection delete them
         before the commit (written blobs are recent, which a collection spares for `gc_grace_s`)."""
         written = await self.store.put_blob_stream(stream, max_in_flight=self.max_in_flight, verified=True)

@@ -215,7 +215,9 @@ class StoreIO:
                 raise next((e for e in errors if not isinstance(e, StreamAbandoned)), errors[0])
             manifest, given = built[0], stream.blobs()
             # every blob was named by hashing its bytes: no second hash pass in the store
-            result = await self.snapshots.save(manifest, given, expected_generation=s.generation, verified=True)
+            result = await self.snapshots.save(
+                manifest, given, expected_generation=s.generation, verified=True, streamed=streamed
+            )
         except BaseException:
             # a state blob named before the build failed may not have reached the stream: forget it too
             named = {cp.state_blob for cp in s.checkpoints.values() if cp.state_blob is not None}
