@@ -1,10 +1,13 @@
-"""Every example runs as is, in a fresh process on the built-in model: in process, and against a running
-server with --url (the same script, the same methods)."""
+"""Every example runs as is on the built-in model: in process (the script's ``__main__`` run in this process, as
+``python examples/X.py`` runs it, without paying a new interpreter's torch import each time), and from a fresh
+process against a running server with --url (the same script, the same methods)."""
 
 from __future__ import annotations
 
+import runpy
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,11 +33,25 @@ def _run(args: list[str], cwd: Path) -> str:
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs_in_process(script: Path, tmp_path: Path):
+def test_example_runs_in_process(script: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                 capsys: pytest.CaptureFixture[str]):
+    """The script as ``__main__`` with its own argv; it prints, and leaves no thread behind that would keep a
+    process from exiting (an engine or a server it did not close)."""
     args = [str(script)]
     if script.name == "resume.py":
         args += ["--store", f"disk:{tmp_path}"]
-    _run(args, tmp_path)
+    monkeypatch.setattr(sys, "argv", args)
+    monkeypatch.chdir(tmp_path)
+    before = set(threading.enumerate())
+    runpy.run_path(str(script), run_name="__main__")
+    for t in threading.enumerate():
+        if t not in before and not t.daemon:  # (anyio's worker threads end with their event loop)
+            t.join(timeout=10)
+    assert [t for t in threading.enumerate() if t not in before and not t.daemon] == []
+    out = capsys.readouterr().out
+    assert out.strip()
+    if script.name == "resume.py":
+        assert "resumed" in out
 
 
 @pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
