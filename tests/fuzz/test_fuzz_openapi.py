@@ -74,10 +74,24 @@ def assert_openai_error(status: int, body: Any) -> None:
     assert isinstance(err["type"], str) and (err["code"] is None or isinstance(err["code"], str)), err
 
 
+FUZZ = {"deadline": None, "suppress_health_check": list(HealthCheck), "derandomize": True, "database": None}
+
+
 @schema.parametrize()
-@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-          database=None)
+@settings(max_examples=4, **FUZZ)
 def test_fuzz_openapi_no_5xx(case: Any, fuzz_server: ServerThread) -> None:
+    """A few requests per operation (the same ones every run); the long run below tries 40."""
+    _call_and_check(case, fuzz_server)
+
+
+@pytest.mark.slow
+@schema.parametrize()
+@settings(max_examples=40, **FUZZ)
+def test_fuzz_openapi_no_5xx_long(case: Any, fuzz_server: ServerThread) -> None:
+    _call_and_check(case, fuzz_server)
+
+
+def _call_and_check(case: Any, fuzz_server: ServerThread) -> None:
     _shorten(case, fuzz_server.known_ids)  # type: ignore[attr-defined]
     response = case.call(base_url=fuzz_server.url, timeout=30)
     body: Any
