@@ -1,6 +1,7 @@
 """Disk store throughput by blob size against dd on the same folder, interleaved in one run.
 
     python bench/store_blobs.py [--dir /tmp] [--mib 32] [--rounds 5]
+    python bench/store_blobs.py --save-pipeline [--mib 96] [--rounds 5]
 
 This VM's disk and CPUs are shared and their speed swings several-fold within a minute, so every round
 measures dd and the store back to back on the same bytes count: ``dd bs=1M conv=fdatasync`` of ``--mib``, then
@@ -8,6 +9,12 @@ measures dd and the store back to back on the same bytes count: ``dd bs=1M conv=
 ``PACK_MIN_BLOBS``); the page cache is dropped (needs root; said in the output), a cold ``dd`` read of the dd
 file, the cache dropped again, then a cold ``get_blobs`` (sha256-verified) of the store's blobs. The JSON gives
 the medians over rounds of each figure and of the per-round ratio store / dd.
+
+``--save-pipeline``: the engine's save of ``--mib`` of full KV pages (tiny-random's pool filled with random
+values), both ways, alternating which goes first, each into a fresh store folder beside ``dd`` of the same bytes:
+``sequential`` encodes every page (copy + sha256 on threads: `PageCodec.encode`) and then writes them
+(`put_blobs`, one pack), as saves did before streaming; ``streamed`` hands each chunk of pages to the store as it
+is made (`BlobStream`, `put_blob_stream`: one pack written chunk by chunk). Durable at the end either way.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ import time
 
 import anyio
 
-from kda_sessions.storage import digest
+import kda_sessions as ks
+from kda_sessions.storage import BlobStream, digest
 from kda_sessions.storage.backends.disk import PACK_MIN_BLOBS, DiskStore
 
 
@@ -90,6 +98,57 @@ async def one_size(folder: str, size: int, mib: int, rounds: int, pack_min_blobs
     }
 
 
+async def save_pipeline(folder: str, mib: int, rounds: int) -> dict[str, object]:
+    work = tempfile.mkdtemp(dir=folder)
+    try:
+        async with await ks.Engine.open(store=f"disk:{work}/engine", num_pages=4096) as eng:
+            codec = eng.io.codec
+            for kv in codec.pools.kv:
+                kv.normal_()
+            pages = list(range(1, 1 + min(4000, mib * 1048576 // codec.page_bytes)))
+            nbytes = len(pages) * (codec.page_bytes + len(codec.header))
+
+            async def sequential(store: DiskStore) -> None:
+                blobs = await anyio.to_thread.run_sync(codec.encode, pages)
+                await store.put_blobs(dict(blobs), verified=True)
+
+            async def streamed(store: DiskStore) -> None:
+                stream = BlobStream(len(pages))
+
+                def produce() -> None:
+                    for chunk in codec.encode_chunks(pages):
+                        stream.put(chunk)
+                    stream.close()
+
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(anyio.to_thread.run_sync, produce)
+                    await store.put_blob_stream(stream, verified=True)
+
+            rows = []
+            for i in range(rounds):
+                row: dict[str, float] = {}
+                order = [("sequential", sequential), ("streamed", streamed)]
+                for name, fn in order if i % 2 == 0 else order[::-1]:
+                    drop_cache()
+                    store = await DiskStore.open(os.path.join(work, f"{name}-{i}"))
+                    t = time.perf_counter()
+                    await fn(store)
+                    row[name] = nbytes / (time.perf_counter() - t) / 1e6
+                    shutil.rmtree(store.root)
+                drop_cache()
+                row["dd_write"] = dd_write(os.path.join(work, "dd.bin"), nbytes >> 20)
+                rows.append(row)
+        return {
+            "pages": len(pages), "page_KiB": round(codec.page_bytes / 1024, 1), "MB": round(nbytes / 1e6, 1),
+            **{f"{k}_MBps": round(statistics.median(r[k] for r in rows)) for k in rows[0]},
+            "streamed_over_sequential": round(statistics.median(r["streamed"] / r["sequential"] for r in rows), 2),
+            "streamed_over_dd": round(statistics.median(r["streamed"] / r["dd_write"] for r in rows), 2),
+            "rounds": [{k: round(v) for k, v in r.items()} for r in rows],
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=tempfile.gettempdir())
@@ -97,7 +156,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--sizes-kib", default="80,256,516,2048")
     ap.add_argument("--pack-min-blobs", type=int, default=None, help=f"default {PACK_MIN_BLOBS}; a huge value = loose files")
+    ap.add_argument("--save-pipeline", action="store_true", help="an engine save of --mib of pages, sequential vs streamed")
     args = ap.parse_args()
+    if args.save_pipeline:
+        print(json.dumps({
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "nproc": os.cpu_count(),
+            "loadavg_at_start": os.getloadavg(), **anyio.run(save_pipeline, args.dir, args.mib, args.rounds),
+        }, indent=1))
+        return
     sizes = [int(k) * 1024 for k in args.sizes_kib.split(",")]
     rows = [anyio.run(one_size, args.dir, s, args.mib, args.rounds, args.pack_min_blobs) for s in sizes]
     print(json.dumps({

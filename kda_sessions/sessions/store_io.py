@@ -12,7 +12,7 @@ import dataclasses
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
@@ -24,10 +24,11 @@ from ..engine.core import EngineCore
 from ..errors import SessionBusy, SessionNotFound
 from ..storage import BlobStream, CheckpointRecord, SaveResult, SessionManifest, SnapshotStore
 from ..storage.backends.registry import default_disk_root
+from ..storage.blobs import HASH_THREADS, digest
 from ..storage.errors import IntegrityError, ManifestNotFound
 from ..storage.manifest import ModelFingerprint
 from ..storage.stream import StreamAbandoned
-from .codec import blob, decode_page, decode_state, decode_tokens, encode_page, encode_state, encode_tokens
+from .codec import decode_page, decode_state, decode_tokens, encode_page, encode_state, encode_tokens
 from .page_io import PageCodec
 from .prefix_index import PrefixHit, PrefixIndex, PrefixKey, prefix_key
 from .state import Checkpoint, SessionState
@@ -83,7 +84,9 @@ class StoreIO:
             self._codec = PageCodec(self.pools.tensors, self.core.model.config, self.core.model.dtype)
         return self._codec
 
-    def _partial_page(self, pages: list[int], state_pos: int, add: Callable[[bytes], str]) -> str | None:
+    def _partial_page(
+        self, pages: list[int], state_pos: int, add: Callable[[bytes], Future[str]]
+    ) -> Future[str] | None:
         """The blob of the partial last page of ``state_pos`` tokens (through ``add``), or None if it has none."""
         full, rows = divmod(state_pos, self.pools.page_size)
         return add(encode_page(self.pools.tensors, pages[full], rows)) if rows else None
@@ -103,36 +106,39 @@ class StoreIO:
 
     def _build(self, s: SessionState, stream: BlobStream) -> SessionManifest:
         """Runs in a worker thread: encode every blob the store may lack into ``stream`` and assemble the
-        manifest. The small blobs first (states, partial last pages, tokens; one copy and hash each), then the
+        manifest. The small blobs first (states, partial last pages, tokens; one copy each, hashed on threads), then the
         full pages a chunk at a time (page_io): the store writes each chunk while the next is copied and hashed.
         Every full page's digest is cached in the pool, so a later save encodes only new pages."""
+        hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="blob-hash")
         try:
-            blobs: dict[str, bytes] = {}
-            known = s.stored_digests
+            made: list[tuple[Future[str], bytes]] = []
 
-            def add(data: bytes) -> str:
-                d, b = blob(data)
-                if d not in known:
-                    blobs[d] = b
-                return d
+            def add(data: bytes) -> Future[str]:  # hashed on other threads while the next blob is made
+                made.append((hashing.submit(digest, data), data))
+                return made[-1][0]
 
-            head_partial: str | None = None
+            head_partial: Future[str] | None = None
             if s.resident:
                 assert s.slot is not None
                 with self.pools.mutex:
                     kda, conv = self.pools.read_slot(s.slot)
-                head_state = add(encode_state(kda, conv))
+                head_state_f = add(encode_state(kda, conv))
                 head_partial = self._partial_page(s.pages, s.num_cached, add)
             else:
                 assert s.head_blobs is not None, "a session that is not resident was loaded from the store"
-            partials: dict[str, str | None] = {}
+            partials: dict[str, Future[str] | None] = {}
+            states: dict[str, Future[str]] = {}
             for cp in s.checkpoints.values():
                 if cp.state_blob is None:
                     assert cp.state_id is not None
-                    cp.state_blob = add(encode_state(*self.pools.host.get(cp.state_id)))
+                    states[cp.name] = add(encode_state(*self.pools.host.get(cp.state_id)))
                 if cp.page_blobs is None:
                     partials[cp.name] = self._partial_page(cp.pages, cp.state_pos, add)
-            tokens_blob = add(encode_tokens(s.tokens))
+            tokens_blob = add(encode_tokens(s.tokens)).result()
+            known = s.stored_digests
+            blobs = {d: data for f, data in made if (d := f.result()) not in known}
+            for name, f in states.items():
+                s.checkpoints[name].state_blob = f.result()
             pages = self._pages_to_encode(s)
             stream.announce(len(blobs) + len(pages))
             if blobs:
@@ -145,17 +151,21 @@ class StoreIO:
         except BaseException as e:
             stream.fail(e)
             raise
+        finally:
+            hashing.shutdown(wait=True, cancel_futures=True)
         for page, f in zip(pages, hashes, strict=True):
             self.pools.pages.digests[page] = f.result()
         if s.resident:
-            head_pages = self._page_digests(s.pages, s.num_cached, head_partial)
+            head_state = head_state_f.result()
+            head_pages = self._page_digests(s.pages, s.num_cached, None if head_partial is None else head_partial.result())
         else:
             assert s.head_blobs is not None
             head_state, head_pages = s.head_blobs
         records = []
         for cp in s.checkpoints.values():
             if cp.page_blobs is None:
-                cp.page_blobs = self._page_digests(cp.pages, cp.state_pos, partials[cp.name])
+                partial = partials[cp.name]
+                cp.page_blobs = self._page_digests(cp.pages, cp.state_pos, None if partial is None else partial.result())
             assert cp.state_blob is not None
             records.append(CheckpointRecord(
                 name=cp.name, position=cp.position, state_position=cp.state_pos, state_blob=cp.state_blob,
