@@ -255,7 +255,7 @@ def test_masks_cover_exactly_the_assistant_tokens(max_len: int):
 
 
 def test_rows_are_full_and_about_half_recall():
-    rows = _rows(7, 120, 8192)
+    rows = _rows(7, 60, 8192)
     conv = [ids for ids, _ in rows if not _is_plain(ids)]
     assert sum(len(ids) for ids in conv) / (len(conv) * 8192) > 0.9
     asked = [len(re.findall("Earlier you|did I give you|Remind me", TOK.decode(ids))) for ids in conv]
