@@ -8,9 +8,7 @@ Parts, each written to ``--out`` as it ends:
             the time per step is the difference of their medians over ``--steps`` (host work, sampling and
             detokenising included);
   replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
-            random pools (no prefill, so 1M fits in the time); ``--replay-cublas`` again with KDA's decode matvecs
-            on cuBLAS instead of ``skinny_linear`` (``KDAAttention.skinny_gemv``); ``--gemv-sweep``: those matvecs
-            alone, cuBLAS against ``skinny_linear``'s row and column blocks;
+            random pools (no prefill, so 1M fits in the time);
   profile   the eager step at 1 x 8K under the torch profiler (``decode_48b.profile_case``), with KDA's fused decode
             (``KDAAttention.fused_decode``) and with the separate kernels it replaces: kernels per step, top kernels;
             and the top kernels of graphed ``generate`` steps through the Engine;
@@ -40,13 +38,12 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_48b import decode_case, floor_bytes, graph_us, profile_case
+from decode_48b import decode_case, floor_bytes, profile_case
 from prefill_48b import build_model, config_48b, prefill_once
 
 from kda_sessions.api import Engine, open_snapshots
 from kda_sessions.config import ModelConfig
 from kda_sessions.engine.config import EngineConfig
-from kda_sessions.kernels.gemv.triton_gemv import skinny_linear_triton
 from kda_sessions.model import HybridModel
 from kda_sessions.model.kda import KDAAttention
 from kda_sessions.tokenizer import ByteTokenizer, builtin_template
@@ -123,35 +120,10 @@ async def engine_profile(engine: Engine, L: int, steps: int, top: int = 20) -> d
             "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
 
 
-def set_kda_knobs(model: HybridModel, fused_decode: bool = True, skinny_gemv: bool = True) -> None:
+def set_fused_decode(model: HybridModel, on: bool) -> None:
     for m in model.modules():
         if isinstance(m, KDAAttention):
-            m.fused_decode, m.skinny_gemv = fused_decode, skinny_gemv
-
-
-GEMV_SHAPES = {"kda_in_merged": (12576, 2304), "kda_o_proj": (2304, 4096), "kda_gate_merged": (8192, 256)}
-
-
-def gemv_sweep(reps: int) -> list[dict[str, Any]]:
-    """KDA's decode matvecs alone, as graph replays over weight copies larger than L2: ``F.linear`` (cuBLAS)
-    against ``skinny_linear`` under row blocks BO and column blocks BD (its default is the first BO=None row)."""
-    out = []
-    for name, (O, D) in GEMV_SHAPES.items():
-        copies = max(1, int(2e8 // (O * D * 2)))
-        ws = [torch.randn(O, D, device="cuda").bfloat16() for _ in range(copies)]
-        for N in (1, 8):
-            x = torch.randn(N, D, device="cuda").bfloat16()
-            row: dict[str, Any] = {"name": name, "N": N, "O": O, "D": D}
-            variants: dict[str, Any] = {"cublas": lambda w, x=x: torch.nn.functional.linear(x, w),
-                                        "skinny_default": lambda w, x=x: skinny_linear_triton(x, w)}
-            for BO in (16, 32, 64):
-                for BD in (128, 256):
-                    variants[f"skinny_bo{BO}_bd{BD}"] = lambda w, x=x, BO=BO, BD=BD: skinny_linear_triton(x, w, BO, BD)
-            for key, fn in variants.items():
-                us = graph_us(lambda fn=fn, ws=ws: [fn(w) for w in ws], reps) / copies
-                row[key] = {"us": round(us, 2), "TB_per_s": round(O * D * 2 / us / 1e6, 2)}
-            out.append(row)
-    return out
+            m.fused_decode = on
 
 
 def config_2b(quick: bool) -> ModelConfig:
@@ -178,9 +150,6 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a small shape and contexts, to check the script")
     ap.add_argument("--cases", default="1x8192,1x131072,8x32768", help="Engine cases, BATCHxCONTEXT")
     ap.add_argument("--replay-cases", default="1x8192,1x131072,1x1048576,8x32768,32x32768")
-    ap.add_argument("--replay-cublas", default="1x8192,1x131072,8x32768",
-                    help="replay cases again with KDA's matvecs on cuBLAS (skinny_gemv off)")
-    ap.add_argument("--gemv-sweep", action="store_true", help="time KDA's matvecs alone: cuBLAS vs skinny_linear")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per Engine case")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per replay case")
     ap.add_argument("--prefill-2b", type=int, default=0, help="also prefill the 2 B bench model N tokens (0: no)")
@@ -245,17 +214,11 @@ def main() -> None:
     if cuda:
         torch.cuda.empty_cache()
         for on in (False, True):
-            set_kda_knobs(model, fused_decode=on, skinny_gemv=on)
+            set_fused_decode(model, on)
             part(f"profile_eager_1x8192_kda_{'fused' if on else 'separate'}",
                  lambda: profile_case(model, 8192, args.device))
-        if args.gemv_sweep:
-            part("gemv_sweep", lambda: gemv_sweep(args.reps))
     for b, L in cases(args.replay_cases):
         part(f"replay_{b}x{L}", lambda b=b, L=L: decode_case(model, b, L, ["fused"], args.reps, args.device))
-    set_kda_knobs(model, skinny_gemv=False)
-    for b, L in cases(args.replay_cublas):
-        part(f"replay_{b}x{L}_cublas", lambda b=b, L=L: decode_case(model, b, L, ["fused"], args.reps, args.device))
-    set_kda_knobs(model)
     if args.prefill_2b:
         del model
         gc.collect()

@@ -7,7 +7,6 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
-from ..kernels.gemv import MAX_ROWS, skinny_linear
 from ..kernels.kda.decode import kda_decode
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
@@ -48,9 +47,6 @@ class KDAAttention(nn.Module):
         self.fused_decode = True
         """Decode on a GPU through ``kda_decode`` (two launches; False: the separate conv, gate and recurrence
         kernels, its twin in the model)."""
-        self.skinny_gemv = True
-        """GPU decode of at most ``MAX_ROWS`` sequences runs the input projection and o_proj through
-        ``skinny_linear`` (False: cuBLAS through ``F.linear``)."""
 
     @property
     def conv_dim(self) -> int:
@@ -92,7 +88,7 @@ class KDAAttention(nn.Module):
             qkv, raw, b, og = self._projections_merged(x)
             o = kda_decode(qkv, raw, b, self._gpu.get()[2], conv_state, self.A_log, self.dt_bias, self.lower_bound,
                            state, slots)  # [N, H, V]
-            return self._output(x, o[None], og, skinny=self._skinny(x))
+            return self._output(x, o[None], og)
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
         qkv, raw, b, og = self._projections_merged(x) if x.is_cuda else self._projections(x)
         qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)
@@ -120,12 +116,9 @@ class KDAAttention(nn.Module):
         H, K, V = self.H, self.K, self.V
         Dc = self.conv_dim
         w_in, w_gate = self._gpu.get()[:2]  # [out, in]
-        y = skinny_linear(x, w_in) if self._skinny(x) else torch.nn.functional.linear(x, w_in)  # [N, Dc+K+V+H]
+        y = torch.nn.functional.linear(x, w_in)  # [N, Dc + K + V + H]
         fg = torch.nn.functional.linear(y[:, Dc : Dc + K + V], w_gate)  # [N, H*K + H*V]: raw gate | output gate
         return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
-
-    def _skinny(self, x: Tensor) -> bool:
-        return self.skinny_gemv and x.is_cuda and x.shape[0] <= MAX_ROWS and x.stride(1) == 1
 
     def _gpu_weights(self) -> tuple[Tensor, ...]:
         """(w_in [Dc + K + V + H, D]: q | k | v | f_a | g_a | b rows; w_gate [H*K + H*V, K + V]: f_b and g_b
@@ -238,15 +231,12 @@ class KDAAttention(nn.Module):
         q, k, v = q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, H, V)
         return q, k, v, g.unsqueeze(0), beta.unsqueeze(0)
 
-    def _output(self, x: Tensor, o: Tensor, og: Tensor, skinny: bool = False) -> Tensor:
-        """o [1, T, H, V], output gate logits og [T, H*V] -> gated head norm -> o_proj -> [T, D] (``skinny``:
-        o_proj through ``skinny_linear``)."""
+    def _output(self, x: Tensor, o: Tensor, og: Tensor) -> Tensor:
+        """o [1, T, H, V], output gate logits og [T, H*V] -> gated head norm -> o_proj -> [T, D]."""
         T = x.shape[0]
         H, V = self.H, self.V
         if o.is_cuda:  # norm, gate and cast in one kernel
             o = gated_rms_norm(o[0], self.o_norm.weight, og.reshape(T, H, V), self.o_norm.eps, x.dtype)
-            if skinny:
-                return skinny_linear(o.reshape(T, H * V), self.o_proj.weight)
             return self.o_proj(o.reshape(T, H * V))
         o = self.o_norm(o[0]) * torch.sigmoid(og.reshape(T, H, V))  # [T, H, V]
         return self.o_proj(o.reshape(T, H * V).to(x.dtype))

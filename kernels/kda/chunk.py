@@ -44,7 +44,6 @@ import triton.language as tl
 from torch import Tensor
 
 from ..gate.naive import gate_params
-from ..precision import dot_precision
 
 BT = 64  # chunk length
 BC = 16  # sub-chunk length
@@ -551,24 +550,19 @@ SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint pat
 LN2 = 0.6931471805599453
 
 
-def _diag_step(
-    cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any, prec: dict[str, str]
-) -> None:
-    """The midpoint kernel for the fused bounded gate where its span bound allows, else the exact one; ``prec``:
-    the dots' launch option (``dot_precision``)."""
+def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any) -> None:
+    """The midpoint kernel for the fused bounded gate where its span bound allows, else the exact one."""
     lb = gate[2] if gate is not None else None
     # the fused bounded gate caps every step's log-decay at lb: a sub-chunk's span is at most 15 |lb| / ln 2
     if cfg["diag_mid"] and lb is not None and 15 * abs(float(lb)) / LN2 <= SPAN_MAX:
         _diag_mid_kernel[(NC, H, BT // BC)](
             *args, H=H, K=K, BT=BT, BC=BC, BK=BK, IEEE=bool(cfg["diag_ieee"]), num_warps=cfg["diag_warps"],
-            **prec,
         )
     else:
         BH = min(cfg["tok_bh"], triton.next_power_of_2(H))
         grid = (NC * BT, triton.cdiv(H, BH)) if cfg["tok_order"] else (NC, BT, triton.cdiv(H, BH))
         _diag_token_kernel[grid](
             *args, H=H, K=K, BT=BT, BC=BC, BK=BK, BH=BH, ROW_FAST=bool(cfg["tok_order"]), num_warps=cfg["tok_warps"],
-            **prec,
         )
 
 
@@ -612,7 +606,6 @@ def _launch(
     dl = torch.empty(NC, H, K, device=dev, dtype=torch.float32)
     A_log, dt_bias, lb = gate if gate is not None else (None, None, None)
     gate_kind = 0 if gate is None else (1 if lb is None else 2)
-    prec = dot_precision(q.dtype)  # float32: IEEE dots, not tf32
 
     _prep_kernel[(NC, H)](
         q, k, g, A_log, dt_bias, qn, kn, G2, qg, kg, dl, chunk_start, chunk_len, scale,
@@ -620,15 +613,15 @@ def _launch(
         H=H, K=K, BT=BT, BK=min(cfg["prep_bk"], BK), NORM=use_qk_l2norm, GATE=gate_kind,
         num_warps=cfg["prep_warps"],
     )
-    _diag_step(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate, prec)
+    _diag_step(cfg, (qn, kn, G2, beta, Aqk, Ld, chunk_start, chunk_len, scale), NC, H, K, BK, gate)
     _offdiag_kernel[(NC, H)](
         qn, kn, G2, beta, Aqk, Ld, Xb, chunk_start, chunk_len, scale,
         H=H, K=K, BT=BT, BC=BC, BK=min(cfg["offdiag_bk"], BK), INV_IEEE=bool(cfg["inv_ieee"]),
-        num_warps=cfg["offdiag_warps"], num_stages=cfg["offdiag_stages"], **prec,
+        num_warps=cfg["offdiag_warps"], num_stages=cfg["offdiag_stages"],
     )
     _wu_kernel[(NC, H)](
         Xb, kn, G2, v, w, u, chunk_start, chunk_len, H=H, K=K, V=V, BT=BT, BK=min(cfg["wu_bk"], BK),
-        BV=min(cfg["wu_bv"], BVf), num_warps=cfg["wu_warps"], num_stages=cfg["wu_stages"], **prec,
+        BV=min(cfg["wu_bv"], BVf), num_warps=cfg["wu_warps"], num_stages=cfg["wu_stages"],
     )
 
     BV = min(cfg["state_bv"], BVf)
@@ -638,12 +631,12 @@ def _launch(
         w, u, kg, dl, vnew, hbuf, h0, final, ckpt, chunk_start, chunk_len, chunk_ck, seq_chunks_t,
         H=H, K=K, V=V, BK=BK, BV=BV, BT=BT, HAS_H0=h0 is not None, STORE_FINAL=final is not None,
         HAS_CK=M > 0, REG=bool(cfg["state_reg"]) and M == 0, num_warps=cfg["state_warps"],
-        num_stages=cfg["state_stages"], **prec,
+        num_stages=cfg["state_stages"],
     )
     BV = min(cfg["out_bv"], BVf)
     _output_kernel[(NC, H, triton.cdiv(V, BV))](
         qg, Aqk, vnew, hbuf, o, chunk_start, chunk_len, H=H, K=K, V=V, BK=BK, BV=BV, BT=BT,
-        num_warps=cfg["out_warps"], **prec,
+        num_warps=cfg["out_warps"],
     )
     return o, final, ckpt
 

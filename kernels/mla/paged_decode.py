@@ -32,7 +32,6 @@ try:  # programmatic dependent launch (Triton 3.3 and later)
 except ImportError:
     gdc_launch_dependents = gdc_wait = None
 
-from ..precision import dot_precision
 from .paged_decode_gluon import gluon_split_ok, launch_split_gluon
 
 _LOG2E = 1.4426950408889634
@@ -315,7 +314,7 @@ def _launch(
             _split_kernel_tokens[(triton.cdiv(H, BH), num_splits, N)](
                 q_lat, q_pe, kv_pages, page_table, seq_lens, o_part, lse, scale * _LOG2E, max_pages, tps,
                 num_splits, H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN, ALIGN=align, PAGE_TILE=P % BN == 0,
-                num_warps=num_warps or 4, num_stages=num_stages or 2, **dot_precision(q_lat.dtype),
+                num_warps=num_warps or 4, num_stages=num_stages or 2,
             )
         # below 8 sequences the merge reads every split in one pass on 4 warps (1 x 32K: 3.4 us against 6.2 for 16
         # splits a step on 2 warps); from 8 up there are programs enough, and the
@@ -331,7 +330,7 @@ def _launch(
     _split_kernel[(num_splits, N, triton.cdiv(H, BH))](
         q_lat, q_pe, kv_pages, page_table, seq_lens, acc, m, lsum, scale * _LOG2E, max_pages, tps, num_splits,
         H=H, R=R, DR=DR, P=P, BH=BH, BR=BR, BDR=BDR, BN=BN,
-        ALIGN=align, num_warps=num_warps or 4, num_stages=num_stages or 3, **dot_precision(q_lat.dtype),
+        ALIGN=align, num_warps=num_warps or 4, num_stages=num_stages or 3,
     )
     _combine_kernel[(H, N, triton.cdiv(R, BRC))](acc, m, lsum, out, num_splits, H=H, R=R, BR=BRC, BS=16,
                                                  num_warps=2)

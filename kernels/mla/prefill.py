@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..precision import dot_precision
 from .naive import latent_rows
 
 _LOG2E = 1.4426950408889634
@@ -143,6 +142,6 @@ def mla_prefill_triton(
             q, kv, lat, o, acc, m, lsum, start - b0, T, b1 - b0, scale * _LOG2E,
             q.stride(0), kv.stride(0), lat.stride(0), o.stride(0),
             H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=b == 0, LAST=b == nblocks - 1,
-            num_warps=warps, num_stages=stages, **dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages,
         )
     return o

@@ -303,8 +303,8 @@ class PinnedRoutes:
     """``moe_route`` that records the CPU model's experts, call by call, and hands the same ones to the GPU
     model's calls in the same order. A near-tie between two experts resolves by the order of the float32 sums
     (``moe_route``'s docstring), and one flipped expert moves a token's logits by ~10% (tiny-random: 5e-2 relative
-    RMS over 80 tokens with float32 everywhere): pinned, the comparison measures the GPU path's arithmetic rather
-    than which near-ties flipped. ``flips`` counts the GPU rows whose own choice differed."""
+    RMS over 80 tokens, unpinned): pinned, the comparison measures the GPU path's arithmetic rather than which
+    near-ties flipped. ``flips`` counts the GPU rows whose own choice differed."""
 
     def __init__(self, route) -> None:
         self.route = route
@@ -330,7 +330,7 @@ def test_cuda_model_matches_the_cpu_model(monkeypatch):
     """float32: the GPU path (fused MoE with the shared expert stacked in, fused residual norms, KDA's fused
     output norm, merged decode projections and fused decode step) against the CPU path (expert loop, separate
     shared expert, torch norms, the CPU decode), the experts pinned to the CPU's choice (``PinnedRoutes``):
-    prefill and decode logits within 1e-3. The kernels' float32 dots run in IEEE float32 (``kernels.precision``)."""
+    prefill and decode logits within 1e-3, Triton's float32 dots at their CUDA default (tf32 inputs)."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from kda_sessions.model import ffn
