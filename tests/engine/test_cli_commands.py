@@ -13,7 +13,7 @@ import pytest
 
 import kda_sessions as ks
 from kda_sessions import api as engine_module
-from kda_sessions import cli
+from kda_sessions import bench_cli, cli
 
 
 def _all_parsers(p: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
@@ -158,14 +158,17 @@ def test_run_tool_reports_errors_as_output(tmp_path):
     assert cli.run_tool(tools, bad_json).startswith("error: ")
 
 
-def test_bench_prints_a_table(capsys):
+def test_bench_prints_a_table(capsys, monkeypatch):
+    # a small machine floor (its figures are not checked here): 64-cubed matmuls and 1 MiB copies
+    monkeypatch.setattr(bench_cli, "MATMUL_N", 64)
+    monkeypatch.setattr(bench_cli, "COPY_BYTES", 1 << 20)
     assert cli.main(["bench", "--model", "tiny-random", "--context", "64", "--page-size", "16"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("kda-sessions bench: model tiny-random, 64 context tokens, device cpu")
     rows = {line.split("  ")[0].strip(): line for line in out.split("\n\n")[1].splitlines()[2:]}
     assert set(rows) == {"prefill", "decode (batch of 1)", "first token, resumed from the store",
-                         "first token, context prefilled again", "resume speedup", "matmul (float32, 1024 cubed)",
-                         "memory copy (256 MiB, read + write)"}
+                         "first token, context prefilled again", "resume speedup", "matmul (float32, 64 cubed)",
+                         "memory copy (1 MiB, read + write)"}
     assert rows["prefill"].endswith("%") and "tokens/s" in rows["prefill"] and rows["resume speedup"].endswith("x")
     assert cli.main(["bench", "--model", "tiny-random", "--context", "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["context"] == 64
