@@ -1,12 +1,15 @@
 """``tiny`` on this CPU through the Engine, beside ``HybridModel.step`` alone and the machine's floor.
 
-    python bench/cpu_engine.py [--threads 1,2] [--reps 5] [--out FILE]
+    python bench/cpu_engine.py [--threads auto,1,2] [--reps 5] [--out FILE]
 
-For each torch thread count (``OMP_NUM_THREADS``) and each path, a fresh process: ``fast`` (the CPU paths of
+For each torch thread count (``OMP_NUM_THREADS`` of the process and ``EngineConfig.cpu_threads`` of the engine's
+step thread; ``auto``: neither set, the engine's default as a user gets it) and each path, a fresh process: ``fast`` (the CPU paths of
 ``model/kda.py`` and ``model/mla.py``: fused projections, absorbed MLA decode) and ``reference`` (every attention
 layer's ``fast_cpu`` off: separate linears and the kernels' naive twins, the path the fast one is tested against):
 - ``engine_decode``: one session holding 1,024 tokens generates 64 (greedy, ``ignore_eos``); tokens/s of the
-  fastest of ``--reps`` runs, and the share of its wall time spent inside ``HybridModel.step``.
+  fastest of ``--reps`` runs, the process's CPU time per token in that run (all threads: less sensitive to other
+  jobs on the machine than the wall time), the share of its wall time spent inside ``HybridModel.step`` and the
+  step thread's torch threads.
 - ``engine_prefill``: one fresh session appends 4,096 tokens (the engine runs them in steps of its prefill budget).
 - ``step_decode``: ``HybridModel.step`` alone, one token per step at 1,024 tokens of context, as the engine calls it.
 - ``ops``: torch operators per decode step (every ``aten::`` call the profiler records, nested ones included) and
@@ -94,7 +97,9 @@ def ops_per_step(model: Any) -> dict[str, Any]:
             "self_cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 10 / 1000, 2)}
 
 
-async def engine_runs(reps: int, fast: bool) -> dict[str, Any]:
+async def engine_runs(reps: int, fast: bool, cpu_threads: int | None) -> dict[str, Any]:
+    import torch
+
     import kda_sessions as ks
     from kda_sessions.model import HybridModel
 
@@ -112,8 +117,9 @@ async def engine_runs(reps: int, fast: bool) -> dict[str, Any]:
     toks = [(i * 31) % 250 for i in range(4096)]
     dec: dict[str, Any] = {"context": 1024, "tok_per_s": 0.0}
     pre: dict[str, Any] = {"tokens": 4096, "tok_per_s": 0.0}
-    async with await ks.Engine.open(model="tiny", store="memory:", device="cpu") as engine:
+    async with await ks.Engine.open(model="tiny", store="memory:", device="cpu", cpu_threads=cpu_threads) as engine:
         set_fast(engine.model, fast)
+        dec["step_threads"] = engine.core.runner.cpu_threads or torch.get_num_threads()
         for _ in range(reps + 1):
             s = await engine.create_session()
             load = _load()
@@ -126,12 +132,13 @@ async def engine_runs(reps: int, fast: bool) -> dict[str, Any]:
             s = await engine.create_session()
             await s.append(toks[:1024])
             load, inside["s"] = _load(), 0.0
-            t = time.perf_counter()
+            t, cpu = time.perf_counter(), time.process_time()
             r = await s.generate(max_tokens=64, ignore_eos=True)
-            wall = time.perf_counter() - t
-            if len(r.token_ids) / wall > dec["tok_per_s"]:
-                dec.update(tok_per_s=round(len(r.token_ids) / wall, 1), ms_per_token=round(1000 * wall / len(r.token_ids), 2),
-                           in_step=round(inside["s"] / wall, 3), load=load)
+            wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+            n = len(r.token_ids)
+            if n / wall > dec["tok_per_s"]:
+                dec.update(tok_per_s=round(n / wall, 1), ms_per_token=round(1000 * wall / n, 2),
+                           cpu_ms_per_token=round(1000 * cpu / n, 2), in_step=round(inside["s"] / wall, 3), load=load)
             await engine.delete_session(s.id)
     return {"engine_decode": dec, "engine_prefill": pre}
 
@@ -142,7 +149,7 @@ def set_fast(model: Any, on: bool) -> None:
             m.fast_cpu = on
 
 
-def child(reps: int, fast: bool) -> dict[str, Any]:
+def child(reps: int, fast: bool, auto: bool) -> dict[str, Any]:
     import anyio
     import torch
 
@@ -150,9 +157,10 @@ def child(reps: int, fast: bool) -> dict[str, Any]:
 
     model = load_model("tiny")
     set_fast(model, fast)
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "path": "fast" if fast else "reference"}
+    threads = torch.get_num_threads()
+    out: dict[str, Any] = {"threads": "auto" if auto else threads, "path": "fast" if fast else "reference"}
     out["floor"] = floor(model)
-    out.update(anyio.run(engine_runs, reps, fast))
+    out.update(anyio.run(engine_runs, reps, fast, None if auto else threads))
     out["step_decode"] = step_decode(model, reps)
     out["ops"] = ops_per_step(model)
     return out
@@ -160,19 +168,21 @@ def child(reps: int, fast: bool) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2])
+    p.add_argument("--threads", type=lambda s: s.split(","), default=["auto", "1", "2"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--paths", default="reference,fast")
     p.add_argument("--child", choices=["reference", "fast"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.reps, args.child == "fast")))
+        print(json.dumps(child(args.reps, args.child == "fast", "OMP_NUM_THREADS" not in os.environ)))
         return
     result: dict[str, Any] = {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "runs": []}
     for n in args.threads:
         for path in args.paths.split(","):
-            env = {**os.environ, "OMP_NUM_THREADS": str(n)}
+            env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+            if n != "auto":
+                env["OMP_NUM_THREADS"] = n
             res = subprocess.run([sys.executable, __file__, "--child", path, "--reps", str(args.reps)], env=env,
                                  capture_output=True, text=True, check=True)
             result["runs"].append(json.loads(res.stdout.strip().splitlines()[-1]))

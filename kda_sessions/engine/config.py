@@ -60,9 +60,9 @@ class EngineConfig(BaseModel):
     admission, for the pages of its prompt (running requests end, and their sessions become idle and evictable);
     while generating, parked after a preemption, for pages to resume with."""
     cpu_threads: int | None = Field(default=None, ge=1)
-    """Torch threads of the engine's step thread on a CPU (the thread's own OpenMP count: the caller's threads
-    keep theirs). None: 1 for a model under ``engine.core.SMALL_MODEL_PARAMS`` parameters, whose steps are
-    bound by per-op overhead that a second thread only adds to, else torch's default. No effect on a GPU."""
+    """Torch threads of the engine's step thread on a CPU (OpenMP's count is per thread: the caller's threads
+    keep theirs). None: torch's default. On a shared 2-core machine neither 1 nor 2 wins for ``tiny`` at every
+    load (docs/benchmarks.md, "`tiny` on the CPU"). No effect on a GPU."""
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""

@@ -26,11 +26,6 @@ log = logging.getLogger(__name__)
 IDLE_PREFILL_TOKENS_GPU = 8192
 """Prompt tokens of a step with nothing generating on a GPU, unless EngineConfig names its own."""
 
-SMALL_MODEL_PARAMS = 64_000_000
-"""Below this many parameters a CPU step runs on one torch thread unless ``EngineConfig.cpu_threads`` says
-otherwise: ``tiny``'s decode step is ~1,700 small ops, and each parallel region costs more than it saves
-(docs/benchmarks.md, "`tiny` on the CPU")."""
-
 
 class EngineCore:
     """Must be created on the event loop that will use it (results are handed back to that loop)."""
@@ -51,18 +46,9 @@ class EngineCore:
         """Set (and replaced) whenever works end; what a request waiting for pages waits on."""
         self.runner = Runner(model, self.pools, self.scheduler, tokenizer, self._deliver_from_thread,
                              cuda_graphs=config.cuda_graphs, park_timeout_s=config.page_wait_s,
-                             cpu_threads=self._cpu_threads(model, config))
+                             cpu_threads=config.cpu_threads if model.device.type == "cpu" else None)
         self.preemption = self.runner.preemption
         self.runner.start()
-
-    @staticmethod
-    def _cpu_threads(model: HybridModel, config: EngineConfig) -> int | None:
-        """The step thread's torch threads (None: leave torch's default); see ``EngineConfig.cpu_threads``."""
-        if model.device.type != "cpu":
-            return None
-        if config.cpu_threads is not None:
-            return config.cpu_threads
-        return 1 if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS else None
 
     def close(self) -> None:
         """Stop the step thread (blocking: call it from a worker thread)."""
