@@ -23,38 +23,31 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
 import anyio.to_thread
 
-from .. import faults
 from ..blobs import is_digest
 from ..errors import IntegrityError, ManifestNotFound, StoreUnavailable
 from ..stream import BlobStream
 from .base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats, check_digest, check_session_id, verify_blob
 from .disk_files import (
-    LIBC_SYNCFS,
     TMP_PREFIX,
-    Hasher,
-    durable,
-    fsync_dir,
     is_file,
-    link_new,
     mkdir_durable,
     orphaned,
     process_start_time,
     read_file,
-    sha256_hex,
     temp_prefix,
     unlink,
-    write_temp,
 )
 from .disk_manifests import ManifestFiles
 from .disk_pack import PackSet
 from .disk_read import BlobReader
+from .disk_write import BlobWriter
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +70,22 @@ class DiskStore(BlobStore):
             raise ValueError(f"pack_min_blobs must be >= 1, got {pack_min_blobs}")
         self.root = Path(root)
         self.url = f"disk:{self.root}"
-        self.pack_min_blobs = pack_min_blobs
         self._blobs = self.root / "blobs"
         self._manifests = self.root / "manifests"
         self._leases = self.root / "leases"
-        self._blobs_str = str(self._blobs)
         self._packs = PackSet(self._blobs / "packs")
         self._reader = BlobReader(self.url, self._blobs, self._packs)
+        self._writer = BlobWriter(self.url, self._blobs, self._packs, pack_min_blobs)
         self._manifest_files = ManifestFiles(self.url, self._manifests, self._leases)
+
+    @property
+    def pack_min_blobs(self) -> int:
+        """The fewest new blobs of a batch (or announced by a stream) written as one pack."""
+        return self._writer.pack_min_blobs
+
+    @pack_min_blobs.setter
+    def pack_min_blobs(self, n: int) -> None:
+        self._writer.pack_min_blobs = n
 
     @classmethod
     async def open(cls, root: str | os.PathLike[str], *, pack_min_blobs: int | None = None) -> DiskStore:
@@ -129,39 +130,7 @@ class DiskStore(BlobStore):
     async def put_blob(self, digest: str, data: bytes) -> bool:
         path = self._blob_path(check_digest(digest))
         await verify_blob(digest, data, where=f"put into {self.url}")
-        return await self._run("write", path, partial(self._put_blob_sync, path, data))
-
-    def _put_blob_sync(self, path: Path, data: bytes) -> bool:
-        if self._exists_touch(path.name):
-            return False
-        shard = path.parent
-        if not shard.is_dir():
-            shard.mkdir(exist_ok=True)
-            fsync_dir(shard.parent)
-        tmp = write_temp(shard, data, ("disk.blob.written", "disk.blob.fsynced"))
-        try:
-            written = link_new(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        faults.point("disk.blob.linked")
-        fsync_dir(shard)
-        faults.point("disk.blob.done")
-        return written
-
-    def _blob_file(self, digest: str) -> str:
-        """`_blob_path` as a str: a batch check of a thousand blobs spends more on Path objects than on stat."""
-        return f"{self._blobs_str}/{digest[:2]}/{digest}"
-
-    def _exists_touch(self, digest: str) -> bool:
-        """True if the blob is stored (loose or packed), refreshing its GC grace period: a re-put is a use."""
-        loc = self._packs.locate(digest)  # one dict lookup: before the stat, which most saves' blobs miss
-        if loc is not None:
-            self._packs.touch({loc[0].name})
-            return True
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(self._blob_file(digest))
-            return True
-        return False
+        return await self._run("write", path, partial(self._writer.put_one, path, data))
 
     async def put_blobs(
         self, blobs: Mapping[str, bytes], *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
@@ -174,29 +143,7 @@ class DiskStore(BlobStore):
             return set()
         for d in blobs:
             check_digest(d)
-        return await self._run("write", self._blobs, partial(self._put_blobs_sync, list(blobs.items()), verified))
-
-    def _put_blobs_sync(self, items: list[tuple[str, bytes]], trusted: bool = False) -> set[str]:
-        self._packs.refresh()
-        with Hasher([] if trusted else [data for _, data in items]) as hashes:
-
-            def verified(i: int) -> None:
-                if trusted:
-                    return
-                actual = hashes.result(i)
-                if actual != items[i][0]:
-                    raise IntegrityError(
-                        f"put into {self.url}: blob {items[i][0]} has sha256 {actual} ({len(items[i][1])} bytes)"
-                    )
-
-            new = [i for i, (d, _) in enumerate(items) if not self._exists_touch(d)]
-            for i in sorted(set(range(len(items))) - set(new)):
-                verified(i)
-            if len(new) >= self.pack_min_blobs:
-                self._packs.write([items[i] for i in new], lambda j: verified(new[j]), temp_prefix())
-                self._packs.refresh()
-                return {items[i][0] for i in new}
-            return self._put_loose_sync([items[i] for i in new], lambda j: verified(new[j]))
+        return await self._run("write", self._blobs, partial(self._writer.put_many, list(blobs.items()), verified))
 
     async def put_blob_stream(
         self, stream: BlobStream, *, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, verified: bool = False
@@ -213,65 +160,7 @@ class DiskStore(BlobStore):
             raise
         if count < self.pack_min_blobs:
             return await super().put_blob_stream(stream, max_in_flight=max_in_flight, verified=verified)
-        return await self._run("write", self._blobs, partial(self._put_stream_sync, stream, count, verified))
-
-    def _put_stream_sync(self, stream: BlobStream, count: int, trusted: bool) -> set[str]:
-        seen: list[tuple[str, bytes]] = []
-
-        def chunks() -> Iterator[list[tuple[str, bytes]]]:
-            for chunk in stream.chunks():
-                seen.extend(chunk)
-                yield chunk
-
-        def verified(i: int) -> None:
-            if not trusted and sha256_hex(seen[i][1]) != seen[i][0]:
-                d, data = seen[i]
-                raise IntegrityError(
-                    f"put into {self.url}: blob {d} has sha256 {sha256_hex(data)} ({len(data)} bytes)"
-                )
-
-        try:
-            self._packs.refresh()
-            digests = self._packs.write_stream(chunks(), count, verified, temp_prefix())
-        except BaseException:
-            stream.abandon()
-            raise
-        self._packs.refresh()
-        return set(digests)
-
-    def _put_loose_sync(self, items: list[tuple[str, bytes]], verified: Callable[[int], None]) -> set[str]:
-        pending: list[tuple[str, Path, Path]] = []
-        written: set[str] = set()
-        new_shard = False
-        try:
-            for j, (d, data) in enumerate(items):
-                verified(j)
-                path = self._blob_path(d)
-                if not path.parent.is_dir():
-                    path.parent.mkdir(exist_ok=True)
-                    new_shard = True
-                pending.append((d, path, write_temp(path.parent, data, sync=False)))
-                faults.point("disk.blob.written")
-            if not pending:
-                return written
-            durable([tmp for _, _, tmp in pending])  # a failure abandons every temp file (finally below)
-            faults.point("disk.blob.fsynced")
-            for d, path, tmp in pending:
-                if link_new(tmp, path):
-                    written.add(d)
-                tmp.unlink(missing_ok=True)
-            faults.point("disk.blob.linked")
-            dirs = sorted({path.parent for _, path, _ in pending} | ({self._blobs} if new_shard else set()))
-            if LIBC_SYNCFS is not None:
-                durable(dirs[:1])  # one syncfs covers every directory of this filesystem
-            else:
-                for p in dirs:
-                    fsync_dir(p)
-            faults.point("disk.blob.done")
-        finally:
-            for _, _, tmp in pending:
-                tmp.unlink(missing_ok=True)
-        return written
+        return await self._run("write", self._blobs, partial(self._writer.put_stream, stream, count, verified))
 
     async def get_blob(self, digest: str) -> bytes:
         return (await self.get_blobs([digest]))[digest]
@@ -305,7 +194,7 @@ class DiskStore(BlobStore):
 
         def has() -> set[str]:
             self._packs.refresh()
-            return {d for d in wanted if self._packs.locate(d) is not None or is_file(self._blob_file(d))}
+            return {d for d in wanted if self._packs.locate(d) is not None or is_file(self._writer.blob_file(d))}
 
         return await self._run("stat", self._blobs, has)
 
