@@ -5,14 +5,26 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import pytest_asyncio
 
 import kda_sessions as ks
 
 PROMPT = list(range(40, 240))  # 200 byte tokens: spans several KV pages and KDA chunks
 N, M = 12, 10
+
+# The module's tests share one event loop, so that they can share the reference engine below.
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def ref() -> AsyncIterator[ks.Engine]:
+    """An engine that never saves or restores: what an uninterrupted run generates (each test makes its own
+    sessions on it)."""
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        yield eng
 
 
 @pytest.fixture(params=["disk", "redis"])
@@ -22,12 +34,11 @@ def store_url(request, tmp_path) -> str:
     return request.getfixturevalue("redis_url") + f"?prefix=t{tmp_path.name[-12:]}:"
 
 
-async def test_resume_in_new_process_is_bit_identical(store_url, other_process):
-    async with await ks.Engine.open(store="memory:") as ref:
-        s = await ref.create_session()
-        await s.append(PROMPT)
-        first = await s.generate(max_tokens=N, ignore_eos=True)
-        want = await s.generate(max_tokens=M, ignore_eos=True)
+async def test_resume_in_new_process_is_bit_identical(store_url, other_process, ref):
+    s = await ref.create_session()
+    await s.append(PROMPT)
+    first = await s.generate(max_tokens=N, ignore_eos=True)
+    want = await s.generate(max_tokens=M, ignore_eos=True)
     async with await ks.Engine.open(store=store_url, page_size=16) as eng:
         s = await eng.create_session()
         await s.append(PROMPT)
@@ -90,7 +101,7 @@ def other_process() -> Iterator[Child]:
     c.close()
 
 
-async def test_fork_from_mid_conversation_checkpoint(store_url, other_process):
+async def test_fork_from_mid_conversation_checkpoint(store_url, other_process, ref):
     async with await ks.Engine.open(store=store_url, page_size=16) as eng:
         p = await eng.create_session()
         await p.append(PROMPT)
@@ -107,21 +118,20 @@ async def test_fork_from_mid_conversation_checkpoint(store_url, other_process):
     assert remote["tokens"] == child_tokens
     assert remote["usage"]["prefill_tokens"] == 1
     # a fresh session fed the same prefix the same way gives the same tokens
-    async with await ks.Engine.open(store="memory:", page_size=16) as ref:
-        f = await ref.create_session()
-        await f.append(PROMPT)
-        await f.generate(max_tokens=N, ignore_eos=True)
-        assert f.state.tokens == prefix
-        assert (await f.generate(max_tokens=M, ignore_eos=True)).token_ids == child_tokens
-        # the parent's continuation is the same as if no child had ever existed
-        g = await ref.create_session()
-        await g.append(PROMPT)
-        await g.generate(max_tokens=N, ignore_eos=True)
-        await g.append(list(range(60, 90)))
-        assert (await g.generate(max_tokens=M, ignore_eos=True)).token_ids == parent_after
+    f = await ref.create_session()
+    await f.append(PROMPT)
+    await f.generate(max_tokens=N, ignore_eos=True)
+    assert f.state.tokens == prefix
+    assert (await f.generate(max_tokens=M, ignore_eos=True)).token_ids == child_tokens
+    # the parent's continuation is the same as if no child had ever existed
+    g = await ref.create_session()
+    await g.append(PROMPT)
+    await g.generate(max_tokens=N, ignore_eos=True)
+    await g.append(list(range(60, 90)))
+    assert (await g.generate(max_tokens=M, ignore_eos=True)).token_ids == parent_after
 
 
-async def test_forks_share_full_pages_and_copy_the_partial_one():
+async def test_forks_share_full_pages_and_copy_the_partial_one(ref):
     async with await ks.Engine.open(store="memory:", page_size=16) as eng:
         p = await eng.create_session()
         await p.append([*list(range(50)), 7])  # 50 tokens cached: 3 full pages + 2 rows
@@ -133,10 +143,9 @@ async def test_forks_share_full_pages_and_copy_the_partial_one():
         await c.append([1, 2, 3, 4])
         await c.generate(max_tokens=3, ignore_eos=True)
         a = (await p.generate(max_tokens=5, ignore_eos=True)).token_ids
-    async with await ks.Engine.open(store="memory:", page_size=16) as ref:
-        q = await ref.create_session()
-        await q.append([*list(range(50)), 7])
-        assert (await q.generate(max_tokens=5, ignore_eos=True)).token_ids == a
+    q = await ref.create_session()
+    await q.append([*list(range(50)), 7])
+    assert (await q.generate(max_tokens=5, ignore_eos=True)).token_ids == a
 
 
 async def test_eight_forks_store_one_prefix_plus_tails(tmp_path):
