@@ -14,8 +14,7 @@ import pytest
 from storage_helpers import make_snapshot, pack_files, synthetic_blobs
 
 from kda_sessions.storage import SnapshotStore
-from kda_sessions.storage.backends import disk_files
-from kda_sessions.storage.backends import disk_pack
+from kda_sessions.storage.backends import disk_files, disk_pack
 from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
 from kda_sessions.storage.errors import StoreUnavailable
 
