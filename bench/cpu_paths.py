@@ -9,7 +9,8 @@
 - ``decode_layout``: the one-row matmuls of a ``tiny`` decode step (its weight shapes, one read of each), with the
   weights as a linear stores them ([out, in], ``x @ w.t()``), all transposed ([in, out] contiguous), each in the
   layout ``model/fused.row_matmul_weight`` picks (the longer dimension contiguous: what the CPU decode uses), and
-  that in bfloat16 (half the bytes): what decides the CPU decode's weight layout and dtype.
+  that copied into one buffer on transparent huge pages (``model/fused.pack``, what decode uses), and that in
+  bfloat16 (half the bytes): what decides the CPU decode's weight layout, dtype and pages.
 - ``mla_sdpa``: causal SDPA at T 3,500 over H 4 heads, q/k 96 wide and v 64 (tiny's MLA), as the model calls it
   (one tile of ``kernels/mla/prefill_cpu.py``: v padded, torch's CPU flash kernel) against torch's math path
   (``SDPBackend.MATH``).
@@ -41,7 +42,7 @@ from model_cpu import PooledRunner
 from kda_sessions.kernels.kda.chunk_cpu import chunk_kda_cpu
 from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kda_sessions.model import load_model
-from kda_sessions.model.fused import row_matmul_weight
+from kda_sessions.model.fused import pack, row_matmul_weight
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
@@ -92,6 +93,7 @@ def decode_layout(reps: int) -> dict[str, Any]:
         "out_in_f32": [w.t() for w in weights],
         "in_out_f32": [w.t().contiguous() for w in weights],
         "picked_f32": [row_matmul_weight(w) for w in weights],
+        "picked_f32_huge_pages": list(pack([row_matmul_weight(w) for w in weights])),
         "picked_bf16": [row_matmul_weight(w.bfloat16()) for w in weights],
     }
     out: dict[str, Any] = {"weights_MB": round(sum(w.numel() for w in weights) * 4 / 1e6, 1),
