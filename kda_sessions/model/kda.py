@@ -170,7 +170,7 @@ class KDAAttention(nn.Module):
 
     def _decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
         """``decode`` on a CPU in few, large ops (a step there is bound by per-op overhead, ~50 ops a layer):
-        one matmul for the six input projections, one for both gates (dt_bias its bias), the conv over
+        one matmul for the six input projections, one for both gates (then dt_bias in one add), the conv over
         [N, W, Dc], the recurrence batched over the N sequences, the output norm as one ``rms_norm``. The same
         math as the twins in another order of sums: outputs match to float rounding."""
         N = x.shape[0]
@@ -180,9 +180,8 @@ class KDAAttention(nn.Module):
         w_in, w_gate, conv_w, neg_a, _ = self._cpu.get()
         w_out, o_w, gate_bias = self._cpu_out.get()
         y = x @ w_in  # [N, Dc + K + V + H]
-        fa = y[:, Dc : Dc + K + V]
         # [N, H*K + H*V]: raw gate (+ dt_bias) | output gate logits, float32
-        fg = torch.addmm(gate_bias, fa if fa.dtype == f32 else fa.float(), w_gate if w_gate.dtype == f32 else w_gate.float())
+        fg = (y[:, Dc : Dc + K + V] @ w_gate).float() + gate_bias
         # causal conv over the last W - 1 pre-conv rows and the new one: [N, W, Dc]
         one = int(slots[0]) if N == 1 else None  # one sequence (a CPU syncs for free): its pool rows as views
         tails = conv_state[one : one + 1] if one is not None else conv_state.index_select(0, slots)
