@@ -151,9 +151,9 @@ CHUNK_CASES = [
     pytest.param("standard", 3, True, True, [[5, 21], [1, 66]], True, {"tok_bh": 2, "tok_order": 0},
                  id="3-heads-2-per-program-chunks-fastest-grid", marks=pytest.mark.slow),
     pytest.param("standard", 3, True, True, [[5, 21], [1, 66]], True, None, id="3-heads-4-per-program"),
+    # chunk starts loaded from the table; by default the checkpoint-cut case below loads them too
     pytest.param("standard", H, False, True, None, True, {"state_reg": 0, "state_stages": 2},
-                 id="batch2-state-chunk-starts-loaded", marks=pytest.mark.slow),  # (the checkpoint-cut case below
-    # loads them too, by default)
+                 id="batch2-state-chunk-starts-loaded", marks=pytest.mark.slow),
 ]
 
 
