@@ -60,14 +60,7 @@ def pack(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
         n += -(-t.numel() * size // 64) * 64 // size  # each tensor on its own cache lines
     if n * size < PACK_MIN_BYTES:
         return tuple(tensors)
-    span = -(-n * size // HUGE_PAGE) * HUGE_PAGE
-    # a fresh private anonymous mapping, advised before its first write so its pages are faulted in huge (memory
-    # from the allocator may have been touched already, as 4 KiB pages)
-    area = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        area.madvise(mmap.MADV_HUGEPAGE)
-    raw = torch.frombuffer(area, dtype=dtype)  # keeps ``area`` alive as long as a view of it lives
-    buf = raw[(-raw.data_ptr()) % HUGE_PAGE // size :]  # from the first huge-page boundary in the mapping
+    buf = huge_page_zeros(n, dtype)
     out = []
     for t, o in zip(tensors, offsets):
         if o is None:
@@ -77,6 +70,21 @@ def pack(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
         view = region.view(t.shape) if t.is_contiguous() else region.view(t.shape[1], t.shape[0]).t()
         out.append(view.copy_(t))
     return tuple(out)
+
+
+def huge_page_zeros(numel: int, dtype: torch.dtype) -> Tensor:
+    """A zeroed 1-d CPU tensor of ``numel`` elements on a fresh private anonymous mapping, starting on a huge-page
+    boundary and advised for transparent huge pages before its first write (memory from the allocator may have been
+    touched already, as 4 KiB pages). The kernel's zero pages cost nothing until written: a pool of which a step
+    touches little neither waits for a memset nor holds memory it never used. Linux only (``mmap.MAP_PRIVATE``)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    span = -(-numel * size // HUGE_PAGE) * HUGE_PAGE
+    area = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        area.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(area, dtype=dtype)  # keeps ``area`` alive as long as a view of it lives
+    start = (-raw.data_ptr()) % HUGE_PAGE // size  # the first huge-page boundary in the mapping
+    return raw[start : start + numel]
 
 
 def _key(params: Sequence[Tensor]) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
@@ -102,4 +110,4 @@ class DerivedWeights:
         return self._value
 
 
-__all__ = ["DerivedWeights", "row_matmul_weight", "weights"]
+__all__ = ["DerivedWeights", "huge_page_zeros", "pack", "row_matmul_weight", "weights"]

@@ -9,12 +9,16 @@ is the decode step over device tensors only, the function a CUDA graph captures 
 
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 from torch import Tensor, nn
 
 from ..config import ModelConfig
 from .batch import CheckpointStates, DecodeInputs, ForwardBatch, StatePools
 from .ffn import MoE, RMSNorm, SwiGLU
+from .fused import huge_page_zeros
 from .kda import KDAAttention
 from .mla import MLAttention
 
@@ -71,19 +75,27 @@ class HybridModel(nn.Module):
         """Zeroed pools: KDA states [S, H, K, V] float32 and conv tails per KDA layer, latent pages per MLA layer.
         With ``scratch`` one more slot (index ``num_slots``) and page (index ``num_pages``) are allocated for the
         padded rows of CUDA-graph decode batches; callers never hand them out."""
-        cfg, dev = self.config, self.device
+        cfg = self.config
         H, K = cfg.kda_heads, cfg.kda_head_dim
         Dc = 3 * H * K
         nk, nm = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)
         S, NP = num_slots + int(scratch), num_pages + int(scratch)
         return StatePools(
-            kda=[torch.zeros(S, H, K, K, dtype=torch.float32, device=dev) for _ in range(nk)],
-            conv=[torch.zeros(S, cfg.conv_size - 1, Dc, dtype=self.dtype, device=dev) for _ in range(nk)],
-            kv=[torch.zeros(NP, page_size, cfg.latent_dim, dtype=self.dtype, device=dev) for _ in range(nm)],
+            kda=[self._zeros((S, H, K, K), torch.float32) for _ in range(nk)],
+            conv=[self._zeros((S, cfg.conv_size - 1, Dc), self.dtype) for _ in range(nk)],
+            kv=[self._zeros((NP, page_size, cfg.latent_dim), self.dtype) for _ in range(nm)],
             page_size=page_size,
             scratch_slot=num_slots if scratch else None,
             scratch_page=num_pages if scratch else None,
         )
+
+    def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        """A zeroed pool tensor on the model's device; on a Linux CPU on huge pages that cost nothing until written
+        (``fused.huge_page_zeros``): a CPU engine opens without zeroing its whole pool, and decode reads its
+        latent rows through fewer TLB entries."""
+        if self.device.type != "cpu" or not sys.platform.startswith("linux"):
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        return huge_page_zeros(math.prod(shape), dtype).view(shape)
 
     @torch.inference_mode()
     def step(self, batch: ForwardBatch, pools: StatePools) -> tuple[Tensor, CheckpointStates | None]:
