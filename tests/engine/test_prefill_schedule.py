@@ -77,6 +77,9 @@ async def test_engine_uses_the_idle_chunk_alone_and_shares_the_busy_one() -> Non
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(generate)
+            with anyio.fail_after(60):  # g runs before the prompt arrives (else the prompt may finish alone first)
+                while [1] not in calls:
+                    await anyio.sleep(0.001)
             await p.append(ids(600, 3))
         prefills = [c for c in calls if c != [1]]
         # while g decodes (a [1] call per step), the prompt gets what its row leaves of 128; alone, the idle chunk
