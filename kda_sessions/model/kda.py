@@ -120,18 +120,24 @@ class KDAAttention(nn.Module):
         fg = torch.nn.functional.linear(y[:, Dc : Dc + K + V], w_gate)  # [N, H*K + H*V]: raw gate | output gate
         return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
 
-    def _gpu_weights(self) -> tuple[Tensor, ...]:
-        """(w_in [Dc + K + V + H, D]: q | k | v | f_a | g_a | b rows; w_gate [H*K + H*V, K + V]: f_b and g_b
-        block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [Dc, W]).
-
-        Matmul weights stay [out, in] as ``F.linear`` takes them. Kept apart from ``_cpu_weights``, whose layout
-        follows what a CPU's one-row matmul reads fastest."""
+    def _merged_projections(self) -> tuple[Tensor, Tensor]:
+        """[out, in]: w_in, the q | k | v | f_a | g_a | b rows; w_gate, f_b and g_b block-diagonal, so one matmul
+        of [f_a | g_a] gives [raw gate | output gate]."""
         H, K, V = self.H, self.K, self.V
         w_in = torch.cat([m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
                                              self.b_proj)])
         w_gate = w_in.new_zeros(H * K + H * V, K + V)
         w_gate[: H * K, :K] = self.f_b_proj.weight
         w_gate[H * K :, K:] = self.g_b_proj.weight
+        return w_in, w_gate
+
+    def _gpu_weights(self) -> tuple[Tensor, ...]:
+        """(w_in [Dc + K + V + H, D]: q | k | v | f_a | g_a | b rows; w_gate [H*K + H*V, K + V]: f_b and g_b
+        block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [Dc, W]).
+
+        Matmul weights stay [out, in] as ``F.linear`` takes them. Kept apart from ``_cpu_weights``, whose layout
+        follows what a CPU's one-row matmul reads fastest."""
+        w_in, w_gate = self._merged_projections()
         return w_in, w_gate, self.conv_weight().contiguous()
 
     def _cpu_sources(self) -> list[Tensor]:
@@ -147,12 +153,8 @@ class KDAAttention(nn.Module):
 
         Matmul weights are [in, out] operands of ``x @ w``, laid out as a CPU's one-row matmul reads them fastest
         (``row_matmul_weight``)."""
-        H, K, V = self.H, self.K, self.V
-        w_in = torch.cat([m.weight for m in (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj,
-                                             self.b_proj)])
-        w_gate = w_in.new_zeros(H * K + H * V, K + V)
-        w_gate[: H * K, :K] = self.f_b_proj.weight
-        w_gate[H * K :, K:] = self.g_b_proj.weight
+        w_in, w_gate = self._merged_projections()
+        H, K = self.H, self.K
         a = self.A_log.float().view(H, 1).exp().expand(H, K).reshape(H * K)
         return (row_matmul_weight(w_in), row_matmul_weight(w_gate), self.conv_weight().t().contiguous(), -a,
                 self.dt_bias.float())
