@@ -24,7 +24,7 @@ import hashlib
 import socket
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from redis.asyncio.connection import Connection as AsyncConnection
@@ -182,27 +182,34 @@ class Lane:
         out: list[Any] = []
         seen = [0, 0]  # values read, their bytes
 
-        def next_batch(start: int) -> range:
+        def batch_end(start: int) -> int:
             avg = seen[1] // seen[0] if seen[0] else batch_bytes // 8
-            stop = min(len(keys), start + max(1, batch_bytes // max(1, avg)))
-            self.send([b for i in range(start, stop) for b in frame(b"GET", keys[i].encode())])
-            return range(start, stop)
+            return min(len(keys), start + max(1, batch_bytes // max(1, avg)))
 
-        batch = next_batch(0) if keys else range(0)
-        while batch:
-            ahead = next_batch(batch.stop) if batch.stop < len(keys) else range(0)
-            for i in batch:
-                value = self.reply()
-                if isinstance(value, bytes):
-                    seen[0] += 1
-                    seen[1] += len(value)
-                    d = digests[i]
-                    if d is not None:
-                        check_digests([(d, value)], where=where)
-                out.append(value)
-            batch = ahead
+        for i in self._pipelined_gets(keys, batch_end):
+            value = self.reply()
+            if isinstance(value, bytes):
+                seen[0] += 1
+                seen[1] += len(value)
+                d = digests[i]
+                if d is not None:
+                    check_digests([(d, value)], where=where)
+            out.append(value)
         return out
 
+    def _pipelined_gets(self, keys: Sequence[str], batch_end: Callable[[int], int]) -> Iterator[int]:
+        """Send the GETs of keys[start:batch_end(start)] batch by batch, the next batch's before this one's replies
+        are read; yields each key's index when its reply is the next on the wire (the caller reads it)."""
+        start = 0
+        stop = batch_end(0) if keys else 0
+        if stop:
+            self.send([b for i in range(0, stop) for b in frame(b"GET", keys[i].encode())])
+        while start < stop:
+            ahead = batch_end(stop) if stop < len(keys) else stop
+            if ahead > stop:
+                self.send([b for i in range(stop, ahead) for b in frame(b"GET", keys[i].encode())])
+            yield from range(start, stop)
+            start, stop = stop, ahead
 
     def get_into(
         self, keys: Sequence[str], targets: Sequence[Sequence[memoryview]], digests: Sequence[str], batch_bytes: int,
@@ -215,37 +222,32 @@ class Lane:
         sizes = [sum(len(b) for b in bufs) for bufs in targets]
         out: list[Any] = []
 
-        def next_batch(start: int) -> range:
+        def batch_end(start: int) -> int:
             stop, size = start, 0
             while stop < len(keys) and (stop == start or size + sizes[stop] <= batch_bytes):
                 size += sizes[stop]
                 stop += 1
-            self.send([b for i in range(start, stop) for b in frame(b"GET", keys[i].encode())])
-            return range(start, stop)
+            return stop
 
-        batch = next_batch(0) if keys else range(0)
-        while batch:
-            ahead = next_batch(batch.stop) if batch.stop < len(keys) else range(0)
-            for i in batch:
-                h = self.header()
-                if h[:1] != b"$" or (n := int(h[1:])) < 0:
-                    out.append(parse_line(h))
-                    continue
-                if n != sizes[i]:
-                    self._exact(n + 2)
-                    out.append(False)
-                    continue
-                sha = hashlib.sha256()
-                for buf in targets[i]:
-                    self._exact_into(buf)
-                    sha.update(buf)
-                self._exact(2)
-                if sha.hexdigest() != digests[i]:
-                    raise IntegrityError(
-                        f"{where}: blob {digests[i]} has sha256 {sha.hexdigest()} ({n} bytes); corrupt or truncated"
-                    )
-                out.append(True)
-            batch = ahead
+        for i in self._pipelined_gets(keys, batch_end):
+            h = self.header()
+            if h[:1] != b"$" or (n := int(h[1:])) < 0:
+                out.append(parse_line(h))
+                continue
+            if n != sizes[i]:
+                self._exact(n + 2)
+                out.append(False)
+                continue
+            sha = hashlib.sha256()
+            for buf in targets[i]:
+                self._exact_into(buf)
+                sha.update(buf)
+            self._exact(2)
+            if sha.hexdigest() != digests[i]:
+                raise IntegrityError(
+                    f"{where}: blob {digests[i]} has sha256 {sha.hexdigest()} ({n} bytes); corrupt or truncated"
+                )
+            out.append(True)
         return out
 
     def _exact_into(self, buf: memoryview) -> None:
