@@ -175,6 +175,19 @@ def link_new(tmp: Path, path: Path) -> bool:
         return True
 
 
+def replace_durably(tmp: Path, path: Path, points: tuple[str, str]) -> None:
+    """Rename ``tmp`` onto ``path`` (``tmp`` removed if that fails), then make the rename durable; ``points`` are
+    the fault points after the rename and after the folder's fsync."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    faults.point(points[0])
+    fsync_dir(path.parent)
+    faults.point(points[1])
+
+
 def mkdir_durable(path: Path) -> None:
     """Create ``path`` and any missing parents, each made durable in its parent (fsync of the parent)."""
     missing = []

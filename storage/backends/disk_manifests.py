@@ -34,6 +34,7 @@ from .disk_files import (
     fsync_dir,
     pid_alive,
     read_file,
+    replace_durably,
     unlink,
     write_temp,
 )
@@ -58,14 +59,7 @@ class ManifestFiles:
     def write(path: Path, data: bytes) -> None:
         """Replace the manifest at ``path`` atomically and durably."""
         tmp = write_temp(path.parent, data, ("disk.manifest.written", "disk.manifest.fsynced"))
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        faults.point("disk.manifest.renamed")
-        fsync_dir(path.parent)
-        faults.point("disk.manifest.done")
+        replace_durably(tmp, path, ("disk.manifest.renamed", "disk.manifest.done"))
 
     def scan(self) -> dict[str, int]:
         """Session id -> manifest size, for every manifest."""

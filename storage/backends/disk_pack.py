@@ -28,7 +28,7 @@ from pathlib import Path
 
 from .. import faults
 from ..errors import IntegrityError
-from .disk_files import O_CLOEXEC, O_NOFOLLOW, fsync_dir, sha256_hex, write_all
+from .disk_files import O_CLOEXEC, O_NOFOLLOW, fsync_dir, replace_durably, sha256_hex, write_all
 from .disk_pack_format import ENTRY_BYTES, HEADER_BYTES, encode_index, parse_index
 
 logger = logging.getLogger(__name__)
@@ -288,14 +288,7 @@ class PackSet:
             if kept:
                 self.write_stream([kept], len(kept), lambda i: None, tmp_prefix)
             return [d for d, _ in kept]
-        try:
-            os.rename(tmp, self.folder / f"{name}{PACK_SUFFIX}")
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        faults.point("disk.blob.linked")
-        fsync_dir(self.folder)
-        faults.point("disk.blob.done")
+        replace_durably(tmp, self.folder / f"{name}{PACK_SUFFIX}", ("disk.blob.linked", "disk.blob.done"))
         return [d for d, _ in kept]
 
     def touch(self, packs: set[str]) -> None:
