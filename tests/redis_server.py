@@ -6,13 +6,24 @@ a 3-node Redis Cluster: `start_redis_cluster(tmp_dir) -> (ports, processes)`, `s
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-REDIS_SERVER = shutil.which("redis-server")
+REDIS_SERVER = os.environ.get("KDA_REDIS_SERVER") or shutil.which("redis-server")
+"""The redis-server binary: ``$KDA_REDIS_SERVER`` (a binary carried with its shared libraries in its own folder,
+as on the GPU device) or else the one on PATH."""
+
+
+def redis_env() -> dict[str, str] | None:
+    """The environment to run a carried binary in: its folder first on LD_LIBRARY_PATH (None: inherit)."""
+    if not os.environ.get("KDA_REDIS_SERVER"):
+        return None
+    folder = os.path.dirname(os.path.abspath(os.environ["KDA_REDIS_SERVER"]))
+    return {**os.environ, "LD_LIBRARY_PATH": os.pathsep.join(filter(None, [folder, os.environ.get("LD_LIBRARY_PATH")]))}
 
 
 def free_port() -> int:
@@ -74,6 +85,7 @@ def start_redis_server(
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
+            env=redis_env(),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline and proc.poll() is None:
