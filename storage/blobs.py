@@ -197,7 +197,8 @@ def encode_tensors(tensors: Mapping[str, torch.Tensor]) -> bytes:
     return _st_save(prepared)
 
 
-def _check_bundle_header(view: memoryview, max_bytes: int) -> None:
+def _check_bundle_header(view: memoryview, max_bytes: int) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+    """The validated entries of a safetensors blob: name -> (dtype, shape, begin, end) in its payload."""
     if len(view) > max_bytes:
         raise IntegrityError(f"tensor bundle is {len(view)} bytes, more than the cap of {max_bytes}")
     if len(view) < 8:
@@ -215,6 +216,7 @@ def _check_bundle_header(view: memoryview, max_bytes: int) -> None:
         raise IntegrityError("tensor bundle: header must be a JSON object")
     payload = len(view) - 8 - hlen
     end_max = 0
+    entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -238,8 +240,22 @@ def _check_bundle_header(view: memoryview, max_bytes: int) -> None:
                 f"{offsets[1] - offsets[0]}"
             )
         end_max = max(end_max, offsets[1])
+        entries[name] = (DTYPES[_ST_DTYPES[entry["dtype"]]], shape, offsets[0], offsets[1])
     if end_max != payload:
         raise IntegrityError(f"tensor bundle: tensors cover {end_max} payload bytes, blob has {payload}")
+    return entries
+
+
+def bundle_layout(
+    data: bytes | bytearray | memoryview, *, max_bytes: int = MAX_BLOB_BYTES
+) -> tuple[int, dict[str, tuple[torch.dtype, list[int], int, int]]]:
+    """Where the tensors of an `encode_tensors` blob lie, validated as `decode_tensors` validates (IntegrityError),
+    without copying them: (offset of the payload in ``data``, name -> (dtype, shape, begin, end) in the payload).
+    Lets a reader copy the payload once, straight to where it goes (pinned memory for a device copy)."""
+    view = memoryview(data).cast("B")
+    entries = _check_bundle_header(view, max_bytes)
+    (hlen,) = struct.unpack_from("<Q", view)
+    return 8 + hlen, entries
 
 
 def decode_tensors(

@@ -13,7 +13,14 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from ..model import StatePools
-from ..storage.blobs import decode_tensor, decode_tensors, digest, encode_tensor, encode_tensors
+from ..storage.blobs import (
+    bundle_layout,
+    decode_tensor,
+    decode_tensors,
+    digest,
+    encode_tensor,
+    encode_tensors,
+)
 from ..storage.errors import IncompatibleSnapshot, IntegrityError
 
 
@@ -51,6 +58,24 @@ def decode_state(data: bytes, cfg: ModelConfig, dtype: torch.dtype, where: str) 
     return kda, conv
 
 
+def state_layout(
+    data: bytes, cfg: ModelConfig, dtype: torch.dtype, where: str
+) -> tuple[int, tuple[int, int], tuple[int, int]]:
+    """Where a state blob of this model holds its tensors, checked as ``decode_state`` checks them (the same
+    errors) but with nothing copied: (payload offset in ``data``, (begin, end) of "kda", (begin, end) of
+    "conv") in the payload, so that the payload can be copied once, straight into pinned memory."""
+    offset, entries = bundle_layout(data)
+    want_kda, want_conv = expected_state_shapes(cfg)
+    kda, conv = entries.get("kda"), entries.get("conv")
+    if (
+        set(entries) != {"kda", "conv"} or kda is None or conv is None
+        or (kda[0], tuple(kda[1])) != (torch.float32, want_kda) or (conv[0], tuple(conv[1])) != (dtype, want_conv)
+    ):
+        decode_state(data, cfg, dtype, where)  # raises, naming what differs
+        raise AssertionError("decode_state accepted a state blob state_layout refused")  # pragma: no cover
+    return offset, (kda[2], kda[3]), (conv[2], conv[3])
+
+
 def decode_page(data: bytes, cfg: ModelConfig, dtype: torch.dtype, rows: int, where: str) -> Tensor:
     t = decode_tensor(data)
     want = (len(cfg.mla_layer_ids), rows, cfg.latent_dim)
@@ -63,6 +88,8 @@ def decode_tokens(data: bytes, num_tokens: int, vocab_size: int, where: str) -> 
     t = decode_tensor(data)
     if t.dtype != torch.int32 or tuple(t.shape) != (num_tokens,):
         raise IntegrityError(f"{where}: token blob is {tuple(t.shape)} {t.dtype}, expected ({num_tokens},) int32")
-    if num_tokens and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+    tokens: list[int] = t.tolist()
+    # on the list, not the tensor: two reductions of torch's thread pool cost more than this at 128K tokens
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
         raise IncompatibleSnapshot(f"{where}: token ids fall outside the vocabulary of {vocab_size}")
-    return t.tolist()
+    return tokens

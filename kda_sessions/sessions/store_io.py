@@ -8,6 +8,7 @@ store holds it, never sent again: forks and equal prefixes share page blobs.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import re
 import time
@@ -28,7 +29,16 @@ from ..storage.blobs import HASH_THREADS, digest
 from ..storage.errors import IntegrityError, ManifestNotFound
 from ..storage.manifest import ModelFingerprint
 from ..storage.stream import StreamAbandoned
-from .codec import decode_page, decode_state, decode_tokens, encode_page, encode_state, encode_tokens
+from .codec import (
+    decode_page,
+    decode_state,
+    decode_tokens,
+    encode_page,
+    encode_state,
+    encode_tokens,
+    expected_state_shapes,
+    state_layout,
+)
 from .page_io import PageCodec
 from .prefix_index import PrefixHit, PrefixIndex, PrefixKey, prefix_key
 from .state import Checkpoint, SessionState
@@ -50,6 +60,13 @@ def tenant_store_url(url: str, tenant: str) -> str:
         query["prefix"] = f"{query.get('prefix', 'kda:')}t.{tenant}:"
         return urlunsplit(parts._replace(query=urlencode(query)))
     return url  # memory: every open is a new, separate store
+
+
+def _address(data: bytes | bytearray) -> int:
+    """Where the bytes of ``data`` lie (valid while it lives)."""
+    if isinstance(data, bytes):
+        return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(data))
 
 
 async def open_snapshots(url: str, config: EngineConfig) -> SnapshotStore:
@@ -348,15 +365,70 @@ class StoreIO:
 
     async def restore_head(self, s: SessionState) -> None:
         """Put the head state of a session loaded from the store into its slot and fresh pages (the caller made
-        sure that enough pages are free)."""
+        sure that enough pages are free). The state (42 MB at Kimi-Linear's shape) is read and copied to the
+        device while the pages are: two tasks, the state's error first if both fail."""
         assert s.slot is not None and s.head_blobs is not None
         state_d, page_ds = s.head_blobs
         where = f"session {s.id!r}"
-        kda, conv = decode_state(await self.snapshots.load_blob(state_d), self.codec.cfg, self.codec.dtype, where)
-        pages = await self._load_pages(page_ds, s.num_cached, where)
         slot = s.slot
-        await self.pools.run_locked(lambda: self.pools.write_slot(slot, kda, conv))
-        s.pages = pages
+        state_error: list[Exception] = []
+        pages_error: list[Exception] = []
+        loaded: list[list[int]] = []
+
+        async def state() -> None:
+            try:
+                await self._restore_state(state_d, slot, where)
+            except Exception as e:  # re-raised below as itself, not wrapped in an ExceptionGroup
+                state_error.append(e)
+
+        async def pages() -> None:
+            try:
+                loaded.append(await self._load_pages(page_ds, s.num_cached, where))
+            except Exception as e:
+                pages_error.append(e)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(state)
+            tg.start_soon(pages)
+        if state_error or pages_error:
+            if loaded:
+                with self.pools.mutex:
+                    self.pools.pages.decref(loaded[0])
+            raise (state_error or pages_error)[0]
+        s.pages = loaded[0]
+
+    async def _restore_state(self, digest_: str, slot: int, where: str) -> None:
+        """The state blob ``digest_`` into state slot ``slot``. On CUDA its payload is copied once into pinned
+        memory, sent to the device in one copy on a side stream and spread over the layers there; on the CPU
+        it is decoded and written as is."""
+        cfg, dtype, device = self.codec.cfg, self.codec.dtype, self.codec.device
+        data = await self.snapshots.load_blob(digest_)
+        if not isinstance(data, bytes | bytearray):
+            data = bytes(data)
+        if device.type != "cuda":
+            kda, conv = decode_state(data, cfg, dtype, where)
+            await self.pools.run_locked(lambda: self.pools.write_slot(slot, kda, conv))
+            return
+        offset, (ka, kb), (ca, cb) = state_layout(data, cfg, dtype, where)
+        want_kda, want_conv = expected_state_shapes(cfg)
+        tensors = self.pools.tensors
+
+        def copy() -> None:
+            host = torch.empty(len(data) - offset, dtype=torch.uint8, pin_memory=True)
+            ctypes.memmove(host.data_ptr(), _address(data) + offset, host.numel())  # releases the GIL
+            stream = torch.cuda.Stream(device)
+            with self.pools.mutex:  # after the slot's zeroing, queued on the current stream
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    dev = host.to(device, non_blocking=True)
+                    kda = dev[ka:kb].view(torch.float32).view(want_kda)
+                    conv = dev[ca:cb].view(dtype).view(want_conv)
+                    for i, (st, cv) in enumerate(zip(tensors.kda, tensors.conv, strict=True)):
+                        st[slot].copy_(kda[i])
+                        cv[slot].copy_(conv[i])
+            stream.synchronize()
+
+        await anyio.to_thread.run_sync(copy)
 
     async def materialize(self, cp: Checkpoint) -> None:
         """Make a checkpoint's state (host pool) and pages (KV pool) resident, from the store if needed."""

@@ -112,3 +112,21 @@ async def test_redis_lanes_receive_into_the_buffers(redis_url: str, redis_prefix
             await store.get_blobs_into([("0" * 64, [memoryview(bytearray(4))])])
     finally:
         await store.close()
+
+
+def test_bundle_layout_locates_each_tensor_as_decode_tensors_reads_it() -> None:
+    import torch
+
+    from kda_sessions.storage.blobs import bundle_layout, decode_tensors, encode_tensors
+
+    tensors = {"kda": torch.randn(2, 3, 4), "conv": torch.randn(2, 5).to(torch.bfloat16)}
+    data = encode_tensors(tensors)
+    offset, entries = bundle_layout(data)
+    assert set(entries) == {"kda", "conv"}
+    decoded = decode_tensors(data)
+    for name, (dtype, shape, begin, end) in entries.items():
+        assert (dtype, shape) == (tensors[name].dtype, list(tensors[name].shape))
+        got = torch.frombuffer(bytearray(data[offset + begin : offset + end]), dtype=dtype).view(shape)
+        assert torch.equal(got, decoded[name]) and torch.equal(got, tensors[name])
+    with pytest.raises(IntegrityError):
+        bundle_layout(data[:-1])  # the tensors no longer cover the payload
