@@ -172,6 +172,24 @@ def _name_words() -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=1)
+def plain_words() -> tuple[str, ...]:
+    """Lower-case words of 3-12 letters written at least 3 times in the comments and docstrings of the corpus's
+    training files ("supervisor", "middleware", "lifespan"): folder and file names of other projects are such
+    words, not the stdlib's definition names that ``_name_words`` gives."""
+    c = corpus()
+    counts: dict[str, int] = {}
+    for rel in c.files["train"]:
+        for line in c.texts[rel].splitlines():
+            s = line.strip()
+            if s.startswith("#") or (s and s[0].isupper() and not s.endswith((":", ")", ",", "("))):
+                for w in re.findall(r"\b[a-z]{3,12}\b", s):
+                    counts[w] = counts.get(w, 0) + 1
+    import keyword
+
+    return tuple(sorted(w for w, n in counts.items() if n >= 3 and not keyword.iskeyword(w)))
+
+
+@lru_cache(maxsize=1)
 def _name_stems() -> tuple[str, ...]:
     """Names a near-miss name starts with: train-split file stems and directory names, and the name words."""
     c = corpus()
@@ -241,7 +259,7 @@ class RenamedCorpus:
 
     def __init__(
         self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12, near_miss: float = 0.0,
-        near_miss_defs: float = 0.0, near_miss_entries: float = 0.0,
+        near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, words: tuple[str, ...] | None = None,
     ) -> None:
         import os
         import shutil
@@ -253,7 +271,7 @@ class RenamedCorpus:
         self.root = root.resolve()
         self.tools = Tools(self.root)
         self.base = base
-        words = _name_words()
+        words = words or _name_words()  # what names are made of (tiny_general passes plain English words too)
 
         stems = _name_stems()
 

@@ -44,12 +44,14 @@ from tools.tiny_data import (
     Message,
     RenamedCorpus,
     Task,
+    _name_words,
     _Episode,
     _episode,
     _plain_row,
     corpus,
     header_ids,
     numbered_lines,
+    plain_words,
     render,
     split_of,
     tool_call,
@@ -62,7 +64,8 @@ MIN_TREE_FILES = 8
 MAX_TREE_FILES = 1500  # larger trees (torch, openai) take seconds to load into each data worker
 GENERAL_KINDS = ("read_file", "grep", "list_dir", "multi_step")
 # shares of a general row's episodes: a rephrased tool task, multi-step, a tool error corrected, off-task
-MIX = {"task": 0.55, "multi": 0.15, "error": 0.15, "off_task": 0.15}
+MIX = {"task": 0.45, "multi": 0.25, "error": 0.12, "off_task": 0.18}
+RENAMED_TREE_FRACTION = 0.5  # of training rows on a package tree: its files and folders under new names
 MAX_MISSES = 12  # episodes that did not fit before a row ends (a small tree runs out of unused files)
 _ANSWER_NAME_RE = re.compile(r"(?:contains|has no) (.+)\.$")
 _CORRECT_INTRO = ["", "", "That call failed. Trying again.", "Wrong path; fixing the call.", "Let me fix that."]
@@ -96,6 +99,13 @@ def package_trees() -> dict[str, str]:
             if MIN_TREE_FILES <= n <= MAX_TREE_FILES:
                 out[d.name] = str(d.resolve())
     return out
+
+
+@lru_cache(maxsize=1)
+def rename_words() -> tuple[str, ...]:
+    """What renamed projects of general rows name their files and folders with: plain English words of the stdlib's
+    comments ("middleware", "supervisors") and the words of its definition names (tiny_data's renamed projects)."""
+    return tuple(sorted(set(plain_words()) | set(_name_words())))
 
 
 def trees(split: str) -> list[str]:
@@ -260,6 +270,8 @@ def general_episode(
 ) -> _Episode | None:
     """One episode of a shape drawn from MIX, fitting ``budget`` tokens."""
     shape = rng.choices(list(MIX), list(MIX.values()))[0]
+    if shape == "multi" and isinstance(c, RenamedCorpus):
+        shape = "task"  # its listed folders hold no renamed file: no first Python file to read
     if shape == "off_task":
         ep: _Episode | None = off_task_episode(rng, split)
     elif shape == "multi":
@@ -284,13 +296,17 @@ def row_tree(rng: random.Random, split: str, tree_share: float) -> str | None:
 
 def row_corpus(rng: random.Random, split: str, tree_share: float) -> Corpus | RenamedCorpus:
     """The package tree ``row_tree`` draws (in training its files split by path hash, held out: all of them), else
-    the stdlib; in training, RENAMED_FRACTION of the stdlib rows under random names (tiny_data.RenamedCorpus)."""
+    the stdlib; in training, RENAMED_TREE_FRACTION of the tree rows and RENAMED_FRACTION of the stdlib rows under
+    new names made of ``rename_words`` (tiny_data.RenamedCorpus), so that folder names must be copied."""
     name = row_tree(rng, split, tree_share)
     if name is not None:
         # a held-out tree is held out whole: its own path-hash split can leave no held-out folder at all
-        return tree_corpus(name, whole=split == "heldout")
+        c = tree_corpus(name, whole=split == "heldout")
+        if split == "train" and rng.random() < RENAMED_TREE_FRACTION and len(c.dirs["train"]) > 2 and c.files["train"]:
+            return RenamedCorpus(rng, c, words=rename_words())
+        return c
     if split == "train" and rng.random() < RENAMED_FRACTION:
-        return RenamedCorpus(rng, corpus())
+        return RenamedCorpus(rng, corpus(), words=rename_words())
     return corpus()
 
 

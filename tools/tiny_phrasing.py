@@ -27,7 +27,7 @@ SPLITS = ("train", "heldout")
 class Template:
     """One way to ask for ``intent``; ``text`` names its slots as ``{p}`` (file), ``{d}`` (folder), ``{n}`` (line
     number), ``{pat}`` (a grep pattern such as ``class Client``), ``{name}`` / ``{what}`` (its name and kind:
-    ``Client``, ``class``), ``{x}`` (a folder entry)."""
+    ``Client``, ``class``), ``{x}`` (a folder entry); ``{nth}`` writes ``{n}`` as an ordinal ("14th", "22nd")."""
 
     intent: str
     text: str
@@ -55,6 +55,20 @@ _ALL: list[Template] = [
         "Tell me the name of the first class or function in {p}.",
         "{p}: what is defined first?",
         "Find the first definition in {p}.",
+        "Which class or function does {p} start with?",
+        "Show me the first def or class of {p}.",
+        "I'd like to know the first function or class in {p}.",
+        "Open {p}: what gets defined first?",
+        "What's the very first function or class written in {p}?",
+        "Tell me which definition comes first in {p}.",
+        "Could you check {p} and name its first class or function?",
+        "First def or class in {p}?",
+        "Grep {p} for definitions: which one is first?",
+        "Go through {p} and tell me what is defined at the top.",
+        "The first function or class that {p} declares: what is it called?",
+        "Name whatever class or function {p} opens with.",
+        "Scan {p} for its first top-level definition.",
+        "Starting from the top of {p}, which def or class do you hit first?",
     ], [
         "What's the earliest top-level definition you can find in {p}?",
         "Open {p} - which class or function is declared before all the others?",
@@ -70,6 +84,20 @@ _ALL: list[Template] = [
         "Which code is at line {n} in {p}?",
         "Give me the text of line {n} in {p}.",
         "Can you quote line {n} of {p}?",
+        "What is written on the {nth} line of {p}?",
+        "Read the {nth} line of {p}.",
+        "Show me the {nth} line in {p}.",
+        "Quote the {nth} line of {p} for me.",
+        "Open {p} at line {n} and tell me what is there.",
+        "I need the content of line {n} in {p}.",
+        "Line {n} of {p}, please.",
+        "Which text does {p} have on line {n}?",
+        "What's the {nth} line of {p}?",
+        "Go to line {n} of {p}: what does it contain?",
+        "Fetch line {n} from {p}.",
+        "Look up line number {n} in {p}.",
+        "Display the {nth} line from {p}.",
+        "Check line {n} of {p} and read it out.",
     ], [
         "What sits on the {n}th line of {p}?",
         "Tell me exactly what {p} contains at line number {n}.",
@@ -85,6 +113,20 @@ _ALL: list[Template] = [
         "At which line does {p} define the {what} `{name}`?",
         "Where is {what} {name} defined in {p}? I need the line.",
         "Line number of `{pat}` in {p}?",
+        "Which line of {p} has `{pat}`?",
+        "Tell me the line where `{pat}` appears in {p}.",
+        "In {p}, where does the {what} {name} start? Line number, please.",
+        "On what line of {p} can I find `{pat}`?",
+        "Locate `{pat}` in {p} and give me its line.",
+        "What is the line number of the {what} {name} in {p}?",
+        "{p}: which line defines `{pat}`?",
+        "Where does `{pat}` sit in {p}, line-wise?",
+        "I want the line number where {p} declares `{pat}`.",
+        "Grep {p} for `{pat}`; what line is it on?",
+        "Look for the {what} {name} in {p}. Which line?",
+        "Find the line of {p} that contains `{pat}`.",
+        "At what line number is `{pat}` found in {p}?",
+        "The {what} {name} in {p}: on which line is it defined?",
     ], [
         "Which line number of {p} holds `{pat}`?",
         "I'm looking for the definition of the {what} {name} inside {p}; what line does it start on?",
@@ -100,6 +142,20 @@ _ALL: list[Template] = [
         "Tell me if {d} includes {x}.",
         "Does the folder {d} hold {x}?",
         "{d}: does it have {x}?",
+        "Is {x} listed in {d}?",
+        "Does {x} exist in {d}?",
+        "Check if {x} is among the entries of {d}.",
+        "List {d} and tell me whether {x} is there.",
+        "Is there an entry named {x} in {d}?",
+        "Can I find {x} inside {d}?",
+        "Does the listing of {d} include {x}?",
+        "Would {x} show up in {d}?",
+        "Do we have {x} in {d}?",
+        "I wonder if {d} contains an item called {x}.",
+        "Among the entries of {d}, is there {x}?",
+        "Look through {d} for {x}: present or not?",
+        "Is something called {x} inside {d}?",
+        "Search the listing of {d} for {x}.",
     ], [
         "Is {x} one of the entries of {d}?",
         "Would I find something named {x} if I listed {d}?",
@@ -115,6 +171,20 @@ _ALL: list[Template] = [
         "What is at the top of the listing of {d}?",
         "Show the first name in {d}.",
         "{d}: first entry?",
+        "Which entry appears first in {d}?",
+        "What's the first thing listed in {d}?",
+        "Tell me the first entry you get when you list {d}.",
+        "List {d}. What is the first name?",
+        "What item of {d} comes first?",
+        "The listing of {d} starts with what?",
+        "Give me the name at the top of {d}.",
+        "What is listed first inside {d}?",
+        "Show me what comes first in the listing of {d}.",
+        "I need the first entry of {d}.",
+        "Which name is at the head of {d}'s listing?",
+        "What does a listing of {d} begin with?",
+        "First item of {d}, please.",
+        "Look at {d}: which entry is first?",
     ], [
         "Name the first item you see when listing {d}.",
         "If you list {d}, what shows up before everything else?",
@@ -128,6 +198,20 @@ _ALL: list[Template] = [
         "How many files and folders are in {d}?",
         "List {d} and count its entries.",
         "Tell me how many entries {d} has.",
+        "How many things are in {d}?",
+        "Count the items inside {d}.",
+        "What's the number of entries that {d} has?",
+        "How many names does a listing of {d} show?",
+        "Give me the entry count of {d}.",
+        "Tell me the number of files and folders in {d}.",
+        "How many entries does {d} list?",
+        "Count everything listed in {d}.",
+        "How large is {d}: how many entries?",
+        "I need the number of items in {d}.",
+        "In total, how many entries are in {d}?",
+        "How many elements does the folder {d} contain?",
+        "List {d}: how many names do you see?",
+        "Number of entries in {d}?",
     ], [
         "How big is the listing of {d}, in entries?",
         "What's the total count of things inside {d}?",
@@ -139,6 +223,14 @@ _ALL: list[Template] = [
         "List {d}, open its first Python file and tell me its first definition.",
         "Which def or class comes first in the first .py file of {d}?",
         "In {d}, find the first Python file; what is its first function or class?",
+        "Open the first Python file listed in {d}: what is its first def or class?",
+        "List {d}, take its first .py file and tell me what it defines first.",
+        "Which function or class comes first in the first Python module of {d}?",
+        "Find the first .py file in {d} and name its first definition.",
+        "In the first Python file that {d} lists, what is defined first?",
+        "Look in {d}, pick its first Python file, and tell me the first class or function in it.",
+        "First Python file of {d}: which def or class does it start with?",
+        "What does the first .py file of {d} define first?",
     ], [
         "Among the Python files of {d}, pick the one listed first: which class or function does it start with?",
     ]),
@@ -147,6 +239,14 @@ _ALL: list[Template] = [
         "Open the first .py file of {d} and show me line {n}.",
         "List {d}, then read line {n} of its first Python file.",
         "Line {n} of the first Python file in {d}: what is it?",
+        "List {d} and show me line {n} of the first Python file in it.",
+        "Read line {n} of whichever .py file comes first in {d}.",
+        "Take the first Python file of {d}: what is its {nth} line?",
+        "Find the first .py file in {d}, then tell me what is on line {n}.",
+        "In the first Python module listed in {d}, what does line {n} contain?",
+        "First .py file in {d}, line {n}: what does it say?",
+        "Show the {nth} line of the first Python file that {d} lists.",
+        "Open the first .py file of {d} at line {n}.",
     ], [
         "Whatever Python file {d} lists first, what does its line {n} say?",
     ]),
@@ -193,6 +293,13 @@ def _folder(rng: random.Random, d: str) -> str:
     if k < 0.8:
         return _quoted(rng, f"{d}/")
     return f"the {d} folder" if rng.random() < 0.5 else f"the {d}/ directory"
+
+
+def ordinal(n: str) -> str:
+    """``n`` as an ordinal: 1st, 2nd, 3rd, 4th, 11th, 12th, 13th, 21st, 22nd, ..."""
+    k = int(n)
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k}{suffix}"
 
 
 def _typo(rng: random.Random, word: str) -> str:
@@ -244,6 +351,8 @@ def render_slots(rng: random.Random, template: Template, slots: dict[str, str], 
             out.append(_folder(rng, slots["d"]))
         elif part in ("p", "x"):
             out.append(_quoted(rng, slots[part]))
+        elif part == "nth":
+            out.append(ordinal(slots["n"]))
         else:
             out.append(str(slots[part]))
     return "".join(out)
@@ -273,7 +382,7 @@ def question(
     if missing := SLOTS[intent] - set(slots):
         raise ValueError(f"intent {intent!r} needs slots {sorted(SLOTS[intent])}, missing {sorted(missing)}")
     if plain:
-        return t.text.format(**slots), t.id
+        return t.text.format(**slots, **({"nth": ordinal(slots["n"])} if "n" in slots else {})), t.id
     return decorate(rng, render_slots(rng, t, slots, typo), split), t.id
 
 
@@ -291,6 +400,30 @@ OFF_TASK = {
         "Sing me a song about {topic}.", "How tall is Mount Everest?", "Give me three facts about {country}.",
         "What is the meaning of life?", "Thanks, that's all.", "Write a cover letter for me.",
         "How do I get to {city} by train?", "Play some music.", "What's {a} plus {b}?",
+        # more of the same families in other words: questions about the world (many start "how many"), sums,
+        # reminders and alarms, errands, trivia, writing, greetings; none names a file or folder of the project
+        "How many moons does {planet} have?", "How many legs does a {animal} have?", "How many days are in {month}?",
+        "How many languages are spoken in {country}?", "How many players are on a {sport} team?",
+        "How many hours of sleep do I need?", "How many calories are in an {fruit}?",
+        "How many kilometres is it from {city} to {city2}?", "How old is the universe?",
+        "What is {a} minus {b}?", "Multiply {a} by {b}.", "Divide {a} by {b}.", "Calculate {a} + {b} for me.",
+        "What's the square root of {a}?", "Is {a} a prime number?", "Convert {a} miles to kilometres.",
+        "Remind me to call my mother at {a} o'clock.", "Wake me up in {a} minutes.", "Set an alarm for {a}:30.",
+        "Start a stopwatch.", "Add milk to my shopping list.", "Schedule a meeting with {name} on Friday.",
+        "Call {name}.", "Text {name} that I'm on my way.", "Order a taxi to the airport.", "Buy me a new phone.",
+        "Reserve a table for two in {city}.", "Turn off the lights in the kitchen.",
+        "Who wrote {book}?", "Who invented the telephone?", "When did the {event} happen?",
+        "Which is the largest ocean?", "Who was the first person on the moon?", "What is the population of {city}?",
+        "Where is {city}?", "Why is the sky blue?", "What language do people speak in {country}?",
+        "Write a limerick about {topic}.", "Compose a sonnet about {topic}.", "Draft a speech for a wedding.",
+        "Give me a riddle.", "Describe {topic} in three words.", "Make up a name for my dog.",
+        "Good evening!", "Hey there, what should I call you?", "Nice to meet you.", "Are you a robot?",
+        "How old are you?", "Do you have feelings?", "Goodbye!", "What's new?",
+        "Should I learn the piano or the guitar?", "How can I sleep better?", "Recommend a book about {topic}.",
+        "What's a good name for a bakery?", "Plan a trip to {country} for me.", "Help me write a birthday card.",
+        # programming in general, not this project's files
+        "Write a Python function that sorts a list.", "Explain what a decorator is.", "How do I install numpy?",
+        "What is the difference between a list and a tuple?", "Fix my code: it crashes.", "Which is faster, C or Python?",
     ],
     "heldout": [
         "Hello there! What's your name?", "Can you order me a pizza?", "Compose a haiku about {topic}.",
@@ -303,6 +436,18 @@ _FILL = {
     "country": ["France", "Japan", "Brazil", "Kenya", "Canada", "Norway", "India", "Chile"],
     "city": ["Paris", "Tokyo", "Lagos", "Lima", "Oslo", "Denver", "Madrid", "Seoul"],
     "language": ["German", "Spanish", "Japanese", "Italian", "Swahili"],
+}
+# slots of the training messages only (drawn after _FILL's, and for training only, so held-out draws are unchanged)
+_FILL_TRAIN = {
+    "planet": ["Mars", "Jupiter", "Saturn", "Neptune", "Uranus"],
+    "animal": ["spider", "dog", "bird", "horse", "crab", "beetle"],
+    "month": ["February", "March", "June", "September", "December"],
+    "sport": ["football", "basketball", "volleyball", "rugby", "hockey", "cricket"],
+    "fruit": ["apple", "orange", "avocado", "egg", "onion"],
+    "city2": ["Berlin", "Rome", "Cairo", "Boston", "Sydney", "Nairobi", "Quito"],
+    "name": ["Anna", "my boss", "Mum", "Carlos", "Priya", "the dentist"],
+    "book": ["Hamlet", "Don Quixote", "War and Peace", "Pride and Prejudice", "the Odyssey"],
+    "event": ["French Revolution", "moon landing", "fall of the Berlin Wall", "first Olympic Games"],
 }
 REFUSAL = (
     "I can only answer questions about the files of this project: I list folders, read files and search them "
@@ -318,7 +463,11 @@ def off_task(rng: random.Random, split: str) -> tuple[str, str]:
     fill = {k: rng.choice(v) for k, v in _FILL.items()} | {
         "a": str(rng.randrange(2, 100)), "b": str(rng.randrange(2, 100)), "year": str(rng.randrange(1950, 2023)),
     }
+    if split == "train":
+        fill |= {k: rng.choice(v) for k, v in _FILL_TRAIN.items()}
     text = t.format(**fill)
     if rng.random() < 0.15:
         text = rng.choice(BEFORE) + text[0].lower() + text[1:]
+    if split == "train" and rng.random() < 0.15:  # a project's context does not make the message a project task
+        text = rng.choice(CONTEXT["train"]) + rng.choice([" ", "\n"]) + text
     return text, f"off_task:{t}"

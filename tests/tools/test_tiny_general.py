@@ -15,7 +15,7 @@ from kda_sessions.tools import TOOL_SCHEMAS
 from tools import eval_tiny
 from tools import tiny_general as tg
 from tools import tiny_phrasing as tp
-from tools.tiny_data import FACT, GEN_IDS, TOK, _episode, corpus, fact_in, make_row, render
+from tools.tiny_data import FACT, GEN_IDS, TOK, RenamedCorpus, _episode, corpus, fact_in, make_row, render
 
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOL_SCHEMAS}
 END = TOK.special_ids["<|im_end|>"]
@@ -40,6 +40,11 @@ def _rows(seed: int, n: int, max_len: int = 4096, tree_share: float = 0.5) -> li
     return [tg.make_general_row(rng, "train", max_len, tree_share) for _ in range(n)]
 
 
+def test_ordinals():
+    assert [tp.ordinal(str(n)) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 23, 101, 111, 112)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "23rd", "101st", "111th", "112th"]
+
+
 def test_grammar_covers_every_intent_in_both_splits():
     assert set(tp.INTENTS) == set(tp.SLOTS)
     texts = [t.text for ts in tp.TEMPLATES.values() for t in ts]
@@ -48,7 +53,7 @@ def test_grammar_covers_every_intent_in_both_splits():
         train, held = tp.templates(intent, "train"), tp.templates(intent, "heldout")
         assert len(train) >= 4 and len(held) >= 1, intent
         for t in ts:
-            used = set(re.findall(r"\{(\w+)\}", t.text))
+            used = set(re.findall(r"\{(\w+)\}", t.text)) - {"nth"} | ({"n"} if "{nth}" in t.text else set())
             assert used <= tp.SLOTS[intent] and used & {"p", "d"}, t.text
     # verbs and word orders: the templates of one intent start with several different words
     assert all(len({t.text.split()[0] for t in tp.templates(i, "train")}) >= 4 for i in tp.INTENTS)
@@ -68,7 +73,7 @@ def test_questions_vary_and_keep_their_slots_verbatim(intent: str):
         assert tid.startswith(intent + ":") and not any(t.id == tid and t.heldout for t in tp.TEMPLATES[intent])
         slots_used = set(re.findall(r"\{(\w+)\}", tid.split(":", 1)[1]))
         for k in slots_used - {"d"}:  # a typo never touches a slot; a folder may read "the pkg/sub folder"
-            assert SLOTS[k] in text, (k, text)
+            assert (tp.ordinal(SLOTS["n"]) if k == "nth" else SLOTS[k]) in text, (k, text)
         if "d" in slots_used:
             assert "pkg/sub" in text, text
         seen.add(text)
@@ -81,7 +86,7 @@ def test_heldout_phrasings_and_off_task_messages_never_appear_in_training_rows()
     held = [tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if t.heldout]
     held += [tp.template_regex(t) for t in tp.OFF_TASK["heldout"]]
     train = {t.id: tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if not t.heldout}
-    questions = [q for ids, _ in _rows(3, 32) for q in _user_turns(ids)]
+    questions = [q for ids, _ in _rows(3, 64) for q in _user_turns(ids)]
     assert len(questions) > 200
     for q in questions:
         assert not any(rx.search(q) for rx in held), q
@@ -100,8 +105,16 @@ def test_heldout_trees_are_never_the_corpus_of_a_training_row():
     assert None in drawn and len(drawn) > 10
     assert all(tg.tree_split(n) == "train" for n in drawn - {None})
     assert tg.row_tree(random.Random(0), "heldout", 1.0) in tg.trees("heldout")
-    c = tg.row_corpus(random.Random(1), "train", 1.0)
-    assert str(c.root) in {str(Path(names[n]).resolve()) for n in tg.trees("train")}
+    roots = {str(Path(names[n]).resolve()) for n in tg.trees("train")}
+    renamed = 0
+    for seed in range(8):  # a tree row's corpus is a training tree, or one under new names (RENAMED_TREE_FRACTION)
+        c = tg.row_corpus(random.Random(seed), "train", 1.0)
+        if isinstance(c, RenamedCorpus):
+            renamed += 1
+            assert str(c.base.root) in roots and set(c.real.values()) <= set(c.base.files["train"] + c.base.dirs["train"])
+        else:
+            assert str(c.root) in roots
+    assert 0 < renamed < 8
     # a held-out tree is held out whole (its own path-hash split may hold no folder): every file is a held-out one
     for seed in range(4):
         h = tg.row_corpus(random.Random(seed), "heldout", 1.0)
