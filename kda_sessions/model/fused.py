@@ -38,6 +38,23 @@ def row_matmul_weight(w: Tensor) -> Tensor:
     return w.t() if in_f >= out_f else w.t().contiguous()
 
 
+def reduction_weight(w: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A linear's weight w [out, in] as the [in, out] operand of ``row_matmul`` under ``torch.compile``: the
+    transposed view of a contiguous [out, in] copy in ``dtype`` (default w's), so every output's sum runs along
+    contiguous memory."""
+    return w.to(dtype or w.dtype).contiguous().t()
+
+
+def row_matmul(x: Tensor, w: Tensor) -> Tensor:
+    """x [N, in] @ w [in, out] -> [N, out]. Eagerly a BLAS matmul; while ``torch.compile`` traces, a product and a
+    sum over ``in``, which inductor's C++ turns into one vectorized loop that reads each weight once (w from
+    ``reduction_weight``; a bfloat16 w is summed in x's float32): for a few rows faster than BLAS's one-row matmul,
+    which reads weights at well below the memory's rate (bench/cpu_paths.py, ``reduction``)."""
+    if torch.compiler.is_compiling():
+        return (x[:, None, :] * w.t()).sum(-1)
+    return x @ w
+
+
 def pack(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
     """``tensors`` with those of the first one's dtype copied into one buffer whose pages Linux is asked to back
     with transparent huge pages (``madvise(MADV_HUGEPAGE)``, honoured where THP is ``madvise`` or ``always``).
@@ -110,4 +127,4 @@ class DerivedWeights:
         return self._value
 
 
-__all__ = ["DerivedWeights", "huge_page_zeros", "pack", "row_matmul_weight", "weights"]
+__all__ = ["DerivedWeights", "huge_page_zeros", "pack", "reduction_weight", "row_matmul", "row_matmul_weight", "weights"]

@@ -10,7 +10,7 @@ from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from ..kernels.kda.decode import kda_decode
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
-from .fused import DerivedWeights, row_matmul_weight, weights
+from .fused import DerivedWeights, reduction_weight, row_matmul, row_matmul_weight, weights
 
 
 class KDAAttention(nn.Module):
@@ -37,9 +37,8 @@ class KDAAttention(nn.Module):
         self.g_b_proj = nn.Linear(V, H * V, bias=False)
         self.o_norm = _HeadNorm(V, cfg.rms_norm_eps)
         self.o_proj = nn.Linear(H * V, D, bias=False)
-        self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
-        self._cpu_out = DerivedWeights(self._cpu_out_sources, self._cpu_out_weights)
-        """CPU decode only (a GPU decode uses the merged inputs, not these); see ``_cpu_out_weights``."""
+        self._cpu = DerivedWeights(self.cpu_decode_sources, self.cpu_decode_weights)
+        """CPU decode only (a GPU decode uses ``_gpu``); see ``cpu_decode_weights``."""
         self._gpu = DerivedWeights(self._cpu_sources, self._gpu_weights)
         """GPU decode's merged weights (``_gpu_weights``), built once rather than concatenated in every step."""
         self.fast_cpu = True
@@ -135,7 +134,7 @@ class KDAAttention(nn.Module):
         """(w_in [Dc + K + V + H, D]: q | k | v | f_a | g_a | b rows; w_gate [H*K + H*V, K + V]: f_b and g_b
         block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [Dc, W]).
 
-        Matmul weights stay [out, in] as ``F.linear`` takes them. Kept apart from ``_cpu_weights``, whose layout
+        Matmul weights stay [out, in] as ``F.linear`` takes them. Kept apart from ``cpu_decode_weights``, whose layout
         follows what a CPU's one-row matmul reads fastest."""
         w_in, w_gate = self._merged_projections()
         return w_in, w_gate, self.conv_weight().contiguous()
@@ -146,79 +145,84 @@ class KDAAttention(nn.Module):
         params = self._parameters  # A_log and dt_bias straight from the dict, as ``weights`` does
         return [*weights(self, names), params["A_log"], params["dt_bias"]]  # type: ignore[list-item]
 
-    def _cpu_weights(self) -> tuple[Tensor, ...]:
-        """(w_in [D, Dc + K + V + H]: q | k | v | f_a | g_a | b columns; w_gate [K + V, H*K + H*V]: f_b and g_b
-        block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate]; conv [W, Dc]; neg_a [H*K]
-        = -exp(A_log) per channel; dt_bias [H*K] float32).
+    def cpu_decode_sources(self) -> list[Tensor]:
+        """The parameters ``cpu_decode_weights`` reads."""
+        return [*self._cpu_sources(), *weights(self, ("o_proj", "o_norm"))]
+
+    def cpu_decode_weights(self, compiled: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
+        """``decode_rows``'s weights: (w_in [D, Dc + K + V + H]: q | k | v | f_a | g_a | b columns; w_gate
+        [K + V, H*K + H*V]: f_b and g_b block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate];
+        conv [W, Dc] float32; gate_bias [H*K + H*V] float32: dt_bias for the raw gate columns, 0 for the output
+        gate's; neg_a [H*K] float32 = -exp(A_log) per channel; qk_scale [2H, 1] float32: K^-0.5 for the q heads
+        (the read's scale), 1 for the k heads; w_out [H*V, D]: o_proj times o_norm's weight and sqrt(V) per input
+        row, so the output norm is one rsqrt of each head's sum of squares).
 
         Matmul weights are [in, out] operands of ``x @ w``, laid out as a CPU's one-row matmul reads them fastest
-        (``row_matmul_weight``)."""
+        (``row_matmul_weight``), or with ``compiled`` as ``row_matmul`` sums them under torch.compile
+        (``reduction_weight``, in ``dtype``, default the model's)."""
         w_in, w_gate = self._merged_projections()
-        H, K = self.H, self.K
+        H, K, V = self.H, self.K, self.V
+        f32 = torch.float32
+        mm = (lambda w: reduction_weight(w, dtype)) if compiled else row_matmul_weight
         a = self.A_log.float().view(H, 1).exp().expand(H, K).reshape(H * K)
-        return (row_matmul_weight(w_in), row_matmul_weight(w_gate), self.conv_weight().t().contiguous(), -a,
-                self.dt_bias.float())
-
-    def _cpu_out_sources(self) -> list[Tensor]:
-        params = self._parameters
-        return [*weights(self, ("o_proj", "o_norm")), params["dt_bias"]]  # type: ignore[list-item]
-
-    def _cpu_out_weights(self) -> tuple[Tensor, ...]:
-        """(w_out [H*V, D]: o_proj for ``x @ w`` (``row_matmul_weight``); o_norm's weight [V] float32; the gate
-        matmul's bias [H*K + H*V] float32: dt_bias for the raw gate columns, 0 for the output gate's)."""
-        H, V = self.H, self.V
-        bias = torch.cat([self.dt_bias.float(), self.dt_bias.new_zeros(H * V, dtype=torch.float32)])
-        return row_matmul_weight(self.o_proj.weight), self.o_norm.weight.float(), bias
+        gate_bias = torch.cat([self.dt_bias.float(), self.dt_bias.new_zeros(H * V, dtype=f32)])
+        qk_scale = torch.cat([torch.full((H, 1), K**-0.5), torch.ones(H, 1)])
+        row_scale = self.o_norm.weight.float().repeat(H) * V**0.5  # [H*V]
+        w_out = (self.o_proj.weight.float() * row_scale).to(self.o_proj.weight.dtype)  # [D, H*V]
+        return (mm(w_in), mm(w_gate), self.conv_weight().t().float().contiguous(), gate_bias, -a, qk_scale, mm(w_out))
 
     def _decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
-        """``decode`` on a CPU in few, large ops (a step there is bound by per-op overhead, ~50 ops a layer):
-        one matmul for the six input projections, one for both gates (then dt_bias in one add), the conv over
-        [N, W, Dc], the recurrence batched over the N sequences, the output norm as one ``rms_norm``. The same
-        math as the twins in another order of sums: outputs match to float rounding."""
+        """``decode`` on a CPU: ``decode_rows`` over the N sequences' pool rows (for one sequence views of them,
+        updated in place: a CPU syncs for free; for several, gathered copies written back)."""
+        if x.shape[0] == 1:
+            one = int(slots[0])
+            return self.decode_rows(x, state[one : one + 1], conv_state[one : one + 1], self._cpu.get())
+        S, tails = state.index_select(0, slots), conv_state.index_select(0, slots)
+        out = self.decode_rows(x, S, tails, self._cpu.get())
+        state[slots] = S
+        conv_state[slots] = tails
+        return out
+
+    def decode_rows(self, x: Tensor, S: Tensor, tails: Tensor, w: tuple[Tensor, ...]) -> Tensor:
+        """One new token of N sequences on a CPU in few, large ops (a step there is bound by per-op overhead):
+        one matmul for the six input projections, one for both gates, the conv over [N, W, Dc], the recurrence
+        batched over the N sequences and heads, the output norm folded into ``w_out``. Traceable by
+        ``torch.compile`` (no host sync, no branch on values).
+
+        x [N, D]; S [N, H, K, V] float32 and tails [N, W - 1, Dc], the sequences' KDA states and conv tails,
+        updated in place; w, ``cpu_decode_weights``. Returns [N, D]. The same math as the twins in another order of
+        sums: outputs match to float rounding."""
         N = x.shape[0]
         H, K, V = self.H, self.K, self.V
-        Dc = self.conv_dim
-        f32 = torch.float32
-        w_in, w_gate, conv_w, neg_a, _ = self._cpu.get()
-        w_out, o_w, gate_bias = self._cpu_out.get()
-        y = x @ w_in  # [N, Dc + K + V + H]
-        # [N, H*K + H*V]: raw gate (+ dt_bias) | output gate logits, float32
-        fg = (y[:, Dc : Dc + K + V] @ w_gate).float() + gate_bias
-        # causal conv over the last W - 1 pre-conv rows and the new one: [N, W, Dc]
-        one = int(slots[0]) if N == 1 else None  # one sequence (a CPU syncs for free): its pool rows as views
-        tails = conv_state[one : one + 1] if one is not None else conv_state.index_select(0, slots)
-        new = y[:, None, :Dc]
-        seq = torch.cat([tails, new if new.dtype == conv_state.dtype else new.to(conv_state.dtype)], dim=1)
-        if one is not None:
-            tails.copy_(seq[:, 1:])
-        else:
-            conv_state[slots] = seq[:, 1:]
-        if seq.dtype != f32:
-            seq, conv_w = seq.float(), conv_w.float()
-        qkv = torch.nn.functional.silu((seq * conv_w).sum(1))  # [N, Dc] float32
-        qk = qkv[:, : 2 * H * K].view(N, 2 * H, 1, K)  # the q heads, then the k heads
-        qk = qk * torch.rsqrt((qk * qk).sum(-1, keepdim=True).add_(1e-6))  # l2norm of every q and k head at once
-        q, k = qk[:, :H] * K**-0.5, qk[:, H:]  # q with the read's scale
-        v = qkv[:, 2 * H * K :].view(N, H, 1, V)
-        raw = fg[:, : H * K]
+        HK, Dc = H * K, self.conv_dim
+        w_in, w_gate, conv_w, gate_bias, neg_a, qk_scale, w_out = w
+        y = row_matmul(x, w_in)  # [N, Dc + K + V + H]
+        # [N, H*K + H*V]: raw gate + dt_bias | output gate logits, float32
+        fg = row_matmul(y[:, Dc : Dc + K + V], w_gate).float().add_(gate_bias)
+        # causal conv over the last W - 1 pre-conv rows and the new one
+        seq = torch.cat([tails, y[:, None, :Dc].to(tails.dtype)], dim=1)  # [N, W, Dc]
+        tails.copy_(seq[:, 1:])
+        qkv = torch.nn.functional.silu((seq.float() * conv_w).sum(1))  # [N, Dc] float32
+        qk = qkv[:, : 2 * HK].view(N, 2 * H, K)  # the q heads, then the k heads
+        # l2norm of every q and k head at once, the q heads also times K^-0.5
+        qk = qk * (qk * qk).sum(-1, keepdim=True).add_(1e-6).rsqrt_().mul_(qk_scale)
+        q, k = qk[:, :H].reshape(N * H, 1, K), qk[:, H:].reshape(N * H, 1, K)
+        v = qkv[:, 2 * HK :].reshape(N * H, 1, V)
         if self.lower_bound is None:
-            g = torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0).mul_(neg_a)
+            g = torch.nn.functional.softplus(fg[:, :HK], beta=1.0, threshold=20.0).mul_(neg_a)
         else:
-            g = torch.sigmoid(-neg_a * raw).mul_(self.lower_bound)
-        b = y[:, Dc + K + V :]
-        beta = torch.sigmoid(b if b.dtype == f32 else b.float()).view(N, H, 1, 1)
-        # one recurrence step per head: decay, delta update, read (KDA.md); S [N, H, K, V]
-        S = state[one : one + 1] if one is not None else state.index_select(0, slots)
-        S.mul_(g.exp_().view(N, H, K, 1))
-        S3 = S.view(N * H, K, V)  # bmm over [N * H]: a 4-d matmul costs a reshape and a view more per call
-        delta = (v - torch.bmm(k.reshape(N * H, 1, K), S3).view(N, H, 1, V)).mul_(beta)  # [N, H, 1, V]
-        S.addcmul_(k.transpose(-1, -2), delta)  # the rank-one update k delta^T, broadcast
-        if one is None:
-            state[slots] = S
-        o = torch.bmm(q.reshape(N * H, 1, K), S3).view(N, H, 1, V)
-        o = torch.nn.functional.rms_norm(o, (V,), o_w, self.eps)  # [N, H, 1, V]: o_norm, per head
-        o = o.view(N, H * V).mul_(torch.sigmoid(fg[:, H * K :]))
-        return (o if o.dtype == x.dtype else o.to(x.dtype)) @ w_out
+            g = torch.sigmoid(-neg_a * fg[:, :HK]).mul_(self.lower_bound)
+        beta = torch.sigmoid(y[:, Dc + K + V :].float()).view(N * H, 1, 1)
+        # one recurrence step per head: decay, delta update, read (KDA.md)
+        S3 = S.view(N * H, K, V)
+        S3.mul_(g.exp_().view(N * H, K, 1))
+        delta = torch.baddbmm(v, k, S3, alpha=-1).mul_(beta)  # (v - k S) beta [N*H, 1, V]
+        S3.addcmul_(k.transpose(1, 2), delta)  # the rank-one update k^T delta, broadcast
+        o = torch.bmm(q, S3).view(N, H, V)
+        # o_norm per head: its weight and sqrt(V) are in w_out, so rsqrt(sum o^2 + V eps) is all that is left
+        o = o.mul_((o * o).sum(-1, keepdim=True).add_(V * self.o_norm.eps).rsqrt_())
+        o = o.mul_(torch.sigmoid(fg[:, HK:]).view(N, H, V)).view(N, H * V)
+        return row_matmul(o if o.dtype == x.dtype else o.to(x.dtype), w_out)
 
     def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..kernels.mla import mla_decode_paged, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
-from .fused import DerivedWeights, row_matmul_weight, weights
+from .fused import DerivedWeights, reduction_weight, row_matmul, row_matmul_weight, weights
 
 
 class MLAttention(nn.Module):
@@ -31,7 +31,7 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.r, cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.r, H * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
-        self._cpu = DerivedWeights(self._cpu_sources, self._cpu_weights)
+        self._cpu = DerivedWeights(self.cpu_decode_sources, self.cpu_decode_weights)
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the paged-decode twin, the reference)."""
 
@@ -74,16 +74,18 @@ class MLAttention(nn.Module):
         o = self._decode(q, page_table, seq_lens, kv_pages)
         return self.o_proj(o.reshape(N, self.H * self.dv))
 
-    def _cpu_sources(self) -> list[Tensor]:
+    def cpu_decode_sources(self) -> list[Tensor]:
+        """The parameters ``cpu_decode_weights`` reads."""
         q = ("q_proj",) if "q_proj" in self._modules else ("q_a_proj", "q_b_proj")
         return weights(self, (*q, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
 
-    def _cpu_weights(self) -> tuple[Tensor, ...]:
+    def cpu_decode_weights(self, compiled: bool = False, dtype: torch.dtype | None = None) -> tuple[Tensor, ...]:
         """Weight absorption folded into the projections, computed in float32 and stored in the model's dtype, each
         an [in, out] operand of ``x @ w`` in the layout a CPU's one-row matmul reads fastest (``row_matmul_weight``).
         (w_in [D, H * (r + dr) + r + dr]: per head the absorbed latent query, scaled, then the scaled q_pe
         columns, then kv_a; or, with a q LoRA, w_in [D, q_lora + r + dr] and w_q [q_lora, H * (r + dr)];
-        w_out [H * r, D]: kv_b's value part absorbed into o_proj)."""
+        w_out [H * r, D]: kv_b's value part absorbed into o_proj). With ``compiled``, laid out as ``row_matmul`` sums
+        them under torch.compile (``reduction_weight``, in ``dtype``, default the model's)."""
         H, dn, dr, dv, r = self.H, self.dn, self.dr, self.dv, self.r
         dt = self.o_proj.weight.dtype
         w_kv = self.kv_b_proj.weight.float().view(H, dn + dv, r)
@@ -95,48 +97,70 @@ class MLAttention(nn.Module):
         # o = o_proj(o_lat[h] @ w_uv[h]^T): w_out[:, h r:(h+1) r] = o_proj[:, h dv:(h+1) dv] @ w_uv[h]
         w_o = self.o_proj.weight.float().view(-1, H, dv).transpose(0, 1)  # [H, D, dv]
         w_out = (w_o @ w_kv[:, dn:]).transpose(0, 1).reshape(-1, H * r)  # [D, H * r]
+        mm = (lambda w: reduction_weight(w, dtype)) if compiled else row_matmul_weight
         if hasattr(self, "q_proj"):
             w_in = torch.cat([q_abs, self.kv_a_proj_with_mqa.weight.float()]).to(dt)
-            return row_matmul_weight(w_in), row_matmul_weight(w_out.to(dt))
+            return mm(w_in), mm(w_out.to(dt))
         w_in = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
-        return row_matmul_weight(w_in), row_matmul_weight(w_out.to(dt)), row_matmul_weight(q_abs.to(dt))
+        return mm(w_in), mm(w_out.to(dt)), mm(q_abs.to(dt))
 
     def _decode_cpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor,
                     kv_pages: Tensor) -> Tensor:
-        """``decode`` on a CPU in few ops: kv_b_proj absorbed into the query and output projections (one matmul
-        in, one out), attention on the latent rows of all N sequences at once (padded to the longest, masked).
-        The same math as the paged-decode twin in another order of sums: outputs match to float rounding."""
-        N = x.shape[0]
-        H, dr, r = self.H, self.dr, self.r
-        w = self._cpu.get()
-        y = x @ w[0]
-        if hasattr(self, "q_proj"):
-            q, kv_a = y[:, : H * (r + dr)], y[:, H * (r + dr) :]
-        else:
-            ql = y[:, : -(r + dr)]
-            q, kv_a = self.q_a_layernorm(ql) @ w[2], y[:, -(r + dr) :]
-        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [N, r + dr]
-        flat = kv_pages.view(-1, kv_pages.shape[-1])
-        flat.index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
-        # every sequence's rows up to the longest, as a CPU may sync: [N, L, r + dr]
-        P = kv_pages.shape[1]
-        L = int(seq_lens.max())
+        """``decode`` on a CPU: ``decode_rows`` over the cached rows of ``context_rows``, then the new latent rows
+        written to the pages."""
+        lat, mask = self.context_rows(page_table, seq_lens, kv_pages)
+        out, latent = self.decode_rows(x, lat, mask, self._cpu.get())
+        kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
+        return out
+
+    def context_rows(self, page_table: Tensor, seq_lens: Tensor, kv_pages: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The cached latent rows before each sequence's new token, up to the longest, as a CPU may sync:
+        (lat [N, L, r + dr], L = max(seq_lens) - 1, a view of the pages for one sequence on consecutive pages;
+        for N > 1 the mask [N, 1, L + 1] of the padded rows, True, the new token's column last)."""
+        N, P = page_table.shape[0], kv_pages.shape[1]
+        L = int(seq_lens.max()) - 1
         pages = page_table[:, : -(-L // P)].reshape(-1)
-        first = int(pages[0])
-        if N == 1 and torch.equal(pages, torch.arange(first, first + pages.numel(), dtype=pages.dtype)):
-            lat = kv_pages[first : first + pages.numel()]  # consecutive pages (a fresh pool's order): no copy
+        ids = pages.tolist() if N == 1 else []
+        if ids and ids == list(range(ids[0], ids[0] + len(ids))):
+            lat = kv_pages[ids[0] : ids[0] + len(ids)]  # consecutive pages (a fresh pool's order): no copy
         else:
             lat = kv_pages.index_select(0, pages)
-        lat = lat.view(N, -1, kv_pages.shape[-1])[:, :L].to(x.dtype)
-        scores = q.view(N, H, r + dr) @ lat.transpose(1, 2)  # [N, H, L], the scale is in the weights
-        if N > 1:
-            pad = torch.arange(L)[None, :] >= seq_lens[:, None]  # [N, L]
-            scores = scores.masked_fill(pad[:, None, :], float("-inf"))
+        lat = lat.view(N, -1, kv_pages.shape[-1])[:, :L]
+        if N == 1:
+            return lat, None
+        pos = torch.arange(L + 1)
+        pad = (pos[None, :] >= seq_lens[:, None] - 1) & (pos[None, :] < L)  # [N, L + 1]
+        return lat, pad[:, None, :]
+
+    def decode_rows(self, x: Tensor, lat: Tensor, mask: Tensor | None,
+                    w: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+        """One new token of N sequences on a CPU in few ops: kv_b_proj absorbed into the query and output
+        projections (one matmul in, one out), attention on the latent rows of all N sequences at once: their
+        cached rows ``lat`` [N, L, r + dr] (padded to the longest, ``mask`` [N, 1, L + 1] True where padded, or
+        None) and the new token's own. Traceable by ``torch.compile``. x [N, D]; w, ``cpu_decode_weights``. Returns
+        (out [N, D], the new latent rows [N, r + dr] for the caller to write to the pages). The same math as the
+        paged-decode twin in another order of sums: outputs match to float rounding."""
+        N = x.shape[0]
+        H, dr, r = self.H, self.dr, self.r
+        L = lat.shape[1]
+        y = row_matmul(x, w[0])
+        if len(w) == 2:
+            q, kv_a = y[:, : H * (r + dr)], y[:, H * (r + dr) :]
+        else:
+            q, kv_a = row_matmul(self.q_a_layernorm(y[:, : -(r + dr)]), w[2]), y[:, -(r + dr) :]
+        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [N, r + dr]
+        new = latent.to(lat.dtype).to(x.dtype)[:, None, :]  # as the pages will hold it: [N, 1, r + dr]
+        lat = lat.to(x.dtype)
+        q = q.view(N, H, r + dr)
+        # [N, H, L + 1]: the cached rows, then the new one; the scale is in the weights
+        scores = torch.cat([q @ lat.transpose(1, 2), (q * new).sum(-1, keepdim=True)], dim=-1)
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
         # weights below 1e-30 move no float32 sum, and as subnormals (exp below -87) they slow the matmul 4-50x
         probs = F.threshold(scores.float().softmax(-1), 1e-30, 0.0).to(x.dtype)
         # over the whole rows, k_pe columns included: a matmul over the strided c columns alone runs far slower
-        o_lat = (probs @ lat)[:, :, :r]  # [N, H, r]
-        return o_lat.reshape(N, H * r) @ w[1]
+        o_lat = torch.baddbmm(probs[:, :, L:] * new, probs[:, :, :L], lat)[:, :, :r]  # [N, H, r]
+        return row_matmul(o_lat.reshape(N, H * r), w[1]), latent
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
         idx = batch.kv_rows

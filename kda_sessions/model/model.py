@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
+from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
 from .batch import CheckpointStates, DecodeInputs, ForwardBatch, StatePools
 from .ffn import MoE, RMSNorm, SwiGLU
-from .fused import huge_page_zeros
+from .fused import DerivedWeights, huge_page_zeros, reduction_weight, row_matmul, weights
 from .kda import KDAAttention
 from .mla import MLAttention
 
@@ -60,6 +63,8 @@ class HybridModel(nn.Module):
         self.config = cfg
         self.model = Backbone(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._compiled_rows: Callable[..., tuple[Tensor, list[Tensor]]] | None = None
+        self._compiled_weights: list[DerivedWeights] = []
 
     @property
     def device(self) -> torch.device:
@@ -142,9 +147,79 @@ class HybridModel(nn.Module):
         [N, vocab] float32."""
         return self._decode(inp, pools, None)
 
+    def compile_cpu_decode(self, weight_dtype: torch.dtype | None = None) -> bool:
+        """Run every later CPU decode step of one sequence as one ``torch.compile``d function (inductor's C++): the
+        few hundred small ops of a step fused into a few loops, and each one-row matmul one loop that reads its
+        weight at the memory's rate (``fused.row_matmul``). The first step compiles it (tens of seconds; less from
+        inductor's on-disk cache); batches of several sequences, a GPU and autograd keep the eager path.
+
+        ``weight_dtype``: the dtype of the matmul weights this path reads (default the model's); torch.bfloat16
+        halves the bytes a token reads, summed in float32, at bfloat16's rounding of each weight. Returns False,
+        compiling nothing, where the model has layers without a CPU decode path (MoE FFNs, ``fast_cpu`` off)."""
+        layers = self._layers()
+        if self.device.type != "cpu" or not all(
+            layer.self_attn.fast_cpu and isinstance(getattr(layer, "mlp", None), SwiGLU) and layer.mlp.fast_cpu
+            for layer in layers
+        ):
+            return False
+        self._compiled_weights = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self._compiled_weights.append(DerivedWeights(
+                attn.cpu_decode_sources, partial(attn.cpu_decode_weights, compiled=True, dtype=weight_dtype)))
+            self._compiled_weights.append(DerivedWeights(
+                partial(weights, mlp, ("gate_proj", "up_proj", "down_proj")), partial(_ffn_weights, mlp, weight_dtype)))
+        self._compiled_rows = torch.compile(self._decode_rows, fullgraph=True)
+        return True
+
+    def _decode_compiled(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor) -> Tensor:
+        """``_decode`` of one sequence through ``_compiled_rows``: the pool rows it reads and updates (views) and
+        the derived weights (checked against their parameters here, outside the graph)."""
+        assert self._compiled_rows is not None
+        one = int(inp.slots[0])
+        kda_rows = [(s[one : one + 1], c[one : one + 1]) for s, c in zip(pools.kda, pools.conv)]
+        lats = []
+        for layer, kv in zip([la for la in self._layers() if isinstance(la.self_attn, MLAttention)], pools.kv):
+            lat = layer.self_attn.context_rows(inp.page_table, inp.seq_lens, kv)[0][0]  # type: ignore[union-attr]
+            torch._dynamo.maybe_mark_dynamic(lat, 0)  # the context grows every step: one graph for every length
+            lats.append(lat)  # [L, r + dr]: without the batch dimension, whose stride follows the page count
+        logits, latents = self._compiled_rows(inp.input_ids, kda_rows, lats, [w.get() for w in self._compiled_weights])
+        for kv, latent in zip(pools.kv, latents):
+            kv.view(-1, kv.shape[-1]).index_copy_(0, kv_rows, latent.to(kv.dtype))
+        return logits
+
+    def _decode_rows(self, input_ids: Tensor, kda_rows: list[tuple[Tensor, Tensor]], lats: list[Tensor],
+                     weights: list[tuple[Tensor, ...]]) -> tuple[Tensor, list[Tensor]]:
+        """The decode step over explicit rows, what ``compile_cpu_decode`` compiles: input_ids [N]; per KDA layer
+        its sequences' (state [N, H, K, V], conv tails [N, W - 1, Dc]) rows, updated in place; per MLA layer
+        the cached latent rows [L, r + dr] of the one sequence (N = 1); per layer the attention's, then the FFN's derived weights.
+        Returns (logits [N, vocab] float32, per MLA layer the new latent rows [N, r + dr] to write)."""
+        x = self.model.embed_tokens(input_ids)  # [N, D]
+        latents = []
+        ik = im = 0
+        layers = self._layers()
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            if isinstance(attn, KDAAttention):
+                a = attn.decode_rows(h, *kda_rows[ik], weights[2 * i])
+                ik += 1
+            else:
+                a, latent = attn.decode_rows(h, lats[im][None], None, weights[2 * i])
+                latents.append(latent)
+                im += 1
+            x, h = layer.post_attention_layernorm.residual(x, a)
+            w13, w2 = weights[2 * i + 1]
+            gate, up = row_matmul(h, w13).chunk(2, dim=-1)  # SwiGLU: gate | up in one matmul
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = norm.residual(x, row_matmul(F.silu(gate).mul_(up), w2))
+        return row_matmul(h, self.lm_head.weight.t()).float(), latents
+
     def _decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None) -> Tensor:
         if kv_rows is None:
             kv_rows = inp.kv_rows(pools.page_size)  # [N] on the device
+        if self._compiled_rows is not None and inp.input_ids.shape[0] == 1 and not torch.is_grad_enabled():
+            return self._decode_compiled(inp, pools, kv_rows)
         x = self.model.embed_tokens(inp.input_ids)  # [N, D]
         ik = im = 0
         layers = self._layers()
@@ -193,3 +268,10 @@ class HybridModel(nn.Module):
         )
         logits, _ = self.step(batch, pools)
         return logits.view(B, T, -1)
+
+
+def _ffn_weights(mlp: SwiGLU, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+    """A dense FFN's weights for ``row_matmul`` under torch.compile: (w13 [D, 2F]: gate | up columns, w2 [F, D])."""
+    w13 = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    return reduction_weight(w13, dtype), reduction_weight(mlp.down_proj.weight, dtype)
+

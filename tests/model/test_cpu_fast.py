@@ -105,11 +105,12 @@ def test_mla_decode_with_q_lora_matches_reference():
     layer = MLAttention(cfg)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    P, lens = 16, [5, 23, 40]
+    P, lens = 16, [20, 23, 40]
     pages = torch.zeros(8, P, cfg.latent_dim)
     pages.normal_()
-    # pages out of order, and the first two sequences sharing pages (as forks do)
-    table = torch.tensor([[1, 3, 2, 0], [0, 1, 2, 3], [6, 7, 4, 5]], dtype=torch.int32)
+    # pages out of order, and the first two sequences sharing their first, full page (as forks do: a fork copies
+    # the partial page it writes to)
+    table = torch.tensor([[0, 3, 2, 1], [0, 1, 2, 3], [6, 7, 4, 5]], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     rows = torch.stack([table[n, (s - 1) // P].long() * P + (s - 1) % P for n, s in enumerate(lens)])
     x = torch.randn(3, cfg.hidden_size)
