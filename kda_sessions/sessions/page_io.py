@@ -43,6 +43,26 @@ def _host_view(t: Tensor) -> memoryview:
     return _raw_view(t.data_ptr(), t.numel() * t.element_size())
 
 
+_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
+_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+_new_bytes.restype = ctypes.py_object
+
+
+def _blob(header: bytes, parts: Sequence[tuple[int, int]]) -> bytes:
+    """``header`` followed by each (address, nbytes) part, as a new bytes object, copied by ctypes' memmove,
+    which releases the GIL (``header + view`` copies, and faults in the fresh memory, holding it: the store's
+    writer and the hash threads need the GIL between blobs). The object is filled before anything else can see
+    it (PyBytes_FromStringAndSize(NULL, n): uninitialized), then never changed."""
+    out: bytes = _new_bytes(None, len(header) + sum(n for _, n in parts))
+    at = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value or 0
+    ctypes.memmove(at, header, len(header))
+    at += len(header)
+    for address, n in parts:
+        ctypes.memmove(at, address, n)
+        at += n
+    return out
+
+
 def _page_digest(header: bytes, payload: memoryview) -> str:
     h = hashlib.sha256(header)
     h.update(payload)
@@ -98,11 +118,11 @@ class PageCodec:
                 block = torch.stack([kv.index_select(0, idx) for kv in self.pools.kv], dim=1)  # [n, L, P, C]
                 host = self._staging(len(ids))
                 host.copy_(block.view(len(ids), -1).view(torch.uint8))
-                view = _host_view(host)
+                view, base = _host_view(host), host.data_ptr()
                 chunk = [view[j * b : (j + 1) * b] for j in range(len(ids))]
                 hashes = [pool.submit(_page_digest, self.header, v) for v in chunk]
                 in_flight.append((host, hashes))
-                yield list(zip(hashes, [self.header + v for v in chunk]))
+                yield list(zip(hashes, [_blob(self.header, [(base + j * b, b)]) for j in range(len(ids))]))
                 if len(in_flight) > 2:  # bound the pinned memory held: two chunks
                     oldest, oldest_hashes = in_flight.pop(0)
                     wait(oldest_hashes)
@@ -116,11 +136,11 @@ class PageCodec:
     ) -> Iterator[list[tuple[Future[str], bytes]]]:
         layer_bytes = self.page_bytes // self.shape[0]
         assert all(kv.is_contiguous() for kv in self.pools.kv)
-        views = [_host_view(kv) for kv in self.pools.kv]  # kv[l] [num_pages, P, C]: page p at p * layer_bytes
+        bases = [kv.data_ptr() for kv in self.pools.kv]  # kv[l] [num_pages, P, C]: page p at p * layer_bytes
         for i in range(0, len(pages), self.per_chunk):
             chunk = []
             for p in pages[i : i + self.per_chunk]:
-                data = b"".join([self.header, *(v[p * layer_bytes : (p + 1) * layer_bytes] for v in views)])
+                data = _blob(self.header, [(base + p * layer_bytes, layer_bytes) for base in bases])
                 chunk.append((pool.submit(digest, data), data))
             yield chunk
 
