@@ -32,14 +32,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import math
+import mmap
 import os
+import re
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +61,7 @@ from kda_sessions.config import ModelConfig
 from kda_sessions.model import HybridModel
 from kda_sessions.model.loader import BUILTIN_DIR
 from kda_sessions.storage import SnapshotStore, faults
+from kda_sessions.storage.backends import disk_pack
 from kda_sessions.tokenizer import ByteTokenizer, builtin_template
 
 KIMI_SHAPE: dict[str, Any] = {
@@ -124,48 +133,74 @@ async def timed(coro: Any) -> tuple[float, Any]:
 
 
 class Phases:
-    """Seconds spent inside the store's ``load_blobs_into`` (read + verify, into the pool or pinned staging)
-    and the page codec's ``restore`` (all full pages: those reads plus queueing the device copies), summed
-    over calls: wraps the two on the instances of one engine."""
+    """Seconds spent inside the steps of a resume, summed over calls: wraps methods on the instances of one
+    engine. ``store_read``: the store's ``load_blobs_into`` (read + verify, into pinned staging), ``page_restore``:
+    the page codec's ``restore`` (those reads plus queueing the device copies), ``load_pages``: all head pages
+    (the partial one and the wait for the copies too), ``state``: the head state blob into its slot (read,
+    pinned copy, device copy), ``restore_head``: those two, run together, ``load_session``: lease, manifest,
+    tokens, ``manifest``: its read and validation, ``lease``, ``make_resident``: slot, pages, restore_head,
+    ``run_locked``: calls on a worker thread under the pools' mutex (zeroing the slot, the partial page)."""
 
     def __init__(self, eng: ks.Engine) -> None:
-        self.store_s = self.pages_s = 0.0
-        snapshots, codec = eng.io.snapshots, eng.io.codec
-        load_into, restore = snapshots.load_blobs_into, codec.restore
+        self.s: dict[str, float] = {}
+        io = eng.io
+        for name, obj, attr in (
+            ("store_read", io.snapshots, "load_blobs_into"), ("page_restore", io.codec, "restore"),
+            ("load_pages", io, "_load_pages"), ("state", io, "_restore_state"), ("restore_head", io, "restore_head"),
+            ("load_session", io, "load_session"), ("manifest", io.snapshots, "load_manifest"),
+            ("lease", io.snapshots, "acquire_lease"), ("make_resident", eng.manager.residency, "make_resident"),
+            ("run_locked", io.pools, "run_locked"),
+        ):
+            if hasattr(obj, attr):
+                self._wrap(name, obj, attr)
 
-        async def timed_load_into(*args: Any) -> Any:
+    def _wrap(self, name: str, obj: Any, attr: str) -> None:
+        fn = getattr(obj, attr)
+        self.s[name] = 0.0
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
             try:
-                return await load_into(*args)
+                return await fn(*args, **kwargs)
             finally:
-                self.store_s += time.perf_counter() - t0
+                self.s[name] += time.perf_counter() - t0
 
-        async def timed_restore(*args: Any) -> None:
-            t0 = time.perf_counter()
-            try:
-                await restore(*args)
-            finally:
-                self.pages_s += time.perf_counter() - t0
+        setattr(obj, attr, timed)
+        self._undo = [*getattr(self, "_undo", []), (obj, attr)]
 
-        snapshots.load_blobs_into = timed_load_into  # type: ignore[method-assign]
-        codec.restore = timed_restore  # type: ignore[method-assign]
+    def close(self) -> None:
+        for obj, attr in getattr(self, "_undo", []):
+            delattr(obj, attr)  # the instance attribute: the class's method shows through again
 
 
-async def resume_first_token(eng: ks.Engine, sid: str) -> dict[str, float]:
+async def resume_first_token(eng: ks.Engine, sid: str) -> dict[str, Any]:
     phases = Phases(eng)
-    sync()
-    t0 = time.perf_counter()
-    s = await eng.resume(sid)
-    sync()
-    t1 = time.perf_counter()
-    r = await s.generate(max_tokens=1, ignore_eos=True)
-    sync()
-    t2 = time.perf_counter()
+    try:
+        sync()
+        t0 = time.perf_counter()
+        s = await eng.resume(sid)
+        sync()
+        t1 = time.perf_counter()
+        r = await s.generate(max_tokens=1, ignore_eos=True)
+        sync()
+        t2 = time.perf_counter()
+    finally:
+        phases.close()
     assert r.usage.prefill_tokens <= 1, r.usage
     return {
         "resume_s": round(t1 - t0, 4), "first_token_s": round(t2 - t1, 4), "total_s": round(t2 - t0, 4),
-        "in_store_read_s": round(phases.store_s, 4), "in_page_restore_s": round(phases.pages_s, 4),
+        "in_s": {k: round(v, 4) for k, v in phases.s.items()},
     }
+
+
+async def ram_resumes(eng: ks.Engine, sid: str, times: int) -> dict[str, Any]:
+    """``times`` resumes from the RAM tier (forgotten between them): the median's row, with every total."""
+    runs = []
+    for _ in range(times):
+        runs.append(await resume_first_token(eng, sid))
+        assert await eng.default.forget(sid)
+    runs.sort(key=lambda r: r["total_s"])
+    return {**runs[len(runs) // 2], "totals_s": [r["total_s"] for r in runs]}
 
 
 def hash_speed(device_threads: int) -> dict[str, float]:
@@ -213,7 +248,158 @@ def raw_read(root: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, total
 
 
-async def one_context(model: HybridModel, n: int, device: str, root: Path) -> dict[str, Any]:
+@dataclass
+class Redis:
+    """A private redis-server of this run: its url, port, and redis-benchmark (None if absent)."""
+
+    url: str
+    port: int
+    benchmark: str | None
+    env: dict[str, str] | None
+
+
+@contextlib.contextmanager
+def start_redis(tmp: Path) -> Iterator[Redis | None]:
+    """A private redis-server (tests/redis_server.py: $KDA_REDIS_SERVER or PATH), or None without one."""
+    helpers = common.redis_helpers()
+    if helpers.REDIS_SERVER is None:
+        yield None
+        return
+    port, proc = helpers.start_redis_server(tmp / "redis")
+    sibling = Path(helpers.REDIS_SERVER).with_name("redis-benchmark")
+    bench = str(sibling) if sibling.exists() else shutil.which("redis-benchmark")
+    try:
+        yield Redis(f"redis://127.0.0.1:{port}/0?prefix=bench:", port, bench, helpers.redis_env())
+    finally:
+        helpers.stop_redis_server(proc)
+
+
+async def copy_session(src_url: str, dst_url: str, sid: str) -> None:
+    """The stored session ``sid`` (manifest and blobs) from one store into another."""
+    src, dst = await SnapshotStore.open(src_url), await SnapshotStore.open(dst_url)
+    try:
+        m = await src.load_manifest(sid)
+        await dst.save(m, await src.load_blobs(m.blob_digests()), verified=True)
+    finally:
+        await src.close()
+        await dst.close()
+
+
+def raw_get(port: int, keys: list[bytes], threads: int = 8, depth: int = 16) -> tuple[float, int]:
+    """Seconds to GET ``keys`` over ``threads`` plain sockets, ``depth`` GETs in flight on each, every value
+    received into one reused buffer (no parsing beyond the bulk header, no hash, no copy out), and the bytes."""
+
+    def run(part: list[bytes]) -> int:
+        n = 0
+        buf = bytearray(8 << 20)
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            for i in range(0, len(part), depth):
+                batch = part[i : i + depth]
+                sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in batch))
+                for _ in batch:
+                    line = b""
+                    while not line.endswith(b"\r\n"):
+                        line += sock.recv(1)
+                    if line == b"$-1\r\n":  # no such key: a blob larger than a chunk is stored in parts
+                        continue
+                    size = int(line[1:-2]) + 2
+                    view = memoryview(buf)[:size]
+                    while view:
+                        view = view[sock.recv_into(view):]
+                    n += size - 2
+        return n
+
+    parts = [keys[i::threads] for i in range(threads)]
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        total = sum(ex.map(run, parts))
+    return time.perf_counter() - t0, total
+
+
+def redis_benchmark_get(r: Redis, size: int, total: int) -> float | None:
+    """GB/s of redis-benchmark GETs of ``size``-byte values (50 clients, its default), ``total`` bytes."""
+    if r.benchmark is None:
+        return None
+    n = max(100, total // size)
+    out = subprocess.run([r.benchmark, "-p", str(r.port), "-t", "get", "-d", str(size), "-n", str(n), "-q"],
+                         capture_output=True, text=True, check=True, env=r.env).stdout
+    m = re.search(r"GET: ([\d.]+) requests per second", out.replace("\r", "\n"))
+    return round(float(m.group(1)) * size / 1e9, 2) if m else None
+
+
+async def redis_row(model: HybridModel, disk_store: str, sid: str, pages: int, r: Redis) -> dict[str, Any]:
+    """Resume + first token from Redis (a new engine, no RAM tier), beside GETs of the same keys and
+    redis-benchmark."""
+    await copy_session(disk_store, r.url, sid)
+    eng = await engine(model, r.url, ram_bytes=0, pages=pages)
+    try:
+        row: dict[str, Any] = await resume_first_token(eng, sid)
+        m = await eng.io.snapshots.load_manifest(sid)
+        assert await eng.default.forget(sid)
+    finally:
+        await eng.close()
+    keys = [f"bench:blob:{d}".encode() for d in sorted(m.blob_digests())]
+    t, nbytes = raw_get(r.port, keys)
+    row["raw"] = {"get_same_keys_GBps": round(nbytes / t / 1e9, 2), "redis_benchmark_get_GBps":
+                  redis_benchmark_get(r, 516096, min(nbytes, 1 << 30))}
+    return row
+
+
+def write_sweep(root: Path, nbytes: int) -> dict[str, Any]:
+    """GB/s of one pack of ``nbytes`` in 504 KiB blobs written by the store's own ``PackSet.write_stream``
+    (temp file, writes, fsync, rename, folder fsync) for several writeback chunks (the store's is 1 MiB; none:
+    no early writeback),
+    beside O_DIRECT writes of 16 MiB and dd with one fdatasync, each on a file of its own."""
+    size = 516096
+    count = nbytes // size
+    data = torch.randint(0, 256, (count * size,), dtype=torch.uint8)
+    view = data.numpy().data.cast("B")
+    blobs = [(f"{i:064x}", view[i * size : (i + 1) * size]) for i in range(count)]
+    out: dict[str, Any] = {"bytes": count * size}
+    folder = root / "sweep"
+    for chunk in (1 << 20, 32 << 20, 0):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir()
+        old = disk_pack.WRITEBACK_CHUNK_BYTES
+        disk_pack.WRITEBACK_CHUNK_BYTES = chunk or (1 << 62)
+        try:
+            ps = disk_pack.PackSet(folder)
+            os.sync()
+            t0 = time.perf_counter()
+            ps.write_stream((blobs[i : i + 130] for i in range(0, count, 130)), count, lambda i: None, "tmp-")
+            name = f"{chunk >> 20}MiB" if chunk else "none"
+            out[f"pack_wb_{name}_GBps"] = round(count * size / (time.perf_counter() - t0) / 1e9, 2)
+        finally:
+            disk_pack.WRITEBACK_CHUNK_BYTES = old
+    shutil.rmtree(folder, ignore_errors=True)
+    path = root / "direct.bin"
+    block = 16 << 20
+    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+    os.sync()
+    try:
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+        try:
+            for off in range(0, count * size - block + 1, block):
+                buf[:] = view[off : off + block]
+                os.write(fd, buf)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        out["o_direct_16MiB_GBps"] = round((count * size // block) * block / (time.perf_counter() - t0) / 1e9, 2)
+    except OSError as e:
+        out["o_direct_16MiB_GBps"] = f"{type(e).__name__}: {e}"
+    path.unlink(missing_ok=True)
+    out["dd_fdatasync_GBps"] = round(
+        common._dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={nbytes >> 20}", "conv=fdatasync"]) / 1e3, 2
+    )
+    path.unlink(missing_ok=True)
+    return out
+
+
+async def one_context(
+    model: HybridModel, n: int, device: str, root: Path, redis: Redis | None, sweep_at: int
+) -> dict[str, Any]:
     store = f"disk:{root / f'store-{n}'}"
     pages = n // 64 + 64
     row: dict[str, Any] = {"tokens": n}
@@ -242,7 +428,7 @@ async def one_context(model: HybridModel, n: int, device: str, root: Path) -> di
         row["save_GBps"] = round(snap / t / 1e9, 2)
         sid = s.id
         assert await eng.default.forget(sid)  # slot and pages freed; the store and the RAM tier keep it
-        row["ram"] = await resume_first_token(eng, sid)
+        row["ram"] = await ram_resumes(eng, sid, 3)
     finally:
         await eng.close()
     eng = await engine(model, store, ram_bytes=0, pages=pages)
@@ -254,6 +440,11 @@ async def one_context(model: HybridModel, n: int, device: str, root: Path) -> di
             row["disk_cold"] = await resume_first_token(eng, sid)
     finally:
         await eng.close()
+    if redis is not None:
+        try:
+            row["redis"] = await redis_row(model, store, sid, pages, redis)
+        except Exception as e:  # the other rows still count
+            row["redis_error"] = f"{type(e).__name__}: {e}"
     h2d = raw_h2d(snap, device)
     read_warm, nread = raw_read(root / f"store-{n}")
     raw: dict[str, Any] = {"h2d_GBps": round(snap / h2d / 1e9, 2), "read_warm_GBps": round(nread / read_warm / 1e9, 2)}
@@ -264,6 +455,11 @@ async def one_context(model: HybridModel, n: int, device: str, root: Path) -> di
         common._dd(["if=/dev/zero", f"of={root / 'dd.bin'}", "bs=1M", f"count={snap >> 20}", "conv=fdatasync"]) / 1e3, 2
     )
     (root / "dd.bin").unlink()
+    if n == sweep_at:
+        try:
+            raw["pack_write"] = write_sweep(root, snap)
+        except Exception as e:
+            raw["pack_write"] = f"{type(e).__name__}: {e}"
     row["raw"] = raw
     row["save_of_raw_write"] = round(row["save_GBps"] / raw["write_fdatasync_GBps"], 2)
     for tier, path_GBps in (("ram", raw["h2d_GBps"]), ("disk_warm", min(raw["h2d_GBps"], raw["read_warm_GBps"])),
@@ -272,6 +468,12 @@ async def one_context(model: HybridModel, n: int, device: str, root: Path) -> di
             got = snap / row[tier]["resume_s"] / 1e9
             row[tier]["resume_GBps"] = round(got, 2)
             row[tier]["of_raw_path"] = round(got / path_GBps, 2)
+    if "redis" in row and "raw" in row["redis"]:
+        got = snap / row["redis"]["resume_s"] / 1e9
+        row["redis"]["resume_GBps"] = round(got, 2)
+        raw_get = row["redis"]["raw"].get("get_same_keys_GBps")
+        if raw_get:
+            row["redis"]["of_raw_path"] = round(got / min(raw_get, raw["h2d_GBps"]), 2)
     row["prefill_over_ram_resume"] = round(row["prefill_first_token_s"] / row["ram"]["total_s"], 1)
     return row
 
@@ -282,6 +484,9 @@ async def main() -> None:
     ap.add_argument("--shape", choices=["kimi", "tiny"], default="kimi")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--budget", type=float, default=240.0, help="start no new context after this many seconds")
+    ap.add_argument("--warmup", type=int, default=16384, help="tokens of an untimed prefill first (0: none)")
+    ap.add_argument("--write-sweep", action="store_true", help="pack writes of the largest snapshot's size by "
+                    "writeback chunk, O_DIRECT and dd (raw.pack_write)")
     ap.add_argument("--out")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -291,12 +496,24 @@ async def main() -> None:
         "machine": common.machine(), "shape": args.shape, "dtype": str(dtype),
         "hash": hash_speed(os.cpu_count() or 1), "rows": [],
     }
-    with tempfile.TemporaryDirectory(dir=os.environ.get("RESUME_BENCH_DIR")) as tmp:
-        for n in [int(x) for x in args.contexts.split(",")]:
+    if args.warmup:  # kernels compiled before any timed prefill
+        eng = await engine(model, "memory:", ram_bytes=0, pages=args.warmup // 64 + 64)
+        try:
+            s = await eng.create_session()
+            await s.append(common.random_tokens(args.warmup, seed=1))
+            await s.generate(max_tokens=2, ignore_eos=True)
+        finally:
+            await eng.close()
+    contexts = [int(x) for x in args.contexts.split(",")]
+    with tempfile.TemporaryDirectory(dir=os.environ.get("RESUME_BENCH_DIR")) as tmp, start_redis(Path(tmp)) as redis:
+        if redis is None:
+            result["redis"] = "no redis-server (PATH or $KDA_REDIS_SERVER)"
+        for n in contexts:
             if time.monotonic() - t0 > args.budget:
                 result.setdefault("skipped", []).append(n)
                 continue
-            result["rows"].append(await one_context(model, n, args.device, Path(tmp)))
+            row = await one_context(model, n, args.device, Path(tmp), redis, max(contexts) if args.write_sweep else -1)
+            result["rows"].append(row)
             common.emit(result, args.out)
     common.emit(result, args.out)
 
