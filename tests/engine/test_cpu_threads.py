@@ -21,9 +21,15 @@ async def test_step_thread_sets_its_own_count(monkeypatch):
 
     monkeypatch.setattr(HybridModel, "step", spy)
     before = torch.get_num_threads()
-    async with await ks.Engine.open(store="memory:", cpu_threads=2) as eng:
-        s = await eng.create_session()
-        await s.append([1, 2, 3])
-        await s.generate(max_tokens=2, ignore_eos=True)
-    assert seen and all(t == ("kda-engine", 2) for t in seen)
-    assert torch.get_num_threads() == before
+    try:
+        async with await ks.Engine.open(store="memory:", cpu_threads=2) as eng:
+            s = await eng.create_session()
+            await s.append([1, 2, 3])
+            await s.generate(max_tokens=2, ignore_eos=True)
+        assert seen and all(t == ("kda-engine", 2) for t in seen)
+        assert torch.get_num_threads() == before
+    finally:
+        # torch keeps the last count any thread set and gives it to every thread started later: left at 2, each
+        # later test's step thread ran two spinning OpenMP threads on this 2-core machine (5-7x slower, against
+        # the conftest's OMP_NUM_THREADS=1). Setting the caller's count back restores what new threads get.
+        torch.set_num_threads(before)
