@@ -36,12 +36,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 from torch import Tensor
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.kernels.moe import fused_moe, moe_route
 from kda_sessions.kernels.moe.naive import naive_fused_moe
-from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton, launch_config
+from kda_sessions.kernels.moe.route import moe_route_triton
+from kda_sessions.kernels.moe.triton_moe import (
+    DIRECT_MAX_TOKENS,
+    MoeLaunch,
+    _down_direct_kernel,
+    _up_direct_kernel,
+    fused_moe_triton,
+    launch_config,
+)
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs
@@ -149,9 +158,25 @@ def _twin_forward(self: MoE, x: Tensor) -> Tensor:
     return naive_fused_moe(x, *stacked, chosen, weights) + self.shared_experts(x)
 
 
+def _twin32_forward(self: MoE, x: Tensor) -> Tensor:
+    """The twin in float32 (the bf16 weights upcast, every sum in float32, one rounding to x's dtype at the end):
+    the exact math the fused kernels and the bf16 twin both approximate; routed by the library's router."""
+    chosen, weights = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
+                                self.renormalize, self.scale)
+    stacked = self._stacked_weights()
+    sh = self.shared_experts
+    assert stacked is not None and sh is not None
+    xf = x.float()
+    out = naive_fused_moe(xf, stacked[0].float(), stacked[1].float(), chosen, weights.float())
+    shared = (F.silu(xf @ sh.gate_proj.weight.float().t()) * (xf @ sh.up_proj.weight.float().t())) @ (
+        sh.down_proj.weight.float().t())
+    return (out + shared).to(x.dtype)
+
+
 def set_moe_mode(model: HybridModel, mode: str) -> None:
-    """fused (the library), gather (the replaced code) or twin (the naive twin; not capturable)."""
-    forwards = {"gather": _gather_forward, "twin": _twin_forward}
+    """fused (the library), gather (the replaced code), twin (the naive twin, bf16; not capturable) or twin32
+    (the twin in float32)."""
+    forwards = {"gather": _gather_forward, "twin": _twin_forward, "twin32": _twin32_forward}
     for m in model.modules():
         if isinstance(m, MoE):
             if mode in forwards:
@@ -277,36 +302,78 @@ def graph_us(fn, reps: int) -> float:
     return round(e0.elapsed_time(e1) / reps * 1e3, 2)
 
 
+SWEEP_DIRECT_UP = [(4, 512, 4), (8, 256, 4), (8, 512, 8), (16, 256, 8)]
+SWEEP_DIRECT_DOWN = [(4, 1024, 4), (4, 512, 4), (8, 256, 4), (8, 512, 8)]
+
+
+def direct_stage_us(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, wts: Tensor, reps: int) -> dict:
+    """The direct (decode) kernels one at a time under the tiles of ``SWEEP_DIRECT_UP`` / ``_DOWN``: us and
+    TB/s of the expert bytes each reads (the chosen experts' w13 for up, w2 for down)."""
+    T, k = chosen.shape
+    D, Fw = x.shape[1], w2.shape[2]
+    flat = chosen.reshape(-1).contiguous()
+    rw = wts.reshape(-1).contiguous()
+    act = torch.randn(T * k, Fw, device=x.device).to(x.dtype)
+    y = torch.empty_like(x)
+    distinct = int(torch.unique(chosen).numel())
+    out: dict = {}
+    for bn, bk, nw in SWEEP_DIRECT_UP:
+        us = graph_us(lambda bn=bn, bk=bk, nw=nw: _up_direct_kernel[(T * k, triton.cdiv(Fw, bn))](
+            x, w13, act, flat, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, num_warps=nw), reps)
+        out[f"up {bn}/{bk}/w{nw}"] = [us, round(distinct * w13[0].numel() * 2 / us / 1e6, 2)]
+    for bn, bk, nw in SWEEP_DIRECT_DOWN:
+        us = graph_us(lambda bn=bn, bk=bk, nw=nw: _down_direct_kernel[(T, triton.cdiv(D, bn))](
+            act, w2, y, flat, rw, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, num_warps=nw), reps)
+        out[f"down {bn}/{bk}/w{nw}"] = [us, round(distinct * w2[0].numel() * 2 / us / 1e6, 2)]
+    return out
+
+
 def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
-    """One MoE layer's routed experts alone: fused kernels vs the gathered-copy baseline, and its floor; with
-    ``sweep`` also the fused kernels under other tile sizes (``fused_moe_triton``'s launch config)."""
+    """One MoE layer alone, its shared expert stacked as the always-on 257th: the router (the library's, and the
+    two-kernel one it uses above ``ROUTE_DECODE_MAX_TOKENS``), the fused kernels (direct up to
+    ``DIRECT_MAX_TOKENS`` tokens, and the grouped ones), the gathered-copy baseline (routed experts only), and the
+    floor; with ``sweep`` also other tile sizes (grouped: ``MoeLaunch``; direct: each kernel alone)."""
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    w13, w2 = moe._stacked_weights() or (None, None)
-    assert w13 is not None and w2 is not None
-    E, k = w13.shape[0], moe.top_k
+    fused_w = moe._fused_weights()
+    assert fused_w is not None and fused_w[2] is not None
+    w13, w2, shared = fused_w
+    E, k = shared, moe.top_k
     gen = torch.Generator(device="cuda").manual_seed(T)
     x = torch.randn(T, w13.shape[2], device="cuda", generator=gen).bfloat16()
     chosen = torch.argsort(torch.rand(T, E, device="cuda", generator=gen), dim=1)[:, :k]
-    wts = torch.rand(T, k, device="cuda", generator=gen).bfloat16()
-    res: dict = {"T": T, "launch": str(launch_config(T * k))}
+    chosen = torch.cat([chosen, chosen.new_full((T, 1), shared)], 1)  # [T, k + 1]
+    wts = torch.rand(T, k + 1, device="cuda", generator=gen).bfloat16()
+    g, b = moe.gate.weight, moe.gate.e_score_correction_bias
+    res: dict = {"T": T, "launch": "direct" if T <= DIRECT_MAX_TOKENS else str(launch_config(T * (k + 1)))}
+    res["route_us"] = graph_us(lambda: moe_route(x, g, b, k, True, moe.scale, shared), reps)
+    res["route_two_kernels_us"] = graph_us(lambda: moe_route_triton(x, g, b, k, True, moe.scale, shared), reps)
     res["fused_us"] = graph_us(lambda: fused_moe(x, w13, w2, chosen, wts), reps)
-    res["gather_us"] = graph_us(lambda: _gather_routed(x, chosen, wts, w13, w2), reps)
+    res["grouped_us"] = graph_us(lambda: fused_moe_triton(x, w13, w2, chosen, wts, direct=False), reps)
+    if T <= 32:
+        res["direct_us"] = graph_us(lambda: fused_moe_triton(x, w13, w2, chosen, wts, direct=True), reps)
+    res["gather_us"] = graph_us(lambda: _gather_routed(x, chosen[:, :k], wts[:, :k], w13[:E], w2[:E]), reps)
     if sweep:
         for c in SWEEP_SMALL if T * k <= 256 else SWEEP_LARGE:
             res[f"sweep {c.BM}/{c.BN}/{c.BK}/w{c.num_warps}/s{c.num_stages}"] = graph_us(
                 lambda c=c: fused_moe_triton(x, w13, w2, chosen, wts, c), reps)
+        if T <= 32:
+            res["direct_stages us, TB/s"] = direct_stage_us(x, w13, w2, chosen, wts, reps)
     distinct = int(torch.unique(chosen).numel())
     b = distinct * (w13[0].numel() + w2[0].numel()) * 2
     res["distinct_experts"] = distinct
     res["floor_us"] = round(b / HBM_BYTES_PER_S * 1e6, 2)
     ref = _gather_routed(x.float(), chosen, wts.float(), w13.float(), w2.float())
     res["fused_rel_rms_vs_fp32"] = float((fused_moe(x, w13, w2, chosen, wts).float() - ref).norm() / ref.norm())
+    res["fused_TB_per_s"] = round(b / res["fused_us"] / 1e6, 2)
     return res
 
 
 def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
-    """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays) and with its naive
-    twin (eager), from the same states; the tokens of both and the first step's logits difference."""
+    """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays), with its naive
+    twin (eager, bf16) and with the twin in float32, from the same states; the tokens of each and the first
+    step's logits difference (relative RMS) of each pair."""
     P = 64
     pages = -(-(L + steps + 1) // P)
     pools = model.allocate_pools(1, pages, P)
@@ -320,7 +387,7 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
     table = [list(range(pages))]
     out: dict = {"context": L, "steps": steps}
     first: dict[str, Tensor] = {}
-    for mode in ("fused", "twin"):
+    for mode in ("fused", "twin", "twin32"):
         for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
             t.copy_(v)
         set_moe_mode(model, mode)
@@ -336,7 +403,10 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
         del graphs
     set_moe_mode(model, "fused")
     out["same_tokens"] = out["fused_tokens"] == out["twin_tokens"]
-    out["first_logits_rel_rms"] = float((first["fused"] - first["twin"]).norm() / first["twin"].norm())
+    out["same_tokens_fused_twin32"] = out["fused_tokens"] == out["twin32_tokens"]
+    out["same_tokens_twin_twin32"] = out["twin_tokens"] == out["twin32_tokens"]
+    for a, b in (("fused", "twin"), ("fused", "twin32"), ("twin", "twin32")):
+        out[f"first_logits_rel_rms_{a}_{b}"] = float((first[a] - first[b]).norm() / first[b].norm())
     return out
 
 
@@ -439,7 +509,7 @@ def main() -> None:
     results["params"] = sum(p.numel() for p in model.parameters())
     log(f"built {results['params'] / 1e9:.2f} B parameters")
     results["decode"] = []
-    for case in args.cases.split(","):
+    for case in [c for c in args.cases.split(",") if c]:
         batch, L = (int(v) for v in case.split("x"))
         if args.quick:
             L = min(L, 256)

@@ -159,6 +159,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per Engine case")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per replay case")
     ap.add_argument("--prefill-2b", type=int, default=0, help="also prefill the 2 B bench model N tokens (0: no)")
+    ap.add_argument("--profile-kda", default="separate,fused",
+                    help="eager profiles at 1 x 8K, KDA decode 'separate' and/or 'fused' (the library's), in order")
     ap.add_argument("--budget", type=float, default=420.0, help="start no new part after this many seconds")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -219,10 +221,11 @@ def main() -> None:
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-        for on in (False, True):
+        for on in [m == "fused" for m in args.profile_kda.split(",") if m]:
             set_fused_decode(model, on)
             part(f"profile_eager_1x8192_kda_{'fused' if on else 'separate'}",
                  lambda: profile_case(model, 8192, args.device))
+        set_fused_decode(model, True)
     for b, L in cases(args.replay_cases):
         part(f"replay_{b}x{L}", lambda b=b, L=L: decode_case(model, b, L, ["fused"], args.reps, args.device))
     if args.prefill_2b:

@@ -42,16 +42,18 @@ def moe_route(
     logits in float32, best first; weights [T, k] in x's dtype: the chosen plain sigmoid scores, divided by their
     sum when ``renormalize``, times ``scale``). With ``always_on`` (an expert id, e.g. E for a shared expert stacked
     after the routed ones) both are [T, k + 1], the last column that id with weight 1. CUDA tensors (k a power of
-    two) go to two Triton kernels (their float32 sums run in another order, so a near-tie between two experts may
-    resolve the other way)."""
+    two) go to Triton: one launch up to ``route.ROUTE_DECODE_MAX_TOKENS`` tokens, else two kernels (their float32
+    sums run in another order, so a near-tie between two experts may resolve the other way)."""
     if x.dim() != 2 or gate.dim() != 2 or gate.shape[1] != x.shape[1] or bias.shape != (gate.shape[0],):
         raise ValueError(f"x must be [T, D], gate [E, D] and bias [E], got {tuple(x.shape)}, {tuple(gate.shape)}, "
                          f"{tuple(bias.shape)}")
     if not 0 < top_k <= gate.shape[0]:
         raise ValueError(f"top_k must be in [1, E={gate.shape[0]}], got {top_k}")
     if x.is_cuda and top_k & (top_k - 1) == 0 and gate.dtype == x.dtype and gate.stride(1) == 1:
-        from .route import moe_route_triton
+        from .route import ROUTE_DECODE_MAX_TOKENS, moe_route_decode, moe_route_triton
 
+        if 0 < x.shape[0] <= ROUTE_DECODE_MAX_TOKENS:
+            return moe_route_decode(x, gate, bias, top_k, renormalize, scale, always_on)
         return moe_route_triton(x, gate, bias, top_k, renormalize, scale, always_on)
     return naive_moe_route(x, gate, bias, top_k, renormalize, scale, always_on)
 

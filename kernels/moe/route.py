@@ -1,7 +1,14 @@
-"""The sigmoid router in two Triton kernels: the logits GEMM x @ gate.T with float32 accumulation (the whole
-width in one pass, 16 experts per program), then the selection: scores, biased top-k, renormalisation and
-scale (one program per token), in place of ~12 small torch kernels per MoE layer (among them a float32 copy of
-the gate and a float32 GEMV that cuBLAS runs on 4 thread blocks)."""
+"""The sigmoid router in Triton.
+
+Many tokens (prefill): two kernels, the logits GEMM x @ gate.T with float32 accumulation (16 experts per
+program), then the selection: scores, biased top-k, renormalisation and scale (one program per token).
+
+Few tokens (decode, ``ROUTE_DECODE_MAX_TOKENS``): ONE launch. Each program computes the logits of ``BE``
+experts for every token (the router's weight is read once, by ~E / 2 programs, each with its whole slice of the
+width in flight), stores them, and the last program to finish (a per-device arrival counter, reset by that
+program: CUDA-graph safe) selects the top k of every token at once: one packed (score, index) max per slot.
+Launches of this kernel on one device must not overlap (one stream, as the decode step runs).
+"""
 
 from __future__ import annotations
 
@@ -65,6 +72,124 @@ def _route_kernel(
         tl.store(weights + t * KO + K, tl.full((), 1.0, tl.float32).to(weights.dtype.element_ty))
 
 
+ROUTE_DECODE_MAX_TOKENS = 16
+"""Up to this many tokens ``moe_route`` uses the one-launch decode kernel (``moe_route_decode``)."""
+
+
+@triton.jit
+def _select_top_k(
+    logits, bias, chosen, weights, T, E, scale, always_on,
+    BT: tl.constexpr, K: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, EXTRA: tl.constexpr,
+):
+    """The top K of ``sigmoid(logits[t]) + bias`` for the T <= BT tokens at once (lowest index first among equal
+    scores), their plain scores renormalised and scaled -> chosen [T, K + EXTRA], weights [T, K + EXTRA]. The
+    logits were written by other programs of this launch: read through L2 (``.cg``)."""
+    t = tl.arange(0, BT)
+    e = tl.arange(0, EP)
+    t_ok = t < T
+    ok = t_ok[:, None] & (e < E)[None, :]
+    lg = tl.load(logits + t[:, None] * E + e[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+    b = tl.load(bias + e, mask=e < E, other=0.0).to(tl.float32)
+    sel = tl.where(ok, tl.sigmoid(lg) + b[None, :], float("-inf"))
+    # a float32 as an int32 of the same order, above it the index reversed: one max gives score and index
+    bits = sel.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    packed = (key.to(tl.int64) << 32) | (EP - 1 - e)[None, :].to(tl.int64)
+    j = tl.arange(0, K)
+    ids = tl.zeros([BT, K], dtype=tl.int32)
+    for i in tl.static_range(K):
+        best = tl.max(packed, axis=1)  # [BT]
+        idx = (EP - 1 - (best & (EP - 1))).to(tl.int32)
+        ids = tl.where(j[None, :] == i, idx[:, None], ids)
+        packed = tl.where(e[None, :] == idx[:, None], -9223372036854775807, packed)
+    w = tl.sigmoid(tl.load(logits + t[:, None] * E + ids, mask=t_ok[:, None], other=0.0, cache_modifier=".cg"))
+    if RENORM:
+        w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
+    KO: tl.constexpr = K + EXTRA  # the row width of chosen and weights
+    out_ok = t_ok[:, None] & (j < K)[None, :]
+    tl.store(chosen + t[:, None] * KO + j[None, :], ids.to(tl.int64), mask=out_ok)
+    tl.store(weights + t[:, None] * KO + j[None, :], (w * scale).to(weights.dtype.element_ty), mask=out_ok)
+    if EXTRA:
+        tl.store(chosen + t * KO + K, tl.zeros([BT], tl.int64) + always_on, mask=t_ok)
+        tl.store(weights + t * KO + K, tl.full([BT], 1.0, tl.float32).to(weights.dtype.element_ty), mask=t_ok)
+
+
+@triton.jit
+def _route_decode_kernel(
+    x, gate, bias, logits, counter, chosen, weights, T, E, stride_x, stride_g, scale, always_on,
+    D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
+    RENORM: tl.constexpr, EXTRA: tl.constexpr,
+):
+    """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
+    arrive selects (``_select_top_k``) and resets the counter."""
+    e = tl.program_id(0) * BE + tl.arange(0, BE)
+    e_ok = e < E
+    t = tl.arange(0, BT)
+    t_ok = t < T
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BT, BE, BK], dtype=tl.float32)  # products summed over the width at the end, once
+    for k0 in tl.static_range(0, D, BK):  # unrolled: every load of the slice can be in flight at once
+        k_ok = k0 + kk < D
+        w = tl.load(gate + e[:, None].to(tl.int64) * stride_g + k0 + kk[None, :],
+                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BE, BK]
+        xv = tl.load(x + t[:, None] * stride_x + k0 + kk[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)  # [BT, BK]
+        acc += xv[:, None, :] * w[None, :, :]
+    logit = tl.sum(acc, axis=2)  # [BT, BE]
+    tl.store(logits + t[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
+    tl.debug_barrier()  # every thread's logits are written before this program's arrival is released
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(0) - 1:
+        _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
+        tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+
+
+_COUNTERS: dict[tuple[str, int | None], Tensor] = {}
+
+
+def _arrival_counter(device: torch.device) -> Tensor:
+    """The decode router's arrival counter of ``device`` (zero between launches). Made outside a graph capture
+    and kept; during a capture without one, a fresh zeroed counter (a memset node in the graph)."""
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = torch.zeros(1, dtype=torch.int32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _COUNTERS[key] = c
+    return c
+
+
+def moe_route_decode(
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float,
+    always_on: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``moe_route_triton`` for few tokens (T <= ``ROUTE_DECODE_MAX_TOKENS``) in one launch: x [T, D], gate
+    [E, D] (x's dtype, last dimension contiguous), bias [E] (any float dtype) -> (chosen [T, k'] int64, weights
+    [T, k'] in x's dtype), k' = k or k + 1 with ``always_on``. k must be a power of two."""
+    assert top_k & (top_k - 1) == 0, "top_k must be a power of two"
+    T, D = x.shape
+    E = gate.shape[0]
+    assert 0 < T <= ROUTE_DECODE_MAX_TOKENS and gate.stride(1) == 1
+    x = x.contiguous()
+    extra = int(always_on is not None)
+    dev = x.device
+    chosen = torch.empty(T, top_k + extra, dtype=torch.int64, device=dev)
+    weights = torch.empty(T, top_k + extra, dtype=x.dtype, device=dev)
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    BT = triton.next_power_of_2(T)
+    BE = 2
+    # one warp for one token: the selection's max reductions stay within the warp (no shared-memory rounds);
+    # [BT, BE, BK] products, 32 a thread each step
+    warps = 1 if BT == 1 else 4
+    BK = max(16, min(triton.next_power_of_2(D), 1024 * warps // (BT * BE)))
+    _route_decode_kernel[(triton.cdiv(E, BE),)](
+        x, gate, bias, logits, _arrival_counter(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
+        float(scale), always_on or 0, D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E),
+        RENORM=renormalize, EXTRA=extra, num_warps=warps,
+    )
+    return chosen, weights
+
+
 def router_logits_triton(x: Tensor, gate: Tensor) -> Tensor:
     """x [T, D], gate [E, D] (same dtype, last dimension contiguous) -> logits [T, E] float32."""
     T, D = x.shape
@@ -100,4 +225,4 @@ def moe_route_triton(
     return chosen, weights
 
 
-__all__ = ["moe_route_triton", "router_logits_triton"]
+__all__ = ["ROUTE_DECODE_MAX_TOKENS", "moe_route_decode", "moe_route_triton", "router_logits_triton"]

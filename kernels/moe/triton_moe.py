@@ -10,6 +10,11 @@ expert weights in place (the approach of vLLM's fused_moe).
 3. Down: each row block multiplies those rows by ``w2[e]`` and scales by the routing weight -> [T * k, D];
    the k rows of each token are summed into [T, D].
 
+Few tokens (decode, ``DIRECT_MAX_TOKENS``) skip the grouping: the up kernel runs one program per (pair, column
+block), reading the pair's expert rows straight from ``chosen``, and the down kernel one program per (token,
+row block of D) that sums the token's k pairs itself (no [T * k, D] buffer, no reduction launch): two launches
+a layer, GEMVs by multiply-and-sum with the whole reduction unrolled (every load of a program in flight).
+
 Every launch has a grid fixed by the shapes (at most ``T * k + min(E, T * k) * (BM - 1)`` padded rows); row
 blocks past ``num_padded`` return at once. No host sync anywhere, so a decode step is CUDA-graph safe.
 """
@@ -45,6 +50,26 @@ def launch_config(num_pairs: int) -> MoeLaunch:
     if num_pairs <= 256:
         return MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
     return MoeLaunch(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
+
+
+DIRECT_MAX_TOKENS = 16
+"""Up to this many tokens ``fused_moe_triton`` runs the direct kernels (no align step)."""
+
+
+@dataclass(frozen=True)
+class DirectLaunch:
+    """Tiles of the direct (decode) kernels: up, BN_UP columns of w1 and of w3 by BK_UP of the width a step;
+    down, BN_DOWN rows of D by BK_DOWN of F a step."""
+
+    BN_UP: int
+    BK_UP: int
+    WARPS_UP: int
+    BN_DOWN: int
+    BK_DOWN: int
+    WARPS_DOWN: int
+
+
+DIRECT_LAUNCH = DirectLaunch(4, 512, 4, 4, 1024, 4)
 
 
 def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
@@ -209,11 +234,96 @@ def _down_kernel(
     tl.store(out, acc.to(y.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _up_direct_kernel(
+    x, w13, act, chosen, stride_x, stride_we, stride_wn, stride_a,
+    D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """act[p, n] = silu(w1[e][n] . x[p // k]) * (w3[e][n] . x[p // k]), e = chosen[p], for the BN columns n of
+    program (p, n block)."""
+    p = tl.program_id(0)
+    ex = tl.load(chosen + p).to(tl.int64)
+    tok = p // TOP_K
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < Fw
+    kk = tl.arange(0, BK)
+    g_ptr = w13 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK] of w1[e]
+    u_ptr = g_ptr + Fw * stride_wn  # w3[e]
+    x_ptr = x + tok * stride_x + kk
+    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BK):
+        k_ok = k0 + kk < D
+        xv = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(g_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
+    g = tl.sum(acc_g, axis=1)
+    h = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
+    tl.store(act + p.to(tl.int64) * stride_a + n, h.to(act.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _down_direct_kernel(
+    act, w2, y, chosen, route_w, stride_a, stride_we, stride_wn, stride_y,
+    D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block)."""
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_ok = n < D
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BN], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        p = t * TOP_K + j
+        ex = tl.load(chosen + p).to(tl.int64)
+        rw = tl.load(route_w + p).to(tl.float32)
+        w_ptr = w2 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK] of w2[e]
+        a_ptr = act + p.to(tl.int64) * stride_a + kk
+        part = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in tl.static_range(0, Fw, BK):
+            k_ok = k0 + kk < Fw
+            a = tl.load(a_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
+            part += tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
+        acc += tl.sum(part, axis=1) * rw
+    tl.store(y + t.to(tl.int64) * stride_y + n, acc.to(y.dtype.element_ty), mask=n_ok)
+
+
+def fused_moe_direct(
+    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: DirectLaunch | None = None
+) -> Tensor:
+    """``fused_moe_triton`` for few tokens in two launches, no grouping: up over (pair, column block), down over
+    (token, row block) summing the token's k pairs. Same arguments; chosen and weights are made contiguous."""
+    T, D = x.shape
+    F2 = w13.shape[1]
+    Fw = F2 // 2
+    k = chosen.shape[1]
+    c = cfg or DIRECT_LAUNCH
+    x = x.contiguous()
+    flat = chosen.reshape(-1).contiguous()
+    route_w = weights.reshape(-1).contiguous()
+    act = torch.empty(T * k, Fw, dtype=x.dtype, device=x.device)
+    bk_up = min(c.BK_UP, max(16, triton.next_power_of_2(D)))
+    _up_direct_kernel[(T * k, triton.cdiv(Fw, c.BN_UP))](
+        x, w13, act, flat, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, num_warps=c.WARPS_UP,
+    )
+    y = torch.empty_like(x)
+    bk_down = min(c.BK_DOWN, max(16, triton.next_power_of_2(Fw)))
+    _down_direct_kernel[(T, triton.cdiv(D, c.BN_DOWN))](
+        act, w2, y, flat, route_w, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+        D=D, Fw=Fw, TOP_K=k, BN=c.BN_DOWN, BK=bk_down, num_warps=c.WARPS_DOWN,
+    )
+    return y
+
+
 def fused_moe_triton(
-    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: MoeLaunch | None = None
+    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: MoeLaunch | None = None,
+    direct: bool | None = None,
 ) -> Tensor:
     """x [T, D], w13 [E, 2F, D], w2 [E, D, F], chosen [T, k], weights [T, k] -> [T, D] (see ``fused_moe``).
-    The weights' last dimension must be contiguous; x is made contiguous."""
+    The weights' last dimension must be contiguous; x is made contiguous. ``direct``: the decode kernels
+    (``fused_moe_direct``) rather than the grouped ones; None: when T <= ``DIRECT_MAX_TOKENS`` and no ``cfg``."""
     T, D = x.shape
     E, F2, _ = w13.shape
     Fw = F2 // 2
@@ -222,6 +332,10 @@ def fused_moe_triton(
     if P == 0:
         return torch.zeros_like(x)
     assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dimension"
+    if direct is None:
+        direct = cfg is None and T <= DIRECT_MAX_TOKENS
+    if direct:
+        return fused_moe_direct(x, w13, w2, chosen, weights)
     cfg = cfg or launch_config(P)
     x = x.contiguous()
     align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch
@@ -244,5 +358,15 @@ def fused_moe_triton(
     return y.view(T, k, D).sum(1)  # each token's k weighted rows
 
 
-__all__ = ["ALIGN_KERNEL_MAX_PAIRS", "MoeLaunch", "align_torch", "align_triton", "fused_moe_triton",
-           "launch_config"]
+__all__ = [
+    "ALIGN_KERNEL_MAX_PAIRS",
+    "DIRECT_LAUNCH",
+    "DIRECT_MAX_TOKENS",
+    "DirectLaunch",
+    "MoeLaunch",
+    "align_torch",
+    "align_triton",
+    "fused_moe_direct",
+    "fused_moe_triton",
+    "launch_config",
+]

@@ -1,7 +1,7 @@
 """Fused MoE (kernels/moe) against its naive twin, the expert loop.
 
-CPU: the Triton kernels under TRITON_INTERPRET=1 at tiny sizes, float32 (relative RMS error 1e-5) and float16
-(1e-3). GPU (gpu-marked): bfloat16 at the Kimi-Linear-48B shape (256 experts, top 8, D 2304, F 1024) against
+CPU: the Triton kernels (grouped and direct, the two-kernel and the one-launch router) under TRITON_INTERPRET=1
+at tiny sizes, float32 (relative RMS error 1e-5) and float16 (1e-3). GPU (gpu-marked): bfloat16 at the Kimi-Linear-48B shape (256 experts, top 8, D 2304, F 1024) against
 the twin in float32, relative RMS error 1e-2; CUDA-graph replay equal to the eager call; no host sync."""
 
 from __future__ import annotations
@@ -74,6 +74,35 @@ def test_fused_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: i
         assert out.shape == (T, D) and rel_rms(out, ref) < TOL
 
 
+DIRECT_CASES = [(1, 8, 2, 48, 40, False), (5, 8, 3, 48, 40, False), (16, 16, 9, 40, 24, False),
+                (7, 8, 4, 32, 16, True)]
+
+
+@pytest.mark.parametrize("T,E,k,D,Fw,skew", DIRECT_CASES,
+                         ids=[f"T{c[0]}-E{c[1]}-k{c[2]}{'-skew' if c[5] else ''}" for c in DIRECT_CASES])
+def test_direct_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: int, skew: bool) -> None:
+    """The decode kernels (no grouping; the down kernel sums each token's k pairs) under tiles that split the
+    widths unevenly and tiles wider than them."""
+    from kda_sessions.kernels.moe.triton_moe import DirectLaunch, fused_moe_direct, fused_moe_triton
+
+    x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T, skew=skew)
+    ref = naive_fused_moe(x, w13, w2, chosen, weights)
+    for cfg in (DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(16, 64, 4, 64, 64, 4)):
+        out = fused_moe_direct(x, w13, w2, chosen, weights, cfg)
+        assert out.shape == (T, D) and rel_rms(out, ref) < TOL
+    assert rel_rms(fused_moe_triton(x, w13, w2, chosen, weights), ref) < TOL  # T <= 16: the direct kernels
+
+
+def test_direct_moe_half_precision() -> None:
+    from kda_sessions.kernels.moe.triton_moe import fused_moe_direct
+
+    x, w13, w2, chosen, weights = moe_case(3, 8, 2, 48, 40, seed=5)
+    ref = naive_fused_moe(x, w13, w2, chosen, weights)
+    h = [t.half() if t.is_floating_point() else t for t in (x, w13, w2, chosen, weights)]
+    out = fused_moe_direct(*h)
+    assert out.dtype == torch.float16 and rel_rms(out, ref) < TOL_HALF
+
+
 def test_fused_moe_half_precision() -> None:
     from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton
 
@@ -123,7 +152,7 @@ def test_fused_moe_validates_shapes() -> None:
     assert torch.equal(fused_moe(x, w13, w2, chosen, weights), naive_fused_moe(x, w13, w2, chosen, weights))
 
 
-GPU_T = [1, 8, 32, 64, 129, 2048]
+GPU_T = [1, 8, 16, 17, 32, 64, 129, 2048]
 
 
 @pytest.mark.gpu
@@ -144,7 +173,7 @@ def test_fused_moe_bf16_at_the_48b_shape(T: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("T", [1, 16, 300], ids=["T1", "T16", "T300"])
+@pytest.mark.parametrize("T", [1, 8, 17, 300], ids=["T1", "T8", "T17", "T300"])
 def test_fused_moe_replays_in_a_cuda_graph(T: int) -> None:
     """Captured once, replayed on new routing in the same buffers: equal to the eager call on that routing."""
     x, w13, w2, chosen, weights = moe_case(T, 256, 8, 2304, 1024, seed=1, device="cuda", dtype=torch.bfloat16)
@@ -187,9 +216,68 @@ def test_route_kernels_match_the_twin(T: int, E: int, k: int, renorm: bool, shar
         assert bool((chosen[:, -1] == E).all()) and bool((w[:, -1] == 1).all())
 
 
+DECODE_ROUTE_CASES = [(1, 16, 4, True, False), (1, 256, 8, True, True), (3, 40, 2, False, True),
+                      (8, 80, 4, True, False), (16, 256, 8, True, True), (9, 33, 8, True, False)]
+
+
+@pytest.mark.parametrize("T,E,k,renorm,shared", DECODE_ROUTE_CASES,
+                         ids=[f"T{t}-E{e}-k{k}-{'renorm' if r else 'raw'}{'-shared' if a else ''}"
+                              for t, e, k, r, a in DECODE_ROUTE_CASES])
+def test_one_launch_router_matches_the_twin(T: int, E: int, k: int, renorm: bool, shared: bool) -> None:
+    """The decode router (logits of 2 experts a program, the last program to arrive selects for every token):
+    the twin's experts in its order and its weights; the arrival counter is back at zero, so a second call
+    selects again (as a graph replay would)."""
+    from kda_sessions.kernels.moe.naive import naive_moe_route
+    from kda_sessions.kernels.moe.route import _COUNTERS, moe_route_decode
+
+    gen = torch.Generator().manual_seed(E + T)
+    x = torch.randn(T, 48, generator=gen)
+    gate = torch.randn(E, 48, generator=gen) / 4
+    bias = torch.randn(E, generator=gen) * 0.1
+    always_on = E if shared else None
+    rc, rw = naive_moe_route(x, gate, bias, k, renorm, 2.446, always_on)
+    for _ in range(2):
+        chosen, w = moe_route_decode(x, gate, bias, k, renorm, 2.446, always_on)
+        assert torch.equal(chosen, rc) and rel_rms(w, rw) < TOL
+        assert int(_COUNTERS[("cpu", None)][0]) == 0
+
+
+def test_one_launch_router_breaks_ties_by_the_lowest_index() -> None:
+    """Equal scores (a zero gate, no bias): experts 0..k-1 in order, weights 1/k each times the scale."""
+    from kda_sessions.kernels.moe.route import moe_route_decode
+
+    chosen, w = moe_route_decode(torch.randn(2, 16), torch.zeros(32, 16), torch.zeros(32), 4, True, 2.0)
+    assert chosen.tolist() == [[0, 1, 2, 3]] * 2 and torch.allclose(w, torch.full((2, 4), 0.5))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("T", [1, 64, 2048], ids=["T1", "T64", "T2048"])
+@pytest.mark.parametrize("T", [1, 8, 16], ids=["T1", "T8", "T16"])
+def test_one_launch_router_replays_in_a_cuda_graph(T: int) -> None:
+    """At the 48B shape: captured once, replayed 50 times on new inputs, each replay equal to the eager call (the
+    arrival counter resets itself; no stale logits are read)."""
+    from kda_sessions.kernels.moe import moe_route
+
+    gen = torch.Generator("cuda").manual_seed(T)
+    x = torch.randn(T, 2304, generator=gen, device="cuda").bfloat16()
+    gate = (torch.randn(256, 2304, generator=gen, device="cuda") * 0.02).bfloat16()
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.01
+    moe_route(x, gate, bias, 8, True, 2.446, 256)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # a host sync inside would fail the capture
+        chosen, w = moe_route(x, gate, bias, 8, True, 2.446, 256)
+    bad = 0
+    for _ in range(50):
+        x.copy_(torch.randn(T, 2304, generator=gen, device="cuda").bfloat16())
+        graph.replay()
+        c2, w2 = moe_route(x, gate, bias, 8, True, 2.446, 256)
+        bad += int(not (torch.equal(chosen, c2) and torch.equal(w, w2)))
+    assert bad == 0 and bool((chosen[:, -1] == 256).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 8, 16, 64, 2048], ids=["T1", "T8", "T16", "T64", "T2048"])
 def test_route_kernels_on_the_gpu(T: int) -> None:
     """bf16 x and gate at the 48B shape; a near-tie may swap an expert: at most 1 in 1,000 choices differ."""
     from kda_sessions.kernels.moe import moe_route
