@@ -5,12 +5,16 @@
 For each torch thread count (``OMP_NUM_THREADS`` of the process and ``EngineConfig.cpu_threads`` of the engine's
 step thread; ``auto``: neither set, the engine's default as a user gets it) and each path, a fresh process: ``fast`` (the CPU paths of
 ``model/kda.py`` and ``model/mla.py``: fused projections, absorbed MLA decode) and ``reference`` (every attention
-layer's ``fast_cpu`` off: separate linears and the kernels' naive twins, the path the fast one is tested against):
+layer's ``fast_cpu`` off: separate linears and the kernels' naive twins, the path the fast one is tested against),
+``compiled`` (``fast`` with ``EngineConfig.cpu_compile``: one-sequence decode steps as one torch.compile'd function)
+and ``compiled-bf16`` (that, reading bfloat16 matmul weights: ``cpu_compile_weights="bfloat16"``):
 - ``engine_decode``: one session holding 1,024 tokens generates 64 (greedy, ``ignore_eos``); tokens/s of the
   fastest of ``--reps`` runs, the process's CPU time per token in that run (all threads: less sensitive to other
   jobs on the machine than the wall time), the share of its wall time spent inside ``HybridModel.step`` and the
   step thread's torch threads.
 - ``engine_prefill``: one fresh session appends 4,096 tokens (the engine runs them in steps of its prefill budget).
+- ``engine_open_s``: from ``Engine.open`` to a first generated token (for the compiled paths, the compile; the
+  inductor cache is whatever ``TORCHINDUCTOR_CACHE_DIR`` holds).
 - ``step_decode``: ``HybridModel.step`` alone, one token per step at 1,024 tokens of context, as the engine calls it,
   on the process's torch threads: wall and CPU time (all threads) of the best block.
 - ``ops``: torch operators per decode step (every ``aten::`` call the profiler records, nested ones included) and
@@ -36,6 +40,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+
+PATHS = ["reference", "fast", "compiled", "compiled-bf16"]
 
 
 def _load() -> float:
@@ -99,7 +105,7 @@ def ops_per_step(model: Any) -> dict[str, Any]:
             "self_cpu_ms": round(sum(e.self_cpu_time_total for e in events) / 10 / 1000, 2)}
 
 
-async def engine_runs(reps: int, fast: bool, cpu_threads: int | None) -> dict[str, Any]:
+async def engine_runs(reps: int, path: str, cpu_threads: int | None) -> dict[str, Any]:
     import torch
 
     import kda_sessions as ks
@@ -119,8 +125,17 @@ async def engine_runs(reps: int, fast: bool, cpu_threads: int | None) -> dict[st
     toks = [(i * 31) % 250 for i in range(4096)]
     dec: dict[str, Any] = {"context": 1024, "tok_per_s": 0.0}
     pre: dict[str, Any] = {"tokens": 4096, "tok_per_s": 0.0}
-    async with await ks.Engine.open(model="tiny", store="memory:", device="cpu", cpu_threads=cpu_threads) as engine:
-        set_fast(engine.model, fast)
+    compiled = path.startswith("compiled")
+    t = time.perf_counter()
+    async with await ks.Engine.open(model="tiny", store="memory:", device="cpu", cpu_threads=cpu_threads,
+                                    cpu_compile=compiled,
+                                    cpu_compile_weights="bfloat16" if path == "compiled-bf16" else "model") as engine:
+        set_fast(engine.model, path != "reference")
+        s = await engine.create_session()
+        await s.append(toks[:16])
+        await s.generate(max_tokens=1, ignore_eos=True)
+        opened = round(time.perf_counter() - t, 2)
+        await engine.delete_session(s.id)
         dec["step_threads"] = engine.core.runner.cpu_threads or torch.get_num_threads()
         for _ in range(reps + 1):
             s = await engine.create_session()
@@ -142,7 +157,7 @@ async def engine_runs(reps: int, fast: bool, cpu_threads: int | None) -> dict[st
                 dec.update(tok_per_s=round(n / wall, 1), ms_per_token=round(1000 * wall / n, 2),
                            cpu_ms_per_token=round(1000 * cpu / n, 2), in_step=round(inside["s"] / wall, 3), load=load)
             await engine.delete_session(s.id)
-    return {"engine_decode": dec, "engine_prefill": pre}
+    return {"engine_decode": dec, "engine_prefill": pre, "engine_open_s": opened}
 
 
 def set_fast(model: Any, on: bool) -> None:
@@ -151,18 +166,20 @@ def set_fast(model: Any, on: bool) -> None:
             m.fast_cpu = on
 
 
-def child(reps: int, fast: bool, auto: bool) -> dict[str, Any]:
+def child(reps: int, path: str, auto: bool) -> dict[str, Any]:
     import anyio
     import torch
 
     from kda_sessions.model import load_model
 
     model = load_model("tiny")
-    set_fast(model, fast)
+    set_fast(model, path != "reference")
     threads = torch.get_num_threads()
-    out: dict[str, Any] = {"threads": "auto" if auto else threads, "path": "fast" if fast else "reference"}
+    out: dict[str, Any] = {"threads": "auto" if auto else threads, "path": path}
     out["floor"] = floor(model)
-    out.update(anyio.run(engine_runs, reps, fast, None if auto else threads))
+    out.update(anyio.run(engine_runs, reps, path, None if auto else threads))
+    if path.startswith("compiled"):
+        model.compile_cpu_decode(torch.bfloat16 if path == "compiled-bf16" else None)
     out["step_decode"] = step_decode(model, reps)
     out["ops"] = ops_per_step(model)
     return out
@@ -173,11 +190,11 @@ def main() -> None:
     p.add_argument("--threads", type=lambda s: s.split(","), default=["auto", "1", "2"])
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--out", help="also write the JSON here")
-    p.add_argument("--paths", default="reference,fast")
-    p.add_argument("--child", choices=["reference", "fast"], help=argparse.SUPPRESS)
+    p.add_argument("--paths", default="reference,fast,compiled", help=f"comma-separated, of {PATHS}")
+    p.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.reps, args.child == "fast", "OMP_NUM_THREADS" not in os.environ)))
+        print(json.dumps(child(args.reps, args.child, "OMP_NUM_THREADS" not in os.environ)))
         return
     result: dict[str, Any] = {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "runs": []}
     for n in args.threads:

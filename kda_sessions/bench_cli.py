@@ -30,15 +30,20 @@ async def run_bench(args: argparse.Namespace, engine_config: Any, dtype: torch.d
 
     tokens = [(i * 31) % 250 for i in range(args.context)]
     out: dict[str, Any] = {"context": args.context, "model": args.model, "device": args.device}
+    t0 = time.perf_counter()
     async with progress(f"loading {args.model}"):
         engine = await Engine.open(model=args.model, store="memory:", device=args.device, dtype=dtype,
                                    config=engine_config)
     async with engine:
-        # first calls pay one-time costs (the CPU paths derive their fused weights, oneDNN sets up): not timed
-        warm = await engine.create_session()
-        await warm.append(tokens[:64])
-        await warm.generate(max_tokens=2, ignore_eos=True)
-        await engine.delete_session(warm.id)
+        # first calls pay one-time costs (the CPU paths derive their fused weights, oneDNN sets up, a compiled
+        # decode compiles): not timed but reported
+        async with progress("warm-up" + (" (torch.compile)" if engine_config.cpu_compile else "")):
+            warm = await engine.create_session()
+            await warm.append(tokens[:64])
+            await warm.generate(max_tokens=2, ignore_eos=True)
+            await engine.delete_session(warm.id)
+        out["warm_up_s"] = time.perf_counter() - t0
+        out["compiled"] = engine_config.cpu_compile_weights if engine.core.runner.compiled else None
         s = await engine.create_session()
         async with progress("prefill", engine, total=args.context):
             t0 = time.perf_counter()
@@ -132,8 +137,10 @@ def bench_table(out: dict[str, Any]) -> str:
         [f"memory copy ({COPY_BYTES >> 20} MiB, read + write)", f"{f['copy_gbs']:,.1f} GB/s", "", ""],
     ]
     threads = f", {f['threads']} torch threads" if f["threads"] else ""
+    compiled = (f", decode compiled ({out['compiled']} weights; open and warm-up {out['warm_up_s']:,.1f} s)"
+                if out.get("compiled") else "")
     title = (f"kda-sessions bench: model {out['model']}, {out['context']:,} context tokens, device {out['device']}"
-             f"{threads}")
+             f"{threads}{compiled}")
     note = (f"floor: prefill = the matmul rate over 2 FLOPs x {f['active_weights'] / 1e6:,.1f} M active weights a "
             f"token;\n       decode = the copy rate over their {f['active_bytes'] / 1e6:,.1f} MB read once a token")
     return "\n".join([title, "", _table(rows, ["", "measured", "floor", "of floor"]), "", note])

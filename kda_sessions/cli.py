@@ -85,6 +85,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "lease_ttl_s": get("lease_ttl"), "page_wait_s": get("page_wait"),
         "prefill_chunk_tokens": get("prefill_chunk_tokens"), "prefill_chunk_tokens_idle": get("prefill_chunk_tokens_idle"),
         "cuda_graphs": False if get("enforce_eager") else None,
+        "cpu_compile": True if get("compile") else None, "cpu_compile_weights": get("compile"),
     }
     return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
 
@@ -165,6 +166,9 @@ def _parser() -> argparse.ArgumentParser:
     p = _sub(sub, "bench", "quick benchmark: prefill and decode tokens/s, first token resumed vs re-prefilled")
     _engine_args(p)
     p.add_argument("--context", type=int, default=4096, help="context tokens prefilled, saved and resumed")
+    p.add_argument("--compile", nargs="?", const="model", choices=["model", "bfloat16"], default=None,
+                   help="on a CPU, decode through torch.compile (EngineConfig.cpu_compile), reading the matmul "
+                        "weights in the model's dtype or, with 'bfloat16', in bfloat16")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON instead of a table")
     return ap
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 from pydantic import BaseModel, ConfigDict, Field
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineConfig(BaseModel):
@@ -66,3 +71,21 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""
+    cpu_compile: bool = False
+    """On a CPU, decode steps of one sequence run as one ``torch.compile``d function (inductor's C++, which needs a
+    C++ compiler; ``HybridModel.compile_cpu_decode``): 1.5-1.9x the eager step for ``tiny`` (docs/benchmarks.md).
+    The step thread compiles it when the engine opens, before its first step (~20-40 s cold on 2 cores, a few
+    seconds from inductor's on-disk cache); requests wait meanwhile. Batches of several sequences, contexts under
+    3 tokens and models with MoE layers decode eagerly. No effect on a GPU."""
+    cpu_compile_weights: Literal["model", "bfloat16"] = "model"
+    """The matmul weights the compiled CPU decode reads: the model's dtype (the eager path's greedy tokens, logits
+    equal to float rounding) or bfloat16 (half the bytes a token reads, summed in float32; every weight rounded to
+    bfloat16, so logits move by ~1e-3 relative and a near tie can pick another greedy token)."""
+
+    @property
+    def cpu_compile_dtype(self) -> torch.dtype | None:
+        """``cpu_compile_weights`` as a dtype (None: the model's)."""
+        import torch
+
+        return torch.bfloat16 if self.cpu_compile_weights == "bfloat16" else None
+

@@ -46,7 +46,8 @@ class EngineCore:
         """Set (and replaced) whenever works end; what a request waiting for pages waits on."""
         self.runner = Runner(model, self.pools, self.scheduler, tokenizer, self._deliver_from_thread,
                              cuda_graphs=config.cuda_graphs, park_timeout_s=config.page_wait_s,
-                             cpu_threads=config.cpu_threads if model.device.type == "cpu" else None)
+                             cpu_threads=config.cpu_threads if model.device.type == "cpu" else None,
+                             cpu_compile=config.cpu_compile, cpu_compile_dtype=config.cpu_compile_dtype)
         self.preemption = self.runner.preemption
         self.runner.start()
 

@@ -62,6 +62,8 @@ class Runner:
         cuda_graphs: bool = True,
         park_timeout_s: float = 30.0,
         cpu_threads: int | None = None,
+        cpu_compile: bool = False,
+        cpu_compile_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -79,6 +81,11 @@ class Runner:
             self.graphs = DecodeGraphs(model, pools.tensors, capture_lock=pools.mutex)
         self.cpu_threads = cpu_threads
         """Torch threads the step thread sets for itself (None: torch's default); OpenMP's count is per thread."""
+        self.cpu_compile = cpu_compile and model.device.type == "cpu"
+        self.cpu_compile_dtype = cpu_compile_dtype
+        self.compiled = False
+        """Whether one-sequence CPU decode steps run compiled (``EngineConfig.cpu_compile``), once the step thread
+        has compiled them."""
         self.thread = threading.Thread(target=self._main, name="kda-engine", daemon=True)
 
     def start(self) -> None:
@@ -97,6 +104,8 @@ class Runner:
     def _main(self) -> None:
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
+        if self.cpu_compile:
+            self._compile_decode()
         while True:
             with self.cv:
                 while True:
@@ -114,6 +123,30 @@ class Runner:
             sampled = postprocess(plan, result.sampled, result.finished, self.pools, self.scheduler, self.tokenizer)
             self.steps += 1
             self.deliver(result.finished, sampled)
+
+    def _compile_decode(self) -> None:
+        """``HybridModel.compile_cpu_decode``, then one decode step on the scratch slot and page, so the compile
+        happens before the first request's step instead of inside it. A failure leaves the eager path."""
+        tensors = self.pools.tensors
+        try:
+            if not self.model.compile_cpu_decode(self.cpu_compile_dtype):
+                log.warning("cpu_compile: the model has layers without a CPU decode path; decoding eagerly")
+                return
+            self.compiled = True
+            if tensors.scratch_slot is None or tensors.scratch_page is None or tensors.page_size < 4:
+                return  # no rows of its own to warm up on: the first step compiles
+            dev = self.model.device
+            batch = ForwardBatch(
+                input_ids=torch.zeros(1, dtype=torch.long, device=dev), num_new=[1], start=[3],
+                slots=torch.tensor([tensors.scratch_slot], device=dev),
+                page_table=torch.tensor([[tensors.scratch_page]], dtype=torch.int32, device=dev),
+                kv_rows=torch.tensor([tensors.scratch_page * tensors.page_size + 3], device=dev),
+            )
+            self.model.step(batch, tensors)
+        except Exception:
+            log.exception("cpu_compile: compiling the decode step failed; decoding eagerly")
+            self.model.decode_eagerly()
+            self.compiled = False
 
     def run(self, plan: StepPlan) -> StepResult:
         """The model calls of ``plan`` (one packed prefill, one decode batch) and the sampling of their rows."""

@@ -93,14 +93,18 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> Tensor:
     """A zeroed 1-d CPU tensor of ``numel`` elements on a fresh private anonymous mapping, starting on a huge-page
     boundary and advised for transparent huge pages before its first write (memory from the allocator may have been
     touched already, as 4 KiB pages). The kernel's zero pages cost nothing until written: a pool of which a step
-    touches little neither waits for a memset nor holds memory it never used. Linux only (``mmap.MAP_PRIVATE``)."""
+    touches little neither waits for a memset nor holds memory it never used. Linux only (``mmap.MAP_PRIVATE``).
+
+    The tensor starts at the mapping's second huge-page boundary, never at its first byte: its views (a slot's rows)
+    have a storage offset of at least one huge page, so a ``torch.compile``d step that takes them specializes no
+    graph on offset 0 (the untouched page costs no memory)."""
     size = torch.empty(0, dtype=dtype).element_size()
     span = -(-numel * size // HUGE_PAGE) * HUGE_PAGE
-    area = mmap.mmap(-1, span + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    area = mmap.mmap(-1, span + 2 * HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         area.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(area, dtype=dtype)  # keeps ``area`` alive as long as a view of it lives
-    start = (-raw.data_ptr()) % HUGE_PAGE // size  # the first huge-page boundary in the mapping
+    start = ((-raw.data_ptr()) % HUGE_PAGE + HUGE_PAGE) // size  # the second huge-page boundary in the mapping
     return raw[start : start + numel]
 
 

@@ -65,6 +65,8 @@ class HybridModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._compiled_rows: Callable[..., tuple[Tensor, list[Tensor]]] | None = None
         self._compiled_weights: list[DerivedWeights] = []
+        self._compiled_for: tuple[torch.dtype, torch.device] | None = None
+        self._compiled_warm = False
 
     @property
     def device(self) -> torch.device:
@@ -103,8 +105,10 @@ class HybridModel(nn.Module):
         """A zeroed pool tensor on the model's device; on a Linux CPU on huge pages that cost nothing until written
         (``fused.huge_page_zeros``): a CPU engine opens without zeroing its whole pool, and decode reads its
         latent rows through fewer TLB entries."""
-        if self.device.type != "cpu" or not sys.platform.startswith("linux"):
+        if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
+        if not sys.platform.startswith("linux"):  # offset as huge_page_zeros's are: see there
+            return torch.zeros(math.prod(shape) + 64, dtype=dtype)[64:].view(shape)
         return huge_page_zeros(math.prod(shape), dtype).view(shape)
 
     @torch.inference_mode()
@@ -170,7 +174,14 @@ class HybridModel(nn.Module):
             self._compiled_weights.append(DerivedWeights(
                 partial(weights, mlp, ("gate_proj", "up_proj", "down_proj")), partial(_ffn_weights, mlp, weight_dtype)))
         self._compiled_rows = torch.compile(self._decode_rows, fullgraph=True)
+        self._compiled_for = (self.dtype, self.device)
+        self._compiled_warm = False
         return True
+
+    def decode_eagerly(self) -> None:
+        """Undo ``compile_cpu_decode``: every later decode step runs eagerly."""
+        self._compiled_rows = None
+        self._compiled_weights = []
 
     def _decode_compiled(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor) -> Tensor:
         """``_decode`` of one sequence through ``_compiled_rows``: the pool rows it reads and updates (views) and
@@ -179,11 +190,24 @@ class HybridModel(nn.Module):
         one = int(inp.slots[0])
         kda_rows = [(s[one : one + 1], c[one : one + 1]) for s, c in zip(pools.kda, pools.conv)]
         lats = []
-        for layer, kv in zip([la for la in self._layers() if isinstance(la.self_attn, MLAttention)], pools.kv):
-            lat = layer.self_attn.context_rows(inp.page_table, inp.seq_lens, kv)[0][0]  # type: ignore[union-attr]
+        mla = [la.self_attn for la in self._layers() if isinstance(la.self_attn, MLAttention)]
+        for attn, kv in zip(mla, pools.kv):
+            lat = attn.context_rows(inp.page_table, inp.seq_lens, kv)[0][0]
             torch._dynamo.maybe_mark_dynamic(lat, 0)  # the context grows every step: one graph for every length
             lats.append(lat)  # [L, r + dr]: without the batch dimension, whose stride follows the page count
-        logits, latents = self._compiled_rows(inp.input_ids, kda_rows, lats, [w.get() for w in self._compiled_weights])
+        weights = [w.get() for w in self._compiled_weights]
+        # dynamo's guards check ~100 tensors a call (~0.2 ms, a tenth of a step): skipped, as every input keeps the
+        # dtype, device, rank and layout of the compile (one sequence, contexts of 2 rows or more, weights of the
+        # dtype asked for, rebuilt in it when parameters change); a model moved to another dtype decodes eagerly
+        if self._compiled_for != (self.dtype, self.device):
+            self.decode_eagerly()
+            return self._decode(inp, pools, kv_rows)
+        if self._compiled_warm:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                logits, latents = self._compiled_rows(inp.input_ids, kda_rows, lats, weights)
+        else:  # the first call compiles, with the guards
+            logits, latents = self._compiled_rows(inp.input_ids, kda_rows, lats, weights)
+            self._compiled_warm = True
         for kv, latent in zip(pools.kv, latents):
             kv.view(-1, kv.shape[-1]).index_copy_(0, kv_rows, latent.to(kv.dtype))
         return logits
@@ -218,7 +242,9 @@ class HybridModel(nn.Module):
     def _decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None) -> Tensor:
         if kv_rows is None:
             kv_rows = inp.kv_rows(pools.page_size)  # [N] on the device
-        if self._compiled_rows is not None and inp.input_ids.shape[0] == 1 and not torch.is_grad_enabled():
+        # one sequence with at least 2 cached rows per MLA layer (0 and 1 would each specialize another graph)
+        if (self._compiled_rows is not None and inp.input_ids.shape[0] == 1 and not torch.is_grad_enabled()
+                and int(inp.seq_lens[0]) >= 3):
             return self._decode_compiled(inp, pools, kv_rows)
         x = self.model.embed_tokens(inp.input_ids)  # [N, D]
         ik = im = 0

@@ -9,6 +9,7 @@ import torch
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.model import HybridModel, load_model
+from kda_sessions.model.fused import reduction_weight, row_matmul
 from kda_sessions.model.loader import BUILTIN_DIR
 from kda_sessions.model.mla import MLAttention
 
@@ -122,3 +123,71 @@ def test_mla_decode_with_q_lora_matches_reference():
             out[fast] = (layer.decode(x, table, seq_lens, rows, kv), kv)
     assert rel_err(out[True][0], out[False][0]) < TOL
     assert rel_err(out[True][1], out[False][1]) < TOL
+
+
+def test_row_matmul_is_a_matmul_of_the_reduction_layout():
+    """``reduction_weight`` keeps the values as the [in, out] transpose of a contiguous [out, in] copy (each output's
+    sum along contiguous memory), in the dtype asked for; eagerly ``row_matmul`` is the plain matmul."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(48, 32, generator=g)  # [out, in]
+    x = torch.randn(2, 32, generator=g)
+    r = reduction_weight(w)
+    assert r.shape == (32, 48) and r.t().is_contiguous() and torch.equal(r, w.t())
+    assert torch.equal(row_matmul(x, r), x @ w.t())
+    b = reduction_weight(w, torch.bfloat16)
+    assert b.dtype == torch.bfloat16 and b.t().is_contiguous() and torch.equal(b.float(), w.bfloat16().float().t())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16], ids=["model-dtype", "bf16-weights"])
+def test_compiled_decode_matches_eager(weight_dtype):
+    """``compile_cpu_decode``: one sequence's decode steps through torch.compile (20-60 s to compile on 2 cores)
+    give the eager path's greedy tokens, logits and states to float rounding with the model's weights (within
+    bfloat16's rounding of the weights with those, fed the eager tokens); the context grows every step on one
+    graph."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    m = load_model("tiny")
+    prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    runs = {}
+    for compiled in (False, True):
+        if compiled:
+            assert m.compile_cpu_decode(weight_dtype)
+        r = Runner(m, 2, 120)
+        logits, _ = r.feed([1], [prompt])
+        steps = []
+        for i in range(12):
+            nxt = logits.argmax(-1)
+            if compiled and weight_dtype is not None:
+                nxt = runs[False][0][i][0]  # a near tie may pick another token at bfloat16's rounding
+            logits, _ = r.feed([1], [nxt.tolist()])
+            steps.append((nxt, logits))
+        runs[compiled] = (steps, r.pools)
+    m.decode_eagerly()
+    (ref, ref_pools), (got, got_pools) = runs[False], runs[True]
+    tol = TOL if weight_dtype is None else 5e-3
+    for (t_ref, l_ref), (t_got, l_got) in zip(ref, got):
+        assert torch.equal(t_ref, t_got)
+        assert rel_err(l_got, l_ref) < tol
+    for a, b in zip(got_pools.kda + got_pools.conv + got_pools.kv, ref_pools.kda + ref_pools.conv + ref_pools.kv):
+        assert rel_err(a, b) < tol
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+@pytest.mark.slow
+async def test_engine_cpu_compile_gives_the_eager_tokens():
+    """``EngineConfig.cpu_compile``: the step thread compiles before its first step, and a session's greedy tokens
+    are the eager engine's."""
+    import kda_sessions as ks
+
+    prompt = [(i * 37) % 250 for i in range(90)]
+    tokens = {}
+    for compile_ in (False, True):
+        async with await ks.Engine.open(model="tiny", store="memory:", device="cpu", cpu_compile=compile_) as eng:
+            s = await eng.create_session()
+            await s.append(prompt)
+            tokens[compile_] = (await s.generate(max_tokens=16, ignore_eos=True)).token_ids
+            assert eng.core.runner.compiled == compile_
+    assert len(tokens[True]) == 16 and tokens[True] == tokens[False]
