@@ -15,7 +15,7 @@ from pydantic import ValidationError
 import kda_sessions as ks
 from kda_sessions.engine.config import EngineConfig
 
-TTL = 1.0
+TTL = 0.5  # the least EngineConfig allows: the waits below are multiples of it
 ENGINE_ARGS = {"page_size": 16, "max_active_sessions": 4, "num_pages": 256, "ram_tier_bytes": 0, "lease_ttl_s": TTL}
 
 
