@@ -114,10 +114,10 @@ def test_fused_moe_half_precision() -> None:
 
 
 def test_fused_moe_runs_the_tiny_random_moe_layer() -> None:
-    """The kernels on a real MoE layer's stacked weights, its shared expert stacked last and routed as an
-    always-on expert, equal the layer's own CPU loop plus its shared expert."""
+    """The kernels (grouped and direct) on a real MoE layer's stacked weights, its shared expert stacked last and
+    routed as an always-on expert, equal the layer's own CPU loop plus its shared expert."""
     from kda_sessions.kernels.moe import moe_route
-    from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_triton
+    from kda_sessions.kernels.moe.triton_moe import MoeLaunch, fused_moe_direct, fused_moe_triton
     from kda_sessions.model import load_model
     from kda_sessions.model.ffn import MoE
 
@@ -136,11 +136,13 @@ def test_fused_moe_runs_the_tiny_random_moe_layer() -> None:
     chosen, w = moe_route(x, moe.gate.weight, moe.gate.e_score_correction_bias, moe.top_k, moe.renormalize,
                           moe.scale, shared_id)
     out = fused_moe_triton(x, w13, w2, chosen, w, MoeLaunch(16, 32, 32, 4, 1))
+    direct = fused_moe_direct(x, w13, w2, chosen, w)  # the decode kernels
     ref = moe(x)  # the CPU path: the loop over the routed experts, then the shared expert
     shared = moe.shared_experts(x)
     torch.set_grad_enabled(True)
     assert torch.equal(ref, before)
-    assert rel_rms(out, ref) < TOL and rel_rms(shared, ref) > 0.1  # the routed experts contributed
+    assert rel_rms(out, ref) < TOL and rel_rms(direct, ref) < TOL
+    assert rel_rms(shared, ref) > 0.1  # the routed experts contributed
 
 
 def test_fused_moe_validates_shapes() -> None:
