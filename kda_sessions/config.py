@@ -61,13 +61,17 @@ class ModelConfig(BaseModel):
     @classmethod
     def _math_keys(cls, data: Any) -> Any:
         """Keys of real checkpoints' configs that change the math: ``linear_attn_config.gate_lower_bound`` (the
-        K3 spelling of ``kda_gate_lower_bound``) is moved there; ``mla_use_output_gate`` true is refused. Done on
+        K3 spelling of ``kda_gate_lower_bound``) is moved there; ``mla_use_output_gate`` true and
+        ``num_expert_group`` / ``topk_group`` other than 1 are refused. Done on
         the raw dict so that configs without them dump (and fingerprint) as before."""
         if not isinstance(data, dict):
             return data
         data = dict(data)
         if data.get("mla_use_output_gate", False) is not False:
             raise ValueError("mla_use_output_gate: the MLA output gate is not implemented; only false is supported")
+        for key in ("num_expert_group", "topk_group"):  # group-limited routing (DeepSeek-V3 style); Kimi-Linear uses 1
+            if data.get(key, 1) not in (1, None):
+                raise ValueError(f"{key}={data[key]}: group-limited expert routing is not implemented; only 1 is supported")
         lac = data.get("linear_attn_config")
         if isinstance(lac, dict) and "gate_lower_bound" in lac:
             lac = dict(lac)

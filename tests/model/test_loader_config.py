@@ -44,3 +44,13 @@ def test_mla_output_gate_refused_when_on() -> None:
     d["mla_use_output_gate"] = True
     with pytest.raises(ConfigError, match="mla_use_output_gate"):
         ModelConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("key", ["num_expert_group", "topk_group"])
+def test_group_limited_routing_refused(key: str) -> None:
+    d = tiny_config()
+    d[key] = 1
+    assert ModelConfig.from_dict(d).model_extra == {key: 1}  # Kimi-Linear's value: plain top-k
+    d[key] = 4
+    with pytest.raises(ConfigError, match=key):
+        ModelConfig.from_dict(d)
