@@ -18,7 +18,8 @@ STORE_WORKER = Path(__file__).with_name("crash_store_worker.py")
 
 
 class Zygote:
-    """One crash_worker.py process; `start(job)` forks a worker, `kill`/`wait` end it."""
+    """One crash_worker.py process; `start(job)` forks a worker, `kill`/`wait` end it. Its start-up (imports, a
+    warm model: ~2 s) is paid once per test session where the tests share it (`zygotes` in conftest.py)."""
 
     def __init__(self, worker: Path = WORKER) -> None:
         self.proc = subprocess.Popen(
@@ -45,8 +46,14 @@ class Zygote:
             os.kill(pid, signal.SIGKILL)
         return self.wait(pid)
 
+    @property
+    def closed(self) -> bool:
+        return self.proc.stdin is None or self.proc.stdin.closed
+
     def close(self) -> None:
         assert self.proc.stdin is not None
+        if self.proc.stdin.closed:
+            return
         self.proc.stdin.close()
         try:
             self.proc.wait(timeout=10)
@@ -213,6 +220,7 @@ def run_campaign(
     max_delay_s: float = 0.8,
     store_level: bool = False,
     fault_timeout_s: float = 30.0,
+    zygote: Zygote | None = None,
 ) -> Any:
     """Kill a worker saving `sessions` sessions once per entry of `plan` (None: SIGKILL after a random delay
     once it is ready; (point, nth): it SIGKILLs itself at that fault point), then run a last verify-only
@@ -220,12 +228,15 @@ def run_campaign(
     (no model; checked by a StoreVerifier) instead of crash_worker.py; every other one writes its saves as disk
     packs (pack_min_blobs 2). A worker that has not reached its fault point's nth hit after `fault_timeout_s`
     is killed where it is: some points are hit rarely, like `disk.lease.written`, hit at startup and then only
-    when a save rewrites the lease, about half the lease TTL in."""
+    when a save rewrites the lease, about half the lease TTL in. `zygote`: a shared one of the right worker
+    (kept open unless the campaign fails midway, when it is closed: its answers may be out of step), else one of
+    the campaign's own."""
     import random
 
     rng = random.Random(seed)
-    z = Zygote(STORE_WORKER if store_level else WORKER)
+    z = zygote if zygote is not None else Zygote(STORE_WORKER if store_level else WORKER)
     v: Verifier | StoreVerifier = StoreVerifier() if store_level else Verifier()
+    ok = False
     try:
         for i, fault in enumerate([*plan, "verify"]):
             log = tmp / f"worker{i}.log"
@@ -245,8 +256,10 @@ def run_campaign(
                     time.sleep(0.02)
                 z.kill(pid)
             v.feed(read_log(log))
+        ok = True
     finally:
-        z.close()
+        if zygote is None or not ok:
+            z.close()
     return v
 
 

@@ -25,15 +25,18 @@ def _report(name: str, v, kills: int, t0: float | None = None) -> None:
 
 
 # Each campaign runs short by default and long with -m slow. (kills per fault point, kills at random moments):
-# short 9 * 2 + 10 = 28 and 3 * 2 + 3 = 9 at the storage level, 9 + 2 = 11 and 3 + 1 = 4 engine-level (52
-# SIGKILLs); long 170, 40, 17 and 7 (234 SIGKILLs). Every fault point is hit in both. The short engine-level
-# workers save 4 sessions, the long ones 6.
+# short 9 * 2 + 4 = 22 and 3 * 2 + 3 = 9 at the storage level, 9 + 1 = 10 and 3 + 1 = 4 engine-level (45
+# SIGKILLs); long 170, 40, 17 and 7 (234 SIGKILLs). Every fault point is hit in both, and every campaign kills
+# at random moments too. The short engine-level workers save 4 sessions, the long ones 6.
 SIZES = ["short", pytest.param("long", marks=pytest.mark.slow)]
-STORE_KILLS_DISK = {"short": (2, 10), "long": (8, 98)}
+STORE_KILLS_DISK = {"short": (2, 4), "long": (8, 98)}
 STORE_KILLS_REDIS = {"short": (2, 3), "long": (8, 16)}
 ENGINE_SESSIONS = {"short": 4, "long": 6}
-ENGINE_KILLS_DISK = {"short": (1, 2), "long": (1, 8)}
+ENGINE_KILLS_DISK = {"short": (1, 1), "long": (1, 8)}
 ENGINE_KILLS_REDIS = {"short": (1, 1), "long": (1, 4)}
+# The longest random delay before a random-moment kill of a redis engine worker: the long campaign's 2 s, the
+# short one's 1 s (its one random kill still lands among saves: ~8 acks a second).
+ENGINE_REDIS_MAX_DELAY_S = {"short": 1.0, "long": 2.0}
 # How long an engine worker may run before it reaches its fault point's nth hit. `disk.lease.written` is hit once
 # per session at startup, then only when a save rewrites the lease, half the lease TTL (~15 s) in: the short
 # campaign draws its nth among the startup hits, the long one may wait for a rewrite.
@@ -59,12 +62,13 @@ def shm_path(tmp_path) -> Iterator[Path]:
 
 
 @pytest.mark.parametrize("size", SIZES)
-async def test_disk_store_level_kills(tmp_path, shm_path, size):
+async def test_disk_store_level_kills(tmp_path, shm_path, store_zygote, size):
     root = shm_path / "store"
     per_point, n_random = STORE_KILLS_DISK[size]
     plan = random_plan(n_random, DISK_POINTS, per_point, seed=21)
     t0 = time.monotonic()
-    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=21, store_level=True, max_delay_s=0.15, fault_timeout_s=1.0)
+    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=21, store_level=True, max_delay_s=0.15, fault_timeout_s=1.0,
+                     zygote=store_zygote)
     _report("disk, storage level", v, len(plan), t0)
     assert len(plan) == len(DISK_POINTS) * per_point + n_random
     assert v.problems == [] and v.points_hit == set(DISK_POINTS)
@@ -76,12 +80,13 @@ async def test_disk_store_level_kills(tmp_path, shm_path, size):
 
 
 @pytest.mark.parametrize("size", SIZES)
-async def test_redis_store_level_kills(tmp_path, redis_url, size):
+async def test_redis_store_level_kills(tmp_path, redis_url, store_zygote, size):
     url = f"{redis_url}?prefix=crashs{tmp_path.name[-8:]}:&lease_ttl=0.1"
     per_point, n_random = STORE_KILLS_REDIS[size]
     plan = random_plan(n_random, REDIS_POINTS, per_point, seed=22)
     t0 = time.monotonic()
-    v = run_campaign(url, tmp_path, plan, seed=22, store_level=True, max_delay_s=0.15, fault_timeout_s=1.0)
+    v = run_campaign(url, tmp_path, plan, seed=22, store_level=True, max_delay_s=0.15, fault_timeout_s=1.0,
+                     zygote=store_zygote)
     _report("redis, storage level", v, len(plan), t0)
     assert len(plan) == len(REDIS_POINTS) * per_point + n_random
     assert v.problems == [] and v.counts["corrupt"] == 0 and v.points_hit == set(REDIS_POINTS)
@@ -90,12 +95,12 @@ async def test_redis_store_level_kills(tmp_path, redis_url, size):
 
 
 @pytest.mark.parametrize("size", SIZES)
-async def test_disk_kills_leave_every_session_whole(tmp_path, size):
+async def test_disk_kills_leave_every_session_whole(tmp_path, engine_zygote, size):
     root = tmp_path / "store"
     per_point, n_random = ENGINE_KILLS_DISK[size]
     plan = random_plan(n_random, DISK_POINTS, per_point, seed=1, max_nth=ENGINE_MAX_NTH[size])
     v = run_campaign(f"disk:{root}", tmp_path, plan, seed=1, fault_timeout_s=ENGINE_FAULT_TIMEOUT_S[size],
-                     sessions=ENGINE_SESSIONS[size])
+                     sessions=ENGINE_SESSIONS[size], zygote=engine_zygote)
     _report("disk", v, len(plan))
     assert v.problems == [] and v.points_hit == set(DISK_POINTS)
     assert v.counts["corrupt"] == 0
@@ -106,12 +111,13 @@ async def test_disk_kills_leave_every_session_whole(tmp_path, size):
 
 
 @pytest.mark.parametrize("size", SIZES)
-async def test_redis_kills_leave_every_session_whole(tmp_path, redis_url, size):
+async def test_redis_kills_leave_every_session_whole(tmp_path, redis_url, engine_zygote, size):
     url = f"{redis_url}?prefix=crash{tmp_path.name[-8:]}:&lease_ttl=0.5"
     per_point, n_random = ENGINE_KILLS_REDIS[size]
     plan = random_plan(n_random, REDIS_POINTS, per_point, seed=2)
     # a restarted worker first waits out its dead predecessor's lease (0.5 s): give it time to save before a kill
-    v = run_campaign(url, tmp_path, plan, seed=2, max_delay_s=2.0, sessions=ENGINE_SESSIONS[size])
+    v = run_campaign(url, tmp_path, plan, seed=2, max_delay_s=ENGINE_REDIS_MAX_DELAY_S[size],
+                     sessions=ENGINE_SESSIONS[size], zygote=engine_zygote)
     _report("redis", v, len(plan))
     assert v.problems == [] and v.points_hit == set(REDIS_POINTS)
     assert v.counts["acks"] > len(plan)
@@ -120,9 +126,9 @@ async def test_redis_kills_leave_every_session_whole(tmp_path, redis_url, size):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [11, 12])
-async def test_disk_kills_soak(tmp_path, seed):
+async def test_disk_kills_soak(tmp_path, engine_zygote, seed):
     root = tmp_path / "store"
     plan = random_plan(20, DISK_POINTS, 3, seed=seed)
-    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=seed)
+    v = run_campaign(f"disk:{root}", tmp_path, plan, seed=seed, zygote=engine_zygote)
     _report("disk soak", v, len(plan))
     assert v.problems == [] and temp_files(root) == []
