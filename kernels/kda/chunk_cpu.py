@@ -1,5 +1,5 @@
 """Chunked KDA for CPU inference: the WY form of ``naive_chunk_kda`` with every chunk's intra-chunk work done at
-once, leaving one batched matmul per chunk in the sequential part.
+once, leaving three small ops per chunk in the sequential part.
 
 On a CPU the per-chunk loop of the twin is bound by per-op overhead (~25 small ops per 16 tokens). Here each
 chunk c of C tokens is reduced, in blocks of chunks, to tensors that do not depend on the state S_c it starts
@@ -7,9 +7,10 @@ from (KDA.md's notation, per head; G the in-chunk cumulative log-decay, T = I + 
 
     delta_c  = U_c - W_c S_c                     U = T^-1 (beta v),  W = T^-1 (beta k e^G)
     o_c      = Q_c S_c + A_c U_c                 Q = q e^G - A W,    A = (q k-decay) lower with the diagonal
-    S_{c+1}  = M_c S_c + B_c                     M = diag(e^{G_last}) - Kd^T W,  B = Kd^T U,  Kd = k e^{G_last - G}
+    S_{c+1}  = e^{G_last} S_c + Kd^T delta_c     Kd = k e^{G_last - G}
 
-so the loop over chunks is one ``baddbmm`` each, and the outputs are one batched matmul over the stacked S_c.
+so the loop over chunks is three ops each (two [C, K] x [K, V]-sized matmuls: cheaper than building a [K, K]
+transition per chunk), and the outputs are one batched matmul over the stacked S_c.
 The same math as the twin in another order of sums: outputs match it to float32 rounding (tests/kernels).
 Shapes as in :mod:`.naive`; float32 throughout, outputs cast back to ``v.dtype``.
 """
@@ -70,9 +71,10 @@ def _sequence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tenso
         pre = _intra(qc, kc, vc, gc, bc, scale)
         states = torch.empty(n + 1, *S.shape, dtype=S.dtype, device=S.device)  # [n + 1, H, K, V]: each S_c
         states[0] = S
-        M, B = pre["M"], pre["B"]
+        U, W, Kd_t, eGl = pre["U"], pre["W"], pre["Kd_t"], pre["eGl"]
         for i in range(n):
-            torch.baddbmm(B[i], M[i], states[i], out=states[i + 1])
+            delta = torch.baddbmm(U[i], W[i], states[i], alpha=-1)  # U - W S_c [H, c, V]
+            torch.mul(states[i], eGl[i], out=states[i + 1]).baddbmm_(Kd_t[i], delta)
         S = states[n]
         states = states[:n]
         out[s:e] = (pre["Q"] @ states + pre["O"]).transpose(1, 2).reshape(e - s, *out.shape[1:])
@@ -84,7 +86,8 @@ def _sequence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tenso
 
 def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float) -> dict[str, Tensor]:
     """The state-independent parts of n chunks: q, k, g [n, H, C, K], v [n, H, C, V], beta [n, H, C] ->
-    Q [n, H, C, K], O [n, H, C, V], M [n, H, K, K], B [n, H, K, V], U, W, G (see the module docstring)."""
+    Q [n, H, C, K], O [n, H, C, V], U [n, H, C, V], W [n, H, C, K], Kd_t [n, H, K, C], eGl [n, H, K, 1], G
+    (see the module docstring)."""
     C, K = q.shape[2], q.shape[3]
     G = g.cumsum(2)  # inclusive cumulative log-decay within each chunk
     qs = q * scale
@@ -97,8 +100,8 @@ def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: floa
     U, W = UW.split([v.shape[-1], K], dim=-1)
     G_last = G[..., -1:, :]  # [n, H, 1, K]
     Kd_t = (k * (G_last - G).exp()).transpose(-1, -2)  # [n, H, K, C]
-    M = torch.diag_embed(G_last.squeeze(-2).exp()) - Kd_t @ W  # [n, H, K, K]
-    return {"Q": qs * eG - A @ W, "O": A @ U, "M": M, "B": Kd_t @ U, "U": U, "W": W, "G": G}
+    eGl = G_last.transpose(-1, -2).exp()  # [n, H, K, 1]
+    return {"Q": qs * eG - A @ W, "O": A @ U, "Kd_t": Kd_t, "eGl": eGl, "U": U, "W": W, "G": G}
 
 
 def _decayed_products(qs: Tensor, k: Tensor, G: Tensor, c: int) -> tuple[Tensor, Tensor]:
@@ -113,7 +116,8 @@ def _decayed_products(qs: Tensor, k: Tensor, G: Tensor, c: int) -> tuple[Tensor,
     m = C // c
     Gs = G.view(n, H, m, c, K)
     ref = Gs[:, :, :, :1]  # [n, H, m, 1, K]: G at each sub-chunk's first token
-    left = (Gs - ref).masked_fill_(Gs - ref < -40.0, float("-inf")).exp_()  # [n, H, m, c, K]
+    left = Gs - ref  # [n, H, m, c, K]
+    left = left.masked_fill_(left < -40.0, float("-inf")).exp_()
     right = ref - G[:, :, None]  # [n, H, m, C, K]: G_b - G_j for every key j
     before = torch.arange(C, device=G.device)[None, :] < torch.arange(0, C, c, device=G.device)[:, None]  # [m, C]
     right = right.masked_fill_(~before[:, :, None] | (right < -40.0), float("-inf")).exp_().mul_(k[:, :, None])
