@@ -3,6 +3,10 @@ decoding) leave the same observable state: context length, messages, reply token
 
 from __future__ import annotations
 
+import time
+
+import anyio
+
 import kda_sessions as ks
 from kda_sessions.client import Client
 
@@ -48,5 +52,12 @@ async def test_remote_num_tokens_after_an_early_stream_exit(server):
         before = s.num_tokens
         async for _ in s.stream("say something long", max_tokens=32, ignore_eos=True):
             break  # leaves the stream: the server cancels the generation
+        # once it sees the connection closed, and releases the session's lock after: a token decoded between
+        # the two reads below would make them differ (42 against 43 under load)
+        state = server.engine.sessions[s.id]
+        deadline = time.monotonic() + 30
+        while state.lock.locked():
+            assert time.monotonic() < deadline, "the server never ended the abandoned generation"
+            await anyio.sleep(0.01)
         assert s.num_tokens >= before  # asked from the server, not a stale local guess
         assert s.num_tokens == (await client.get_session(s.id)).num_tokens
