@@ -169,11 +169,11 @@ async def test_open_by_url_with_ram_tier(tmp_path: Path) -> None:
 async def test_gc_spares_a_blob_another_process_touched_after_its_scans(store: BlobStore, touched: bool) -> None:
     """A save in another process (no shared pins) touches a blob it reuses after this collection took its
     `recent_blobs` snapshot and listed the blobs: the fresh check right before the delete must spare it."""
-    snaps = SnapshotStore(store, gc_grace_s=0.5)
+    snaps = SnapshotStore(store, gc_grace_s=0.3)
     data = b"reused page " * 100
     d = digest(data)
     await store.put_blob(d, data)
-    await anyio.sleep(0.7)  # older than the grace period, referenced by no manifest: a candidate
+    await anyio.sleep(0.4)  # older than the grace period, referenced by no manifest: a candidate
     list_blobs = store.list_blobs
 
     async def list_then_other_process_touches() -> list[str]:
