@@ -10,7 +10,9 @@
   weights as a linear stores them ([out, in], ``x @ w.t()``), all transposed ([in, out] contiguous), each in the
   layout ``model/fused.row_matmul_weight`` picks (the longer dimension contiguous: what the CPU decode uses), and
   that copied into one buffer on transparent huge pages (``model/fused.pack``, what decode uses), and that in
-  bfloat16 (half the bytes): what decides the CPU decode's weight layout, dtype and pages.
+  bfloat16 (half the bytes): what decides the CPU decode's weight layout, dtype and pages; and ``reduction_f32`` /
+  ``reduction_bf16``: all of them as one ``torch.compile``d function of ``model/fused.row_matmul`` products and sums
+  over ``reduction_weight``s (what ``HybridModel.compile_cpu_decode`` runs), float32 and bfloat16 weights.
 - ``mla_sdpa``: causal SDPA at T 3,500 over H 4 heads, q/k 96 wide and v 64 (tiny's MLA), as the model calls it
   (one tile of ``kernels/mla/prefill_cpu.py``: v padded, torch's CPU flash kernel) against torch's math path
   (``SDPBackend.MATH``).
@@ -42,7 +44,7 @@ from model_cpu import PooledRunner
 from kda_sessions.kernels.kda.chunk_cpu import chunk_kda_cpu
 from kda_sessions.kernels.kda.naive import naive_chunk_kda, naive_recurrent_kda
 from kda_sessions.model import load_model
-from kda_sessions.model.fused import pack, row_matmul_weight
+from kda_sessions.model.fused import pack, reduction_weight, row_matmul, row_matmul_weight
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, scale: float) -> torch.Tensor:
@@ -107,6 +109,17 @@ def decode_layout(reps: int) -> dict[str, Any]:
                     x @ w
 
         out[f"{name}_ms"] = round(_median_s(step, reps) * 1000 / 20, 2)
+    for name, dtype in (("reduction_f32", None), ("reduction_bf16", torch.bfloat16)):
+        rws = list(pack([reduction_weight(w, dtype) for w in weights]))
+        rxs = [torch.randn(1, w.shape[0]) for w in rws]
+        fn = torch.compile(lambda xs, ws: [row_matmul(x, w) for x, w in zip(xs, ws)], fullgraph=True)
+
+        def compiled(ws: list[torch.Tensor] = rws, xs: list[torch.Tensor] = rxs, fn: Any = fn) -> None:
+            for _ in range(20):
+                fn(xs, ws)
+
+        with torch.no_grad():
+            out[f"{name}_ms"] = round(_median_s(compiled, reps) * 1000 / 20, 2)
     return out
 
 

@@ -123,8 +123,11 @@ class MLAttention(nn.Module):
         ids = pages.tolist() if N == 1 else []
         if ids and ids == list(range(ids[0], ids[0] + len(ids))):
             lat = kv_pages[ids[0] : ids[0] + len(ids)]  # consecutive pages (a fresh pool's order): no copy
-        else:
-            lat = kv_pages.index_select(0, pages)
+        else:  # gathered into a buffer like the pool's own views for a compiled step: an inference tensor or not
+            # as the pool is, at a storage offset as they are (fused.huge_page_zeros)
+            with torch.inference_mode(kv_pages.is_inference()):
+                buf = kv_pages.new_empty(pages.numel() * kv_pages[0].numel() + 64)[64:]
+            lat = torch.index_select(kv_pages, 0, pages, out=buf.view(-1, *kv_pages.shape[1:]))
         lat = lat.view(N, -1, kv_pages.shape[-1])[:, :L]
         if N == 1:
             return lat, None

@@ -9,6 +9,7 @@ is the decode step over device tensors only, the function a CUDA graph captures 
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -24,6 +25,8 @@ from .ffn import MoE, RMSNorm, SwiGLU
 from .fused import DerivedWeights, huge_page_zeros, reduction_weight, row_matmul, weights
 from .kda import KDAAttention
 from .mla import MLAttention
+
+log = logging.getLogger(__name__)
 
 
 class DecoderLayer(nn.Module):
@@ -202,12 +205,19 @@ class HybridModel(nn.Module):
         if self._compiled_for != (self.dtype, self.device):
             self.decode_eagerly()
             return self._decode(inp, pools, kv_rows)
+        out = None
         if self._compiled_warm:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                logits, latents = self._compiled_rows(inp.input_ids, kda_rows, lats, weights)
-        else:  # the first call compiles, with the guards
-            logits, latents = self._compiled_rows(inp.input_ids, kda_rows, lats, weights)
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                    out = self._compiled_rows(inp.input_ids, kda_rows, lats, weights)
+            except RuntimeError as e:  # inputs unlike every compiled graph's (raised before the graph runs)
+                if "Recompilation" not in str(e):
+                    raise
+                log.warning("compiled CPU decode: compiling again for new inputs (%s)", e)
+        if out is None:  # the first call compiles, with the guards
+            out = self._compiled_rows(inp.input_ids, kda_rows, lats, weights)
             self._compiled_warm = True
+        logits, latents = out
         for kv, latent in zip(pools.kv, latents):
             kv.view(-1, kv.shape[-1]).index_copy_(0, kv_rows, latent.to(kv.dtype))
         return logits

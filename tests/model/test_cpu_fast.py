@@ -178,16 +178,23 @@ def test_compiled_decode_matches_eager(weight_dtype):
 
 @pytest.mark.slow
 async def test_engine_cpu_compile_gives_the_eager_tokens():
-    """``EngineConfig.cpu_compile``: the step thread compiles before its first step, and a session's greedy tokens
-    are the eager engine's."""
+    """``EngineConfig.cpu_compile``: the step thread compiles before its first step, once (a session whose pages
+    are not consecutive, gathered, runs on the warm-up's graph), and a session's greedy tokens are the eager
+    engine's."""
+    import torch._dynamo
+
     import kda_sessions as ks
 
-    prompt = [(i * 37) % 250 for i in range(90)]
+    prompt = [(i * 37) % 250 for i in range(120)]
     tokens = {}
     for compile_ in (False, True):
+        torch._dynamo.utils.counters.clear()
         async with await ks.Engine.open(model="tiny", store="memory:", device="cpu", cpu_compile=compile_) as eng:
             s = await eng.create_session()
-            await s.append(prompt)
+            await s.append(prompt)  # pages 0 and 1
+            other = await eng.create_session()
+            await other.append(prompt[:70])  # pages 2 and 3: s's third page comes after them
             tokens[compile_] = (await s.generate(max_tokens=16, ignore_eos=True)).token_ids
             assert eng.core.runner.compiled == compile_
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == int(compile_)
     assert len(tokens[True]) == 16 and tokens[True] == tokens[False]
