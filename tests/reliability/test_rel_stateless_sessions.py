@@ -24,7 +24,7 @@ def _chat(url: str, text: str, session_id: str | None = None) -> str:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     s = start_server(store=f"disk:{tmp_path_factory.mktemp('store')}", max_stateless_sessions=3,
-                     stateless_session_ttl_s=1.0, save_chat_sessions=False)
+                     stateless_session_ttl_s=0.5, save_chat_sessions=False)
     yield s
     s.stop()
 
@@ -46,7 +46,7 @@ def test_idle_stateless_session_is_forgotten_but_a_saved_one_resumes(srv):
     sid = _chat(srv.url, "keep me")
     assert httpx.post(f"{srv.url}/v1/sessions/{sid}/save", timeout=60).status_code == 200
     explicit = httpx.post(f"{srv.url}/v1/sessions", json={"system": "explicit"}, timeout=60).json()["session_id"]
-    time.sleep(1.5)  # past the TTL
+    time.sleep(0.8)  # past the TTL
     _chat(srv.url, "another")  # a stateless request sweeps
     assert sid not in srv.engine.sessions
     assert explicit in srv.engine.sessions  # created through /v1/sessions: never forgotten

@@ -70,13 +70,13 @@ def test_a_session_answers_after_many_others_and_a_restart(tmp_path, others):
 
 
 def test_an_unused_chat_session_expires_from_the_store(tmp_path):
-    srv = start_server(store=f"disk:{tmp_path}", chat_session_retention_s=1.0, stateless_session_ttl_s=0.0)
+    srv = start_server(store=f"disk:{tmp_path}", chat_session_retention_s=0.5, stateless_session_ttl_s=0.0)
     try:
         old = _chat(srv.url, "old").headers["X-Session-Id"]
         explicit = httpx.post(f"{srv.url}/v1/sessions", json={"system": "explicit"}, timeout=60).json()["session_id"]
         assert httpx.post(f"{srv.url}/v1/sessions/{explicit}/save", timeout=60).status_code == 200
         _wait_saved(srv, old)
-        time.sleep(1.3)  # past the retention
+        time.sleep(0.7)  # past the retention
         new = _chat(srv.url, "new").headers["X-Session-Id"]  # its finish sweeps and expires
         _wait_saved(srv, new)
         deadline = time.monotonic() + 30
