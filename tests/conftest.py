@@ -13,6 +13,10 @@ import pytest
 # 150 s against 19 s under load). Set before torch is imported; subprocesses (new-process resumes, crash
 # workers, servers) inherit it, so a parent and its child compute with the same thread count.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Where a test does run more than one (EngineConfig.cpu_threads, say), idle OpenMP threads sleep instead of
+# spinning: a count that leaked to later tests' step threads made them 5-7x slower here (tool_choice's module
+# 45-54 s against 6-7 s with PASSIVE). Also read once, when torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
 
