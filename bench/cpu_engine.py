@@ -203,7 +203,9 @@ def main() -> None:
             if n != "auto":
                 env["OMP_NUM_THREADS"] = n
             res = subprocess.run([sys.executable, __file__, "--child", path, "--reps", str(args.reps)], env=env,
-                                 capture_output=True, text=True, check=True)
+                                 capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"{path} at {n} threads failed:\n{res.stderr[-3000:]}")
             result["runs"].append(json.loads(res.stdout.strip().splitlines()[-1]))
     common.emit(result, args.out)
 

@@ -159,8 +159,16 @@ class MLAttention(nn.Module):
         scores = torch.cat([q @ lat.transpose(1, 2), (q * new).sum(-1, keepdim=True)], dim=-1)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
+        scores = scores.float()
+        if torch.compiler.is_compiling():
+            # inductor's C++ sums more than 4,096 float32 values on a slower, cascaded path, and picks it by the
+            # context length the graph was compiled at (guarding it): summed in float64, one graph takes every length
+            e = (scores - scores.amax(-1, keepdim=True)).exp()
+            probs = e / e.double().sum(-1, keepdim=True).float()
+        else:
+            probs = scores.softmax(-1)
         # weights below 1e-30 move no float32 sum, and as subnormals (exp below -87) they slow the matmul 4-50x
-        probs = F.threshold(scores.float().softmax(-1), 1e-30, 0.0).to(x.dtype)
+        probs = F.threshold(probs, 1e-30, 0.0).to(x.dtype)
         # over the whole rows, k_pe columns included: a matmul over the strided c columns alone runs far slower
         o_lat = torch.baddbmm(probs[:, :, L:] * new, probs[:, :, :L], lat)[:, :, :r]  # [N, H, r]
         return row_matmul(o_lat.reshape(N, H * r), w[1]), latent

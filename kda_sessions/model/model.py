@@ -196,7 +196,8 @@ class HybridModel(nn.Module):
         mla = [la.self_attn for la in self._layers() if isinstance(la.self_attn, MLAttention)]
         for attn, kv in zip(mla, pools.kv):
             lat = attn.context_rows(inp.page_table, inp.seq_lens, kv)[0][0]
-            torch._dynamo.maybe_mark_dynamic(lat, 0)  # the context grows every step: one graph for every length
+            # the context grows every step: one graph for every length (a guard on it fails the compile)
+            torch._dynamo.mark_dynamic(lat, 0, min=2, max=1 << 24)
             lats.append(lat)  # [L, r + dr]: without the batch dimension, whose stride follows the page count
         weights = [w.get() for w in self._compiled_weights]
         # dynamo's guards check ~100 tensors a call (~0.2 ms, a tenth of a step): skipped, as every input keeps the
