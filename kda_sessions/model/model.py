@@ -176,7 +176,9 @@ class HybridModel(nn.Module):
                 attn.cpu_decode_sources, partial(attn.cpu_decode_weights, compiled=True, dtype=weight_dtype)))
             self._compiled_weights.append(DerivedWeights(
                 partial(weights, mlp, ("gate_proj", "up_proj", "down_proj")), partial(_ffn_weights, mlp, weight_dtype)))
-        self._compiled_rows = torch.compile(self._decode_rows, fullgraph=True)
+        # its loops on one thread: they stream weights from memory, which one core nearly saturates, and OpenMP's
+        # threads in every small loop of a step cost more than they gain on a shared machine (docs/benchmarks.md)
+        self._compiled_rows = torch.compile(self._decode_rows, fullgraph=True, options={"cpp.threads": 1})
         self._compiled_for = (self.dtype, self.device)
         self._compiled_warm = False
         return True
