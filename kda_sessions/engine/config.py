@@ -73,10 +73,11 @@ class EngineConfig(BaseModel):
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""
     cpu_compile: bool = False
     """On a CPU, decode steps of one sequence run as one ``torch.compile``d function (inductor's C++, which needs a
-    C++ compiler; ``HybridModel.compile_cpu_decode``): 1.5-1.9x the eager step for ``tiny`` (docs/benchmarks.md).
+    C++ compiler; ``HybridModel.compile_cpu_decode``): 1.3-1.6x the eager decode for ``tiny`` (docs/benchmarks.md).
     The step thread compiles it when the engine opens, before its first step (~20-40 s cold on 2 cores, a few
-    seconds from inductor's on-disk cache); requests wait meanwhile. Batches of several sequences, contexts under
-    3 tokens and models with MoE layers decode eagerly. No effect on a GPU."""
+    seconds from inductor's on-disk cache); requests wait meanwhile. Fastest with ``cpu_threads=1`` (``tiny`` at 1K:
+    395 tok/s against 271 at 2 threads). Batches of several sequences, contexts under 3 tokens and models with MoE
+    layers decode eagerly. No effect on a GPU."""
     cpu_compile_weights: Literal["model", "bfloat16"] = "model"
     """The matmul weights the compiled CPU decode reads: the model's dtype (the eager path's greedy tokens, logits
     equal to float rounding) or bfloat16 (half the bytes a token reads, summed in float32; every weight rounded to
