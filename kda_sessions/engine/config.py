@@ -65,8 +65,9 @@ class EngineConfig(BaseModel):
     admission, for the pages of its prompt (running requests end, and their sessions become idle and evictable);
     while generating, parked after a preemption, for pages to resume with."""
     cpu_threads: int | None = Field(default=None, ge=1)
-    """Torch threads of the engine's step thread on a CPU (OpenMP's count is per thread: the caller's threads
-    keep theirs). None: torch's default. On a shared 2-core machine neither 1 nor 2 wins for ``tiny`` at every
+    """Torch threads of the engine's step thread on a CPU. torch's count is process-wide for threads started while
+    the engine runs (torch gives new threads the last count set); the engine sets the caller's count back when it
+    closes. None: torch's default. On a shared 2-core machine neither 1 nor 2 wins for ``tiny`` at every
     load (docs/benchmarks.md, "`tiny` on the CPU"). No effect on a GPU."""
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,

@@ -80,7 +80,9 @@ class Runner:
         if cuda_graphs and model.device.type == "cuda" and pools.tensors.scratch_slot is not None:
             self.graphs = DecodeGraphs(model, pools.tensors, capture_lock=pools.mutex)
         self.cpu_threads = cpu_threads
-        """Torch threads the step thread sets for itself (None: torch's default); OpenMP's count is per thread."""
+        """Torch threads the step thread sets (None: torch's default). torch keeps the last count any thread set and
+        gives it to threads started later, so the step thread sets the caller's count back when it ends."""
+        self.threads_before = torch.get_num_threads()
         self.cpu_compile = cpu_compile and model.device.type == "cpu"
         self.cpu_compile_dtype = cpu_compile_dtype
         self.compiled = False
@@ -102,8 +104,16 @@ class Runner:
             self.cv.notify_all()
 
     def _main(self) -> None:
-        if self.cpu_threads is not None:
-            torch.set_num_threads(self.cpu_threads)
+        if self.cpu_threads is None:
+            self._loop()
+            return
+        torch.set_num_threads(self.cpu_threads)
+        try:
+            self._loop()
+        finally:
+            torch.set_num_threads(self.threads_before)
+
+    def _loop(self) -> None:
         if self.cpu_compile:
             self._compile_decode()
         while True:

@@ -28,6 +28,11 @@ async def test_step_thread_sets_its_own_count(monkeypatch):
             await s.generate(max_tokens=2, ignore_eos=True)
         assert seen and all(t == ("kda-engine", 2) for t in seen)
         assert torch.get_num_threads() == before
+        later: list[int] = []
+        t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert later == [before], "a thread started after the engine closed inherits the engine's count"
     finally:
         # torch keeps the last count any thread set and gives it to every thread started later: left at 2, each
         # later test's step thread ran two spinning OpenMP threads on this 2-core machine (5-7x slower, against
