@@ -17,7 +17,8 @@ Shapes as in :mod:`.naive`; float32 throughout, outputs cast back to ``v.dtype``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -29,6 +30,13 @@ _BLOCK = 32
 """Chunks whose state-independent tensors are built together."""
 _SUB = 4
 """Tokens of a sub-chunk whose decays are taken exactly (``_decayed_products``)."""
+_SERIAL_STATE = 65536
+"""States of at most this many elements (H * K * V) run the sequential loop on one torch thread: its ops are a
+few microseconds each, and every one that goes parallel costs an OpenMP region. On the engine's step thread while
+another thread of the process holds an OpenMP team, libgomp stops spinning between regions (more of its threads
+than cores) and each region sleeps and wakes: ``tiny``'s loop (4 heads of 64 x 64) 110 us a chunk on 2 threads
+against 23 on one (on the main thread 40 against 25; 4 heads of 128 x 128: 59 against 78 there, 275 against 77
+on a thread)."""
 
 
 def chunk_kda_cpu(
@@ -72,9 +80,10 @@ def _sequence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tenso
         states = torch.empty(n + 1, *S.shape, dtype=S.dtype, device=S.device)  # [n + 1, H, K, V]: each S_c
         states[0] = S
         U, W, Kd_t, eGl = pre["U"], pre["W"], pre["Kd_t"], pre["eGl"]
-        for i in range(n):
-            delta = torch.baddbmm(U[i], W[i], states[i], alpha=-1)  # U - W S_c [H, c, V]
-            torch.mul(states[i], eGl[i], out=states[i + 1]).baddbmm_(Kd_t[i], delta)
+        with _one_thread(S.numel() <= _SERIAL_STATE):
+            for i in range(n):
+                delta = torch.baddbmm(U[i], W[i], states[i], alpha=-1)  # U - W S_c [H, c, V]
+                torch.mul(states[i], eGl[i], out=states[i + 1]).baddbmm_(Kd_t[i], delta)
         S = states[n]
         states = states[:n]
         out[s:e] = (pre["Q"] @ states + pre["O"]).transpose(1, 2).reshape(e - s, *out.shape[1:])
@@ -82,6 +91,21 @@ def _sequence(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tenso
             i, j = (p - 1 - s) // c, (p - 1 - s) % c + 1
             ckpts.append(_state_at(pre, i, kc[i], states[i], j))
     return S
+
+
+@contextmanager
+def _one_thread(on: bool) -> Iterator[None]:
+    """torch on one thread inside (``_SERIAL_STATE``); the count set back after. torch's count is the calling
+    thread's (OpenMP's and MKL's per-thread settings); threads started meanwhile would inherit 1."""
+    threads = torch.get_num_threads()
+    if not on or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _intra(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float) -> dict[str, Tensor]:
