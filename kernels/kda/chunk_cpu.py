@@ -26,8 +26,9 @@ from torch import Tensor
 
 from .naive import run_sequences
 
-_BLOCK = 32
-"""Chunks whose state-independent tensors are built together."""
+_BLOCK = 64
+"""Chunks whose state-independent tensors are built together (``tiny``'s 2K prefill on the engine's step thread:
+3,600 tok/s at 32, 3,750 at 64: fewer, larger ops)."""
 _SUB = 4
 """Tokens of a sub-chunk whose decays are taken exactly (``_decayed_products``)."""
 _SERIAL_STATE = 65536

@@ -24,7 +24,7 @@ def inputs(T, H, K, V, seed, gate_scale):
 
 
 @pytest.mark.parametrize("gate_scale", [1.0, 8.0], ids=["mild", "strong"])
-@pytest.mark.parametrize("lens", [[1], [37], [5, 64, 150]], ids=["T1", "T37", "varlen"])
+@pytest.mark.parametrize("lens", [[1], [37], [5, 64, 150], [1100]], ids=["T1", "T37", "varlen", "blocks"])
 def test_chunk_cpu_matches_recurrent(lens, gate_scale):
     H, K, V = 2, 16, 24
     q, k, v, g, beta = inputs(sum(lens), H, K, V, seed=len(lens), gate_scale=gate_scale)
@@ -39,6 +39,17 @@ def test_chunk_cpu_matches_recurrent(lens, gate_scale):
     assert rel_err(o2, o1) < 1e-5 and rel_err(f2, f1) < 1e-5 and rel_err(c2, c1) < 1e-5
     o3, _, _ = chunk_kda_cpu(q, k, v, g, beta, **{**kw, "checkpoint_positions": None})
     assert torch.equal(o2, o3)  # asking for checkpoints never changes the output
+
+
+def test_chunk_cpu_leaves_the_thread_count():
+    q, k, v, g, beta = inputs(40, 2, 16, 16, seed=4, gate_scale=1.0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        chunk_kda_cpu(q, k, v, g, beta)  # its sequential loop runs on one thread
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_chunk_kda_uses_it_for_inference_only():
