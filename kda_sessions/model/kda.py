@@ -85,9 +85,10 @@ class KDAAttention(nn.Module):
             return self._decode_cpu(x, slots, state, conv_state)
         if x.is_cuda and self.fused_decode:
             qkv, raw, b, og = self._projections_merged(x)
+            # [N, H, V]: the output norm and gate applied in kda_decode's second launch
             o = kda_decode(qkv, raw, b, self._gpu.get()[2], conv_state, self.A_log, self.dt_bias, self.lower_bound,
-                           state, slots)  # [N, H, V]
-            return self._output(x, o[None], og)
+                           state, slots, out_norm=(self.o_norm.weight, og, self.o_norm.eps))
+            return self.o_proj(o.reshape(x.shape[0], self.H * self.V).to(x.dtype))
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
         qkv, raw, b, og = self._projections_merged(x) if x.is_cuda else self._projections(x)
         qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)

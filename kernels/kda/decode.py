@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..conv.naive import naive_causal_conv
 from ..gate.naive import naive_kda_gate
+from ..norm.naive import naive_gated_rms_norm
 from .naive import naive_recurrent_kda
 
 
@@ -27,6 +28,7 @@ def kda_decode(
     state: Tensor,
     slots: Tensor,
     scale: float | None = None,
+    out_norm: tuple[Tensor, Tensor, float] | None = None,
 ) -> Tensor:
     """One new token for each of N sequences.
 
@@ -36,7 +38,9 @@ def kda_decode(
     :mod:`kda_sessions.kernels.gate.naive`, ``lower_bound`` None or < 0); state [S, H, K, V] float32 contiguous;
     slots [N] int, distinct except for rows no one reads back. q and k are l2-normalised, q scaled by ``scale``
     (None: K^-0.5). Returns o [N, H, V] in qkv's dtype; the tails and states at the slots are updated in place.
-    No host sync on CUDA, so it can be captured in a CUDA graph.
+    With ``out_norm`` = (weight [V], gate [N, H * V] output-gate logits of unit column stride, eps) it returns the
+    layer's gated output norm of o instead (``kernels.norm.gated_rms_norm`` of o as stored, in qkv's dtype), in
+    the same two launches on CUDA. No host sync on CUDA, so it can be captured in a CUDA graph.
     """
     N, H = b.shape
     S, H_, K, V = state.shape
@@ -57,14 +61,23 @@ def kda_decode(
                          f"{A_log.numel()}, {dt_bias.numel()}, {tuple(slots.shape)}")
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"lower_bound must be < 0, got {lower_bound}")
+    if out_norm is not None:
+        nw, gate, _ = out_norm
+        if tuple(nw.shape) != (V,) or tuple(gate.shape) != (N, H * V) or gate.stride(1) != 1:
+            raise ValueError(f"out_norm's weight must be [V]={V,} and gate [N, H*V]={N, H * V} with unit column "
+                             f"stride, got {tuple(nw.shape)}, {tuple(gate.shape)} {gate.stride()}")
     if scale is None:
         scale = K**-0.5
     if qkv.is_cuda:
         from .decode_triton import kda_decode_triton
 
         return kda_decode_triton(qkv, raw, b, conv_weight, conv_state, A_log.reshape(H), dt_bias.reshape(H * K),
-                                 lower_bound, state, slots, float(scale))
-    return naive_kda_decode(qkv, raw, b, conv_weight, conv_state, A_log, dt_bias, lower_bound, state, slots, scale)
+                                 lower_bound, state, slots, float(scale), out_norm)
+    o = naive_kda_decode(qkv, raw, b, conv_weight, conv_state, A_log, dt_bias, lower_bound, state, slots, scale)
+    if out_norm is None:
+        return o
+    nw, gate, eps = out_norm
+    return naive_gated_rms_norm(o, nw, gate.reshape(N, H, V), eps, qkv.dtype)
 
 
 def naive_kda_decode(

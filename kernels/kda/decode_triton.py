@@ -1,5 +1,6 @@
 """One KDA decode step in two Triton launches: conv + gate + beta + q/k norm + recurrence + read in one kernel,
-then the shift of the conv tails, both in place in the pools at the sequences' slots.
+then the shift of the conv tails, both in place in the pools at the sequences' slots; with an output gate, the
+second launch also applies the layer's gated output norm (one program per (sequence, head) does both).
 
 The decode kernel runs one program per (V block, sequence, head) like the fused-recurrent kernel; every program
 computes its head's q and k from the conv tails (the K channels are shared by the V blocks of a head), so no
@@ -10,6 +11,7 @@ instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and 
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -77,11 +79,8 @@ def _decode_kernel(
 
 
 @triton.jit
-def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr, BD: tl.constexpr):
-    """Tail rows 1 .. W - 2 move down one row and the new pre-conv row becomes the last."""
-    n = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
-    md = d < Dc
+def _shift(qkv, s_x, conv, slots, n, d, md, Dc: tl.constexpr, W: tl.constexpr):
+    """Channels d (mask md) of sequence n's tail: rows 1 .. W - 2 move down one row, the new pre-conv row last."""
     slot = tl.load(slots + n).to(tl.int64)
     tail = conv + slot * (W - 1) * Dc
     for w in tl.static_range(W - 2):
@@ -90,11 +89,44 @@ def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr,
     tl.store(tail + (W - 2) * Dc + d, row.to(conv.dtype.element_ty), mask=md)
 
 
+@triton.jit
+def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr, BD: tl.constexpr):
+    """The tail shift (``_shift``) of BD channels of sequence program_id(0)."""
+    n = tl.program_id(0)
+    d = tl.program_id(1) * BD + tl.arange(0, BD)
+    _shift(qkv, s_x, conv, slots, n, d, d < Dc, Dc, W)
+
+
+@triton.jit
+def _shift_norm_kernel(
+    qkv, s_x, conv, slots, o, gate, s_g, nw, y, eps,
+    H: tl.constexpr, V: tl.constexpr, Dc: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+):
+    """Program (n, h): the conv-tail shift of channels [h C, (h + 1) C) (C = Dc / H) of sequence n, and head h's
+    ``rms_norm(o) * sigmoid(gate)`` (``kernels.norm``'s gated norm) into y [N, H, V]."""
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    C: tl.constexpr = Dc // H
+    c = tl.arange(0, BC)
+    if W > 1:
+        _shift(qkv, s_x, conv, slots, n, h * C + c, c < C, Dc, W)
+    d = tl.arange(0, BV)
+    m = d < V
+    row = (n * H + h).to(tl.int64) * V
+    v = tl.load(o + row + d, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(gate + n.to(tl.int64) * s_g + h * V + d, mask=m, other=0.0).to(tl.float32)
+    inv = tl.rsqrt(tl.sum(v * v, axis=0) / V + eps)
+    wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
+    tl.store(y + row + d, (v * inv * wv * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
+
+
 def kda_decode_triton(
     qkv: Tensor, raw: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, A_log: Tensor, dt_bias: Tensor,
     lower_bound: float | None, state: Tensor, slots: Tensor, scale: float,
+    out_norm: tuple[Tensor, Tensor, float] | None = None,
 ) -> Tensor:
-    """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V]."""
+    """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V], or
+    with ``out_norm`` = (weight [V], gate [N, H*V] rows of unit column stride, eps) the gated norm of o."""
     N, H = b.shape
     K, V = state.shape[2:]
     Dc, W = conv_weight.shape
@@ -108,6 +140,14 @@ def kda_decode_triton(
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
         num_warps=num_warps,
     )
+    if out_norm is not None:
+        nw, gate, eps = out_norm
+        y = torch.empty_like(o)
+        _shift_norm_kernel[(N, H)](
+            qkv, qkv.stride(0), conv_state, slots, o, gate, gate.stride(0), nw, y, float(eps),
+            H=H, V=V, Dc=Dc, W=W, BC=triton.next_power_of_2(Dc // H), BV=triton.next_power_of_2(V), num_warps=4,
+        )
+        return y
     if W > 1:
         BD = min(1024, triton.next_power_of_2(Dc))
         _conv_shift_kernel[(N, triton.cdiv(Dc, BD))](qkv, qkv.stride(0), conv_state, slots, Dc=Dc, W=W, BD=BD,

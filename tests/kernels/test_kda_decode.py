@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kda_sessions.kernels.kda.decode import kda_decode, naive_kda_decode
+from kda_sessions.kernels.norm.naive import naive_gated_rms_norm
 
 from .kernel_helpers import rel_rms
 
@@ -43,12 +44,32 @@ def _run(fn, case, lower_bound):
     return o, conv_state, state
 
 
-def _check(dtype: torch.dtype, device: str, lower_bound: float | None) -> None:
+def _out_norm(case) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(weight [V], gate [N, H*V] as a strided column slice, eps) for ``kda_decode``'s output norm."""
+    qkv = case[0]
+    gen = torch.Generator().manual_seed(7)
+    gate = torch.randn(qkv.shape[0], H * V + 3, generator=gen).to(qkv.device, qkv.dtype)[:, 3:]
+    return (torch.rand(V, generator=gen) + 0.5).to(qkv.device), gate, 1e-5
+
+
+def _check(dtype: torch.dtype, device: str, lower_bound: float | None, norm: bool = False) -> None:
     from kda_sessions.kernels.kda.decode_triton import kda_decode_triton
 
     case = _case(dtype, device)
-    o, conv, st = _run(kda_decode_triton, case, lower_bound)
-    ro, rconv, rst = _run(naive_kda_decode, tuple(x.cpu() for x in case), lower_bound)
+    out_norm = _out_norm(case) if norm else None
+
+    def fused(*a):
+        return kda_decode_triton(*a, out_norm)
+
+    def twin(*a):
+        o = naive_kda_decode(*a)
+        if out_norm is None:
+            return o
+        nw, gate, eps = out_norm
+        return naive_gated_rms_norm(o, nw.cpu(), gate.cpu().reshape(-1, H, V), eps, dtype)
+
+    o, conv, st = _run(fused, case, lower_bound)
+    ro, rconv, rst = _run(twin, tuple(x.cpu() for x in case), lower_bound)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert o.shape == (3, H, V) and o.dtype == dtype
     assert rel_rms(o.cpu(), ro) < tol
@@ -60,16 +81,18 @@ def _check(dtype: torch.dtype, device: str, lower_bound: float | None) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
-def test_fused_decode_matches_the_separate_ops(dtype, lower_bound):
-    _check(dtype, "cpu", lower_bound)
+@pytest.mark.parametrize("norm", [False, True], ids=["o", "gated-norm"])
+def test_fused_decode_matches_the_separate_ops(dtype, lower_bound, norm):
+    _check(dtype, "cpu", lower_bound, norm)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_decode_matches_the_separate_ops_on_cuda(dtype):
+@pytest.mark.parametrize("norm", [False, True], ids=["o", "gated-norm"])
+def test_fused_decode_matches_the_separate_ops_on_cuda(dtype, norm):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    _check(dtype, "cuda", None)
+    _check(dtype, "cuda", None, norm)
 
 
 def test_public_function_checks_shapes():
@@ -80,3 +103,8 @@ def test_public_function_checks_shapes():
         kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, 1.0, state, slots)
     o = kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots)  # the CPU twin
     assert o.shape == (3, H, V)
+    nw, gate, eps = _out_norm((qkv,))
+    with pytest.raises(ValueError, match="out_norm"):
+        kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots, out_norm=(nw[1:], gate, eps))
+    y = kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots, out_norm=(nw, gate, eps))
+    assert y.shape == (3, H, V) and not torch.equal(y, o)
