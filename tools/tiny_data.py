@@ -365,8 +365,20 @@ class RenamedCorpus:
             self._renames[alias] = m
         return m
 
+    def holders(self) -> list[str]:
+        """The folders that hold renamed files (``fresh(..., "holder")`` above): listing one shows its renamed
+        files, so a multi-step task can list it and then read a file it found there."""
+        return sorted({f.rsplit("/", 1)[0] for f in self.files["train"]})
+
     def _make(self, alias: str) -> None:
-        if alias in self._made or alias not in self.real:
+        if alias in self._made:
+            return
+        if alias not in self.real:  # a holder folder: every renamed file below it, so its listing is complete
+            below = [f for f in self.files["train"] if f.startswith(alias + "/")]
+            for f in below:
+                self._make(f)
+            if below:
+                self._made.add(alias)
             return
         self._renamed(alias)
         self._made.add(alias)

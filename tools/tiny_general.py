@@ -35,8 +35,10 @@ from kda_sessions.tools import ToolError
 from tools import tiny_phrasing as grammar
 from tools.tiny_data import (
     _DEF_RE,
+    FILL_SLACK,
     FIRST_DEF_PATTERN,
     LINE_READ_LIMITS,
+    RECALL_DISTANCE,
     RENAMED_FRACTION,
     SKIP_PARTS,
     SYSTEM,
@@ -44,11 +46,14 @@ from tools.tiny_data import (
     Message,
     RenamedCorpus,
     Task,
-    _name_words,
     _Episode,
     _episode,
+    _name_words,
+    _note_episode,
     _plain_row,
+    _recall_episode,
     corpus,
+    draw_distance,
     header_ids,
     numbered_lines,
     plain_words,
@@ -64,7 +69,8 @@ MIN_TREE_FILES = 8
 MAX_TREE_FILES = 1500  # larger trees (torch, openai) take seconds to load into each data worker
 GENERAL_KINDS = ("read_file", "grep", "list_dir", "multi_step")
 # shares of a general row's episodes: a rephrased tool task, multi-step, a tool error corrected, off-task
-MIX = {"task": 0.45, "multi": 0.25, "error": 0.12, "off_task": 0.18}
+MIX = {"task": 0.40, "multi": 0.33, "error": 0.11, "off_task": 0.16}
+TRAIN_TYPO = 0.2  # of training questions with one mistyped word (held-out questions keep the grammar's 0.1)
 RENAMED_TREE_FRACTION = 0.5  # of training rows on a package tree: its files and folders under new names
 MAX_MISSES = 12  # episodes that did not fit before a row ends (a small tree runs out of unused files)
 _ANSWER_NAME_RE = re.compile(r"(?:contains|has no) (.+)\.$")
@@ -145,10 +151,17 @@ def _intent(ep: _Episode) -> tuple[str, dict[str, str]]:
     return ep.variant, {"d": d}
 
 
+def _question(rng: random.Random, intent: str, slots: dict[str, str], split: str) -> tuple[str, str]:
+    """grammar.question with more typos in training: a slip next to a folder name garbled the name it copied."""
+    if split == "train":
+        return grammar.question(rng, intent, slots, split, typo=TRAIN_TYPO)
+    return grammar.question(rng, intent, slots, split)
+
+
 def rephrase(rng: random.Random, ep: _Episode, split: str) -> _Episode:
     """The episode asked in a grammar phrasing of ``split``; ``template`` names the phrasing."""
     intent, slots = _intent(ep)
-    text, tid = grammar.question(rng, intent, slots, split)
+    text, tid = _question(rng, intent, slots, split)
     messages = [{**ep.messages[0], "content": text}, *ep.messages[1:]]
     ids, mask = render(messages, ep.fact)
     out = copy.copy(ep)
@@ -168,9 +181,14 @@ def _first_py(c: Corpus | RenamedCorpus, d: str, split: str) -> tuple[list[str],
 
 
 def multi_step_episode(rng: random.Random, c: Corpus | RenamedCorpus, split: str, budget: int) -> _Episode | None:
-    """List a folder, then grep its first Python file for definitions (or read a line of it), then answer."""
+    """List a folder, then grep its first Python file for definitions (or read a line of it), then answer. On a
+    renamed project the folder is one that holds renamed files (its listed folders hold empty entries), so the
+    folder's and the file's new names must be copied from the question and the listing."""
+    dirs = c.holders() if isinstance(c, RenamedCorpus) else c.dirs[split]
+    if not dirs:
+        return None
     for _ in range(6):
-        d = rng.choice(c.dirs[split])
+        d = rng.choice(dirs)
         found = _first_py(c, d, split)
         if found is None:
             continue
@@ -196,7 +214,7 @@ def multi_step_episode(rng: random.Random, c: Corpus | RenamedCorpus, split: str
             out2 = c.call("read_file", **args2)
             intent, slots, tool2 = "dir_line", {"d": d, "n": str(n)}, "read_file"
             answer = f"Line {n} of {rel} is: {fact}"
-        text, tid = grammar.question(rng, intent, slots, split)
+        text, tid = _question(rng, intent, slots, split)
         call1, call2 = tool_call("list_dir", {"path": d}), tool_call(tool2, args2)
         call2["id"] = call2["id"].replace(":0", ":1")
         messages: list[Message] = [
@@ -270,8 +288,6 @@ def general_episode(
 ) -> _Episode | None:
     """One episode of a shape drawn from MIX, fitting ``budget`` tokens."""
     shape = rng.choices(list(MIX), list(MIX.values()))[0]
-    if shape == "multi" and isinstance(c, RenamedCorpus):
-        shape = "task"  # its listed folders hold no renamed file: no first Python file to read
     if shape == "off_task":
         ep: _Episode | None = off_task_episode(rng, split)
     elif shape == "multi":
@@ -310,30 +326,88 @@ def row_corpus(rng: random.Random, split: str, tree_share: float) -> Corpus | Re
     return corpus()
 
 
+def _recall_sources(
+    rng: random.Random, c: Corpus | RenamedCorpus, split: str, max_len: int, distance: tuple[int, int],
+    ids: list[int], mask: list[int], used: set[str], taken: set[str],
+) -> list[list[Any]]:
+    """1-3 facts to recall later (a user note, or a rephrased tool task), appended to ``ids`` / ``mask``; returns
+    their questions as [ids, mask, target position, earliest position, distance], sorted by target, each target
+    ``draw_distance(distance)`` tokens after its fact plus up to as much again (as tiny_data.make_row places them):
+    the general rows then keep the recall that their larger share of training would otherwise wear off."""
+    pending: list[list[Any]] = []
+    for j in range(rng.choice((1, 2, 3))):
+        d = draw_distance(rng, distance)
+        room = max_len - len(ids) - d - 300 - 70 * (j + 1)
+        if room < 100:
+            continue
+        source: _Episode | None
+        if j > 0 or rng.random() < 0.6:
+            source = _note_episode(rng, c, split, taken)
+        else:
+            source = _episode(rng, c, split, min(2500, room), used)
+            source = rephrase(rng, source, split) if source is not None else None
+        if source is None or not source.recall or len(source.ids) > room:
+            continue
+        ids += source.ids
+        mask += source.mask
+        q_ids, q_mask = _recall_episode(*rng.choice(source.recall))
+        pending.append([q_ids, q_mask, len(ids) + d, len(ids) + d, d])
+    reserve_all = sum(len(p[0]) for p in pending)
+    for p in pending:
+        slack = min(max_len - reserve_all - p[2], p[4])
+        p[2] += rng.randrange(slack) if slack > 1 else 0
+    return sorted(pending, key=lambda p: p[2])
+
+
 def make_general_row(
-    rng: random.Random, split: str, max_len: int, tree_share: float = 0.5
+    rng: random.Random, split: str, max_len: int, tree_share: float = 0.5, recall: float = 0.0,
+    distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE),
 ) -> tuple[list[int], list[int]]:
     """One row (ids, mask as tiny_data.make_row: 1 on the assistant's tokens but failed calls, 2 on facts): the
     header, then general episodes on one corpus (``row_corpus``) until the row is full. ``split`` picks the
-    phrasings, trees, files and off-task messages."""
+    phrasings, trees, files and off-task messages. ``recall``: the share of rows that start with 1-3 facts (notes,
+    tool results) asked about ``distance`` tokens later (``_recall_sources``); at 0 nothing is drawn for it."""
     if split not in grammar.SPLITS:
         raise ValueError(f"split must be one of {grammar.SPLITS}, got {split!r}")
     if not 0.0 <= tree_share <= 1.0:
         raise ValueError(f"tree_share must be in [0, 1], got {tree_share}")
+    if not 0.0 <= recall <= 1.0:
+        raise ValueError(f"recall must be in [0, 1], got {recall}")
     c = row_corpus(rng, split, tree_share)
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header: source text, as tiny_data does
         return _plain_row(rng, corpus(), split, max_len)
     used: set[str] = set()
+    taken: set[str] = set()  # note things of this row: each asked about at most once
+    pending: list[list[Any]] = []
+    if recall and max_len - len(ids) >= distance[0] + 1000 and rng.random() < recall:
+        pending = _recall_sources(rng, c, split, max_len, distance, ids, mask, used, taken)
     misses = 0
-    while misses < MAX_MISSES and max_len - len(ids) >= 200:
-        ep = general_episode(rng, c, split, max_len - len(ids), used)
+    while misses < MAX_MISSES:
+        if pending and len(ids) >= pending[0][2]:
+            q_ids, q_mask = pending.pop(0)[:2]
+            ids += q_ids
+            mask += q_mask
+            continue
+        budget = max_len - len(ids) - sum(len(p[0]) for p in pending)
+        if budget < 200:
+            break
+        if pending:  # land near the next question's target, not thousands of tokens past it
+            budget = min(budget, pending[0][2] - len(ids) + FILL_SLACK)
+        ep = general_episode(rng, c, split, budget, used)
+        if ep is None and pending:  # nothing fits before the question: a short note carries the row on
+            ep = _note_episode(rng, c, split, taken)
+            ep = ep if ep is not None and len(ep.ids) <= budget else None
         if ep is None:
             misses += 1
             continue
         ids += ep.ids
         mask += ep.mask
+    for q_ids, q_mask, _, earliest, _ in pending:  # the rest, if the row ran long enough and they fit
+        if len(ids) >= earliest and len(ids) + len(q_ids) <= max_len:
+            ids += q_ids
+            mask += q_mask
     assert len(ids) == len(mask) <= max_len
     return ids, mask
 

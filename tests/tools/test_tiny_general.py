@@ -133,7 +133,9 @@ def test_training_rows_on_a_tree_call_its_train_files_only():
                 path = json.loads(call.function.arguments)["path"]
                 if mask[start + len(GEN_IDS)] == 0:  # a failed call (left out of the loss): its path may not exist
                     continue
-                assert path in c.files["train"] or path in c.dirs["train"], (path, c.root)
+                # a renamed project's multi-step task lists a folder holding its renamed files
+                holders = c.holders() if isinstance(c, RenamedCorpus) else []
+                assert path in c.files["train"] or path in c.dirs["train"] or path in holders, (path, c.root)
                 checked += 1
         assert "error: " not in text or "<|tool_call_begin|>" in text
     assert checked > 20
@@ -191,6 +193,48 @@ def test_multi_step_lists_then_reads_the_first_python_file():
         assert ep.fact in result["content"] and fact_in(answer["content"], ep.fact)
 
 
+def test_multi_step_on_a_renamed_project_lists_a_folder_of_renamed_files():
+    made = 0
+    for seed in range(6):
+        rng = random.Random(seed)
+        c = RenamedCorpus(rng, corpus(), words=tg.rename_words())
+        for _ in range(3):
+            ep = tg.multi_step_episode(rng, c, "train", 6000)
+            if ep is None:
+                continue
+            made += 1
+            d = ep.arguments["path"]
+            _, _, listing, call2, result, answer = ep.messages
+            assert d in c.holders() and d not in c.dirs["train"]
+            # the listing shows every renamed file of the folder, whatever was touched before
+            below = {f[len(d) + 1 :].split("/", 1)[0] for f in c.files["train"] if f.startswith(d + "/")}
+            assert {e.rstrip("/") for e in listing["content"].split("\n")} == below
+            path = json.loads(call2["tool_calls"][0]["function"]["arguments"])["path"]
+            assert path in c.files["train"] and path.startswith(d + "/")
+            assert ep.fact in result["content"] and fact_in(answer["content"], ep.fact)
+    assert made >= 12
+
+
+def test_general_rows_with_recall_ask_about_facts_far_back():
+    note_re = re.compile(r"the (.+) is (\S+)\.$")
+    question_re = re.compile(r"^(?:What (.+) did I give you earlier\?|Remind me: what was the (.+)\?)$")
+    asked = 0
+    for seed in range(4):
+        ids, mask = tg.make_general_row(random.Random(seed), "train", 8192, 0.5, recall=1.0, distance=(64, 2000))
+        assert len(ids) == len(mask) <= 8192
+        notes = dict(m.groups() for t in _user_turns(ids) if (m := note_re.search(t)))
+        for t in _user_turns(ids):
+            if m := question_re.match(t):  # every question asks about a thing a note of this row gave
+                asked += 1
+                assert (m.group(1) or m.group(2)) in notes, (t, notes)
+    assert asked >= 3
+    # at 0 nothing is drawn for recall: the rows are those of runs before the option
+    assert tg.make_general_row(random.Random(3), "train", 4096, 0.5, recall=0.0) == tg.make_general_row(
+        random.Random(3), "train", 4096, 0.5)
+    with pytest.raises(ValueError, match="recall must be"):
+        tg.make_general_row(random.Random(3), "train", 4096, 0.5, recall=1.5)
+
+
 def test_general_eval_tasks_use_the_heldout_tree_and_phrasings():
     c = tg.tree_corpus(tg.EVAL_TREE, whole=True)
     tasks = tg.general_tasks(0, 8)
@@ -237,7 +281,7 @@ def test_training_rows_take_a_share_of_general_rows_and_zero_changes_nothing():
     from tools import train_tiny
 
     def job(seed: int, general: float) -> tuple:
-        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5)
+        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0)
 
     assert train_tiny._row(job(11, 0.0)) == make_row(random.Random(11), "train", 2048)
     assert train_tiny._row(job(11, 1.0)) == tg.make_general_row(random.Random(11), "train", 2048, 0.5)
