@@ -65,10 +65,15 @@ class EngineConfig(BaseModel):
     admission, for the pages of its prompt (running requests end, and their sessions become idle and evictable);
     while generating, parked after a preemption, for pages to resume with."""
     cpu_threads: int | None = Field(default=None, ge=1)
-    """Torch threads of the engine's step thread on a CPU. torch's count is process-wide for threads started while
+    """Torch threads of the engine's step thread on a CPU (its decode steps: ``cpu_decode_threads``). torch's count is process-wide for threads started while
     the engine runs (torch gives new threads the last count set); the engine sets the caller's count back when it
     closes. None: torch's default. On a shared 2-core machine neither 1 nor 2 wins for ``tiny`` at every
     load (docs/benchmarks.md, "`tiny` on the CPU"). No effect on a GPU."""
+    cpu_decode_threads: int | None = Field(default=1, ge=1)
+    """Torch threads of the model call of decode steps on a CPU (prefill keeps ``cpu_threads``). None: the same as
+    prefill. 1 by default: a decode step of a small model is a few hundred ops of microseconds each, and on more
+    threads every one of them wakes the others (``tiny`` at 1K on this 2-core machine: docs/benchmarks.md). No
+    effect on a GPU."""
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""

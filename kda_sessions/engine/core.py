@@ -47,6 +47,7 @@ class EngineCore:
         self.runner = Runner(model, self.pools, self.scheduler, tokenizer, self._deliver_from_thread,
                              cuda_graphs=config.cuda_graphs, park_timeout_s=config.page_wait_s,
                              cpu_threads=config.cpu_threads if model.device.type == "cpu" else None,
+                             cpu_decode_threads=config.cpu_decode_threads,
                              cpu_compile=config.cpu_compile, cpu_compile_dtype=config.cpu_compile_dtype)
         self.preemption = self.runner.preemption
         self.runner.start()

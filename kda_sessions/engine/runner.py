@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import OutOfPages
-from ..model import ForwardBatch, HybridModel
+from ..model import CheckpointStates, ForwardBatch, HybridModel
 from ..model.graphs import DecodeGraphs
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
@@ -62,6 +62,7 @@ class Runner:
         cuda_graphs: bool = True,
         park_timeout_s: float = 30.0,
         cpu_threads: int | None = None,
+        cpu_decode_threads: int | None = 1,
         cpu_compile: bool = False,
         cpu_compile_dtype: torch.dtype | None = None,
     ) -> None:
@@ -83,6 +84,8 @@ class Runner:
         """Torch threads the step thread sets (None: torch's default). torch keeps the last count any thread set and
         gives it to threads started later, so the step thread sets the caller's count back when it ends."""
         self.threads_before = torch.get_num_threads()
+        self.cpu_decode_threads = cpu_decode_threads if model.device.type == "cpu" else None
+        """Torch threads of the model call of decode rows on a CPU (None: the step thread's count)."""
         self.cpu_compile = cpu_compile and model.device.type == "cpu"
         self.cpu_compile_dtype = cpu_compile_dtype
         self.compiled = False
@@ -301,7 +304,7 @@ class Runner:
             wanted.append(cps)
         works = [w for w, _ in chunks]
         try:
-            logits, states = self.model.step(self._batch(works, ids, [n for _, n in chunks], positions), self.pools.tensors)
+            logits, states = self._step(self._batch(works, ids, [n for _, n in chunks], positions))
         except Exception as e:
             self._retry_alone(works, e, out)
             return
@@ -351,7 +354,7 @@ class Runner:
                 assert len(slots) == len(seqs)
                 logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in seqs], [s.pages for s in seqs])
             else:
-                logits, _ = self.model.step(self._batch(works, ids, [1] * len(works)), self.pools.tensors)
+                logits, _ = self._step(self._batch(works, ids, [1] * len(works)))
         except Exception as e:
             self._retry_alone(works, e, out)
             return
@@ -359,6 +362,18 @@ class Runner:
             s.num_cached += 1
         self.tokens_decoded += len(works)
         self._sample(works, logits, list(range(len(works))), out)
+
+    def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor, CheckpointStates | None]:
+        """``model.step``; one token per row on ``cpu_decode_threads`` torch threads: a decode step's few-microsecond
+        ops each pay an OpenMP region's wake-up on more than one (docs/benchmarks.md, "`tiny` on the CPU")."""
+        threads = torch.get_num_threads()
+        if not batch.is_decode or self.cpu_decode_threads is None or self.cpu_decode_threads == threads:
+            return self.model.step(batch, self.pools.tensors)
+        torch.set_num_threads(self.cpu_decode_threads)
+        try:
+            return self.model.step(batch, self.pools.tensors)
+        finally:
+            torch.set_num_threads(threads)
 
     # -- sampling --------------------------------------------------------------------------------------------
 

@@ -4,29 +4,34 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 import kda_sessions as ks
 from kda_sessions.model import HybridModel
 
 
-async def test_step_thread_sets_its_own_count(monkeypatch):
-    """A configured count applies to the step thread, where the model runs, and the caller's thread keeps its own."""
-    seen: list[tuple[str, int]] = []
+@pytest.mark.parametrize("decode_threads", [1, None], ids=["decode-on-1", "decode-as-prefill"])
+async def test_step_thread_sets_its_own_count(monkeypatch, decode_threads):
+    """A configured count applies to the step thread, where the model runs, and the caller's thread keeps its own;
+    decode steps run on ``cpu_decode_threads`` (None: the step thread's count)."""
+    seen: list[tuple[str, bool, int]] = []
     step = HybridModel.step
 
-    def spy(self, *args):
-        seen.append((threading.current_thread().name, torch.get_num_threads()))
-        return step(self, *args)
+    def spy(self, batch, *args):
+        seen.append((threading.current_thread().name, batch.is_decode, torch.get_num_threads()))
+        return step(self, batch, *args)
 
     monkeypatch.setattr(HybridModel, "step", spy)
     before = torch.get_num_threads()
     try:
-        async with await ks.Engine.open(store="memory:", cpu_threads=2) as eng:
+        async with await ks.Engine.open(store="memory:", cpu_threads=2, cpu_decode_threads=decode_threads) as eng:
             s = await eng.create_session()
             await s.append([1, 2, 3])
-            await s.generate(max_tokens=2, ignore_eos=True)
-        assert seen and all(t == ("kda-engine", 2) for t in seen)
+            await s.generate(max_tokens=3, ignore_eos=True)
+        assert {d for _, d, _ in seen} == {False, True}
+        want = [("kda-engine", d, 2 if not d or decode_threads is None else 1) for _, d, _ in seen]
+        assert seen == want
         assert torch.get_num_threads() == before
         later: list[int] = []
         t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
