@@ -1,8 +1,8 @@
 """Full KV pages between the pool and their blobs in bulk: no Python work per page beyond a slice.
 
 Every full page of a model has the same blob header (`tensor_header` of [L_mla, P, r + dr]). Save: per chunk one
-gather per MLA layer and one device-to-host copy (into pinned memory on CUDA), cut into blobs and hashed on
-several threads while the next chunk is gathered. Restore: the store writes each verified blob straight into
+gather per MLA layer and one device-to-host copy (into pinned memory on CUDA; on the CPU the pool pages are the
+source), each blob copied out and hashed on one of several threads while the next chunk is staged. Restore: the store writes each verified blob straight into
 its place (`SnapshotStore.load_blobs_into`): on the CPU the pool pages themselves, on CUDA a pinned staging
 buffer per chunk, copied to the device while the next chunk is read; headers land in a scratch buffer and are
 checked with one comparison. A blob whose header or length differs goes through ``decode_page`` for its precise
@@ -15,9 +15,8 @@ C-contiguous bytes of [L_mla, P, C].
 from __future__ import annotations
 
 import ctypes
-import hashlib
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 from torch import Tensor
@@ -25,7 +24,7 @@ from torch import Tensor
 from ..config import ModelConfig
 from ..model import StatePools
 from ..storage import SnapshotStore
-from ..storage.blobs import HASH_THREADS, digest, tensor_header
+from ..storage.blobs import HASH_THREADS, digest, join, tensor_header
 from .codec import decode_page
 
 CHUNK_BYTES = 64 << 20
@@ -43,30 +42,10 @@ def _host_view(t: Tensor) -> memoryview:
     return _raw_view(t.data_ptr(), t.numel() * t.element_size())
 
 
-_new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
-_new_bytes.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
-_new_bytes.restype = ctypes.py_object
-
-
-def _blob(header: bytes, parts: Sequence[tuple[int, int]]) -> bytes:
-    """``header`` followed by each (address, nbytes) part, as a new bytes object, copied by ctypes' memmove,
-    which releases the GIL (``header + view`` copies, and faults in the fresh memory, holding it: the store's
-    writer and the hash threads need the GIL between blobs). The object is filled before anything else can see
-    it (PyBytes_FromStringAndSize(NULL, n): uninitialized), then never changed."""
-    out: bytes = _new_bytes(None, len(header) + sum(n for _, n in parts))
-    at = ctypes.cast(ctypes.c_char_p(out), ctypes.c_void_p).value or 0
-    ctypes.memmove(at, header, len(header))
-    at += len(header)
-    for address, n in parts:
-        ctypes.memmove(at, address, n)
-        at += n
-    return out
-
-
-def _page_digest(header: bytes, payload: memoryview) -> str:
-    h = hashlib.sha256(header)
-    h.update(payload)
-    return h.hexdigest()
+def _join_digest(header: bytes, parts: Sequence[tuple[int, int]]) -> tuple[str, bytes]:
+    """One page blob made from its parts (`join`, without the GIL) and hashed while it is still in the cache."""
+    data = join(header, parts)
+    return digest(data), data
 
 
 class PageCodec:
@@ -89,60 +68,49 @@ class PageCodec:
     # -- save ------------------------------------------------------------------------------------------------
 
     def encode(self, pages: Sequence[int]) -> list[tuple[str, bytes]]:
-        """(digest, blob) of each full pool page in ``pages``, in order (`encode_chunks`, every hash awaited)."""
-        return [(f.result(), data) for chunk in self.encode_chunks(pages) for f, data in chunk]
+        """(digest, blob) of each full pool page in ``pages``, in order (`encode_chunks`)."""
+        return [item for chunk in self.encode_chunks(pages) for item in chunk]
 
-    def encode_chunks(self, pages: Sequence[int]) -> Iterator[list[tuple[Future[str], bytes]]]:
-        """(hash future, blob) of each full pool page in ``pages``, in order, a chunk of up to `per_chunk` pages
-        at a time, yielded as soon as its blobs exist: its hashes may still run (hashlib releases the GIL) while
-        the consumer writes the chunk and this generator makes the next. On CUDA, per chunk one gather per layer
-        and one copy to pinned host memory, hashed there by threads while this thread copies the pages out into
-        their blobs; on the CPU each blob is joined straight from its pool pages (one copy, no gather)."""
+    def encode_chunks(self, pages: Sequence[int]) -> Generator[list[tuple[str, bytes]], None, None]:
+        """(digest, blob) of each full pool page in ``pages``, in order, a chunk of up to `per_chunk` pages at
+        a time. Each blob is copied out of its source and hashed on one of `HASH_THREADS` threads (the copy
+        into fresh memory, page faults included, and sha256 run without the GIL), and the next chunk is
+        staged before this one is yielded, so the consumer writes chunk i while chunk i + 1 is made. On CUDA
+        the source is a pinned host buffer per chunk (one gather per layer, one device-to-host copy); on the
+        CPU the pool pages themselves (no gather)."""
         if not pages:
             return
-        with ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="page-hash") as pool:
-            if self.device.type == "cuda":
-                yield from self._chunks_cuda(pages, pool)
-            else:
-                yield from self._chunks_host(pages, pool)
-
-    def _chunks_cuda(
-        self, pages: Sequence[int], pool: ThreadPoolExecutor
-    ) -> Iterator[list[tuple[Future[str], bytes]]]:
-        in_flight: list[tuple[Tensor, list[Future[str]]]] = []  # host buffers the hash threads still read
-        b = self.page_bytes
+        pool = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="page-blob")
+        in_flight: list[tuple[Tensor | None, list[Future[tuple[str, bytes]]]]] = []  # sources the threads read
         try:
             for i in range(0, len(pages), self.per_chunk):
                 ids = list(pages[i : i + self.per_chunk])
-                idx = torch.tensor(ids, dtype=torch.long, device=self.device)
-                block = torch.stack([kv.index_select(0, idx) for kv in self.pools.kv], dim=1)  # [n, L, P, C]
-                host = self._staging(len(ids))
-                host.copy_(block.view(len(ids), -1).view(torch.uint8))
-                view, base = _host_view(host), host.data_ptr()
-                chunk = [view[j * b : (j + 1) * b] for j in range(len(ids))]
-                hashes = [pool.submit(_page_digest, self.header, v) for v in chunk]
-                in_flight.append((host, hashes))
-                yield list(zip(hashes, [_blob(self.header, [(base + j * b, b)]) for j in range(len(ids))]))
-                if len(in_flight) > 2:  # bound the pinned memory held: two chunks
-                    oldest, oldest_hashes = in_flight.pop(0)
-                    wait(oldest_hashes)
-                    del oldest  # freed only now: the hash threads read it through views that do not own it
-        finally:  # also when the consumer stops early: the buffers die with this frame, after their readers
-            for _, hashes in in_flight:
-                wait(hashes)
+                source, parts = self._stage(ids) if self.device.type == "cuda" else (None, self._parts(ids))
+                in_flight.append((source, [pool.submit(_join_digest, self.header, p) for p in parts]))
+                if len(in_flight) > 1:
+                    yield [f.result() for f in in_flight.pop(0)[1]]
+            while in_flight:
+                yield [f.result() for f in in_flight.pop(0)[1]]
+        finally:  # also when the consumer stops early: the sources outlive every job that reads them
+            pool.shutdown(wait=True, cancel_futures=True)
+            in_flight.clear()
 
-    def _chunks_host(
-        self, pages: Sequence[int], pool: ThreadPoolExecutor
-    ) -> Iterator[list[tuple[Future[str], bytes]]]:
+    def _stage(self, ids: list[int]) -> tuple[Tensor, list[list[tuple[int, int]]]]:
+        """Pool pages ``ids`` gathered on the device and copied into a pinned host buffer [n, page_bytes]; the
+        buffer and each page's (address, nbytes) in it."""
+        idx = torch.tensor(ids, dtype=torch.long, device=self.device)
+        block = torch.stack([kv.index_select(0, idx) for kv in self.pools.kv], dim=1)  # [n, L, P, C]
+        host = self._staging(len(ids))
+        host.copy_(block.view(len(ids), -1).view(torch.uint8))
+        base, b = host.data_ptr(), self.page_bytes
+        return host, [[(base + j * b, b)] for j in range(len(ids))]
+
+    def _parts(self, ids: list[int]) -> list[list[tuple[int, int]]]:
+        """Each CPU pool page's (address, nbytes) in every layer: a blob is joined straight from the pool."""
         layer_bytes = self.page_bytes // self.shape[0]
         assert all(kv.is_contiguous() for kv in self.pools.kv)
         bases = [kv.data_ptr() for kv in self.pools.kv]  # kv[l] [num_pages, P, C]: page p at p * layer_bytes
-        for i in range(0, len(pages), self.per_chunk):
-            chunk = []
-            for p in pages[i : i + self.per_chunk]:
-                data = _blob(self.header, [(base + p * layer_bytes, layer_bytes) for base in bases])
-                chunk.append((pool.submit(digest, data), data))
-            yield chunk
+        return [[(base + p * layer_bytes, layer_bytes) for base in bases] for p in ids]
 
     # -- load ------------------------------------------------------------------------------------------------
 

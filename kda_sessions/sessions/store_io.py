@@ -62,6 +62,15 @@ def tenant_store_url(url: str, tenant: str) -> str:
     return url  # memory: every open is a new, separate store
 
 
+_Add = Callable[[Callable[[], bytes]], "Future[tuple[str, bytes]]"]
+"""How `StoreIO._build` queues a small blob: its encoder, run and hashed on a thread (the Future of both)."""
+
+
+def _encode_hash(encode: Callable[[], bytes]) -> tuple[str, bytes]:
+    data = encode()
+    return digest(data), data
+
+
 def _address(data: bytes | bytearray) -> int:
     """Where the bytes of ``data`` lie (valid while it lives)."""
     if isinstance(data, bytes):
@@ -101,12 +110,13 @@ class StoreIO:
             self._codec = PageCodec(self.pools.tensors, self.core.model.config, self.core.model.dtype)
         return self._codec
 
-    def _partial_page(
-        self, pages: list[int], state_pos: int, add: Callable[[bytes], Future[str]]
-    ) -> Future[str] | None:
+    def _partial_page(self, pages: list[int], state_pos: int, add: _Add) -> Future[tuple[str, bytes]] | None:
         """The blob of the partial last page of ``state_pos`` tokens (through ``add``), or None if it has none."""
         full, rows = divmod(state_pos, self.pools.page_size)
-        return add(encode_page(self.pools.tensors, pages[full], rows)) if rows else None
+        if not rows:
+            return None
+        data = encode_page(self.pools.tensors, pages[full], rows)  # read here: the caller's lock holds the page
+        return add(lambda: data)
 
     def _page_digests(self, pages: list[int], state_pos: int, partial: str | None) -> list[str]:
         """Digests of the pages covering ``state_pos`` tokens: every full page's is cached once it was encoded."""
@@ -123,58 +133,69 @@ class StoreIO:
 
     def _build(self, s: SessionState, stream: BlobStream) -> SessionManifest:
         """Runs in a worker thread: encode every blob the store may lack into ``stream`` and assemble the
-        manifest. The small blobs first (states, partial last pages, tokens; one copy each, hashed on threads), then the
-        full pages a chunk at a time (page_io): the store writes each chunk while the next is copied and hashed.
-        Every full page's digest is cached in the pool, so a later save encodes only new pages."""
+        manifest. The small blobs first (states, partial last pages, tokens), each encoded and hashed on a thread
+        of its own (a 42 MB state is one copy without the GIL: `encode_tensors`) while the first chunks of full
+        pages are made, then the full pages a chunk at a time (page_io): the store writes each chunk while the
+        next is copied out and hashed. Every full page's digest is cached in the pool, so a later save encodes
+        only new pages."""
         hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="blob-hash")
+        made: list[Future[tuple[str, bytes]]] = []
+
+        def add(encode: Callable[[], bytes]) -> Future[tuple[str, bytes]]:  # encoded and hashed on a thread
+            made.append(hashing.submit(_encode_hash, encode))
+            return made[-1]
+
+        pages = self._pages_to_encode(s)
+        chunks = self.codec.encode_chunks(pages)
+        digests_made: list[str] = []
         try:
-            made: list[tuple[Future[str], bytes]] = []
-
-            def add(data: bytes) -> Future[str]:  # hashed on other threads while the next blob is made
-                made.append((hashing.submit(digest, data), data))
-                return made[-1][0]
-
-            head_partial: Future[str] | None = None
+            head_partial: Future[tuple[str, bytes]] | None = None
             if s.resident:
                 assert s.slot is not None
                 with self.pools.mutex:
                     kda, conv = self.pools.read_slot(s.slot)
-                head_state_f = add(encode_state(kda, conv))
+                head_state_f = add(lambda: encode_state(kda, conv))
                 head_partial = self._partial_page(s.pages, s.num_cached, add)
             else:
                 assert s.head_blobs is not None, "a session that is not resident was loaded from the store"
-            partials: dict[str, Future[str] | None] = {}
-            states: dict[str, Future[str]] = {}
+            partials: dict[str, Future[tuple[str, bytes]] | None] = {}
+            states: dict[str, Future[tuple[str, bytes]]] = {}
             for cp in s.checkpoints.values():
                 if cp.state_blob is None:
                     assert cp.state_id is not None
-                    states[cp.name] = add(encode_state(*self.pools.host.get(cp.state_id)))
+                    host_state = self.pools.host.get(cp.state_id)  # never changed once captured
+                    states[cp.name] = add(lambda st=host_state: encode_state(*st))  # type: ignore[misc]
                 if cp.page_blobs is None:
                     partials[cp.name] = self._partial_page(cp.pages, cp.state_pos, add)
-            tokens_blob = add(encode_tokens(s.tokens)).result()
+            tokens = encode_tokens(s.tokens)
+            tokens_f = add(lambda: tokens)
+            first = next(chunks, None)  # the first chunks of pages are made while the small blobs are
+            tokens_blob = tokens_f.result()[0]
             known = s.stored_digests
-            blobs = {d: data for f, data in made if (d := f.result()) not in known}
+            blobs = {d: data for d, data in (f.result() for f in made) if d not in known}
             for name, f in states.items():
-                s.checkpoints[name].state_blob = f.result()
-            pages = self._pages_to_encode(s)
+                s.checkpoints[name].state_blob = f.result()[0]
             stream.announce(len(blobs) + len(pages))
             if blobs:
                 stream.put(list(blobs.items()))
-            hashes: list[Future[str]] = []
-            for chunk in self.codec.encode_chunks(pages):
+            for chunk in ([first] if first is not None else []):
                 stream.put(chunk)
-                hashes.extend(f for f, _ in chunk)
+                digests_made.extend(d for d, _ in chunk)
+            for chunk in chunks:
+                stream.put(chunk)
+                digests_made.extend(d for d, _ in chunk)
             stream.close()
         except BaseException as e:
             stream.fail(e)
             raise
         finally:
+            chunks.close()
             hashing.shutdown(wait=True, cancel_futures=True)
-        for page, f in zip(pages, hashes, strict=True):
-            self.pools.pages.digests[page] = f.result()
+        for page, d in zip(pages, digests_made, strict=True):
+            self.pools.pages.digests[page] = d
         if s.resident:
-            head_state = head_state_f.result()
-            head_pages = self._page_digests(s.pages, s.num_cached, None if head_partial is None else head_partial.result())
+            head_state = head_state_f.result()[0]
+            head_pages = self._page_digests(s.pages, s.num_cached, None if head_partial is None else head_partial.result()[0])
         else:
             assert s.head_blobs is not None
             head_state, head_pages = s.head_blobs
@@ -182,7 +203,7 @@ class StoreIO:
         for cp in s.checkpoints.values():
             if cp.page_blobs is None:
                 partial = partials[cp.name]
-                cp.page_blobs = self._page_digests(cp.pages, cp.state_pos, None if partial is None else partial.result())
+                cp.page_blobs = self._page_digests(cp.pages, cp.state_pos, None if partial is None else partial.result()[0])
             assert cp.state_blob is not None
             records.append(CheckpointRecord(
                 name=cp.name, position=cp.position, state_position=cp.state_pos, state_blob=cp.state_blob,

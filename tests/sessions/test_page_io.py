@@ -52,31 +52,59 @@ async def test_bulk_encode_matches_one_page_encoder_and_restore_round_trips(monk
         await snapshots.close()
 
 
-async def test_digests_hold_while_hash_threads_lag_behind_the_copies(monkeypatch):
-    """Hash threads read host memory through views that do not own it (on CUDA each chunk's pinned buffer): it
-    must live until its hashes are done, however slow they are (a freed buffer reused by the next chunk gave wrong
-    digests). Both hash functions are slowed: CUDA's per chunk, and the CPU's per blob joined from the pool."""
+async def test_blobs_hold_while_copy_threads_lag_behind_the_staging(monkeypatch):
+    """Copy threads read their source through raw addresses (on CUDA each chunk's pinned buffer): it must live
+    until every blob of the chunk is joined and hashed, however slow the threads are, while the next chunks are
+    staged (a freed buffer reused by the next chunk gave wrong blobs). Join and hash are both slowed."""
     import hashlib
     import time
 
-    monkeypatch.setattr(page_io, "CHUNK_BYTES", 1)  # one page a chunk: buffers are freed and reallocated often
-    real = page_io._page_digest
+    monkeypatch.setattr(page_io, "CHUNK_BYTES", 1)  # one page a chunk: sources are freed and reallocated often
+    real_join, real_digest = page_io.join, page_io.digest
 
-    def slow_digest(header: bytes, payload: memoryview) -> str:
-        time.sleep(0.02)  # the next chunks are gathered and copied meanwhile
-        return real(header, payload)
+    def slow_join(header: bytes, parts: list[tuple[int, int]]) -> bytes:
+        time.sleep(0.02)  # the next chunks are staged meanwhile
+        return real_join(header, parts)
 
-    monkeypatch.setattr(page_io, "_page_digest", slow_digest)
-    real_digest = page_io.digest
-
-    def slow_blob_digest(data: bytes) -> str:
+    def slow_digest(data: bytes) -> str:
         time.sleep(0.02)
         return real_digest(data)
 
-    monkeypatch.setattr(page_io, "digest", slow_blob_digest)
+    monkeypatch.setattr(page_io, "join", slow_join)
+    monkeypatch.setattr(page_io, "digest", slow_digest)
     async with await ks.Engine.open(store="memory:", page_size=16) as eng:
         s = await eng.create_session()
         await s.append([(i * 7) % 250 for i in range(12 * 16)])
         codec = page_io.PageCodec(eng.pools, eng.model.config, eng.model.dtype)
-        got = codec.encode(s.state.pages[:12])
+        pages = s.state.pages[:12]
+        got = codec.encode(pages)
+        assert [data for _, data in got] == [encode_page(eng.pools, p, 16) for p in pages]
     assert [d for d, _ in got] == [hashlib.sha256(data).hexdigest() for _, data in got]
+
+
+async def test_a_consumer_that_stops_early_leaves_no_job_running(monkeypatch):
+    """Closing the chunk generator after one chunk waits for the jobs already queued (they read the source
+    through raw addresses): none runs after close returns, and no chunk beyond the next was staged."""
+    import time
+
+    monkeypatch.setattr(page_io, "CHUNK_BYTES", 1)
+    real_join = page_io.join
+    ended = []
+
+    def slow_join(header: bytes, parts: list[tuple[int, int]]) -> bytes:
+        time.sleep(0.01)
+        ended.append(time.monotonic())
+        return real_join(header, parts)
+
+    monkeypatch.setattr(page_io, "join", slow_join)
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        s = await eng.create_session()
+        await s.append([(i * 5) % 250 for i in range(40 * 16)])
+        codec = page_io.PageCodec(eng.pools, eng.model.config, eng.model.dtype)
+        chunks = codec.encode_chunks(s.state.pages[:40])
+        assert len(next(chunks)) == 1
+        chunks.close()
+        closed = time.monotonic()
+        time.sleep(0.05)
+    assert ended and max(ended) <= closed
+    assert len(ended) <= 2  # only the yielded chunk and the one staged behind it were ever queued

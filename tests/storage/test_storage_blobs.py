@@ -116,6 +116,28 @@ def test_encode_rejects_unsupported_dtype() -> None:
         encode_tensor(torch.zeros(2, dtype=torch.complex64))
 
 
+def test_bundle_bytes_are_safetensors_own() -> None:
+    """encode_tensors builds the header itself and copies without the GIL: the bytes stay exactly those of
+    safetensors' save (every dtype, empty and 0-d tensors, names out of order), so digests of stored states
+    do not change with it."""
+    from safetensors.torch import save
+
+    bundle = {
+        "kda": torch.randn(2, 3, 4, 4),
+        "conv": torch.randn(2, 3, 5).to(torch.bfloat16),
+        "b": torch.arange(6, dtype=torch.int32),
+        "a": torch.ones(2, 2),
+        "zero_d": torch.tensor(3.0),
+        "empty": torch.empty(0, 3),
+        "u8": torch.arange(7, dtype=torch.uint8),
+        "f16": torch.randn(3).half(),
+        "i64": torch.tensor([2**40, -1]),
+        "empty_i64": torch.empty(0, dtype=torch.int64),
+    }
+    assert encode_tensors(bundle) == save(bundle)
+    assert encode_tensors({}) == save({})
+
+
 def test_bundle_round_trip_and_determinism() -> None:
     shared = torch.randn(8)
     bundle = {
