@@ -69,7 +69,9 @@ class DirectLaunch:
     WARPS_DOWN: int
 
 
-DIRECT_LAUNCH = DirectLaunch(4, 512, 4, 4, 1024, 4)
+DIRECT_LAUNCH = DirectLaunch(2, 512, 2, 2, 512, 2)
+"""Two rows a program on two warps, both kernels: the fastest of ``bench/decode_48b.py --sweep``'s direct tiles on
+the H200 at the 48B shape (D 2304, F 1024, 9 experts a token), at 1 and at 8 tokens (docs/benchmarks.md)."""
 
 
 def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
