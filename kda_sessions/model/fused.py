@@ -40,9 +40,19 @@ def row_matmul_weight(w: Tensor) -> Tensor:
 
 def reduction_weight(w: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """A linear's weight w [out, in] as the [in, out] operand of ``row_matmul`` under ``torch.compile``: the
-    transposed view of a contiguous [out, in] copy in ``dtype`` (default w's), so every output's sum runs along
-    contiguous memory."""
-    return w.to(dtype or w.dtype).contiguous().t()
+    transposed view of a contiguous [out, in] copy in ``dtype``, so every output's sum runs along contiguous memory.
+
+    ``dtype`` None: ``lossless_dtype(w)``, bfloat16 where that holds w exactly (a bfloat16 checkpoint loaded in
+    float32, as the built-in ``tiny``): ``row_matmul`` sums in x's float32 either way, so every product and every
+    sum is the same, from half the bytes."""
+    return w.to(dtype or lossless_dtype(w)).contiguous().t()
+
+
+def lossless_dtype(w: Tensor) -> torch.dtype:
+    """torch.bfloat16 where w is float32 and every value of it is exactly a bfloat16, else w's dtype."""
+    if w.dtype != torch.float32 or w.numel() == 0:
+        return w.dtype
+    return torch.bfloat16 if torch.equal(w.to(torch.bfloat16).float(), w) else w.dtype
 
 
 def row_matmul(x: Tensor, w: Tensor) -> Tensor:
@@ -131,4 +141,4 @@ class DerivedWeights:
         return self._value
 
 
-__all__ = ["DerivedWeights", "huge_page_zeros", "pack", "reduction_weight", "row_matmul", "row_matmul_weight", "weights"]
+__all__ = ["DerivedWeights", "huge_page_zeros", "lossless_dtype", "pack", "reduction_weight", "row_matmul", "row_matmul_weight", "weights"]

@@ -1,0 +1,35 @@
+"""``fused.lossless_dtype`` and ``reduction_weight``'s default: bfloat16 only where it holds every value exactly."""
+
+import pytest
+import torch
+
+from kda_sessions.model.fused import lossless_dtype, reduction_weight
+
+g = torch.Generator().manual_seed(0)
+RANDOM = torch.randn(64, 32, generator=g)
+FROM_BF16 = torch.randn(64, 32, generator=g).bfloat16().float()  # a bfloat16 checkpoint loaded in float32
+
+
+@pytest.mark.parametrize(
+    ("w", "want"),
+    [
+        (FROM_BF16, torch.bfloat16),
+        (RANDOM, torch.float32),
+        (torch.cat([FROM_BF16, RANDOM[:1]]), torch.float32),  # one row off bfloat16's grid is enough
+        (FROM_BF16.bfloat16(), torch.bfloat16),
+        (FROM_BF16.double(), torch.float64),  # only float32 is narrowed
+        (torch.full((4, 4), float("nan")), torch.float32),
+        (torch.empty(0, 4), torch.float32),
+    ],
+    ids=["bf16-values", "random", "one-row-off", "bf16", "float64", "nan", "empty"],
+)
+def test_lossless_dtype(w, want):
+    assert lossless_dtype(w) == want
+
+
+def test_reduction_weight_default_keeps_every_value():
+    """The default layout's values equal w's (transposed) in whichever dtype it picked; an explicit dtype wins."""
+    for w, dtype in ((FROM_BF16, torch.bfloat16), (RANDOM, torch.float32)):
+        r = reduction_weight(w)
+        assert r.dtype == dtype and r.t().is_contiguous() and torch.equal(r.float(), w.t())
+    assert reduction_weight(FROM_BF16, torch.float32).dtype == torch.float32
