@@ -91,9 +91,10 @@ class PrefixCache:
         s = work.session
         assert isinstance(s, SessionState)
         index = self.store_of(s.tenant).index
-        for c in work.checkpoints:
-            if c.name.startswith(INTERVAL) and c.state_pos >= 0 and s.checkpoints.get(c.name) is c:
-                index.add(s.tokens, PrefixHit(s.id, c.name, c.position))
+        index.add_many(s.tokens, [
+            PrefixHit(s.id, c.name, c.position) for c in work.checkpoints
+            if c.name.startswith(INTERVAL) and c.state_pos >= 0 and s.checkpoints.get(c.name) is c
+        ])
         self.make_room(s, 0)
 
     # -- the memory bound ------------------------------------------------------------------------------------

@@ -280,8 +280,8 @@ class StoreIO:
         s.generation = result.generation
         s.stored_digests = manifest.blob_digests()
         s.head_blobs = (manifest.head.state_blob, list(manifest.head.pages))
-        for cp in s.checkpoints.values():
-            self.index.add(s.tokens, PrefixHit(s.id, cp.name, cp.position))
+        unfiled = [cp for cp in s.checkpoints.values() if self.index.key_of(s.id, cp.name, cp.position) is None]
+        self.index.add_many(s.tokens, [PrefixHit(s.id, cp.name, cp.position) for cp in unfiled])
         return result
 
     async def index_stored(self, limit: int = 100_000) -> int:
@@ -348,7 +348,7 @@ class StoreIO:
                 name=r.name, position=r.position, state_pos=r.state_pos, state_blob=r.state_blob,
                 page_blobs=list(r.pages), num_messages=r.num_messages, turn_open=r.turn_open, created_at=r.created_at,
             )
-            self.index.add(tokens, PrefixHit(sid, r.name, r.position))
+        self.index.add_many(tokens, [PrefixHit(sid, r.name, r.position) for r in m.checkpoints])
         return s
 
     async def _load_pages(self, digests: list[str], state_pos: int, where: str) -> list[int]:

@@ -49,3 +49,16 @@ def test_stored_keys_round_trip_and_index_without_tokens():
     index.add_key(again, PrefixHit("restarted", "msg-3", 13))
     assert index.longest(TOKENS).session_id == "restarted"
     assert index.indexed(TOKENS, [8, 13, 20]) == {13}
+
+
+def test_add_many_files_each_checkpoint_where_add_files_it():
+    positions = [0, 3, 4, 5, 8, 13, 21, 30, 31]  # 0 and 31 (past the tokens) are not indexed, as by add
+    many = PrefixIndex(P)
+    many.add_many(TOKENS, [PrefixHit("a", f"at-{p}", p) for p in positions])
+    for p in positions:
+        key = many.key_of("a", f"at-{p}", p)
+        if 0 < p <= len(TOKENS):
+            assert key == prefix_key(TOKENS, p, P), p
+        else:
+            assert key is None, p
+    assert [h.position for h in many.matches(TOKENS)] == [30, 21, 13, 8, 5, 4, 3]
