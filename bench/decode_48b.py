@@ -173,6 +173,11 @@ def _twin32_forward(self: MoE, x: Tensor) -> Tensor:
     return (out + shared).to(x.dtype)
 
 
+def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm) -> tuple[Tensor, Tensor]:
+    s, h = norm.residual(x, a)
+    return s, self(h)
+
+
 def set_moe_mode(model: HybridModel, mode: str) -> None:
     """fused (the library), gather (the replaced code), twin (the naive twin, bf16; not capturable) or twin32
     (the twin in float32)."""
@@ -181,8 +186,11 @@ def set_moe_mode(model: HybridModel, mode: str) -> None:
         if isinstance(m, MoE):
             if mode in forwards:
                 m.forward = types.MethodType(forwards[mode], m)  # type: ignore[method-assign]
-            elif "forward" in m.__dict__:
-                del m.forward
+                # the model calls residual_forward (the norm in the router's launch): the norm apart, then forward
+                m.residual_forward = types.MethodType(_residual_apart, m)  # type: ignore[method-assign]
+            else:
+                for name in ("forward", "residual_forward"):
+                    m.__dict__.pop(name, None)
 
 
 # -- bytes a step reads -------------------------------------------------------------------------------------

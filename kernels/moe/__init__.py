@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from ..norm import add_rms_norm
 from .naive import naive_fused_moe, naive_moe_route
 
 
@@ -58,4 +59,25 @@ def moe_route(
     return naive_moe_route(x, gate, bias, top_k, renormalize, scale, always_on)
 
 
-__all__ = ["fused_moe", "moe_route"]
+def add_norm_route(
+    x: Tensor, res: Tensor, norm_weight: Tensor, eps: float, gate: Tensor, bias: Tensor, top_k: int,
+    renormalize: bool, scale: float, always_on: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The residual add and RMSNorm before a MoE layer, then its router: x, res [T, D], norm_weight [D] ->
+    (s = x + res, h = rms_norm(s) * norm_weight, both [T, D] in x's dtype as ``kernels.norm.add_rms_norm`` gives
+    them, chosen, weights = ``moe_route(h, ...)``). On CUDA, up to ``route.ROUTE_DECODE_MAX_TOKENS`` tokens (k a
+    power of two), all of it in the decode router's one launch; otherwise the two calls."""
+    if res.shape != x.shape or x.dim() != 2 or norm_weight.shape != (x.shape[1],):
+        raise ValueError(f"x and res must be [T, D] and norm_weight [D], got {tuple(x.shape)}, {tuple(res.shape)}, "
+                         f"{tuple(norm_weight.shape)}")
+    if x.is_cuda and x.shape[0] > 0 and top_k & (top_k - 1) == 0 and gate.dtype == x.dtype and gate.stride(1) == 1:
+        from .route import ROUTE_DECODE_MAX_TOKENS, add_norm_route_decode
+
+        if x.shape[0] <= ROUTE_DECODE_MAX_TOKENS and 0 < top_k <= gate.shape[0] and gate.shape[1] == x.shape[1]:
+            return add_norm_route_decode(x, res, norm_weight, eps, gate, bias, top_k, renormalize, scale, always_on)
+    s, h = add_rms_norm(x, res, norm_weight, eps)
+    chosen, weights = moe_route(h, gate, bias, top_k, renormalize, scale, always_on)
+    return s, h, chosen, weights
+
+
+__all__ = ["add_norm_route", "fused_moe", "moe_route"]

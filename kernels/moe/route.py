@@ -7,7 +7,9 @@ Few tokens (decode, ``ROUTE_DECODE_MAX_TOKENS``): ONE launch. Each program compu
 experts for every token (the router's weight is read once, by ~E / 2 programs, each with its whole slice of the
 width in flight), stores them, and the last program to finish (a per-device arrival counter, reset by that
 program: CUDA-graph safe) selects the top k of every token at once: one packed (score, index) max per slot.
-Launches of this kernel on one device must not overlap (one stream, as the decode step runs).
+Launches of this kernel on one device must not overlap (one stream, as the decode step runs). The same launch can
+take the residual add and RMSNorm before the layer (``add_norm_route_decode``): every program norms the rows
+itself (they are a few KB) and program 0 stores them, one launch instead of two.
 """
 
 from __future__ import annotations
@@ -117,23 +119,46 @@ def _select_top_k(
 @triton.jit
 def _route_decode_kernel(
     x, gate, bias, logits, counter, chosen, weights, T, E, stride_x, stride_g, scale, always_on,
+    res, norm_w, s_out, h_out, eps,
     D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
-    RENORM: tl.constexpr, EXTRA: tl.constexpr,
+    RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr,
 ):
     """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
-    arrive selects (``_select_top_k``) and resets the counter."""
+    arrive selects (``_select_top_k``) and resets the counter. With NORM the router's input is
+    ``rms_norm(x + res) * norm_w`` (x, res [T, D] contiguous; each program computes it, program 0 stores the sum
+    in s_out and the normed rows in h_out, both [T, D] in x's dtype), rounded as ``kernels.norm.add_rms_norm``'s."""
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     e_ok = e < E
     t = tl.arange(0, BT)
     t_ok = t < T
     kk = tl.arange(0, BK)
+    if NORM:  # the sum of squares of each token's residual sum, over the whole width first
+        ss = tl.zeros([BT], dtype=tl.float32)
+        for k0 in tl.static_range(0, D, BK):
+            m = t_ok[:, None] & (k0 + kk < D)[None, :]
+            off = t[:, None] * D + k0 + kk[None, :]
+            v = (tl.load(x + off, mask=m, other=0.0).to(tl.float32) + tl.load(res + off, mask=m, other=0.0).to(
+                tl.float32)).to(x.dtype.element_ty).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        inv = tl.rsqrt(ss / D + eps)  # [BT]
     acc = tl.zeros([BT, BE, BK], dtype=tl.float32)  # products summed over the width at the end, once
     for k0 in tl.static_range(0, D, BK):  # unrolled: every load of the slice can be in flight at once
         k_ok = k0 + kk < D
         w = tl.load(gate + e[:, None].to(tl.int64) * stride_g + k0 + kk[None, :],
                     mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BE, BK]
-        xv = tl.load(x + t[:, None] * stride_x + k0 + kk[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)  # [BT, BK]
+        m = t_ok[:, None] & k_ok[None, :]
+        if NORM:
+            off = t[:, None] * D + k0 + kk[None, :]
+            sv = (tl.load(x + off, mask=m, other=0.0).to(tl.float32) + tl.load(res + off, mask=m, other=0.0).to(
+                tl.float32)).to(x.dtype.element_ty)
+            nw = tl.load(norm_w + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+            hv = (sv.to(tl.float32) * inv[:, None] * nw[None, :]).to(x.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(s_out + off, sv, mask=m)
+                tl.store(h_out + off, hv, mask=m)
+            xv = hv.to(tl.float32)
+        else:
+            xv = tl.load(x + t[:, None] * stride_x + k0 + kk[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BK]
         acc += xv[:, None, :] * w[None, :, :]
     logit = tl.sum(acc, axis=2)  # [BT, BE]
     tl.store(logits + t[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
@@ -166,6 +191,27 @@ def moe_route_decode(
     """``moe_route_triton`` for few tokens (T <= ``ROUTE_DECODE_MAX_TOKENS``) in one launch: x [T, D], gate
     [E, D] (x's dtype, last dimension contiguous), bias [E] (any float dtype) -> (chosen [T, k'] int64, weights
     [T, k'] in x's dtype), k' = k or k + 1 with ``always_on``. k must be a power of two."""
+    chosen, weights, _, _ = _route_decode(x, gate, bias, top_k, renormalize, scale, always_on, None)
+    return chosen, weights
+
+
+def add_norm_route_decode(
+    x: Tensor, res: Tensor, norm_weight: Tensor, eps: float, gate: Tensor, bias: Tensor, top_k: int,
+    renormalize: bool, scale: float, always_on: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The residual add and RMSNorm before a MoE layer and ``moe_route_decode`` of the normed rows, in its one
+    launch: x, res [T, D] (T <= ``ROUTE_DECODE_MAX_TOKENS``), norm_weight [D] -> (s = x + res, h = rms_norm(s) *
+    norm_weight, both [T, D] in x's dtype, chosen, weights)."""
+    chosen, weights, s, h = _route_decode(x, gate, bias, top_k, renormalize, scale, always_on,
+                                          (res, norm_weight, eps))
+    assert s is not None and h is not None
+    return s, h, chosen, weights
+
+
+def _route_decode(
+    x: Tensor, gate: Tensor, bias: Tensor, top_k: int, renormalize: bool, scale: float, always_on: int | None,
+    norm: tuple[Tensor, Tensor, float] | None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     assert top_k & (top_k - 1) == 0, "top_k must be a power of two"
     T, D = x.shape
     E = gate.shape[0]
@@ -176,6 +222,12 @@ def moe_route_decode(
     chosen = torch.empty(T, top_k + extra, dtype=torch.int64, device=dev)
     weights = torch.empty(T, top_k + extra, dtype=x.dtype, device=dev)
     logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+    if norm is None:
+        res, norm_w, s, h, eps = x, x, None, None, 0.0
+    else:
+        res, norm_w, eps = norm
+        res = res.contiguous()
+        s, h = torch.empty_like(x), torch.empty_like(x)
     BT = triton.next_power_of_2(T)
     BE = 2
     # [BT, BE, BK] products, 32 a thread each step. Four warps: one warp at one token (the selection's max
@@ -184,10 +236,11 @@ def moe_route_decode(
     BK = max(16, min(triton.next_power_of_2(D), 1024 * warps // (BT * BE)))
     _route_decode_kernel[(triton.cdiv(E, BE),)](
         x, gate, bias, logits, _arrival_counter(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
-        float(scale), always_on or 0, D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E),
-        RENORM=renormalize, EXTRA=extra, num_warps=warps,
+        float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
+        D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
+        NORM=norm is not None, num_warps=warps,
     )
-    return chosen, weights
+    return chosen, weights, s, h
 
 
 def router_logits_triton(x: Tensor, gate: Tensor) -> Tensor:
@@ -225,4 +278,10 @@ def moe_route_triton(
     return chosen, weights
 
 
-__all__ = ["ROUTE_DECODE_MAX_TOKENS", "moe_route_decode", "moe_route_triton", "router_logits_triton"]
+__all__ = [
+    "ROUTE_DECODE_MAX_TOKENS",
+    "add_norm_route_decode",
+    "moe_route_decode",
+    "moe_route_triton",
+    "router_logits_triton",
+]

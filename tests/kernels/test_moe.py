@@ -244,6 +244,51 @@ def test_one_launch_router_matches_the_twin(T: int, E: int, k: int, renorm: bool
         assert int(_COUNTERS[("cpu", None)][0]) == 0
 
 
+NORM_ROUTE_CASES = [(1, 256, 8, True), (3, 40, 2, False), (16, 64, 4, True)]
+
+
+@pytest.mark.parametrize("T,E,k,shared", NORM_ROUTE_CASES,
+                         ids=[f"T{t}-E{e}-k{k}{'-shared' if a else ''}" for t, e, k, a in NORM_ROUTE_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_one_launch_router_with_the_norm_matches_the_twins(T: int, E: int, k: int, shared: bool,
+                                                           dtype: torch.dtype) -> None:
+    """The residual add and RMSNorm in the router's launch (D 80: two width blocks at T 16): the sum and the
+    normed rows as the norm's twin gives them (float32 1e-6, float16 within one rounding), the router's twin's
+    experts on those rows and its weights."""
+    from kda_sessions.kernels.moe.naive import naive_moe_route
+    from kda_sessions.kernels.moe.route import add_norm_route_decode
+    from kda_sessions.kernels.norm.naive import naive_add_rms_norm
+
+    D = 80
+    gen = torch.Generator().manual_seed(E + T)
+    x, a = (torch.randn(T, D, generator=gen).to(dtype) for _ in range(2))
+    nw = (torch.rand(D, generator=gen) + 0.5).to(dtype)
+    gate = (torch.randn(E, D, generator=gen) / 4).to(dtype)
+    bias = torch.randn(E, generator=gen) * 0.1
+    always_on = E if shared else None
+    rs, rh = naive_add_rms_norm(x, a, nw, 1e-6)
+    rc, rw = naive_moe_route(rh, gate, bias, k, True, 2.446, always_on)
+    s, h, chosen, w = add_norm_route_decode(x, a, nw, 1e-6, gate, bias, k, True, 2.446, always_on)
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert torch.equal(s, rs) and rel_rms(h, rh) < tol
+    assert torch.equal(chosen, rc) and rel_rms(w, rw) < (TOL if dtype == torch.float32 else TOL_HALF)
+
+
+def test_add_norm_route_checks_shapes_and_runs_the_twins_on_a_cpu() -> None:
+    from kda_sessions.kernels.moe import add_norm_route, moe_route
+    from kda_sessions.kernels.norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x, a = torch.randn(2, 32, generator=gen), torch.randn(2, 32, generator=gen)
+    nw, gate, bias = torch.ones(32), torch.randn(16, 32, generator=gen), torch.zeros(16)
+    with pytest.raises(ValueError, match="norm_weight"):
+        add_norm_route(x, a, nw[:8], 1e-6, gate, bias, 4, True, 1.0)
+    s, h, chosen, _ = add_norm_route(x, a, nw, 1e-6, gate, bias, 4, True, 1.0)
+    rs, rh = add_rms_norm(x, a, nw, 1e-6)
+    rc, _ = moe_route(rh, gate, bias, 4, True, 1.0)
+    assert torch.equal(s, rs) and torch.equal(h, rh) and torch.equal(chosen, rc)
+
+
 def test_one_launch_router_breaks_ties_by_the_lowest_index() -> None:
     """Equal scores (a zero gate, no bias): experts 0..k-1 in order, weights 1/k each times the scale."""
     from kda_sessions.kernels.moe.route import moe_route_decode
@@ -275,6 +320,34 @@ def test_one_launch_router_replays_in_a_cuda_graph(T: int) -> None:
         c2, w2 = moe_route(x, gate, bias, 8, True, 2.446, 256)
         bad += int(not (torch.equal(chosen, c2) and torch.equal(w, w2)))
     assert bad == 0 and bool((chosen[:, -1] == 256).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 8, 16], ids=["T1", "T8", "T16"])
+def test_one_launch_router_with_the_norm_on_the_gpu(T: int) -> None:
+    """bf16 at the 48B shape, captured in a CUDA graph and replayed on new rows: the sum equal to the norm
+    kernel's, the normed rows within one bf16 rounding (relative RMS 1e-2), the same experts as the router on the
+    norm kernel's rows up to a near-tie (at most 1 in 100 choices)."""
+    from kda_sessions.kernels.moe import add_norm_route, moe_route
+    from kda_sessions.kernels.norm import add_rms_norm
+
+    gen = torch.Generator("cuda").manual_seed(T)
+    x, a = (torch.randn(T, 2304, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    nw = (torch.rand(2304, generator=gen, device="cuda") + 0.5).bfloat16()
+    gate = (torch.randn(256, 2304, generator=gen, device="cuda") * 0.02).bfloat16()
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.01
+    add_norm_route(x, a, nw, 1e-6, gate, bias, 8, True, 2.446, 256)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s, h, chosen, _ = add_norm_route(x, a, nw, 1e-6, gate, bias, 8, True, 2.446, 256)
+    for _ in range(5):
+        x.copy_(torch.randn(T, 2304, generator=gen, device="cuda").bfloat16())
+        graph.replay()
+        rs, rh = add_rms_norm(x, a, nw, 1e-6)
+        rc, _ = moe_route(rh, gate, bias, 8, True, 2.446, 256)
+        assert torch.equal(s, rs) and rel_rms(h, rh) < TOL_BF16
+        assert float((chosen != rc).float().mean()) <= 1e-2 and bool((chosen[:, -1] == 256).all())
 
 
 @pytest.mark.gpu
