@@ -60,6 +60,9 @@ class PageCodec:
         self.page_bytes = self.shape[0] * self.shape[1] * self.shape[2] * dtype.itemsize
         self.per_chunk = max(1, CHUNK_BYTES // max(1, self.page_bytes))
         self.device = pools.kv[0].device if pools.kv else torch.device("cpu")
+        self.staged = self.device.type == "cuda"
+        """Saves copy each chunk of pages into a host buffer first (pinned on CUDA); else blobs are joined
+        straight from the pool's pages."""
         assert not pools.kv or pools.kv[0].dtype == dtype, "KV pool and model dtypes differ"
 
     def _staging(self, n: int) -> Tensor:
@@ -85,15 +88,24 @@ class PageCodec:
         try:
             for i in range(0, len(pages), self.per_chunk):
                 ids = list(pages[i : i + self.per_chunk])
-                source, parts = self._stage(ids) if self.device.type == "cuda" else (None, self._parts(ids))
+                source, parts = self._stage(ids) if self.staged else (None, self._parts(ids))
                 in_flight.append((source, [pool.submit(_join_digest, self.header, p) for p in parts]))
                 if len(in_flight) > 1:
-                    yield [f.result() for f in in_flight.pop(0)[1]]
+                    yield self._done(in_flight)
             while in_flight:
-                yield [f.result() for f in in_flight.pop(0)[1]]
+                yield self._done(in_flight)
         finally:  # also when the consumer stops early: the sources outlive every job that reads them
             pool.shutdown(wait=True, cancel_futures=True)
             in_flight.clear()
+
+    @staticmethod
+    def _done(in_flight: list[tuple[Tensor | None, list[Future[tuple[str, bytes]]]]]) -> list[tuple[str, bytes]]:
+        """The oldest chunk's blobs, once every job that reads its source is done; only then is the source let go
+        (popped first, it was freed under the running jobs: the allocator wrote its free-list into the buffer)."""
+        source, jobs = in_flight[0]
+        blobs = [f.result() for f in jobs]
+        del in_flight[0], source
+        return blobs
 
     def _stage(self, ids: list[int]) -> tuple[Tensor, list[list[tuple[int, int]]]]:
         """Pool pages ``ids`` gathered on the device and copied into a pinned host buffer [n, page_bytes]; the

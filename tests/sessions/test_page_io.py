@@ -52,7 +52,8 @@ async def test_bulk_encode_matches_one_page_encoder_and_restore_round_trips(monk
         await snapshots.close()
 
 
-async def test_blobs_hold_while_copy_threads_lag_behind_the_staging(monkeypatch):
+@pytest.mark.parametrize("staged", [False, True], ids=["from-pool", "staged"])
+async def test_blobs_hold_while_copy_threads_lag_behind_the_staging(monkeypatch, staged):
     """Copy threads read their source through raw addresses (on CUDA each chunk's pinned buffer): it must live
     until every blob of the chunk is joined and hashed, however slow the threads are, while the next chunks are
     staged (a freed buffer reused by the next chunk gave wrong blobs). Join and hash are both slowed."""
@@ -76,6 +77,7 @@ async def test_blobs_hold_while_copy_threads_lag_behind_the_staging(monkeypatch)
         s = await eng.create_session()
         await s.append([(i * 7) % 250 for i in range(12 * 16)])
         codec = page_io.PageCodec(eng.pools, eng.model.config, eng.model.dtype)
+        codec.staged = staged  # CUDA's path on the CPU: a host buffer per chunk, freed once its blobs are made
         pages = s.state.pages[:12]
         got = codec.encode(pages)
         assert [data for _, data in got] == [encode_page(eng.pools, p, 16) for p in pages]
