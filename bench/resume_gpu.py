@@ -22,7 +22,8 @@ staging) and in the page codec's ``restore`` (those reads + queueing the device 
 bulk encode a save starts with (gather, copy to host, blobs, sha256) timed on its own before the save; the save
 overlaps it with the write (blobs streamed into one pack), and ``save_marks_s`` gives the seconds from the save's
 start to the first hit of each of the store's write steps (storage/faults.py: ``disk.blob.written`` = every blob
-and the pack index written, ``disk.blob.fsynced``, ..., ``disk.manifest.done``).
+and the pack index written, ``disk.blob.fsynced``, ..., ``disk.manifest.done``) and of the producer's
+(``stream.announce``: the small blobs made and hashed, the pack's count known; ``stream.close``: every page made).
 Raw bandwidth of the same paths, same run: ``h2d`` (memcpy of the snapshot's bytes into pinned memory + one
 host-to-device copy), ``read_warm`` / ``read_cold`` (the store's files read with 8 threads, page cache warm /
 dropped), ``write_fdatasync`` (dd of the snapshot's size, one fdatasync at the end), and sha256 on 1 and on all
@@ -435,11 +436,21 @@ async def one_context(
         eng.pages.digests.clear()  # so that the save encodes every page again
         marks: dict[str, float] = {}
         faults.hook = lambda name: marks.setdefault(name, time.perf_counter())  # the first hit of each point
+        stream_steps = {name: getattr(store_io.BlobStream, name) for name in ("announce", "close")}
+        for name, fn in stream_steps.items():  # the producer's steps: small blobs made, every page made
+
+            def mark(self: Any, *args: Any, _fn: Any = fn, _name: str = f"stream.{name}") -> Any:
+                marks.setdefault(_name, time.perf_counter())
+                return _fn(self, *args)
+
+            setattr(store_io.BlobStream, name, mark)
         t_start = time.perf_counter()
         try:
             t, res = await timed(s.save())
         finally:
             faults.hook = None
+            for name, fn in stream_steps.items():
+                setattr(store_io.BlobStream, name, fn)
         row["save_marks_s"] = {k: round(v - t_start, 4) for k, v in marks.items()}
         snap = res.bytes_written
         row["snapshot_MB"] = round(snap / 1e6, 1)

@@ -348,7 +348,17 @@ class StoreIO:
                 name=r.name, position=r.position, state_pos=r.state_pos, state_blob=r.state_blob,
                 page_blobs=list(r.pages), num_messages=r.num_messages, turn_open=r.turn_open, created_at=r.created_at,
             )
-        self.index.add_many(tokens, [PrefixHit(sid, r.name, r.position) for r in m.checkpoints])
+        # filed under the keys the manifest stores (as at startup, `index_stored`): no page chain on the resume path
+        keys = meta.get("prefix_keys")
+        keys = keys if isinstance(keys, dict) else {}
+        unfiled = []
+        for r in m.checkpoints:
+            key = PrefixKey.from_json(keys.get(r.name))
+            if key is None:
+                unfiled.append(PrefixHit(sid, r.name, r.position))
+            else:
+                self.index.add_key(key, PrefixHit(sid, r.name, r.position))
+        self.index.add_many(tokens, unfiled)
         return s
 
     async def _load_pages(self, digests: list[str], state_pos: int, where: str) -> list[int]:

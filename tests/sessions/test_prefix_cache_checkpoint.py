@@ -34,3 +34,26 @@ async def test_checkpoint_of_a_new_chat_session_holds_its_head():
         child = await eng.fork(s.id, checkpoint="head-named")
         r = await child.send("hi", max_tokens=4, ignore_eos=True)
         assert r.usage.cached_tokens == head - 1
+
+
+async def test_a_resumed_session_files_its_checkpoints_where_its_tokens_put_them(tmp_path):
+    """load_session files checkpoints under the keys its manifest stores (no page chain on the resume path):
+    the same keys the tokens give, so a new session with the same prefix finds them."""
+    from kda_sessions.sessions.prefix_index import prefix_key
+
+    store = f"disk:{tmp_path}"
+    async with await ks.Engine.open(store=store, page_size=16) as eng:
+        s = await eng.create_session()
+        await s.append(PROMPT[:37])
+        await s.checkpoint("mid")
+        await s.append(PROMPT[37:])
+        await s.checkpoint("end")
+        await s.save()
+        sid = s.id
+    async with await ks.Engine.open(store=store, page_size=16) as eng:
+        r = await eng.resume(sid)
+        index = eng.io.index
+        for name, position in (("mid", 37), ("end", len(PROMPT))):
+            assert index.key_of(sid, name, position) == prefix_key(r.state.tokens, position, 16), name
+        hit = index.longest([*PROMPT, 7, 8])
+        assert hit is not None and (hit.session_id, hit.checkpoint) == (sid, "end")
