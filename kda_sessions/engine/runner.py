@@ -155,7 +155,7 @@ class Runner:
                 page_table=torch.tensor([[tensors.scratch_page]], dtype=torch.int32, device=dev),
                 kv_rows=torch.tensor([tensors.scratch_page * tensors.page_size + 3], device=dev),
             )
-            self.model.step(batch, tensors)
+            self._step(batch)  # on the decode steps' thread count: dynamo guards the count
         except Exception:
             log.exception("cpu_compile: compiling the decode step failed; decoding eagerly")
             self.model.decode_eagerly()

@@ -43,3 +43,22 @@ async def test_step_thread_sets_its_own_count(monkeypatch, decode_threads):
         # later test's step thread ran two spinning OpenMP threads on this 2-core machine (5-7x slower, against
         # the conftest's OMP_NUM_THREADS=1). Setting the caller's count back restores what new threads get.
         torch.set_num_threads(before)
+
+
+@pytest.mark.slow
+async def test_compiled_decode_compiles_once_at_two_threads():
+    """With ``cpu_compile``, the warm-up runs on the decode steps' thread count: dynamo guards torch's count, so a
+    warm-up on the step thread's 2 would compile a second graph at the first real decode step."""
+    import torch._dynamo
+
+    before = torch.get_num_threads()
+    torch._dynamo.utils.counters.clear()
+    try:
+        async with await ks.Engine.open(model="tiny", store="memory:", cpu_threads=2, cpu_compile=True) as eng:
+            s = await eng.create_session()
+            await s.append([1, 2, 3, 4])
+            await s.generate(max_tokens=3, ignore_eos=True)
+            assert eng.core.runner.compiled
+    finally:
+        torch.set_num_threads(before)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
