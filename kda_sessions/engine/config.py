@@ -85,9 +85,10 @@ class EngineConfig(BaseModel):
     395 tok/s against 271 at 2 threads). Batches of several sequences, contexts under 3 tokens and models with MoE
     layers decode eagerly. No effect on a GPU."""
     cpu_compile_weights: Literal["model", "bfloat16"] = "model"
-    """The matmul weights the compiled CPU decode reads: the model's dtype (the eager path's greedy tokens, logits
-    equal to float rounding) or bfloat16 (half the bytes a token reads, summed in float32; every weight rounded to
-    bfloat16, so logits move by ~1e-3 relative and a near tie can pick another greedy token)."""
+    """The matmul weights the compiled CPU decode reads: the model's values (the eager path's greedy tokens, logits
+    equal to float rounding; held in bfloat16 where that is exact, as for ``tiny``'s bfloat16 checkpoint loaded in
+    float32: ``fused.lossless_dtype``) or bfloat16 (half the bytes a token reads, summed in float32; every weight
+    rounded to bfloat16, so logits move by ~1e-3 relative and a near tie can pick another greedy token)."""
 
     @property
     def cpu_compile_dtype(self) -> torch.dtype | None:
