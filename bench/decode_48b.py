@@ -173,9 +173,9 @@ def _twin32_forward(self: MoE, x: Tensor) -> Tensor:
     return (out + shared).to(x.dtype)
 
 
-def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm) -> tuple[Tensor, Tensor]:
+def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm, next_norm) -> tuple[Tensor, Tensor]:
     s, h = norm.residual(x, a)
-    return s, self(h)
+    return next_norm.residual(s, self(h))
 
 
 def set_moe_mode(model: HybridModel, mode: str) -> None:
@@ -186,10 +186,10 @@ def set_moe_mode(model: HybridModel, mode: str) -> None:
         if isinstance(m, MoE):
             if mode in forwards:
                 m.forward = types.MethodType(forwards[mode], m)  # type: ignore[method-assign]
-                # the model calls residual_forward (the norm in the router's launch): the norm apart, then forward
-                m.residual_forward = types.MethodType(_residual_apart, m)  # type: ignore[method-assign]
+                # the model calls residual_block (the norms inside the MoE launches): the norms apart, forward
+                m.residual_block = types.MethodType(_residual_apart, m)  # type: ignore[method-assign]
             else:
-                for name in ("forward", "residual_forward"):
+                for name in ("forward", "residual_block"):
                     m.__dict__.pop(name, None)
 
 
@@ -334,8 +334,8 @@ def direct_stage_us(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, wts: Ten
         out[f"up {bn}/{bk}/w{nw}"] = [us, round(distinct * w13[0].numel() * 2 / us / 1e6, 2)]
     for bn, bk, nw in SWEEP_DIRECT_DOWN:
         us = graph_us(lambda bn=bn, bk=bk, nw=nw: _down_direct_kernel[(T, triton.cdiv(D, bn))](
-            act, w2, y, flat, rw, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, num_warps=nw), reps)
+            act, w2, y, flat, rw, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), y, y, y, y, flat, T, 0.0,
+            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, NORM=False, BD=triton.next_power_of_2(D), num_warps=nw), reps)
         out[f"down {bn}/{bk}/w{nw}"] = [us, round(distinct * w2[0].numel() * 2 / us / 1e6, 2)]
     return out
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.moe import add_norm_route, fused_moe, moe_route
+from ..kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
 from .fused import DerivedWeights, row_matmul_weight, weights
 
@@ -189,28 +189,27 @@ class MoE(nn.Module):
         E = len(self.experts)
         return fused[0][:E], fused[1][:E]
 
-    def residual_forward(self, x: Tensor, a: Tensor, norm: RMSNorm) -> tuple[Tensor, Tensor]:
-        """The residual add and ``norm`` before this layer, then the layer: x, a [T, D] -> (s = x + a, this layer
-        of ``norm``'s output). On a GPU with stacked experts, for a decode batch, the add and norm run in the
-        router's launch (``add_norm_route``: one launch instead of two); otherwise ``norm.residual`` then this
-        module's call (its hooks run)."""
+    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm) -> tuple[Tensor, Tensor]:
+        """The residual add and ``norm`` before this layer, the layer, and the residual add and ``next_norm`` after
+        it: x, a [T, D] -> (s = x + a + this layer of norm(x + a), next_norm(s)). On a GPU with stacked experts
+        (the shared one among them), for a decode batch, both adds and norms run inside the layer's launches:
+        the first in the router's (``add_norm_route``), the second in the down kernel's (``fused_moe_add_norm``),
+        three launches for the whole block. Otherwise ``norm.residual``, this module's call (its hooks run),
+        ``next_norm.residual``."""
         fused = self._fused_weights() if x.is_cuda else None
         if fused is not None:
             from ..kernels.moe.route import ROUTE_DECODE_MAX_TOKENS
 
-            if x.shape[0] > ROUTE_DECODE_MAX_TOKENS:
+            if x.shape[0] > ROUTE_DECODE_MAX_TOKENS or fused[2] is None or self.shared_experts is None:
                 fused = None
         if fused is None:
             s, h = norm.residual(x, a)
-            return s, self(h)
+            return next_norm.residual(s, self(h))
         w13, w2, shared_id = fused
         s, h, chosen, weights = add_norm_route(x, a, norm.weight, norm.eps, self.gate.weight,
                                                self.gate.e_score_correction_bias, self.top_k, self.renormalize,
                                                self.scale, shared_id)
-        out = fused_moe(h, w13, w2, chosen, weights)
-        if self.shared_experts is not None and shared_id is None:
-            out = out + self.shared_experts(h)
-        return s, out
+        return fused_moe_add_norm(h, w13, w2, chosen, weights, s, next_norm.weight, next_norm.eps)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]. On a GPU with stacked experts: the fused MoE kernels (no host sync, CUDA-graph

@@ -281,16 +281,14 @@ class HybridModel(nn.Module):
     def _residual_norms(self, i: int, layer: DecoderLayer, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
         """Layer i's two residual adds from its attention output a, each fused with the norm that follows it
         (the FFN's, then the next layer's input norm or the final norm): returns (x, the next normed input)."""
-        moe = getattr(layer, "block_sparse_moe", None)
-        if isinstance(moe, MoE):  # the add and norm inside the MoE layer's router launch on a GPU
-            x, f = moe.residual_forward(x, a, layer.post_attention_layernorm)
-        else:
-            x, h = layer.post_attention_layernorm.residual(x, a)
-            f = layer.ffn(h)
         layers = self.model.layers
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
         assert isinstance(norm, RMSNorm)
-        return norm.residual(x, f)
+        moe = getattr(layer, "block_sparse_moe", None)
+        if isinstance(moe, MoE):  # on a GPU both adds and norms inside the MoE layer's launches
+            return moe.residual_block(x, a, layer.post_attention_layernorm, norm)
+        x, h = layer.post_attention_layernorm.residual(x, a)
+        return norm.residual(x, layer.ffn(h))
 
     @torch.inference_mode()
     def forward(self, input_ids: Tensor) -> Tensor:

@@ -16,6 +16,15 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
     chosen [T, k] int (expert ids); weights [T, k] (routing weights). Returns [T, D] in x's dtype:
     ``out_t = sum_j weights[t, j] * w2[e] @ (silu(w1[e] @ x_t) * (w3[e] @ x_t))`` with ``e = chosen[t, j]``.
     """
+    _check_moe(x, w13, w2, chosen, weights)
+    if x.is_cuda:
+        from .triton_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, chosen, weights)
+    return naive_fused_moe(x, w13, w2, chosen, weights)
+
+
+def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w13.shape[2] != x.shape[1] or w13.shape[1] % 2:
         raise ValueError(f"x must be [T, D] and w13 [E, 2F, D], got {tuple(x.shape)}, {tuple(w13.shape)}")
     T, D = x.shape
@@ -27,11 +36,6 @@ def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
                          f"{tuple(weights.shape)}")
     if w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"w13 and w2 must be in x's dtype {x.dtype}, got {w13.dtype}, {w2.dtype}")
-    if x.is_cuda:
-        from .triton_moe import fused_moe_triton
-
-        return fused_moe_triton(x, w13, w2, chosen, weights)
-    return naive_fused_moe(x, w13, w2, chosen, weights)
 
 
 def moe_route(
@@ -59,6 +63,26 @@ def moe_route(
     return naive_moe_route(x, gate, bias, top_k, renormalize, scale, always_on)
 
 
+def fused_moe_add_norm(
+    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, res: Tensor, norm_weight: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor]:
+    """``fused_moe`` and the residual add and RMSNorm after it: res [T, D] (the residual stream), norm_weight [D]
+    -> (s = res + fused_moe(x, ...), h = rms_norm(s) * norm_weight), both [T, D] in x's dtype as
+    ``kernels.norm.add_rms_norm`` gives them. On CUDA up to ``triton_moe.DIRECT_MAX_TOKENS`` tokens the add and
+    norm run in the direct down kernel's launch; otherwise the two calls."""
+    if res.shape != x.shape or norm_weight.shape != (x.shape[-1],):
+        raise ValueError(f"res must be x's shape {tuple(x.shape)} and norm_weight [D], got {tuple(res.shape)}, "
+                         f"{tuple(norm_weight.shape)}")
+    if x.is_cuda and x.shape[0] > 0:
+        from .triton_moe import DIRECT_MAX_TOKENS, fused_moe_direct_add_norm
+
+        if x.shape[0] <= DIRECT_MAX_TOKENS:
+            _check_moe(x, w13, w2, chosen, weights)
+            return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps)
+    return add_rms_norm(res, fused_moe(x, w13, w2, chosen, weights), norm_weight, eps)
+
+
 def add_norm_route(
     x: Tensor, res: Tensor, norm_weight: Tensor, eps: float, gate: Tensor, bias: Tensor, top_k: int,
     renormalize: bool, scale: float, always_on: int | None = None,
@@ -80,4 +104,4 @@ def add_norm_route(
     return s, h, chosen, weights
 
 
-__all__ = ["add_norm_route", "fused_moe", "moe_route"]
+__all__ = ["add_norm_route", "fused_moe", "fused_moe_add_norm", "moe_route"]

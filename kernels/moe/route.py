@@ -172,13 +172,14 @@ def _route_decode_kernel(
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}
 
 
-def _arrival_counter(device: torch.device) -> Tensor:
-    """The decode router's arrival counter of ``device`` (zero between launches). Made outside a graph capture
-    and kept; during a capture without one, a fresh zeroed counter (a memset node in the graph)."""
+def arrival_counters(device: torch.device) -> Tensor:
+    """The arrival counters of ``device`` (zero between launches): [0] the decode router's, [1] the direct MoE
+    down kernel's (``triton_moe``). Made outside a graph capture and kept; during a capture without them, fresh
+    zeroed counters (a memset node in the graph)."""
     key = (device.type, device.index)
     c = _COUNTERS.get(key)
     if c is None:
-        c = torch.zeros(1, dtype=torch.int32, device=device)
+        c = torch.zeros(2, dtype=torch.int32, device=device)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _COUNTERS[key] = c
     return c
@@ -235,7 +236,7 @@ def _route_decode(
     warps = 4
     BK = max(16, min(triton.next_power_of_2(D), 1024 * warps // (BT * BE)))
     _route_decode_kernel[(triton.cdiv(E, BE),)](
-        x, gate, bias, logits, _arrival_counter(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
+        x, gate, bias, logits, arrival_counters(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
         NORM=norm is not None, num_warps=warps,
@@ -281,6 +282,7 @@ def moe_route_triton(
 __all__ = [
     "ROUTE_DECODE_MAX_TOKENS",
     "add_norm_route_decode",
+    "arrival_counters",
     "moe_route_decode",
     "moe_route_triton",
     "router_logits_triton",

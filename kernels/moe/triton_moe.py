@@ -15,6 +15,9 @@ block), reading the pair's expert rows straight from ``chosen``, and the down ke
 row block of D) that sums the token's k pairs itself (no [T * k, D] buffer, no reduction launch): two launches
 a layer, GEMVs by multiply-and-sum with the whole reduction unrolled (every load of a program in flight).
 
+The direct down kernel can also take the residual add and RMSNorm after the layer: its last program to finish
+(an arrival counter, as the decode router's) adds and norms the few rows (``fused_moe_direct_add_norm``).
+
 Every launch has a grid fixed by the shapes (at most ``T * k + min(E, T * k) * (BM - 1)`` padded rows); row
 blocks past ``num_padded`` return at once. No host sync anywhere, so a decode step is CUDA-graph safe.
 """
@@ -268,9 +271,14 @@ def _up_direct_kernel(
 @triton.jit
 def _down_direct_kernel(
     act, w2, y, chosen, route_w, stride_a, stride_we, stride_wn, stride_y,
+    res, norm_w, s_out, h_out, counter, T, eps,
     D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    NORM: tl.constexpr, BD: tl.constexpr,
 ):
-    """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block)."""
+    """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block).
+    With NORM the last program to finish (an arrival counter, reset by it) adds the T rows of y to the residual
+    rows res [T, D] and norms them as ``kernels.norm.add_rms_norm`` does: s_out = res + y, h_out =
+    rms_norm(s_out) * norm_w (both [T, D] contiguous)."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < D
@@ -289,6 +297,21 @@ def _down_direct_kernel(
             part += tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
         acc += tl.sum(part, axis=1) * rw
     tl.store(y + t.to(tl.int64) * stride_y + n, acc.to(y.dtype.element_ty), mask=n_ok)
+    if NORM:
+        tl.debug_barrier()  # every thread's rows of y are written before this program's arrival is released
+        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+            d = tl.arange(0, BD)
+            d_ok = d < D
+            nw = tl.load(norm_w + d, mask=d_ok, other=0.0).to(tl.float32)
+            for r in range(T):  # T * D is small (a decode batch): int32 offsets
+                yv = tl.load(y + r * stride_y + d, mask=d_ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+                v = (tl.load(res + r * D + d, mask=d_ok, other=0.0).to(tl.float32) + yv).to(s_out.dtype.element_ty)
+                tl.store(s_out + r * D + d, v, mask=d_ok)
+                v = v.to(tl.float32)
+                inv = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
+                tl.store(h_out + r * D + d, (v * inv * nw).to(h_out.dtype.element_ty), mask=d_ok)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 def fused_moe_direct(
@@ -296,10 +319,30 @@ def fused_moe_direct(
 ) -> Tensor:
     """``fused_moe_triton`` for few tokens in two launches, no grouping: up over (pair, column block), down over
     (token, row block) summing the token's k pairs. Same arguments; chosen and weights are made contiguous."""
+    return _direct(x, w13, w2, chosen, weights, cfg, None)[0]
+
+
+def fused_moe_direct_add_norm(
+    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, res: Tensor, norm_weight: Tensor,
+    eps: float, cfg: DirectLaunch | None = None,
+) -> tuple[Tensor, Tensor]:
+    """``fused_moe_direct`` and the residual add and RMSNorm after it, in its two launches (the last program of
+    the down kernel adds and norms the few rows): res [T, D], norm_weight [D] -> (s = res + moe(x), h =
+    rms_norm(s) * norm_weight), both [T, D] in x's dtype, as ``kernels.norm.add_rms_norm`` gives them."""
+    _, s, h = _direct(x, w13, w2, chosen, weights, cfg, (res, norm_weight, eps))
+    assert s is not None and h is not None
+    return s, h
+
+
+def _direct(
+    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: DirectLaunch | None,
+    add_norm: tuple[Tensor, Tensor, float] | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     T, D = x.shape
     F2 = w13.shape[1]
     Fw = F2 // 2
     k = chosen.shape[1]
+    assert w13.stride(2) == 1 and w2.stride(2) == 1, "expert weights need a contiguous last dimension"
     c = cfg or DIRECT_LAUNCH
     x = x.contiguous()
     flat = chosen.reshape(-1).contiguous()
@@ -311,12 +354,23 @@ def fused_moe_direct(
         D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, num_warps=c.WARPS_UP,
     )
     y = torch.empty_like(x)
+    if add_norm is None:
+        res, norm_w, s, h, eps, counter = x, x, None, None, 0.0, flat
+    else:
+        from .route import arrival_counters
+
+        res, norm_w, eps = add_norm
+        res = res.contiguous()
+        s, h = torch.empty_like(x), torch.empty_like(x)
+        counter = arrival_counters(x.device)[1:]  # the router uses [0]: launches on one stream never overlap
     bk_down = min(c.BK_DOWN, max(16, triton.next_power_of_2(Fw)))
     _down_direct_kernel[(T, triton.cdiv(D, c.BN_DOWN))](
         act, w2, y, flat, route_w, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        D=D, Fw=Fw, TOP_K=k, BN=c.BN_DOWN, BK=bk_down, num_warps=c.WARPS_DOWN,
+        res, norm_w, y if s is None else s, y if h is None else h, counter, T, float(eps),
+        D=D, Fw=Fw, TOP_K=k, BN=c.BN_DOWN, BK=bk_down, NORM=add_norm is not None,
+        BD=triton.next_power_of_2(D), num_warps=c.WARPS_DOWN,
     )
-    return y
+    return y, s, h
 
 
 def fused_moe_triton(
@@ -369,6 +423,7 @@ __all__ = [
     "align_torch",
     "align_triton",
     "fused_moe_direct",
+    "fused_moe_direct_add_norm",
     "fused_moe_triton",
     "launch_config",
 ]

@@ -93,6 +93,41 @@ def test_direct_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: 
     assert rel_rms(fused_moe_triton(x, w13, w2, chosen, weights), ref) < TOL  # T <= 16: the direct kernels
 
 
+ADD_NORM_CASES = [(1, 8, 2, 48, 40), (5, 8, 3, 48, 40), (16, 16, 9, 40, 24)]
+
+
+@pytest.mark.parametrize("T,E,k,D,Fw", ADD_NORM_CASES, ids=[f"T{c[0]}-E{c[1]}-k{c[2]}" for c in ADD_NORM_CASES])
+def test_direct_moe_with_the_norm_after_it_matches_the_twins(T: int, E: int, k: int, D: int, Fw: int) -> None:
+    """The down kernel's last program adds the residual and norms (tiles that split D into several programs):
+    the expert loop's output added and normed by the norm's twin; the arrival counter back at zero, so a second
+    call norms again (as a graph replay would)."""
+    from kda_sessions.kernels.moe.route import _COUNTERS
+    from kda_sessions.kernels.moe.triton_moe import DirectLaunch, fused_moe_direct_add_norm
+    from kda_sessions.kernels.norm.naive import naive_add_rms_norm
+
+    x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T)
+    gen = torch.Generator().manual_seed(T + 1)
+    res, nw = torch.randn(T, D, generator=gen), torch.rand(D, generator=gen) + 0.5
+    rs, rh = naive_add_rms_norm(res, naive_fused_moe(x, w13, w2, chosen, weights), nw, 1e-6)
+    for cfg in (DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(2, 512, 2, 2, 512, 2)):
+        s, h = fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6, cfg)
+        assert rel_rms(s, rs) < TOL and rel_rms(h, rh) < TOL
+        assert int(_COUNTERS[("cpu", None)][1]) == 0
+
+
+def test_fused_moe_add_norm_checks_shapes_and_runs_the_twins_on_a_cpu() -> None:
+    from kda_sessions.kernels.moe import fused_moe_add_norm
+    from kda_sessions.kernels.norm import add_rms_norm
+
+    x, w13, w2, chosen, weights = moe_case(3, 8, 2, 48, 40, seed=9)
+    res, nw = torch.randn(3, 48), torch.ones(48)
+    with pytest.raises(ValueError, match="norm_weight"):
+        fused_moe_add_norm(x, w13, w2, chosen, weights, res[:, :8], nw, 1e-6)
+    s, h = fused_moe_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6)
+    rs, rh = add_rms_norm(res, naive_fused_moe(x, w13, w2, chosen, weights), nw, 1e-6)
+    assert torch.equal(s, rs) and torch.equal(h, rh)
+
+
 def test_direct_moe_half_precision() -> None:
     from kda_sessions.kernels.moe.triton_moe import fused_moe_direct
 
@@ -320,6 +355,35 @@ def test_one_launch_router_replays_in_a_cuda_graph(T: int) -> None:
         c2, w2 = moe_route(x, gate, bias, 8, True, 2.446, 256)
         bad += int(not (torch.equal(chosen, c2) and torch.equal(w, w2)))
     assert bad == 0 and bool((chosen[:, -1] == 256).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 8, 16], ids=["T1", "T8", "T16"])
+def test_direct_moe_with_the_norm_on_the_gpu(T: int) -> None:
+    """bf16 at the 48B shape, captured in a CUDA graph, replayed on new routing: equal to the eager call, and
+    within bf16 tolerance (1e-2) of the float32 twin added and normed."""
+    from kda_sessions.kernels.moe import fused_moe_add_norm
+    from kda_sessions.kernels.norm.naive import naive_add_rms_norm
+
+    x, w13, w2, chosen, weights = moe_case(T, 256, 8, 2304, 1024, seed=3, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(T, 2304, device="cuda").bfloat16()
+    nw = (torch.rand(2304, device="cuda") + 0.5).bfloat16()
+    fused_moe_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s, h = fused_moe_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6)
+    for seed in (4, 5):
+        x2, _, _, chosen2, weights2 = moe_case(T, 256, 8, 2304, 1024, seed=seed, device="cuda", dtype=torch.bfloat16)
+        x.copy_(x2)
+        chosen.copy_(chosen2)
+        weights.copy_(weights2)
+        graph.replay()
+        es, eh = fused_moe_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6)
+        assert torch.equal(s, es) and torch.equal(h, eh)
+        ref = naive_fused_moe(x.float(), w13.float(), w2.float(), chosen, weights.float())
+        rs, rh = naive_add_rms_norm(res.float(), ref, nw.float(), 1e-6)
+        assert rel_rms(s.float(), rs) < TOL_BF16 and rel_rms(h.float(), rh) < TOL_BF16
 
 
 @pytest.mark.gpu
