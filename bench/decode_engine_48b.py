@@ -9,8 +9,9 @@ Parts, each written to ``--out`` as it ends:
             detokenising included);
   replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
             random pools (no prefill, so 1M fits in the time);
-  profile   the eager step at 1 x 8K under the torch profiler (``decode_48b.profile_case``), with KDA's fused decode
-            (``KDAAttention.fused_decode``) and with the separate kernels it replaces: kernels per step, top kernels;
+  profile   the eager step at 1 x ``--profile-context`` (8K) under the torch profiler (``decode_48b.profile_case``),
+            with KDA's fused decode (``KDAAttention.fused_decode``) and with the separate kernels it replaces:
+            kernels per step, top kernels;
             and the top kernels of graphed ``generate`` steps through the Engine;
   prefill_2b  with ``--prefill-2b N``: the 2 B hybrid bench model of ``bench/e2e_gpu.py`` prefills N tokens through
             ``Engine`` (``append`` + ``generate(1)``, after a warm-up that compiles), tokens/s.
@@ -161,6 +162,7 @@ def main() -> None:
     ap.add_argument("--prefill-2b", type=int, default=0, help="also prefill the 2 B bench model N tokens (0: no)")
     ap.add_argument("--profile-kda", default="separate,fused",
                     help="eager profiles at 1 x 8K, KDA decode 'separate' and/or 'fused' (the library's), in order")
+    ap.add_argument("--profile-context", type=int, default=8192, help="context of the eager profiles (batch 1)")
     ap.add_argument("--budget", type=float, default=420.0, help="start no new part after this many seconds")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -223,8 +225,9 @@ def main() -> None:
         torch.cuda.empty_cache()
         for on in [m == "fused" for m in args.profile_kda.split(",") if m]:
             set_fused_decode(model, on)
-            part(f"profile_eager_1x8192_kda_{'fused' if on else 'separate'}",
-                 lambda: profile_case(model, 8192, args.device))
+            L = args.profile_context if not args.quick else 256
+            part(f"profile_eager_1x{L}_kda_{'fused' if on else 'separate'}",
+                 lambda L=L: profile_case(model, L, args.device, top=30))
         set_fused_decode(model, True)
     for b, L in cases(args.replay_cases):
         part(f"replay_{b}x{L}", lambda b=b, L=L: decode_case(model, b, L, ["fused"], args.reps, args.device))
