@@ -69,15 +69,15 @@ def fused_moe_add_norm(
 ) -> tuple[Tensor, Tensor]:
     """``fused_moe`` and the residual add and RMSNorm after it: res [T, D] (the residual stream), norm_weight [D]
     -> (s = res + fused_moe(x, ...), h = rms_norm(s) * norm_weight), both [T, D] in x's dtype as
-    ``kernels.norm.add_rms_norm`` gives them. On CUDA up to ``triton_moe.DIRECT_MAX_TOKENS`` tokens the add and
+    ``kernels.norm.add_rms_norm`` gives them. On CUDA up to ``triton_moe.ADD_NORM_MAX_TOKENS`` tokens the add and
     norm run in the direct down kernel's launch; otherwise the two calls."""
     if res.shape != x.shape or norm_weight.shape != (x.shape[-1],):
         raise ValueError(f"res must be x's shape {tuple(x.shape)} and norm_weight [D], got {tuple(res.shape)}, "
                          f"{tuple(norm_weight.shape)}")
     if x.is_cuda and x.shape[0] > 0:
-        from .triton_moe import DIRECT_MAX_TOKENS, fused_moe_direct_add_norm
+        from .triton_moe import ADD_NORM_MAX_TOKENS, fused_moe_direct_add_norm
 
-        if x.shape[0] <= DIRECT_MAX_TOKENS:
+        if x.shape[0] <= ADD_NORM_MAX_TOKENS:
             _check_moe(x, w13, w2, chosen, weights)
             return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps)
     return add_rms_norm(res, fused_moe(x, w13, w2, chosen, weights), norm_weight, eps)

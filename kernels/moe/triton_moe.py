@@ -59,6 +59,12 @@ DIRECT_MAX_TOKENS = 16
 """Up to this many tokens ``fused_moe_triton`` runs the direct kernels (no align step)."""
 
 
+ADD_NORM_MAX_TOKENS = 1
+"""Up to this many tokens ``fused_moe_add_norm`` norms in the down kernel's last program. That program adds and
+norms the rows one after another while the rest of the GPU idles: a launch less pays at one token; with it at
+every direct batch the 8 x 32K step replay measured 8.36 ms on the H200 against 8.08 without."""
+
+
 @dataclass(frozen=True)
 class DirectLaunch:
     """Tiles of the direct (decode) kernels: up, BN_UP columns of w1 and of w3 by BK_UP of the width a step;
@@ -415,6 +421,7 @@ def fused_moe_triton(
 
 
 __all__ = [
+    "ADD_NORM_MAX_TOKENS",
     "ALIGN_KERNEL_MAX_PAIRS",
     "DIRECT_LAUNCH",
     "DIRECT_MAX_TOKENS",

@@ -306,8 +306,9 @@ class PinnedRoutes:
     RMS over 80 tokens, unpinned): pinned, the comparison measures the GPU path's arithmetic rather than which
     near-ties flipped. ``flips`` counts the GPU rows whose own choice differed."""
 
-    def __init__(self, route) -> None:
+    def __init__(self, route, add_norm_route) -> None:
         self.route = route
+        self._add_norm_route = add_norm_route
         self.recorded: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.flips = 0
 
@@ -316,6 +317,16 @@ class PinnedRoutes:
         if not x.is_cuda:
             self.recorded.append((chosen, weights))
             return chosen, weights
+        return self._pin(chosen, weights, top_k)
+
+    def add_norm_route(self, x, res, norm_weight, eps, gate, bias, top_k, renormalize, scale, always_on=None):
+        """``add_norm_route`` (the GPU decode's norm and router in one launch), its experts pinned likewise."""
+        s, h, chosen, weights = self._add_norm_route(x, res, norm_weight, eps, gate, bias, top_k, renormalize,
+                                                     scale, always_on)
+        assert x.is_cuda
+        return (s, h, *self._pin(chosen, weights, top_k))
+
+    def _pin(self, chosen, weights, top_k):
         c, w = self.recorded.pop(0)
         c = c.to(chosen.device)
         self.flips += int((c.sort(-1).values != chosen[:, :top_k].sort(-1).values).any(-1).sum())
@@ -335,8 +346,9 @@ def test_cuda_model_matches_the_cpu_model(monkeypatch):
         pytest.skip("no CUDA device")
     from kda_sessions.model import ffn
 
-    routes = PinnedRoutes(ffn.moe_route)
+    routes = PinnedRoutes(ffn.moe_route, ffn.add_norm_route)
     monkeypatch.setattr(ffn, "moe_route", routes)
+    monkeypatch.setattr(ffn, "add_norm_route", routes.add_norm_route)
     cpu = load_model("tiny-random")
     gpu = load_model("tiny-random", device="cuda", dtype=torch.float32)
     ids = torch.randint(0, 272, (2, 40), generator=torch.Generator().manual_seed(7))
