@@ -79,11 +79,11 @@ class EngineConfig(BaseModel):
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""
     cpu_compile: bool = False
     """On a CPU, decode steps of one sequence run as one ``torch.compile``d function (inductor's C++, which needs a
-    C++ compiler; ``HybridModel.compile_cpu_decode``): 1.3-1.6x the eager decode for ``tiny`` (docs/benchmarks.md).
-    The step thread compiles it when the engine opens, before its first step (~20-40 s cold on 2 cores, a few
-    seconds from inductor's on-disk cache); requests wait meanwhile. Fastest with ``cpu_threads=1`` (``tiny`` at 1K:
-    395 tok/s against 271 at 2 threads). Batches of several sequences, contexts under 3 tokens and models with MoE
-    layers decode eagerly. No effect on a GPU."""
+    C++ compiler; ``HybridModel.compile_cpu_decode``): for ``tiny`` at 1K about half the eager path's CPU time a token
+    (docs/benchmarks.md). The step thread compiles it when the engine opens, before its first step (35-80 s cold on
+    a busy 2-core machine, 8-16 s from inductor's on-disk cache); requests wait meanwhile, which is why it is not
+    the default. Batches of several sequences, contexts under 3 tokens and models with MoE layers decode eagerly.
+    No effect on a GPU."""
     cpu_compile_weights: Literal["model", "bfloat16"] = "model"
     """The matmul weights the compiled CPU decode reads: the model's values (the eager path's greedy tokens, logits
     equal to float rounding; held in bfloat16 where that is exact, as for ``tiny``'s bfloat16 checkpoint loaded in
