@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
+import itertools
 import re
 import time
 from collections.abc import Callable
@@ -162,8 +164,8 @@ class StoreIO:
             for cp in s.checkpoints.values():
                 if cp.state_blob is None:
                     assert cp.state_id is not None
-                    host_state = self.pools.host.get(cp.state_id)  # never changed once captured
-                    states[cp.name] = add(lambda st=host_state: encode_state(*st))  # type: ignore[misc]
+                    # a host state never changes once captured: encoded on a thread as it is
+                    states[cp.name] = add(functools.partial(encode_state, *self.pools.host.get(cp.state_id)))
                 if cp.page_blobs is None:
                     partials[cp.name] = self._partial_page(cp.pages, cp.state_pos, add)
             tokens = encode_tokens(s.tokens)
@@ -177,10 +179,7 @@ class StoreIO:
             stream.announce(len(blobs) + len(pages))
             if blobs:
                 stream.put(list(blobs.items()))
-            for chunk in ([first] if first is not None else []):
-                stream.put(chunk)
-                digests_made.extend(d for d, _ in chunk)
-            for chunk in chunks:
+            for chunk in itertools.chain([] if first is None else [first], chunks):
                 stream.put(chunk)
                 digests_made.extend(d for d, _ in chunk)
             stream.close()
