@@ -366,6 +366,31 @@ def test_cuda_model_matches_the_cpu_model(monkeypatch):
     assert not routes.recorded  # every CPU call had its GPU twin
 
 
+@pytest.mark.slow  # ~2.5 min on a 2-core VM: the decode steps' kernels run in Triton's interpreter
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (a CPU run)")
+def test_gpu_decode_branches_match_the_cpu_path(model, monkeypatch):
+    """The decode step's GPU branches (KDA's decode with its output norm, the MoE block's adds and norms in the
+    router's and the down kernel's launches, at one token and at three) run on a CPU through the interpreter,
+    whose float32 dots are exact: the logits equal the CPU path's to 1e-5. The MLA decode takes its Triton split
+    kernel (the Gluon one and the SM count need a real device)."""
+    import types
+
+    from kda_sessions.kernels.mla import paged_decode
+
+    monkeypatch.setattr(paged_decode, "gluon_split_ok", lambda *a, **k: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=4))
+    m = copy.deepcopy(model)
+    m.stack_experts()
+    on_cpu, on_gpu = twins(m, [20, 9, 33], seed=11)
+    for seqs, ids in (([0], [5]), ([0, 1, 2], [7, 8, 9])):
+        ref = on_cpu.eager_decode(seqs, ids)
+        with monkeypatch.context() as mp:
+            mp.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+            out = on_gpu.eager_decode(seqs, ids)
+        assert rel_err(out, ref) < 1e-5, (seqs, rel_err(out, ref))
+        assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
 def test_merged_decode_projections_equal_the_separate_ones(model):
     """The GPU decode's two matvecs over merged weights give the eight projections' outputs (run here on a CPU)."""
     from kda_sessions.model.kda import KDAAttention
