@@ -3,8 +3,8 @@ absorbed products), rebuilt whenever a source parameter changes.
 
 A decode step on a CPU is bound by per-op overhead, not arithmetic: one matmul over concatenated weights costs
 about what one of its parts does. The derived tensors are a cache, never checkpoint state: they are keyed on
-each source parameter's storage, version counter, dtype and device, so loading weights, training steps and
-``.to()`` all invalidate them. On a CPU they are packed into huge pages (``pack``).
+each source parameter's storage and version counter and the first one's dtype and device, so loading weights,
+training steps and ``.to()`` all invalidate them. On a CPU they are packed into huge pages (``pack``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def row_matmul(x: Tensor, w: Tensor) -> Tensor:
     which reads weights at well below the memory's rate (bench/cpu_paths.py, ``reduction``)."""
     if torch.compiler.is_compiling():
         return (x[:, None, :] * w.t()).sum(-1)
-    return x @ w
+    return torch.mm(x, w)  # what ``x @ w`` calls for 2-d operands, without matmul's dispatch on top
 
 
 def pack(tensors: Sequence[Tensor]) -> tuple[Tensor, ...]:
@@ -118,8 +118,12 @@ def huge_page_zeros(numel: int, dtype: torch.dtype) -> Tensor:
     return raw[start : start + numel]
 
 
-def _key(params: Sequence[Tensor]) -> tuple[tuple[int, int, torch.dtype, torch.device], ...]:
-    return tuple((p.data_ptr(), p._version, p.dtype, p.device) for p in params)
+def _key(params: Sequence[Tensor]) -> tuple[object, ...]:
+    # checked once per layer per decode step: each attribute read costs a tenth of a microsecond, so the dtype
+    # and device once (a module moves all of its parameters, each to new storage), storage and version of each
+    if not params:
+        return ()
+    return (params[0].dtype, params[0].device, *[p.data_ptr() for p in params], *[p._version for p in params])
 
 
 class DerivedWeights:
@@ -129,7 +133,7 @@ class DerivedWeights:
     def __init__(self, params: Callable[[], Sequence[Tensor]], build: Callable[[], tuple[Tensor, ...]]) -> None:
         self._params = params
         self._build = build
-        self._key: tuple[tuple[int, int, torch.dtype, torch.device], ...] | None = None
+        self._key: tuple[object, ...] | None = None
         self._value: tuple[Tensor, ...] = ()
 
     def get(self) -> tuple[Tensor, ...]:

@@ -82,7 +82,7 @@ class KDAAttention(nn.Module):
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], slots [N] int,
         cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D]."""
         if self._use_fast_cpu(x):
-            return self._decode_cpu(x, slots, state, conv_state)
+            return self.decode_cpu(x, slots, state, conv_state)
         if x.is_cuda and self.fused_decode:
             qkv, raw, b, og = self._projections_merged(x)
             # [N, H, V]: the output norm and gate applied in kda_decode's second launch
@@ -172,48 +172,58 @@ class KDAAttention(nn.Module):
         w_out = (self.o_proj.weight.float() * row_scale).to(self.o_proj.weight.dtype)  # [D, H*V]
         return (mm(w_in), mm(w_gate), self.conv_weight().t().float().contiguous(), gate_bias, -a, qk_scale, mm(w_out))
 
-    def _decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
+    def decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor,
+                   residual: Tensor | None = None) -> Tensor:
         """``decode`` on a CPU: ``decode_rows`` over the N sequences' pool rows (for one sequence views of them,
-        updated in place: a CPU syncs for free; for several, gathered copies written back)."""
+        updated in place: a CPU syncs for free; for several, gathered copies written back). With ``residual``
+        [N, D] it returns residual + the layer's output, the add inside the output projection's matmul."""
         if x.shape[0] == 1:
             one = int(slots[0])
-            return self.decode_rows(x, state[one : one + 1], conv_state[one : one + 1], self._cpu.get())
+            return self.decode_rows(x, state[one : one + 1], conv_state[one : one + 1], self._cpu.get(), residual)
         S, tails = state.index_select(0, slots), conv_state.index_select(0, slots)
-        out = self.decode_rows(x, S, tails, self._cpu.get())
+        out = self.decode_rows(x, S, tails, self._cpu.get(), residual)
         state[slots] = S
         conv_state[slots] = tails
         return out
 
-    def decode_rows(self, x: Tensor, S: Tensor, tails: Tensor, w: tuple[Tensor, ...]) -> Tensor:
+    def decode_rows(self, x: Tensor, S: Tensor, tails: Tensor, w: tuple[Tensor, ...],
+                    residual: Tensor | None = None) -> Tensor:
         """One new token of N sequences on a CPU in few, large ops (a step there is bound by per-op overhead):
         one matmul for the six input projections, one for both gates, the conv over [N, W, Dc], the recurrence
         batched over the N sequences and heads, the output norm folded into ``w_out``. Traceable by
         ``torch.compile`` (no host sync, no branch on values).
 
         x [N, D]; S [N, H, K, V] float32 and tails [N, W - 1, Dc], the sequences' KDA states and conv tails,
-        updated in place; w, ``cpu_decode_weights``. Returns [N, D]. The same math as the twins in another order of
-        sums: outputs match to float rounding."""
+        updated in place; w, ``cpu_decode_weights``. Returns [N, D], plus ``residual`` [N, D] where given (one
+        ``torch.addmm``, eager only). The same math as the twins in another order of sums: outputs match to float
+        rounding."""
         N = x.shape[0]
         H, K, V = self.H, self.K, self.V
         HK, Dc = H * K, self.conv_dim
+        f32 = torch.float32
         w_in, w_gate, conv_w, gate_bias, neg_a, qk_scale, w_out = w
-        y = row_matmul(x, w_in)  # [N, Dc + K + V + H]
+        # (each op of a step costs a few microseconds: views taken by one split, casts skipped where they change
+        # nothing)
+        new, fa_ga, b = torch.split_with_sizes(row_matmul(x, w_in), [Dc, K + V, H], 1)  # [N, Dc + K + V + H]
         # [N, H*K + H*V]: raw gate + dt_bias | output gate logits, float32
-        fg = row_matmul(y[:, Dc : Dc + K + V], w_gate).float().add_(gate_bias)
+        fg = row_matmul(fa_ga, w_gate)
+        raw, og = torch.split_with_sizes((fg if fg.dtype == f32 else fg.float()).add_(gate_bias), [HK, H * V], 1)
         # causal conv over the last W - 1 pre-conv rows and the new one
-        seq = torch.cat([tails, y[:, None, :Dc].to(tails.dtype)], dim=1)  # [N, W, Dc]
+        new = new.unsqueeze(1)
+        seq = torch.cat([tails, new if new.dtype == tails.dtype else new.to(tails.dtype)], dim=1)  # [N, W, Dc]
         tails.copy_(seq[:, 1:])
-        qkv = torch.nn.functional.silu((seq.float() * conv_w).sum(1))  # [N, Dc] float32
-        qk = qkv[:, : 2 * HK].view(N, 2 * H, K)  # the q heads, then the k heads
+        qkv = torch.nn.functional.silu((seq if seq.dtype == f32 else seq.float()).mul_(conv_w).sum(1))  # [N, Dc]
+        qk, v = torch.split_with_sizes(qkv, [2 * HK, H * V], 1)
+        qk = qk.view(N, 2 * H, K)  # the q heads, then the k heads
         # l2norm of every q and k head at once, the q heads also times K^-0.5
         qk = qk * (qk * qk).sum(-1, keepdim=True).add_(1e-6).rsqrt_().mul_(qk_scale)
-        q, k = qk[:, :H].reshape(N * H, 1, K), qk[:, H:].reshape(N * H, 1, K)
-        v = qkv[:, 2 * HK :].reshape(N * H, 1, V)
+        q, k = torch.split_with_sizes(qk, [H, H], 1)
+        q, k, v = q.reshape(N * H, 1, K), k.reshape(N * H, 1, K), v.reshape(N * H, 1, V)
         if self.lower_bound is None:
-            g = torch.nn.functional.softplus(fg[:, :HK], beta=1.0, threshold=20.0).mul_(neg_a)
+            g = torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0).mul_(neg_a)
         else:
-            g = torch.sigmoid(-neg_a * fg[:, :HK]).mul_(self.lower_bound)
-        beta = torch.sigmoid(y[:, Dc + K + V :].float()).view(N * H, 1, 1)
+            g = torch.sigmoid(-neg_a * raw).mul_(self.lower_bound)
+        beta = torch.sigmoid(b if b.dtype == f32 else b.float()).view(N * H, 1, 1)
         # one recurrence step per head: decay, delta update, read (KDA.md)
         S3 = S.view(N * H, K, V)
         S3.mul_(g.exp_().view(N * H, K, 1))
@@ -222,8 +232,11 @@ class KDAAttention(nn.Module):
         o = torch.bmm(q, S3).view(N, H, V)
         # o_norm per head: its weight and sqrt(V) are in w_out, so rsqrt(sum o^2 + V eps) is all that is left
         o = o.mul_((o * o).sum(-1, keepdim=True).add_(V * self.o_norm.eps).rsqrt_())
-        o = o.mul_(torch.sigmoid(fg[:, HK:]).view(N, H, V)).view(N, H * V)
-        return row_matmul(o if o.dtype == x.dtype else o.to(x.dtype), w_out)
+        o = o.mul_(torch.sigmoid(og).view(N, H, V)).view(N, H * V)
+        o = o if o.dtype == x.dtype else o.to(x.dtype)
+        if residual is not None:
+            return torch.addmm(residual, o, w_out)
+        return row_matmul(o, w_out)
 
     def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],

@@ -67,7 +67,7 @@ class MLAttention(nn.Module):
         int32, seq_lens [N] int32 (the new token included), kv_rows [N] int64 flat cache row of each new token.
         Writes the new latent rows into ``kv_pages`` and returns [N, D]."""
         if self.fast_cpu and not x.is_cuda and not torch.is_grad_enabled():  # fused weights are detached
-            return self._decode_cpu(x, page_table, seq_lens, kv_rows, kv_pages)
+            return self.decode_cpu(x, page_table, seq_lens, kv_rows, kv_pages)
         N = x.shape[0]
         q, latent = self._project(x)
         kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
@@ -104,13 +104,15 @@ class MLAttention(nn.Module):
         w_in = torch.cat([self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight])
         return mm(w_in), mm(w_out.to(dt)), mm(q_abs.to(dt))
 
-    def _decode_cpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor,
-                    kv_pages: Tensor) -> Tensor:
+    def decode_cpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor,
+                   residual: Tensor | None = None) -> Tensor:
         """``decode`` on a CPU: ``decode_rows`` over the cached rows of ``context_rows``, then the new latent rows
-        written to the pages."""
+        written to the pages. With ``residual`` [N, D] it returns residual + the layer's output, the add inside
+        the output projection's matmul."""
         lat, mask = self.context_rows(page_table, seq_lens, kv_pages)
-        out, latent = self.decode_rows(x, lat, mask, self._cpu.get())
-        kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
+        out, latent = self.decode_rows(x, lat, mask, self._cpu.get(), residual)
+        kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(
+            0, kv_rows, latent if latent.dtype == kv_pages.dtype else latent.to(kv_pages.dtype))
         return out
 
     def context_rows(self, page_table: Tensor, seq_lens: Tensor, kv_pages: Tensor) -> tuple[Tensor, Tensor | None]:
@@ -135,31 +137,35 @@ class MLAttention(nn.Module):
         pad = (pos[None, :] >= seq_lens[:, None] - 1) & (pos[None, :] < L)  # [N, L + 1]
         return lat, pad[:, None, :]
 
-    def decode_rows(self, x: Tensor, lat: Tensor, mask: Tensor | None,
-                    w: tuple[Tensor, ...]) -> tuple[Tensor, Tensor]:
+    def decode_rows(self, x: Tensor, lat: Tensor, mask: Tensor | None, w: tuple[Tensor, ...],
+                    residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """One new token of N sequences on a CPU in few ops: kv_b_proj absorbed into the query and output
         projections (one matmul in, one out), attention on the latent rows of all N sequences at once: their
         cached rows ``lat`` [N, L, r + dr] (padded to the longest, ``mask`` [N, 1, L + 1] True where padded, or
         None) and the new token's own. Traceable by ``torch.compile``. x [N, D]; w, ``cpu_decode_weights``. Returns
-        (out [N, D], the new latent rows [N, r + dr] for the caller to write to the pages). The same math as the
-        paged-decode twin in another order of sums: outputs match to float rounding."""
+        (out [N, D], plus ``residual`` [N, D] where given (one ``torch.addmm``, eager only); the new latent rows
+        [N, r + dr] for the caller to write to the pages). The same math as the paged-decode twin in another order
+        of sums: outputs match to float rounding."""
         N = x.shape[0]
         H, dr, r = self.H, self.dr, self.r
         L = lat.shape[1]
         y = row_matmul(x, w[0])
-        if len(w) == 2:
-            q, kv_a = y[:, : H * (r + dr)], y[:, H * (r + dr) :]
-        else:
-            q, kv_a = row_matmul(self.q_a_layernorm(y[:, : -(r + dr)]), w[2]), y[:, -(r + dr) :]
-        latent = torch.cat([self.kv_a_layernorm(kv_a[:, :r]), kv_a[:, r:]], dim=-1)  # [N, r + dr]
-        new = latent.to(lat.dtype).to(x.dtype)[:, None, :]  # as the pages will hold it: [N, 1, r + dr]
-        lat = lat.to(x.dtype)
+        # views taken by one split: each op of a step costs a few microseconds
+        q, c, k_pe = torch.split_with_sizes(y, [y.shape[1] - r - dr, r, dr], 1)
+        if len(w) == 3:
+            q = row_matmul(self.q_a_layernorm(q), w[2])
+        latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)  # [N, r + dr]
+        # as the pages will hold it: [N, 1, r + dr] (casts skipped where they change nothing: each op of a step
+        # costs a few microseconds)
+        new = latent if latent.dtype == lat.dtype else latent.to(lat.dtype)
+        new = (new if new.dtype == x.dtype else new.to(x.dtype))[:, None, :]
+        lat = lat if lat.dtype == x.dtype else lat.to(x.dtype)
         q = q.view(N, H, r + dr)
         # [N, H, L + 1]: the cached rows, then the new one; the scale is in the weights
         scores = torch.cat([q @ lat.transpose(1, 2), (q * new).sum(-1, keepdim=True)], dim=-1)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        scores = scores.float()
+        scores = scores if scores.dtype == torch.float32 else scores.float()
         if torch.compiler.is_compiling():
             # inductor's C++ sums more than 4,096 float32 values on a slower, cascaded path, and picks it by the
             # context length the graph was compiled at (guarding it): summed in float64, one graph takes every length
@@ -168,10 +174,15 @@ class MLAttention(nn.Module):
         else:
             probs = scores.softmax(-1)
         # weights below 1e-30 move no float32 sum, and as subnormals (exp below -87) they slow the matmul 4-50x
-        probs = F.threshold(probs, 1e-30, 0.0).to(x.dtype)
+        probs = F.threshold(probs, 1e-30, 0.0)
+        probs = probs if probs.dtype == x.dtype else probs.to(x.dtype)
         # over the whole rows, k_pe columns included: a matmul over the strided c columns alone runs far slower
-        o_lat = torch.baddbmm(probs[:, :, L:] * new, probs[:, :, :L], lat)[:, :, :r]  # [N, H, r]
-        return row_matmul(o_lat.reshape(N, H * r), w[1]), latent
+        p_old, p_new = torch.split_with_sizes(probs, [L, 1], 2)
+        o_lat = torch.baddbmm(p_new * new, p_old, lat)[:, :, :r]  # [N, H, r]
+        o_lat = o_lat.reshape(N, H * r)
+        if residual is not None:
+            return torch.addmm(residual, o_lat, w[1]), latent
+        return row_matmul(o_lat, w[1]), latent
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
         idx = batch.kv_rows

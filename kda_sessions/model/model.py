@@ -259,6 +259,8 @@ class HybridModel(nn.Module):
         if (self._compiled_rows is not None and inp.input_ids.shape[0] == 1 and not torch.is_grad_enabled()
                 and int(inp.seq_lens[0]) >= 3):
             return self._decode_compiled(inp, pools, kv_rows)
+        if self._fast_cpu_decode(inp.input_ids):
+            return self._decode_cpu(inp, pools, kv_rows)
         x = self.model.embed_tokens(inp.input_ids)  # [N, D]
         ik = im = 0
         layers = self._layers()
@@ -272,6 +274,38 @@ class HybridModel(nn.Module):
                 im += 1
             x, h = self._residual_norms(i, layer, x, a)
         return self.lm_head(h).float()
+
+    def _fast_cpu_decode(self, input_ids: Tensor) -> bool:
+        """Whether ``_decode_cpu`` runs this step: a CPU, no autograd, every layer on its CPU decode path with
+        a dense FFN."""
+        if input_ids.is_cuda or torch.is_grad_enabled():
+            return False
+        return all(layer.self_attn.fast_cpu and isinstance(getattr(layer, "mlp", None), SwiGLU) and layer.mlp.fast_cpu
+                   for layer in self._layers())
+
+    def _decode_cpu(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor) -> Tensor:
+        """The eager decode step on a CPU, where each op costs microseconds of overhead beyond its arithmetic:
+        every residual add is the beta of the matmul before it (``torch.addmm``: the attention's output
+        projection, the FFN's down projection), every norm one ``F.rms_norm``, the FFN's gate and up one matmul
+        whose halves are views. The sums of the residual adds move into the matmuls' own: logits match ``decode``'s
+        separate ops to float rounding. Returns logits [N, vocab] float32."""
+        x = F.embedding(inp.input_ids, self.model.embed_tokens.weight)  # [N, D]
+        layers = self._layers()
+        h = layers[0].input_layernorm(x)
+        ik = im = 0
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            if isinstance(attn, KDAAttention):
+                x = attn.decode_cpu(h, inp.slots, pools.kda[ik], pools.conv[ik], residual=x)
+                ik += 1
+            else:
+                x = attn.decode_cpu(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im], residual=x)
+                im += 1
+            h = layer.post_attention_layernorm(x)
+            x = layer.mlp.residual_cpu(h, x)
+            h = (layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)(x)
+        logits = F.linear(h, self.lm_head.weight)  # [N, vocab]
+        return logits if logits.dtype == torch.float32 else logits.float()
 
     def _layers(self) -> list[DecoderLayer]:
         layers = list(self.model.layers)
