@@ -286,12 +286,12 @@ class HybridModel(nn.Module):
     def _decode_cpu(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor) -> Tensor:
         """The eager decode step on a CPU, where each op costs microseconds of overhead beyond its arithmetic:
         every residual add is the beta of the matmul before it (``torch.addmm``: the attention's output
-        projection, the FFN's down projection), every norm one ``F.rms_norm``, the FFN's gate and up one matmul
+        projection, the FFN's down projection), every norm ``RMSNorm.rows``, the FFN's gate and up one matmul
         whose halves are views. The sums of the residual adds move into the matmuls' own: logits match ``decode``'s
         separate ops to float rounding. Returns logits [N, vocab] float32."""
         x = F.embedding(inp.input_ids, self.model.embed_tokens.weight)  # [N, D]
         layers = self._layers()
-        h = layers[0].input_layernorm(x)
+        h = layers[0].input_layernorm.rows(x)
         ik = im = 0
         for i, layer in enumerate(layers):
             attn = layer.self_attn
@@ -301,9 +301,9 @@ class HybridModel(nn.Module):
             else:
                 x = attn.decode_cpu(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im], residual=x)
                 im += 1
-            h = layer.post_attention_layernorm(x)
+            h = layer.post_attention_layernorm.rows(x)
             x = layer.mlp.residual_cpu(h, x)
-            h = (layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm)(x)
+            h = (layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm).rows(x)
         logits = F.linear(h, self.lm_head.weight)  # [N, vocab]
         return logits if logits.dtype == torch.float32 else logits.float()
 

@@ -9,6 +9,7 @@ import torch
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.model import HybridModel, load_model
+from kda_sessions.model.ffn import RMSNorm
 from kda_sessions.model.fused import reduction_weight, row_matmul
 from kda_sessions.model.loader import BUILTIN_DIR
 from kda_sessions.model.mla import MLAttention
@@ -123,6 +124,52 @@ def test_mla_decode_with_q_lora_matches_reference():
             out[fast] = (layer.decode(x, table, seq_lens, rows, kv), kv)
     assert rel_err(out[True][0], out[False][0]) < TOL
     assert rel_err(out[True][1], out[False][1]) < TOL
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64], ids=["1-row", "3-rows", "64-rows"])
+def test_norm_rows_equal_the_module(rows):
+    """``RMSNorm.rows``, the decode step's norm in fewer ops, gives ``F.rms_norm``'s values bit for bit (float32)."""
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(256, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_(generator=g)
+    for scale in (1e-3, 1.0, 50.0):
+        x = torch.randn(rows, 256, generator=g) * scale
+        with torch.inference_mode():
+            assert torch.equal(norm.rows(x), norm(x))
+
+
+def test_decode_step_in_fewer_ops_keeps_the_logits(monkeypatch):
+    """The eager CPU step of whole-model ops (``_decode_cpu``: residual adds inside the matmuls) against the
+    per-layer step (the layers' own ``decode``, ``_fast_cpu_decode`` off) over 12 greedy tokens of two sequences:
+    the same tokens, logits and states to float rounding."""
+    m = load_model("tiny")
+    prompts = [list(range(40, 90)), list(range(7, 30))]
+    lean_steps = []
+    lean_step = HybridModel._decode_cpu
+    monkeypatch.setattr(HybridModel, "_decode_cpu", lambda self, *a: lean_steps.append(1) or lean_step(self, *a))
+    runs = {}
+    for lean in (False, True):
+        if not lean:
+            monkeypatch.setattr(HybridModel, "_fast_cpu_decode", lambda self, ids: False)
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(HybridModel, "_decode_cpu", lambda self, *a: lean_steps.append(1) or lean_step(self, *a))
+        r = Runner(m, 2, 120)
+        logits, _ = r.feed([0, 1], prompts)
+        steps = []
+        for _ in range(12):
+            nxt = logits.argmax(-1)
+            logits, _ = r.feed([0, 1], [[t] for t in nxt.tolist()])
+            steps.append((nxt, logits))
+        runs[lean] = (steps, r.pools)
+        assert len(lean_steps) == (12 if lean else 0)
+    (ref, ref_pools), (got, got_pools) = runs[False], runs[True]
+    for (t_ref, l_ref), (t_got, l_got) in zip(ref, got):
+        assert torch.equal(t_ref, t_got)
+        assert rel_err(l_got, l_ref) < TOL
+    for a, b in zip(got_pools.kda + got_pools.conv + got_pools.kv, ref_pools.kda + ref_pools.conv + ref_pools.kv):
+        assert rel_err(a, b) < TOL
 
 
 def test_row_matmul_is_a_matmul_of_the_reduction_layout():
