@@ -161,8 +161,12 @@ class MLAttention(nn.Module):
         new = (new if new.dtype == x.dtype else new.to(x.dtype))[:, None, :]
         lat = lat if lat.dtype == x.dtype else lat.to(x.dtype)
         q = q.view(N, H, r + dr)
+        # one sequence eagerly: 2-d matmuls, the cached rows [L, r + dr] as the row-major operand (BLAS reads them
+        # ~2x faster than as the transposed one of q @ lat^T, and ~1.3x faster than batched)
+        flat = N == 1 and not torch.compiler.is_compiling()
         # [N, H, L + 1]: the cached rows, then the new one; the scale is in the weights
-        scores = torch.cat([q @ lat.transpose(1, 2), (q * new).sum(-1, keepdim=True)], dim=-1)
+        old = torch.mm(lat[0], q[0].t()).t()[None] if flat else q @ lat.transpose(1, 2)  # [N, H, L]
+        scores = torch.cat([old, (q * new).sum(-1, keepdim=True)], dim=-1)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         scores = scores if scores.dtype == torch.float32 else scores.float()
@@ -178,7 +182,10 @@ class MLAttention(nn.Module):
         probs = probs if probs.dtype == x.dtype else probs.to(x.dtype)
         # over the whole rows, k_pe columns included: a matmul over the strided c columns alone runs far slower
         p_old, p_new = torch.split_with_sizes(probs, [L, 1], 2)
-        o_lat = torch.baddbmm(p_new * new, p_old, lat)[:, :, :r]  # [N, H, r]
+        if flat:
+            o_lat = torch.addmm((p_new * new)[0], p_old[0], lat[0])[None, :, :r]  # [1, H, r]
+        else:
+            o_lat = torch.baddbmm(p_new * new, p_old, lat)[:, :, :r]  # [N, H, r]
         o_lat = o_lat.reshape(N, H * r)
         if residual is not None:
             return torch.addmm(residual, o_lat, w[1]), latent
