@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
-from .fused import DerivedWeights, row_matmul_weight, weights
+from .fused import DerivedWeights, residual_matmul, row_matmul_weight, weights
 
 
 class RMSNorm(nn.Module):
@@ -56,11 +56,11 @@ class SwiGLU(nn.Module):
     def residual_cpu(self, x: Tensor, residual: Tensor) -> Tensor:
         """residual + this FFN of x, both [N, D], on a CPU without autograd in three ops and two views: gate and up
         in one matmul, silu and the product in place on its gate half, the add inside the down matmul
-        (``torch.addmm``: outputs match ``residual + self(x)`` to float rounding)."""
+        (``fused.residual_matmul``: outputs match ``residual + self(x)`` to float rounding)."""
         w13, w2 = self._cpu.get()
         gu = torch.mm(x, w13)  # [N, 2F]: gate | up
         gate, up = torch.split_with_sizes(gu, [w2.shape[0], w2.shape[0]], 1)
-        return torch.addmm(residual, F.silu(gate, inplace=True).mul_(up), w2)
+        return residual_matmul(residual, F.silu(gate, inplace=True).mul_(up), w2)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]."""

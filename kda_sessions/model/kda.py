@@ -10,7 +10,7 @@ from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from ..kernels.kda.decode import kda_decode
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
-from .fused import DerivedWeights, reduction_weight, row_matmul, row_matmul_weight, weights
+from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, weights
 
 
 class KDAAttention(nn.Module):
@@ -194,8 +194,8 @@ class KDAAttention(nn.Module):
         ``torch.compile`` (no host sync, no branch on values).
 
         x [N, D]; S [N, H, K, V] float32 and tails [N, W - 1, Dc], the sequences' KDA states and conv tails,
-        updated in place; w, ``cpu_decode_weights``. Returns [N, D], plus ``residual`` [N, D] where given (one
-        ``torch.addmm``, eager only). The same math as the twins in another order of sums: outputs match to float
+        updated in place; w, ``cpu_decode_weights``. Returns [N, D], plus ``residual`` [N, D] where given
+        (``fused.residual_matmul``, eager only). The same math as the twins in another order of sums: outputs match to float
         rounding."""
         N = x.shape[0]
         H, K, V = self.H, self.K, self.V
@@ -235,7 +235,7 @@ class KDAAttention(nn.Module):
         o = o.mul_(torch.sigmoid(og).view(N, H, V)).view(N, H * V)
         o = o if o.dtype == x.dtype else o.to(x.dtype)
         if residual is not None:
-            return torch.addmm(residual, o, w_out)
+            return residual_matmul(residual, o, w_out)
         return row_matmul(o, w_out)
 
     def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:

@@ -10,7 +10,7 @@ from ..config import ModelConfig
 from ..kernels.mla import mla_decode_paged, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
-from .fused import DerivedWeights, reduction_weight, row_matmul, row_matmul_weight, weights
+from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, weights
 
 
 class MLAttention(nn.Module):
@@ -143,7 +143,7 @@ class MLAttention(nn.Module):
         projections (one matmul in, one out), attention on the latent rows of all N sequences at once: their
         cached rows ``lat`` [N, L, r + dr] (padded to the longest, ``mask`` [N, 1, L + 1] True where padded, or
         None) and the new token's own. Traceable by ``torch.compile``. x [N, D]; w, ``cpu_decode_weights``. Returns
-        (out [N, D], plus ``residual`` [N, D] where given (one ``torch.addmm``, eager only); the new latent rows
+        (out [N, D], plus ``residual`` [N, D] where given (``fused.residual_matmul``, eager only); the new latent rows
         [N, r + dr] for the caller to write to the pages). The same math as the paged-decode twin in another order
         of sums: outputs match to float rounding."""
         N = x.shape[0]
@@ -188,7 +188,7 @@ class MLAttention(nn.Module):
             o_lat = torch.baddbmm(p_new * new, p_old, lat)[:, :, :r]  # [N, H, r]
         o_lat = o_lat.reshape(N, H * r)
         if residual is not None:
-            return torch.addmm(residual, o_lat, w[1]), latent
+            return residual_matmul(residual, o_lat, w[1]), latent
         return row_matmul(o_lat, w[1]), latent
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:

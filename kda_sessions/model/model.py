@@ -285,10 +285,11 @@ class HybridModel(nn.Module):
 
     def _decode_cpu(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor) -> Tensor:
         """The eager decode step on a CPU, where each op costs microseconds of overhead beyond its arithmetic:
-        every residual add is the beta of the matmul before it (``torch.addmm``: the attention's output
+        every residual add inside the matmul before it (``fused.residual_matmul``: the attention's output
         projection, the FFN's down projection), every norm ``RMSNorm.rows``, the FFN's gate and up one matmul
-        whose halves are views. The sums of the residual adds move into the matmuls' own: logits match ``decode``'s
-        separate ops to float rounding. Returns logits [N, vocab] float32."""
+        whose halves are views. Logits match the per-layer step's to float rounding (bit for bit on tiny in float32
+        and bfloat16 at one sequence, but for MLA's scores, summed in another order). Returns logits [N, vocab]
+        float32."""
         x = F.embedding(inp.input_ids, self.model.embed_tokens.weight)  # [N, D]
         layers = self._layers()
         h = layers[0].input_layernorm.rows(x)
