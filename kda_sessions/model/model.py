@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from .batch import CheckpointStates, DecodeInputs, ForwardBatch, StatePools
 from .ffn import MoE, RMSNorm, SwiGLU
-from .fused import DerivedWeights, huge_page_zeros, reduction_weight, row_matmul, weights
+from .fused import DerivedWeights, huge_page_zeros, reduction_weight, row_matmul, row_matmul_weight, weights
 from .kda import KDAAttention
 from .mla import MLAttention
 
@@ -70,6 +70,9 @@ class HybridModel(nn.Module):
         self._compiled_weights: list[DerivedWeights] = []
         self._compiled_for: tuple[torch.dtype, torch.device] | None = None
         self._compiled_warm = False
+        self._cpu_head = DerivedWeights(lambda: weights(self, ("lm_head",)),
+                                        lambda: (row_matmul_weight(self.lm_head.weight),))
+        """``_decode_cpu``'s lm_head weight [D, vocab], laid out as a CPU's one-row matmul reads it fastest."""
 
     @property
     def device(self) -> torch.device:
@@ -305,7 +308,7 @@ class HybridModel(nn.Module):
             h = layer.post_attention_layernorm.rows(x)
             x = layer.mlp.residual_cpu(h, x)
             h = (layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm).rows(x)
-        logits = F.linear(h, self.lm_head.weight)  # [N, vocab]
+        logits = torch.mm(h, self._cpu_head.get()[0])  # [N, vocab]
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def _layers(self) -> list[DecoderLayer]:
