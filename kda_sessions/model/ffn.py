@@ -17,6 +17,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self._rows_consts: tuple[int, Tensor, Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -27,7 +28,11 @@ class RMSNorm(nn.Module):
         without its dozen inner calls, each a few microseconds in a decode step whose weights evict the caches."""
         if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
             return self(x)
-        r = (x * x).sum(-1, keepdim=True).div_(x.shape[-1]).add_(self.eps).rsqrt_()
+        if self._rows_consts is None or self._rows_consts[0] != x.shape[-1]:
+            # 0-dim float32 operands: a Python number is wrapped in a tensor and cast on every call (2 more ops)
+            self._rows_consts = (x.shape[-1], x.new_tensor(float(x.shape[-1])), x.new_tensor(self.eps))
+        _, dim, eps = self._rows_consts
+        r = (x * x).sum(-1, keepdim=True).div_(dim).add_(eps).rsqrt_()
         return torch.mul(x, r).mul_(self.weight)
 
     def residual(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:

@@ -156,7 +156,9 @@ class KDAAttention(nn.Module):
         conv [W, Dc] float32; gate_bias [H*K + H*V] float32: dt_bias for the raw gate columns, 0 for the output
         gate's; neg_a [H*K] float32 = -exp(A_log) per channel; qk_scale [2H, 1] float32: K^-0.5 for the q heads
         (the read's scale), 1 for the k heads; w_out [H*V, D]: o_proj times o_norm's weight and sqrt(V) per input
-        row, so the output norm is one rsqrt of each head's sum of squares).
+        row, so the output norm is one rsqrt of each head's sum of squares); eps_qk, eps_o: 0-dim float32, the
+        epsilons of the q/k l2norm (1e-6) and of the output norm (V times o_norm's) as tensors (a Python number is
+        wrapped in a tensor and cast on every op: two more ops each time)).
 
         Matmul weights are [in, out] operands of ``x @ w``, laid out as a CPU's one-row matmul reads them fastest
         (``row_matmul_weight``), or with ``compiled`` as ``row_matmul`` sums them under torch.compile
@@ -170,7 +172,9 @@ class KDAAttention(nn.Module):
         qk_scale = torch.cat([torch.full((H, 1), K**-0.5), torch.ones(H, 1)])
         row_scale = self.o_norm.weight.float().repeat(H) * V**0.5  # [H*V]
         w_out = (self.o_proj.weight.float() * row_scale).to(self.o_proj.weight.dtype)  # [D, H*V]
-        return (mm(w_in), mm(w_gate), self.conv_weight().t().float().contiguous(), gate_bias, -a, qk_scale, mm(w_out))
+        eps_qk, eps_o = torch.tensor(1e-6, dtype=f32), torch.tensor(V * self.o_norm.eps, dtype=f32)
+        return (mm(w_in), mm(w_gate), self.conv_weight().t().float().contiguous(), gate_bias, -a, qk_scale, mm(w_out),
+                eps_qk, eps_o)
 
     def decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor,
                    residual: Tensor | None = None) -> Tensor:
@@ -201,7 +205,7 @@ class KDAAttention(nn.Module):
         H, K, V = self.H, self.K, self.V
         HK, Dc = H * K, self.conv_dim
         f32 = torch.float32
-        w_in, w_gate, conv_w, gate_bias, neg_a, qk_scale, w_out = w
+        w_in, w_gate, conv_w, gate_bias, neg_a, qk_scale, w_out, eps_qk, eps_o = w
         # (each op of a step costs a few microseconds: views taken by one split, casts skipped where they change
         # nothing)
         new, fa_ga, b = torch.split_with_sizes(row_matmul(x, w_in), [Dc, K + V, H], 1)  # [N, Dc + K + V + H]
@@ -216,7 +220,7 @@ class KDAAttention(nn.Module):
         qk, v = torch.split_with_sizes(qkv, [2 * HK, H * V], 1)
         qk = qk.view(N, 2 * H, K)  # the q heads, then the k heads
         # l2norm of every q and k head at once, the q heads also times K^-0.5
-        qk = qk * (qk * qk).sum(-1, keepdim=True).add_(1e-6).rsqrt_().mul_(qk_scale)
+        qk = qk * (qk * qk).sum(-1, keepdim=True).add_(eps_qk).rsqrt_().mul_(qk_scale)
         q, k = torch.split_with_sizes(qk, [H, H], 1)
         q, k, v = q.reshape(N * H, 1, K), k.reshape(N * H, 1, K), v.reshape(N * H, 1, V)
         if self.lower_bound is None:
@@ -231,7 +235,7 @@ class KDAAttention(nn.Module):
         S3.addcmul_(k.transpose(1, 2), delta)  # the rank-one update k^T delta, broadcast
         o = torch.bmm(q, S3).view(N, H, V)
         # o_norm per head: its weight and sqrt(V) are in w_out, so rsqrt(sum o^2 + V eps) is all that is left
-        o = o.mul_((o * o).sum(-1, keepdim=True).add_(V * self.o_norm.eps).rsqrt_())
+        o = o.mul_((o * o).sum(-1, keepdim=True).add_(eps_o).rsqrt_())
         o = o.mul_(torch.sigmoid(og).view(N, H, V)).view(N, H * V)
         o = o if o.dtype == x.dtype else o.to(x.dtype)
         if residual is not None:
