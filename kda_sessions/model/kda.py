@@ -176,13 +176,14 @@ class KDAAttention(nn.Module):
         return (mm(w_in), mm(w_gate), self.conv_weight().t().float().contiguous(), gate_bias, -a, qk_scale, mm(w_out),
                 eps_qk, eps_o)
 
-    def decode_cpu(self, x: Tensor, slots: Tensor, state: Tensor, conv_state: Tensor,
+    def decode_cpu(self, x: Tensor, slots: Tensor | int, state: Tensor, conv_state: Tensor,
                    residual: Tensor | None = None) -> Tensor:
         """``decode`` on a CPU: ``decode_rows`` over the N sequences' pool rows (for one sequence views of them,
-        updated in place: a CPU syncs for free; for several, gathered copies written back). With ``residual``
-        [N, D] it returns residual + the layer's output, the add inside the output projection's matmul."""
-        if x.shape[0] == 1:
-            one = int(slots[0])
+        updated in place: a CPU syncs for free; for several, gathered copies written back). ``slots``: [N], or
+        for one sequence its slot as an int (read once a step rather than once a layer). With ``residual`` [N, D]
+        it returns residual + the layer's output, the add inside the output projection's matmul."""
+        if isinstance(slots, int) or x.shape[0] == 1:
+            one = slots if isinstance(slots, int) else int(slots[0])
             return self.decode_rows(x, state[one : one + 1], conv_state[one : one + 1], self._cpu.get(), residual)
         S, tails = state.index_select(0, slots), conv_state.index_select(0, slots)
         out = self.decode_rows(x, S, tails, self._cpu.get(), residual)

@@ -152,9 +152,10 @@ class MLAttention(nn.Module):
         y = row_matmul(x, w[0])
         # views taken by one split: each op of a step costs a few microseconds
         q, c, k_pe = torch.split_with_sizes(y, [y.shape[1] - r - dr, r, dr], 1)
+        compiling = torch.compiler.is_compiling()
         if len(w) == 3:
-            q = row_matmul(self.q_a_layernorm(q), w[2])
-        latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)  # [N, r + dr]
+            q = row_matmul(self._norm(self.q_a_layernorm, q, compiling), w[2])
+        latent = torch.cat([self._norm(self.kv_a_layernorm, c, compiling), k_pe], dim=-1)  # [N, r + dr]
         # as the pages will hold it: [N, 1, r + dr] (casts skipped where they change nothing: each op of a step
         # costs a few microseconds)
         new = latent if latent.dtype == lat.dtype else latent.to(lat.dtype)
@@ -163,7 +164,7 @@ class MLAttention(nn.Module):
         q = q.view(N, H, r + dr)
         # one sequence eagerly: 2-d matmuls, the cached rows [L, r + dr] as the row-major operand (BLAS reads them
         # ~2x faster than as the transposed one of q @ lat^T, and ~1.3x faster than batched)
-        flat = N == 1 and not torch.compiler.is_compiling()
+        flat = N == 1 and not compiling
         # [N, H, L + 1]: the cached rows, then the new one; the scale is in the weights
         old = torch.mm(lat[0], q[0].t()).t()[None] if flat else q @ lat.transpose(1, 2)  # [N, H, L]
         scores = torch.cat([old, (q * new).sum(-1, keepdim=True)], dim=-1)
@@ -190,6 +191,12 @@ class MLAttention(nn.Module):
         if residual is not None:
             return residual_matmul(residual, o_lat, w[1]), latent
         return row_matmul(o_lat, w[1]), latent
+
+    @staticmethod
+    def _norm(norm: nn.Module, x: Tensor, compiling: bool) -> Tensor:
+        """``norm(x)``; eagerly ``RMSNorm.rows``, its values in fewer ops."""
+        assert isinstance(norm, RMSNorm)
+        return norm(x) if compiling else norm.rows(x)
 
     def _write(self, latent: Tensor, batch: ForwardBatch, kv_pages: Tensor) -> None:
         idx = batch.kv_rows

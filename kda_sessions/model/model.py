@@ -296,11 +296,12 @@ class HybridModel(nn.Module):
         x = F.embedding(inp.input_ids, self.model.embed_tokens.weight)  # [N, D]
         layers = self._layers()
         h = layers[0].input_layernorm.rows(x)
+        slots = int(inp.slots[0]) if inp.slots.shape[0] == 1 else inp.slots  # one sequence: its slot, read once
         ik = im = 0
         for i, layer in enumerate(layers):
             attn = layer.self_attn
             if isinstance(attn, KDAAttention):
-                x = attn.decode_cpu(h, inp.slots, pools.kda[ik], pools.conv[ik], residual=x)
+                x = attn.decode_cpu(h, slots, pools.kda[ik], pools.conv[ik], residual=x)
                 ik += 1
             else:
                 x = attn.decode_cpu(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im], residual=x)
