@@ -179,12 +179,14 @@ class KDAAttention(nn.Module):
     def decode_cpu(self, x: Tensor, slots: Tensor | int, state: Tensor, conv_state: Tensor,
                    residual: Tensor | None = None) -> Tensor:
         """``decode`` on a CPU: ``decode_rows`` over the N sequences' pool rows (for one sequence views of them,
-        updated in place: a CPU syncs for free; for several, gathered copies written back). ``slots``: [N], or
-        for one sequence its slot as an int (read once a step rather than once a layer). With ``residual`` [N, D]
-        it returns residual + the layer's output, the add inside the output projection's matmul."""
+        updated in place: a CPU syncs for free; for several, gathered copies written back, or views of them where
+        their slots are consecutive). ``slots``: [N], or the first of N consecutive slots as an int (read once a
+        step rather than once a layer). With ``residual`` [N, D] it returns residual + the layer's output, the add
+        inside the output projection's matmul."""
         if isinstance(slots, int) or x.shape[0] == 1:
-            one = slots if isinstance(slots, int) else int(slots[0])
-            return self.decode_rows(x, state[one : one + 1], conv_state[one : one + 1], self._cpu.get(), residual)
+            s0 = slots if isinstance(slots, int) else int(slots[0])
+            s1 = s0 + x.shape[0]
+            return self.decode_rows(x, state[s0:s1], conv_state[s0:s1], self._cpu.get(), residual)
         S, tails = state.index_select(0, slots), conv_state.index_select(0, slots)
         out = self.decode_rows(x, S, tails, self._cpu.get(), residual)
         state[slots] = S

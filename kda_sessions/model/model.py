@@ -296,7 +296,9 @@ class HybridModel(nn.Module):
         x = F.embedding(inp.input_ids, self.model.embed_tokens.weight)  # [N, D]
         layers = self._layers()
         h = layers[0].input_layernorm.rows(x)
-        slots = int(inp.slots[0]) if inp.slots.shape[0] == 1 else inp.slots  # one sequence: its slot, read once
+        ids = inp.slots.tolist()
+        # consecutive slots (one sequence, or a batch in pool order): the first, read once; the layers take views
+        slots = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else inp.slots
         ik = im = 0
         for i, layer in enumerate(layers):
             attn = layer.self_attn

@@ -139,10 +139,12 @@ def test_norm_rows_equal_the_module(rows):
             assert torch.equal(norm.rows(x), norm(x))
 
 
-def test_decode_step_in_fewer_ops_keeps_the_logits(monkeypatch):
-    """The eager CPU step of whole-model ops (``_decode_cpu``: residual adds inside the matmuls) against the
-    per-layer step (the layers' own ``decode``, ``_fast_cpu_decode`` off) over 12 greedy tokens of two sequences:
-    the same tokens, logits and states to float rounding."""
+@pytest.mark.parametrize("seqs", [[0, 1], [1, 0]], ids=["consecutive-slots", "gathered-slots"])
+def test_decode_step_in_fewer_ops_keeps_the_logits(monkeypatch, seqs):
+    """The eager CPU step of whole-model ops (``_decode_cpu``: residual adds inside the matmuls; KDA states as
+    views for consecutive slots, else gathered) against the per-layer step (the layers' own ``decode``,
+    ``_fast_cpu_decode`` off) over 12 greedy tokens of two sequences: the same tokens, logits and states to float
+    rounding."""
     m = load_model("tiny")
     prompts = [list(range(40, 90)), list(range(7, 30))]
     lean_steps = []
@@ -156,11 +158,11 @@ def test_decode_step_in_fewer_ops_keeps_the_logits(monkeypatch):
             monkeypatch.undo()
             monkeypatch.setattr(HybridModel, "_decode_cpu", lambda self, *a: lean_steps.append(1) or lean_step(self, *a))
         r = Runner(m, 2, 120)
-        logits, _ = r.feed([0, 1], prompts)
+        logits, _ = r.feed(seqs, prompts)
         steps = []
         for _ in range(12):
             nxt = logits.argmax(-1)
-            logits, _ = r.feed([0, 1], [[t] for t in nxt.tolist()])
+            logits, _ = r.feed(seqs, [[t] for t in nxt.tolist()])
             steps.append((nxt, logits))
         runs[lean] = (steps, r.pools)
         assert len(lean_steps) == (12 if lean else 0)
