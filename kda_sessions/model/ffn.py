@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route
+from ..kernels.moe import ROUTE_DECODE_MAX_TOKENS, add_norm_route, fused_moe, fused_moe_add_norm, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
 from .fused import DerivedWeights, residual_matmul, row_matmul_weight, weights
 
@@ -220,11 +220,10 @@ class MoE(nn.Module):
         three launches for the whole block. Otherwise ``norm.residual``, this module's call (its hooks run),
         ``next_norm.residual``."""
         fused = self._fused_weights() if x.is_cuda else None
-        if fused is not None:
-            from ..kernels.moe.route import ROUTE_DECODE_MAX_TOKENS
-
-            if x.shape[0] > ROUTE_DECODE_MAX_TOKENS or fused[2] is None or self.shared_experts is None:
-                fused = None
+        if fused is not None and (
+            x.shape[0] > ROUTE_DECODE_MAX_TOKENS or fused[2] is None or self.shared_experts is None
+        ):
+            fused = None
         if fused is None:
             s, h = norm.residual(x, a)
             return next_norm.residual(s, self(h))

@@ -8,6 +8,9 @@ from torch import Tensor
 from ..norm import add_rms_norm
 from .naive import naive_fused_moe, naive_moe_route
 
+ROUTE_DECODE_MAX_TOKENS = 16
+"""Up to this many tokens ``moe_route`` uses the one-launch decode kernel (``route.moe_route_decode``)."""
+
 
 def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
     """Routed experts of one MoE layer.
@@ -55,7 +58,7 @@ def moe_route(
     if not 0 < top_k <= gate.shape[0]:
         raise ValueError(f"top_k must be in [1, E={gate.shape[0]}], got {top_k}")
     if x.is_cuda and top_k & (top_k - 1) == 0 and gate.dtype == x.dtype and gate.stride(1) == 1:
-        from .route import ROUTE_DECODE_MAX_TOKENS, moe_route_decode, moe_route_triton
+        from .route import moe_route_decode, moe_route_triton
 
         if 0 < x.shape[0] <= ROUTE_DECODE_MAX_TOKENS:
             return moe_route_decode(x, gate, bias, top_k, renormalize, scale, always_on)
@@ -95,7 +98,7 @@ def add_norm_route(
         raise ValueError(f"x and res must be [T, D] and norm_weight [D], got {tuple(x.shape)}, {tuple(res.shape)}, "
                          f"{tuple(norm_weight.shape)}")
     if x.is_cuda and x.shape[0] > 0 and top_k & (top_k - 1) == 0 and gate.dtype == x.dtype and gate.stride(1) == 1:
-        from .route import ROUTE_DECODE_MAX_TOKENS, add_norm_route_decode
+        from .route import add_norm_route_decode
 
         if x.shape[0] <= ROUTE_DECODE_MAX_TOKENS and 0 < top_k <= gate.shape[0] and gate.shape[1] == x.shape[1]:
             return add_norm_route_decode(x, res, norm_weight, eps, gate, bias, top_k, renormalize, scale, always_on)
@@ -104,4 +107,4 @@ def add_norm_route(
     return s, h, chosen, weights
 
 
-__all__ = ["add_norm_route", "fused_moe", "fused_moe_add_norm", "moe_route"]
+__all__ = ["ROUTE_DECODE_MAX_TOKENS", "add_norm_route", "fused_moe", "fused_moe_add_norm", "moe_route"]

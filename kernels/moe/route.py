@@ -19,6 +19,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from . import ROUTE_DECODE_MAX_TOKENS
+
 
 @triton.jit
 def _logits_kernel(x, w, out, T, E, D, stride_x, stride_w, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr,
@@ -73,9 +75,6 @@ def _route_kernel(
         tl.store(chosen + t * KO + K, always_on.to(tl.int64))
         tl.store(weights + t * KO + K, tl.full((), 1.0, tl.float32).to(weights.dtype.element_ty))
 
-
-ROUTE_DECODE_MAX_TOKENS = 16
-"""Up to this many tokens ``moe_route`` uses the one-launch decode kernel (``moe_route_decode``)."""
 
 
 @triton.jit

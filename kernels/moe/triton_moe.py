@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .route import arrival_counters
+
 ALIGN_KERNEL_MAX_PAIRS = 1024
 """Up to this many pairs the single-program align kernel groups them; above, torch ops do (prefill)."""
 
@@ -363,8 +365,6 @@ def _direct(
     if add_norm is None:
         res, norm_w, s, h, eps, counter = x, x, None, None, 0.0, flat
     else:
-        from .route import arrival_counters
-
         res, norm_w, eps = add_norm
         res = res.contiguous()
         s, h = torch.empty_like(x), torch.empty_like(x)
