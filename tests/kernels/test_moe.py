@@ -93,10 +93,12 @@ def test_direct_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: 
     assert rel_rms(fused_moe_triton(x, w13, w2, chosen, weights), ref) < TOL  # T <= 16: the direct kernels
 
 
-ADD_NORM_CASES = [(1, 8, 2, 48, 40), (5, 8, 3, 48, 40), (16, 16, 9, 40, 24)]
+ADD_NORM_CASES = [(1, 8, 2, 48, 40), (5, 8, 3, 48, 40),
+                  # 25 s in the interpreter; the GPU decode adds and norms in this kernel at one token only
+                  pytest.param(16, 16, 9, 40, 24, marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("T,E,k,D,Fw", ADD_NORM_CASES, ids=[f"T{c[0]}-E{c[1]}-k{c[2]}" for c in ADD_NORM_CASES])
+@pytest.mark.parametrize("T,E,k,D,Fw", ADD_NORM_CASES, ids=["T1-E8-k2", "T5-E8-k3", "T16-E16-k9"])
 def test_direct_moe_with_the_norm_after_it_matches_the_twins(T: int, E: int, k: int, D: int, Fw: int) -> None:
     """The down kernel's last program adds the residual and norms (tiles that split D into several programs):
     the expert loop's output added and normed by the norm's twin; the arrival counter back at zero, so a second
