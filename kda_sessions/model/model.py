@@ -163,7 +163,8 @@ class HybridModel(nn.Module):
         weight at the memory's rate (``fused.row_matmul``). The first step compiles it (tens of seconds; less from
         inductor's on-disk cache); batches of several sequences, a GPU and autograd keep the eager path.
 
-        ``weight_dtype``: the dtype of the matmul weights this path reads (default the model's); torch.bfloat16
+        ``weight_dtype``: the dtype of the matmul weights this path reads (default: bfloat16 for each weight
+        whose values are all exact in it (``fused.lossless_dtype``), else the model's); torch.bfloat16
         halves the bytes a token reads, summed in float32, at bfloat16's rounding of each weight. Returns False,
         compiling nothing, where the model has layers without a CPU decode path (MoE FFNs, ``fast_cpu`` off)."""
         layers = self._layers()
