@@ -227,6 +227,27 @@ def _renamed_entries(rng: random.Random, entries: list[str]) -> list[str]:
     return out
 
 
+def _copy_defs(rng: random.Random, names: list[str], text: str, words: tuple[str, ...]) -> dict[str, str]:
+    """New names for the definitions ``names`` of a file's ``text`` (but dunders and names under 4 characters),
+    each one of ``words`` made an identifier (dots to underscores, a leading digit after an underscore; a class
+    name starts upper-case): names no training text holds, so reading the file and grepping for them only works by
+    copying them byte for byte."""
+    taken = set(re.findall(r"\w+", text))
+    out: dict[str, str] = {}
+    for n in dict.fromkeys(names):
+        if n.startswith("__") or len(n) < 4:
+            continue
+        for _ in range(4):
+            new = rng.choice(words).replace(".", "_")
+            new = f"_{new}" if new[0].isdigit() else new
+            new = new[0].upper() + new[1:] if n[0].isupper() else new
+            if new.isidentifier() and new not in taken:
+                out[n] = new
+                taken.add(new)
+                break
+    return out
+
+
 def _near_miss_defs(rng: random.Random, names: list[str], text: str) -> dict[str, str]:
     """New names for the definitions ``names`` of a file's ``text``: each (but dunders and names under 4
     characters) keeps its first third or more and runs on into the start of a name word; none is a word of
@@ -260,6 +281,7 @@ class RenamedCorpus:
     def __init__(
         self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12, near_miss: float = 0.0,
         near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, words: tuple[str, ...] | None = None,
+        def_words: tuple[str, ...] | None = None,
     ) -> None:
         import os
         import shutil
@@ -323,6 +345,7 @@ class RenamedCorpus:
         # ``near_miss_defs`` of the files get near-miss names for their definitions (``_renamed``), drawn from a
         # stream of their own: one draw here, none when 0
         self._near_defs = near_miss_defs
+        self._def_words = def_words  # what those names are (``_copy_defs``); None: near misses (``_near_miss_defs``)
         self._defs_seed = rng.getrandbits(64) if near_miss_defs else 0
         self._renames: dict[str, dict[str, str]] = {}
         self._read_lens: dict[str, int] = {}
@@ -358,7 +381,9 @@ class RenamedCorpus:
             if self._near_defs and alias in self.texts:
                 r = random.Random(f"{self._defs_seed}:{alias}")
                 if r.random() < self._near_defs:
-                    m = _near_miss_defs(r, [n for _, n in self.base.defs(self.real[alias])], self.texts[alias])
+                    names = [n for _, n in self.base.defs(self.real[alias])]
+                    m = (_copy_defs(r, names, self.texts[alias], self._def_words) if self._def_words
+                         else _near_miss_defs(r, names, self.texts[alias]))
                     if m:
                         pat = re.compile(r"\b(" + "|".join(map(re.escape, sorted(m, key=len, reverse=True))) + r")\b")
                         self.texts[alias] = pat.sub(lambda mo: m[mo.group(1)], self.texts[alias])

@@ -72,6 +72,16 @@ GENERAL_KINDS = ("read_file", "grep", "list_dir", "multi_step")
 MIX = {"task": 0.40, "multi": 0.33, "error": 0.11, "off_task": 0.16}
 TRAIN_TYPO = 0.2  # of training questions with one mistyped word (held-out questions keep the grammar's 0.1)
 RENAMED_TREE_FRACTION = 0.5  # of training rows on a package tree: its files and folders under new names
+# EVAL_TREE's folder and file stems, excluded from copy-drill words on machines without it installed too (the GPU
+# image that makes the training rows); heldout_names adds those of every held-out tree installed
+EVAL_TREE_NAMES = (
+    "_ansi", "_compat", "_subprocess", "_types", "_version", "asgi2", "asyncio", "auto", "auto_zttp_impl",
+    "basereload", "config", "flow_control", "h11_impl", "http", "httptools_impl", "importer", "lifespan", "logging",
+    "loops", "main", "message_logger", "middleware", "multiprocess", "off", "on", "protocols", "proxy_headers", "server",
+    "statreload", "supervisors", "utils", "uvicorn", "uvloop", "watchfilesreload", "websockets", "websockets_impl",
+    "websockets_sansio_impl", "workers", "wsgi", "wsproto_impl", "zttp_h2_impl", "zttp_impl", "zuvloop",
+)
+COPY_DEFS = 0.7  # of a copy-drill project's files: definitions renamed with the project's words (``copy_corpus``)
 MAX_MISSES = 12  # episodes that did not fit before a row ends (a small tree runs out of unused files)
 _ANSWER_NAME_RE = re.compile(r"(?:contains|has no) (.+)\.$")
 _CORRECT_INTRO = ["", "", "That call failed. Trying again.", "Wrong path; fixing the call.", "Let me fix that."]
@@ -112,6 +122,97 @@ def rename_words() -> tuple[str, ...]:
     """What renamed projects of general rows name their files and folders with: plain English words of the stdlib's
     comments ("middleware", "supervisors") and the words of its definition names (tiny_data's renamed projects)."""
     return tuple(sorted(set(plain_words()) | set(_name_words())))
+
+
+@lru_cache(maxsize=1)
+def heldout_names() -> frozenset[str]:
+    """Every folder and file stem of the held-out package trees, singular and plural: no copy-drill word is one,
+    so the general eval's folder names (``middleware``, ``supervisors``) stay unseen in training."""
+    stems = set(EVAL_TREE_NAMES)
+    for name in trees("heldout"):
+        c = tree_corpus(name, whole=True)
+        stems |= {name} | {part.removesuffix(".py") for rel in c.files["heldout"] + c.dirs["heldout"]
+                           for part in rel.split("/")}
+    names: set[str] = set()
+    for stem in map(str.lower, stems):
+        names |= {stem, stem.removesuffix("s"), stem + "s"}
+    return frozenset(n for n in names if n)
+
+
+_TECH = (
+    "http", "proto", "sock", "async", "json", "yaml", "toml", "cfg", "auth", "token", "cache", "queue", "worker",
+    "handler", "loader", "router", "server", "client", "stream", "buffer", "codec", "parser", "lexer", "reload",
+    "watch", "event", "signal", "config", "gateway", "adapter", "backend", "frontend", "schema", "plugin",
+    "registry", "daemon", "scheduler", "dispatch", "socket", "tcp", "udp", "grpc", "rpc", "sql", "orm", "blob",
+    "shard", "replica", "cluster", "metrics", "tracing", "telemetry", "session", "cookie", "header", "payload",
+    "serializer", "validator", "pipeline", "executor", "runtime", "kernel", "tensor", "vector", "matrix",
+)
+_ONSETS = ("b", "br", "c", "ch", "cl", "d", "dr", "f", "fl", "g", "gr", "h", "j", "k", "l", "m", "n", "p", "pl",
+           "pr", "qu", "r", "s", "sh", "st", "t", "th", "tr", "v", "w", "z", "x", "sp", "sk")
+_VOWELS = ("a", "e", "i", "o", "u", "ai", "ea", "ou", "y", "io")
+_CODAS = ("", "", "", "n", "r", "s", "l", "m", "x", "nd", "rt", "st", "ck", "ng")
+_DOT_TAILS = ("d", "v2", "local", "old", "new", "core", "api", "ext", "impl", "base", "dev", "tmp")
+
+
+@lru_cache(maxsize=1)
+def _long_plain() -> tuple[str, ...]:
+    return tuple(w for w in plain_words() if len(w) >= 7)
+
+
+def _made_up(rng: random.Random) -> str:
+    """A pronounceable word nobody wrote: 2-4 syllables ("draveloumst", "quistrapen")."""
+    return "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(rng.randrange(2, 5)))
+
+
+def copy_word(rng: random.Random) -> str:
+    """One long name for a copy drill: a long plain English word, a compound of plain and technical words, a
+    made-up word, CamelCase or camelCase, with digits, with underscores, or dotted. Never a held-out tree's name."""
+    long_plain = _long_plain()
+    while True:
+        def part() -> str:
+            k = rng.random()
+            return rng.choice(long_plain) if k < 0.4 else rng.choice(_TECH) if k < 0.7 else _made_up(rng)
+
+        k = rng.random()
+        if k < 0.18:
+            w = rng.choice(long_plain) + rng.choice(("", "", "s", "ers", "ing", "ed"))
+        elif k < 0.36:
+            w = part() + part()
+        elif k < 0.58:
+            w = _made_up(rng)
+        elif k < 0.72:
+            parts = [part() for _ in range(rng.randrange(2, 4))]
+            w = "".join(x.capitalize() for x in parts)
+            w = w if rng.random() < 0.6 else w[0].lower() + w[1:]
+        elif k < 0.84:
+            n = str(rng.choice((2, 3, 8, 11, 16, 32, 64, rng.randrange(100, 1000))))
+            a, b = part(), part()
+            w = rng.choice((a + n, a + n + b, f"{a}_{n}", f"v{n}{a}"))
+        elif k < 0.93:
+            w = rng.choice((f"_{part()}", f"{part()}_{part()}_{part()}", f"{part()}__{part()}"))
+        else:
+            w = f"{part()}.{rng.choice(_DOT_TAILS) if rng.random() < 0.6 else part()}"
+        if 7 <= len(w) <= 22 and w.lower() not in heldout_names() and not w.endswith(".py"):
+            return w
+
+
+def copy_words(rng: random.Random, n: int = 160) -> tuple[str, ...]:
+    """``n`` distinct ``copy_word``s: the vocabulary of one copy-drill project."""
+    out: dict[str, None] = {}
+    while len(out) < n:
+        out[copy_word(rng)] = None
+    return tuple(out)
+
+
+def copy_corpus(rng: random.Random, name: str | None) -> RenamedCorpus:
+    """A copy drill: package tree ``name`` (or the stdlib) renamed with a fresh ``copy_words`` vocabulary, folders,
+    files and (COPY_DEFS of the files) definitions, so every path a call names, every line an answer quotes and
+    every pattern a grep asks for holds long words seen nowhere else: only byte-for-byte copying gets them right."""
+    base = tree_corpus(name) if name is not None else corpus()
+    if len(base.dirs["train"]) <= 2 or not base.files["train"]:
+        base = corpus()
+    words = copy_words(rng)
+    return RenamedCorpus(rng, base, words=words, near_miss_defs=COPY_DEFS, def_words=words)
 
 
 def trees(split: str) -> list[str]:
@@ -310,11 +411,14 @@ def row_tree(rng: random.Random, split: str, tree_share: float) -> str | None:
     return rng.choice(names) if names and tree_share and rng.random() < tree_share else None
 
 
-def row_corpus(rng: random.Random, split: str, tree_share: float) -> Corpus | RenamedCorpus:
+def row_corpus(rng: random.Random, split: str, tree_share: float, copy: float = 0.0) -> Corpus | RenamedCorpus:
     """The package tree ``row_tree`` draws (in training its files split by path hash, held out: all of them), else
     the stdlib; in training, RENAMED_TREE_FRACTION of the tree rows and RENAMED_FRACTION of the stdlib rows under
-    new names made of ``rename_words`` (tiny_data.RenamedCorpus), so that folder names must be copied."""
+    new names made of ``rename_words`` (tiny_data.RenamedCorpus), so that folder names must be copied; ``copy`` of
+    the training rows are copy drills (``copy_corpus``; at 0 nothing is drawn for it)."""
     name = row_tree(rng, split, tree_share)
+    if copy and split == "train" and rng.random() < copy:
+        return copy_corpus(rng, name)
     if name is not None:
         # a held-out tree is held out whole: its own path-hash split can leave no held-out folder at all
         c = tree_corpus(name, whole=split == "heldout")
@@ -361,19 +465,22 @@ def _recall_sources(
 
 def make_general_row(
     rng: random.Random, split: str, max_len: int, tree_share: float = 0.5, recall: float = 0.0,
-    distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE),
+    distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE), copy: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One row (ids, mask as tiny_data.make_row: 1 on the assistant's tokens but failed calls, 2 on facts): the
     header, then general episodes on one corpus (``row_corpus``) until the row is full. ``split`` picks the
     phrasings, trees, files and off-task messages. ``recall``: the share of rows that start with 1-3 facts (notes,
-    tool results) asked about ``distance`` tokens later (``_recall_sources``); at 0 nothing is drawn for it."""
+    tool results) asked about ``distance`` tokens later (``_recall_sources``); at 0 nothing is drawn for it.
+    ``copy``: the share of training rows that are copy drills (``row_corpus``)."""
     if split not in grammar.SPLITS:
         raise ValueError(f"split must be one of {grammar.SPLITS}, got {split!r}")
     if not 0.0 <= tree_share <= 1.0:
         raise ValueError(f"tree_share must be in [0, 1], got {tree_share}")
     if not 0.0 <= recall <= 1.0:
         raise ValueError(f"recall must be in [0, 1], got {recall}")
-    c = row_corpus(rng, split, tree_share)
+    if not 0.0 <= copy <= 1.0:
+        raise ValueError(f"copy must be in [0, 1], got {copy}")
+    c = row_corpus(rng, split, tree_share, copy)
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header: source text, as tiny_data does

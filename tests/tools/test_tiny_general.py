@@ -281,9 +281,49 @@ def test_training_rows_take_a_share_of_general_rows_and_zero_changes_nothing():
     from tools import train_tiny
 
     def job(seed: int, general: float) -> tuple:
-        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0)
+        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0, 0.0)
 
     assert train_tiny._row(job(11, 0.0)) == make_row(random.Random(11), "train", 2048)
     assert train_tiny._row(job(11, 1.0)) == tg.make_general_row(random.Random(11), "train", 2048, 0.5)
     ids, mask = tg.make_general_row(random.Random(11), "train", 1024)  # no room after the header: source text
     assert len(ids) == 1024 and set(mask) == {1}
+
+
+def test_copy_words_are_long_varied_and_never_a_heldout_trees_name():
+    rng = random.Random(3)
+    words = tg.copy_words(rng, 400)
+    assert len(set(words)) == 400 and all(7 <= len(w) <= 22 for w in words)
+    assert not {w.lower() for w in words} & tg.heldout_names()
+    assert {"middleware", "supervisors", "protocols"} <= tg.heldout_names()  # the eval tree's folders
+    c = tg.tree_corpus(tg.EVAL_TREE, whole=True)  # EVAL_TREE_NAMES holds them where the tree is not installed
+    stems = {p.removesuffix(".py") for rel in c.files["heldout"] + c.dirs["heldout"] for p in rel.split("/")}
+    assert stems - {".", "__init__", "__main__"} <= set(tg.EVAL_TREE_NAMES)
+    kinds = {"upper": any(c.isupper() for w in words for c in w), "digit": any(c.isdigit() for w in words for c in w),
+             "underscore": any("_" in w for w in words), "dot": any("." in w for w in words)}
+    assert all(kinds.values()), kinds
+    assert sum(w not in tg.rename_words() for w in words) > 300  # mostly words no other row names things with
+
+
+def test_copy_drill_rows_copy_their_projects_words_into_calls_and_answers():
+    calls = defs = 0
+    for seed in range(3):
+        rng = random.Random(seed)
+        ids, mask = tg.make_general_row(rng, "train", 8192, 0.5, copy=1.0)
+        c = tg.row_corpus(random.Random(seed), "train", 0.5, 1.0)  # the row's first draws: its project
+        assert isinstance(c, RenamedCorpus) and len(ids) == len(mask) <= 8192
+        renamed = {new for alias in c.files["train"] for new in c._renamed(alias).values()}
+        for start in [i for i in range(len(ids)) if ids[i : i + len(GEN_IDS)] == GEN_IDS]:
+            parsed = parse_assistant_output(ids[start + len(GEN_IDS) : ids.index(END, start) + 1], TOK)
+            assert not parsed.errors
+            for call in parsed.tool_calls:
+                assert not validate_arguments(call.function.arguments, SCHEMAS[call.function.name])
+                args = json.loads(call.function.arguments)
+                calls += args["path"].split("/", 1)[0] in {p.split("/", 1)[0] for p in c.real} | {
+                    f.split("/", 1)[0] for f in c.files["train"]}
+                defs += any(w in args.get("pattern", "") for w in renamed)
+    assert calls >= 10 and defs >= 1
+    # held-out rows and rows at copy 0 draw nothing for it
+    assert tg.make_general_row(random.Random(5), "heldout", 4096, 0.5, copy=1.0) == tg.make_general_row(
+        random.Random(5), "heldout", 4096, 0.5)
+    assert tg.make_general_row(random.Random(5), "train", 4096, 0.5, copy=0.0) == tg.make_general_row(
+        random.Random(5), "train", 4096, 0.5)
