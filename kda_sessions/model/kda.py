@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from ..kernels.kda.decode import kda_decode
+from ..kernels.linear import linear
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
 from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, weights
@@ -44,8 +45,8 @@ class KDAAttention(nn.Module):
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
         self.fused_decode = True
-        """Decode on a GPU through ``kda_decode`` (two launches; False: the separate conv, gate and recurrence
-        kernels, its twin in the model)."""
+        """Decode on a GPU in four launches: the input matvec, ``kda_decode``'s two (the gates' second projections
+        inside them) and o_proj (False: the separate conv, gate and recurrence kernels, its twin in the model)."""
 
     @property
     def conv_dim(self) -> int:
@@ -84,11 +85,15 @@ class KDAAttention(nn.Module):
         if self._use_fast_cpu(x):
             return self.decode_cpu(x, slots, state, conv_state)
         if x.is_cuda and self.fused_decode:
-            qkv, raw, b, og = self._projections_merged(x)
-            # [N, H, V]: the output norm and gate applied in kda_decode's second launch
-            o = kda_decode(qkv, raw, b, self._gpu.get()[2], conv_state, self.A_log, self.dt_bias, self.lower_bound,
-                           state, slots, out_norm=(self.o_norm.weight, og, self.o_norm.eps))
-            return self.o_proj(o.reshape(x.shape[0], self.H * self.V).to(x.dtype))
+            Dc, K = self.conv_dim, self.K
+            w_in, _, conv_w = self._gpu.get()
+            y = linear(x, w_in)  # [N, Dc + K + V + H]: q | k | v | f_a | g_a | b
+            qkv, fa, ga, b = y[:, :Dc], y[:, Dc : Dc + K], y[:, Dc + K : Dc + K + self.V], y[:, Dc + K + self.V :]
+            # [N, H, V]: f_b in the first launch, g_b, the output norm and gate in the second
+            o = kda_decode(qkv, fa, b, conv_w, conv_state, self.A_log, self.dt_bias, self.lower_bound, state, slots,
+                           out_norm=(self.o_norm.weight, ga, self.o_norm.eps), gate_proj=self.f_b_proj.weight,
+                           out_gate_proj=self.g_b_proj.weight)
+            return linear(o.reshape(x.shape[0], self.H * self.V).to(x.dtype), self.o_proj.weight)
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
         qkv, raw, b, og = self._projections_merged(x) if x.is_cuda else self._projections(x)
         qkv, new_tail, _ = causal_conv(qkv, self.conv_weight(), conv_state[slots], cu_seqlens)
@@ -116,8 +121,8 @@ class KDAAttention(nn.Module):
         H, K, V = self.H, self.K, self.V
         Dc = self.conv_dim
         w_in, w_gate = self._gpu.get()[:2]  # [out, in]
-        y = torch.nn.functional.linear(x, w_in)  # [N, Dc + K + V + H]
-        fg = torch.nn.functional.linear(y[:, Dc : Dc + K + V], w_gate)  # [N, H*K + H*V]: raw gate | output gate
+        y = linear(x, w_in)  # [N, Dc + K + V + H]
+        fg = linear(y[:, Dc : Dc + K + V], w_gate)  # [N, H*K + H*V]: raw gate | output gate
         return y[:, :Dc], fg[:, : H * K], y[:, Dc + K + V :], fg[:, H * K :]
 
     def _merged_projections(self) -> tuple[Tensor, Tensor]:

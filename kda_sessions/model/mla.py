@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.mla import mla_decode_paged, mla_prefill_paged
+from ..kernels.linear import linear
+from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
 from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, weights
@@ -32,6 +33,11 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(self.r, H * (self.dn + self.dv), bias=False)
         self.o_proj = nn.Linear(H * self.dv, D, bias=False)
         self._cpu = DerivedWeights(self.cpu_decode_sources, self.cpu_decode_weights)
+        self._gpu = DerivedWeights(lambda: weights(self, ("q_proj", "kv_a_proj_with_mqa")), self._gpu_weights)
+        """GPU decode's input weight (``_gpu_weights``), built once rather than concatenated in every step."""
+        self.fused_decode = True
+        """Decode on a GPU through ``_decode_gpu`` (False: the separate projections, norm, page write and
+        einsums, its twin in the model)."""
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the paged-decode twin, the reference)."""
 
@@ -68,11 +74,32 @@ class MLAttention(nn.Module):
         Writes the new latent rows into ``kv_pages`` and returns [N, D]."""
         if self.fast_cpu and not x.is_cuda and not torch.is_grad_enabled():  # fused weights are detached
             return self.decode_cpu(x, page_table, seq_lens, kv_rows, kv_pages)
+        if x.is_cuda and self.fused_decode and hasattr(self, "q_proj"):
+            return self._decode_gpu(x, page_table, seq_lens, kv_rows, kv_pages)
         N = x.shape[0]
         q, latent = self._project(x)
         kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
         o = self._decode(q, page_table, seq_lens, kv_pages)
         return self.o_proj(o.reshape(N, self.H * self.dv))
+
+    def _decode_gpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor
+                    ) -> Tensor:
+        """``decode`` on a GPU in six launches: q | kv_a in one matvec, ``mla_decode_prep`` (the latent's norm and
+        page write, the query absorbed), the split and merge of ``mla_decode_paged``, the values (W_uv per head)
+        and o_proj."""
+        N = x.shape[0]
+        H, dn, dv = self.H, self.dn, self.dv
+        y = linear(x, self._gpu.get()[0])  # [N, H * (dn + dr) + r + dr]
+        q_lat, q_pe = mla_decode_prep(y, self.kv_b_proj.weight, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                      kv_pages, kv_rows, H, dn)
+        o_lat = mla_decode_paged(q_lat, q_pe, kv_pages, page_table, seq_lens, self.scale)  # [N, H, r]
+        w_uv = self.kv_b_proj.weight.view(H, dn + dv, self.r)[:, dn:]
+        o = torch.einsum("nhr,hvr->nhv", o_lat, w_uv)  # [N, H, dv]
+        return linear(o.reshape(N, H * dv), self.o_proj.weight)
+
+    def _gpu_weights(self) -> tuple[Tensor]:
+        """(w_in [H * (dn + dr) + r + dr, D]: q_proj's rows, then kv_a_proj_with_mqa's), as ``F.linear`` takes it."""
+        return (torch.cat([self.q_proj.weight, self.kv_a_proj_with_mqa.weight]),)
 
     def cpu_decode_sources(self) -> list[Tensor]:
         """The parameters ``cpu_decode_weights`` reads."""

@@ -12,6 +12,7 @@ from torch import Tensor
 
 from ..conv.naive import naive_causal_conv
 from ..gate.naive import naive_kda_gate
+from ..linear.naive import naive_linear
 from ..norm.naive import naive_gated_rms_norm
 from .naive import naive_recurrent_kda
 
@@ -29,6 +30,8 @@ def kda_decode(
     slots: Tensor,
     scale: float | None = None,
     out_norm: tuple[Tensor, Tensor, float] | None = None,
+    gate_proj: Tensor | None = None,
+    out_gate_proj: Tensor | None = None,
 ) -> Tensor:
     """One new token for each of N sequences.
 
@@ -41,6 +44,11 @@ def kda_decode(
     With ``out_norm`` = (weight [V], gate [N, H * V] output-gate logits of unit column stride, eps) it returns the
     layer's gated output norm of o instead (``kernels.norm.gated_rms_norm`` of o as stored, in qkv's dtype), in
     the same two launches on CUDA. No host sync on CUDA, so it can be captured in a CUDA graph.
+
+    The gates' second projections may run inside those launches: with ``gate_proj`` [H * K, KF] (f_b's weight,
+    unit column stride) ``raw`` is [N, KF], f_a's output, and the logits are ``raw @ gate_proj^T`` rounded to raw's
+    dtype (as the separate projection stores them); likewise ``out_gate_proj`` [H * V, VF] (g_b's weight) with
+    out_norm's gate [N, VF], g_a's output.
     """
     N, H = b.shape
     S, H_, K, V = state.shape
@@ -48,9 +56,14 @@ def kda_decode(
     if H_ != H or Dc != 2 * H * K + H * V:
         raise ValueError(f"state must be [S, H={H}, K, V] with conv_weight [2HK + HV, W], got {tuple(state.shape)} "
                          f"and {tuple(conv_weight.shape)}")
-    if tuple(qkv.shape) != (N, Dc) or tuple(raw.shape) != (N, H * K) or qkv.stride(1) != 1 or raw.stride(1) != 1:
-        raise ValueError(f"qkv must be [N, Dc]={N, Dc} and raw [N, H*K]={N, H * K} with unit column stride, got "
-                         f"{tuple(qkv.shape)} {qkv.stride()}, {tuple(raw.shape)} {raw.stride()}")
+    KF = H * K if gate_proj is None else gate_proj.shape[1]
+    if gate_proj is not None and (tuple(gate_proj.shape) != (H * K, KF) or gate_proj.stride(1) != 1):
+        raise ValueError(f"gate_proj must be [H*K, KF] with H*K={H * K} and unit column stride, got "
+                         f"{tuple(gate_proj.shape)} {gate_proj.stride()}")
+    if tuple(qkv.shape) != (N, Dc) or tuple(raw.shape) != (N, KF) or qkv.stride(1) != 1 or raw.stride(1) != 1:
+        raise ValueError(f"qkv must be [N, Dc]={N, Dc} and raw [N, {'KF' if gate_proj is not None else 'H*K'}]="
+                         f"{N, KF} with unit column stride, got {tuple(qkv.shape)} {qkv.stride()}, "
+                         f"{tuple(raw.shape)} {raw.stride()}")
     if tuple(conv_state.shape) != (S, W - 1, Dc) or not conv_state.is_contiguous() or conv_state.dtype != qkv.dtype:
         raise ValueError(f"conv_state must be contiguous {qkv.dtype} [S, W - 1, Dc]={S, W - 1, Dc}, got "
                          f"{conv_state.dtype} {tuple(conv_state.shape)}")
@@ -61,10 +74,15 @@ def kda_decode(
                          f"{A_log.numel()}, {dt_bias.numel()}, {tuple(slots.shape)}")
     if lower_bound is not None and not lower_bound < 0:
         raise ValueError(f"lower_bound must be < 0, got {lower_bound}")
+    if out_gate_proj is not None and (out_norm is None or out_gate_proj.dim() != 2
+                                      or out_gate_proj.shape[0] != H * V or out_gate_proj.stride(1) != 1):
+        raise ValueError(f"out_gate_proj must be [H*V, VF] with H*V={H * V} and unit column stride, beside out_norm, "
+                         f"got {tuple(out_gate_proj.shape)} {out_gate_proj.stride()}")
     if out_norm is not None:
         nw, gate, _ = out_norm
-        if tuple(nw.shape) != (V,) or tuple(gate.shape) != (N, H * V) or gate.stride(1) != 1:
-            raise ValueError(f"out_norm's weight must be [V]={V,} and gate [N, H*V]={N, H * V} with unit column "
+        VG = H * V if out_gate_proj is None else out_gate_proj.shape[1]
+        if tuple(nw.shape) != (V,) or tuple(gate.shape) != (N, VG) or gate.stride(1) != 1:
+            raise ValueError(f"out_norm's weight must be [V]={V,} and gate [N, {VG}] with unit column "
                              f"stride, got {tuple(nw.shape)}, {tuple(gate.shape)} {gate.stride()}")
     if scale is None:
         scale = K**-0.5
@@ -72,11 +90,15 @@ def kda_decode(
         from .decode_triton import kda_decode_triton
 
         return kda_decode_triton(qkv, raw, b, conv_weight, conv_state, A_log.reshape(H), dt_bias.reshape(H * K),
-                                 lower_bound, state, slots, float(scale), out_norm)
+                                 lower_bound, state, slots, float(scale), out_norm, gate_proj, out_gate_proj)
+    if gate_proj is not None:
+        raw = naive_linear(raw, gate_proj)
     o = naive_kda_decode(qkv, raw, b, conv_weight, conv_state, A_log, dt_bias, lower_bound, state, slots, scale)
     if out_norm is None:
         return o
     nw, gate, eps = out_norm
+    if out_gate_proj is not None:
+        gate = naive_linear(gate, out_gate_proj)
     return naive_gated_rms_norm(o, nw, gate.reshape(N, H, V), eps, qkv.dtype)
 
 

@@ -34,10 +34,25 @@ def _conv_silu(x_row, tail, cw, s_cd, s_cw, ch, m, Dc: tl.constexpr, W: tl.const
 
 
 @triton.jit
+def _head_matvec(x, w_rows, m, KF: tl.constexpr, BJ: tl.constexpr):
+    """sum_j w_rows[:, j] x[j] over j < KF, rounded to x's dtype (as a separate projection's output is stored),
+    float32: one head's gate logits from the low-rank gate input x [KF] and the head's weight rows (pointers
+    [B] to rows of unit column stride, mask m)."""
+    acc = tl.zeros(m.shape, dtype=tl.float32)
+    for j0 in tl.static_range(0, KF, BJ):
+        rj = j0 + tl.arange(0, BJ)
+        mj = rj < KF
+        xj = tl.load(x + rj, mask=mj, other=0.0).to(tl.float32)
+        wt = tl.load(w_rows[:, None] + rj[None, :], mask=m[:, None] & mj[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wt * xj[None, :], axis=1)
+    return acc.to(x.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(
-    qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale,
+    qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr,
+    BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr,
 ):
     iv = tl.program_id(0)
     nh = tl.program_id(1)
@@ -57,8 +72,11 @@ def _decode_kernel(
     qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6) * scale
     kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
     # the gate: raw logits + dt_bias -> log-decay (kernels/gate/naive.py)
-    gx = tl.load(raw + n.to(tl.int64) * s_raw + h * K + rk, mask=mk, other=0.0).to(tl.float32) + \
-        tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
+    if KF > 0:  # the logits from f_a's output [KF] and head h's rows of f_b's weight [H*K, KF]
+        logit = _head_matvec(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BJ)
+    else:
+        logit = tl.load(raw + n.to(tl.int64) * s_raw + h * K + rk, mask=mk, other=0.0).to(tl.float32)
+    gx = logit + tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     if BOUNDED:
         gt = lower_bound * tl.sigmoid(a * gx)
@@ -99,11 +117,13 @@ def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr,
 
 @triton.jit
 def _shift_norm_kernel(
-    qkv, s_x, conv, slots, o, gate, s_g, nw, y, eps,
+    qkv, s_x, conv, slots, o, gate, s_g, nw, y, eps, gw, s_gw,
     H: tl.constexpr, V: tl.constexpr, Dc: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
+    VF: tl.constexpr, BJ: tl.constexpr,
 ):
     """Program (n, h): the conv-tail shift of channels [h C, (h + 1) C) (C = Dc / H) of sequence n, and head h's
-    ``rms_norm(o) * sigmoid(gate)`` (``kernels.norm``'s gated norm) into y [N, H, V]."""
+    ``rms_norm(o) * sigmoid(gate)`` (``kernels.norm``'s gated norm) into y [N, H, V]; with VF > 0 the gate
+    logits from g_a's output [VF] (``gate``) and head h's rows of g_b's weight [H*V, VF] (``gw``)."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     C: tl.constexpr = Dc // H
@@ -114,38 +134,58 @@ def _shift_norm_kernel(
     m = d < V
     row = (n * H + h).to(tl.int64) * V
     v = tl.load(o + row + d, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(gate + n.to(tl.int64) * s_g + h * V + d, mask=m, other=0.0).to(tl.float32)
+    if VF > 0:
+        z = _head_matvec(gate + n.to(tl.int64) * s_g, gw + (h * V + d).to(tl.int64) * s_gw, m, VF, BJ)
+    else:
+        z = tl.load(gate + n.to(tl.int64) * s_g + h * V + d, mask=m, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(v * v, axis=0) / V + eps)
     wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
     tl.store(y + row + d, (v * inv * wv * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
 
 
+def decode_launch_config(N: int, H: int, V: int, gate_in_kernel: bool) -> tuple[int, int]:
+    """(BV, num_warps) of the decode kernel: ``fused_recurrent.launch_config``'s, or with the gate's matvec in the
+    kernel (each program reads its head's [K, KF] rows) wider blocks on more warps."""
+    if not gate_in_kernel:
+        return launch_config(N, H, V)
+    return min(triton.next_power_of_2(V), 32), 4
+
+
 def kda_decode_triton(
     qkv: Tensor, raw: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, A_log: Tensor, dt_bias: Tensor,
     lower_bound: float | None, state: Tensor, slots: Tensor, scale: float,
-    out_norm: tuple[Tensor, Tensor, float] | None = None,
+    out_norm: tuple[Tensor, Tensor, float] | None = None, gate_proj: Tensor | None = None,
+    out_gate_proj: Tensor | None = None, config: tuple[int, int] | None = None,
 ) -> Tensor:
     """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V], or
-    with ``out_norm`` = (weight [V], gate [N, H*V] rows of unit column stride, eps) the gated norm of o."""
+    with ``out_norm`` = (weight [V], gate [N, H*V] rows of unit column stride, eps) the gated norm of o. With
+    ``gate_proj`` [H*K, KF], raw is [N, KF] and each head's gate logits are its rows of gate_proj times raw, in
+    the decode kernel; likewise ``out_gate_proj`` [H*V, VF] with out_norm's gate [N, VF], in the norm's launch.
+    ``config``: the decode kernel's (BV, num_warps), default ``decode_launch_config``."""
     N, H = b.shape
     K, V = state.shape[2:]
     Dc, W = conv_weight.shape
     o = qkv.new_empty(N, H, V)
     if N == 0:
         return o
-    BV, num_warps = launch_config(N, H, V)
+    BV, num_warps = config or decode_launch_config(N, H, V, gate_proj is not None)
+    KF = 0 if gate_proj is None else gate_proj.shape[1]
+    gw = raw if gate_proj is None else gate_proj  # a placeholder pointer where KF = 0
     _decode_kernel[(triton.cdiv(V, BV), N * H)](
         qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
         conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
-        H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
-        num_warps=num_warps,
+        gw, gw.stride(0), H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
+        KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), num_warps=num_warps,
     )
     if out_norm is not None:
         nw, gate, eps = out_norm
+        VF = 0 if out_gate_proj is None else out_gate_proj.shape[1]
+        ogw = gate if out_gate_proj is None else out_gate_proj
         y = torch.empty_like(o)
         _shift_norm_kernel[(N, H)](
-            qkv, qkv.stride(0), conv_state, slots, o, gate, gate.stride(0), nw, y, float(eps),
-            H=H, V=V, Dc=Dc, W=W, BC=triton.next_power_of_2(Dc // H), BV=triton.next_power_of_2(V), num_warps=4,
+            qkv, qkv.stride(0), conv_state, slots, o, gate, gate.stride(0), nw, y, float(eps), ogw, ogw.stride(0),
+            H=H, V=V, Dc=Dc, W=W, BC=triton.next_power_of_2(Dc // H), BV=triton.next_power_of_2(V), VF=VF,
+            BJ=min(32, triton.next_power_of_2(max(VF, 1))), num_warps=4,
         )
         return y
     if W > 1:
@@ -155,4 +195,4 @@ def kda_decode_triton(
     return o
 
 
-__all__ = ["kda_decode_triton"]
+__all__ = ["decode_launch_config", "kda_decode_triton"]

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from .naive import gather_latent, naive_mla_decode_paged, naive_mla_prefill, naive_mla_prefill_paged
+from .naive import (
+    gather_latent,
+    naive_mla_decode_paged,
+    naive_mla_decode_prep,
+    naive_mla_prefill,
+    naive_mla_prefill_paged,
+)
 from .prefill_cpu import mla_prefill_cpu
 
 
@@ -18,6 +24,36 @@ def mla_decode_paged(
 
         return mla_decode_paged_triton(q_lat, q_pe, kv_pages, page_table, seq_lens, scale)
     return naive_mla_decode_paged(q_lat, q_pe, kv_pages, page_table, seq_lens, scale)
+
+
+def mla_decode_prep(
+    y: Tensor, w_kv_b: Tensor, norm_w: Tensor, eps: float, kv_pages: Tensor, kv_rows: Tensor, H: int, dn: int
+) -> tuple[Tensor, Tensor]:
+    """Between a decode step's input projection and its attention: writes each new token's cache row and
+    returns the absorbed query.
+
+    y [N, H * (dn + dr) + r + dr] (unit column stride): per head q_nope [dn] | q_pe [dr], then kv_a's latent c [r]
+    and k_pe [dr]; w_kv_b [H * (dn + dv), r] contiguous (kv_b_proj's weight); norm_w [r] (kv_a_layernorm's);
+    kv_pages [num_pages, P, r + dr] contiguous; kv_rows [N] int, the flat cache row of each new token, which
+    receives [rms_norm(c) * norm_w, k_pe]. Returns (q_lat [N, H, r] = q_nope @ W_uk per head, q_pe [N, H, dr]),
+    contiguous, in y's dtype. CUDA tensors go to one Triton launch (no host sync: CUDA-graph safe)."""
+    N = y.shape[0]
+    r = w_kv_b.shape[1]
+    dr = kv_pages.shape[-1] - r
+    if kv_pages.dim() != 3 or dr <= 0 or y.dim() != 2 or y.shape[1] != H * (dn + dr) + r + dr or y.stride(1) != 1:
+        raise ValueError(f"y must be [N, H * (dn + dr) + r + dr]={N, H * (dn + dr) + r + dr} with unit column stride "
+                         f"and kv_pages [num_pages, P, r + dr], got {tuple(y.shape)} {y.stride()}, "
+                         f"{tuple(kv_pages.shape)}")
+    if not kv_pages.is_contiguous():
+        raise ValueError("kv_pages must be contiguous: the new rows are written into it in place")
+    if w_kv_b.shape[0] % H or w_kv_b.shape[0] // H <= dn or tuple(norm_w.shape) != (r,) or kv_rows.shape != (N,):
+        raise ValueError(f"w_kv_b must be [H * (dn + dv), r], norm_w [r]={r,} and kv_rows [N]={N,}, got "
+                         f"{tuple(w_kv_b.shape)}, {tuple(norm_w.shape)}, {tuple(kv_rows.shape)}")
+    if y.is_cuda:
+        from .decode_prep import mla_decode_prep_triton
+
+        return mla_decode_prep_triton(y, w_kv_b.contiguous(), norm_w, eps, kv_pages, kv_rows, H, dn)
+    return naive_mla_decode_prep(y, w_kv_b, norm_w, eps, kv_pages, kv_rows, H, dn)
 
 
 def mla_prefill_paged(
@@ -46,4 +82,7 @@ def mla_prefill_paged(
     return mla_prefill_cpu(q, kv_pages, pages, start, w_kv_b, dv, scale)
 
 
-__all__ = ["gather_latent", "mla_decode_paged", "mla_prefill_paged", "naive_mla_prefill", "naive_mla_prefill_paged"]
+__all__ = [
+    "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_paged", "naive_mla_prefill",
+    "naive_mla_prefill_paged",
+]

@@ -104,3 +104,25 @@ def naive_mla_decode_paged(
         scores = (q_lat[n].float() @ lat[:, :r].t() + q_pe[n].float() @ lat[:, r:].t()) * scale  # [H, L]
         out[n] = (scores.softmax(-1) @ lat[:, :r]).to(q_lat.dtype)
     return out
+
+
+def naive_mla_decode_prep(
+    y: Tensor, w_kv_b: Tensor, norm_w: Tensor, eps: float, kv_pages: Tensor, kv_rows: Tensor, H: int, dn: int
+) -> tuple[Tensor, Tensor]:
+    """What a decode step does between the input projection and attention, as separate ops.
+
+    y [N, H * (dn + dr) + r + dr]: per head q_nope [dn] | q_pe [dr], then the latent c [r] and k_pe [dr];
+    w_kv_b [H * (dn + dv), r] (kv_b_proj's weight); norm_w [r] (kv_a_layernorm's). Writes each sequence's new
+    cache row [rms_norm(c), k_pe] at flat row ``kv_rows[n]`` of ``kv_pages`` [num_pages, P, r + dr]. Returns
+    (q_lat [N, H, r] = q_nope @ W_uk per head, q_pe [N, H, dr]), in y's dtype, sums in float32."""
+    N = y.shape[0]
+    r = w_kv_b.shape[1]
+    dr = kv_pages.shape[-1] - r
+    q = y[:, : H * (dn + dr)].reshape(N, H, dn + dr)
+    c, k_pe = y[:, H * (dn + dr) : H * (dn + dr) + r], y[:, H * (dn + dr) + r :]
+    cf = c.float()
+    c = (cf * torch.rsqrt(cf.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()).to(y.dtype)
+    kv_pages.view(-1, r + dr).index_copy_(0, kv_rows.long(), torch.cat([c, k_pe], -1).to(kv_pages.dtype))
+    w_uk = w_kv_b.view(H, -1, r)[:, :dn].float()  # [H, dn, r]
+    q_lat = torch.einsum("nhd,hdr->nhr", q[..., :dn].float(), w_uk).to(y.dtype)
+    return q_lat, q[..., dn:].contiguous()

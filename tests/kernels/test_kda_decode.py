@@ -108,3 +108,56 @@ def test_public_function_checks_shapes():
         kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots, out_norm=(nw[1:], gate, eps))
     y = kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots, out_norm=(nw, gate, eps))
     assert y.shape == (3, H, V) and not torch.equal(y, o)
+
+
+def _check_gate_proj(dtype: torch.dtype, device: str, lower_bound: float | None, config=None) -> None:
+    """The gates' second projections inside the launches (``gate_proj``, ``out_gate_proj``) against the twin fed
+    the logits of a separate ``naive_linear``: the same values, the logits rounded to the dtype in both."""
+    from kda_sessions.kernels.kda.decode_triton import kda_decode_triton
+    from kda_sessions.kernels.linear import naive_linear
+
+    qkv, _, b, cw, conv_state, A_log, dt_bias, state, slots = _case(dtype, device)
+    gen = torch.Generator().manual_seed(11)
+    KF, VF = 8, 12  # low-rank widths unlike K and V, one not a power of two
+    fa = torch.randn(qkv.shape[0], KF + VF + 3, generator=gen).to(device, dtype)  # f_a | g_a, strided slices
+    w_fb = (torch.randn(H * K, KF, generator=gen) * 0.5).to(device, dtype)
+    w_gb = (torch.randn(H * V, VF, generator=gen) * 0.5).to(device, dtype)
+    nw = (torch.rand(V, generator=gen) + 0.5).to(device)
+    f, g = fa[:, :KF], fa[:, KF : KF + VF]
+    s1, c1 = state.clone(), conv_state.clone()
+    out = kda_decode_triton(qkv, f, b, cw, c1, A_log, dt_bias, lower_bound, s1, slots, K**-0.5, (nw, g, 1e-5),
+                            w_fb, w_gb, config)
+    cpu = [t.cpu() for t in (qkv, f, g, b, cw, conv_state, A_log, dt_bias, state, slots, w_fb, w_gb, nw)]
+    qkv, f, g, b, cw, c2, A_log, dt_bias, s2, slots, w_fb, w_gb, nw = cpu
+    o = naive_kda_decode(qkv, naive_linear(f, w_fb), b, cw, c2, A_log, dt_bias, lower_bound, s2, slots, K**-0.5)
+    ref = naive_gated_rms_norm(o, nw, naive_linear(g, w_gb).reshape(-1, H, V), 1e-5, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.shape == ref.shape and rel_rms(out.cpu(), ref) < tol
+    assert rel_rms(s1.cpu(), s2) < tol
+    assert torch.equal(c1.cpu(), c2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
+def test_gate_projections_in_the_launches(dtype, lower_bound):
+    _check_gate_proj(dtype, "cpu", lower_bound)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [None, (16, 1), (128, 4)], ids=["default", "bv16", "bv128"])
+def test_gate_projections_in_the_launches_on_cuda(dtype, config):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _check_gate_proj(dtype, "cuda", None, config)
+
+
+def test_public_function_checks_gate_proj_shapes():
+    qkv, raw, b, cw, conv_state, A_log, dt_bias, state, slots = _case(torch.float32, "cpu")
+    w = torch.randn(H * K, 8)
+    with pytest.raises(ValueError, match="raw"):  # raw must then be [N, KF]
+        kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots, gate_proj=w)
+    o = kda_decode(qkv, raw[:, :8], b, cw, conv_state, A_log, dt_bias, None, state, slots, gate_proj=w)
+    assert o.shape == (3, H, V)
+    with pytest.raises(ValueError, match="out_gate_proj"):
+        kda_decode(qkv, raw, b, cw, conv_state, A_log, dt_bias, None, state, slots, out_gate_proj=w)

@@ -1,0 +1,29 @@
+"""Linear layers of a decode step: y = x @ w^T for a few rows of x. CUDA tensors of at most
+``matvec_triton.MAX_ROWS`` rows go to one Triton matvec launch; more rows, and CPU tensors, to ``F.linear``
+(cuBLAS or the CPU's BLAS). ``naive_linear`` is the twin the tests compare with."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from .naive import naive_linear
+
+MATVEC_MAX_ROWS = 8
+"""Rows of x up to which a CUDA ``linear`` runs the Triton matvec (its limit, ``matvec_triton.MAX_ROWS``)."""
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """x [N, I] @ w [O, I]^T -> [N, O] in x's dtype (a linear layer's weight as stored, no bias), float32 sums.
+    Either operand may be a row slice of a larger tensor; its columns must be contiguous."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"x must be [N, I] and w [O, I] with the same I, got {tuple(x.shape)}, {tuple(w.shape)}")
+    if x.is_cuda and 1 <= x.shape[0] <= MATVEC_MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 \
+            and x.dtype == w.dtype:
+        from .matvec_triton import matvec_triton
+
+        return matvec_triton(x, w)
+    return F.linear(x, w)
+
+
+__all__ = ["MATVEC_MAX_ROWS", "linear", "naive_linear"]

@@ -1,0 +1,82 @@
+"""The steps of an MLA decode between the input projection and attention, in one Triton launch: the latent's
+RMSNorm and its write into the page pool, the query's absorption into the latent space (q_nope @ W_uk per head),
+and q_pe copied out contiguous. The separate ops (the norm, a concatenation, the page write, the batched matmul
+with its strided operand, the copy) are ~6 launches of a few microseconds each, per MLA layer and step.
+
+Grid (N, H * RB + 1): program (n, j) for j < H * RB computes the r-block j % RB of head j // RB's absorbed query
+from its [dn, BR] tile of kv_b_proj's weight (read in place, no derived copy); program (n, H * RB) writes the
+sequence's new cache row.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _prep_kernel(y, s_y, w, norm_w, kv, kv_rows, q_lat, q_pe, eps, H: tl.constexpr, DN: tl.constexpr,
+                 DR: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BDN: tl.constexpr,
+                 BDR: tl.constexpr, BRF: tl.constexpr):
+    n = tl.program_id(0)
+    j = tl.program_id(1)
+    RB: tl.constexpr = R // BR
+    row = y + n.to(tl.int64) * s_y
+    QW: tl.constexpr = H * (DN + DR)
+    if j < H * RB:
+        h = j // RB
+        rb = j % RB
+        d = tl.arange(0, BDN)
+        md = d < DN
+        qn = tl.load(row + h * (DN + DR) + d, mask=md, other=0.0).to(tl.float32)  # [BDN]
+        c = rb * BR + tl.arange(0, BR)
+        wt = tl.load(w + (h * (DN + DV) + d).to(tl.int64)[:, None] * R + c[None, :], mask=md[:, None],
+                     other=0.0).to(tl.float32)  # [BDN, BR]: W_uk[h] rows d, columns c
+        ql = tl.sum(qn[:, None] * wt, axis=0)
+        tl.store(q_lat + (n * H + h).to(tl.int64) * R + c, ql.to(q_lat.dtype.element_ty))
+        if rb == 0:
+            e = tl.arange(0, BDR)
+            me = e < DR
+            pe = tl.load(row + h * (DN + DR) + DN + e, mask=me)
+            tl.store(q_pe + (n * H + h).to(tl.int64) * DR + e, pe, mask=me)
+    else:
+        c = tl.arange(0, BRF)
+        mc = c < R
+        v = tl.load(row + QW + c, mask=mc, other=0.0).to(tl.float32)
+        inv = tl.rsqrt(tl.sum(v * v, axis=0) / R + eps)
+        nw = tl.load(norm_w + c, mask=mc, other=0.0).to(tl.float32)
+        # rounded to y's dtype as the norm's output is, then stored in the pool's
+        normed = (v * inv * nw).to(y.dtype.element_ty)
+        dst = kv + tl.load(kv_rows + n).to(tl.int64) * (R + DR)
+        tl.store(dst + c, normed.to(kv.dtype.element_ty), mask=mc)
+        e = tl.arange(0, BDR)
+        me = e < DR
+        pe = tl.load(row + QW + R + e, mask=me)
+        tl.store(dst + R + e, pe.to(kv.dtype.element_ty), mask=me)
+
+
+def mla_decode_prep_triton(
+    y: Tensor, w_kv_b: Tensor, norm_w: Tensor, eps: float, kv_pages: Tensor, kv_rows: Tensor, H: int, dn: int
+) -> tuple[Tensor, Tensor]:
+    """Shapes as :func:`kda_sessions.kernels.mla.mla_decode_prep` (validated there)."""
+    N = y.shape[0]
+    r = w_kv_b.shape[1]
+    dr = kv_pages.shape[-1] - r
+    dv = w_kv_b.shape[0] // H - dn
+    q_lat = y.new_empty(N, H, r)
+    q_pe = y.new_empty(N, H, dr)
+    if N == 0:
+        return q_lat, q_pe
+    BR = min(128, triton.next_power_of_2(r))
+    while r % BR:
+        BR //= 2
+    _prep_kernel[(N, H * (r // BR) + 1)](
+        y, y.stride(0), w_kv_b, norm_w, kv_pages, kv_rows, q_lat, q_pe, float(eps), H=H, DN=dn, DR=dr, DV=dv, R=r,
+        BR=BR, BDN=triton.next_power_of_2(dn), BDR=triton.next_power_of_2(dr), BRF=triton.next_power_of_2(r),
+        num_warps=4,
+    )
+    return q_lat, q_pe
+
+
+__all__ = ["mla_decode_prep_triton"]

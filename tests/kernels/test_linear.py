@@ -1,0 +1,50 @@
+"""The Triton matvec (``kernels.linear``) against its twin, a float32 matmul rounded once: under TRITON_INTERPRET=1
+at small shapes on a CPU, at the 48B model's decode shapes with ``-m gpu``.
+
+Tolerance: relative RMS 1e-6 for float32 (sums in another order); 8e-3 for bfloat16, where both round the same
+float32 sum and only outputs within a sum-order error of a rounding boundary differ, by one ulp (2^-8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_sessions.kernels.linear import linear, naive_linear
+
+from .kernel_helpers import rel_rms
+
+
+def _check(N: int, O: int, I: int, dtype: torch.dtype, device: str, config=None) -> None:
+    from kda_sessions.kernels.linear.matvec_triton import matvec_triton
+
+    gen = torch.Generator().manual_seed(N * 7 + O)
+    y = torch.randn(N, I + 5, generator=gen).to(device, dtype)
+    x = y[:, 5:]  # a column slice of a larger output, as the layers hand over their rows
+    w = (torch.randn(O, I, generator=gen) * I**-0.5).to(device, dtype)
+    out = matvec_triton(x, w, config)
+    ref = naive_linear(x.cpu(), w.cpu())
+    assert out.shape == (N, O) and out.dtype == dtype
+    assert rel_rms(out.cpu(), ref) < (1e-6 if dtype == torch.float32 else 8e-3)
+
+
+@pytest.mark.parametrize("N", [1, 3, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_matvec_matches_the_twin(N, dtype):
+    _check(N, 37, 300, dtype, "cpu")  # O not a multiple of the row block, I not of the column tile
+
+
+def test_linear_checks_shapes_and_falls_back_on_a_cpu():
+    x, w = torch.randn(2, 16), torch.randn(5, 16)
+    assert torch.allclose(linear(x, w), naive_linear(x, w), atol=1e-6)
+    with pytest.raises(ValueError, match="same I"):
+        linear(x, w[:, :8])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", [(2304, 4096), (12576, 2304), (6720, 2304), (100, 70)],
+                         ids=["o_proj", "kda_in", "mla_in", "odd"])
+def test_matvec_matches_the_twin_on_cuda(N, shape):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _check(N, *shape, torch.bfloat16, "cuda")
