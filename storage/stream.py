@@ -3,10 +3,11 @@
 A save's page blobs come out of a device-to-host copy and a hash a chunk at a time. Written only once every
 chunk is made, the copy, the hash and the write run one after the other; through a stream, the store writes
 chunk i while chunk i + 1 is copied and hashed (`BlobStore.put_blob_stream`). The producer announces how many
-blobs it will put (`announce`, or `count` at construction: a disk store reserves a pack index of that size before
-the first byte arrives; the writer waits for it with `wait_count`), puts
-chunks of ``(digest, bytes)`` where the digest may still be a `Future` of the hash running on another thread,
-then calls `close` (or `fail`, which the writer re-raises). The stream keeps every blob it was given, so the
+blobs it will put at most (`announce`, or `count` at construction: a disk store writes one pack from that many on,
+loose files below; the writer waits for it with `wait_count`), puts chunks of ``(digest, bytes)`` where the digest
+may still be a `Future` of the hash running on another thread, then calls `close` (or `fail`, which the writer
+re-raises). A producer that learns only late that some blobs need no writing (a save's KDA states hashed after
+its pages, one already stored) announces the bound at once and puts fewer. The stream keeps every blob it was given, so the
 caller can still repair or cache them after the write.
 """
 
@@ -44,7 +45,7 @@ class BlobStream:
     # --- producer ----------------------------------------------------------------------------------------
 
     def announce(self, count: int) -> None:
-        """Say how many blobs the stream will carry, before the first `put`."""
+        """Say how many blobs the stream will carry at most, before the first `put`."""
         if count < 0:
             raise ValueError(f"count must be >= 0, got {count}")
         assert self.count is None, "count announced twice"
@@ -60,13 +61,14 @@ class BlobStream:
         self._queue.put(list(chunk))
 
     def close(self) -> None:
-        """No more chunks. ValueError if fewer or more blobs than `count` were put (the writer then fails too)."""
+        """No more chunks. ValueError if more blobs than `count` were put (the writer then fails too)."""
         if self._closed:
             return
         if self.count is None:
             self.announce(len(self._given))
+        assert self.count is not None
         self._closed = True
-        if len(self._given) != self.count:
+        if len(self._given) > self.count:
             err = ValueError(f"a blob stream announced {self.count} blobs and was given {len(self._given)}")
             self._queue.put(err)
             raise err

@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import itertools
 import re
 import time
 from collections.abc import Callable
@@ -134,11 +133,12 @@ class StoreIO:
 
     def _build(self, s: SessionState, stream: BlobStream) -> SessionManifest:
         """Runs in a worker thread: encode every blob the store may lack into ``stream`` and assemble the
-        manifest. The small blobs first (states, partial last pages, tokens), each encoded and hashed on a thread
-        of its own (a 42 MB state is one copy without the GIL: `encode_tensors`) while the first chunks of full
-        pages are made, then the full pages a chunk at a time (page_io): the store writes each chunk while the
-        next is copied out and hashed. Every full page's digest is cached in the pool, so a later save encodes
-        only new pages."""
+        manifest. The small blobs (states, partial last pages, tokens) are queued first, each encoded and hashed
+        on a thread of its own (a 42 MB state is one copy without the GIL: `encode_tensors`); the stream's bound
+        is announced at once and the full pages go in a chunk at a time as they are made (page_io), so the store
+        writes its first page while the states are still being hashed and each chunk while the next is copied
+        out and hashed; the small blobs follow, less those the store holds from this session's earlier saves.
+        Every full page's digest is cached in the pool, so a later save encodes only new pages."""
         hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="blob-hash")
         made: list[Future[tuple[str, bytes]]] = []
 
@@ -170,18 +170,17 @@ class StoreIO:
                     partials[cp.name] = self._partial_page(cp.pages, cp.state_pos, add)
             tokens = encode_tokens(s.tokens)
             tokens_f = add(lambda: tokens)
-            first = next(chunks, None)  # the first chunks of pages are made while the small blobs are
+            stream.announce(len(made) + len(pages))  # a bound: the writer starts with the first chunk of pages
+            for chunk in chunks:
+                stream.put(chunk)
+                digests_made.extend(d for d, _ in chunk)
             tokens_blob = tokens_f.result()[0]
             known = s.stored_digests
             blobs = {d: data for d, data in (f.result() for f in made) if d not in known}
             for name, f in states.items():
                 s.checkpoints[name].state_blob = f.result()[0]
-            stream.announce(len(blobs) + len(pages))
             if blobs:
                 stream.put(list(blobs.items()))
-            for chunk in itertools.chain([] if first is None else [first], chunks):
-                stream.put(chunk)
-                digests_made.extend(d for d, _ in chunk)
             stream.close()
         except BaseException as e:
             stream.fail(e)

@@ -160,7 +160,7 @@ class DiskStore(BlobStore):
             raise
         if count < self.pack_min_blobs:
             return await super().put_blob_stream(stream, max_in_flight=max_in_flight, verified=verified)
-        return await self._run("write", self._blobs, partial(self._writer.put_stream, stream, count, verified))
+        return await self._run("write", self._blobs, partial(self._writer.put_stream, stream, verified))
 
     async def get_blob(self, digest: str) -> bytes:
         return (await self.get_blobs([digest]))[digest]

@@ -29,7 +29,7 @@ from pathlib import Path
 from .. import faults
 from ..errors import IntegrityError
 from .disk_files import O_CLOEXEC, O_NOFOLLOW, fsync_dir, replace_durably, sha256_hex, write_all
-from .disk_pack_format import ENTRY_BYTES, HEADER_BYTES, encode_index, parse_index
+from .disk_pack_format import HEADER_BYTES, encode_header, encode_index, parse_index
 
 logger = logging.getLogger(__name__)
 
@@ -225,35 +225,28 @@ class PackSet:
 
     def write(self, items: Sequence[tuple[str, bytes]], verified: Callable[[int], None], tmp_prefix: str) -> None:
         """Write one pack of ``items`` (digest, bytes) and make it durable: `write_stream` of one chunk."""
-        self.write_stream([items], len(items), verified, tmp_prefix)
+        self.write_stream([items], verified, tmp_prefix)
 
     def write_stream(
-        self,
-        chunks: Iterable[Sequence[tuple[str, bytes]]],
-        count: int,
-        verified: Callable[[int], None],
-        tmp_prefix: str,
+        self, chunks: Iterable[Sequence[tuple[str, bytes]]], verified: Callable[[int], None], tmp_prefix: str
     ) -> list[str]:
-        """Write one pack of the ``count`` blobs (digest, bytes) that ``chunks`` yields, each written as soon as
-        its chunk arrives (the data region starts where an index of ``count`` entries ends; the index is written
-        last), then make it durable; returns the digests in the pack. ``verified(i)`` raises if the i-th blob's
+        """Write one pack of the blobs (digest, bytes) that ``chunks`` yields, each written as soon as its chunk
+        arrives (the data comes first, the index last: however many blobs follow, nothing written moves), then
+        make it durable; returns the digests in the pack, in order. ``verified(i)`` raises if the i-th blob's
         bytes do not match its digest (checked just before they are written). A digest seen twice is written
-        once; if that leaves fewer than ``count`` blobs, the pack is written again from the blobs held (rare:
-        equal pages in one save). ValueError if ``chunks`` yields more than ``count`` blobs. On any error the
-        temp file is closed and removed, never written or fsynced again. The temp file is named ``tmp_prefix``
-        plus a random suffix (the store's prefix names this host and process)."""
-        if count < 1:
-            raise ValueError(f"a pack holds at least one blob, got count {count}")
+        once. No blob at all: no pack. On any error the temp file is closed and removed, never written or
+        fsynced again. The temp file is named ``tmp_prefix`` plus a random suffix (the store's prefix names this
+        host and process)."""
         if not self.folder.is_dir():
             self.folder.mkdir(exist_ok=True)
             fsync_dir(self.folder.parent)
         name = f"pack-{time.time_ns():x}-{secrets.token_hex(8)}"
         tmp = self.folder / f"{tmp_prefix}{secrets.token_hex(8)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0o644)
-        kept: list[tuple[str, bytes]] = []
+        kept: list[tuple[str, int]] = []
         try:
-            written = flushed = HEADER_BYTES + ENTRY_BYTES * count
-            os.lseek(fd, written, os.SEEK_SET)
+            write_all(fd, encode_header())
+            written = flushed = HEADER_BYTES
             seen: set[str] = set()
             i = 0
             for chunk in chunks:
@@ -262,19 +255,15 @@ class PackSet:
                     i += 1
                     if d in seen:
                         continue
-                    if len(kept) == count:
-                        raise ValueError(f"a pack stream announced {count} blobs and yielded more")
                     seen.add(d)
-                    kept.append((d, data))
+                    kept.append((d, len(data)))
                     write_all(fd, data)
                     written += len(data)
                     if written - flushed >= WRITEBACK_CHUNK_BYTES:
                         start_writeback(fd, flushed, written - flushed)
                         flushed = written
-            if len(kept) == count:
-                index = encode_index([(d, len(b)) for d, b in kept])
-                assert len(index) == HEADER_BYTES + ENTRY_BYTES * count
-                _pwrite_all(fd, index, 0)
+            if kept:
+                write_all(fd, encode_index(kept))
                 faults.point("disk.blob.written")
                 os.fsync(fd)
                 faults.point("disk.blob.fsynced")
@@ -283,11 +272,9 @@ class PackSet:
             tmp.unlink(missing_ok=True)
             raise
         os.close(fd)
-        if len(kept) < count:  # duplicates shrank the pack: its data would not start where the index ends
+        if not kept:
             tmp.unlink(missing_ok=True)
-            if kept:
-                self.write_stream([kept], len(kept), lambda i: None, tmp_prefix)
-            return [d for d, _ in kept]
+            return []
         replace_durably(tmp, self.folder / f"{name}{PACK_SUFFIX}", ("disk.blob.linked", "disk.blob.done"))
         return [d for d, _ in kept]
 
@@ -379,9 +366,3 @@ class PackSet:
                     logger.info("removing pack %s: every live blob is held by another pack", pack.name)
                     self._drop(pack)
 
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n

@@ -1,14 +1,21 @@
-"""The pack file format of the disk store (see disk_pack)::
+"""The pack file format of the disk store (see disk_pack). Version 2, written now::
 
-    header  b"KDAP" | version u8 | 3 zero bytes | count u32 LE | sha256 of the index (32 raw bytes)
-    index   count x (sha256 of the blob: 32 raw bytes | offset u64 LE | length u64 LE)
+    header   b"KDAP" | version u8 = 2 | 3 zero bytes
+    data     the blobs, back to back, in index order, from offset HEADER_BYTES
+    index    count x (sha256 of the blob: 32 raw bytes | offset u64 LE | length u64 LE)
+    trailer  count u32 LE | sha256 of the index (32 raw bytes) | b"KDAP"
+
+The index comes last, so a writer starts on the data before it knows how many blobs the pack will hold (a save
+writes its first pages while its KDA states are still being hashed, and drops a blob seen twice without moving
+anything). Version 1 packs (index before the data) are still read::
+
+    header  b"KDAP" | version u8 = 1 | 3 zero bytes | count u32 LE | sha256 of the index (32 raw bytes)
+    index   count x entry, as above
     data    the blobs, back to back, in index order
 
-The header and index are checked (magic, version, a count the file size can hold, the index's sha256, offsets
-that tile the data exactly to the end of the file) before anything is allocated from them, so a bit flip,
-truncation or zeroed block anywhere in a pack is an IntegrityError, never wrong data. The data of a pack of
-``count`` blobs starts at ``HEADER_BYTES + count * ENTRY_BYTES``: a writer that knows the count can write the data
-before it knows the digests, and the index last.
+Both are checked (magics, version, a count the file size can hold, the index's sha256, offsets that tile the data
+exactly) before anything is allocated from them, so a bit flip, truncation or zeroed block anywhere in a pack is
+an IntegrityError, never wrong data.
 """
 
 from __future__ import annotations
@@ -20,43 +27,69 @@ from collections.abc import Callable, Sequence
 from ..errors import IntegrityError
 
 PACK_MAGIC = b"KDAP"
-PACK_VERSION = 1
-_HEADER = struct.Struct("<4sB3xI32s")  # magic, version, pad, count, sha256 of the index
+PACK_VERSION = 2
+"""The version `encode_index` writes; `parse_index` reads it and version 1."""
+_START = struct.Struct("<4sB3x")  # magic, version, pad: the first bytes of every version
+_HEADER_V1 = struct.Struct("<4sB3xI32s")  # magic, version, pad, count, sha256 of the index
+_TRAILER = struct.Struct("<I32s4s")  # count, sha256 of the index, magic
 _ENTRY = struct.Struct("<32sQQ")  # raw sha256, offset, length
-HEADER_BYTES = _HEADER.size
+HEADER_BYTES = _START.size
+"""Where a version 2 pack's data starts: the header is written first, the data right after it."""
 ENTRY_BYTES = _ENTRY.size
+TRAILER_BYTES = _TRAILER.size
+
+
+def encode_header() -> bytes:
+    """The first `HEADER_BYTES` of a pack."""
+    return _START.pack(PACK_MAGIC, PACK_VERSION)
 
 
 def encode_index(items: Sequence[tuple[str, int]]) -> bytes:
-    """Header + index of a pack holding blobs ``(digest, length)`` in this order."""
-    offset = _HEADER.size + _ENTRY.size * len(items)
+    """Index + trailer of a pack whose data, from `HEADER_BYTES` on, is blobs ``(digest, length)`` in this order;
+    written right after the last blob."""
+    offset = HEADER_BYTES
     entries = bytearray()
     for d, n in items:
         entries += _ENTRY.pack(bytes.fromhex(d), offset, n)
         offset += n
-    return _HEADER.pack(PACK_MAGIC, PACK_VERSION, len(items), hashlib.sha256(entries).digest()) + entries
+    return bytes(entries) + _TRAILER.pack(len(items), hashlib.sha256(entries).digest(), PACK_MAGIC)
 
 
 def parse_index(read: Callable[[int, int], bytes], size: int, where: str) -> dict[str, tuple[int, int]]:
     """Validate a pack's header and index (read through ``read(offset, n)``) against its file ``size``;
     digest -> (offset, length). IntegrityError naming ``where`` on anything inconsistent."""
-    if size < _HEADER.size:
-        raise IntegrityError(f"{where}: pack truncated: {size} bytes, header needs {_HEADER.size}")
-    magic, version, count, index_sha = _HEADER.unpack(read(0, _HEADER.size))
-    if magic != PACK_MAGIC or version != PACK_VERSION:
+    if size < _START.size:
+        raise IntegrityError(f"{where}: pack truncated: {size} bytes, header needs {_START.size}")
+    magic, version = _START.unpack(read(0, _START.size))
+    if magic != PACK_MAGIC or version not in (1, 2):
         raise IntegrityError(f"{where}: bad pack header (magic {magic!r}, version {version})")
-    if count == 0 or _HEADER.size + count * _ENTRY.size > size:
+    if version == 1:
+        if size < _HEADER_V1.size:
+            raise IntegrityError(f"{where}: pack truncated: {size} bytes, header needs {_HEADER_V1.size}")
+        _, _, count, index_sha = _HEADER_V1.unpack(read(0, _HEADER_V1.size))
+        index_at = data_at = _HEADER_V1.size
+        data_at += count * _ENTRY.size
+        data_end = size
+    else:
+        if size < _START.size + _TRAILER.size:
+            raise IntegrityError(f"{where}: pack truncated: {size} bytes, no room for its trailer")
+        count, index_sha, tail = _TRAILER.unpack(read(size - _TRAILER.size, _TRAILER.size))
+        if tail != PACK_MAGIC:
+            raise IntegrityError(f"{where}: bad pack trailer (magic {tail!r}); truncated?")
+        index_at = data_end = size - _TRAILER.size - count * _ENTRY.size
+        data_at = _START.size
+    if count == 0 or index_at < _START.size or data_at > size or data_end < data_at:
         raise IntegrityError(f"{where}: pack claims {count} blobs, which its {size} bytes cannot hold")
-    raw = read(_HEADER.size, count * _ENTRY.size)
+    raw = read(index_at, count * _ENTRY.size)
     if len(raw) != count * _ENTRY.size or hashlib.sha256(raw).digest() != index_sha:
         raise IntegrityError(f"{where}: pack index does not match its checksum; corrupt or truncated")
     out: dict[str, tuple[int, int]] = {}
-    expect = _HEADER.size + count * _ENTRY.size
+    expect = data_at
     for d, off, n in _ENTRY.iter_unpack(raw):
         if off != expect or d.hex() in out:
             raise IntegrityError(f"{where}: pack index entry at {off} breaks the layout (expected {expect})")
         out[d.hex()] = (off, n)
         expect = off + n
-    if expect != size:
-        raise IntegrityError(f"{where}: pack data ends at {expect}, the file has {size} bytes; truncated?")
+    if expect != data_end:
+        raise IntegrityError(f"{where}: pack data ends at {expect}, its index says {data_end}; truncated?")
     return out

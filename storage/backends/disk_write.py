@@ -101,9 +101,9 @@ class BlobWriter:
                 return {items[i][0] for i in new}
             return self._put_loose([items[i] for i in new], lambda j: verified(new[j]))
 
-    def put_stream(self, stream: BlobStream, count: int, trusted: bool) -> set[str]:
-        """One pack of the ``count`` blobs of ``stream``, written as they arrive (`PackSet.write_stream`); the
-        digests written. Unless ``trusted``, each blob is hashed just before it is written. On any error the
+    def put_stream(self, stream: BlobStream, trusted: bool) -> set[str]:
+        """One pack of the blobs of ``stream``, written as they arrive (`PackSet.write_stream`); the digests
+        written. Unless ``trusted``, each blob is hashed just before it is written. On any error the
         stream is abandoned (its producer's next put raises) and the error raised."""
         seen: list[tuple[str, bytes]] = []
 
@@ -121,7 +121,7 @@ class BlobWriter:
 
         try:
             self.packs.refresh()
-            digests = self.packs.write_stream(chunks(), count, verified, temp_prefix())
+            digests = self.packs.write_stream(chunks(), verified, temp_prefix())
         except BaseException:
             stream.abandon()
             raise

@@ -21,6 +21,7 @@ import kda_sessions as ks
 from kda_sessions.storage import SnapshotStore, faults
 from kda_sessions.storage.backends import disk as disk_mod
 from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
+from kda_sessions.storage.backends.disk_pack_format import ENTRY_BYTES, HEADER_BYTES, TRAILER_BYTES
 from kda_sessions.storage.blobs import digest
 from kda_sessions.storage.errors import BlobNotFound, IntegrityError, StoreUnavailable
 
@@ -76,14 +77,16 @@ MUTATIONS: dict[str, Callable[[bytearray, int], None]] = {
 
 
 @pytest.mark.parametrize("mutation", list(MUTATIONS))
-@pytest.mark.parametrize("where", ["header", "index", "data"])
+@pytest.mark.parametrize("where", ["header", "data", "index", "trailer"])
 async def test_corruption_anywhere_in_a_pack_is_an_integrity_error(tmp_path: Path, where: str, mutation: str) -> None:
     store = await DiskStore.open(tmp_path, pack_min_blobs=2)
     blobs = _blobs(8, size=9000)
     await store.put_blobs(blobs)
     (pack,) = _packs(tmp_path)
     raw = bytearray(pack.read_bytes())
-    at = {"header": 0 if mutation == "zero-page" else 9, "index": 44 + 48 * 3 + 5, "data": len(raw) - 9000 - 17}[where]
+    index = len(raw) - TRAILER_BYTES - ENTRY_BYTES * 8  # data [HEADER_BYTES, index), then index, then trailer
+    at = {"header": 0 if mutation == "zero-page" else 4, "data": HEADER_BYTES + 9000 + 17,
+          "index": index + ENTRY_BYTES * 3 + 5, "trailer": len(raw) - TRAILER_BYTES + (0 if mutation == "zero-page" else 9)}[where]
     MUTATIONS[mutation](raw, at)
     pack.write_bytes(bytes(raw))
     reader = await DiskStore.open(tmp_path)
@@ -100,10 +103,12 @@ async def test_forged_count_is_refused_before_allocating(tmp_path: Path) -> None
     await store.put_blobs(_blobs(3))
     (pack,) = _packs(tmp_path)
     raw = bytearray(pack.read_bytes())
-    struct.pack_into("<I", raw, 8, 2**32 - 1)
+    struct.pack_into("<I", raw, len(raw) - TRAILER_BYTES, 2**32 - 1)  # the trailer's count
     pack.write_bytes(bytes(raw))
-    with pytest.raises(IntegrityError):
-        await (await DiskStore.open(tmp_path)).get_blob(next(iter(_blobs(3))))
+    reader = await DiskStore.open(tmp_path)
+    with pytest.raises(IntegrityError, match="corrupt"):
+        await reader.get_blob(next(iter(_blobs(3))))
+    assert [why for why in reader._packs.corrupt.values() if "4294967295 blobs" in why]
 
 
 @pytest.mark.parametrize(

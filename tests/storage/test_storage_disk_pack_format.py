@@ -1,0 +1,120 @@
+"""Pack format versions: packs of version 1 (index before the data) written by earlier releases still load, are
+checked and compact into version 2 (index last); a version 2 pack is written from its first blob on whatever the
+final count, and a stream that puts fewer blobs than it announced writes one pack of those (none if none)."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from pathlib import Path
+
+import anyio
+import anyio.to_thread
+import pytest
+from storage_helpers import pack_files, synthetic_blobs
+
+from kda_sessions.storage import BlobStream
+from kda_sessions.storage.backends import disk_pack_format as fmt
+from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
+from kda_sessions.storage.errors import IntegrityError
+
+
+def _v1_pack(blobs: dict[str, bytes]) -> bytes:
+    """A pack as version 1 lays it out: b"KDAP" | 1 | 3 zero bytes | count u32 | sha256 of the index, then the
+    index (sha256, offset u64, length u64 per blob), then the data."""
+    start = 44 + 48 * len(blobs)
+    entries = bytearray()
+    for d, data in blobs.items():
+        entries += struct.pack("<32sQQ", bytes.fromhex(d), start, len(data))
+        start += len(data)
+    header = struct.pack("<4sB3xI32s", b"KDAP", 1, len(blobs), hashlib.sha256(entries).digest())
+    return header + bytes(entries) + b"".join(blobs.values())
+
+
+def _v1_store(root: Path, blobs: dict[str, bytes]) -> Path:
+    folder = root / "blobs" / "packs"
+    folder.mkdir(parents=True)
+    path = folder / "pack-1-00.pack"
+    path.write_bytes(_v1_pack(blobs))
+    return path
+
+
+async def test_a_version_1_pack_still_loads(tmp_path: Path) -> None:
+    blobs = synthetic_blobs(6, 3000, seed=11)
+    _v1_store(tmp_path, blobs)
+    store = await DiskStore.open(tmp_path)
+    assert await store.has_blobs(blobs) == set(blobs)
+    assert await store.get_blobs(list(blobs)) == blobs
+    into = {d: memoryview(bytearray(len(data))) for d, data in blobs.items()}
+    assert await store.get_blobs_into([(d, [v]) for d, v in into.items()]) == []
+    assert all(bytes(into[d]) == data for d, data in blobs.items())
+
+
+@pytest.mark.parametrize("at", [4, 9, 44 + 48 * 2 + 3, -17], ids=["version", "count", "index", "data"])
+async def test_a_corrupt_version_1_pack_is_an_integrity_error(tmp_path: Path, at: int) -> None:
+    blobs = synthetic_blobs(4, 3000, seed=12)
+    path = _v1_store(tmp_path, blobs)
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0x10
+    path.write_bytes(bytes(raw))
+    with pytest.raises(IntegrityError):
+        await (await DiskStore.open(tmp_path)).get_blobs(list(blobs))
+
+
+async def test_a_version_1_pack_compacts_into_version_2(tmp_path: Path) -> None:
+    blobs = synthetic_blobs(8, 3000, seed=13)
+    old = _v1_store(tmp_path, blobs)
+    store = await DiskStore.open(tmp_path)
+    keys = list(blobs)
+    for d in keys[:6]:  # 6 of 8 dead: compacted
+        await store.delete_blob(d)
+    (new,) = pack_files(tmp_path)
+    assert new != old and new.read_bytes()[:5] == b"KDAP\x02"
+    assert await (await DiskStore.open(tmp_path)).get_blobs(keys[6:]) == {d: blobs[d] for d in keys[6:]}
+
+
+def test_version_2_data_starts_after_the_header_and_the_index_ends_the_file() -> None:
+    blobs = synthetic_blobs(3, 100, seed=14)
+    data = fmt.encode_header() + b"".join(blobs.values())
+    pack = data + fmt.encode_index([(d, len(b)) for d, b in blobs.items()])
+    entries = fmt.parse_index(lambda off, n: pack[off : off + n], len(pack), "p")
+    assert [pack[o : o + n] for o, n in entries.values()] == list(blobs.values())
+    assert len(pack) == len(data) + fmt.ENTRY_BYTES * 3 + fmt.TRAILER_BYTES
+    with pytest.raises(IntegrityError, match="truncated"):
+        fmt.parse_index(lambda off, n: pack[off : off + n], len(pack) - 1, "p")
+
+
+async def test_a_stream_puts_fewer_blobs_than_announced_into_one_pack(tmp_path: Path) -> None:
+    """A save announces pages + small blobs, then drops small blobs the store holds: the pack holds the rest, and
+    its first chunk is in the file before the producer knows how many follow."""
+    store = await DiskStore.open(tmp_path, pack_min_blobs=4)
+    blobs = synthetic_blobs(12, 5000, seed=15)
+    items = list(blobs.items())
+    stream = BlobStream(20)
+    sizes: list[int] = []
+
+    def produce() -> None:
+        stream.put(items[:8])
+        for _ in range(500):  # the writer has the first chunk in its temp file while the count is still open
+            sizes[:] = [p.stat().st_size for p in tmp_path.rglob(f"{TMP_PREFIX}*")]
+            if sizes and max(sizes) >= 8 * 5000:
+                break
+            time.sleep(0.01)
+        stream.put(items[8:])
+        stream.close()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(anyio.to_thread.run_sync, produce)
+        assert await store.put_blob_stream(stream) == set(blobs)
+    assert sizes and max(sizes) >= 8 * 5000
+    assert len(pack_files(tmp_path)) == 1
+    assert await (await DiskStore.open(tmp_path)).get_blobs(list(blobs)) == blobs
+
+
+async def test_a_stream_that_puts_nothing_writes_no_pack(tmp_path: Path) -> None:
+    store = await DiskStore.open(tmp_path, pack_min_blobs=4)
+    stream = BlobStream(10)
+    stream.close()
+    assert await store.put_blob_stream(stream) == set()
+    assert pack_files(tmp_path) == [] and list(tmp_path.rglob(f"{TMP_PREFIX}*")) == []
