@@ -3,15 +3,22 @@
     python3 bench/resume_gpu.py --out $OUT/resume_gpu.json            # on the device (see docs/benchmarks.md)
     python bench/resume_gpu.py --device cpu --contexts 2048 --shape tiny  # checks the script on a CPU
 
-The model (``--shape kimi``) has Kimi-Linear-48B-A3B's attention shapes, so its snapshot is exactly that model's
-size (20 KDA layers of 32 heads x 128 x 128 fp32 state, 7 MLA layers of 512 + 64 bf16 latents: 7.9 KiB a token,
-pages of 64 tokens = 504 KiB), D 2304, with one small dense FFN (width 1024) instead of the MoE and a byte
-vocabulary; weights random (content does not change what a snapshot costs). Its prefill is therefore faster than
-the 48B model's: the resume / re-prefill ratios here understate the real one.
+Models (``--shape``, several separated by commas), weights random (content does not change what a snapshot
+costs), byte tokens:
+  kimi  Kimi-Linear-48B-A3B's attention shapes, so its snapshot is exactly that model's size (20 KDA layers of
+        32 heads x 128 x 128 fp32 state: 42 MB; 7 MLA layers of 512 + 64 bf16 latents: 7.9 KiB a token, pages of
+        64 tokens = 504 KiB), D 2304, one small dense FFN (width 1024) instead of the MoE, so its prefill is
+        faster than the 48B model's: the resume / re-prefill ratios here understate the real one;
+  2b    bench/e2e_gpu.py's 2 B hybrid (D 2048, 12 KDA layers of 16 heads x 128: 12.6 MB of state; 4 MLA layers:
+        288 KiB pages; MoE of 16 experts, 2 a token, 1 shared; vocabulary 32768);
+  tiny  the built-in tiny-random, to check the script.
+A session's snapshot holds its pages, the head's state and one state per interval checkpoint (every
+``checkpoint_interval_pages`` = 256 pages: 7 at 128K), ``snapshot`` gives the split.
 
 For each context N (random byte tokens):
   prefill     a fresh session: ``append(N)`` + ``generate(1)``: the re-prefill time to first token, the second
-              of two (the first of the process at N compiles kernel variants: ``prefill_first_of_process_s``);
+              of two (the first of the process at N, of other tokens so that the prefix index holds none of
+              the second's, compiles kernel variants: ``prefill_first_of_process_s``);
   save        ``save()`` of that session to a ``disk:`` store on the device's disk (durable when it returns);
   ram         the session dropped from the engine (slot and pages freed), blobs still in the RAM tier:
               ``resume`` + ``generate(1)``;
@@ -23,7 +30,11 @@ bulk encode a save starts with (gather, copy to host, blobs, sha256) timed on it
 overlaps it with the write (blobs streamed into one pack), and ``save_marks_s`` gives the seconds from the save's
 start to the first hit of each of the store's write steps (storage/faults.py: ``disk.blob.written`` = every blob
 and the pack index written, ``disk.blob.fsynced``, ..., ``disk.manifest.done``) and of the producer's
-(``stream.announce``: the small blobs made and hashed, the pack's count known; ``stream.close``: every page made).
+(``stream.announce``: the pack's bound, at once; ``stream.close``: every blob put). ``save_spans_s``: per stage,
+[first start, last end] from the save's start and ``busy`` seconds summed over threads: ``d2h`` (gather + copy
+into pinned memory, a chunk at a time), ``page_hash`` (each page blob joined and hashed), ``small_hash`` (states,
+partial pages, tokens encoded and hashed), ``write`` (the pack's write syscalls; ``write_GBps`` over its span),
+``fsync`` (``disk.blob.written`` to ``disk.blob.fsynced``), ``commit`` (pack renamed to manifest durable).
 Raw bandwidth of the same paths, same run: ``h2d`` (memcpy of the snapshot's bytes into pinned memory + one
 host-to-device copy), ``read_warm`` / ``read_cold`` (the store's files read with 8 threads, page cache warm /
 dropped), ``write_fdatasync`` (dd of the snapshot's size, one fdatasync at the end), and sha256 on 1 and on all
@@ -62,7 +73,7 @@ import kda_sessions as ks
 from kda_sessions.config import ModelConfig
 from kda_sessions.model import HybridModel
 from kda_sessions.model.loader import BUILTIN_DIR
-from kda_sessions.sessions import store_io
+from kda_sessions.sessions import page_io, store_io
 from kda_sessions.storage import SnapshotStore, faults
 from kda_sessions.storage.backends import disk_pack
 from kda_sessions.tokenizer import ByteTokenizer, builtin_template
@@ -86,13 +97,36 @@ KIMI_SHAPE: dict[str, Any] = {
     },
 }
 
+E2E_2B_SHAPE: dict[str, Any] = {  # bench/e2e_gpu.py's config_dict("hybrid", quick=False, dense=False)
+    "vocab_size": 32768,
+    "hidden_size": 2048,
+    "intermediate_size": 4096,
+    "moe_intermediate_size": 1024,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 16,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "num_experts": 16,
+    "num_experts_per_token": 2,
+    "num_shared_experts": 1,
+    "linear_attn_config": {
+        "kda_layers": [i for i in range(1, 17) if i % 4],
+        "full_attn_layers": [4, 8, 12, 16],
+        "num_heads": 16,
+        "head_dim": 128,
+        "short_conv_kernel_size": 4,
+    },
+}
+SHAPES: dict[str, dict[str, Any]] = {"kimi": KIMI_SHAPE, "2b": E2E_2B_SHAPE, "tiny": {}}
+
 
 def build_model(shape: str, device: str, dtype: torch.dtype) -> HybridModel:
     """Random weights on ``device``, by the tiny-random rules (norms 1, A in [1, 16], projections of std
     1 / sqrt(fan_in)), drawn there from a seeded generator."""
     cfg = json.loads((BUILTIN_DIR / "tiny-random.json").read_text())
-    if shape == "kimi":
-        cfg.update(KIMI_SHAPE)
+    cfg.update(SHAPES[shape])
     config = ModelConfig.model_validate(cfg)
     with torch.device("meta"):
         model = HybridModel(config)
@@ -188,6 +222,74 @@ class Phases:
         for obj, attr in getattr(self, "_undo", []):
             delattr(obj, attr)  # the instance attribute: the class's method shows through again
         store_io.decode_tokens = self._decode  # type: ignore[assignment]
+
+
+class SaveTimeline:
+    """The stages of one save, as ``save_spans_s`` (module docstring) and ``save_marks_s`` report them: wraps the
+    page codec's staging of one engine, the module functions that hash blobs and write pack bytes, the store's
+    fault points and the stream's announce / close, until ``close``."""
+
+    def __init__(self, eng: ks.Engine) -> None:
+        self.calls: dict[str, list[tuple[float, float, int]]] = {}
+        self.marks: dict[str, float] = {}
+        self._undo: list[tuple[Any, str, Any]] = []
+        self._wrap(eng.io.codec, "_stage", "d2h")
+        self._wrap(page_io, "_join_digest", "page_hash")
+        self._wrap(store_io, "_encode_hash", "small_hash")
+        self._wrap(disk_pack, "write_all", "write", sized=True)
+        for name in ("announce", "close"):
+            fn = getattr(store_io.BlobStream, name)
+
+            def mark(stream: Any, *args: Any, _fn: Any = fn, _name: str = f"stream.{name}") -> Any:
+                self.marks.setdefault(_name, time.perf_counter())
+                return _fn(stream, *args)
+
+            setattr(store_io.BlobStream, name, mark)
+            self._undo.append((store_io.BlobStream, name, fn))
+        faults.hook = lambda name: self.marks.setdefault(name, time.perf_counter())  # the first hit of each point
+        self.t0 = time.perf_counter()
+
+    def _wrap(self, obj: Any, attr: str, key: str, sized: bool = False) -> None:
+        fn = getattr(obj, attr)
+        calls = self.calls.setdefault(key, [])
+
+        def timed(*args: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:  # list.append is atomic: the hash threads share the list
+                calls.append((t, time.perf_counter(), len(args[1]) if sized else 0))
+
+        setattr(obj, attr, timed)
+        self._undo.append((obj, attr, None if isinstance(obj, page_io.PageCodec) else fn))
+
+    def close(self) -> None:
+        faults.hook = None
+        for obj, attr, fn in reversed(self._undo):
+            if fn is None:
+                delattr(obj, attr)  # the instance attribute: the class's method shows through again
+            else:
+                setattr(obj, attr, fn)
+
+    def report(self) -> tuple[dict[str, float], dict[str, Any]]:
+        """(save_marks_s, save_spans_s), seconds from the save's start."""
+        at = lambda t: round(t - self.t0, 4)  # noqa: E731
+        spans: dict[str, Any] = {}
+        for key, calls in self.calls.items():
+            if calls:
+                data = [c for c in calls if c[2] != disk_pack.HEADER_BYTES] or calls  # from the first blob on
+                a, b = min(c[0] for c in data), max(c[1] for c in calls)
+                spans[key] = {"from": at(a), "to": at(b), "busy": round(sum(c[1] - c[0] for c in calls), 4),
+                              "calls": len(calls)}
+                if key == "write":
+                    nbytes = sum(c[2] for c in calls)
+                    spans[key].update(MB=round(nbytes / 1e6, 1), GBps=round(nbytes / (b - a) / 1e9, 2))
+        m = self.marks
+        for key, first, last in (("fsync", "disk.blob.written", "disk.blob.fsynced"),
+                                 ("commit", "disk.blob.linked", "disk.manifest.done")):
+            if first in m and last in m:
+                spans[key] = {"from": at(m[first]), "to": at(m[last])}
+        return {k: at(v) for k, v in sorted(m.items(), key=lambda kv: kv[1])}, spans
 
 
 async def resume_first_token(eng: ks.Engine, sid: str) -> dict[str, Any]:
@@ -383,7 +485,7 @@ def write_sweep(root: Path, nbytes: int) -> dict[str, Any]:
             ps = disk_pack.PackSet(folder)
             os.sync()
             t0 = time.perf_counter()
-            ps.write_stream((blobs[i : i + 130] for i in range(0, count, 130)), count, lambda i: None, "tmp-")
+            ps.write_stream((blobs[i : i + 130] for i in range(0, count, 130)), lambda i: None, "tmp-")
             name = f"{chunk >> 20}MiB" if chunk else "none"
             out[f"pack_wb_{name}_GBps"] = round(count * size / (time.perf_counter() - t0) / 1e9, 2)
         finally:
@@ -415,16 +517,18 @@ def write_sweep(root: Path, nbytes: int) -> dict[str, Any]:
 
 
 async def one_context(
-    model: HybridModel, n: int, device: str, root: Path, redis: Redis | None, sweep_at: int
+    model: HybridModel, shape: str, n: int, device: str, root: Path, redis: Redis | None, sweep: bool
 ) -> dict[str, Any]:
-    store = f"disk:{root / f'store-{n}'}"
+    folder = root / f"store-{shape}-{n}"
+    store = f"disk:{folder}"
     pages = n // 64 + 64
-    row: dict[str, Any] = {"tokens": n}
+    row: dict[str, Any] = {"shape": shape, "tokens": n}
     eng = await engine(model, store, ram_bytes=8 << 30, pages=pages)
     try:
         for key in ("prefill_first_of_process_s", "prefill_first_token_s"):  # kernels compiled by the first
             s = await eng.create_session()
-            t, _ = await timed(s.append(common.random_tokens(n, seed=n)))
+            seed = n if key == "prefill_first_token_s" else n + 1  # other tokens: no index entry of theirs is shared
+            t, _ = await timed(s.append(common.random_tokens(n, seed=seed)))
             t2, _ = await timed(s.generate(max_tokens=1, ignore_eos=True))
             row[key] = round(t + t2, 3)
             if key == "prefill_first_of_process_s":
@@ -434,24 +538,16 @@ async def one_context(
         row["encode_pages_s"] = round(t, 4)  # gather + copy to host + blobs + sha256, what save's build does
         del encoded
         eng.pages.digests.clear()  # so that the save encodes every page again
-        marks: dict[str, float] = {}
-        faults.hook = lambda name: marks.setdefault(name, time.perf_counter())  # the first hit of each point
-        stream_steps = {name: getattr(store_io.BlobStream, name) for name in ("announce", "close")}
-        for name, fn in stream_steps.items():  # the producer's steps: small blobs made, every page made
-
-            def mark(self: Any, *args: Any, _fn: Any = fn, _name: str = f"stream.{name}") -> Any:
-                marks.setdefault(_name, time.perf_counter())
-                return _fn(self, *args)
-
-            setattr(store_io.BlobStream, name, mark)
-        t_start = time.perf_counter()
+        timeline = SaveTimeline(eng)
         try:
             t, res = await timed(s.save())
         finally:
-            faults.hook = None
-            for name, fn in stream_steps.items():
-                setattr(store_io.BlobStream, name, fn)
-        row["save_marks_s"] = {k: round(v - t_start, 4) for k, v in marks.items()}
+            timeline.close()
+        row["save_marks_s"], row["save_spans_s"] = timeline.report()
+        m = await eng.io.snapshots.load_manifest(s.id)
+        states = {m.head.state_blob} | {cp.state_blob for cp in m.checkpoints}
+        row["snapshot"] = {"pages": len(m.head.pages), "states": len(states),
+                           "interval_checkpoints": sum(cp.name.startswith("__at-") for cp in m.checkpoints)}
         snap = res.bytes_written
         row["snapshot_MB"] = round(snap / 1e6, 1)
         row["save_s"] = round(t, 4)
@@ -476,16 +572,16 @@ async def one_context(
         except Exception as e:  # the other rows still count
             row["redis_error"] = f"{type(e).__name__}: {e}"
     h2d = raw_h2d(snap, device)
-    read_warm, nread = raw_read(root / f"store-{n}")
+    read_warm, nread = raw_read(folder)
     raw: dict[str, Any] = {"h2d_GBps": round(snap / h2d / 1e9, 2), "read_warm_GBps": round(nread / read_warm / 1e9, 2)}
     if common.drop_page_cache():
-        read_cold, _ = raw_read(root / f"store-{n}")
+        read_cold, _ = raw_read(folder)
         raw["read_cold_GBps"] = round(nread / read_cold / 1e9, 2)
     raw["write_fdatasync_GBps"] = round(
         common._dd(["if=/dev/zero", f"of={root / 'dd.bin'}", "bs=1M", f"count={snap >> 20}", "conv=fdatasync"]) / 1e3, 2
     )
     (root / "dd.bin").unlink()
-    if n == sweep_at:
+    if sweep:
         try:
             raw["pack_write"] = write_sweep(root, snap)
         except Exception as e:
@@ -511,7 +607,7 @@ async def one_context(
 async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--shape", choices=["kimi", "tiny"], default="kimi")
+    ap.add_argument("--shape", default="kimi", help=f"one or more of {','.join(SHAPES)}, separated by commas")
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--budget", type=float, default=240.0, help="start no new context after this many seconds")
     ap.add_argument("--warmup", type=int, default=16384, help="tokens of an untimed prefill first (0: none)")
@@ -521,30 +617,42 @@ async def main() -> None:
     args = ap.parse_args()
     t0 = time.monotonic()
     dtype = torch.bfloat16
-    model = build_model(args.shape, args.device, dtype)
+    shapes = args.shape.split(",")
+    if unknown := set(shapes) - set(SHAPES):
+        ap.error(f"unknown shape(s) {sorted(unknown)}; choose from {sorted(SHAPES)}")
     result: dict[str, Any] = {
-        "machine": common.machine(), "shape": args.shape, "dtype": str(dtype),
+        "machine": common.machine(), "shapes": shapes, "dtype": str(dtype),
         "hash": hash_speed(os.cpu_count() or 1), "rows": [],
     }
-    if args.warmup:  # kernels compiled before any timed prefill
-        eng = await engine(model, "memory:", ram_bytes=0, pages=args.warmup // 64 + 64)
-        try:
-            s = await eng.create_session()
-            await s.append(common.random_tokens(args.warmup, seed=1))
-            await s.generate(max_tokens=2, ignore_eos=True)
-        finally:
-            await eng.close()
     contexts = [int(x) for x in args.contexts.split(",")]
     with tempfile.TemporaryDirectory(dir=os.environ.get("RESUME_BENCH_DIR")) as tmp, start_redis(Path(tmp)) as redis:
         if redis is None:
             result["redis"] = "no redis-server (PATH or $KDA_REDIS_SERVER)"
-        for n in contexts:
+        for shape in shapes:
             if time.monotonic() - t0 > args.budget:
-                result.setdefault("skipped", []).append(n)
+                result.setdefault("skipped", []).extend(f"{shape}:{n}" for n in contexts)
                 continue
-            row = await one_context(model, n, args.device, Path(tmp), redis, max(contexts) if args.write_sweep else -1)
-            result["rows"].append(row)
-            common.emit(result, args.out)
+            model = build_model(shape, args.device, dtype)
+            if args.warmup:  # kernels compiled before any timed prefill
+                eng = await engine(model, "memory:", ram_bytes=0, pages=args.warmup // 64 + 64)
+                try:
+                    s = await eng.create_session()
+                    await s.append(common.random_tokens(args.warmup, seed=1))
+                    await s.generate(max_tokens=2, ignore_eos=True)
+                finally:
+                    await eng.close()
+            for n in contexts:
+                if time.monotonic() - t0 > args.budget:
+                    result.setdefault("skipped", []).append(f"{shape}:{n}")
+                    continue
+                sweep = args.write_sweep and shape == shapes[0] and n == max(contexts)
+                row = await one_context(model, shape, n, args.device, Path(tmp), redis, sweep)
+                row["elapsed_s"] = round(time.monotonic() - t0, 1)
+                result["rows"].append(row)
+                common.emit(result, args.out)
+            del model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     common.emit(result, args.out)
 
 
