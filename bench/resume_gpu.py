@@ -517,7 +517,8 @@ def write_sweep(root: Path, nbytes: int) -> dict[str, Any]:
 
 
 async def one_context(
-    model: HybridModel, shape: str, n: int, device: str, root: Path, redis: Redis | None, sweep: bool
+    model: HybridModel, shape: str, n: int, device: str, root: Path, redis: Redis | None, sweep: bool,
+    save_only: bool = False,
 ) -> dict[str, Any]:
     folder = root / f"store-{shape}-{n}"
     store = f"disk:{folder}"
@@ -525,11 +526,11 @@ async def one_context(
     row: dict[str, Any] = {"shape": shape, "tokens": n}
     eng = await engine(model, store, ram_bytes=8 << 30, pages=pages)
     try:
-        for key in ("prefill_first_of_process_s", "prefill_first_token_s"):  # kernels compiled by the first
+        for key in ("prefill_first_of_process_s", "prefill_first_token_s")[save_only:]:  # compiles by the first
             s = await eng.create_session()
             seed = n if key == "prefill_first_token_s" else n + 1  # other tokens: no index entry of theirs is shared
             t, _ = await timed(s.append(common.random_tokens(n, seed=seed)))
-            t2, _ = await timed(s.generate(max_tokens=1, ignore_eos=True))
+            t2, _ = (0.0, None) if save_only else await timed(s.generate(max_tokens=1, ignore_eos=True))
             row[key] = round(t + t2, 3)
             if key == "prefill_first_of_process_s":
                 assert await eng.default.forget(s.id)
@@ -553,10 +554,16 @@ async def one_context(
         row["save_s"] = round(t, 4)
         row["save_GBps"] = round(snap / t / 1e9, 2)
         sid = s.id
-        assert await eng.default.forget(sid)  # slot and pages freed; the store and the RAM tier keep it
-        row["ram"] = await ram_resumes(eng, sid, 3)
+        if not save_only:
+            assert await eng.default.forget(sid)  # slot and pages freed; the store and the RAM tier keep it
+            row["ram"] = await ram_resumes(eng, sid, 3)
     finally:
         await eng.close()
+    if save_only:
+        dd = ["if=/dev/zero", f"of={root / 'dd.bin'}", "bs=1M", f"count={snap >> 20}", "conv=fdatasync"]
+        row["raw"] = {"write_fdatasync_GBps": round(common._dd(dd) / 1e3, 2)}
+        (root / "dd.bin").unlink()
+        return row
     eng = await engine(model, store, ram_bytes=0, pages=pages)
     try:
         row["disk_warm"] = await resume_first_token(eng, sid)
@@ -613,6 +620,8 @@ async def main() -> None:
     ap.add_argument("--warmup", type=int, default=16384, help="tokens of an untimed prefill first (0: none)")
     ap.add_argument("--write-sweep", action="store_true", help="pack writes of the largest snapshot's size by "
                     "writeback chunk, O_DIRECT and dd (raw.pack_write)")
+    ap.add_argument("--save-only", action="store_true", help="per context one prefill (no token generated) and "
+                    "its save, beside dd: no resumes, no re-prefill")
     ap.add_argument("--out")
     args = ap.parse_args()
     t0 = time.monotonic()
@@ -646,7 +655,7 @@ async def main() -> None:
                     result.setdefault("skipped", []).append(f"{shape}:{n}")
                     continue
                 sweep = args.write_sweep and shape == shapes[0] and n == max(contexts)
-                row = await one_context(model, shape, n, args.device, Path(tmp), redis, sweep)
+                row = await one_context(model, shape, n, args.device, Path(tmp), redis, sweep, args.save_only)
                 row["elapsed_s"] = round(time.monotonic() - t0, 1)
                 result["rows"].append(row)
                 common.emit(result, args.out)
