@@ -115,8 +115,14 @@ class StoreIO:
         full, rows = divmod(state_pos, self.pools.page_size)
         if not rows:
             return None
-        data = encode_page(self.pools.tensors, pages[full], rows)  # read here: the caller's lock holds the page
-        return add(lambda: data)
+        # read on a hashing thread before `_build` returns: the caller's lock holds the page until then
+        return add(functools.partial(encode_page, self.pools.tensors, pages[full], rows))
+
+    def _head_state(self, slot: int) -> bytes:
+        """The state blob of slot ``slot`` (read from the pools on the calling thread)."""
+        with self.pools.mutex:
+            kda, conv = self.pools.read_slot(slot)
+        return encode_state(kda, conv)
 
     def _page_digests(self, pages: list[int], state_pos: int, partial: str | None) -> list[str]:
         """Digests of the pages covering ``state_pos`` tokens: every full page's is cached once it was encoded."""
@@ -133,11 +139,13 @@ class StoreIO:
 
     def _build(self, s: SessionState, stream: BlobStream) -> SessionManifest:
         """Runs in a worker thread: encode every blob the store may lack into ``stream`` and assemble the
-        manifest. The small blobs (states, partial last pages, tokens) are queued first, each encoded and hashed
-        on a thread of its own (a 42 MB state is one copy without the GIL: `encode_tensors`); the stream's bound
-        is announced at once and the full pages go in a chunk at a time as they are made (page_io), so the store
-        writes its first page while the states are still being hashed and each chunk while the next is copied
-        out and hashed; the small blobs follow, less those the store holds from this session's earlier saves.
+        manifest. The small blobs (states, partial last pages, tokens) are queued first, each read, encoded and
+        hashed on a thread of its own (a 42 MB state is one copy without the GIL: `encode_tensors`); the stream's
+        bound is announced at once and the full pages go in a chunk at a time as they are made (page_io), so the
+        store writes its first page while the states are still being read and hashed, and each chunk while the
+        next is copied out and hashed; the small blobs follow, less those the store holds from this session's
+        earlier saves. Every read of the session's pages and slot ends before this returns (the hashing threads
+        are joined), while the caller's lock still holds them.
         Every full page's digest is cached in the pool, so a later save encodes only new pages."""
         hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="blob-hash")
         made: list[Future[tuple[str, bytes]]] = []
@@ -153,9 +161,7 @@ class StoreIO:
             head_partial: Future[tuple[str, bytes]] | None = None
             if s.resident:
                 assert s.slot is not None
-                with self.pools.mutex:
-                    kda, conv = self.pools.read_slot(s.slot)
-                head_state_f = add(lambda: encode_state(kda, conv))
+                head_state_f = add(functools.partial(self._head_state, s.slot))
                 head_partial = self._partial_page(s.pages, s.num_cached, add)
             else:
                 assert s.head_blobs is not None, "a session that is not resident was loaded from the store"
@@ -168,8 +174,7 @@ class StoreIO:
                     states[cp.name] = add(functools.partial(encode_state, *self.pools.host.get(cp.state_id)))
                 if cp.page_blobs is None:
                     partials[cp.name] = self._partial_page(cp.pages, cp.state_pos, add)
-            tokens = encode_tokens(s.tokens)
-            tokens_f = add(lambda: tokens)
+            tokens_f = add(functools.partial(encode_tokens, s.tokens))
             stream.announce(len(made) + len(pages))  # a bound: the writer starts with the first chunk of pages
             for chunk in chunks:
                 stream.put(chunk)
