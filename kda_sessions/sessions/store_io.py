@@ -145,8 +145,8 @@ class StoreIO:
         store writes its first page while the states are still being read and hashed, and each chunk while the
         next is copied out and hashed; the small blobs follow, less those the store holds from this session's
         earlier saves. Every read of the session's pages and slot ends before this returns (the hashing threads
-        are joined), while the caller's lock still holds them.
-        Every full page's digest is cached in the pool, so a later save encodes only new pages."""
+        are joined), while the caller's lock still holds them. Every full page's digest is cached in the pool, so
+        a later save encodes only new pages."""
         hashing = ThreadPoolExecutor(HASH_THREADS, thread_name_prefix="blob-hash")
         made: list[Future[tuple[str, bytes]]] = []
 
