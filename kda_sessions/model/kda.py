@@ -13,6 +13,13 @@ from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
 from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, weights
 
+GATE_IN_KERNEL_MAX_ROWS = 8
+"""Decode batches of up to this many sequences run the gates' second projections (f_b, g_b) inside
+``kda_decode``'s launches; larger ones as one matvec over the merged block-diagonal weight before them. H200, 48B
+shape, graph replays of both launches with the gate projections inside against the separate matvec and the two
+launches: 9.5 against 11.0 us at 1 sequence, 15.4 against 16.4 at 8, but 54.2 against 52.5 at 32 (every program
+re-reads its head's [K, K] rows)."""
+
 
 class KDAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -46,7 +53,8 @@ class KDAAttention(nn.Module):
         """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
         self.fused_decode = True
         """Decode on a GPU in four launches: the input matvec, ``kda_decode``'s two (the gates' second projections
-        inside them) and o_proj (False: the separate conv, gate and recurrence kernels, its twin in the model)."""
+        inside them up to ``GATE_IN_KERNEL_MAX_ROWS`` sequences, else one more matvec) and o_proj (False: the
+        separate conv, gate and recurrence kernels, its twin in the model)."""
 
     @property
     def conv_dim(self) -> int:
@@ -84,6 +92,12 @@ class KDAAttention(nn.Module):
         cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D]."""
         if self._use_fast_cpu(x):
             return self.decode_cpu(x, slots, state, conv_state)
+        if x.is_cuda and self.fused_decode and x.shape[0] > GATE_IN_KERNEL_MAX_ROWS:
+            qkv, raw, b, og = self._projections_merged(x)
+            # [N, H, V]: the output norm and gate applied in kda_decode's second launch
+            o = kda_decode(qkv, raw, b, self._gpu.get()[2], conv_state, self.A_log, self.dt_bias, self.lower_bound,
+                           state, slots, out_norm=(self.o_norm.weight, og, self.o_norm.eps))
+            return linear(o.reshape(x.shape[0], self.H * self.V).to(x.dtype), self.o_proj.weight)
         if x.is_cuda and self.fused_decode:
             Dc, K = self.conv_dim, self.K
             w_in, _, conv_w = self._gpu.get()

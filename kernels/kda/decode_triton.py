@@ -148,7 +148,10 @@ def decode_launch_config(N: int, H: int, V: int, gate_in_kernel: bool) -> tuple[
     kernel (each program reads its head's [K, KF] rows) wider blocks on more warps."""
     if not gate_in_kernel:
         return launch_config(N, H, V)
-    return min(triton.next_power_of_2(V), 32), 4
+    # H200, H 32, K = V = 128, both launches as graph replays: at 1 sequence BV 64 on 4 warps 9.5 us (32: 9.7,
+    # 16 on 1-2 warps 9.8-11.6, 128 on 4-8 11.0-14.0); at 8 and 32 BV 128 on 4 warps 15.4 / 54.2 us (64: 17.9 /
+    # 54.8, 32 on 2: 19.8 / 62.1)
+    return min(triton.next_power_of_2(V), 64 if N < 8 else 128), 4
 
 
 def kda_decode_triton(

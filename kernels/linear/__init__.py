@@ -9,8 +9,11 @@ from torch import Tensor
 
 from .naive import naive_linear
 
-MATVEC_MAX_ROWS = 8
-"""Rows of x up to which a CUDA ``linear`` runs the Triton matvec (its limit, ``matvec_triton.MAX_ROWS``)."""
+MATVEC_MAX_ROWS = 1
+"""Rows of x up to which a CUDA ``linear`` runs the Triton matvec (its limit, ``matvec_triton.MAX_ROWS``). H200,
+bf16, graph replays, us, Triton against cuBLAS: one row, o_proj 2304 x 4096 6.9 / 9.8 (cuBLAS's split-K GEMV and
+its reduce), KDA's merged input 12576 x 2304 16.9 / 18.4, MLA's q | kv_a 6720 x 2304 10.4 / 11.5; from two rows
+cuBLAS leads on the wider weights (KDA's input 19.8 / 18.5 at two, 30.4 / 18.7 at four)."""
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:

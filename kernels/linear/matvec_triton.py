@@ -1,10 +1,10 @@
 """A few rows times a weight matrix in Triton: y [N, O] = x [N, I] @ w [O, I]^T for N of 1 to ``MAX_ROWS``.
 
 A decode step's projections are matvecs: each reads its weight once, so its time is the weight's bytes over the
-memory's rate. cuBLAS runs some of these shapes as a split-K GEMV plus a second reduce kernel (o_proj's 2304 x
-4096 at ~2 TB/s on the H200). Here one launch: program p takes BO output rows and streams their [BO, I] slab of
-the weight in BK-column tiles (the loop over I unrolled, so every tile's load can be in flight at once), keeps
-elementwise float32 products per row of x ([NP, BO, BK]) and reduces over BK once at the end.
+memory's rate, provided enough of them are in flight. Program p loads its BO rows of the weight whole, [BO, BI]
+(BI = I rounded up to a power of two, the rest masked), in one load, so every byte of the slab is requested before
+any arrives; then each row of x is one product and a sum over I. A loop over tiles of I issues its loads one tile
+after another (each waits a memory round trip), which read o_proj's 2304 x 4096 at 1.5 TB/s on the H200.
 """
 
 from __future__ import annotations
@@ -14,50 +14,41 @@ import triton.language as tl
 from torch import Tensor
 
 MAX_ROWS = 8
-"""The most rows of x the kernel takes: its products run on CUDA cores, about N multiply-adds a weight element,
-which from ~16 rows up costs more than the read."""
+"""The most rows of x the kernel takes (one product and sum over the slab per row)."""
 
 
 @triton.jit
-def _matvec_kernel(x, s_x, w, s_w, y, s_y, N, O, I: tl.constexpr, NP: tl.constexpr, BO: tl.constexpr,
-                   BK: tl.constexpr):
+def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, BO: tl.constexpr,
+                   BI: tl.constexpr):
     ro = tl.program_id(0) * BO + tl.arange(0, BO)
     mo = ro < O
-    rn = tl.arange(0, NP)
-    mn = rn < N
-    rk = tl.arange(0, BK)
-    wrow = w + ro.to(tl.int64)[:, None] * s_w  # [BO, 1]
-    xrow = x + rn.to(tl.int64)[:, None] * s_x  # [NP, 1]
-    acc = tl.zeros([NP, BO, BK], dtype=tl.float32)
-    for k0 in tl.static_range(0, I, BK):
-        k = k0 + rk
-        mk = k < I
-        wt = tl.load(wrow + k[None, :], mask=mo[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [BO, BK]
-        xt = tl.load(xrow + k[None, :], mask=mn[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [NP, BK]
-        acc += xt[:, None, :] * wt[None, :, :]
-    out = tl.sum(acc, axis=2)  # [NP, BO]
-    tl.store(y + rn.to(tl.int64)[:, None] * s_y + ro[None, :], out.to(y.dtype.element_ty),
-             mask=mn[:, None] & mo[None, :])
+    k = tl.arange(0, BI)
+    mk = k < I
+    wt = tl.load(w + ro.to(tl.int64)[:, None] * s_w + k[None, :], mask=mo[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)  # [BO, BI]
+    for n in tl.static_range(N):
+        xv = tl.load(x + n * s_x + k, mask=mk, other=0.0).to(tl.float32)
+        tl.store(y + n * s_y + ro, tl.sum(wt * xv[None, :], axis=1).to(y.dtype.element_ty), mask=mo)
 
 
-def matvec_config(N: int, O: int, I: int) -> tuple[int, int, int]:
-    """(BO, BK, num_warps) for x [N, I] and w [O, I]."""
-    del O, I
-    if N <= 2:
-        return 4, 256, 4
-    return 4, 128, 4
+def matvec_config(N: int, O: int, I: int) -> tuple[int, int]:
+    """(BO, num_warps) for x [N, I] and w [O, I]: one row on 2 warps. H200, graph replays over copies beyond the L2,
+    one row of x, us (BO/warps 1/2, 1/4, 2/4, 4/4, 4/8): o_proj 2304 x 4096 6.92, 7.11, 7.11, 8.31, 7.14; KDA's merged
+    input 12576 x 2304 16.91, 16.94, 18.86, 18.36, 19.43; MLA's q | kv_a 6720 x 2304 10.35, 10.46, 12.23, 11.57,
+    12.65."""
+    del N, O, I
+    return 1, 2
 
 
-def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int, int] | None = None) -> Tensor:
+def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -> Tensor:
     """x [N, I] (unit column stride, 1 <= N <= MAX_ROWS), w [O, I] (unit column stride) -> y [N, O] in x's dtype.
-    ``config``: (BO, BK, num_warps), default ``matvec_config``."""
+    ``config``: (BO, num_warps), default ``matvec_config``."""
     N, I = x.shape
     O = w.shape[0]
     y = x.new_empty(N, O)
-    BO, BK, warps = config or matvec_config(N, O, I)
-    NP = max(1, triton.next_power_of_2(N))
-    _matvec_kernel[(triton.cdiv(O, BO),)](x, x.stride(0), w, w.stride(0), y, y.stride(0), N, O, I=I, NP=NP, BO=BO,
-                                          BK=BK, num_warps=warps)
+    BO, warps = config or matvec_config(N, O, I)
+    _matvec_kernel[(triton.cdiv(O, BO),)](x, x.stride(0), w, w.stride(0), y, y.stride(0), O, I=I, N=N, BO=BO,
+                                          BI=triton.next_power_of_2(I), num_warps=warps)
     return y
 
 

@@ -40,20 +40,20 @@ def _prep_kernel(y, s_y, w, norm_w, kv, kv_rows, q_lat, q_pe, eps, H: tl.constex
             me = e < DR
             pe = tl.load(row + h * (DN + DR) + DN + e, mask=me)
             tl.store(q_pe + (n * H + h).to(tl.int64) * DR + e, pe, mask=me)
-    else:
-        c = tl.arange(0, BRF)
-        mc = c < R
-        v = tl.load(row + QW + c, mask=mc, other=0.0).to(tl.float32)
+    else:  # (names apart from the other branch's: Triton merges a name assigned in both, so their types must agree)
+        cr = tl.arange(0, BRF)
+        mc = cr < R
+        v = tl.load(row + QW + cr, mask=mc, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(v * v, axis=0) / R + eps)
-        nw = tl.load(norm_w + c, mask=mc, other=0.0).to(tl.float32)
+        nw = tl.load(norm_w + cr, mask=mc, other=0.0).to(tl.float32)
         # rounded to y's dtype as the norm's output is, then stored in the pool's
         normed = (v * inv * nw).to(y.dtype.element_ty)
         dst = kv + tl.load(kv_rows + n).to(tl.int64) * (R + DR)
-        tl.store(dst + c, normed.to(kv.dtype.element_ty), mask=mc)
-        e = tl.arange(0, BDR)
-        me = e < DR
-        pe = tl.load(row + QW + R + e, mask=me)
-        tl.store(dst + R + e, pe.to(kv.dtype.element_ty), mask=me)
+        tl.store(dst + cr, normed.to(kv.dtype.element_ty), mask=mc)
+        er = tl.arange(0, BDR)
+        mr = er < DR
+        k_pe = tl.load(row + QW + R + er, mask=mr)
+        tl.store(dst + R + er, k_pe.to(kv.dtype.element_ty), mask=mr)
 
 
 def mla_decode_prep_triton(
