@@ -263,6 +263,11 @@ class SessionManager:
         async with s.lock:
             self.residency.release(s, keep_checkpoint_states=False)
             self._held.pop((tenant, session_id), None)
+            # a checkpoint never saved is gone with its host state: its index entry would make later prefills
+            # skip that boundary's checkpoint (the prefix looks held) and cost each lookup a failed load
+            for cp in s.checkpoints.values():
+                if cp.state_blob is None or cp.page_blobs is None:
+                    io.index.remove(session_id, cp.name)
         if drop_unsaved and s.stored_by_eviction_only:
             io.index.remove_session(session_id)
             await io.snapshots.delete_session(session_id)

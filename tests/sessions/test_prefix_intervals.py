@@ -99,3 +99,27 @@ async def test_a_trimmed_unsaved_checkpoint_leaves_the_index():
         index = eng.prefix_index
         assert all(index.key_of(s.id, f"msg-{i}", 1) is None for i in range(1, 6))
         assert {h.checkpoint for h in index.matches(s.state.tokens)} <= set(s.state.checkpoints)
+
+
+async def test_a_forgotten_unsaved_session_leaves_no_prefix_behind():
+    """Its checkpoints are gone with it: a later session with the same message takes every interval checkpoint
+    again (none skipped as if still held), and one forgotten after a save keeps its stored prefixes findable."""
+    async with await ks.Engine.open(store="memory:", **OPTIONS) as eng:
+        t = await eng.for_tenant("t")
+        a = await t.create_session(system=SYSTEM)
+        await a.send(LONG, max_tokens=4, ignore_eos=True)
+        taken = sorted(n for n in a.state.checkpoints if n.startswith("__at-"))
+        assert len(taken) >= 10
+        assert await t.forget(a.id)
+        assert eng.manager.stats()["prefix_index_entries"] == 0
+        b = await t.create_session(system=SYSTEM)
+        got = await b.send(LONG, max_tokens=4, ignore_eos=True)
+        assert got.usage.cached_tokens == 0
+        assert sorted(n for n in b.state.checkpoints if n.startswith("__at-")) == taken
+        await b.save()
+        held = eng.manager.stats()["prefix_index_entries"]
+        assert await t.forget(b.id)
+        assert eng.manager.stats()["prefix_index_entries"] == held
+        c = await t.create_session(system=SYSTEM)
+        again = await c.send(LONG, max_tokens=4, ignore_eos=True)
+        assert again.usage.cached_tokens > 0
