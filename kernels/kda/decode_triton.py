@@ -5,7 +5,9 @@ second launch also applies the layer's gated output norm (one program per (seque
 The decode kernel runs one program per (V block, sequence, head) like the fused-recurrent kernel; every program
 computes its head's q and k from the conv tails (the K channels are shared by the V blocks of a head), so no
 program may overwrite a tail another still reads: the tails shift in a second launch, ordered after the first by
-the stream. Nothing is gathered or scattered and no intermediate tensor is written, so a step costs two launches
+the stream. Given the gates' weights, each program also computes its head's gate logits from the low-rank gate input
+(f_b's [K, KF] rows in the first launch, g_b's in the second), which saves the layer a matvec launch. Nothing is
+gathered or scattered and no intermediate tensor is written, so a step costs two launches
 instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and it can be captured in a CUDA graph.
 """
 

@@ -1,0 +1,63 @@
+"""The decode step's Triton kernels of kernels/linear, kernels/mla/decode_prep.py and kernels/kda/decode_triton.py
+compiled for sm_90 with the installed Triton (its bundled ptxas; no GPU needed). The interpreter runs what the
+compiler may refuse (a name assigned in both branches of an ``if`` with two types), and only the compiled code
+shows whether the matvec's loads are 16-byte vectors, all issued before the first product."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+# in a process of its own: this folder's conftest turns the interpreter on without a GPU
+_COMPILE = """
+import inspect, json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kda_sessions.kernels.kda.decode_triton import _decode_kernel, _shift_norm_kernel
+from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel
+from kda_sessions.kernels.mla.decode_prep import _prep_kernel
+
+
+def ptx(fn, types, const):
+    params = list(inspect.signature(fn.fn).parameters)
+    sig = {p: "constexpr" if p in const else types.get(p, "i32") for p in params}
+    # pointers and row strides divisible by 16, as the launches' arguments are (Triton specializes on it)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*" or p.startswith("s_")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()}, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+bf, f32 = "*bf16", "*fp32"
+out = {
+    "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096}),
+    "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
+                               "eps": "fp32"},
+                {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512}),
+    "decode": ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
+                                   "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32",
+                                   "gw": bf},
+                  {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32}),
+    "norm": ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32, "y": bf,
+                                     "eps": "fp32", "gw": bf},
+                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32}),
+}
+print(json.dumps(out))
+"""
+
+
+def test_decode_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out) == {"matvec", "prep", "decode", "norm"}
+    lines = out["matvec"].splitlines()
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
+    math = [i for i, ln in enumerate(lines) if any(op in ln for op in ("fma.rn.f32", "mul.f32", "add.f32"))]
+    # one weight row of 4096 bf16 on 4 warps: 8 KB in 16-byte loads (4 a thread), then x's, before any product
+    assert sum("ld.global.v4" in lines[i] for i in loads) >= 8
+    assert all("ld.global.v4" in lines[i] for i in loads)
+    assert math and max(loads) < min(math)
