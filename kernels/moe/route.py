@@ -9,7 +9,8 @@ width in flight), stores them, and the last program to finish (a per-device arri
 program: CUDA-graph safe) selects the top k of every token at once: one packed (score, index) max per slot.
 Launches of this kernel on one device must not overlap (one stream, as the decode step runs). The same launch can
 take the residual add and RMSNorm before the layer (``add_norm_route_decode``): every program norms the rows
-itself (they are a few KB) and program 0 stores them, one launch instead of two.
+itself (they are a few KB) and program 0 stores them, one launch instead of two. On Hopper it is a PDL launch
+(``pdl``): the gate rows load while the launch before ends, the counter is touched only after the wait.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from . import ROUTE_DECODE_MAX_TOKENS
+from .pdl import use_pdl
 
 
 @triton.jit
@@ -120,17 +123,25 @@ def _route_decode_kernel(
     x, gate, bias, logits, counter, chosen, weights, T, E, stride_x, stride_g, scale, always_on,
     res, norm_w, s_out, h_out, eps,
     D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
-    RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr,
+    RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
     arrive selects (``_select_top_k``) and resets the counter. With NORM the router's input is
     ``rms_norm(x + res) * norm_w`` (x, res [T, D] contiguous; each program computes it, program 0 stores the sum
-    in s_out and the normed rows in h_out, both [T, D] in x's dtype), rounded as ``kernels.norm.add_rms_norm``'s."""
+    in s_out and the normed rows in h_out, both [T, D] in x's dtype), rounded as ``kernels.norm.add_rms_norm``'s.
+    With PDL the first BK columns of the program's gate rows (all of them at one token) and of the norm's weight
+    are loaded before the wait for the launch before (``pdl``): the weights' memory latency leaves the path."""
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     e_ok = e < E
     t = tl.arange(0, BT)
     t_ok = t < T
     kk = tl.arange(0, BK)
+    g_rows = gate + e[:, None].to(tl.int64) * stride_g + kk[None, :]  # [BE, BK]
+    w_first = tl.load(g_rows, mask=e_ok[:, None] & (kk < D)[None, :], other=0.0)
+    if NORM:
+        nw_first = tl.load(norm_w + kk, mask=kk < D, other=0.0)
+    if PDL:
+        gdc_wait()  # x and res are the launch before's outputs
     if NORM:  # the sum of squares of each token's residual sum, over the whole width first
         ss = tl.zeros([BT], dtype=tl.float32)
         for k0 in tl.static_range(0, D, BK):
@@ -143,14 +154,19 @@ def _route_decode_kernel(
     acc = tl.zeros([BT, BE, BK], dtype=tl.float32)  # products summed over the width at the end, once
     for k0 in tl.static_range(0, D, BK):  # unrolled: every load of the slice can be in flight at once
         k_ok = k0 + kk < D
-        w = tl.load(gate + e[:, None].to(tl.int64) * stride_g + k0 + kk[None, :],
-                    mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)  # [BE, BK]
+        if k0 == 0:
+            w = w_first.to(tl.float32)  # [BE, BK]
+        else:
+            w = tl.load(g_rows + k0, mask=e_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         m = t_ok[:, None] & k_ok[None, :]
         if NORM:
             off = t[:, None] * D + k0 + kk[None, :]
             sv = (tl.load(x + off, mask=m, other=0.0).to(tl.float32) + tl.load(res + off, mask=m, other=0.0).to(
                 tl.float32)).to(x.dtype.element_ty)
-            nw = tl.load(norm_w + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
+            if k0 == 0:
+                nw = nw_first.to(tl.float32)
+            else:
+                nw = tl.load(norm_w + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
             hv = (sv.to(tl.float32) * inv[:, None] * nw[None, :]).to(x.dtype.element_ty)
             if tl.program_id(0) == 0:
                 tl.store(s_out + off, sv, mask=m)
@@ -163,6 +179,8 @@ def _route_decode_kernel(
     tl.store(logits + t[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
     tl.debug_barrier()  # every thread's logits are written before this program's arrival is released
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if PDL:
+        gdc_launch_dependents()  # the next launch's programs may start: it waits for this one's end
     if arrived == tl.num_programs(0) - 1:
         _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
@@ -230,15 +248,18 @@ def _route_decode(
         s, h = torch.empty_like(x), torch.empty_like(x)
     BT = triton.next_power_of_2(T)
     BE = 2
-    # [BT, BE, BK] products, 32 a thread each step. Four warps: one warp at one token (the selection's max
-    # reductions within a warp) measured slower on the H200, 8.0 us a layer against 6.5
+    # [BT, BE, BK] products, 32 a thread each step; at one token the whole width (up to 4096) in one step, so
+    # that all of a program's gate rows load before the PDL wait. Four warps: one warp at one token (the
+    # selection's max reductions within a warp) measured slower on the H200, 8.0 us a layer against 6.5
     warps = 4
-    BK = max(16, min(triton.next_power_of_2(D), 1024 * warps // (BT * BE)))
+    DP = triton.next_power_of_2(D)
+    BK = min(DP, 4096) if BT == 1 else max(16, min(DP, 1024 * warps // (BT * BE)))
+    pdl = use_pdl(dev)
     _route_decode_kernel[(triton.cdiv(E, BE),)](
         x, gate, bias, logits, arrival_counters(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
-        NORM=norm is not None, num_warps=warps,
+        NORM=norm is not None, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return chosen, weights, s, h
 

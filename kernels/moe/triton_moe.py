@@ -16,7 +16,9 @@ row block of D) that sums the token's k pairs itself (no [T * k, D] buffer, no r
 a layer, GEMVs by multiply-and-sum with the whole reduction unrolled (every load of a program in flight).
 
 The direct down kernel can also take the residual add and RMSNorm after the layer: its last program to finish
-(an arrival counter, as the decode router's) adds and norms the few rows (``fused_moe_direct_add_norm``).
+(an arrival counter, as the decode router's) adds and norms the few rows (``fused_moe_direct_add_norm``). On
+Hopper both direct kernels are PDL launches (``pdl``): the down kernel's programs start while the up kernel ends
+and load their first expert tiles before they wait for it.
 
 Every launch has a grid fixed by the shapes (at most ``T * k + min(E, T * k) * (BM - 1)`` padded rows); row
 blocks past ``num_padded`` return at once. No host sync anywhere, so a decode step is CUDA-graph safe.
@@ -30,7 +32,9 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from .pdl import use_pdl
 from .route import arrival_counters
 
 ALIGN_KERNEL_MAX_PAIRS = 1024
@@ -70,7 +74,9 @@ every direct batch the 8 x 32K step replay measured 8.36 ms on the H200, at one 
 @dataclass(frozen=True)
 class DirectLaunch:
     """Tiles of the direct (decode) kernels: up, BN_UP columns of w1 and of w3 by BK_UP of the width a step;
-    down, BN_DOWN rows of D by BK_DOWN of F a step."""
+    down, BN_DOWN rows of D by BK_DOWN of F a step, the first weight tiles of the token's first PRE_DOWN pairs (0,
+    1 or 2) loaded before the PDL wait (``pdl``); at one token GROUP_DOWN pairs a reduction (more tokens: all k
+    pairs in one, the grid is large enough that programs holding all their loads at once still fill the GPU)."""
 
     BN_UP: int
     BK_UP: int
@@ -78,11 +84,16 @@ class DirectLaunch:
     BN_DOWN: int
     BK_DOWN: int
     WARPS_DOWN: int
+    PRE_DOWN: int = 2
+    GROUP_DOWN: int = 2
 
 
-DIRECT_LAUNCH = DirectLaunch(2, 512, 2, 2, 512, 2)
+DIRECT_LAUNCH = DirectLaunch(2, 512, 2, 2, 512, 2, 2, 2)
 """Two rows a program on two warps, both kernels: the fastest of ``bench/decode_48b.py --sweep``'s direct tiles on
-the H200 at the 48B shape (D 2304, F 1024, 9 experts a token), at 1 and at 8 tokens (docs/benchmarks.md)."""
+the H200 at the 48B shape (D 2304, F 1024, 9 experts a token), at 1 and at 8 tokens (docs/benchmarks.md). At one
+token the down kernel reduces every two pairs: 96 registers, so its 1,152 programs are all resident at once; one
+reduction for all nine takes 138 and measured slower (``--moe-chain 1 --chain-sweep``, H200: the MoE block 40.6 us
+a layer against 42.3, a reduction after every pair 42.3)."""
 
 
 def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
@@ -250,10 +261,14 @@ def _down_kernel(
 @triton.jit
 def _up_direct_kernel(
     x, w13, act, chosen, stride_x, stride_we, stride_wn, stride_a,
-    D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[p, n] = silu(w1[e][n] . x[p // k]) * (w3[e][n] . x[p // k]), e = chosen[p], for the BN columns n of
     program (p, n block)."""
+    if PDL:
+        gdc_wait()  # x and chosen are the router's outputs
+        # only after the wait: the down kernel's prologue reads the router's outputs too
+        gdc_launch_dependents()
     p = tl.program_id(0)
     ex = tl.load(chosen + p).to(tl.int64)
     tok = p // TOP_K
@@ -281,29 +296,54 @@ def _down_direct_kernel(
     act, w2, y, chosen, route_w, stride_a, stride_we, stride_wn, stride_y,
     res, norm_w, s_out, h_out, counter, T, eps,
     D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-    NORM: tl.constexpr, BD: tl.constexpr,
+    NORM: tl.constexpr, BD: tl.constexpr, PRE: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
 ):
-    """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block).
-    With NORM the last program to finish (an arrival counter, reset by it) adds the T rows of y to the residual
-    rows res [T, D] and norms them as ``kernels.norm.add_rms_norm`` does: s_out = res + y, h_out =
-    rms_norm(s_out) * norm_w (both [T, D] contiguous)."""
+    """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block):
+    the products of GROUP pairs at a time summed in one [BN, BK] accumulator (routing weight folded into the
+    activation), then reduced: no barrier stands between the loads of a group's experts. The first PRE (<= 2) pairs'
+    first weight tiles are loaded before the PDL wait: their expert ids are the router's, which every program of
+    the up kernel waited for before this launch could start; act is the up kernel's. With NORM the last program
+    to finish (an arrival counter, reset by it) adds the T rows of y to the residual rows res [T, D] and norms
+    them as ``kernels.norm.add_rms_norm`` does: s_out = res + y, h_out = rms_norm(s_out) * norm_w (both [T, D]
+    contiguous)."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < D
     kk = tl.arange(0, BK)
+    w_rows = w2 + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK]: rows n of an expert's w2
+    ex_a = tl.load(chosen + t * TOP_K).to(tl.int64)
+    if PRE > 0:
+        w_a = tl.load(w_rows + ex_a * stride_we, mask=n_ok[:, None] & (kk < Fw)[None, :], other=0.0)
+    if PRE > 1:
+        ex_b = tl.load(chosen + t * TOP_K + 1).to(tl.int64)
+        w_b = tl.load(w_rows + ex_b * stride_we, mask=n_ok[:, None] & (kk < Fw)[None, :], other=0.0)
+    if PDL:
+        gdc_wait()  # act is the up kernel's output
     acc = tl.zeros([BN], dtype=tl.float32)
+    part = tl.zeros([BN, BK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         p = t * TOP_K + j
-        ex = tl.load(chosen + p).to(tl.int64)
+        if j == 0:
+            ex = ex_a
+        elif j == 1 and PRE > 1:
+            ex = ex_b
+        else:
+            ex = tl.load(chosen + p).to(tl.int64)
         rw = tl.load(route_w + p).to(tl.float32)
-        w_ptr = w2 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK] of w2[e]
         a_ptr = act + p.to(tl.int64) * stride_a + kk
-        part = tl.zeros([BN, BK], dtype=tl.float32)
         for k0 in tl.static_range(0, Fw, BK):
             k_ok = k0 + kk < Fw
-            a = tl.load(a_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)
-            part += tl.load(w_ptr + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32) * a[None, :]
-        acc += tl.sum(part, axis=1) * rw
+            a = tl.load(a_ptr + k0, mask=k_ok, other=0.0).to(tl.float32) * rw
+            if k0 == 0 and j == 0 and PRE > 0:
+                w = w_a
+            elif k0 == 0 and j == 1 and PRE > 1:
+                w = w_b
+            else:
+                w = tl.load(w_rows + ex * stride_we + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            part += w.to(tl.float32) * a[None, :]
+        if (j + 1) % GROUP == 0 or j == TOP_K - 1:  # GROUP pairs a reduction
+            acc += tl.sum(part, axis=1)  # [BN]
+            part = tl.zeros([BN, BK], dtype=tl.float32)
     tl.store(y + t.to(tl.int64) * stride_y + n, acc.to(y.dtype.element_ty), mask=n_ok)
     if NORM:
         tl.debug_barrier()  # every thread's rows of y are written before this program's arrival is released
@@ -356,10 +396,12 @@ def _direct(
     flat = chosen.reshape(-1).contiguous()
     route_w = weights.reshape(-1).contiguous()
     act = torch.empty(T * k, Fw, dtype=x.dtype, device=x.device)
+    pdl = use_pdl(x.device)
+    launch = {"launch_pdl": True} if pdl else {}
     bk_up = min(c.BK_UP, max(16, triton.next_power_of_2(D)))
     _up_direct_kernel[(T * k, triton.cdiv(Fw, c.BN_UP))](
         x, w13, act, flat, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, num_warps=c.WARPS_UP,
+        D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, PDL=pdl, num_warps=c.WARPS_UP, **launch,
     )
     y = torch.empty_like(x)
     if add_norm is None:
@@ -370,11 +412,13 @@ def _direct(
         s, h = torch.empty_like(x), torch.empty_like(x)
         counter = arrival_counters(x.device)[1:]  # the router uses [0]: launches on one stream never overlap
     bk_down = min(c.BK_DOWN, max(16, triton.next_power_of_2(Fw)))
+    assert 0 <= c.PRE_DOWN <= 2 and c.GROUP_DOWN >= 1, f"PRE_DOWN must be 0, 1 or 2 and GROUP_DOWN >= 1, got {c}"
     _down_direct_kernel[(T, triton.cdiv(D, c.BN_DOWN))](
         act, w2, y, flat, route_w, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         res, norm_w, y if s is None else s, y if h is None else h, counter, T, float(eps),
         D=D, Fw=Fw, TOP_K=k, BN=c.BN_DOWN, BK=bk_down, NORM=add_norm is not None,
-        BD=triton.next_power_of_2(D), num_warps=c.WARPS_DOWN,
+        BD=triton.next_power_of_2(D), PRE=min(c.PRE_DOWN, k), GROUP=min(c.GROUP_DOWN, k) if T == 1 else k,
+        PDL=pdl, num_warps=c.WARPS_DOWN, **launch,
     )
     return y, s, h
 

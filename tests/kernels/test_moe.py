@@ -82,12 +82,14 @@ DIRECT_CASES = [(1, 8, 2, 48, 40, False), (5, 8, 3, 48, 40, False), (16, 16, 9, 
                          ids=[f"T{c[0]}-E{c[1]}-k{c[2]}{'-skew' if c[5] else ''}" for c in DIRECT_CASES])
 def test_direct_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: int, skew: bool) -> None:
     """The decode kernels (no grouping; the down kernel sums each token's k pairs) under tiles that split the
-    widths unevenly and tiles wider than them."""
+    widths unevenly and tiles wider than them, with 2, 1 and 0 of the down kernel's first tiles loaded ahead (and
+    at one token a reduction after every pair)."""
     from kda_sessions.kernels.moe.triton_moe import DirectLaunch, fused_moe_direct, fused_moe_triton
 
     x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T, skew=skew)
     ref = naive_fused_moe(x, w13, w2, chosen, weights)
-    for cfg in (DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(16, 64, 4, 64, 64, 4)):
+    no_pre = [DirectLaunch(4, 16, 4, 8, 16, 4, 0, 1)] if T < 16 else []  # T 16: 7 s more in the interpreter
+    for cfg in [DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(16, 64, 4, 64, 64, 4, 1), *no_pre]:
         out = fused_moe_direct(x, w13, w2, chosen, weights, cfg)
         assert out.shape == (T, D) and rel_rms(out, ref) < TOL
     assert rel_rms(fused_moe_triton(x, w13, w2, chosen, weights), ref) < TOL  # T <= 16: the direct kernels
@@ -180,6 +182,22 @@ def test_fused_moe_runs_the_tiny_random_moe_layer() -> None:
     assert torch.equal(ref, before)
     assert rel_rms(out, ref) < TOL and rel_rms(direct, ref) < TOL
     assert rel_rms(shared, ref) > 0.1  # the routed experts contributed
+
+
+def test_decode_kernels_launch_without_pdl_off_hopper() -> None:
+    """Programmatic dependent launch only on a CUDA device of compute capability 9.0 or more, and only while the
+    knob is on."""
+    from kda_sessions.kernels.moe import pdl
+
+    assert not pdl.use_pdl(torch.device("cpu"))
+    if torch.cuda.is_available():
+        hopper = torch.cuda.get_device_capability()[0] >= 9
+        assert pdl.use_pdl(torch.device("cuda")) == hopper
+        pdl.ENABLED = False
+        try:
+            assert not pdl.use_pdl(torch.device("cuda"))
+        finally:
+            pdl.ENABLED = True
 
 
 def test_fused_moe_validates_shapes() -> None:
