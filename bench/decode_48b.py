@@ -26,8 +26,10 @@ router, or 27 layers, measures routing luck rather than the experts' math.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import re
 import statistics
 import time
 import traceback
@@ -40,21 +42,31 @@ import triton
 from torch import Tensor
 
 from kda_sessions.config import ModelConfig
-from kda_sessions.kernels.moe import fused_moe, moe_route
+from kda_sessions.kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route, triton_moe
 from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.kernels.moe.route import moe_route_triton
 from kda_sessions.kernels.moe.triton_moe import (
+    ADD_NORM_MAX_TOKENS,
+    DIRECT_LAUNCH,
     DIRECT_MAX_TOKENS,
     MoeLaunch,
     _down_direct_kernel,
     _up_direct_kernel,
+    fused_moe_direct,
+    fused_moe_direct_add_norm,
     fused_moe_triton,
     launch_config,
 )
+from kda_sessions.kernels.norm import add_rms_norm
 from kda_sessions.model import HybridModel
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs
 from kda_sessions.model.loader import FP32_PARAMS
+
+try:
+    from kda_sessions.kernels.moe import pdl
+except ImportError:  # a tree whose MoE kernels predate PDL (``--moe-chain`` times such a tree too)
+    pdl = None
 
 HBM_BYTES_PER_S = 4.8e12
 T0 = time.time()
@@ -178,9 +190,43 @@ def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm, next_norm) -> tuple[T
     return next_norm.residual(s, self(h))
 
 
+LIBRARY_DIRECT = DIRECT_LAUNCH
+
+
+def direct_from_chain(path: Path) -> object:
+    """The direct tiles of the fastest up and the fastest down variant of a ``--moe-chain ... --chain-sweep`` run
+    at one token (its JSON ``--out``), the library's where the library was faster."""
+    runs = json.loads(path.read_text()).get("moe_chain", [])
+    run = next(r for r in runs if r["T"] == 1)
+    best: dict[str, tuple[float, list[int]]] = {}
+    for name, v in run.items():
+        if isinstance(v, dict) and "moe_us_per_layer" in v:
+            kind = "library" if name == "library" else name.split(" ")[0]
+            nums = [int(n) for n in re.findall(r"\d+", name)]
+            if kind not in best or v["moe_us_per_layer"] < best[kind][0]:
+                best[kind] = (v["moe_us_per_layer"], nums)
+    cfg = LIBRARY_DIRECT
+    lib = best["library"][0]
+    if "up" in best and best["up"][0] < lib:
+        bn, bk, w = best["up"][1]
+        cfg = dataclasses.replace(cfg, BN_UP=bn, BK_UP=bk, WARPS_UP=w)
+    if "down" in best and best["down"][0] < lib:
+        bn, bk, w, pre, g = best["down"][1]
+        cfg = dataclasses.replace(cfg, BN_DOWN=bn, BK_DOWN=bk, WARPS_DOWN=w, PRE_DOWN=pre, GROUP_DOWN=g)
+    return cfg
+
+
+ALT_DIRECT: list = []
+
+
 def set_moe_mode(model: HybridModel, mode: str) -> None:
-    """fused (the library), gather (the replaced code), twin (the naive twin, bf16; not capturable) or twin32
-    (the twin in float32)."""
+    """fused (the library), fused-nopdl (the library with ``kernels.moe.pdl.ENABLED`` off: no programmatic
+    dependent launch), fused-alt (the library with ``triton_moe.DIRECT_LAUNCH`` set to ``--alt-direct-from``'s
+    tiles), gather (the replaced code), twin (the naive twin, bf16; not capturable) or twin32 (the twin in
+    float32)."""
+    if pdl is not None:
+        pdl.ENABLED = mode != "fused-nopdl"
+    triton_moe.DIRECT_LAUNCH = ALT_DIRECT[0] if mode == "fused-alt" and ALT_DIRECT else LIBRARY_DIRECT
     forwards = {"gather": _gather_forward, "twin": _twin_forward, "twin32": _twin32_forward}
     for m in model.modules():
         if isinstance(m, MoE):
@@ -330,13 +376,103 @@ def direct_stage_us(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, wts: Ten
     for bn, bk, nw in SWEEP_DIRECT_UP:
         us = graph_us(lambda bn=bn, bk=bk, nw=nw: _up_direct_kernel[(T * k, triton.cdiv(Fw, bn))](
             x, w13, act, flat, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, num_warps=nw), reps)
+            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, PDL=False, num_warps=nw), reps)
         out[f"up {bn}/{bk}/w{nw}"] = [us, round(distinct * w13[0].numel() * 2 / us / 1e6, 2)]
     for bn, bk, nw in SWEEP_DIRECT_DOWN:
         us = graph_us(lambda bn=bn, bk=bk, nw=nw: _down_direct_kernel[(T, triton.cdiv(D, bn))](
             act, w2, y, flat, rw, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0), y, y, y, y, flat, T, 0.0,
-            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, NORM=False, BD=triton.next_power_of_2(D), num_warps=nw), reps)
+            D=D, Fw=Fw, TOP_K=k, BN=bn, BK=bk, NORM=False, BD=triton.next_power_of_2(D), PRE=0, GROUP=k, PDL=False,
+            num_warps=nw), reps)
         out[f"down {bn}/{bk}/w{nw}"] = [us, round(distinct * w2[0].numel() * 2 / us / 1e6, 2)]
+    return out
+
+
+CHAIN_UP = [(1, 1024, 1), (1, 512, 1), (2, 1024, 2)]
+CHAIN_DOWN = [(2, 512, 2, 2, 1), (2, 512, 2, 2, 3), (2, 512, 2, 2, 9), (2, 512, 2, 0, 2), (2, 1024, 2, 2, 2)]
+
+
+def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int = 4) -> dict:
+    """The decode step's MoE slice alone at the 48B shape, as a step runs it: ``layers`` times a stand-in for the
+    attention's output projection (a cuBLAS matvec of a [2304, 4096] weight, one per layer), then the library's
+    MoE block (router with the add and norm, up, down with the add and norm at one token), in one CUDA graph.
+    Routers random per layer, experts (the shared one stacked last) from ``groups`` stacked copies in turn (a
+    layer's experts are not in L2 from the layer before). Per layer: the chain's us over ``layers``, and minus the
+    matvecs alone (the MoE block with its launch gaps). Variants: the library with and without PDL, and with
+    ``sweep`` other direct tiles (``CHAIN_UP``: BN/BK/warps of up; ``CHAIN_DOWN``: of down, with PRE_DOWN)."""
+    D, Fw, E, k, A = 2304, 1024, 256, 8, 4096
+    gen = torch.Generator(device="cuda").manual_seed(T)
+
+    def randn(*shape: int, scale: float) -> Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16) * scale)
+
+    experts = [(randn(E + 1, 2 * Fw, D, scale=D**-0.5), randn(E + 1, D, Fw, scale=Fw**-0.5)) for _ in range(groups)]
+    gates = [randn(E, D, scale=0.02) for _ in range(layers)]
+    bias = torch.zeros(E, device="cuda")
+    wo = [randn(D, A, scale=A**-0.5) for _ in range(layers)]
+    a = randn(T, A, scale=1.0)
+    s0 = randn(T, D, scale=1.0)
+    nw = torch.ones(D, device="cuda", dtype=torch.bfloat16)
+
+    def chain(cfg=None, moe: bool = True) -> tuple[Tensor, Tensor]:
+        s, h = s0, s0
+        for i in range(layers):
+            o = a @ wo[i].t()  # [T, D]
+            if not moe:
+                continue
+            s, h, chosen, w = add_norm_route(o, s, nw, 1e-6, gates[i], bias, k, True, 2.446, E)
+            w13, w2 = experts[i % groups]
+            if cfg is None:
+                s, h = fused_moe_add_norm(h, w13, w2, chosen, w, s, nw, 1e-6)
+            elif T <= ADD_NORM_MAX_TOKENS:
+                s, h = fused_moe_direct_add_norm(h, w13, w2, chosen, w, s, nw, 1e-6, cfg)
+            else:
+                s, h = add_rms_norm(s, fused_moe_direct(h, w13, w2, chosen, w, cfg), nw, 1e-6)
+        return s, h
+
+    variants: list[tuple[str, bool, object]] = [("library", True, None)]
+    if pdl is not None:
+        variants.insert(0, ("library, no PDL", False, None))
+        if sweep:
+            variants += [(f"up {bn}/{bk}/w{nw_}", True, dataclasses.replace(DIRECT_LAUNCH, BN_UP=bn, BK_UP=bk,
+                                                                            WARPS_UP=nw_)) for bn, bk, nw_ in CHAIN_UP]
+            variants += [(f"down {bn}/{bk}/w{nw_}/pre{pre}/g{g}", True, dataclasses.replace(
+                DIRECT_LAUNCH, BN_DOWN=bn, BK_DOWN=bk, WARPS_DOWN=nw_, PRE_DOWN=pre, GROUP_DOWN=g))
+                for bn, bk, nw_, pre, g in CHAIN_DOWN]
+    out: dict = {"T": T, "layers": layers, "pdl_module": pdl is not None}
+    matvec_us = graph_us(lambda: chain(moe=False), reps)
+    out["matvecs_only_us_per_layer"] = round(matvec_us / layers, 2)
+    for name, on, cfg in variants:
+        if pdl is not None:
+            pdl.ENABLED = on
+        try:
+            us = graph_us(lambda cfg=cfg: chain(cfg), reps)
+            out[name] = {"us_per_layer": round(us / layers, 2), "moe_us_per_layer": round((us - matvec_us) / layers, 2)}
+        except Exception as err:  # a variant that fails to compile or capture: recorded, the others still run
+            out[name] = f"{type(err).__name__}: {err}"[:300]
+        log(f"chain T={T} {name}: {out[name]}")
+    if pdl is not None:
+        pdl.ENABLED = True
+    ref = chain(None)[1].float()
+    for name, on, cfg in variants:
+        if name != "library" and isinstance(out.get(name), dict):
+            if pdl is not None:
+                pdl.ENABLED = on
+            out[name]["h_rel_rms_vs_library"] = float((chain(cfg)[1].float() - ref).norm() / ref.norm())
+    from torch.profiler import ProfilerActivity, profile
+
+    if pdl is not None:
+        pdl.ENABLED = False  # each kernel's own time (with PDL it would include its wait for the one before)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        chain(None)
+        torch.cuda.synchronize()
+    if pdl is not None:
+        pdl.ENABLED = True
+    kernels = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            kernels[ev.key[:60]] = [ev.count, round(t / ev.count, 2)]
+    out["eager_kernels_calls_us"] = kernels
     return out
 
 
@@ -487,6 +623,10 @@ def main() -> None:
     ap.add_argument("--gemv", action="store_true", help="also time cuBLAS matvecs of the non-routed weight shapes")
     ap.add_argument("--profile", action="store_true", help="top kernels of the eager step at 1 x 8K")
     ap.add_argument("--sweep", action="store_true", help="also time the MoE layer under other tile sizes")
+    ap.add_argument("--moe-chain", default="", help="token counts of the MoE-slice chain (moe_chain_case), e.g. 1,8")
+    ap.add_argument("--chain-sweep", action="store_true", help="the chain at one token also under other direct tiles (PDL on)")
+    ap.add_argument("--alt-direct-from", type=Path,
+                    help="a --moe-chain --chain-sweep JSON: mode fused-alt runs its fastest up and down tiles")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     results: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -511,10 +651,20 @@ def main() -> None:
                              **greedy_case(small, 8192 if not args.quick else 100, args.greedy_steps, args.device)}
         log(json.dumps(results["greedy"]))
 
+    if args.alt_direct_from is not None:
+        ALT_DIRECT.append(direct_from_chain(args.alt_direct_from))
+        results["alt_direct"] = str(ALT_DIRECT[0])
+        log(f"fused-alt: {ALT_DIRECT[0]}")
+    for T in [int(t) for t in args.moe_chain.split(",") if t] if args.device == "cuda" else []:
+        guarded(f"moe_chain {T}", lambda T=T: results.setdefault("moe_chain", []).append(
+            moe_chain_case(T, args.reps, args.chain_sweep and T == 1)))
+        torch.cuda.empty_cache()
     if args.greedy_steps:
         guarded("greedy", greedy)
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    if not args.cases and not (args.moe_tokens and args.device == "cuda") and not args.profile:
+        return
     model = build(config(args.quick), args.device)
     results["params"] = sum(p.numel() for p in model.parameters())
     log(f"built {results['params'] / 1e9:.2f} B parameters")
