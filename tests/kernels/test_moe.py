@@ -74,8 +74,8 @@ def test_fused_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: i
         assert out.shape == (T, D) and rel_rms(out, ref) < TOL
 
 
-DIRECT_CASES = [(1, 8, 2, 48, 40, False), (5, 8, 3, 48, 40, False), (16, 16, 9, 40, 24, False),
-                (7, 8, 4, 32, 16, True)]
+DIRECT_CASES = [(1, 8, 2, 48, 40, False), (1, 16, 9, 40, 24, False), (5, 8, 3, 48, 40, False),
+                (16, 16, 9, 40, 24, False), (7, 8, 4, 32, 16, True)]
 
 
 @pytest.mark.parametrize("T,E,k,D,Fw,skew", DIRECT_CASES,
