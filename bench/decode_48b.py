@@ -20,6 +20,7 @@ The greedy check (fused MoE, graphed, against its naive twin, eager, same tokens
 router, or 27 layers, measures routing luck rather than the experts' math.
 
     python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
+    python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --moe-chain 1,8 --chain-sweep  # MoE slice
     python bench/decode_48b.py --quick --device cpu                      # tiny sizes, to check the script
 """
 
