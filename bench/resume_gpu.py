@@ -10,7 +10,7 @@ costs), byte tokens:
         64 tokens = 504 KiB), D 2304, one small dense FFN (width 1024) instead of the MoE, so its prefill is
         faster than the 48B model's: the resume / re-prefill ratios here understate the real one;
   2b    bench/e2e_gpu.py's 2 B hybrid (D 2048, 12 KDA layers of 16 heads x 128: 12.6 MB of state; 4 MLA layers:
-        288 KiB pages; MoE of 16 experts, 2 a token, 1 shared; vocabulary 32768);
+        288 KiB pages; MoE of 16 experts, 2 a token, 1 shared; vocabulary 272 here, the byte tokens);
   tiny  the built-in tiny-random, to check the script.
 A session's snapshot holds its pages, the head's state and one state per interval checkpoint (every
 ``checkpoint_interval_pages`` = 256 pages: 7 at 128K), ``snapshot`` gives the split.
@@ -98,7 +98,9 @@ KIMI_SHAPE: dict[str, Any] = {
 }
 
 E2E_2B_SHAPE: dict[str, Any] = {  # bench/e2e_gpu.py's config_dict("hybrid", quick=False, dense=False)
-    "vocab_size": 32768,
+    # but the byte tokenizer's vocabulary (e2e_gpu's is 32768): the bench decodes its replies with that
+    # tokenizer, which refuses ids above 271; a snapshot does not depend on the vocabulary
+    "vocab_size": 272,
     "hidden_size": 2048,
     "intermediate_size": 4096,
     "moe_intermediate_size": 1024,
