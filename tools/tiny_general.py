@@ -10,6 +10,9 @@ four more episode shapes:
   agents report it (examples/agent_loop.py, the eval), the right call, the answer;
 - an off-task message answered by the fixed ``REFUSAL``, which says what the model can do.
 
+Copy drills (``copy`` of make_general_row, ``copy_corpus``): a training project named with a fresh vocabulary of long
+words seen nowhere else (``copy_words``), in folders, files and definitions, so calls and answers must copy them.
+
 Package trees: every top-level package of the interpreter's site-packages with at least MIN_TREE_FILES Python
 files. Whole trees are held out by a sha256 of ``tree:NAME`` (as tiny_data splits files) and by ``HELDOUT_TREES``;
 inside a training tree, files and folders are split by path hash as in the stdlib. ``EVAL_TREE`` (uvicorn, a
