@@ -47,6 +47,9 @@ _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
                                                "(EngineConfig.prefill_chunk_tokens_idle; 8192 on a GPU, 2048 on a CPU)"),
     ("--page-wait", None, float, "seconds a request waits at admission for KV pages held by running requests "
                                  "before a 503 (EngineConfig.page_wait_s, 30)"),
+    ("--cpu-threads", None, int, "torch threads of the engine's steps on a CPU (EngineConfig.cpu_threads; torch's "
+                                 "default: the cores)"),
+    ("--cpu-decode-threads", None, int, "torch threads of decode steps on a CPU (EngineConfig.cpu_decode_threads, 1)"),
 ]
 _STORE_FLAGS = {"--store"}
 _DEFAULTS = {f.lstrip("-").replace("-", "_"): d for f, d, _, _ in _ENGINE_FLAGS} | {"enforce_eager": False}
@@ -86,6 +89,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "prefill_chunk_tokens": get("prefill_chunk_tokens"), "prefill_chunk_tokens_idle": get("prefill_chunk_tokens_idle"),
         "cuda_graphs": False if get("enforce_eager") else None,
         "cpu_compile": True if get("compile") else None, "cpu_compile_weights": get("compile"),
+        "cpu_threads": get("cpu_threads"), "cpu_decode_threads": get("cpu_decode_threads"),
     }
     return EngineConfig(**{k: v for k, v in fields.items() if v is not None})
 

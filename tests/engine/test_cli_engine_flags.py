@@ -15,6 +15,10 @@ def test_engine_flags_build_the_config():
     c = cli._engine_config(args)
     assert (c.lease_ttl_s, c.cuda_graphs, c.page_size, c.num_pages, c.max_active_sessions) == (2.5, False, 16, 128, 3)
     assert c.ram_tier_bytes == 5 << 20
+    c = cli._engine_config(cli._parser().parse_args(["bench", "--cpu-threads", "3", "--cpu-decode-threads", "2"]))
+    assert (c.cpu_threads, c.cpu_decode_threads) == (3, 2)
+    with pytest.raises(Exception, match="cpu_decode_threads"):  # pydantic's ValidationError names the field
+        cli._engine_config(cli._parser().parse_args(["chat", "--cpu-decode-threads", "0"]))
 
 
 def test_no_flags_keep_the_defaults():
