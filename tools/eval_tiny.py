@@ -32,6 +32,7 @@ right path / pattern; ``issue31`` holds the issue's targets and whether each is 
 Prints one JSON document (also written to ``--out``). Its ``tasks_digest`` (sha256 of the tasks) tells whether two
 results ran the same tasks: the tasks depend on the machine's stdlib and on tiny_data's answer forms, which the
 histories repeat (a change of a form changes the tasks of the same seed), so compare scores only where it matches.
+``--general``'s tasks also depend on the installed version of the held-out package (``tree_version``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
+import importlib.metadata
 import json
 import math
 import random
@@ -314,12 +316,21 @@ def general_eval(
             r["question"] = t.messages[-1]["content"]
     refused = [r["fact_ok"] and not r["called"] for r in records["off_task"]]
     result = {
-        "tree": tree, "tree_root": str(root),
+        # the tasks come from the installed package: another version of it is another eval (other digests)
+        "tree": tree, "tree_version": _version(tree), "tree_root": str(root),
         "general_digest": tasks_digest(general), "off_task_digest": tasks_digest(off),
         "general": {k: v for k, v in summarize(records["general"], GENERAL_KINDS).items() if k not in ("targets", "pass")},
         "off_task": {"n": len(off), "refusal": _rate(refused), "tool_call_rate": _rate([r["called"] for r in records["off_task"]])},
     }
     return result, records
+
+
+def _version(package: str) -> str | None:
+    """The installed distribution's version of ``package``, None where it has no metadata."""
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def issue31(in_template: dict[str, Any], general: dict[str, Any], off_task: dict[str, Any]) -> dict[str, Any]:
