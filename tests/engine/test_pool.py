@@ -3,6 +3,8 @@ hand-made pools (no model)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -201,11 +203,17 @@ def test_sample_batch_matches_row_by_row_sampling_and_isolates_a_bad_row() -> No
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(4, 50, generator=g)
     logits[2] = float("nan")  # no distribution: that row fails, the others do not
-    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0),
-              SamplingParams(top_k=5)]
+    params = [SamplingParams(logprobs=True), SamplingParams(temperature=0.8, seed=3), SamplingParams(temperature=1.0),
+              SamplingParams(top_k=5, logprobs=True)]
     gens = [None, torch.Generator().manual_seed(3), None, None]
     got = sample_batch(logits, params, gens)
     assert isinstance(got[2], Exception)
     assert got[0] == sample(logits[0], params[0], None)  # greedy: the same token and logprob
     assert got[3] == sample(logits[3], params[3], None)
     assert got[1] == sample(logits[1], params[1], torch.Generator().manual_seed(3))  # same seed, same draw
+    # no row asks for logprobs: the same tokens, no logprob computed
+    plain = [SamplingParams(), SamplingParams(temperature=0.8, seed=3), SamplingParams(top_k=5)]
+    rows = logits[[0, 1, 3]]
+    bare = sample_batch(rows, plain, [None, torch.Generator().manual_seed(3), None])
+    assert [t for t, _ in bare] == [got[0][0], got[1][0], got[3][0]]  # type: ignore[index]
+    assert all(math.isnan(lp) for _, lp in bare)  # type: ignore[misc]
