@@ -5,7 +5,8 @@ disk_pack_format's. Content addressing is unchanged: every blob keeps its own di
 verified against it on every read.
 
 Deleting a packed blob appends its digest to ``<pack>.dead`` (not fsynced: a tombstone lost in a crash only
-brings back an unreferenced blob, which the next collection deletes again). A pack whose blobs are all dead is
+brings back an unreferenced blob, which the next collection deletes again; a torn last tombstone is ignored by
+readers and cut off by the next append, so the ones after it stay aligned). A pack whose blobs are all dead is
 unlinked; one that is at least three quarters dead is compacted (live blobs re-verified and written to a new
 pack made durable before the old one is unlinked). Tombstones and compaction hold an flock on
 ``packs/.lock``; readers take no lock and re-scan when a pack they knew has gone.
@@ -308,11 +309,14 @@ class PackSet:
                     os.O_WRONLY | os.O_APPEND | os.O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0o644,
                 )
                 try:
+                    torn = os.fstat(fd).st_size % 32
+                    if torn:  # a torn last append: cut off, else this and every later tombstone is misread
+                        os.ftruncate(fd, os.fstat(fd).st_size - torn)
                     write_all(fd, bytes.fromhex(digest))
+                    pack.dead_file_size = os.fstat(fd).st_size
                 finally:
                     os.close(fd)
                 pack.dead.add(digest)
-                pack.dead_file_size += 32
                 if len(pack.dead) == len(pack.entries):
                     self._drop(pack)
                 elif pack.dead_bytes >= COMPACT_DEAD_FRACTION * pack.data_bytes:
