@@ -4,7 +4,7 @@
 hashed while the bytes are still in the CPU's cache). Both group a batch by pack (each pack's blobs in file order,
 about `READ_CHUNK_BYTES` per task, with read-ahead) and spread loose files and pack ranges over up to
 `IO_THREADS` threads: sha256 releases the GIL and wants cores. A pack compacted away between the index refresh
-and the read is noticed (`PackGone`) and the batch is planned again once.
+and the read is noticed (`PackGone`) and the batch is planned again (`PLAN_TRIES`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from ..errors import BlobNotFound, IntegrityError
+from ..errors import BlobNotFound, IntegrityError, StoreUnavailable
 from .disk_files import O_CLOEXEC, O_NOFOLLOW, sha256_hex
 from .disk_pack import PackSet
 
 IO_THREADS = max(1, min(8, os.cpu_count() or 1))  # reads hash what they read: sha256 wants cores
 PARALLEL_BYTES = 1 << 20  # below this a packed batch is hashed and read on the calling thread
 READ_CHUNK_BYTES = 8 << 20  # one read task's share of a pack
+PLAN_TRIES = 8  # a batch is planned again while packs it planned to read vanish under it, at most this often
 
 Targets = Sequence[tuple[str, Sequence[memoryview]]]
 _R = TypeVar("_R")
@@ -68,22 +69,24 @@ class BlobReader:
 
     def read(self, digests: list[str], max_threads: int) -> dict[str, bytes]:
         """Verified bytes of ``digests`` (distinct, well-formed)."""
-        self.packs.refresh()
-        try:
-            return self._read_planned(digests, max_threads)
-        except PackGone:  # compacted or dropped by a collection since the refresh: its blobs moved
-            self.packs.refresh()
-            return self._read_planned(digests, max_threads)
+        return self._planned(partial(self._read_planned, digests, max_threads))
 
     def read_into(self, targets: Targets, max_threads: int) -> list[int]:
         """Blob ``targets[i][0]`` verified into the buffers ``targets[i][1]``; the indices whose stored size is not
         their buffers' total (nothing written there). See `BlobStore.get_blobs_into`."""
-        self.packs.refresh()
-        try:
-            return self._read_into(targets, max_threads)
-        except PackGone:  # as in read: re-scan and read again
+        return self._planned(partial(self._read_into, targets, max_threads))
+
+    def _planned(self, read: Callable[[], _R]) -> _R:
+        """``read()`` after an index refresh, planned and run again while packs it planned to read have gone
+        (compacted or dropped by a collection since the refresh: their blobs moved); StoreUnavailable if they
+        keep going `PLAN_TRIES` times."""
+        for _ in range(PLAN_TRIES):
             self.packs.refresh()
-            return self._read_into(targets, max_threads)
+            try:
+                return read()
+            except PackGone:
+                continue
+        raise StoreUnavailable(f"{self.url}: packs were compacted away under {PLAN_TRIES} reads in a row")
 
     def _split(self, keys: Sequence[str]) -> tuple[dict[str, tuple[Path, list[tuple[int, int, int]]]], list[int]]:
         """Index positions of ``keys`` grouped by pack (path, [(position, offset, length)] in file order) and
