@@ -118,3 +118,60 @@ async def test_a_stream_that_puts_nothing_writes_no_pack(tmp_path: Path) -> None
     stream.close()
     assert await store.put_blob_stream(stream) == set()
     assert pack_files(tmp_path) == [] and list(tmp_path.rglob(f"{TMP_PREFIX}*")) == []
+
+
+def _v2_pack(blobs: dict[str, bytes]) -> bytes:
+    return fmt.encode_header() + b"".join(blobs.values()) + fmt.encode_index([(d, len(b)) for d, b in blobs.items()])
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_every_truncation_and_every_zeroed_tail_is_an_integrity_error(version: int) -> None:
+    """A pack cut at any byte, or whose last bytes read as zeros (a file whose size reached the disk before its
+    last blocks did: a torn index or trailer), never parses: the checks refuse it before any blob is read."""
+    blobs = synthetic_blobs(3, 40, seed=16)
+    pack = (_v1_pack if version == 1 else _v2_pack)(blobs)
+    assert len(fmt.parse_index(lambda off, n: pack[off : off + n], len(pack), "p")) == 3
+    tail = 48 * 3 + (44 if version == 1 else fmt.TRAILER_BYTES)  # the index and its checksum, header or trailer
+    damaged = [pack[:cut] for cut in range(len(pack))]
+    damaged += [pack[: len(pack) - k] + bytes(k) for k in range(1, tail + 1)] if version == 2 else []
+    for raw in damaged:
+        with pytest.raises(IntegrityError):
+            fmt.parse_index(lambda off, n, raw=raw: raw[off : off + n], len(raw), "p")
+
+
+@pytest.mark.parametrize("point", ["disk.blob.written", "disk.blob.fsynced", "disk.blob.linked", "disk.blob.done"])
+async def test_a_version_1_compaction_interrupted_at_each_step_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, point: str
+) -> None:
+    """The delete that makes a version 1 pack three quarters dead fails at each step of writing its version 2
+    replacement: a new process reads every live blob, none of the deleted ones, and ends with one pack; the next
+    delete finishes the move into version 2 when it had not happened."""
+    from kda_sessions.storage import faults
+    from kda_sessions.storage.errors import StoreUnavailable
+
+    blobs = synthetic_blobs(8, 3000, seed=17)
+    keys = list(blobs)
+    old = _v1_store(tmp_path, blobs)
+    store = await DiskStore.open(tmp_path)
+    for d in keys[:5]:
+        await store.delete_blob(d)
+
+    def crash(name: str) -> None:
+        if name == point:
+            raise OSError(5, "simulated crash")
+
+    monkeypatch.setattr(faults, "hook", crash)
+    with pytest.raises(StoreUnavailable):
+        await store.delete_blob(keys[5])  # 6 of 8 dead: compacts
+    monkeypatch.setattr(faults, "hook", None)
+    after = await DiskStore.open(tmp_path)
+    assert await after.get_blobs(keys[6:]) == {d: blobs[d] for d in keys[6:]}
+    assert set(await after.list_blobs()) == set(keys[6:]) and await after.has_blobs(keys[:6]) == set()
+    (pack,) = pack_files(tmp_path)
+    moved = point in ("disk.blob.linked", "disk.blob.done")
+    assert (pack != old) == moved and pack.read_bytes()[4] == (2 if moved else 1)
+    assert [p.name for p in pack.parent.glob("*.dead")] == ([] if moved else [f"{old.stem}.dead"])
+    await after.delete_blob(keys[6])
+    (pack,) = pack_files(tmp_path)
+    assert pack.read_bytes()[4] == 2
+    assert await (await DiskStore.open(tmp_path)).get_blobs([keys[7]]) == {keys[7]: blobs[keys[7]]}
