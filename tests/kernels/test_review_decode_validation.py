@@ -2,7 +2,8 @@
 review). Each test asks for one of two fixes: the public function refuses the input with a ValueError, or the
 launch computes what the twin computes. The launches run under TRITON_INTERPRET=1 here, as on a CUDA device; the
 public functions run their CPU twins, which take these inputs correctly. None of these views is one the model
-passes today: they are gaps at the public boundary, where CPU and CUDA disagree.
+passes today: they are gaps at the public boundary, where CPU and CUDA disagree. Likewise the residual-add-and-norm
+functions with a residual in another dtype than x: their CPU twins return the promoted dtype, the CUDA kernels x's.
 
 Tolerance: relative RMS 1e-5, float32 (the same sums in another order); a wrong read is off by O(1)."""
 
@@ -109,3 +110,38 @@ def test_mla_decode_prep_takes_or_refuses_non_contiguous_kv_rows():
                    "decode_prep.py's _prep_kernel reads norm_w + c (unit stride)")
 def test_mla_decode_prep_takes_or_refuses_a_strided_norm_weight():
     _check_prep(_prep_case(torch.tensor([3, 17, 30]), norm_w_stride=2))
+
+
+def _mixed_dtype_call(fn: str):
+    """One of the residual-add-and-norm public functions on x [1, 32] bfloat16 with the residual in float32."""
+    from kda_sessions.kernels.moe import add_norm_route, fused_moe_add_norm
+    from kda_sessions.kernels.norm import add_rms_norm
+
+    gen = torch.Generator().manual_seed(26)
+    E, k, D, F = 8, 2, 32, 16
+    x = torch.randn(1, D, generator=gen).bfloat16()
+    res = torch.randn(1, D, generator=gen)  # float32
+    nw = torch.rand(D, generator=gen) + 0.5
+    if fn == "add_rms_norm":
+        return lambda: add_rms_norm(x, res, nw, 1e-6), x
+    if fn == "add_norm_route":
+        gate = (torch.randn(E, D, generator=gen) / D**0.5).bfloat16()
+        return lambda: add_norm_route(x, res, nw, 1e-6, gate, torch.zeros(E), k, True, 1.0)[:2], x
+    w13 = (torch.randn(E, 2 * F, D, generator=gen) / D**0.5).bfloat16()
+    w2 = (torch.randn(E, D, F, generator=gen) / F**0.5).bfloat16()
+    chosen, weights = torch.tensor([[1, 5]]), torch.rand(1, k, generator=gen).bfloat16()
+    return lambda: fused_moe_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6), x
+
+
+@pytest.mark.xfail(strict=True, reason="kernels/norm/__init__.py: add_rms_norm's CPU branch computes s = x + h in the "
+                   "promoted dtype (float32 for a bfloat16 x and a float32 h), where its docstring, the CUDA kernels "
+                   "(add_norm_route_decode, fused_moe_direct_add_norm: s and h in x's dtype) and add_norm_route's and "
+                   "fused_moe_add_norm's docstrings say x's dtype; at T > ADD_NORM_MAX_TOKENS fused_moe_add_norm on "
+                   "CUDA also returns res's dtype (add_rms_norm(res, moe)), at T = 1 x's")
+@pytest.mark.parametrize("fn", ["add_rms_norm", "add_norm_route", "fused_moe_add_norm"])
+def test_residual_norms_give_x_dtype_or_refuse_a_residual_of_another_dtype(fn: str):
+    call, x = _mixed_dtype_call(fn)
+    if _refused(call):
+        return
+    s, h = call()
+    assert s.dtype == x.dtype and h.dtype == x.dtype
