@@ -255,6 +255,7 @@ class StoreIO:
             try:
                 built.append(await anyio.to_thread.run_sync(self._build, s, stream))
             except Exception as e:
+                stream.fail(e)  # a no-op if `_build` ended the stream; else its writer would wait forever
                 errors.append(e)
 
         async with anyio.create_task_group() as tg:
