@@ -170,6 +170,12 @@ def kda_decode_triton(
     N, H = b.shape
     K, V = state.shape[2:]
     Dc, W = conv_weight.shape
+    # the kernels read b's columns, slots and the norm weight at unit stride: other views are copied first (the
+    # model's are unit-stride already: nothing is copied, nothing more is captured in a CUDA graph)
+    b = b if b.stride(1) == 1 else b.contiguous()
+    slots = slots if slots.stride(0) == 1 else slots.contiguous()
+    if out_norm is not None and out_norm[0].stride(0) != 1:
+        out_norm = (out_norm[0].contiguous(), out_norm[1], out_norm[2])
     o = qkv.new_empty(N, H, V)
     if N == 0:
         return o

@@ -64,6 +64,9 @@ def mla_decode_prep_triton(
     r = w_kv_b.shape[1]
     dr = kv_pages.shape[-1] - r
     dv = w_kv_b.shape[0] // H - dn
+    # the kernel reads both at unit stride: other views are copied first (the model's are unit-stride already)
+    norm_w = norm_w if norm_w.stride(0) == 1 else norm_w.contiguous()
+    kv_rows = kv_rows if kv_rows.stride(0) == 1 else kv_rows.contiguous()
     q_lat = y.new_empty(N, H, r)
     q_pe = y.new_empty(N, H, dr)
     if N == 0:

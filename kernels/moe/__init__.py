@@ -83,7 +83,8 @@ def fused_moe_add_norm(
         if x.shape[0] <= ADD_NORM_MAX_TOKENS:
             _check_moe(x, w13, w2, chosen, weights)
             return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps)
-    return add_rms_norm(res, fused_moe(x, w13, w2, chosen, weights), norm_weight, eps)
+    # the MoE's output first: the sum in x's dtype (the same bits as res + out where res is x's dtype)
+    return add_rms_norm(fused_moe(x, w13, w2, chosen, weights), res, norm_weight, eps)
 
 
 def add_norm_route(

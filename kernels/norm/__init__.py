@@ -42,7 +42,7 @@ def add_rms_norm(x: Tensor, h: Tensor, weight: Tensor, eps: float) -> tuple[Tens
         from .triton_norm import add_rms_norm_triton
 
         return add_rms_norm_triton(x, h, weight, eps)
-    s = x + h
+    s = x + h if h.dtype == x.dtype else (x + h).to(x.dtype)  # x's dtype, as the CUDA kernel stores it
     return s, _cpu_rms_norm(s, weight, eps)
 
 

@@ -1,9 +1,9 @@
-"""Inputs that the decode kernels' public functions accept but their Triton launches read wrongly (issue 26's
-review). Each test asks for one of two fixes: the public function refuses the input with a ValueError, or the
-launch computes what the twin computes. The launches run under TRITON_INTERPRET=1 here, as on a CUDA device; the
-public functions run their CPU twins, which take these inputs correctly. None of these views is one the model
-passes today: they are gaps at the public boundary, where CPU and CUDA disagree. Likewise the residual-add-and-norm
-functions with a residual in another dtype than x: their CPU twins return the promoted dtype, the CUDA kernels x's.
+"""Views the decode kernels' public functions accept and their Triton launches must read right (found in a review
+of issue 26's kernels): a beta of column stride 2, non-contiguous slots and cache rows, a strided norm weight.
+Each test takes one of two answers: the public function refuses the input with a ValueError, or the launch
+computes what the twin computes. The launches run under TRITON_INTERPRET=1 here, as on a CUDA device; the public
+functions run their CPU twins. None of these views is one the model passes. Likewise the residual-add-and-norm
+functions with a residual in another dtype than x: every path returns x's dtype.
 
 Tolerance: relative RMS 1e-5, float32 (the same sums in another order); a wrong read is off by O(1)."""
 
@@ -61,14 +61,10 @@ def _check_kda(case) -> None:
     assert rel_rms(o, ref) < TOL and rel_rms(s1, s2) < TOL and torch.equal(c1, c2)
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/kda/decode.py: kda_decode checks qkv's and raw's column stride but not "
-                   "b's; decode_triton.py's _decode_kernel reads b[n, h] at b + n * s_b + h (unit column stride)")
 def test_kda_decode_takes_or_refuses_a_beta_with_a_column_stride():
     _check_kda(_kda_case(b_col_stride=2, slots=torch.tensor([4, 0, 2])))
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/kda/decode.py: kda_decode checks slots' shape, not its stride; the "
-                   "decode and shift kernels read slots + n (a contiguous slots), so they update other slots' states")
 def test_kda_decode_takes_or_refuses_non_contiguous_slots():
     slots = torch.tensor([4, 1, 5, 2, 3, 0])[::2]  # [4, 5, 3], stride 2
     _check_kda(_kda_case(b_col_stride=1, slots=slots))
@@ -98,16 +94,11 @@ def _check_prep(case) -> None:
     assert rel_rms(kv1, kv2) < TOL  # the new rows where they belong, every other row untouched
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/mla/__init__.py: mla_decode_prep checks kv_rows' shape, not its "
-                   "stride; decode_prep.py's _prep_kernel reads kv_rows + n, so it writes the cache rows of other "
-                   "sequences")
 def test_mla_decode_prep_takes_or_refuses_non_contiguous_kv_rows():
     rows = torch.tensor([3, 9, 17, 1, 30, 2])[::2]  # [3, 17, 30], stride 2
     _check_prep(_prep_case(rows, norm_w_stride=1))
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/mla/__init__.py: mla_decode_prep checks norm_w's shape, not its stride; "
-                   "decode_prep.py's _prep_kernel reads norm_w + c (unit stride)")
 def test_mla_decode_prep_takes_or_refuses_a_strided_norm_weight():
     _check_prep(_prep_case(torch.tensor([3, 17, 30]), norm_w_stride=2))
 
@@ -133,11 +124,6 @@ def _mixed_dtype_call(fn: str):
     return lambda: fused_moe_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6), x
 
 
-@pytest.mark.xfail(strict=True, reason="kernels/norm/__init__.py: add_rms_norm's CPU branch computes s = x + h in the "
-                   "promoted dtype (float32 for a bfloat16 x and a float32 h), where its docstring, the CUDA kernels "
-                   "(add_norm_route_decode, fused_moe_direct_add_norm: s and h in x's dtype) and add_norm_route's and "
-                   "fused_moe_add_norm's docstrings say x's dtype; at T > ADD_NORM_MAX_TOKENS fused_moe_add_norm on "
-                   "CUDA also returns res's dtype (add_rms_norm(res, moe)), at T = 1 x's")
 @pytest.mark.parametrize("fn", ["add_rms_norm", "add_norm_route", "fused_moe_add_norm"])
 def test_residual_norms_give_x_dtype_or_refuse_a_residual_of_another_dtype(fn: str):
     call, x = _mixed_dtype_call(fn)
