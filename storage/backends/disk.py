@@ -222,8 +222,7 @@ class DiskStore(BlobStore):
     def _scan_all(self) -> tuple[dict[str, os.stat_result], dict[str, float]]:
         """Loose blobs with their stat, and packed live blobs with their pack's mtime."""
         self._packs.refresh()
-        packed = {d: pack.mtime for d, pack in self._packs.live().items()}
-        return self._scan_blobs(), packed
+        return self._scan_blobs(), self._packs.live_mtimes()
 
     async def list_blobs(self) -> list[str]:
         loose, packed = await self._run("list", self._blobs, self._scan_all)
@@ -257,11 +256,11 @@ class DiskStore(BlobStore):
                     if os.stat(self._blob_path(d)).st_mtime >= cutoff:
                         out.add(d)
                         continue
-                loc = self._packs.locate(d)
-                if loc is not None:
-                    with contextlib.suppress(FileNotFoundError):  # a pack's mtime stands for all of its blobs
-                        if os.stat(self._packs.path(loc[0])).st_mtime >= cutoff:
+                for pack in self._packs.holders(d):  # a pack's mtime stands for all of its blobs; any fresh copy
+                    with contextlib.suppress(FileNotFoundError):
+                        if os.stat(self._packs.path(pack)).st_mtime >= cutoff:
                             out.add(d)
+                            break
             return out
 
         return await self._run("list", self._blobs, check)

@@ -214,10 +214,20 @@ class PackSet:
                     return pack, loc[0], loc[1]
         return None
 
-    def live(self) -> dict[str, Pack]:
-        """Every live packed digest -> a pack holding it."""
+    def live_mtimes(self) -> dict[str, float]:
+        """Every live packed digest -> the newest mtime of the packs holding it live: a streamed save writes a
+        blob again into its own pack, and that fresh copy is what keeps a collection off the blob."""
+        out: dict[str, float] = {}
         with self._mutex:
-            return {d: p for p in self.packs.values() for d in p.live()}
+            for p in self.packs.values():
+                for d in p.live():
+                    out[d] = max(out.get(d, p.mtime), p.mtime)
+        return out
+
+    def holders(self, digest: str) -> list[Pack]:
+        """Every pack holding a live copy of ``digest``."""
+        with self._mutex:
+            return [p for p in self.packs.values() if digest in p.entries and digest not in p.dead]
 
     def path(self, pack: Pack) -> Path:
         return self.folder / f"{pack.name}{PACK_SUFFIX}"
@@ -301,8 +311,7 @@ class PackSet:
             return False
         with self._locked():
             self.refresh()
-            with self._mutex:
-                holders = [p for p in self.packs.values() if digest in p.entries and digest not in p.dead]
+            holders = self.holders(digest)
             for pack in holders:
                 fd = os.open(
                     self.folder / f"{pack.name}{DEAD_SUFFIX}",

@@ -1,14 +1,18 @@
 """Pack files of the disk store under faults their other tests do not reach: a torn tombstone append, a drop
-interrupted between unlinking a pack and its tombstones, and a reader whose every re-plan races another
-compaction (its batch is planned again until the packs hold still, never an untyped error)."""
+interrupted between unlinking a pack and its tombstones, a reader whose every re-plan races another
+compaction (its batch is planned again until the packs hold still, never an untyped error), and a collection in
+another process racing a save that streamed blobs the store held already (the fresh copies protect them)."""
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
-from storage_helpers import pack_files, synthetic_blobs
+from storage_helpers import make_snapshot, pack_files, synthetic_blobs
 
+from kda_sessions.storage import BlobStream, SnapshotStore
 from kda_sessions.storage.backends import disk_read
 from kda_sessions.storage.backends.disk import DiskStore
 from kda_sessions.storage.errors import BlobNotFound, StoreUnavailable
@@ -69,7 +73,7 @@ async def test_a_reader_plans_again_while_compactions_race_it(
     blobs = synthetic_blobs(8, 3000, seed=23)
     await store.put_blobs(blobs)
     reader = await DiskStore.open(tmp_path)
-    plans = []
+    plans: list[int] = []
     real = disk_read.BlobReader._split
 
     def split(self: disk_read.BlobReader, keys: list[str]) -> object:
@@ -99,3 +103,37 @@ async def test_a_reader_plans_again_while_compactions_race_it(
     assert await reader.get_blobs(list(blobs)) == blobs
     with pytest.raises(BlobNotFound):
         await reader.get_blob(next(iter(synthetic_blobs(1, 10, seed=99))))
+
+
+async def test_a_collection_spares_blobs_a_racing_save_streamed_again(tmp_path: Path) -> None:
+    """Session x's blobs lie unreferenced in an old pack; a save of session a in another process streams the same
+    blobs into a fresh pack of its own and commits between the collection's scans and its deletes. The check
+    right before the deletes must see the fresh copies (not only the old pack's mtime), or the delete tombstones
+    every copy and the acked session a names blobs the store no longer has."""
+    writer = await DiskStore.open(tmp_path, pack_min_blobs=2)
+    saver = SnapshotStore(writer, gc_grace_s=60)
+    mx, bx = make_snapshot("x", 40)
+    await saver.save(mx, bx)
+    await writer.delete_manifest("x")
+    (old,) = pack_files(tmp_path)
+    past = time.time() - 3600
+    os.utime(old, (past, past))
+    collector = await DiskStore.open(tmp_path)  # another process
+    ma, ba = make_snapshot("a", 40)
+    assert set(ba) == set(bx)
+    check = collector.recently_touched
+
+    async def racing(digests: object, within_s: float) -> set[str]:
+        stream = BlobStream(len(ba))
+        stream.put(list(ba.items()))
+        stream.close()
+        streamed = await saver.put_stream(stream)
+        await saver.save(ma, ba, verified=True, streamed=streamed)
+        return await check(digests, within_s)  # type: ignore[arg-type]
+
+    collector.recently_touched = racing  # type: ignore[method-assign]
+    result = await SnapshotStore(collector, gc_grace_s=60).collect_garbage()
+    assert result.blobs_deleted == 0 and len(pack_files(tmp_path)) == 2
+    fresh = SnapshotStore(await DiskStore.open(tmp_path))
+    m = await fresh.load_manifest("a")
+    assert await fresh.load_blobs(m.blob_digests()) == ba
