@@ -361,8 +361,10 @@ class PackSet:
         self.refresh()
 
     def drop_redundant(self) -> None:
-        """Unlink packs whose every live blob another pack also holds, and tombstone files whose pack is gone
-        (both left by a crash inside a compaction or a drop)."""
+        """Unlink packs whose every live blob another pack also holds (left by a crash inside a compaction,
+        or written by a streamed save that sent blobs the store held), and tombstone files whose pack is gone
+        (left by a crash inside a drop). A pack newer than the copies kept passes its mtime on to them, so no
+        blob of it looks older to a collection (a save that streamed it may not have committed yet)."""
         if not self.folder.is_dir() or not any(e.name.startswith("pack-") for e in os.scandir(self.folder)):
             return  # nothing to drop: take no lock (its file would be the folder's only entry)
         with self._locked():
@@ -375,7 +377,14 @@ class PackSet:
                 packs = sorted(self.packs.values(), key=lambda p: p.name)
             for pack in packs:
                 others = {d for p in packs if p is not pack and p.name in self.packs for d in p.live()}
-                if set(pack.live()) <= others:
+                live = set(pack.live())
+                if live <= others:
                     logger.info("removing pack %s: every live blob is held by another pack", pack.name)
+                    for p in packs:  # a blob's age is its packs' mtime: the copies kept inherit this one's
+                        kept = p is not pack and p.name in self.packs
+                        if kept and p.mtime < pack.mtime and not live.isdisjoint(p.live()):
+                            with contextlib.suppress(FileNotFoundError):
+                                os.utime(self.path(p), (pack.mtime, pack.mtime))
+                            p.mtime = pack.mtime
                     self._drop(pack)
 

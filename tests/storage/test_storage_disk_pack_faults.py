@@ -137,3 +137,25 @@ async def test_a_collection_spares_blobs_a_racing_save_streamed_again(tmp_path: 
     fresh = SnapshotStore(await DiskStore.open(tmp_path))
     m = await fresh.load_manifest("a")
     assert await fresh.load_blobs(m.blob_digests()) == ba
+
+
+async def test_a_redundant_fresh_pack_dropped_at_open_leaves_its_blobs_fresh(tmp_path: Path) -> None:
+    """A save streamed blobs an old pack holds into a fresh pack and has not committed yet when another process
+    opens the store and drops the fresh pack as redundant: the old copies take its mtime, so a collection does
+    not see the save's blobs as old."""
+    store = await DiskStore.open(tmp_path, pack_min_blobs=2)
+    blobs = synthetic_blobs(6, 3000, seed=24)
+    keys = list(blobs)
+    await store.put_blobs(blobs)
+    (old,) = pack_files(tmp_path)
+    past = time.time() - 3600
+    os.utime(old, (past, past))
+    stream = BlobStream(4)
+    stream.put([(d, blobs[d]) for d in keys[:4]])
+    stream.close()
+    await store.put_blob_stream(stream)
+    assert len(pack_files(tmp_path)) == 2
+    other = await DiskStore.open(tmp_path)
+    assert pack_files(tmp_path) == [old]
+    assert await other.recently_touched(keys, 60) == set(keys)  # the whole pack looks as new as its newest copy
+    assert await other.get_blobs(keys) == blobs
