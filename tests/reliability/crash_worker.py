@@ -3,12 +3,13 @@
     python crash_worker.py        # reads one JSON job per stdin line; prints "pid N", then "exit N STATUS"
 
 A job is {"store": url, "log": path, "sessions": n, "rounds": r, "seed": s, "fault": [point, nth] | null,
-"verify_only": bool}. The worker opens an engine on the store and, for sessions sess0..sess{n-1}, resumes each
+"verify_only": bool, "pack_min_blobs": n | null}. The worker opens an engine on the store and, for sessions sess0..sess{n-1}, resumes each
 (logging what it found: generation, token ids and the next 4 greedy tokens) or creates it if missing; then, for
 `rounds` rounds (0 = forever), appends 8 random tokens to each session, saves it and logs an ack with the
 generation, the token ids and the next 4 greedy tokens. Log lines are JSON, one os.write each (a SIGKILL leaves
 whole lines plus at most one partial last line). With `fault`, the worker SIGKILLs itself at the nth time it
-reaches that storage fault point (see kda_sessions.storage.faults).
+reaches that storage fault point (see kda_sessions.storage.faults). With `pack_min_blobs` on a disk store, saves
+of that many new blobs or more stream into a pack (the sessions here save a few blobs each: with 2, every save).
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ async def _retry(fn: Any, fd: int, sid: str) -> Any:
 async def _work(job: dict[str, Any], fd: int) -> None:
     rng = random.Random(job["seed"])
     async with await ks.Engine.open(model="tiny-random", store=job["store"], **ENGINE_ARGS) as eng:
+        store = eng.io.snapshots.store
+        if job.get("pack_min_blobs") and hasattr(store, "pack_min_blobs"):  # every other worker's saves as packs
+            store.pack_min_blobs = job["pack_min_blobs"]
         sessions = []
         for i in range(job["sessions"]):
             sid = f"sess{i}"
