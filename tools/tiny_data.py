@@ -28,6 +28,7 @@ import json
 import random
 import re
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -227,45 +228,47 @@ def _renamed_entries(rng: random.Random, entries: list[str]) -> list[str]:
     return out
 
 
-def _copy_defs(rng: random.Random, names: list[str], text: str, words: tuple[str, ...]) -> dict[str, str]:
-    """New names for the definitions ``names`` of a file's ``text`` (but dunders and names under 4 characters),
-    each one of ``words`` made an identifier (dots to underscores, a leading digit after an underscore; a class
-    name starts upper-case): names no training text holds, so reading the file and grepping for them only works by
-    copying them byte for byte."""
+def _rename_defs(names: list[str], text: str, propose: Callable[[str], str]) -> dict[str, str]:
+    """New names for the definitions ``names`` of a file's ``text`` (but dunders and names under 4 characters):
+    ``propose(name)`` up to 4 times, keeping the first identifier that is neither a word of the text already nor
+    another's new name."""
     taken = set(re.findall(r"\w+", text))
     out: dict[str, str] = {}
     for n in dict.fromkeys(names):
         if n.startswith("__") or len(n) < 4:
             continue
         for _ in range(4):
-            new = rng.choice(words).replace(".", "_")
-            new = f"_{new}" if new[0].isdigit() else new
-            new = new[0].upper() + new[1:] if n[0].isupper() else new
+            new = propose(n)
             if new.isidentifier() and new not in taken:
                 out[n] = new
                 taken.add(new)
                 break
     return out
+
+
+def _copy_defs(rng: random.Random, names: list[str], text: str, words: tuple[str, ...]) -> dict[str, str]:
+    """``_rename_defs`` with each new name one of ``words`` made an identifier (dots to underscores, a leading
+    digit after an underscore; a class name starts upper-case): names no training text holds, so reading the file
+    and grepping for them only works by copying them byte for byte."""
+
+    def propose(n: str) -> str:
+        new = rng.choice(words).replace(".", "_")
+        new = f"_{new}" if new[0].isdigit() else new
+        return new[0].upper() + new[1:] if n[0].isupper() else new
+
+    return _rename_defs(names, text, propose)
 
 
 def _near_miss_defs(rng: random.Random, names: list[str], text: str) -> dict[str, str]:
-    """New names for the definitions ``names`` of a file's ``text``: each (but dunders and names under 4
-    characters) keeps its first third or more and runs on into the start of a name word; none is a word of
-    the text already or another's new name."""
+    """``_rename_defs`` with each new name keeping the old one's first third or more and running on into the start
+    of a name word."""
     words = _name_words()
-    taken = set(re.findall(r"\w+", text))
-    out: dict[str, str] = {}
-    for n in dict.fromkeys(names):
-        if n.startswith("__") or len(n) < 4:
-            continue
-        for _ in range(4):
-            w = rng.choice(words)
-            new = n[: rng.randrange(max(2, len(n) // 3), len(n))] + w[: rng.randrange(1, len(w) + 1)]
-            if new.isidentifier() and new not in taken:
-                out[n] = new
-                taken.add(new)
-                break
-    return out
+
+    def propose(n: str) -> str:
+        w = rng.choice(words)
+        return n[: rng.randrange(max(2, len(n) // 3), len(n))] + w[: rng.randrange(1, len(w) + 1)]
+
+    return _rename_defs(names, text, propose)
 
 
 class RenamedCorpus:
