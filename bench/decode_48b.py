@@ -557,35 +557,47 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
     return out
 
 
-def profile_case(model: HybridModel, L: int, device: str, top: int = 25) -> dict:
-    """The eager decode step (batch 1, context L) under the torch profiler: kernel launches and device time per
-    step, and the top kernels by device time."""
+def profile_case(model: HybridModel, L: int, device: str, top: int = 40, graphed: bool = False) -> dict:
+    """The decode step (batch 1, context L) under the torch profiler, eager or (``graphed``) as CUDA-graph
+    replays: kernel launches and device time per step, the top kernels by device time, and for graph replays the
+    step's wall time between CUDA events (its excess over the summed kernel time is launch gaps)."""
     P = 64
     pages = -(-(L + 1) // P)
     pools = model.allocate_pools(1, pages, P)
-    graphs = DecodeGraphs(model, pools, max_batch=1, enabled=False)
+    graphs = DecodeGraphs(model, pools, max_batch=1, enabled=graphed)
     args = ([1], [0], [L + 1], [list(range(pages))])
-    for _ in range(2):
+    for _ in range(3):
         graphs.run(*args)
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
+    n = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
+        for _ in range(n):
             graphs.run(*args)
         torch.cuda.synchronize()
     rows, kernels = [], []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if t:
-            row = {"name": e.key[:120], "calls_per_step": e.count / 3, "us_per_step": round(t / 3, 1)}
+            row = {"name": e.key[:120], "calls_per_step": e.count / n, "us_per_step": round(t / n, 1)}
             rows.append(row)
             if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:  # a kernel, not an op around one
                 kernels.append(row)
     rows = kernels or rows
     rows.sort(key=lambda r: -r["us_per_step"])
-    return {"kernels_per_step": sum(r["calls_per_step"] for r in rows),
-            "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
+    out = {"context": L, "graphed": graphed, "kernels_per_step": sum(r["calls_per_step"] for r in rows),
+           "device_us_per_step": round(sum(r["us_per_step"] for r in rows), 1), "top": rows[:top]}
+    if graphed:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graphs.run(*args)
+        end.record()
+        torch.cuda.synchronize()
+        out["step_us_wall"] = round(start.elapsed_time(end) * 1e3 / 20, 1)
+    del graphs
+    return out
 
 
 def gemv_case(reps: int) -> list[dict]:
@@ -622,7 +634,9 @@ def main() -> None:
     ap.add_argument("--greedy-layers", type=int, default=4,
                     help="depth of the real-width model of the greedy check (27 random layers amplify bf16 rounding)")
     ap.add_argument("--gemv", action="store_true", help="also time cuBLAS matvecs of the non-routed weight shapes")
-    ap.add_argument("--profile", action="store_true", help="top kernels of the eager step at 1 x 8K")
+    ap.add_argument("--profile", action="store_true",
+                    help="top kernels of the step at batch 1, eager and graphed (context: --profile-context)")
+    ap.add_argument("--profile-context", type=int, default=131072, help="context of --profile")
     ap.add_argument("--sweep", action="store_true", help="also time the MoE layer under other tile sizes")
     ap.add_argument("--moe-chain", default="", help="token counts of the MoE-slice chain (moe_chain_case), e.g. 1,8")
     ap.add_argument("--chain-sweep", action="store_true", help="the chain at one token also under other direct tiles (PDL on)")
@@ -688,8 +702,12 @@ def main() -> None:
             moe_layer_case(model, T, args.reps, args.sweep)))
     if args.profile:
         def prof() -> None:
-            results["profile_eager_1x8192"] = profile_case(model, 8192, args.device)
-            log(json.dumps(results["profile_eager_1x8192"]))
+            L = min(args.profile_context, 256) if args.quick else args.profile_context
+            for graphed in (False, True) if args.device == "cuda" else (False,):
+                key = f"profile_{'graphed' if graphed else 'eager'}_1x{L}"
+                results[key] = profile_case(model, L, args.device, graphed=graphed)
+                log(json.dumps(results[key]))
+                torch.cuda.empty_cache()
 
         guarded("profile", prof)
     if args.gemv:
