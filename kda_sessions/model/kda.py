@@ -96,7 +96,7 @@ class KDAAttention(nn.Module):
             qkv, raw, b, og = self._projections_merged(x)
             # [N, H, V]: the output norm and gate applied in kda_decode's second launch
             o = kda_decode(qkv, raw, b, self._gpu.get()[2], conv_state, self.A_log, self.dt_bias, self.lower_bound,
-                           state, slots, out_norm=(self.o_norm.weight, og, self.o_norm.eps))
+                           state, slots, out_norm=(self.o_norm.weight, og, self.o_norm.eps), pdl=True)
             return linear(o.reshape(x.shape[0], self.H * self.V).to(x.dtype), self.o_proj.weight)
         if x.is_cuda and self.fused_decode:
             Dc, K = self.conv_dim, self.K
@@ -104,9 +104,10 @@ class KDAAttention(nn.Module):
             y = linear(x, w_in)  # [N, Dc + K + V + H]: q | k | v | f_a | g_a | b
             qkv, fa, ga, b = y[:, :Dc], y[:, Dc : Dc + K], y[:, Dc + K : Dc + K + self.V], y[:, Dc + K + self.V :]
             # [N, H, V]: f_b in the first launch, g_b, the output norm and gate in the second
+            # pdl: what runs before it in the step writes other layers' pools only
             o = kda_decode(qkv, fa, b, conv_w, conv_state, self.A_log, self.dt_bias, self.lower_bound, state, slots,
                            out_norm=(self.o_norm.weight, ga, self.o_norm.eps), gate_proj=self.f_b_proj.weight,
-                           out_gate_proj=self.g_b_proj.weight)
+                           out_gate_proj=self.g_b_proj.weight, pdl=True)
             return linear(o.reshape(x.shape[0], self.H * self.V).to(x.dtype), self.o_proj.weight)
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
         qkv, raw, b, og = self._projections_merged(x) if x.is_cuda else self._projections(x)

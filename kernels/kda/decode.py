@@ -32,6 +32,7 @@ def kda_decode(
     out_norm: tuple[Tensor, Tensor, float] | None = None,
     gate_proj: Tensor | None = None,
     out_gate_proj: Tensor | None = None,
+    pdl: bool = False,
 ) -> Tensor:
     """One new token for each of N sequences.
 
@@ -49,6 +50,12 @@ def kda_decode(
     unit column stride) ``raw`` is [N, KF], f_a's output, and the logits are ``raw @ gate_proj^T`` rounded to raw's
     dtype (as the separate projection stores them); likewise ``out_gate_proj`` [H * V, VF] (g_b's weight) with
     out_norm's gate [N, VF], g_a's output.
+
+    ``pdl`` (CUDA on Hopper, ``kernels.moe.pdl.use_pdl``; ignored elsewhere): both launches are PDL launches
+    that let the next launch start at once; the first loads the states and conv tails at the slots before it
+    waits for the launch before it. Only for a caller where no launch that may still be running then writes
+    them: the launch before, and any PDL launches before it that let their dependents start early (the model's
+    decode step: its input projection's matvec, after the layers before, which touch other pools).
     """
     N, H = b.shape
     S, H_, K, V = state.shape
@@ -90,7 +97,8 @@ def kda_decode(
         from .decode_triton import kda_decode_triton
 
         return kda_decode_triton(qkv, raw, b, conv_weight, conv_state, A_log.reshape(H), dt_bias.reshape(H * K),
-                                 lower_bound, state, slots, float(scale), out_norm, gate_proj, out_gate_proj)
+                                 lower_bound, state, slots, float(scale), out_norm, gate_proj, out_gate_proj,
+                                 pdl=pdl)
     if gate_proj is not None:
         raw = naive_linear(raw, gate_proj)
     o = naive_kda_decode(qkv, raw, b, conv_weight, conv_state, A_log, dt_bias, lower_bound, state, slots, scale)

@@ -9,6 +9,10 @@ the stream. Given the gates' weights, each program also computes its head's gate
 (f_b's [K, KF] rows in the first launch, g_b's in the second), which saves the layer a matvec launch. Nothing is
 gathered or scattered and no intermediate tensor is written, so a step costs two launches
 instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and it can be captured in a CUDA graph.
+
+With ``pdl`` on Hopper both are PDL launches (``kernels.moe.pdl``): the decode kernel's programs load the state
+slices, conv tails and weights while the projection before them ends, then wait for it; both let the next launch
+start at once (the output norm's launch, then the output projection's matvec, load their weights early too).
 """
 
 from __future__ import annotations
@@ -17,36 +21,47 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..moe.pdl import use_pdl
 from .fused_recurrent import launch_config
 
 
 @triton.jit
-def _conv_silu(x_row, tail, cw, s_cd, s_cw, ch, m, Dc: tl.constexpr, W: tl.constexpr):
-    """Channels ``ch`` of one token's conv: sum over the W - 1 tail rows and the new row x of weight * row, then
-    SiLU, rounded to x's dtype (as the separate conv kernel stores it); float32."""
+def _conv_tail(tail, cw, s_cd, s_cw, ch, m, Dc: tl.constexpr, W: tl.constexpr):
+    """Channels ``ch`` of one token's conv over the W - 1 tail rows: (sum of weight * row, float32; the new
+    row's weights, float32), for ``_conv_silu``."""
     acc = tl.zeros(ch.shape, dtype=tl.float32)
     for w in tl.static_range(W - 1):
         acc += tl.load(tail + w * Dc + ch, mask=m, other=0.0).to(tl.float32) * \
             tl.load(cw + ch * s_cd + w * s_cw, mask=m, other=0.0).to(tl.float32)
-    acc += tl.load(x_row + ch, mask=m, other=0.0).to(tl.float32) * \
-        tl.load(cw + ch * s_cd + (W - 1) * s_cw, mask=m, other=0.0).to(tl.float32)
+    return acc, tl.load(cw + ch * s_cd + (W - 1) * s_cw, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _conv_silu(x_row, acc, w_new, ch, m):
+    """Channels ``ch`` of one token's conv: the tail's sum ``acc`` plus the new row x times its weights, then
+    SiLU, rounded to x's dtype (as the separate conv kernel stores it); float32."""
+    acc += tl.load(x_row + ch, mask=m, other=0.0).to(tl.float32) * w_new
     y = acc * tl.sigmoid(acc)
     return y.to(x_row.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
-def _head_matvec(x, w_rows, m, KF: tl.constexpr, BJ: tl.constexpr):
-    """sum_j w_rows[:, j] x[j] over j < KF, rounded to x's dtype (as a separate projection's output is stored),
-    float32: one head's gate logits from the low-rank gate input x [KF] and the head's weight rows (pointers
-    [B] to rows of unit column stride, mask m)."""
-    acc = tl.zeros(m.shape, dtype=tl.float32)
-    for j0 in tl.static_range(0, KF, BJ):
-        rj = j0 + tl.arange(0, BJ)
-        mj = rj < KF
-        xj = tl.load(x + rj, mask=mj, other=0.0).to(tl.float32)
-        wt = tl.load(w_rows[:, None] + rj[None, :], mask=m[:, None] & mj[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(wt * xj[None, :], axis=1)
+def _head_rows(w_rows, m, KF: tl.constexpr, BF: tl.constexpr):
+    """One head's rows of a gate's second projection, [B, BF] as stored (BF = KF rounded up to a power of two, the
+    rest 0): pointers [B] to rows of unit column stride, mask m. Loaded whole, before the PDL wait."""
+    rj = tl.arange(0, BF)
+    return tl.load(w_rows[:, None] + rj[None, :], mask=m[:, None] & (rj < KF)[None, :], other=0.0)
+
+
+@triton.jit
+def _head_matvec(x, wt, KF: tl.constexpr, BF: tl.constexpr):
+    """sum_j wt[:, j] x[j] over j < KF, rounded to x's dtype (as a separate projection's output is stored),
+    float32: one head's gate logits from the low-rank gate input x [KF] and the head's rows ``wt`` (``_head_rows``)."""
+    rj = tl.arange(0, BF)
+    xj = tl.load(x + rj, mask=rj < KF, other=0.0).to(tl.float32)
+    acc = tl.sum(wt.to(tl.float32) * xj[None, :], axis=1)
     return acc.to(x.dtype.element_ty).to(tl.float32)
 
 
@@ -54,8 +69,11 @@ def _head_matvec(x, w_rows, m, KF: tl.constexpr, BJ: tl.constexpr):
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr,
+    BOUNDED: tl.constexpr, KF: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    """Program (V block, sequence n * H + head h). Everything that is not the launch before's output (the state
+    slice, the conv tails and weights, the gate's rows, A_log, dt_bias) is loaded first; with PDL the program
+    then lets the next launch start and waits for the launch before (the projections: qkv, raw, b)."""
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
@@ -66,20 +84,32 @@ def _decode_kernel(
     cv = iv * BV + tl.arange(0, BV)
     mk = rk < K
     mv = cv < V
-    x_row = qkv + n.to(tl.int64) * s_x
+    mkv = mk[:, None] & mv[None, :]
+    sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
+    S = tl.load(sptr, mask=mkv, other=0.0)
     tail = conv + slot * (W - 1) * Dc
-    qt = _conv_silu(x_row, tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
-    kt = _conv_silu(x_row, tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
-    vt = _conv_silu(x_row, tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
+    q_acc, q_w = _conv_tail(tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
+    k_acc, k_w = _conv_tail(tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
+    v_acc, v_w = _conv_tail(tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
+    if KF > 0:
+        g_rows = _head_rows(gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BF)
+    dtb = tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if PDL:
+        gdc_launch_dependents()  # the next launch (the tail shift and output norm) reads only weights before its wait
+        gdc_wait()
+    x_row = qkv + n.to(tl.int64) * s_x
+    qt = _conv_silu(x_row, q_acc, q_w, h * K + rk, mk)
+    kt = _conv_silu(x_row, k_acc, k_w, H * K + h * K + rk, mk)
+    vt = _conv_silu(x_row, v_acc, v_w, 2 * H * K + h * V + cv, mv)
     qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6) * scale
     kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
     # the gate: raw logits + dt_bias -> log-decay (kernels/gate/naive.py)
     if KF > 0:  # the logits from f_a's output [KF] and head h's rows of f_b's weight [H*K, KF]
-        logit = _head_matvec(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BJ)
+        logit = _head_matvec(raw + n.to(tl.int64) * s_raw, g_rows, KF, BF)
     else:
         logit = tl.load(raw + n.to(tl.int64) * s_raw + h * K + rk, mask=mk, other=0.0).to(tl.float32)
-    gx = logit + tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    gx = logit + dtb
     if BOUNDED:
         gt = lower_bound * tl.sigmoid(a * gx)
     else:
@@ -87,9 +117,6 @@ def _decode_kernel(
         gt = -a * softplus
     bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
     # the recurrence on this program's [K, BV] slice of the state, in place at the slot
-    mkv = mk[:, None] & mv[None, :]
-    sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
-    S = tl.load(sptr, mask=mkv, other=0.0)
     S = S * tl.exp(gt)[:, None]
     pred = tl.sum(kt[:, None] * S, axis=0)
     S += kt[:, None] * (bt * (vt - pred))[None, :]
@@ -121,27 +148,34 @@ def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr,
 def _shift_norm_kernel(
     qkv, s_x, conv, slots, o, gate, s_g, nw, y, eps, gw, s_gw,
     H: tl.constexpr, V: tl.constexpr, Dc: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    VF: tl.constexpr, BJ: tl.constexpr,
+    VF: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (n, h): the conv-tail shift of channels [h C, (h + 1) C) (C = Dc / H) of sequence n, and head h's
     ``rms_norm(o) * sigmoid(gate)`` (``kernels.norm``'s gated norm) into y [N, H, V]; with VF > 0 the gate
-    logits from g_a's output [VF] (``gate``) and head h's rows of g_b's weight [H*V, VF] (``gw``)."""
+    logits from g_a's output [VF] (``gate``) and head h's rows of g_b's weight [H*V, VF] (``gw``). With PDL the
+    weights are loaded first, the next launch may start at once (it reads only weights before its own wait), and
+    the program waits for the decode kernel (which reads the tails and writes o) before the rest."""
     n = tl.program_id(0)
     h = tl.program_id(1)
     C: tl.constexpr = Dc // H
     c = tl.arange(0, BC)
-    if W > 1:
-        _shift(qkv, s_x, conv, slots, n, h * C + c, c < C, Dc, W)
     d = tl.arange(0, BV)
     m = d < V
+    if VF > 0:
+        g_rows = _head_rows(gw + (h * V + d).to(tl.int64) * s_gw, m, VF, BF)
+    wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
+    if W > 1:
+        _shift(qkv, s_x, conv, slots, n, h * C + c, c < C, Dc, W)
     row = (n * H + h).to(tl.int64) * V
     v = tl.load(o + row + d, mask=m, other=0.0).to(tl.float32)
     if VF > 0:
-        z = _head_matvec(gate + n.to(tl.int64) * s_g, gw + (h * V + d).to(tl.int64) * s_gw, m, VF, BJ)
+        z = _head_matvec(gate + n.to(tl.int64) * s_g, g_rows, VF, BF)
     else:
         z = tl.load(gate + n.to(tl.int64) * s_g + h * V + d, mask=m, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(v * v, axis=0) / V + eps)
-    wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
     tl.store(y + row + d, (v * inv * wv * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
 
 
@@ -160,13 +194,14 @@ def kda_decode_triton(
     qkv: Tensor, raw: Tensor, b: Tensor, conv_weight: Tensor, conv_state: Tensor, A_log: Tensor, dt_bias: Tensor,
     lower_bound: float | None, state: Tensor, slots: Tensor, scale: float,
     out_norm: tuple[Tensor, Tensor, float] | None = None, gate_proj: Tensor | None = None,
-    out_gate_proj: Tensor | None = None, config: tuple[int, int] | None = None,
+    out_gate_proj: Tensor | None = None, config: tuple[int, int] | None = None, pdl: bool = False,
 ) -> Tensor:
     """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V], or
     with ``out_norm`` = (weight [V], gate [N, H*V] rows of unit column stride, eps) the gated norm of o. With
     ``gate_proj`` [H*K, KF], raw is [N, KF] and each head's gate logits are its rows of gate_proj times raw, in
     the decode kernel; likewise ``out_gate_proj`` [H*V, VF] with out_norm's gate [N, VF], in the norm's launch.
-    ``config``: the decode kernel's (BV, num_warps), default ``decode_launch_config``."""
+    ``config``: the decode kernel's (BV, num_warps), default ``decode_launch_config``. ``pdl``: see ``kda_decode``
+    (on a device where ``kernels.moe.pdl.use_pdl``, else ignored)."""
     N, H = b.shape
     K, V = state.shape[2:]
     Dc, W = conv_weight.shape
@@ -180,13 +215,15 @@ def kda_decode_triton(
     if N == 0:
         return o
     BV, num_warps = config or decode_launch_config(N, H, V, gate_proj is not None)
+    pdl = pdl and use_pdl(qkv.device)
+    launch = {"launch_pdl": True} if pdl else {}
     KF = 0 if gate_proj is None else gate_proj.shape[1]
     gw = raw if gate_proj is None else gate_proj  # a placeholder pointer where KF = 0
     _decode_kernel[(triton.cdiv(V, BV), N * H)](
         qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
         conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
         gw, gw.stride(0), H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
-        KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), num_warps=num_warps,
+        KF=KF, BF=triton.next_power_of_2(max(KF, 1)), PDL=pdl, num_warps=num_warps, **launch,
     )
     if out_norm is not None:
         nw, gate, eps = out_norm
@@ -196,7 +233,7 @@ def kda_decode_triton(
         _shift_norm_kernel[(N, H)](
             qkv, qkv.stride(0), conv_state, slots, o, gate, gate.stride(0), nw, y, float(eps), ogw, ogw.stride(0),
             H=H, V=V, Dc=Dc, W=W, BC=triton.next_power_of_2(Dc // H), BV=triton.next_power_of_2(V), VF=VF,
-            BJ=min(32, triton.next_power_of_2(max(VF, 1))), num_warps=4,
+            BF=triton.next_power_of_2(max(VF, 1)), PDL=pdl, num_warps=4, **launch,
         )
         return y
     if W > 1:

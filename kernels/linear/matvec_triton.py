@@ -6,6 +6,11 @@ memory's rate, provided enough of them are in flight. Program p loads its BO row
 any arrives (a loop over tiles of I would wait a memory round trip per tile); then each row of x is one product
 and a sum over I. One row of x: o_proj's 2304 x 4096 at 2.7 TB/s on the H200, in one launch where cuBLAS runs a
 split-K GEMV and a reduce at 1.9 (``linear.MATVEC_MAX_ROWS`` has the figures).
+
+On Hopper it is a PDL launch (``kernels.moe.pdl``): a program loads its weight slab, which no launch writes,
+before it waits for the launch before (``gdc_wait``) and reads x, so where that launch lets its dependents start
+early (the MoE down kernel, KDA's decode kernels) the weight streams while it ends. It lets its own dependents
+start at once: theirs are PDL launches that read only weights before their wait (or plain launches).
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..moe.pdl import use_pdl
 
 MAX_ROWS = 8
 """The most rows of x the kernel takes (one product and sum over the slab per row)."""
@@ -20,13 +28,16 @@ MAX_ROWS = 8
 
 @triton.jit
 def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, BO: tl.constexpr,
-                   BI: tl.constexpr):
+                   BI: tl.constexpr, PDL: tl.constexpr = False):
     ro = tl.program_id(0) * BO + tl.arange(0, BO)
     mo = ro < O
     k = tl.arange(0, BI)
     mk = k < I
     wt = tl.load(w + ro.to(tl.int64)[:, None] * s_w + k[None, :], mask=mo[:, None] & mk[None, :],
                  other=0.0).to(tl.float32)  # [BO, BI]
+    if PDL:  # the weight is requested; x is the launch before's output
+        gdc_launch_dependents()
+        gdc_wait()
     for n in tl.static_range(N):
         xv = tl.load(x + n * s_x + k, mask=mk, other=0.0).to(tl.float32)
         tl.store(y + n * s_y + ro, tl.sum(wt * xv[None, :], axis=1).to(y.dtype.element_ty), mask=mo)
@@ -48,8 +59,10 @@ def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -
     O = w.shape[0]
     y = x.new_empty(N, O)
     BO, warps = config or matvec_config(N, O, I)
+    pdl = use_pdl(x.device)
     _matvec_kernel[(triton.cdiv(O, BO),)](x, x.stride(0), w, w.stride(0), y, y.stride(0), O, I=I, N=N, BO=BO,
-                                          BI=triton.next_power_of_2(I), num_warps=warps)
+                                          BI=triton.next_power_of_2(I), PDL=pdl, num_warps=warps,
+                                          **({"launch_pdl": True} if pdl else {}))
     return y
 
 

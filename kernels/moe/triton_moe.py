@@ -319,6 +319,9 @@ def _down_direct_kernel(
         w_b = tl.load(w_rows + ex_b * stride_we, mask=n_ok[:, None] & (kk < Fw)[None, :], other=0.0)
     if PDL:
         gdc_wait()  # act is the up kernel's output
+        # the next launch may start (the next layer's input matvec: its weight streams while this one ends),
+        # after the wait as the up kernel's: a dependent's prologue runs once the up kernel and the router are done
+        gdc_launch_dependents()
     acc = tl.zeros([BN], dtype=tl.float32)
     part = tl.zeros([BN, BK], dtype=tl.float32)
     for j in tl.static_range(TOP_K):

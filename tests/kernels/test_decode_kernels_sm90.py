@@ -32,18 +32,30 @@ def ptx(fn, types, const):
 
 bf, f32 = "*bf16", "*fp32"
 out = {
-    "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096}),
+    "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False}),
     "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
                                "eps": "fp32"},
                 {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512}),
     "decode": ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
                                    "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32",
                                    "gw": bf},
-                  {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32}),
+                  {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BF": 128,
+                   "PDL": False}),
     "norm": ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32, "y": bf,
                                      "eps": "fp32", "gw": bf},
-                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32}),
+                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BF": 128, "PDL": False}),
 }
+# the PDL variants (``kernels.moe.pdl``)
+out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
+                                                                     "PDL": True})
+out["decode_pdl"] = ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32,
+                                         "dt_bias": f32, "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf,
+                                         "scale": "fp32", "gw": bf},
+                        {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128,
+                         "BF": 128, "PDL": True})
+out["norm_pdl"] = ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32,
+                                           "y": bf, "eps": "fp32", "gw": bf},
+                      {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BF": 128, "PDL": True})
 print(json.dumps(out))
 """
 
@@ -53,7 +65,8 @@ def test_decode_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(out) == {"matvec", "prep", "decode", "norm"}
+    assert set(out) == {"matvec", "prep", "decode", "norm", "matvec_pdl", "decode_pdl", "norm_pdl"}
+    assert all("griddepcontrol" not in out[k] for k in ("matvec", "decode", "norm"))
     lines = out["matvec"].splitlines()
     loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
     math = [i for i, ln in enumerate(lines) if any(op in ln for op in ("fma.rn.f32", "mul.f32", "add.f32"))]
@@ -61,3 +74,38 @@ def test_decode_kernels_compile_for_sm90():
     assert sum("ld.global.v4" in lines[i] for i in loads) >= 8
     assert all("ld.global.v4" in lines[i] for i in loads)
     assert math and max(loads) < min(math)
+
+
+def _before_wait(ptx: str) -> tuple[list[str], list[str]]:
+    """The lines of a PDL kernel's PTX before its ``griddepcontrol.wait`` and after it (one wait, after the
+    ``launch_dependents``)."""
+    lines = ptx.splitlines()
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    trigger = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+    assert len(waits) == 1 and len(trigger) == 1 and trigger[0] < waits[0]
+    return lines[: waits[0]], lines[waits[0] + 1 :]
+
+
+def test_pdl_kernels_load_their_weights_and_states_before_the_wait():
+    """The PDL variants (Hopper): every load that does not read the launch before's output is issued before the
+    wait (the matvec's weight row; the decode kernel's state slice, conv tails and weights, gate rows; the norm's
+    gate rows), and every store after it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    pre, post = _before_wait(out["matvec_pdl"])
+    # one weight row of 4096 bf16 on 4 warps: 8 KB in 16-byte loads (4 a thread), all before the wait; x's after it
+    assert sum("ld.global.v4" in ln for ln in pre) >= 4
+    assert any("ld.global" in ln for ln in post)
+    assert not any("st.global" in ln for ln in pre)
+    pre, post = _before_wait(out["decode_pdl"])
+    loads = sum("ld.global" in ln for ln in pre)
+    # the [128, 64] float32 state slice (32 KB on 128 threads, 16-byte loads: 16 a thread) and the [128, 128] bf16
+    # gate rows (16 a thread) at least; qkv's new row, f_a's output and beta after the wait
+    assert loads >= 32
+    assert sum("ld.global" in ln for ln in post) >= 3
+    assert not any("st.global" in ln for ln in pre)
+    pre, post = _before_wait(out["norm_pdl"])
+    assert sum("ld.global" in ln for ln in pre) >= 16 and not any("st.global" in ln for ln in pre)
+    assert any("st.global" in ln for ln in post)

@@ -48,3 +48,42 @@ def test_matvec_matches_the_twin_on_cuda(N, shape):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     _check(N, *shape, torch.bfloat16, "cuda")
+
+
+@pytest.mark.gpu
+def test_matvec_chain_with_pdl_waits_for_the_launch_before():
+    """A chain of matvecs, each reading the one before's output (on Hopper PDL launches that load their weight
+    before they wait), eagerly and as CUDA-graph replays, against the chain with PDL off: the same values (a
+    matvec reading x before the launch before wrote it would not)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.kernels.moe import pdl
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ws = [(torch.randn(n, m, device="cuda", generator=gen) * m**-0.5).bfloat16()
+          for n, m in [(4096, 2304), (2304, 4096)] * 6]
+    x0 = torch.randn(1, 2304, device="cuda", generator=gen).bfloat16()
+
+    def chain(x):
+        for w in ws:
+            x = linear(x, w)
+        return x
+
+    pdl.ENABLED = False
+    try:
+        ref = chain(x0)
+    finally:
+        pdl.ENABLED = True
+    eager = chain(x0)
+    inp = x0.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = chain(inp)
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_rms(eager.float(), ref.float()) < 1e-3
+    assert rel_rms(out.float(), ref.float()) < 1e-3
+    inp.copy_(torch.randn(1, 2304, device="cuda", generator=gen).bfloat16())
+    g.replay()
+    torch.cuda.synchronize()
+    assert rel_rms(out.float(), ref.float()) > 0.1  # a new input, a new output
