@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import faults
-from ..errors import IntegrityError
+from ..errors import IncompatibleSnapshot, IntegrityError
 from .disk_files import O_CLOEXEC, O_NOFOLLOW, fsync_dir, replace_durably, sha256_hex, write_all
 from .disk_pack_format import HEADER_BYTES, encode_header, encode_index, parse_index
 
@@ -105,6 +105,10 @@ class PackSet:
         self.packs: dict[str, Pack] = {}
         self.corrupt: dict[str, str] = {}
         """Pack name -> why its index is unusable (its blobs read as IntegrityError, never as absent data)."""
+        self.newer: dict[str, str] = {}
+        """Pack name -> why this release cannot read it: a pack format version above its own (a newer release
+        wrote it). Like a corrupt pack it is never deleted, compacted or dropped here, nor its tombstones; a blob
+        it may hold reads as IncompatibleSnapshot."""
         self._where: dict[str, str] = {}
         """Digest -> name of a pack that holds it, for every digest of every known pack (live there unless
         tombstoned since): `locate` is one lookup however many packs there are."""
@@ -133,13 +137,20 @@ class PackSet:
                 self._forget(self.packs[name])
             for name in set(self.corrupt) - set(seen):
                 del self.corrupt[name]
+            for name in set(self.newer) - set(seen):
+                del self.newer[name]
         for name, st in seen.items():
             pack = self.packs.get(name)
             if pack is None or pack.ino != st.st_ino:
-                if name in self.corrupt:
+                if name in self.corrupt or name in self.newer:
                     continue
                 try:
                     pack = self._load(name, st)
+                except IncompatibleSnapshot as e:
+                    logger.warning("%s; left in place", e)
+                    with self._mutex:
+                        self.newer[name] = str(e)
+                    continue
                 except IntegrityError as e:
                     logger.error("%s", e)
                     with self._mutex:
@@ -371,7 +382,8 @@ class PackSet:
             self.refresh()
             for entry in os.scandir(self.folder):
                 stem, ext = os.path.splitext(entry.name)
-                if ext == DEAD_SUFFIX and stem not in self.packs and stem not in self.corrupt:
+                kept = stem in self.packs or stem in self.corrupt or stem in self.newer
+                if ext == DEAD_SUFFIX and not kept:
                     Path(entry.path).unlink(missing_ok=True)
             with self._mutex:
                 packs = sorted(self.packs.values(), key=lambda p: p.name)

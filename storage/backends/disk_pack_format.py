@@ -16,6 +16,12 @@ anything). Version 1 packs (index before the data) are still read::
 Both are checked (magics, version, a count the file size can hold, the index's sha256, offsets that tile the data
 exactly) before anything is allocated from them, so a bit flip, truncation or zeroed block anywhere in a pack is
 an IntegrityError, never wrong data.
+
+Every later version keeps the magic as the first and the last 4 bytes and its version byte at offset 4: a pack so
+framed, with a version above `PACK_VERSION` (written by a newer release), is IncompatibleSnapshot naming that
+version, and the store leaves it alone (disk_pack.PackSet.newer). One that is a whole, valid version 2 pack but for
+its version byte is a damaged version 2 pack (IntegrityError), as is a version byte flipped in a version 1 pack
+(whose last bytes are data).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import hashlib
 import struct
 from collections.abc import Callable, Sequence
 
-from ..errors import IntegrityError
+from ..errors import IncompatibleSnapshot, IntegrityError
 
 PACK_MAGIC = b"KDAP"
 PACK_VERSION = 2
@@ -57,12 +63,29 @@ def encode_index(items: Sequence[tuple[str, int]]) -> bytes:
 
 def parse_index(read: Callable[[int, int], bytes], size: int, where: str) -> dict[str, tuple[int, int]]:
     """Validate a pack's header and index (read through ``read(offset, n)``) against its file ``size``;
-    digest -> (offset, length). IntegrityError naming ``where`` on anything inconsistent."""
+    digest -> (offset, length). IntegrityError naming ``where`` on anything inconsistent; IncompatibleSnapshot
+    naming the version for a pack of a newer format (see the module's docstring)."""
     if size < _START.size:
         raise IntegrityError(f"{where}: pack truncated: {size} bytes, header needs {_START.size}")
     magic, version = _START.unpack(read(0, _START.size))
+    if magic == PACK_MAGIC and version > PACK_VERSION:
+        try:
+            _parse(read, size, where, PACK_VERSION)
+        except IntegrityError:
+            if size >= _START.size + 4 and read(size - 4, 4) == PACK_MAGIC:
+                raise IncompatibleSnapshot(
+                    f"{where}: pack format version {version}, newer than this release reads (1 to {PACK_VERSION})"
+                ) from None
+        else:
+            raise IntegrityError(
+                f"{where}: bad pack header: version {version} on a valid version {PACK_VERSION} pack (a flipped bit)"
+            )
     if magic != PACK_MAGIC or version not in (1, 2):
         raise IntegrityError(f"{where}: bad pack header (magic {magic!r}, version {version})")
+    return _parse(read, size, where, version)
+
+
+def _parse(read: Callable[[int, int], bytes], size: int, where: str, version: int) -> dict[str, tuple[int, int]]:
     if version == 1:
         if size < _HEADER_V1.size:
             raise IntegrityError(f"{where}: pack truncated: {size} bytes, header needs {_HEADER_V1.size}")

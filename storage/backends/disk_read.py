@@ -19,7 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
-from ..errors import BlobNotFound, IntegrityError, StoreUnavailable
+from ..errors import BlobNotFound, IncompatibleSnapshot, IntegrityError, StoreUnavailable
 from .disk_files import O_CLOEXEC, O_NOFOLLOW, sha256_hex
 from .disk_pack import PackSet
 
@@ -57,11 +57,17 @@ class BlobReader:
         return self.blobs / digest[:2] / digest
 
     def not_found(self, digest: str) -> Exception:
-        """BlobNotFound, or IntegrityError when a corrupt pack may have held the blob."""
+        """BlobNotFound; IntegrityError when a corrupt pack may have held the blob, else IncompatibleSnapshot
+        (naming the version) when a pack of a newer format may have."""
         if self.packs.corrupt:
             return IntegrityError(
                 f"{self.url}: blob {digest} is missing and packs {sorted(self.packs.corrupt)} are corrupt "
                 f"(may have held it)"
+            )
+        if self.packs.newer:
+            return IncompatibleSnapshot(
+                f"{self.url}: blob {digest} is missing and packs this release cannot read may hold it: "
+                + "; ".join(self.packs.newer[name] for name in sorted(self.packs.newer))
             )
         return BlobNotFound(digest)
 

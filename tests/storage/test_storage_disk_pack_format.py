@@ -1,6 +1,8 @@
 """Pack format versions: packs of version 1 (index before the data) written by earlier releases still load, are
 checked and compact into version 2 (index last); a version 2 pack is written from its first blob on whatever the
-final count, and a stream that puts fewer blobs than it announced writes one pack of those (none if none)."""
+final count, and a stream that puts fewer blobs than it announced writes one pack of those (none if none). A pack
+of a newer version than this release writes is IncompatibleSnapshot naming the version, never corrupt, and is left
+alone: never dropped, compacted or stripped of its tombstones."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from storage_helpers import pack_files, synthetic_blobs
 from kda_sessions.storage import BlobStream
 from kda_sessions.storage.backends import disk_pack_format as fmt
 from kda_sessions.storage.backends.disk import TMP_PREFIX, DiskStore
-from kda_sessions.storage.errors import IntegrityError
+from kda_sessions.storage.errors import IncompatibleSnapshot, IntegrityError
 
 
 def _v1_pack(blobs: dict[str, bytes]) -> bytes:
@@ -175,3 +177,61 @@ async def test_a_version_1_compaction_interrupted_at_each_step_loses_nothing(
     (pack,) = pack_files(tmp_path)
     assert pack.read_bytes()[4] == 2
     assert await (await DiskStore.open(tmp_path)).get_blobs([keys[7]]) == {keys[7]: blobs[keys[7]]}
+
+
+def _newer(version: int = fmt.PACK_VERSION + 1, body: bytes = b"a layout this release does not know") -> bytes:
+    """A pack of a later version: the framing every version keeps (magic first and last, the version byte at
+    offset 4) around bytes this release cannot parse."""
+    return b"KDAP" + bytes([version, 0, 0, 0]) + body + b"KDAP"
+
+
+def _v2_pack(blobs: dict[str, bytes]) -> bytes:
+    return fmt.encode_header() + b"".join(blobs.values()) + fmt.encode_index([(d, len(b)) for d, b in blobs.items()])
+
+
+@pytest.mark.parametrize("version", [fmt.PACK_VERSION + 1, 255])
+def test_a_newer_version_is_incompatible_and_names_it(version: int) -> None:
+    pack = _newer(version)
+    with pytest.raises(IncompatibleSnapshot, match=f"pack format version {version}, newer than this release") as e:
+        fmt.parse_index(lambda off, n: pack[off : off + n], len(pack), "p")
+    assert not isinstance(e.value, IntegrityError)
+    cut = pack[:-1]  # its last magic lost: damage, not a newer pack
+    with pytest.raises(IntegrityError, match="bad pack header"):
+        fmt.parse_index(lambda off, n: cut[off : off + n], len(cut), "p")
+
+
+@pytest.mark.parametrize("bit", range(8))
+def test_a_flipped_version_bit_of_a_version_2_pack_is_an_integrity_error(bit: int) -> None:
+    raw = bytearray(_v2_pack(synthetic_blobs(3, 100, seed=15)))
+    raw[4] ^= 1 << bit
+    with pytest.raises(IntegrityError, match="bad pack header"):
+        fmt.parse_index(lambda off, n: bytes(raw[off : off + n]), len(raw), "p")
+
+
+async def test_a_pack_of_a_newer_release_is_left_alone_and_its_blobs_are_incompatible(tmp_path: Path) -> None:
+    """A newer release's pack (with a tombstone file) beside this release's packs: a blob missing here raises
+    IncompatibleSnapshot naming the pack's version (it may hold it); opening (drop_redundant), deleting every
+    blob this release holds (tombstones, compaction, drop) and reopening never change the newer pack's bytes
+    nor remove its tombstones."""
+    ours, missing = synthetic_blobs(8, 3000, seed=16), synthetic_blobs(1, 3000, seed=17)
+    folder = tmp_path / "blobs" / "packs"
+    folder.mkdir(parents=True)
+    newer = folder / "pack-0-ff.pack"
+    newer.write_bytes(_newer(body=b"".join(missing.values())))
+    dead = newer.with_suffix(".dead")
+    dead.write_bytes(bytes(32))  # a tombstone written by the newer release
+    before = newer.read_bytes(), dead.read_bytes()
+    store = await DiskStore.open(tmp_path, pack_min_blobs=2)
+    await store.put_blobs(ours)
+    with pytest.raises(IncompatibleSnapshot, match=f"pack-0-ff.pack: pack format version {fmt.PACK_VERSION + 1}"):
+        await store.get_blobs(list(missing))
+    into = [(d, [memoryview(bytearray(len(b)))]) for d, b in missing.items()]
+    with pytest.raises(IncompatibleSnapshot):
+        await store.get_blobs_into(into)
+    assert await store.get_blobs(list(ours)) == ours  # this release's blobs read as ever
+    assert await store.has_blobs([*ours, *missing]) == set(ours)
+    for d in ours:
+        await store.delete_blob(d)
+    assert await store.list_blobs() == []
+    await DiskStore.open(tmp_path)
+    assert pack_files(tmp_path) == [newer] and (newer.read_bytes(), dead.read_bytes()) == before
