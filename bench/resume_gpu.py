@@ -39,6 +39,10 @@ Raw bandwidth of the same paths, same run: ``h2d`` (memcpy of the snapshot's byt
 host-to-device copy), ``read_warm`` / ``read_cold`` (the store's files read with 8 threads, page cache warm /
 dropped), ``write_fdatasync`` (dd of the snapshot's size, one fdatasync at the end), and sha256 on 1 and on all
 cores. ``*_GBps`` are 10^9 bytes / s of the snapshot's bytes.
+``--write-sweep`` (in the run, at the largest snapshot's size) and ``--sweep-only GB`` (alone, no model) measure
+the disk's durable-write ceiling beside the store's own pack writer (`write_sweep`): dd, O_DIRECT pwrites by 1-8
+threads of 4-64 MiB blocks (one file, fallocated, a file per thread), and ``PackSet.write_stream``.
+``--single-prefill``: one prefill per context, the process's first at that length, as the re-prefill figure.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -466,73 +471,108 @@ async def redis_row(model: HybridModel, disk_store: str, sid: str, pages: int, r
     return row
 
 
+def _direct_raw(folder: Path, nbytes: int, threads: int, block: int, mode: str, src: memoryview) -> float:
+    """GB/s of ``nbytes`` written in ``block``-byte pwrites by ``threads`` threads, then fsynced: ``mode`` "one"
+    (one file, extended by the writes), "prealloc" (one file, fallocated first), "files" (a file per thread),
+    each with O_DIRECT; "buffered": one file through the page cache."""
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir()
+    count = nbytes // block
+    local = threading.local()
+
+    def buf() -> memoryview:
+        if not hasattr(local, "buf"):
+            m = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
+            m[:] = src[:block]
+            local.buf = memoryview(m)
+        return local.buf  # type: ignore[no-any-return]
+
+    direct = 0 if mode == "buffered" else os.O_DIRECT
+    nfiles = threads if mode == "files" else 1
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct
+    os.sync()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: buf(), range(threads * 4)))  # buffers filled before the clock starts
+        t0 = time.perf_counter()
+        fds = [os.open(folder / f"f{i}", flags, 0o644) for i in range(nfiles)]
+        try:
+            if mode == "prealloc":
+                os.posix_fallocate(fds[0], 0, count * block)
+            per = count // nfiles
+
+            def put(i: int) -> None:
+                f, k = (i // per, i % per) if nfiles > 1 else (0, i)
+                os.pwrite(fds[f], buf(), k * block)
+
+            list(pool.map(put, range(per * nfiles)))
+            list(pool.map(os.fsync, fds))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        t = time.perf_counter() - t0
+    shutil.rmtree(folder, ignore_errors=True)
+    return round(per * nfiles * block / t / 1e9, 2)
+
+
 def write_sweep(root: Path, nbytes: int) -> dict[str, Any]:
-    """GB/s of one pack of ``nbytes`` in 504 KiB blobs written by the store's own ``PackSet.write_stream``
-    (temp file, writes, fsync, rename, folder fsync) for several writeback chunks (the store's is 1 MiB; none:
-    no early writeback),
-    beside O_DIRECT writes of 16 MiB and dd with one fdatasync, each on a file of its own."""
+    """The disk's durable-write ceiling beside the store's own pack writer, ``nbytes`` each, GB/s (10^9 B/s):
+    ``dd_fdatasync`` (dd bs=1M conv=fdatasync, first and last), ``direct`` (`_direct_raw`: O_DIRECT pwrites by
+    threads x block MiB, one file / fallocated / a file per thread; one buffered row), and ``pack``: one pack of
+    504 KiB blobs by the store's own ``PackSet.write_stream`` (temp file, writes with 1 MiB early writeback,
+    fsync, rename, folder fsync), twice."""
     size = 516096
     count = nbytes // size
-    data = torch.randint(0, 256, (count * size,), dtype=torch.uint8)
-    view = data.numpy().data.cast("B")
-    blobs = [(f"{i:064x}", view[i * size : (i + 1) * size]) for i in range(count)]
-    out: dict[str, Any] = {"bytes": count * size}
+    src = memoryview(torch.randint(0, 256, (256 << 20,), dtype=torch.uint8).numpy().data.cast("B"))
+    per_src = len(src) // size
+    blobs = [(f"{i:064x}", src[(i % per_src) * size : (i % per_src + 1) * size]) for i in range(count)]
+    out: dict[str, Any] = {"bytes": count * size, "dir": str(root)}
+    dd = ["if=/dev/zero", f"of={root / 'dd.bin'}", "bs=1M", f"count={nbytes >> 20}", "conv=fdatasync"]
+    out["dd_fdatasync_first"] = round(common._dd(dd) / 1e3, 2)
+    (root / "dd.bin").unlink(missing_ok=True)
+    direct: dict[str, Any] = {}
+    grid = [(t, b, "prealloc") for b in (4, 16, 64) for t in (1, 2, 4, 8)]
+    grid += [(t, 16, "one") for t in (1, 4, 8)] + [(t, 16, "files") for t in (2, 4, 8)] + [(4, 16, "buffered")]
+    for t, b, mode in grid:
+        try:
+            direct[f"{mode}_t{t}_{b}MiB"] = _direct_raw(root / "direct", count * size, t, b << 20, mode, src)
+        except OSError as e:
+            direct[f"{mode}_t{t}_{b}MiB"] = f"{type(e).__name__}: {e}"
+    out["direct"] = direct
+    pack: dict[str, Any] = {}
     folder = root / "sweep"
-    for chunk in (1 << 20, 32 << 20, 0):
+    for _ in range(2):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir()
-        old = disk_pack.WRITEBACK_CHUNK_BYTES
-        disk_pack.WRITEBACK_CHUNK_BYTES = chunk or (1 << 62)
-        try:
-            ps = disk_pack.PackSet(folder)
-            os.sync()
-            t0 = time.perf_counter()
-            ps.write_stream((blobs[i : i + 130] for i in range(0, count, 130)), lambda i: None, "tmp-")
-            name = f"{chunk >> 20}MiB" if chunk else "none"
-            out[f"pack_wb_{name}_GBps"] = round(count * size / (time.perf_counter() - t0) / 1e9, 2)
-        finally:
-            disk_pack.WRITEBACK_CHUNK_BYTES = old
-    shutil.rmtree(folder, ignore_errors=True)
-    path = root / "direct.bin"
-    block = 16 << 20
-    buf = mmap.mmap(-1, block)  # page-aligned, as O_DIRECT needs
-    os.sync()
-    try:
+        ps = disk_pack.PackSet(folder)
+        os.sync()
         t0 = time.perf_counter()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
-        try:
-            for off in range(0, count * size - block + 1, block):
-                buf[:] = view[off : off + block]
-                os.write(fd, buf)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        out["o_direct_16MiB_GBps"] = round((count * size // block) * block / (time.perf_counter() - t0) / 1e9, 2)
-    except OSError as e:
-        out["o_direct_16MiB_GBps"] = f"{type(e).__name__}: {e}"
-    path.unlink(missing_ok=True)
-    out["dd_fdatasync_GBps"] = round(
-        common._dd(["if=/dev/zero", f"of={path}", "bs=1M", f"count={nbytes >> 20}", "conv=fdatasync"]) / 1e3, 2
-    )
-    path.unlink(missing_ok=True)
+        ps.write_stream((blobs[i : i + 130] for i in range(0, count, 130)), lambda i: None, "tmp-")
+        pack.setdefault("buffered", []).append(round(count * size / (time.perf_counter() - t0) / 1e9, 2))
+    shutil.rmtree(folder, ignore_errors=True)
+    out["pack"] = pack
+    out["dd_fdatasync_last"] = round(common._dd(dd) / 1e3, 2)
+    (root / "dd.bin").unlink(missing_ok=True)
     return out
 
 
 async def one_context(
     model: HybridModel, shape: str, n: int, device: str, root: Path, redis: Redis | None, sweep: bool,
-    save_only: bool = False,
+    save_only: bool = False, single_prefill: bool = False,
 ) -> dict[str, Any]:
     folder = root / f"store-{shape}-{n}"
     store = f"disk:{folder}"
     pages = n // 64 + 64
     row: dict[str, Any] = {"shape": shape, "tokens": n}
-    eng = await engine(model, store, ram_bytes=8 << 30, pages=pages)
+    eng = await engine(model, store, ram_bytes=max(8 << 30, n * (16 << 10)), pages=pages)  # the whole snapshot
     try:
-        for key in ("prefill_first_of_process_s", "prefill_first_token_s")[save_only:]:  # compiles by the first
+        keys = ("prefill_first_of_process_s", "prefill_first_token_s")[save_only or single_prefill :]
+        for key in keys:  # compiles by the first
             s = await eng.create_session()
             seed = n if key == "prefill_first_token_s" else n + 1  # other tokens: no index entry of theirs is shared
             t, _ = await timed(s.append(common.random_tokens(n, seed=seed)))
             t2, _ = (0.0, None) if save_only else await timed(s.generate(max_tokens=1, ignore_eos=True))
+            if single_prefill:
+                row["prefill_is_first_of_process"] = True
             row[key] = round(t + t2, 3)
             if key == "prefill_first_of_process_s":
                 assert await eng.default.forget(s.id)
@@ -620,12 +660,21 @@ async def main() -> None:
     ap.add_argument("--contexts", default="32768,131072")
     ap.add_argument("--budget", type=float, default=240.0, help="start no new context after this many seconds")
     ap.add_argument("--warmup", type=int, default=16384, help="tokens of an untimed prefill first (0: none)")
-    ap.add_argument("--write-sweep", action="store_true", help="pack writes of the largest snapshot's size by "
-                    "writeback chunk, O_DIRECT and dd (raw.pack_write)")
+    ap.add_argument("--write-sweep", action="store_true", help="the disk's write ceiling beside the store's pack "
+                    "writer at the largest snapshot's size (`write_sweep`: raw.pack_write)")
     ap.add_argument("--save-only", action="store_true", help="per context one prefill (no token generated) and "
                     "its save, beside dd: no resumes, no re-prefill")
+    ap.add_argument("--single-prefill", action="store_true", help="one prefill per context, the first of the "
+                    "process at that length (kernel variants compiled inside it), as the re-prefill figure: a 1M row "
+                    "in one device call")
+    ap.add_argument("--sweep-only", type=float, metavar="GB", help="only `write_sweep` of this many GB (no model)")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.sweep_only:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("RESUME_BENCH_DIR")) as tmp:
+            sweep = write_sweep(Path(tmp), int(args.sweep_only * 1e9))
+            common.emit({"machine": common.machine(), "write_sweep": sweep}, args.out)
+        return
     t0 = time.monotonic()
     dtype = torch.bfloat16
     shapes = args.shape.split(",")
@@ -657,7 +706,9 @@ async def main() -> None:
                     result.setdefault("skipped", []).append(f"{shape}:{n}")
                     continue
                 sweep = args.write_sweep and shape == shapes[0] and n == max(contexts)
-                row = await one_context(model, shape, n, args.device, Path(tmp), redis, sweep, args.save_only)
+                row = await one_context(
+                    model, shape, n, args.device, Path(tmp), redis, sweep, args.save_only, args.single_prefill
+                )
                 row["elapsed_s"] = round(time.monotonic() - t0, 1)
                 result["rows"].append(row)
                 common.emit(result, args.out)
