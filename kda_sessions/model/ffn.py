@@ -23,17 +23,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
     def rows(self, x: Tensor) -> Tensor:
-        """``self(x)`` on a CPU without autograd in six ops where x and the weight are float32: ``F.rms_norm``'s own
-        arithmetic (square, mean as sum then divide, + eps, rsqrt, times x, times the weight; the same values)
-        without its dozen inner calls, each a few microseconds in a decode step whose weights evict the caches."""
+        """``self(x)`` on a CPU without autograd in six ops where x and the weight are float32 (``rms_rows``)."""
         if x.dtype != torch.float32 or self.weight.dtype != torch.float32:
             return self(x)
+        dim, eps = self.rows_consts(x)
+        return rms_rows(x, self.weight, dim, eps)
+
+    def rows_consts(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``rms_rows``'s (dim, eps) for rows like x: 0-dim float32 tensors, as a Python number is wrapped in a tensor
+        and cast on every call (2 more ops)."""
         if self._rows_consts is None or self._rows_consts[0] != x.shape[-1]:
-            # 0-dim float32 operands: a Python number is wrapped in a tensor and cast on every call (2 more ops)
             self._rows_consts = (x.shape[-1], x.new_tensor(float(x.shape[-1])), x.new_tensor(self.eps))
-        _, dim, eps = self._rows_consts
-        r = (x * x).sum(-1, keepdim=True).div_(dim).add_(eps).rsqrt_()
-        return torch.mul(x, r).mul_(self.weight)
+        return self._rows_consts[1], self._rows_consts[2]
 
     def residual(self, x: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
         """The residual add before this norm, fused with it: (x + h, norm(x + h)), x and h [..., D]."""
@@ -59,13 +60,8 @@ class SwiGLU(nn.Module):
         return row_matmul_weight(w13), row_matmul_weight(self.down_proj.weight)
 
     def residual_cpu(self, x: Tensor, residual: Tensor) -> Tensor:
-        """residual + this FFN of x, both [N, D], on a CPU without autograd in three ops and two views: gate and up
-        in one matmul, silu and the product in place on its gate half, the add inside the down matmul
-        (``fused.residual_matmul``: outputs match ``residual + self(x)`` to float rounding)."""
-        w13, w2 = self._cpu.get()
-        gu = torch.mm(x, w13)  # [N, 2F]: gate | up
-        gate, up = torch.split_with_sizes(gu, [w2.shape[0], w2.shape[0]], 1)
-        return residual_matmul(residual, F.silu(gate, inplace=True).mul_(up), w2)
+        """residual + this FFN of x, both [N, D], on a CPU without autograd (``swiglu_residual_rows``)."""
+        return swiglu_residual_rows(x, residual, *self._cpu.get())
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]."""
@@ -74,6 +70,25 @@ class SwiGLU(nn.Module):
             gate, up = (x @ w13).chunk(2, dim=-1)  # [T, F] each
             return (F.silu(gate).mul_(up)) @ w2
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rms_rows(x: Tensor, weight: Tensor, dim: Tensor, eps: Tensor) -> Tensor:
+    """RMSNorm of float32 rows x [N, D] with weight [D] on a CPU in six ops: ``F.rms_norm``'s own arithmetic (square,
+    mean as sum then divide, + eps, rsqrt, times x, times the weight; the same values) without its dozen inner
+    calls, each a few microseconds in a decode step whose weights evict the caches. dim, eps: 0-dim float32
+    (``RMSNorm.rows_consts``); ``addcdiv`` is eps + sum / dim, each rounded as the two ops round them."""
+    r = torch.addcdiv(eps, (x * x).sum(-1, keepdim=True), dim).rsqrt_()
+    return torch.mul(x, r).mul_(weight)
+
+
+def swiglu_residual_rows(x: Tensor, residual: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
+    """residual + a dense SwiGLU FFN of x, both [N, D], on a CPU without autograd in three ops and two views: gate and
+    up in one matmul (w13 [D, 2F]: gate | up columns), silu and the product in place on its gate half, the add
+    inside the down matmul (w2 [F, D]; ``fused.residual_matmul``: outputs match ``residual + ffn(x)`` to float
+    rounding)."""
+    gu = torch.mm(x, w13)  # [N, 2F]: gate | up
+    gate, up = torch.split_with_sizes(gu, [w2.shape[0], w2.shape[0]], 1)
+    return residual_matmul(residual, F.silu(gate, inplace=True).mul_(up), w2)
 
 
 class Expert(nn.Module):

@@ -21,8 +21,16 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from .batch import CheckpointStates, DecodeInputs, ForwardBatch, StatePools
-from .ffn import MoE, RMSNorm, SwiGLU
-from .fused import DerivedWeights, huge_page_zeros, reduction_weight, row_matmul, row_matmul_weight, weights
+from .ffn import MoE, RMSNorm, SwiGLU, rms_rows, swiglu_residual_rows
+from .fused import (
+    DerivedWeights,
+    ParamWatch,
+    huge_page_zeros,
+    reduction_weight,
+    row_matmul,
+    row_matmul_weight,
+    weights,
+)
 from .kda import KDAAttention
 from .mla import MLAttention
 
@@ -70,6 +78,8 @@ class HybridModel(nn.Module):
         self._compiled_weights: list[DerivedWeights] = []
         self._compiled_for: tuple[torch.dtype, torch.device] | None = None
         self._compiled_warm = False
+        self._cpu_plan: _CpuDecodePlan | None = None
+        """``_decode_cpu``'s layers and weights (``_CpuDecodePlan``), built by the first CPU decode step."""
         self._cpu_head = DerivedWeights(lambda: weights(self, ("lm_head",)),
                                         lambda: (row_matmul_weight(self.lm_head.weight),))
         """``_decode_cpu``'s lm_head weight [D, vocab], laid out as a CPU's one-row matmul reads it fastest."""
@@ -122,6 +132,10 @@ class HybridModel(nn.Module):
         """Run the batch; returns logits [N, vocab] (each sequence's last token) or [T_total, vocab] with
         ``all_logits``, and the states at ``batch.checkpoint_positions`` (None when none were asked)."""
         if batch.is_decode:
+            if self._compiled_rows is None and self._fast_cpu_decode(batch.input_ids):
+                # the context lengths from the host: no seq_lens tensor to build, nor to read back each layer
+                lens = [s + 1 for s in batch.start]
+                return self._decode_cpu(batch.input_ids, batch.slots, batch.page_table, lens, pools, batch.kv_rows), None
             inp = DecodeInputs.from_batch(batch)
             return self._decode(inp, pools, batch.kv_rows), None
         x = self.model.embed_tokens(batch.input_ids)  # [T_total, D]
@@ -151,11 +165,12 @@ class HybridModel(nn.Module):
         return logits, checkpoints
 
     @torch.inference_mode()
-    def decode(self, inp: DecodeInputs, pools: StatePools) -> Tensor:
+    def decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None = None) -> Tensor:
         """The graph-safe decode step: one new token per sequence, every input a device tensor of ``inp``; no
-        host sync and no shape that depends on values, so it can be captured in a CUDA graph. Returns logits
-        [N, vocab] float32."""
-        return self._decode(inp, pools, None)
+        host sync and no shape that depends on values, so it can be captured in a CUDA graph. ``kv_rows``: the new
+        tokens' flat cache rows [N] int64 (``DecodeInputs.kv_rows``'s values) where the caller has them, else
+        computed on the device. Returns logits [N, vocab] float32."""
+        return self._decode(inp, pools, kv_rows)
 
     def compile_cpu_decode(self, weight_dtype: torch.dtype | None = None) -> bool:
         """Run every later CPU decode step of one sequence as one ``torch.compile``d function (inductor's C++): the
@@ -264,7 +279,7 @@ class HybridModel(nn.Module):
                 and int(inp.seq_lens[0]) >= 3):
             return self._decode_compiled(inp, pools, kv_rows)
         if self._fast_cpu_decode(inp.input_ids):
-            return self._decode_cpu(inp, pools, kv_rows)
+            return self._decode_cpu(inp.input_ids, inp.slots, inp.page_table, inp.seq_lens.tolist(), pools, kv_rows)
         x = self.model.embed_tokens(inp.input_ids)  # [N, D]
         ik = im = 0
         layers = self._layers()
@@ -284,35 +299,65 @@ class HybridModel(nn.Module):
         a dense FFN."""
         if input_ids.is_cuda or torch.is_grad_enabled():
             return False
-        return all(layer.self_attn.fast_cpu and isinstance(getattr(layer, "mlp", None), SwiGLU) and layer.mlp.fast_cpu
-                   for layer in self._layers())
+        plan = self._cpu_plan
+        layers = tuple(self.model.layers._modules.values())
+        if plan is None or plan.layers != layers:
+            plan = self._cpu_plan = _CpuDecodePlan.build(self, layers)
+        return plan is not None and plan.enabled()
 
-    def _decode_cpu(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor) -> Tensor:
-        """The eager decode step on a CPU, where each op costs microseconds of overhead beyond its arithmetic:
-        every residual add inside the matmul before it (``fused.residual_matmul``: the attention's output
-        projection, the FFN's down projection), every norm ``RMSNorm.rows``, the FFN's gate and up one matmul
-        whose halves are views. Logits match the per-layer step's to float rounding (bit for bit on tiny in float32
-        and bfloat16 at one sequence, but for MLA's scores, summed in another order). Returns logits [N, vocab]
-        float32."""
-        x = F.embedding(inp.input_ids, self.model.embed_tokens.weight)  # [N, D]
-        layers = self._layers()
-        h = layers[0].input_layernorm.rows(x)
-        ids = inp.slots.tolist()
-        # consecutive slots (one sequence, or a batch in pool order): the first, read once; the layers take views
-        slots = ids[0] if ids == list(range(ids[0], ids[0] + len(ids))) else inp.slots
+    def _decode_cpu(self, input_ids: Tensor, slots: Tensor, page_table: Tensor, lens: list[int], pools: StatePools,
+                    kv_rows: Tensor | None) -> Tensor:
+        """The eager decode step on a CPU, where each op costs microseconds of overhead beyond its arithmetic (more
+        than its hot cost: every step streams more weights than the caches hold): every residual add inside the
+        matmul before it (``fused.residual_matmul``: the attention's output projection, the FFN's down projection),
+        every norm ``ffn.rms_rows``, the FFN's gate and up one matmul whose halves are views; the parameters checked
+        in one pass (``_CpuDecodePlan``); what the KDA and MLA layers read of the pools (slots, context rows) found
+        once for all layers. ``lens`` [N]: each sequence's context length, the new token included (the host's copy of
+        ``seq_lens``); kv_rows [N] the new tokens' flat cache rows (None: from the page table). Logits match the
+        per-layer step's to float rounding (bit for bit on tiny in float32 and bfloat16 at one sequence, but for
+        MLA's scores, summed in another order). Returns logits [N, vocab] float32."""
+        plan = self._cpu_plan
+        assert plan is not None
+        if plan.watch.changed():
+            plan.resolve()
+        N, P = input_ids.shape[0], pools.page_size
+        L = max(lens) - 1  # cached rows before the new tokens, of the longest sequence
+        pages = page_table[:, : -(-max(lens) // P)].tolist()
+        if kv_rows is None:
+            kv_rows = torch.tensor([t[(n - 1) // P] * P + (n - 1) % P for t, n in zip(pages, lens)])
+        ids = slots.tolist()
+        # consecutive slots (one sequence, or a batch in pool order): the first; the KDA layers take views
+        s0 = ids[0] if ids == list(range(ids[0], ids[0] + N)) else None
+        # one sequence on consecutive pages (a fresh pool's order): its cached rows, a view of each MLA layer's pages
+        row0 = pages[0][0] * P if N == 1 and pages[0] == list(range(pages[0][0], pages[0][0] + len(pages[0]))) else None
+        seq_lens = torch.tensor(lens, dtype=torch.int32) if row0 is None else None  # else gathered: context_rows
+        x = F.embedding(input_ids, plan.embed)  # [N, D]
+        ffns, attn_w = plan.ffns, plan.attn_weights
+        h = plan.norm(0, x)
         ik = im = 0
-        for i, layer in enumerate(layers):
-            attn = layer.self_attn
+        for i, attn in enumerate(plan.attns):
             if isinstance(attn, KDAAttention):
-                x = attn.decode_cpu(h, slots, pools.kda[ik], pools.conv[ik], residual=x)
+                state, conv = pools.kda[ik], pools.conv[ik]
+                if s0 is not None:
+                    x = attn.decode_rows(h, state[s0 : s0 + N], conv[s0 : s0 + N], attn_w[i], x)
+                else:
+                    x = attn.decode_cpu(h, slots, state, conv, residual=x)
                 ik += 1
             else:
-                x = attn.decode_cpu(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im], residual=x)
+                kv = pools.kv[im]
+                flat = kv.view(-1, kv.shape[-1])  # [pages * P, r + dr]
+                if row0 is not None:
+                    lat, mask = flat[row0 : row0 + L][None], None  # [1, L, r + dr]
+                else:
+                    assert seq_lens is not None
+                    lat, mask = attn.context_rows(page_table, seq_lens, kv)
+                x, latent = attn.decode_rows(h, lat, mask, attn_w[i], x)
+                flat.index_copy_(0, kv_rows, latent if latent.dtype == kv.dtype else latent.to(kv.dtype))
                 im += 1
-            h = layer.post_attention_layernorm.rows(x)
-            x = layer.mlp.residual_cpu(h, x)
-            h = (layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm).rows(x)
-        logits = torch.mm(h, self._cpu_head.get()[0])  # [N, vocab]
+            h = plan.norm(2 * i + 1, x)
+            x = swiglu_residual_rows(h, x, *ffns[i])
+            h = plan.norm(2 * i + 2, x)
+        logits = torch.mm(h, plan.head)  # [N, vocab]
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def _layers(self) -> list[DecoderLayer]:
@@ -352,6 +397,60 @@ class HybridModel(nn.Module):
         )
         logits, _ = self.step(batch, pools)
         return logits.view(B, T, -1)
+
+
+class _CpuDecodePlan:
+    """What ``HybridModel._decode_cpu`` reads, resolved once rather than through the module tree every step: the
+    layers' attention modules, norms and derived weights, the embedding and head. ``watch`` covers every parameter of
+    these modules; a step resolves the weights again (``resolve``, each ``DerivedWeights`` rebuilding what changed)
+    only when it reports a change, so a step sees weights loaded, moved or trained in place as before. Built for
+    one tuple of layer modules (``layers``): the model builds another when its layers change."""
+
+    def __init__(self, model: HybridModel, layers: tuple[DecoderLayer, ...]) -> None:
+        self.layers = layers
+        self.attns = [layer.self_attn for layer in layers]
+        mlps = [layer.mlp for layer in layers]
+        self.mlps: list[SwiGLU] = mlps  # type: ignore[assignment]
+        self.norm_modules: list[RMSNorm] = [layers[0].input_layernorm]
+        for i, layer in enumerate(layers):
+            nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
+            self.norm_modules += [layer.post_attention_layernorm, nxt]  # type: ignore[list-item]
+        self._model = model
+        mods = [model.model.embed_tokens, model.lm_head, *self.norm_modules]
+        mods += [m for attn, mlp in zip(self.attns, mlps) for part in (attn, mlp) for m in part.modules()]
+        self.watch = ParamWatch(mods)
+        self.attn_weights: list[tuple[Tensor, ...]] = []
+        self.ffns: list[tuple[Tensor, ...]] = []
+        self.norms: list[tuple[Tensor, Tensor, Tensor] | None] = []
+        self.embed = self.head = torch.empty(0)
+
+    @staticmethod
+    def build(model: HybridModel, layers: tuple[nn.Module, ...]) -> _CpuDecodePlan | None:
+        """The plan, or None where a layer has no CPU decode path (an MoE FFN)."""
+        if not all(isinstance(la, DecoderLayer) and isinstance(getattr(la, "mlp", None), SwiGLU) for la in layers):
+            return None
+        return _CpuDecodePlan(model, layers)  # type: ignore[arg-type]
+
+    def enabled(self) -> bool:
+        """Every layer's attention and FFN on its CPU path (``fast_cpu``: off runs the reference)."""
+        return all(a.fast_cpu for a in self.attns) and all(m.fast_cpu for m in self.mlps)
+
+    def resolve(self) -> None:
+        m = self._model
+        self.attn_weights = [a._cpu.get() for a in self.attns]
+        self.ffns = [mlp._cpu.get() for mlp in self.mlps]
+        self.embed = m.model.embed_tokens.weight
+        self.head = m._cpu_head.get()[0]
+        self.norms = []
+        for norm in self.norm_modules:
+            w = norm.weight
+            # ``rms_rows`` where rows and weight are float32, else the module itself
+            self.norms.append((w, *norm.rows_consts(w[None])) if w.dtype == torch.float32 == self.embed.dtype else None)
+
+    def norm(self, i: int, x: Tensor) -> Tensor:
+        """The step's i-th norm (the first layer's input norm, then each layer's post-attention and next norms)."""
+        n = self.norms[i]
+        return rms_rows(x, *n) if n is not None else self.norm_modules[i](x)
 
 
 def _ffn_weights(mlp: SwiGLU, dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:

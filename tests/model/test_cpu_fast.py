@@ -87,6 +87,33 @@ def test_fast_decode_sees_new_weights():
     assert rel_err(out[True, 0.5], out[True, 1.0]) > 1e-3  # the change mattered
 
 
+def test_fast_decode_sees_replaced_parameters():
+    """A parameter replaced by a new object (as ``load_state_dict(assign=True)`` and the loader do) after decode
+    steps ran is read by the next step, in a derived weight (KDA's k_proj), a norm and the head."""
+    m = load_model("tiny")
+    out = {}
+    for fast in (True, False):
+        set_fast(m, fast)
+        r = Runner(m, 1, 40)
+        r.feed([0], [list(range(30))])
+        r.feed([0], [[30]])  # a decode step with the original parameters
+        saved = {}
+        for mod, name in ((m.model.layers[0].self_attn.k_proj, "weight"), (m.model.layers[1].input_layernorm, "weight"),
+                          (m.lm_head, "weight")):
+            saved[mod, name] = getattr(mod, name)
+            setattr(mod, name, torch.nn.Parameter(getattr(mod, name).detach() * 0.5))
+        out[fast], _ = r.feed([0], [[31]])
+        for (mod, name), p in saved.items():
+            setattr(mod, name, p)
+    set_fast(m, True)
+    assert rel_err(out[True], out[False]) < TOL
+    r = Runner(m, 1, 40)
+    r.feed([0], [list(range(30))])
+    r.feed([0], [[30]])
+    unchanged, _ = r.feed([0], [[31]])
+    assert rel_err(out[True], unchanged) > 1e-3  # the change mattered
+
+
 def test_autograd_goes_through_the_parameters():
     """With autograd on, the layers use their own parameters (the fused copies are detached)."""
     m = load_model("tiny")

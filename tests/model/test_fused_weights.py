@@ -33,3 +33,23 @@ def test_reduction_weight_default_keeps_every_value():
         r = reduction_weight(w)
         assert r.dtype == dtype and r.t().is_contiguous() and torch.equal(r.float(), w.t())
     assert reduction_weight(FROM_BF16, torch.float32).dtype == torch.float32
+
+
+def test_param_watch_sees_every_kind_of_change():
+    """``ParamWatch``: unchanged parameters report no change; an in-place update, a new storage (``.data =``, as
+    ``.to()`` does) and a new Parameter object in the module each report one, once."""
+    from torch import nn
+
+    from kda_sessions.model.fused import ParamWatch
+
+    lin = nn.Linear(4, 3)
+    watch = ParamWatch([lin])
+    assert watch.changed()  # the first call
+    assert not watch.changed()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    assert watch.changed() and not watch.changed()
+    lin.weight.data = lin.weight.data.clone()
+    assert watch.changed() and not watch.changed()
+    lin.bias = nn.Parameter(lin.bias.detach().clone())
+    assert watch.changed() and not watch.changed()
