@@ -9,6 +9,9 @@ costs), byte tokens:
         32 heads x 128 x 128 fp32 state: 42 MB; 7 MLA layers of 512 + 64 bf16 latents: 7.9 KiB a token, pages of
         64 tokens = 504 KiB), D 2304, one small dense FFN (width 1024) instead of the MoE, so its prefill is
         faster than the 48B model's: the resume / re-prefill ratios here understate the real one;
+  kimi48b  the whole Kimi-Linear-48B-A3B shape (bench/prefill_48b.py's model: 256 experts, top 8, vocabulary
+        163,840 with the rows above the byte tokens zeroed): the same snapshot as ``kimi``, the real re-prefill
+        (``kimi48b-quick``: its 4-layer narrow twin, to check the script on a CPU);
   2b    bench/e2e_gpu.py's 2 B hybrid (D 2048, 12 KDA layers of 16 heads x 128: 12.6 MB of state; 4 MLA layers:
         288 KiB pages; MoE of 16 experts, 2 a token, 1 shared; vocabulary 272 here, the byte tokens);
   tiny  the built-in tiny-random, to check the script.
@@ -126,10 +129,22 @@ E2E_2B_SHAPE: dict[str, Any] = {  # bench/e2e_gpu.py's config_dict("hybrid", qui
         "short_conv_kernel_size": 4,
     },
 }
-SHAPES: dict[str, dict[str, Any]] = {"kimi": KIMI_SHAPE, "2b": E2E_2B_SHAPE, "tiny": {}}
+SHAPES: dict[str, dict[str, Any]] = {
+    "kimi": KIMI_SHAPE, "kimi48b": {}, "kimi48b-quick": {}, "2b": E2E_2B_SHAPE, "tiny": {},
+}
 
 
 def build_model(shape: str, device: str, dtype: torch.dtype) -> HybridModel:
+    """The model of ``shape``: ``kimi48b`` (``-quick``: its 4-layer narrow twin, to check the script on a CPU) is
+    bench/prefill_48b.py's whole model, MoE included, built in bf16; the others by `build_small`."""
+    if shape.startswith("kimi48b"):
+        import prefill_48b
+
+        return prefill_48b.build_model(prefill_48b.config_48b(quick=shape.endswith("-quick")), device)
+    return build_small(shape, device, dtype)
+
+
+def build_small(shape: str, device: str, dtype: torch.dtype) -> HybridModel:
     """Random weights on ``device``, by the tiny-random rules (norms 1, A in [1, 16], projections of std
     1 / sqrt(fan_in)), drawn there from a seeded generator."""
     cfg = json.loads((BUILTIN_DIR / "tiny-random.json").read_text())
