@@ -174,12 +174,14 @@ class MLAttention(nn.Module):
         [N, r + dr] for the caller to write to the pages). The same math as the paged-decode twin in another order
         of sums: outputs match to float rounding."""
         N = x.shape[0]
+        compiling = torch.compiler.is_compiling()
+        if N == 1 and not compiling:
+            return self.decode_one(x, lat[0], w, residual)
         H, dr, r = self.H, self.dr, self.r
         L = lat.shape[1]
         y = row_matmul(x, w[0])
         # views taken by one split: each op of a step costs a few microseconds
         q, c, k_pe = torch.split_with_sizes(y, [y.shape[1] - r - dr, r, dr], 1)
-        compiling = torch.compiler.is_compiling()
         if len(w) == 3:
             q = row_matmul(self._norm(self.q_a_layernorm, q, compiling), w[2])
         latent = torch.cat([self._norm(self.kv_a_layernorm, c, compiling), k_pe], dim=-1)  # [N, r + dr]
@@ -189,12 +191,8 @@ class MLAttention(nn.Module):
         new = (new if new.dtype == x.dtype else new.to(x.dtype))[:, None, :]
         lat = lat if lat.dtype == x.dtype else lat.to(x.dtype)
         q = q.view(N, H, r + dr)
-        # one sequence eagerly: 2-d matmuls, the cached rows [L, r + dr] as the row-major operand (BLAS reads them
-        # ~2x faster than as the transposed one of q @ lat^T, and ~1.3x faster than batched)
-        flat = N == 1 and not compiling
         # [N, H, L + 1]: the cached rows, then the new one; the scale is in the weights
-        old = torch.mm(lat[0], q[0].t()).t()[None] if flat else q @ lat.transpose(1, 2)  # [N, H, L]
-        scores = torch.cat([old, (q * new).sum(-1, keepdim=True)], dim=-1)
+        scores = torch.cat([q @ lat.transpose(1, 2), (q * new).sum(-1, keepdim=True)], dim=-1)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
         scores = scores if scores.dtype == torch.float32 else scores.float()
@@ -210,14 +208,38 @@ class MLAttention(nn.Module):
         probs = probs if probs.dtype == x.dtype else probs.to(x.dtype)
         # over the whole rows, k_pe columns included: a matmul over the strided c columns alone runs far slower
         p_old, p_new = torch.split_with_sizes(probs, [L, 1], 2)
-        if flat:
-            o_lat = torch.addmm((p_new * new)[0], p_old[0], lat[0])[None, :, :r]  # [1, H, r]
-        else:
-            o_lat = torch.baddbmm(p_new * new, p_old, lat)[:, :, :r]  # [N, H, r]
-        o_lat = o_lat.reshape(N, H * r)
+        o_lat = torch.baddbmm(p_new * new, p_old, lat)[:, :, :r].reshape(N, H * r)
         if residual is not None:
             return residual_matmul(residual, o_lat, w[1]), latent
         return row_matmul(o_lat, w[1]), latent
+
+    def decode_one(self, x: Tensor, lat: Tensor, w: tuple[Tensor, ...], residual: Tensor | None = None
+                   ) -> tuple[Tensor, Tensor]:
+        """``decode_rows`` of one sequence, eagerly (what it runs for N = 1), in 2-d ops: x [1, D], its cached rows
+        lat [L, r + dr] (a view of the pages), the row-major operand of both matmuls (BLAS reads them ~2x faster
+        than as the transposed one of q @ lat^T, and ~1.3x faster than batched). Returns (out [1, D], plus
+        ``residual`` where given; the new latent row [1, r + dr])."""
+        H, dr, r = self.H, self.dr, self.r
+        y = torch.mm(x, w[0])
+        # views taken by one split: each op of a step costs a few microseconds (as do casts that change nothing)
+        q, c, k_pe = torch.split_with_sizes(y, [y.shape[1] - r - dr, r, dr], 1)
+        if len(w) == 3:
+            q = torch.mm(self._norm(self.q_a_layernorm, q, False), w[2])
+        latent = torch.cat([self._norm(self.kv_a_layernorm, c, False), k_pe], dim=-1)  # [1, r + dr]
+        new = latent if latent.dtype == lat.dtype else latent.to(lat.dtype)  # as the pages will hold it
+        new = new if new.dtype == x.dtype else new.to(x.dtype)
+        lat = lat if lat.dtype == x.dtype else lat.to(x.dtype)
+        q = q.view(H, r + dr)
+        # [H, L + 1]: the cached rows, then the new one; the scale is in the weights
+        scores = torch.cat([torch.mm(lat, q.t()).t(), (q * new).sum(-1, keepdim=True)], dim=-1)
+        probs = (scores if scores.dtype == torch.float32 else scores.float()).softmax(-1)
+        probs = F.threshold(probs, 1e-30, 0.0)  # see decode_rows
+        probs = probs if probs.dtype == x.dtype else probs.to(x.dtype)
+        p_old, p_new = torch.split_with_sizes(probs, [lat.shape[0], 1], 1)
+        o_lat = torch.addmm(p_new * new, p_old, lat)[:, :r].reshape(1, H * r)
+        if residual is not None:
+            return residual_matmul(residual, o_lat, w[1]), latent
+        return torch.mm(o_lat, w[1]), latent
 
     @staticmethod
     def _norm(norm: nn.Module, x: Tensor, compiling: bool) -> Tensor:

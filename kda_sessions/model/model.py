@@ -347,11 +347,11 @@ class HybridModel(nn.Module):
                 kv = pools.kv[im]
                 flat = kv.view(-1, kv.shape[-1])  # [pages * P, r + dr]
                 if row0 is not None:
-                    lat, mask = flat[row0 : row0 + L][None], None  # [1, L, r + dr]
+                    x, latent = attn.decode_one(h, flat[row0 : row0 + L], attn_w[i], x)  # [L, r + dr]: a view
                 else:
                     assert seq_lens is not None
                     lat, mask = attn.context_rows(page_table, seq_lens, kv)
-                x, latent = attn.decode_rows(h, lat, mask, attn_w[i], x)
+                    x, latent = attn.decode_rows(h, lat, mask, attn_w[i], x)
                 flat.index_copy_(0, kv_rows, latent if latent.dtype == kv.dtype else latent.to(kv.dtype))
                 im += 1
             h = plan.norm(2 * i + 1, x)

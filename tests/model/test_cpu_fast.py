@@ -127,22 +127,24 @@ def test_autograd_goes_through_the_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-def test_mla_decode_with_q_lora_matches_reference():
-    """The absorbed query also holds with a low-rank query (q_a_proj -> norm -> q_b_proj), N ragged sequences."""
+@pytest.mark.parametrize("seqs", [3, 1], ids=["three-ragged", "one-seq"])
+def test_mla_decode_with_q_lora_matches_reference(seqs):
+    """The absorbed query also holds with a low-rank query (q_a_proj -> norm -> q_b_proj), N ragged sequences, and
+    one (``decode_one``)."""
     cfg = ModelConfig.from_dict({**json.loads((BUILTIN_DIR / "tiny.json").read_text()), "q_lora_rank": 48})
     torch.manual_seed(0)
     layer = MLAttention(cfg)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.1)
-    P, lens = 16, [20, 23, 40]
+    P, lens = 16, [20, 23, 40][:seqs]
     pages = torch.zeros(8, P, cfg.latent_dim)
     pages.normal_()
     # pages out of order, and the first two sequences sharing their first, full page (as forks do: a fork copies
     # the partial page it writes to)
-    table = torch.tensor([[0, 3, 2, 1], [0, 1, 2, 3], [6, 7, 4, 5]], dtype=torch.int32)
+    table = torch.tensor([[0, 3, 2, 1], [0, 1, 2, 3], [6, 7, 4, 5]][:seqs], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)
     rows = torch.stack([table[n, (s - 1) // P].long() * P + (s - 1) % P for n, s in enumerate(lens)])
-    x = torch.randn(3, cfg.hidden_size)
+    x = torch.randn(seqs, cfg.hidden_size)
     out = {}
     with torch.inference_mode():
         for fast in (False, True):
