@@ -284,7 +284,7 @@ class RenamedCorpus:
     def __init__(
         self, rng: random.Random, base: Corpus, n_files: int = 48, n_dirs: int = 12, near_miss: float = 0.0,
         near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, words: tuple[str, ...] | None = None,
-        def_words: tuple[str, ...] | None = None,
+        def_words: tuple[str, ...] | None = None, name_mix: tuple[float, float] = (0.3, 0.8),
     ) -> None:
         import os
         import shutil
@@ -307,9 +307,11 @@ class RenamedCorpus:
             if near_miss and rng.random() < near_miss:
                 tail = rng.choice(words)
                 return rng.choice(stems) + tail[: rng.randrange(1, len(tail) + 1)]
+            # ``name_mix`` (a, b): a word alone below a, two joined by "_" below b, else a word and a number
             k = rng.random()
             w = rng.choice(words)
-            return w if k < 0.3 else f"{w}_{rng.choice(words)}" if k < 0.8 else f"{w}{rng.randrange(2, 100)}"
+            a, b = name_mix
+            return w if k < a else f"{w}_{rng.choice(words)}" if k < b else f"{w}{rng.randrange(2, 100)}"
 
         taken: dict[str, str] = {}  # path -> "holder" (a folder of renamed files), "file" or "listing"
 
@@ -592,8 +594,9 @@ def _read_episode(rng: random.Random, c: Corpus, rel: str, variant: str | None =
     return ep
 
 
-def _grep_episode(rng: random.Random, c: Corpus, rel: str) -> _Episode | None:
-    defs = c.defs(rel)
+def _grep_episode(rng: random.Random, c: Corpus, rel: str, what: str | None = None) -> _Episode | None:
+    """The line of a ``def name`` / ``class Name`` of file ``rel``; ``what`` ("def" or "class") picks the kind."""
+    defs = c.defs(rel) if what is None else [x for x in c.defs(rel) if x[0] == what]
     if not defs:
         return None
     for _ in range(4):
@@ -616,15 +619,23 @@ def _grep_episode(rng: random.Random, c: Corpus, rel: str) -> _Episode | None:
     return ep
 
 
-def _list_episode(rng: random.Random, c: Corpus, d: str, split: str) -> _Episode | None:
+def _list_episode(
+    rng: random.Random, c: Corpus, d: str, split: str, variant: str | None = None
+) -> _Episode | None:
+    """A question about folder ``d``: does it contain X, its first entry, or (10 entries or fewer) how many
+    entries; ``variant`` ("has", "first", "count") picks one (None where it cannot be asked), else one at random."""
     entries = c.entries(d)
     if not entries or entries == [""]:
         return None
     shown = "the project root" if d == "." else f"{d}/"
     variants = ["has", "first"] + (["count"] if len(entries) <= 10 else [])
-    variant = rng.choice(variants)
-    if variant == "first" and entries[0] == "__init__.py" and split == "train" and rng.random() < INIT_FIRST_DROP:
-        variant = "has"  # a first entry the model can guess teaches it to guess (run 7: `__init__.py` for README)
+    if variant is not None:
+        if variant not in variants:
+            return None
+    else:
+        variant = rng.choice(variants)
+        if variant == "first" and entries[0] == "__init__.py" and split == "train" and rng.random() < INIT_FIRST_DROP:
+            variant = "has"  # a first entry the model can guess teaches it to guess (run 7: `__init__.py` for README)
     first_a = f"The first entry of {shown} is {entries[0]}."
     recall = [(f"Earlier you listed {shown}. What was its first entry?", first_a, entries[0])]
     if variant == "has":

@@ -51,6 +51,8 @@ from tools.tiny_data import (
     Task,
     _Episode,
     _episode,
+    _grep_episode,
+    _list_episode,
     _name_words,
     _note_episode,
     _plain_row,
@@ -87,6 +89,23 @@ EVAL_TREE_NAMES = (
 COPY_DEFS = 0.7  # of a copy-drill project's files: definitions renamed with the project's words (``copy_corpus``)
 MAX_MISSES = 12  # episodes that did not fit before a row ends (a small tree runs out of unused files)
 _ANSWER_NAME_RE = re.compile(r"(?:contains|has no) (.+)\.$")
+# focus rows (``focus`` of make_general_row), aimed at the held-out failures of the shipped weights: folder names
+# garbled inside paths, a made-up answer after a call that found nothing, `def X` for "the class X", count
+# questions answered as "the first entry". Shares of a focus row's episodes:
+FOCUS_MIX = {"task": 0.33, "intent": 0.20, "error": 0.27, "multi": 0.12, "off_task": 0.08}
+FOCUS_KINDS = {"grep": 0.45, "read_line": 0.25, "read_file": 0.10, "list_dir": 0.20}  # of its tool tasks
+FOCUS_SIBLINGS = 0.5  # of focus rows: a project named with plain words in groups that share their first letters
+FOCUS_NAME_MIX = (0.75, 0.9)  # their names: 75% one plain word ("loops"), 15% two joined by "_", 10% word + number
+ABSENT = 0.1  # of focus error episodes: a grep of the right path for a name it lacks (empty output), answered "No"
+_WORD_RE = re.compile(r"[A-Za-z]{3,}")
+_FIX_INTRO = {  # the corrected call's text, by what went wrong
+    "path": ["", "", "That path is not the one in the question; trying again.", "Wrong path; fixing the call.",
+             "I mistyped the path. Again, with the path from the question."],
+    "empty": ["", "", "No output: that path does not exist. Trying again with the path from the question.",
+              "Nothing found there: I mistyped the path.", "Empty result; the path was wrong."],
+    "what": ["", "No match: the question asks for `{pat}`.", "Nothing found; the pattern must be `{pat}`."],
+    "tool": ["", "Wrong tool; fixing the call.", "That was the wrong path for {tool}; fixing the call."],
+}
 _CORRECT_INTRO = ["", "", "That call failed. Trying again.", "Wrong path; fixing the call.", "Let me fix that."]
 
 
@@ -405,6 +424,289 @@ def general_episode(
     return ep if ep is not None and len(ep.ids) <= budget else None
 
 
+# ---- focus rows: the held-out failures of the shipped weights, in training shapes -------------------------------
+
+
+@lru_cache(maxsize=1)
+def _prefix_groups() -> tuple[tuple[str, ...], ...]:
+    """Plain words (``rename_words``, 4+ letters, never a held-out tree's name) in groups of 4 or more that share
+    their first 2 or 3 letters ("locations", "locks", "logger", "lookup")."""
+    held = heldout_names()
+    words = [w for w in rename_words() if len(w) >= 4 and w.isalpha() and w not in held]
+    out: list[tuple[str, ...]] = []
+    for n in (2, 3):
+        groups: dict[str, list[str]] = {}
+        for w in words:
+            groups.setdefault(w[:n], []).append(w)
+        out += [tuple(g) for _, g in sorted(groups.items()) if len(g) >= 4]
+    return tuple(out)
+
+
+def sibling_words(rng: random.Random, n_groups: int = 6, per_group: int = 6) -> tuple[str, ...]:
+    """A project's vocabulary: ``per_group`` words of each of ``n_groups`` prefix groups, so that the project's
+    folders and files start alike ("loaders/", "locations/", "lookup/") and only copying a name to its end
+    names the right one (the shipped weights wrote ``protcaps`` for ``protocols``, ``linear`` for ``lifespan``)."""
+    groups = _prefix_groups()
+    out: dict[str, None] = {}
+    for g in rng.sample(groups, n_groups):
+        out |= dict.fromkeys(rng.sample(g, min(per_group, len(g))))
+    return tuple(out)
+
+
+def focus_corpus(rng: random.Random, tree_share: float) -> Corpus | RenamedCorpus:
+    """A focus row's project: FOCUS_SIBLINGS of them a training tree (or the stdlib) renamed with
+    ``sibling_words`` (FOCUS_NAME_MIX: mostly single plain words, as other projects name folders), else
+    ``row_corpus``'s draw (no copy drill)."""
+    if rng.random() < FOCUS_SIBLINGS:
+        name = row_tree(rng, "train", tree_share)
+        base = tree_corpus(name) if name is not None else corpus()
+        if len(base.dirs["train"]) <= 2 or not base.files["train"]:
+            base = corpus()
+        return RenamedCorpus(rng, base, words=sibling_words(rng), name_mix=FOCUS_NAME_MIX)
+    return row_corpus(rng, "train", tree_share)
+
+
+def project_words(c: Corpus | RenamedCorpus) -> tuple[str, ...]:
+    """Folder and file stems of the project (its training paths): what the context before a focus question names
+    now and then, so that a call copies the question's path and not a name said before it."""
+    paths = (c.files["train"] + c.dirs["train"]) if isinstance(c, RenamedCorpus) else c.dirs["train"]
+    parts = {x.removesuffix(".py") for rel in paths for x in rel.split("/")}
+    return tuple(sorted(w for w in parts if len(w) >= 3 and w not in (".", "__init__", "__main__")))
+
+
+def focus_rephrase(rng: random.Random, ep: _Episode, words: tuple[str, ...]) -> _Episode:
+    """``rephrase`` in training phrasings with the EXTRA templates and context sentences naming ``words``."""
+    intent, slots = _intent(ep)
+    text, tid = grammar.question(rng, intent, slots, "train", typo=TRAIN_TYPO, extra=True, words=words)
+    messages = [{**ep.messages[0], "content": text}, *ep.messages[1:]]
+    ids, mask = render(messages, ep.fact)
+    out = copy.copy(ep)
+    out.messages, out.ids, out.mask = messages, ids, mask
+    out.template = tid
+    return out
+
+
+def _focus_tool_episode(
+    rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], kind: str | None = None
+) -> _Episode | None:
+    """A tool task of a kind drawn from FOCUS_KINDS (or ``kind``); a grep asks for a class or a function alike
+    (files define more functions: "the definition of the class X" was grepped as ``def X``)."""
+    kind = kind or rng.choices(list(FOCUS_KINDS), list(FOCUS_KINDS.values()))[0]
+    if kind != "grep":
+        return _episode(rng, c, "train", budget, used, kind)
+    what = rng.choice(("def", "class"))
+    for _ in range(10):
+        rel = rng.choice(c.files["train"])
+        if rel in used:
+            continue
+        ep = _grep_episode(rng, c, rel, what)
+        if ep is not None and len(ep.ids) <= budget:
+            used.add(rel)
+            return ep
+    return None
+
+
+def intent_drill(
+    rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], words: tuple[str, ...]
+) -> _Episode | None:
+    """Two or three questions about one folder, each of another list_dir intent (how many entries, the first
+    entry, does it contain X) in EXTRA phrasings, each answered after its own list_dir call: the question, not the
+    folder, decides the answer's form."""
+    dirs = c.dirs["train"] + (c.holders() if isinstance(c, RenamedCorpus) else [])
+    for _ in range(6):
+        d = rng.choice(dirs)
+        if d in used or len(c.call("list_dir", path=d)) + 600 > budget:
+            continue
+        variants = ["count", "first", "has"]
+        rng.shuffle(variants)
+        eps = [ep for v in variants[: rng.choice((2, 3))] if (ep := _list_episode(rng, c, d, "train", v)) is not None]
+        if len(eps) < 2:
+            continue
+        eps = [focus_rephrase(rng, ep, words) for ep in eps]
+        ids = [t for ep in eps for t in ep.ids]
+        if len(ids) > budget:
+            continue
+        used.add(d)
+        last = eps[-1]
+        return _Episode("list_dir", "drill:" + "+".join(ep.variant for ep in eps),
+                        [m for ep in eps for m in ep.messages], ids, [m for ep in eps for m in ep.mask],
+                        "list_dir", {"path": d}, last.fact, template=last.template)
+    return None
+
+
+def _exists(c: Corpus | RenamedCorpus, path: str) -> bool:
+    """Whether ``path`` names a file or folder of the project (a renamed project's, made or not yet made)."""
+    if isinstance(c, RenamedCorpus):
+        names = set(c.real) | set(c.holders()) | set(c.files["train"])
+        if path in names or any(n.startswith(path + "/") for n in names):
+            return True
+    return (c.root / path).exists()
+
+
+def garble(rng: random.Random, part: str, question: str) -> str:
+    """``part`` of a path (a folder name, or a file's stem) as a bad copy writes it, the ways the shipped weights
+    did: its first letters run on into another word (``protocols`` -> ``protcaps``), another word with the same
+    start (``lifespan`` -> ``linear``), a word of the question's context pasted in (``loops`` -> ``tenmultis``
+    after "in ten minutes"), or a letter dropped, swapped or doubled."""
+    words = rename_words()
+    qwords = [w for w in _WORD_RE.findall(question) if w.lower() not in part.lower()]
+    for _ in range(12):
+        k = rng.random()
+        if k < 0.35 and len(part) >= 4:
+            w = rng.choice(words)
+            j = rng.randrange(len(w))
+            new = part[: rng.randrange(2, len(part) - 1)] + w[j : j + rng.randrange(2, 7)]
+        elif k < 0.6:
+            same = [w for w in words if w[:2] == part[:2].lower() and w != part]
+            if not same:
+                continue
+            new = rng.choice(same)
+        elif k < 0.8 and qwords:
+            w = rng.choice(qwords).lower()
+            new = w[: rng.randrange(2, len(w) + 1)] + part[rng.randrange(1, len(part)) :] if len(part) > 1 else w
+        elif len(part) >= 3:
+            new = grammar._typo(rng, part)
+        else:
+            continue
+        if new and new != part and "/" not in new and new.strip(".") and not new.startswith("-"):
+            return new
+    return part + "s" if not part.endswith("s") else part[:-1]
+
+
+def _garbled_path(rng: random.Random, path: str, question: str, folder: bool) -> str:
+    """``path`` with one part garbled: mostly a folder part (the first one most often), else the last part (a
+    file's stem, its ``.py`` kept). ``folder``: the path names a folder (every part is one)."""
+    parts = path.split("/")
+    n_dirs = len(parts) if folder else len(parts) - 1
+    if n_dirs and rng.random() < 0.8:
+        i = 0 if rng.random() < 0.7 else rng.randrange(n_dirs)
+        parts[i] = garble(rng, parts[i], question)
+    else:
+        stem, dot, ext = parts[-1].partition(".")
+        parts[-1] = garble(rng, stem, question) + dot + ext if stem else garble(rng, parts[-1], question)
+    return "/".join(parts)
+
+
+def _focus_wrong_call(rng: random.Random, ep: _Episode) -> tuple[str, dict[str, Any], str] | None:
+    """(tool, arguments, what went wrong: "path", "what" or "tool") of a wrong first call for ``ep``."""
+    tool, args = ep.tool, dict(ep.arguments)
+    assert tool is not None
+    question = ep.messages[0]["content"]
+    k = rng.random()
+    if tool == "grep" and ep.variant == "def_line" and k < 0.25:  # `def X` for "the class X", and back
+        what, name = args["pattern"].split(" ", 1)
+        return tool, {**args, "pattern": f"{'def' if what == 'class' else 'class'} {name}"}, "what"
+    if tool == "list_dir" and ep.variant == "has" and k < 0.25:  # the entry asked about listed, not the folder
+        m = _ANSWER_NAME_RE.search(ep.messages[-1]["content"])
+        return (tool, {"path": m.group(1)}, "tool") if m else None
+    if tool == "read_file" and k < 0.1:
+        return "list_dir", {"path": args["path"]}, "tool"
+    path = _garbled_path(rng, args["path"], question, folder=tool == "list_dir")
+    return tool, {**args, "path": path}, "path"
+
+
+def focus_error_episode(rng: random.Random, c: Corpus | RenamedCorpus, ep: _Episode) -> _Episode | None:
+    """``ep`` (a focus-phrased tool task) with a wrong call first (``_focus_wrong_call``: a garbled folder or file
+    name, the wrong kind of definition, the wrong path for the tool) that the real tool answers with its
+    ``error: ...`` (read_file, list_dir) or, for a grep of a path that does not exist or a pattern the file lacks,
+    with nothing (``Tools.grep`` returns an empty output, as in the eval). Then the corrected call, its output and
+    the answer. The wrong turn has mask 0: only the correction and the answer are learnt, never an answer after a
+    failed call."""
+    for _ in range(4):
+        wrong = _focus_wrong_call(rng, ep)
+        if wrong is None:
+            continue
+        name, args, why = wrong
+        if args == ep.arguments and name == ep.tool:
+            continue
+        if why == "path" and _exists(c, args["path"]):
+            continue  # the slip named something real: no error to recover from
+        try:
+            out = c.tools.call(name, args)
+        except ToolError as e:
+            out = f"error: {e}"
+        else:
+            if out != "" or why == "tool":  # a grep that finds nothing is the only failure without an error
+                continue
+            why = "empty" if why == "path" else why
+        break
+    else:
+        return None
+    call = tool_call(name, args)
+    right = ep.messages[1]
+    pat = ep.arguments.get("pattern", "")
+    intro = rng.choice(_FIX_INTRO[why]).format(pat=pat, tool=name)
+    right = {**right, "content": intro,
+             "tool_calls": [{**right["tool_calls"][0], "id": right["tool_calls"][0]["id"].replace(":0", ":1")}]}
+    result = {**ep.messages[2], "tool_call_id": right["tool_calls"][0]["id"]}
+    head = [ep.messages[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
+    tail = [{"role": "tool", "tool_call_id": call["id"], "content": out}, right, result, *ep.messages[3:]]
+    ids1, _ = render(head)
+    ids2, mask2 = render(tail, ep.fact)
+    fixed = copy.copy(ep)
+    fixed.messages, fixed.ids, fixed.mask = head + tail, ids1 + ids2, [0] * len(ids1) + mask2
+    fixed.variant = f"error:{why}:{ep.variant}"
+    return fixed
+
+
+def absent_episode(
+    rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], words: tuple[str, ...]
+) -> _Episode | None:
+    """A grep of the right file for a definition it does not have (a name of another file): the output is empty
+    and the answer says so, quoting no line: an answer comes from what the tool showed, and an empty output after
+    the question's own path is not a path to fix."""
+    files = c.files["train"]
+    for _ in range(6):
+        rel, other = rng.choice(files), rng.choice(files)
+        defs = [d for d in c.defs(other) if not d[1].startswith("_")]
+        if rel in used or rel == other or not defs:
+            continue
+        what, name = rng.choice(defs)
+        pattern = f"{what} {name}"
+        if re.search(rf"\b{re.escape(name)}\b", c.texts[rel]) or c.call("grep", pattern=pattern, path=rel) != "":
+            continue
+        call = tool_call("grep", {"pattern": pattern, "path": rel})
+        text, tid = grammar.question(rng, "def_line", {"p": rel, "pat": pattern, "what": what, "name": name},
+                                     "train", typo=TRAIN_TYPO, extra=True, words=words)
+        answer = f"No: grep finds no `{pattern}` in {rel}, so it is not defined there."
+        messages: list[Message] = [
+            {"role": "user", "content": text},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": ""},
+            {"role": "assistant", "content": answer},
+        ]
+        ids, mask = render(messages, "No")
+        if len(ids) > budget:
+            continue
+        used.add(rel)
+        return _Episode("grep", "absent", messages, ids, mask, "grep", {"pattern": pattern, "path": rel}, "No",
+                        template=tid)
+    return None
+
+
+def focus_episode(
+    rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], words: tuple[str, ...]
+) -> _Episode | None:
+    """One episode of a focus row, of a shape drawn from FOCUS_MIX, fitting ``budget`` tokens."""
+    shape = rng.choices(list(FOCUS_MIX), list(FOCUS_MIX.values()))[0]
+    ep: _Episode | None
+    if shape == "off_task":
+        ep = off_task_episode(rng, "train")
+    elif shape == "multi":
+        ep = multi_step_episode(rng, c, "train", budget)
+    elif shape == "intent":
+        ep = intent_drill(rng, c, budget, used, words)
+    elif shape == "error" and rng.random() < ABSENT:
+        ep = absent_episode(rng, c, budget, used, words)
+    else:
+        ep = _focus_tool_episode(rng, c, budget, used)
+        if ep is not None:
+            ep = focus_rephrase(rng, ep, words)
+            if shape == "error":
+                ep = focus_error_episode(rng, c, ep)
+    return ep if ep is not None and len(ep.ids) <= budget else None
+
+
 # ---- rows and tasks -------------------------------------------------------------------------------------------
 
 
@@ -468,13 +770,15 @@ def _recall_sources(
 
 def make_general_row(
     rng: random.Random, split: str, max_len: int, tree_share: float = 0.5, recall: float = 0.0,
-    distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE), copy: float = 0.0,
+    distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE), copy: float = 0.0, focus: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One row (ids, mask as tiny_data.make_row: 1 on the assistant's tokens but failed calls, 2 on facts): the
     header, then general episodes on one corpus (``row_corpus``) until the row is full. ``split`` picks the
     phrasings, trees, files and off-task messages. ``recall``: the share of rows that start with 1-3 facts (notes,
     tool results) asked about ``distance`` tokens later (``_recall_sources``); at 0 nothing is drawn for it.
-    ``copy``: the share of training rows that are copy drills (``row_corpus``)."""
+    ``copy``: the share of training rows that are copy drills (``row_corpus``). ``focus``: the share of training
+    rows that are focus rows (``focus_corpus``, ``focus_episode``; at 0 nothing is drawn for it, and a focus row is
+    never a copy drill)."""
     if split not in grammar.SPLITS:
         raise ValueError(f"split must be one of {grammar.SPLITS}, got {split!r}")
     if not 0.0 <= tree_share <= 1.0:
@@ -483,7 +787,11 @@ def make_general_row(
         raise ValueError(f"recall must be in [0, 1], got {recall}")
     if not 0.0 <= copy <= 1.0:
         raise ValueError(f"copy must be in [0, 1], got {copy}")
-    c = row_corpus(rng, split, tree_share, copy)
+    if not 0.0 <= focus <= 1.0:
+        raise ValueError(f"focus must be in [0, 1], got {focus}")
+    is_focus = bool(focus) and split == "train" and rng.random() < focus
+    c = focus_corpus(rng, tree_share) if is_focus else row_corpus(rng, split, tree_share, copy)
+    words = project_words(c) if is_focus else ()
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header: source text, as tiny_data does
@@ -505,7 +813,7 @@ def make_general_row(
             break
         if pending:  # land near the next question's target, not thousands of tokens past it
             budget = min(budget, pending[0][2] - len(ids) + FILL_SLACK)
-        ep = general_episode(rng, c, split, budget, used)
+        ep = focus_episode(rng, c, budget, used, words) if is_focus else general_episode(rng, c, split, budget, used)
         if ep is None and pending:  # nothing fits before the question: a short note carries the row on
             ep = _note_episode(rng, c, split, taken)
             ep = ep if ep is not None and len(ep.ids) <= budget else None

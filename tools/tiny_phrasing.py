@@ -32,6 +32,7 @@ class Template:
     intent: str
     text: str
     heldout: bool = False
+    extra: bool = False  # training only, and only where asked for (``question(..., extra=True)``): see EXTRA
 
     @property
     def id(self) -> str:
@@ -40,6 +41,10 @@ class Template:
 
 def _t(intent: str, train: list[str], heldout: list[str]) -> list[Template]:
     return [Template(intent, s) for s in train] + [Template(intent, s, True) for s in heldout]
+
+
+def _x(intent: str, train: list[str]) -> list[Template]:
+    return [Template(intent, s, extra=True) for s in train]
 
 
 # intent -> templates. The first train template of each intent is tiny_data's own (the in-template eval's) form.
@@ -277,6 +282,126 @@ _ALL: list[Template] = [
         "Whatever Python file {d} lists first, what does its line {n} say?",
     ]),
 ]
+# EXTRA: more training phrasings, drawn only by ``question(..., extra=True)`` (tiny_general's focus rows), so rows
+# made without them stay byte for byte those of earlier runs. They aim at the held-out failures of the shipped
+# weights: count questions answered as "the first entry" (and first-entry questions as "has"), and "the definition
+# of the class X" grepped as ``def X`` (the word "definition" next to {what}). None is a held-out phrasing.
+_ALL += [
+    *_x("count", [
+        "How big is {d}? Count its entries.",
+        "How big is {d}, in number of entries?",
+        "What's the total number of entries in {d}?",
+        "Give me the total count of entries in {d}.",
+        "What is the count of items inside {d}?",
+        "How many things does {d} contain in total?",
+        "Total entries in {d}?",
+        "How large is the listing of {d}?",
+        "Count up everything inside {d}.",
+        "How many files and subfolders sit in {d}?",
+        "What's the size of {d}, in items?",
+        "Tally the entries of {d}.",
+        "I'd like the number of things listed in {d}.",
+        "How many names show up when you list {d}?",
+        "How many entries come back if you list {d}?",
+        "Could you count the contents of {d}?",
+        "{d} holds how many entries?",
+        "How many children does {d} have?",
+        "Work out how many entries {d} has.",
+        "What does the entry count of {d} come to?",
+        "Find out how many items {d} contains.",
+        "How full is {d}? Give me the number of entries.",
+        "Listing {d}: how many entries in all?",
+        "How many things are listed under {d}?",
+        "What is the total of entries inside {d}?",
+        "Count the things in {d} for me.",
+        "How many entries make up {d}?",
+        "Report the number of entries in {d}.",
+        "Entries in {d}: how many?",
+        "What's the number of things inside {d}?",
+        "If you list {d}, how many entries do you get?",
+        "How many items would a listing of {d} show?",
+        "Size of {d}, counted in entries?",
+        "Count {d}'s entries, please.",
+    ]),
+    *_x("first", [
+        "When you list {d}, what comes up first?",
+        "If I list {d}, which name is at the top?",
+        "What shows up first in a listing of {d}?",
+        "Which item do you see first when {d} is listed?",
+        "Tell me the entry that appears before all others in {d}.",
+        "What is the top entry of {d}?",
+        "Which name does the listing of {d} open with?",
+        "Read me the first name in {d}.",
+        "List {d} and give me only the first entry.",
+        "What is the very first thing inside {d}?",
+        "The first name that a listing of {d} shows: what is it?",
+        "Which entry of {d} sorts first?",
+        "Of everything in {d}, which is listed first?",
+        "What's at the head of the listing of {d}?",
+        "Start listing {d}: what is the first entry you get?",
+        "What entry leads the listing of {d}?",
+        "Which file or folder is listed first in {d}?",
+        "Just the first entry of {d}, please.",
+        "If you list {d}, which entry do you see at the top?",
+        "Name the entry at the top of {d}.",
+    ]),
+    *_x("has", [
+        "If I listed {d}, would {x} be there?",
+        "Is {x} among the things in {d}?",
+        "Does a listing of {d} show {x}?",
+        "Would {x} appear if you listed {d}?",
+        "Is {x} present in {d}?",
+        "Can {x} be found in {d}?",
+        "Is there something called {x} in {d}?",
+        "Does {d} include an entry named {x}?",
+        "Is {x} part of {d}?",
+        "Would listing {d} turn up {x}?",
+        "{x}: is it in {d}?",
+        "Check {d} for an entry named {x}.",
+        "Tell me whether {x} is one of the items in {d}.",
+        "Do you see {x} when you list {d}?",
+        "Is {x} inside {d} or not?",
+        "If you list {d}, is {x} among the names?",
+    ]),
+    *_x("def_line", [
+        "Where is the definition of the {what} {name} in {p}? Give the line.",
+        "Find the definition of {what} {name} in {p}: which line?",
+        "In {p}, the {what} {name} is defined on which line?",
+        "On which line does the definition of the {what} {name} begin in {p}?",
+        "I need the line where {p} defines the {what} {name}.",
+        "Which line of {p} starts the definition of {what} {name}?",
+        "Line number of the definition of the {what} {name} in {p}?",
+        "The definition of the {what} {name}: which line of {p} is it on?",
+        "Search {p} for the definition of the {what} {name} and give its line number.",
+        "Where does {p} define {what} {name}? Line number only.",
+        "What line of {p} does the {what} {name} start on?",
+        "Which line number in {p} has the {what} {name}?",
+        "Give me the line number at which {p} defines `{pat}`.",
+        "Line of `{pat}` inside {p}?",
+        "At what line does `{pat}` start in {p}?",
+        "Looking at {p}: which line number has the definition of {what} {name}?",
+        "I'm after the definition of the {what} {name} in {p}. What is its line number?",
+        "The {what} called {name}, defined in {p}: which line?",
+    ]),
+    *_x("line", [
+        "What's written at line {n} of {p}?",
+        "Tell me what line {n} of {p} holds.",
+        "What does {p} contain on its {nth} line?",
+        "Give me exactly the {nth} line of {p}.",
+        "Read out what is at line number {n} in {p}.",
+        "What text sits at line {n} in {p}?",
+        "Quote line number {n} of {p} exactly.",
+        "Which code does {p} have at line number {n}?",
+    ]),
+    *_x("first_def", [
+        "Which definition comes earliest in {p}?",
+        "What is declared first in {p}, class or function?",
+        "Open {p} and name the first thing it defines.",
+        "What's the first top-level class or function of {p}?",
+        "Which class or function does {p} declare first?",
+        "Tell me the earliest def or class in {p}.",
+    ]),
+]
 TEMPLATES: dict[str, list[Template]] = {
     i: [t for t in _ALL if t.intent == i] for i in dict.fromkeys(t.intent for t in _ALL)
 }
@@ -348,12 +473,13 @@ def _literal(rng: random.Random, text: str, typo: bool) -> str:
     return text[: m.start()] + _typo(rng, m.group()) + text[m.end():]
 
 
-def templates(intent: str, split: str) -> list[Template]:
+def templates(intent: str, split: str, extra: bool = False) -> list[Template]:
+    """The templates of ``intent`` in ``split``; ``extra``: with the EXTRA training ones too."""
     if intent not in TEMPLATES:
         raise ValueError(f"intent must be one of {INTENTS}, got {intent!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return [t for t in TEMPLATES[intent] if t.heldout == (split == "heldout")]
+    return [t for t in TEMPLATES[intent] if t.heldout == (split == "heldout") and (extra or not t.extra)]
 
 
 def template_regex(t: Template | str) -> re.Pattern[str]:
@@ -400,16 +526,67 @@ def decorate(rng: random.Random, text: str, split: str) -> str:
 
 
 def question(
-    rng: random.Random, intent: str, slots: dict[str, str], split: str, typo: float = 0.1, plain: bool = False
+    rng: random.Random, intent: str, slots: dict[str, str], split: str, typo: float = 0.1, plain: bool = False,
+    extra: bool = False, words: tuple[str, ...] = (),
 ) -> tuple[str, str]:
     """(question text, template id) asking for ``intent`` about ``slots`` in a phrasing of ``split``; ``plain``:
-    the template with its slots only (no quotes, context, politeness or typos)."""
-    t = rng.choice(templates(intent, split))
+    the template with its slots only (no quotes, context, politeness or typos). ``extra`` (training only): the
+    EXTRA templates join the draw, and the context before a question is a ``context_sentence`` half the time,
+    naming some of ``words`` (at False nothing more is drawn: the questions of earlier runs)."""
+    if extra and split != "train":
+        raise ValueError("extra phrasings are for training questions only")
+    t = rng.choice(templates(intent, split, extra))
     if missing := SLOTS[intent] - set(slots):
         raise ValueError(f"intent {intent!r} needs slots {sorted(SLOTS[intent])}, missing {sorted(missing)}")
     if plain:
         return t.text.format(**slots, **({"nth": ordinal(slots["n"])} if "n" in slots else {})), t.id
-    return decorate(rng, render_slots(rng, t, slots, typo), split), t.id
+    text = decorate(rng, render_slots(rng, t, slots, typo), split)
+    if extra and rng.random() < 0.5:
+        text = context_sentence(rng, words) + rng.choice([" ", " ", "\n"]) + text
+    return text, t.id
+
+
+# ---- context sentences of the focus rows: many, with words that look like names -------------------------------
+
+_CTX_EVENTS = ("demo", "standup", "release", "planning meeting", "deploy window", "call with a customer",
+               "pairing session", "design review", "retro", "handover", "lunch break", "train to catch")
+_CTX_TIMES = ("two minutes", "five minutes", "twenty minutes", "half an hour", "an hour", "fifteen minutes",
+              "three hours", "45 minutes", "90 seconds", "the afternoon")
+_CTX_SYSTEMS = ("build", "pipeline", "nightly job", "staging deploy", "test suite", "linter", "release branch",
+                "docker image", "smoke test", "benchmark")
+_CTX_STATES = ("broken", "failing", "flaky", "slow", "stuck", "timing out", "green again", "acting up")
+_CTX_DOING = ("trying to find out why", "looking into it", "chasing a regression", "reading the code",
+              "bisecting it", "writing a fix", "collecting facts", "tracing the problem")
+_CTX_PEOPLE = ("My manager", "A colleague", "The reviewer", "Our tech lead", "A user", "The release manager",
+               "Someone on the team", "My mentor")
+_CTX_ASKS = ("asked me to check this", "wants an answer today", "pointed me to this package",
+             "reported a bug here", "asked about this module", "needs this for the changelog")
+_CTX_WITH_WORD = (
+    "The ticket mentions {w}, but that may be a red herring.", "Last week we renamed {w} and {w2}.",
+    "I already looked at {w}; nothing there.", "Ignore {w} for now.", "Version {num} broke something around {w}.",
+    "We talked about {w} and {w2} in the meeting.", "My notes say {w}, which is probably wrong.",
+    "Not {w}: something else.", "Earlier I was reading about {w}.", "The {w} team owns part of this.",
+    "I spent {num} minutes on {w} already.", "{W} is what the logs complain about.",
+)
+
+
+def context_sentence(rng: random.Random, words: tuple[str, ...] = ()) -> str:
+    """A sentence of context before a training question, from a grammar of its own (thousands of sentences: the
+    two held-out ones are never made); with ``words``, half of them name one or two of those words (names of the
+    project, say), which a call must not copy: the question's own path is what it names."""
+    k = rng.random()
+    if words and k < 0.5:
+        w, w2 = rng.choice(words), rng.choice(words)
+        text = rng.choice(_CTX_WITH_WORD).format(w=w, w2=w2, W=w[:1].upper() + w[1:], num=rng.randrange(2, 200))
+    elif k < 0.62:
+        text = f"I have a {rng.choice(_CTX_EVENTS)} in {rng.choice(_CTX_TIMES)}."
+    elif k < 0.77:
+        text = f"Our {rng.choice(_CTX_SYSTEMS)} is {rng.choice(_CTX_STATES)} and I'm {rng.choice(_CTX_DOING)}."
+    elif k < 0.9:
+        text = f"{rng.choice(_CTX_PEOPLE)} {rng.choice(_CTX_ASKS)}."
+    else:
+        text = rng.choice(CONTEXT["train"])
+    return text if text not in CONTEXT["heldout"] else rng.choice(CONTEXT["train"])
 
 
 # ---- off-task messages: answered by a fixed refusal that says what the model can do ----------------------------

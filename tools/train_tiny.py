@@ -255,8 +255,10 @@ def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor, kinds: Tensor) -
 
 
 # seed, split, max_len, recall distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall,
-# general, tree_share, general_recall, copy_drill
-RowJob = tuple[int, str, int, tuple[int, int], float, float, float, float, float, float, float, float, float]
+# general, tree_share, general_recall, copy_drill, general_focus
+RowJob = tuple[
+    int, str, int, tuple[int, int], float, float, float, float, float, float, float, float, float, float
+]
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,7 @@ def parse_curriculum(text: str) -> tuple[int, int, int]:
 
 def _row(args: RowJob) -> tuple[list[int], list[int]]:
     seed, split, max_len, distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall, general, \
-        tree_share, general_recall, copy_drill = args
+        tree_share, general_recall, copy_drill, general_focus = args
     # a row of tiny_general for a share ``general`` of the seeds, drawn from a stream of its own: at 0 the rows of
     # runs before the option are unchanged
     is_general = general > 0 and random.Random(f"general:{seed}").random() < general
@@ -295,7 +297,7 @@ def _row(args: RowJob) -> tuple[list[int], list[int]]:
         try:
             if is_general:
                 return tiny_general.make_general_row(random.Random(seed + attempt * 10**7), split, max_len, tree_share,
-                                                     general_recall, distance, copy_drill)
+                                                     general_recall, distance, copy_drill, general_focus)
             return tiny_data.make_row(
                 random.Random(seed + attempt * 10**7), split, max_len, distance, drill, near_miss, near_miss_defs,
                 near_miss_entries, line_recall,
@@ -322,7 +324,7 @@ def batches(
     seed: int, split: str, batch: int, seq: int, workers: int, pad_id: int, prefetch: int = 4,
     recall: RecallData = RecallData(), first_step: int = 1, fact_weight: float = 1.0, near_miss: float = 0.0,
     near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, line_recall: float = 0.0, general: float = 0.0,
-    tree_share: float = 0.5, general_recall: float = 0.0, copy_drill: float = 0.0,
+    tree_share: float = 0.5, general_recall: float = 0.0, copy_drill: float = 0.0, general_focus: float = 0.0,
 ):
     """Endless batches (ids [B, T] int64, weights [B, T] float32, kinds [B, T] uint8: make_row's mask), rows from
     seeds seed*10**9 + i; the i-th row belongs to training step first_step + i // batch, whose recall distance
@@ -331,7 +333,7 @@ def batches(
     ``line_recall``: make_row's. ``general``: the share of rows made by tiny_general.make_general_row (grammar
     phrasings, package trees, multi-step, tool errors, off-task refusals), ``tree_share`` its share on package trees,
     ``general_recall`` its share that holds recall questions (make_general_row's ``recall``), ``copy_drill`` its
-    share of copy drills (make_general_row's ``copy``).
+    share of copy drills (make_general_row's ``copy``), ``general_focus`` its share of focus rows (``focus``).
 
     Each of ``workers`` processes makes every workers-th row, in order, into a queue of its own that holds about
     ``prefetch`` batches' worth of rows between them (an unbounded backlog let the workers run ahead and the
@@ -342,7 +344,8 @@ def batches(
 
     def jobs(i: int) -> RowJob:
         return (base + i, split, seq, recall.distance(first_step + i // batch), recall.drill, near_miss,
-                near_miss_defs, near_miss_entries, line_recall, general, tree_share, general_recall, copy_drill)
+                near_miss_defs, near_miss_entries, line_recall, general, tree_share, general_recall, copy_drill,
+                general_focus)
 
     ctx = mp.get_context("fork")
     queues = [ctx.Queue(maxsize=-(-prefetch * batch // workers) + 1) for _ in range(workers)]
@@ -486,6 +489,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--copy-drill", type=float, default=0.0,
                     help="share of --general-fraction rows that are copy drills: a project named with long unseen "
                          "words (tiny_general.copy_corpus)")
+    ap.add_argument("--general-focus", type=float, default=0.0,
+                    help="share of --general-fraction rows that are focus rows: garbled-path errors corrected, list_dir "
+                         "intent drills, class/def greps, more phrasings (tiny_general.focus_episode)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
@@ -528,7 +534,8 @@ def main(argv: list[str] | None = None) -> None:
     for flag, value in (("--near-miss", args.near_miss), ("--near-miss-defs", args.near_miss_defs),
                         ("--near-miss-entries", args.near_miss_entries), ("--line-recall", args.line_recall),
                         ("--general-fraction", args.general_fraction), ("--tree-share", args.tree_share),
-                        ("--general-recall", args.general_recall), ("--copy-drill", args.copy_drill)):
+                        ("--general-recall", args.general_recall), ("--copy-drill", args.copy_drill),
+                        ("--general-focus", args.general_focus)):
         if not 0.0 <= value <= 1.0:
             raise SystemExit(f"{flag} must be in [0, 1], got {value}")
     recall = RecallData(args.recall_curriculum, args.drill_fraction)
@@ -537,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
                    near_miss=args.near_miss, near_miss_defs=args.near_miss_defs,
                    near_miss_entries=args.near_miss_entries, line_recall=args.line_recall,
                    general=args.general_fraction, tree_share=args.tree_share, general_recall=args.general_recall,
-                   copy_drill=args.copy_drill)
+                   copy_drill=args.copy_drill, general_focus=args.general_focus)
     t0 = time.perf_counter()
     tokens = 0
     step = 0

@@ -281,7 +281,7 @@ def test_training_rows_take_a_share_of_general_rows_and_zero_changes_nothing():
     from tools import train_tiny
 
     def job(seed: int, general: float) -> tuple:
-        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0, 0.0)
+        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0, 0.0, 0.0)
 
     assert train_tiny._row(job(11, 0.0)) == make_row(random.Random(11), "train", 2048)
     assert train_tiny._row(job(11, 1.0)) == tg.make_general_row(random.Random(11), "train", 2048, 0.5)
