@@ -6,7 +6,9 @@ token 0 from the pools' scratch slot and scratch page (context length 1), so the
 Page tables are padded to a width bucket (a power of two pages, at least ``min_width``, at most the pool's page
 count); a sequence that outgrows its width is served by the graph of the next width, captured on first use.
 Every input lives in one static int32 device buffer per graph, filled from a pinned host buffer by one copy;
-page-table rows that did not change since the last step (same page list, same length) are not rewritten.
+page-table rows that did not change since the last step (same page list, same length) are not rewritten. The
+new tokens' flat cache rows are computed on the host into the same buffer (int64), rather than by ~6 small
+kernels at the start of every step.
 
 Without graphs (a CPU model, ``enabled=False``, or a capture that failed) ``run`` executes the same static-buffer
 step eagerly, which is what the CPU tests check against ``HybridModel.step``.
@@ -18,6 +20,7 @@ import logging
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -43,14 +46,16 @@ def batch_buckets(max_batch: int) -> list[int]:
 @dataclass
 class _Static:
     """The static inputs of one bucket: bs rows, width pages per row, all in one int32 device buffer
-    (ids | slots | seq_lens | page table rows, each part 16-byte aligned), its host twin (pinned on CUDA), and
-    the captured graph with its output logits [bs, vocab]."""
+    (ids | slots | seq_lens | kv_rows as int64 | page table rows, each part 16-byte aligned), its host twin (pinned
+    on CUDA), and the captured graph with its output logits [bs, vocab]."""
 
     bs: int
     width: int
     ints: Tensor
     host: Tensor
     inputs: DecodeInputs
+    kv_rows: Tensor
+    """[bs] int64, a view of ``ints``: each row's new cache row (``DecodeInputs.kv_rows``), written by the host."""
     graph: torch.cuda.CUDAGraph | None = None
     out: Tensor | None = None
     copied: torch.cuda.Event | None = None
@@ -129,7 +134,7 @@ class DecodeGraphs:
             assert st.out is not None
             return st.out[:N]
         self.eager_runs += 1
-        return self.model.decode(st.inputs, self.pools)[:N]
+        return self.model.decode(st.inputs, self.pools, st.kv_rows)[:N]
 
     # -- static buffers --------------------------------------------------------------------------------------
 
@@ -137,16 +142,17 @@ class DecodeGraphs:
         key = (bs, width)
         if key not in self._static:
             b4 = -(-bs // 4) * 4  # each part starts 16-byte aligned
-            ints = torch.empty(3 * b4 + bs * width, dtype=torch.int32, device=self.device)
+            ints = torch.empty(5 * b4 + bs * width, dtype=torch.int32, device=self.device)
             host = torch.empty(ints.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             inputs = DecodeInputs(
                 input_ids=ints[:bs],
                 slots=ints[b4 : b4 + bs],
                 seq_lens=ints[2 * b4 : 2 * b4 + bs],
-                page_table=ints[3 * b4 :].view(bs, width),  # contiguous [bs, width]
+                page_table=ints[5 * b4 :].view(bs, width),  # contiguous [bs, width]
                 cu_seqlens=torch.arange(bs + 1, dtype=torch.long, device=self.device),
             )
-            st = _Static(bs, width, ints, host, inputs, rows=[(None, 0)] * bs)
+            kv_rows = ints[3 * b4 : 3 * b4 + 2 * bs].view(torch.int64)  # [bs] int64
+            st = _Static(bs, width, ints, host, inputs, kv_rows, rows=[(None, 0)] * bs)
             self._fill(st, [], [], [], [])  # every row a dummy
             self._static[key] = st
         return self._static[key]
@@ -166,7 +172,16 @@ class DecodeGraphs:
         h[b4 + N : b4 + bs] = scratch_slot
         h[2 * b4 : 2 * b4 + N] = lens
         h[2 * b4 + N : 2 * b4 + bs] = 1
-        table = h[3 * b4 :].reshape(bs, st.width)
+        P = self.pools.page_size
+        rows = h[3 * b4 : 3 * b4 + 2 * bs].view(np.int64)
+        for i in range(N):
+            pos = lens[i] - 1
+            if not 0 <= pos < len(pages[i]) * P:
+                raise ValueError(f"sequence {i}: seq_len {lens[i]} needs {-(-lens[i] // P)} pages of {P}, got "
+                                 f"{len(pages[i])}")
+            rows[i] = pages[i][pos // P] * P + pos % P
+        rows[N:] = scratch_page * P  # the dummies' one token, on the scratch page
+        table = h[5 * b4 :].reshape(bs, st.width)
         for i in range(bs):
             p = pages[i] if i < N else None
             last, n_last = st.rows[i]
@@ -200,11 +215,11 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):
-                    self.model.decode(st.inputs, self.pools)
+                    self.model.decode(st.inputs, self.pools, st.kv_rows)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                out = self.model.decode(st.inputs, self.pools)
+                out = self.model.decode(st.inputs, self.pools, st.kv_rows)
         except Exception as e:
             log.warning("CUDA graph capture failed for batch %d, width %d: decode runs eagerly", st.bs, st.width,
                         exc_info=True)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.linear import linear
+from ..kernels.linear import head_linear, linear
 from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
@@ -94,7 +94,7 @@ class MLAttention(nn.Module):
                                       kv_pages, kv_rows, H, dn)
         o_lat = mla_decode_paged(q_lat, q_pe, kv_pages, page_table, seq_lens, self.scale)  # [N, H, r]
         w_uv = self.kv_b_proj.weight.view(H, dn + dv, self.r)[:, dn:]
-        o = torch.einsum("nhr,hvr->nhv", o_lat, w_uv)  # [N, H, dv]
+        o = head_linear(o_lat, w_uv)  # [N, H, dv]: W_uv read in place
         return linear(o.reshape(N, H * dv), self.o_proj.weight)
 
     def _gpu_weights(self) -> tuple[Tensor]:

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .naive import naive_linear
+from .naive import naive_head_linear, naive_linear
 
 MATVEC_MAX_ROWS = 1
 """Rows of x up to which a CUDA ``linear`` runs the Triton matvec (its limit, ``matvec_triton.MAX_ROWS``). H200,
@@ -29,4 +30,19 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     return F.linear(x, w)
 
 
-__all__ = ["MATVEC_MAX_ROWS", "linear", "naive_linear"]
+def head_linear(x: Tensor, w: Tensor) -> Tensor:
+    """Per head h: x[:, h] @ w[h]^T, x [N, H, I], w [H, O, I] -> [N, H, O] in x's dtype (MLA's W_uv after
+    attention). CUDA tensors of up to ``MATVEC_MAX_ROWS`` rows: one Triton launch reading w in place (any head
+    and row strides, unit column stride); otherwise a batched matmul (cuBLAS's, or the CPU's)."""
+    if x.dim() != 3 or w.dim() != 3 or x.shape[1] != w.shape[0] or x.shape[2] != w.shape[2]:
+        raise ValueError(f"x must be [N, H, I] and w [H, O, I] with the same H and I, got {tuple(x.shape)}, "
+                         f"{tuple(w.shape)}")
+    if x.is_cuda and 1 <= x.shape[0] <= MATVEC_MAX_ROWS and x.stride(2) == 1 and w.stride(2) == 1 \
+            and x.dtype == w.dtype:
+        from .matvec_triton import head_matvec_triton
+
+        return head_matvec_triton(x, w)
+    return torch.einsum("nhi,hoi->nho", x, w)
+
+
+__all__ = ["MATVEC_MAX_ROWS", "head_linear", "linear", "naive_head_linear", "naive_linear"]

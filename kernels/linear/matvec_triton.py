@@ -28,18 +28,27 @@ MAX_ROWS = 8
 
 @triton.jit
 def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, BO: tl.constexpr,
-                   BI: tl.constexpr, PDL: tl.constexpr = False):
+                   BI: tl.constexpr, PDL: tl.constexpr = False, HO: tl.constexpr = 0, s_xh=0, s_wh=0):
+    """y[n, o] = w[o] . x[n] for the BO rows o of program_id(0). With HO > 0 the rows come in heads of HO (BO
+    divides HO): row o is row o % HO of head o // HO (at w + head * s_wh) and multiplies x[n]'s head, at
+    x + n * s_x + head * s_xh; y's rows stay flat, [N, heads * HO]."""
     ro = tl.program_id(0) * BO + tl.arange(0, BO)
     mo = ro < O
     k = tl.arange(0, BI)
     mk = k < I
-    wt = tl.load(w + ro.to(tl.int64)[:, None] * s_w + k[None, :], mask=mo[:, None] & mk[None, :],
-                 other=0.0).to(tl.float32)  # [BO, BI]
+    if HO > 0:
+        head = (tl.program_id(0) * BO) // HO
+        w_rows = w + head.to(tl.int64) * s_wh + (ro % HO).to(tl.int64)[:, None] * s_w
+        xh = x + head.to(tl.int64) * s_xh
+    else:
+        w_rows = w + ro.to(tl.int64)[:, None] * s_w
+        xh = x
+    wt = tl.load(w_rows + k[None, :], mask=mo[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [BO, BI]
     if PDL:  # the weight is requested; x is the launch before's output
         gdc_launch_dependents()
         gdc_wait()
     for n in tl.static_range(N):
-        xv = tl.load(x + n * s_x + k, mask=mk, other=0.0).to(tl.float32)
+        xv = tl.load(xh + n * s_x + k, mask=mk, other=0.0).to(tl.float32)
         tl.store(y + n * s_y + ro, tl.sum(wt * xv[None, :], axis=1).to(y.dtype.element_ty), mask=mo)
 
 
@@ -66,4 +75,21 @@ def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -
     return y
 
 
-__all__ = ["MAX_ROWS", "matvec_config", "matvec_triton"]
+
+
+def head_matvec_triton(x: Tensor, w: Tensor) -> Tensor:
+    """Per head h: y[n, h] = w[h] @ x[n, h] for x [N, H, I] (1 <= N <= MAX_ROWS; unit column stride) and w [H, O, I]
+    (any head and row strides, unit column stride: e.g. a slice of each head's rows of a larger weight) ->
+    y [N, H, O] in x's dtype, float32 sums; one launch (PDL as ``matvec_triton``'s)."""
+    N, H, I = x.shape
+    O = w.shape[1]
+    y = x.new_empty(N, H, O)
+    BO, warps = 1, 2
+    pdl = use_pdl(x.device)
+    _matvec_kernel[(H * O,)](x, x.stride(0), w, w.stride(1), y, H * O, H * O, I=I, N=N, BO=BO,
+                             BI=triton.next_power_of_2(I), PDL=pdl, HO=O, s_xh=x.stride(1), s_wh=w.stride(0),
+                             num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+    return y
+
+
+__all__ = ["MAX_ROWS", "head_matvec_triton", "matvec_config", "matvec_triton"]

@@ -6,6 +6,10 @@ with its strided operand, the copy) are ~6 launches of a few microseconds each, 
 Grid (N, H * RB + 1): program (n, j) for j < H * RB computes the r-block j % RB of head j // RB's absorbed query
 from its [dn, BR] tile of kv_b_proj's weight (read in place, no derived copy); program (n, H * RB) writes the
 sequence's new cache row.
+
+On Hopper it is a PDL launch (``kernels.moe.pdl``): each program loads its weights (W_uk's tile, the norm's)
+before it waits for the input projection, and lets the next launch (the attention's split kernel, which reads
+nothing before its own wait) start at once.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from ..moe.pdl import use_pdl
 
 
 @triton.jit
 def _prep_kernel(y, s_y, w, norm_w, kv, kv_rows, q_lat, q_pe, eps, H: tl.constexpr, DN: tl.constexpr,
                  DR: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BDN: tl.constexpr,
-                 BDR: tl.constexpr, BRF: tl.constexpr):
+                 BDR: tl.constexpr, BRF: tl.constexpr, PDL: tl.constexpr = False):
     n = tl.program_id(0)
     j = tl.program_id(1)
     RB: tl.constexpr = R // BR
@@ -29,10 +36,13 @@ def _prep_kernel(y, s_y, w, norm_w, kv, kv_rows, q_lat, q_pe, eps, H: tl.constex
         rb = j % RB
         d = tl.arange(0, BDN)
         md = d < DN
-        qn = tl.load(row + h * (DN + DR) + d, mask=md, other=0.0).to(tl.float32)  # [BDN]
         c = rb * BR + tl.arange(0, BR)
         wt = tl.load(w + (h * (DN + DV) + d).to(tl.int64)[:, None] * R + c[None, :], mask=md[:, None],
                      other=0.0).to(tl.float32)  # [BDN, BR]: W_uk[h] rows d, columns c
+        if PDL:  # the weight is requested; y is the input projection's output
+            gdc_launch_dependents()
+            gdc_wait()
+        qn = tl.load(row + h * (DN + DR) + d, mask=md, other=0.0).to(tl.float32)  # [BDN]
         ql = tl.sum(qn[:, None] * wt, axis=0)
         tl.store(q_lat + (n * H + h).to(tl.int64) * R + c, ql.to(q_lat.dtype.element_ty))
         if rb == 0:
@@ -43,9 +53,12 @@ def _prep_kernel(y, s_y, w, norm_w, kv, kv_rows, q_lat, q_pe, eps, H: tl.constex
     else:  # (names apart from the other branch's: Triton merges a name assigned in both, so their types must agree)
         cr = tl.arange(0, BRF)
         mc = cr < R
+        nw = tl.load(norm_w + cr, mask=mc, other=0.0).to(tl.float32)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
         v = tl.load(row + QW + cr, mask=mc, other=0.0).to(tl.float32)
         inv = tl.rsqrt(tl.sum(v * v, axis=0) / R + eps)
-        nw = tl.load(norm_w + cr, mask=mc, other=0.0).to(tl.float32)
         # rounded to y's dtype as the norm's output is, then stored in the pool's
         normed = (v * inv * nw).to(y.dtype.element_ty)
         dst = kv + tl.load(kv_rows + n).to(tl.int64) * (R + DR)
@@ -74,10 +87,11 @@ def mla_decode_prep_triton(
     BR = min(128, triton.next_power_of_2(r))
     while r % BR:
         BR //= 2
+    pdl = use_pdl(y.device)
     _prep_kernel[(N, H * (r // BR) + 1)](
         y, y.stride(0), w_kv_b, norm_w, kv_pages, kv_rows, q_lat, q_pe, float(eps), H=H, DN=dn, DR=dr, DV=dv, R=r,
         BR=BR, BDN=triton.next_power_of_2(dn), BDR=triton.next_power_of_2(dr), BRF=triton.next_power_of_2(r),
-        num_warps=4,
+        PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
     return q_lat, q_pe
 

@@ -35,7 +35,8 @@ out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False}),
     "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
                                "eps": "fp32"},
-                {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512}),
+                {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
+                 "PDL": False}),
     "decode": ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
                                    "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32",
                                    "gw": bf},
@@ -48,6 +49,12 @@ out = {
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
                                                                      "PDL": True})
+out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf,
+                                     "q_pe": bf, "eps": "fp32"},
+                      {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
+                       "PDL": True})
+out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
+                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
 out["decode_pdl"] = ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32,
                                          "dt_bias": f32, "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf,
                                          "scale": "fp32", "gw": bf},
@@ -65,8 +72,9 @@ def test_decode_kernels_compile_for_sm90():
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(out) == {"matvec", "prep", "decode", "norm", "matvec_pdl", "decode_pdl", "norm_pdl"}
-    assert all("griddepcontrol" not in out[k] for k in ("matvec", "decode", "norm"))
+    assert set(out) == {"matvec", "prep", "decode", "norm", "matvec_pdl", "prep_pdl", "heads_pdl", "decode_pdl",
+                        "norm_pdl"}
+    assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "norm"))
     lines = out["matvec"].splitlines()
     loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
     math = [i for i, ln in enumerate(lines) if any(op in ln for op in ("fma.rn.f32", "mul.f32", "add.f32"))]
@@ -99,6 +107,16 @@ def test_pdl_kernels_load_their_weights_and_states_before_the_wait():
     assert sum("ld.global.v4" in ln for ln in pre) >= 4
     assert any("ld.global" in ln for ln in post)
     assert not any("st.global" in ln for ln in pre)
+    pre, post = _before_wait(out["heads_pdl"])
+    # a W_uv row of 512 bf16 on 4 warps: one 8-byte load a thread before the wait, the head's x after it
+    assert any("ld.global" in ln for ln in pre) and any("ld.global" in ln for ln in post)
+    assert not any("st.global" in ln for ln in pre)
+    # the prep kernel: one wait in each branch (W_uk's tile before it; the norm's weight before the other)
+    lines = out["prep_pdl"].splitlines()
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    assert len(waits) == 2
+    assert sum("ld.global" in ln for ln in lines[: waits[0]]) >= 8
+    assert not any("st.global" in ln for ln in lines[: waits[0]])
     pre, post = _before_wait(out["decode_pdl"])
     loads = sum("ld.global" in ln for ln in pre)
     # the [128, 64] float32 state slice (32 KB on 128 threads, 16-byte loads: 16 a thread) and the [128, 128] bf16

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kda_sessions.kernels.linear import linear, naive_linear
+from kda_sessions.kernels.linear import head_linear, linear, naive_head_linear, naive_linear
 
 from .kernel_helpers import rel_rms
 
@@ -87,3 +87,41 @@ def test_matvec_chain_with_pdl_waits_for_the_launch_before():
     g.replay()
     torch.cuda.synchronize()
     assert rel_rms(out.float(), ref.float()) > 0.1  # a new input, a new output
+
+
+def _check_heads(N: int, H: int, O: int, I: int, dtype: torch.dtype, device: str) -> None:
+    """``head_matvec_triton`` on W_uv as the MLA layer hands it over: each head's last O rows of a [H, dn + O, I]
+    weight (head stride != O * row stride), x a strided [N, H, I] view."""
+    from kda_sessions.kernels.linear.matvec_triton import head_matvec_triton
+
+    gen = torch.Generator().manual_seed(N * 11 + H)
+    dn = 5
+    w = (torch.randn(H, dn + O, I, generator=gen) * I**-0.5).to(device, dtype)[:, dn:]
+    x = torch.randn(N, H, I + 3, generator=gen).to(device, dtype)[:, :, 3:]
+    out = head_matvec_triton(x, w)
+    ref = naive_head_linear(x.cpu(), w.cpu())
+    assert out.shape == (N, H, O) and out.dtype == dtype
+    assert rel_rms(out.cpu(), ref) < (1e-6 if dtype == torch.float32 else 8e-3)
+    # each head its own weight: the same x rows against another head's weight give other values
+    assert rel_rms(out.cpu()[:, 1:], ref[:, :-1]) > 0.1
+
+
+@pytest.mark.parametrize("N", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_head_matvec_matches_the_twin(N, dtype):
+    _check_heads(N, 3, 12, 40, dtype, "cpu")
+
+
+def test_head_linear_checks_shapes_and_falls_back_on_a_cpu():
+    x, w = torch.randn(2, 3, 16), torch.randn(3, 5, 16)
+    assert torch.allclose(head_linear(x, w), naive_head_linear(x, w), atol=1e-6)
+    with pytest.raises(ValueError, match="same H and I"):
+        head_linear(x, w[:2])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [1, 8])
+def test_head_matvec_matches_the_twin_on_cuda(N):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    _check_heads(N, 32, 128, 512, torch.bfloat16, "cuda")  # MLA's W_uv at the 48B shape

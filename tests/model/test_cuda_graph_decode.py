@@ -171,6 +171,17 @@ def test_padded_rows_write_only_scratch(model, contexts, active):
         assert all(not torch.equal(x[row], y[row]) for row in written)
 
 
+def test_too_few_pages_is_a_typed_error(model):
+    """The new token's cache row is computed on the host from the page list: a list too short for the context is
+    refused before anything runs (no row of another page is written)."""
+    _, static = twins(model, [20], seed=3)
+    graphs = DecodeGraphs(model, static.pools, enabled=False)
+    before = copy.deepcopy(static.pools)
+    with pytest.raises(ValueError, match="needs 2 pages of 16, got 1"):
+        graphs.run([1], [0], [P + 1], [static.pages[0][:1]])
+    assert pools_equal(before, static.pools) and graphs.eager_runs == 0
+
+
 def test_width_growth_and_bucket_change(model):
     """A page list growing past the table width moves to the next width; batch sizes move between buckets."""
     eager, static = twins(model, [12, 40, 9], seed=3)
