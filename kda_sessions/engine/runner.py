@@ -27,6 +27,7 @@ from ..model import CheckpointStates, ForwardBatch, HybridModel
 from ..model.graphs import DecodeGraphs
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
+from .cpu_batch import CpuDecodeBatches
 from .pool import Pools, pages_needed
 from .postprocess import Sampled, postprocess
 from .preemption import Preemption
@@ -84,6 +85,8 @@ class Runner:
         """Torch threads the step thread sets (None: torch's default). torch keeps the last count any thread set and
         gives it to threads started later, so the step thread sets the caller's count back when it ends."""
         self.threads_before = torch.get_num_threads()
+        self.cpu_batches = CpuDecodeBatches(pools.page_size) if model.device.type == "cpu" else None
+        """Decode batches on a CPU, from buffers reused every step (``CpuDecodeBatches``)."""
         self.cpu_decode_threads = cpu_decode_threads if model.device.type == "cpu" else None
         """Torch threads of the model call of decode rows on a CPU (None: the step thread's count)."""
         self.cpu_compile = cpu_compile and model.device.type == "cpu"
@@ -353,6 +356,8 @@ class Runner:
                 slots = [s.slot for s in seqs if s.slot is not None]
                 assert len(slots) == len(seqs)
                 logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in seqs], [s.pages for s in seqs])
+            elif self.cpu_batches is not None:
+                logits, _ = self._step(self.cpu_batches.batch(seqs, ids))
             else:
                 logits, _ = self._step(self._batch(works, ids, [1] * len(works)))
         except Exception as e:
