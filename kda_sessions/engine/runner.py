@@ -85,6 +85,11 @@ class Runner:
         """Torch threads the step thread sets (None: torch's default). torch keeps the last count any thread set and
         gives it to threads started later, so the step thread sets the caller's count back when it ends."""
         self.threads_before = torch.get_num_threads()
+        self.check_weights = True
+        """Whether the next decode step checks that the model's parameters are unchanged (``HybridModel.step``): after
+        any step that ran a prefill, i.e. once a request arrived (its caller's code ran since the last check), not on
+        every token of the requests already running (a weight changed while they generate races with this thread's
+        matmuls anyway)."""
         self.cpu_batches = CpuDecodeBatches(pools.page_size) if model.device.type == "cpu" else None
         """Decode batches on a CPU, from buffers reused every step (``CpuDecodeBatches``)."""
         self.cpu_decode_threads = cpu_decode_threads if model.device.type == "cpu" else None
@@ -306,6 +311,7 @@ class Runner:
             positions.append(sorted({c.target - lo for c in cps}))
             wanted.append(cps)
         works = [w for w, _ in chunks]
+        self.check_weights = True
         try:
             logits, states = self._step(self._batch(works, ids, [n for _, n in chunks], positions))
         except Exception as e:
@@ -357,7 +363,8 @@ class Runner:
                 assert len(slots) == len(seqs)
                 logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in seqs], [s.pages for s in seqs])
             elif self.cpu_batches is not None:
-                logits, _ = self._step(self.cpu_batches.batch(seqs, ids))
+                logits, _ = self._step(self.cpu_batches.batch(seqs, ids), self.check_weights)
+                self.check_weights = False
             else:
                 logits, _ = self._step(self._batch(works, ids, [1] * len(works)))
         except Exception as e:
@@ -368,15 +375,15 @@ class Runner:
         self.tokens_decoded += len(works)
         self._sample(works, logits, list(range(len(works))), out)
 
-    def _step(self, batch: ForwardBatch) -> tuple[torch.Tensor, CheckpointStates | None]:
+    def _step(self, batch: ForwardBatch, check_weights: bool = True) -> tuple[torch.Tensor, CheckpointStates | None]:
         """``model.step``; one token per row on ``cpu_decode_threads`` torch threads: a decode step's few-microsecond
         ops each pay an OpenMP region's wake-up on more than one (docs/benchmarks.md, "`tiny` on the CPU")."""
         threads = torch.get_num_threads()
         if not batch.is_decode or self.cpu_decode_threads is None or self.cpu_decode_threads == threads:
-            return self.model.step(batch, self.pools.tensors)
+            return self.model.step(batch, self.pools.tensors, check_weights)
         torch.set_num_threads(self.cpu_decode_threads)
         try:
-            return self.model.step(batch, self.pools.tensors)
+            return self.model.step(batch, self.pools.tensors, check_weights)
         finally:
             torch.set_num_threads(threads)
 

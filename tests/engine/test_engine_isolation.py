@@ -81,7 +81,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, eng: ks.Engine, where: str) -> None:
         real_step = eng.runner.model.step
         broken = {"yes": False}
 
-        def step(batch, pools):  # type: ignore[no-untyped-def]
+        def step(batch, pools, *args):  # type: ignore[no-untyped-def]
             culprit = next((s for s in eng.sessions.values() if s.tools), None)
             if culprit is not None and culprit.slot in batch.slots.tolist():
                 if batch.is_decode and len(batch.num_new) > 1:
@@ -89,7 +89,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, eng: ks.Engine, where: str) -> None:
                     broken["yes"] = broken["yes"] or calls["n"] == 2
                 if broken["yes"]:  # from its second decode step on, the culprit's row fails, alone too
                     raise Injected("model fault")
-            return real_step(batch, pools)
+            return real_step(batch, pools, *args)
 
         monkeypatch.setattr(eng.runner.model, "step", step)
 
@@ -181,13 +181,13 @@ async def test_random_faults_fail_exactly_their_requests(seed, monkeypatch):
                     out[i] = Injected("sampler fault")
             return out
 
-        def step(batch, pools):  # type: ignore[no-untyped-def]
+        def step(batch, pools, *args):  # type: ignore[no-untyped-def]
             poisoned["calls"] += 1
             if poisoned["slot"] is None and poisoned["calls"] >= poisoned["after"]:
                 poisoned["slot"] = rng.choice(batch.slots.tolist())
             if poisoned["slot"] in batch.slots.tolist():
                 raise Injected("model fault")
-            return real_step(batch, pools)
+            return real_step(batch, pools, *args)
 
         monkeypatch.setattr(runner_module, "sample_batch", sample_batch)
         monkeypatch.setattr(eng.runner.model, "step", step)

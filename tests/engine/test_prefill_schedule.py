@@ -52,9 +52,9 @@ def record_calls(eng: Any, calls: list[list[int]]) -> None:
     """Make every model call of ``eng`` append its batch's num_new to ``calls``."""
     step = eng.model.step
 
-    def recorded(batch: ForwardBatch, pools: Any) -> Any:
+    def recorded(batch: ForwardBatch, pools: Any, *args: Any) -> Any:
         calls.append(list(batch.num_new))
-        return step(batch, pools)
+        return step(batch, pools, *args)
 
     eng.model.step = recorded
 
