@@ -43,8 +43,12 @@ import triton
 from torch import Tensor
 
 from kda_sessions.config import ModelConfig
+from kda_sessions.kernels.kda import decode_triton as _kda_dec_mod
+from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
+from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route, triton_moe
 from kda_sessions.kernels.moe.naive import naive_fused_moe
+from kda_sessions.kernels.moe.pdl import use_pdl as _USE_PDL
 from kda_sessions.kernels.moe.route import moe_route_triton
 from kda_sessions.kernels.moe.triton_moe import (
     ADD_NORM_MAX_TOKENS,
@@ -70,6 +74,7 @@ except ImportError:  # a tree whose MoE kernels predate PDL (``--moe-chain`` tim
     pdl = None
 
 HBM_BYTES_PER_S = 4.8e12
+_EARLY_DEFAULT = _kda_dec_mod.EARLY_MAX_PROGRAMS
 T0 = time.time()
 
 
@@ -220,11 +225,28 @@ def direct_from_chain(path: Path) -> object:
 ALT_DIRECT: list = []
 
 
+PDL_ABLATIONS = {
+    "fused-noearly": ("EARLY_MAX_PROGRAMS", "the KDA decode kernel loads nothing before its PDL wait"),
+    "fused-nomatvecpdl": (_matvec_mod, "the Triton matvecs (and W_uv's) without PDL"),
+    "fused-nokdapdl": (_kda_dec_mod, "both KDA decode launches without PDL"),
+    "fused-noprep-pdl": (_prep_mod, "MLA's decode prep without PDL"),
+}
+"""Modes that turn one PDL use of the decode step off (the others as the library has them)."""
+
+
+def _set_ablation(mode: str) -> None:
+    _kda_dec_mod.EARLY_MAX_PROGRAMS = 0 if mode == "fused-noearly" else _EARLY_DEFAULT
+    for name, (mod, _) in PDL_ABLATIONS.items():
+        if isinstance(mod, types.ModuleType):
+            mod.use_pdl = (lambda device: False) if mode == name else _USE_PDL
+
+
 def set_moe_mode(model: HybridModel, mode: str) -> None:
     """fused (the library), fused-nopdl (the library with ``kernels.moe.pdl.ENABLED`` off: no programmatic
-    dependent launch), fused-alt (the library with ``triton_moe.DIRECT_LAUNCH`` set to ``--alt-direct-from``'s
-    tiles), gather (the replaced code), twin (the naive twin, bf16; not capturable) or twin32 (the twin in
-    float32)."""
+    dependent launch), the ``PDL_ABLATIONS`` (one PDL use off), fused-alt (the library with
+    ``triton_moe.DIRECT_LAUNCH`` set to ``--alt-direct-from``'s tiles), gather (the replaced code), twin (the naive
+    twin, bf16; not capturable) or twin32 (the twin in float32)."""
+    _set_ablation(mode)
     if pdl is not None:
         pdl.ENABLED = mode != "fused-nopdl"
     triton_moe.DIRECT_LAUNCH = ALT_DIRECT[0] if mode == "fused-alt" and ALT_DIRECT else LIBRARY_DIRECT

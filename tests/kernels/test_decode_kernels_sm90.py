@@ -40,11 +40,12 @@ out = {
     "decode": ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
                                    "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32",
                                    "gw": bf},
-                  {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BF": 128,
-                   "PDL": False}),
+                  {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
+                   "BF": 128, "PDL": False, "EARLY": False}),
     "norm": ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32, "y": bf,
                                      "eps": "fp32", "gw": bf},
-                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BF": 128, "PDL": False}),
+                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "BF": 128,
+                 "PDL": False, "EARLY": False}),
 }
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
@@ -59,10 +60,11 @@ out["decode_pdl"] = ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf
                                          "dt_bias": f32, "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf,
                                          "scale": "fp32", "gw": bf},
                         {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128,
-                         "BF": 128, "PDL": True})
+                         "BJ": 32, "BF": 128, "PDL": True, "EARLY": True})
 out["norm_pdl"] = ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32,
                                            "y": bf, "eps": "fp32", "gw": bf},
-                      {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BF": 128, "PDL": True})
+                      {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "BF": 128,
+                       "PDL": True, "EARLY": True})
 print(json.dumps(out))
 """
 
