@@ -25,6 +25,13 @@ and ``compiled-bf16`` (that, reading bfloat16 matmul weights: ``cpu_compile_weig
 
 The machine is shared: every figure is the best of ``--reps`` and comes with the 1-minute load average read
 just before it (``os.getloadavg``), so a reader can tell a quiet run from a contended one.
+
+    python bench/cpu_engine.py --against REF [--rounds 6] [--reps 3]
+
+A/B against git ``REF`` in one process, for a change too small to see across runs on a shared machine: the library
+at REF is exported beside the working tree's (renamed ``kda_ref``), an engine of each (default settings, ``tiny``)
+runs ``--reps`` 64-token greedy generations at 1K context in turn, ``--rounds`` times, alternating which goes first;
+tokens/s (best, median) and CPU ms a token of each, the load range, and whether both generated the same tokens.
 """
 
 from __future__ import annotations
@@ -160,6 +167,65 @@ async def engine_runs(reps: int, path: str, cpu_threads: int | None) -> dict[str
     return {"engine_decode": dec, "engine_prefill": pre, "engine_open_s": opened}
 
 
+def export_ref(ref: str, into: Path) -> str:
+    """The library at git ``ref`` as package ``kda_ref`` under ``into`` (its kernels and storage inside it, as the
+    editable install maps them; every ``kda_sessions`` name in its sources renamed), importable beside this tree's."""
+    name = "kda_ref"
+    tar = subprocess.run(["git", "archive", ref, "kda_sessions", "kernels", "storage"], cwd=common.REPO,
+                         capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=tar, check=True)
+    pkg = into / name
+    (into / "kda_sessions").rename(pkg)
+    for part in ("kernels", "storage"):
+        (into / part).rename(pkg / part)
+    for f in pkg.rglob("*.py"):
+        f.write_text(f.read_text().replace("kda_sessions", name))
+    return name
+
+
+async def against(ref_pkg: str, rounds: int, reps: int) -> dict[str, Any]:
+    import importlib
+
+    import kda_sessions
+
+    libs = {"ref": importlib.import_module(ref_pkg), "tree": kda_sessions}
+    toks = [(i * 31) % 250 for i in range(1024)]
+    engines = {k: await lib.Engine.open(model="tiny", store="memory:", device="cpu") for k, lib in libs.items()}
+    rates: dict[str, list[float]] = {k: [] for k in libs}
+    cpu: dict[str, list[float]] = {k: [] for k in libs}
+    out: dict[str, list[int]] = {}
+    loads = []
+    try:
+        for e in engines.values():  # warm-up
+            s = await e.create_session()
+            await s.append(toks[:16])
+            await s.generate(max_tokens=8, ignore_eos=True)
+            await e.delete_session(s.id)
+        for r in range(rounds):
+            for k in (["ref", "tree"] if r % 2 == 0 else ["tree", "ref"]):
+                for _ in range(reps):
+                    s = await engines[k].create_session()
+                    await s.append(toks)
+                    loads.append(_load())
+                    t, c = time.perf_counter(), time.process_time()
+                    res = await s.generate(max_tokens=64, ignore_eos=True)
+                    wall, c = time.perf_counter() - t, time.process_time() - c
+                    rates[k].append(len(res.token_ids) / wall)
+                    cpu[k].append(1000 * c / len(res.token_ids))
+                    out[k] = res.token_ids
+                    await engines[k].delete_session(s.id)
+    finally:
+        for e in engines.values():
+            await e.close()
+    summary: dict[str, Any] = {"context": 1024, "tokens": 64, "runs_each": rounds * reps,
+                               "load": [min(loads), max(loads)], "same_tokens": out["ref"] == out["tree"]}
+    for k in libs:
+        v = sorted(rates[k])
+        summary[k] = {"best_tok_s": round(v[-1], 1), "median_tok_s": round(v[len(v) // 2], 1),
+                      "min_cpu_ms_per_token": round(min(cpu[k]), 3), "median_cpu_ms_per_token": round(sorted(cpu[k])[len(v) // 2], 3)}
+    return summary
+
+
 def set_fast(model: Any, on: bool) -> None:
     for m in model.modules():  # attention layers and dense FFNs
         if hasattr(m, "fast_cpu"):
@@ -192,7 +258,21 @@ def main() -> None:
     p.add_argument("--out", help="also write the JSON here")
     p.add_argument("--paths", default="reference,fast,compiled", help=f"comma-separated, of {PATHS}")
     p.add_argument("--child", choices=PATHS, help=argparse.SUPPRESS)
+    p.add_argument("--against", metavar="REF", help="A/B of the default engine against git REF, in one process")
+    p.add_argument("--rounds", type=int, default=6, help="with --against: rounds of --reps runs each")
     args = p.parse_args()
+    if args.against:
+        import tempfile
+
+        import anyio
+
+        with tempfile.TemporaryDirectory() as d:
+            sys.path.insert(0, d)
+            ref = export_ref(args.against, Path(d))
+            res = anyio.run(against, ref, args.rounds, args.reps)
+        common.emit({"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "against": args.against,
+                     **res}, args.out)
+        return
     if args.child:
         print(json.dumps(child(args.reps, args.child, "OMP_NUM_THREADS" not in os.environ)))
         return
