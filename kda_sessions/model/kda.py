@@ -225,6 +225,8 @@ class KDAAttention(nn.Module):
         (``fused.residual_matmul``, eager only). The same math as the twins in another order of sums: outputs match to float
         rounding."""
         N = x.shape[0]
+        if N == 1 and not torch.compiler.is_compiling():
+            return self.decode_one(x, S[0], tails[0], w, residual)
         H, K, V = self.H, self.K, self.V
         HK, Dc = H * K, self.conv_dim
         f32 = torch.float32
@@ -264,6 +266,44 @@ class KDAAttention(nn.Module):
         if residual is not None:
             return residual_matmul(residual, o, w_out)
         return row_matmul(o, w_out)
+
+    def decode_one(self, x: Tensor, S: Tensor, tails: Tensor, w: tuple[Tensor, ...],
+                   residual: Tensor | None = None) -> Tensor:
+        """``decode_rows`` of one sequence, eagerly (what it runs for N = 1): the same ops on the same values, less the
+        batch dimension and the reshapes it needs (five ops fewer). x [1, D]; S [H, K, V] float32 and tails
+        [W - 1, Dc], the sequence's state and conv tails (views of its pool rows, updated in place); w,
+        ``cpu_decode_weights``. Returns [1, D], plus ``residual`` [1, D] where given."""
+        H, K, V = self.H, self.K, self.V
+        HK, Dc = H * K, self.conv_dim
+        f32 = torch.float32
+        w_in, w_gate, conv_w, gate_bias, neg_a, qk_scale, w_out, eps_qk, eps_o = w
+        new, fa_ga, b = torch.split_with_sizes(torch.mm(x, w_in), [Dc, K + V, H], 1)  # [1, Dc + K + V + H]
+        fg = torch.mm(fa_ga, w_gate)  # [1, H*K + H*V]: raw gate + dt_bias | output gate logits, float32
+        raw, og = torch.split_with_sizes((fg if fg.dtype == f32 else fg.float()).add_(gate_bias), [HK, H * V], 1)
+        seq = torch.cat([tails, new if new.dtype == tails.dtype else new.to(tails.dtype)])  # [W, Dc]
+        tails.copy_(seq[1:])
+        qkv = torch.nn.functional.silu((seq if seq.dtype == f32 else seq.float()).mul_(conv_w).sum(0))  # [Dc]
+        qk, v = torch.split_with_sizes(qkv, [2 * HK, H * V])
+        qk = qk.view(2 * H, K)  # the q heads, then the k heads
+        qk = qk * (qk * qk).sum(-1, keepdim=True).add_(eps_qk).rsqrt_().mul_(qk_scale)  # l2norm, q also * K^-0.5
+        q, k = torch.split_with_sizes(qk.view(2 * H, 1, K), [H, H])  # [H, 1, K] each
+        v = v.view(H, 1, V)
+        if self.lower_bound is None:
+            g = torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0).mul_(neg_a)
+        else:
+            g = torch.sigmoid(-neg_a * raw).mul_(self.lower_bound)
+        beta = torch.sigmoid(b if b.dtype == f32 else b.float()).view(H, 1, 1)
+        # one recurrence step per head: decay, delta update, read (KDA.md)
+        S.mul_(g.exp_().view(H, K, 1))
+        delta = torch.baddbmm(v, k, S, alpha=-1).mul_(beta)  # (v - k S) beta [H, 1, V]
+        S.addcmul_(k.transpose(1, 2), delta)
+        o = torch.bmm(q, S)  # [H, 1, V]
+        o.mul_((o * o).sum(-1, keepdim=True).add_(eps_o).rsqrt_())  # o_norm: its weight and sqrt(V) are in w_out
+        o = o.view(1, H * V).mul_(torch.sigmoid(og))
+        o = o if o.dtype == x.dtype else o.to(x.dtype)
+        if residual is not None:
+            return residual_matmul(residual, o, w_out)
+        return torch.mm(o, w_out)
 
     def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],

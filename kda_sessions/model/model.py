@@ -344,7 +344,9 @@ class HybridModel(nn.Module):
         for i, attn in enumerate(plan.attns):
             if isinstance(attn, KDAAttention):
                 state, conv = pools.kda[ik], pools.conv[ik]
-                if s0 is not None:
+                if s0 is not None and N == 1:
+                    x = attn.decode_one(h, state[s0], conv[s0], attn_w[i], x)
+                elif s0 is not None:
                     x = attn.decode_rows(h, state[s0 : s0 + N], conv[s0 : s0 + N], attn_w[i], x)
                 else:
                     x = attn.decode_cpu(h, slots, state, conv, residual=x)

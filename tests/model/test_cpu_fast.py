@@ -61,6 +61,29 @@ def test_fast_decode_matches_reference(model, lengths):
         assert rel_err(a, b) < TOL
 
 
+def test_fast_decode_with_bounded_gate_matches_reference(tmp_path):
+    """The bounded KDA gate (``kda_gate_lower_bound``) on the CPU decode path, one sequence and two."""
+    from kda_sessions.model import save_model
+
+    save_model(load_model("tiny"), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["kda_gate_lower_bound"] = -5.0
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    m = load_model(tmp_path)
+    for seqs in ([0], [0, 1]):
+        runs = {}
+        for fast in (False, True):
+            set_fast(m, fast)
+            r = Runner(m, len(seqs), 60)
+            logits, _ = r.feed(seqs, [list(range(10 + 7 * s, 40)) for s in seqs])
+            for _ in range(6):
+                logits, _ = r.feed(seqs, [[t] for t in logits.argmax(-1).tolist()])
+            runs[fast] = (logits, r.pools.kda)
+        assert rel_err(runs[True][0], runs[False][0]) < TOL
+        for a, b in zip(runs[True][1], runs[False][1]):
+            assert rel_err(a, b) < TOL
+
+
 def _scale_weights(m: HybridModel, factor: float) -> None:
     with torch.no_grad():
         for layer in m.model.layers:
