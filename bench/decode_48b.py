@@ -74,7 +74,6 @@ except ImportError:  # a tree whose MoE kernels predate PDL (``--moe-chain`` tim
     pdl = None
 
 HBM_BYTES_PER_S = 4.8e12
-_EARLY_DEFAULT = _kda_dec_mod.EARLY_MAX_PROGRAMS
 T0 = time.time()
 
 
@@ -226,7 +225,6 @@ ALT_DIRECT: list = []
 
 
 PDL_ABLATIONS = {
-    "fused-noearly": ("EARLY_MAX_PROGRAMS", "the KDA decode kernel loads nothing before its PDL wait"),
     "fused-nomatvecpdl": (_matvec_mod, "the Triton matvecs (and W_uv's) without PDL"),
     "fused-nokdapdl": (_kda_dec_mod, "both KDA decode launches without PDL"),
     "fused-noprep-pdl": (_prep_mod, "MLA's decode prep without PDL"),
@@ -235,10 +233,8 @@ PDL_ABLATIONS = {
 
 
 def _set_ablation(mode: str) -> None:
-    _kda_dec_mod.EARLY_MAX_PROGRAMS = 0 if mode == "fused-noearly" else _EARLY_DEFAULT
     for name, (mod, _) in PDL_ABLATIONS.items():
-        if isinstance(mod, types.ModuleType):
-            mod.use_pdl = (lambda device: False) if mode == name else _USE_PDL
+        mod.use_pdl = (lambda device: False) if mode == name else _USE_PDL
 
 
 def set_moe_mode(model: HybridModel, mode: str) -> None:

@@ -52,10 +52,9 @@ def kda_decode(
     out_norm's gate [N, VF], g_a's output.
 
     ``pdl`` (CUDA on Hopper, ``kernels.moe.pdl.use_pdl``; ignored elsewhere): both launches are PDL launches
-    that let the next launch start at once; the first loads the states and conv tails at the slots before it
-    waits for the launch before it. Only for a caller where no launch that may still be running then writes
-    them: the launch before, and any PDL launches before it that let their dependents start early (the model's
-    decode step: its input projection's matvec, after the layers before, which touch other pools).
+    that let the next launch start at once and wait for the launch before them before they read anything; worth it
+    where the next launch loads something before its own wait (the model's output projection at one sequence, a
+    PDL matvec).
     """
     N, H = b.shape
     S, H_, K, V = state.shape

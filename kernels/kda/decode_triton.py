@@ -10,9 +10,9 @@ the stream. Given the gates' weights, each program also computes its head's gate
 gathered or scattered and no intermediate tensor is written, so a step costs two launches
 instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and it can be captured in a CUDA graph.
 
-With ``pdl`` on Hopper both are PDL launches (``kernels.moe.pdl``): the decode kernel's programs load the state
-slices, conv tails and weights while the projection before them ends, then wait for it; both let the next launch
-start at once (the output norm's launch, then the output projection's matvec, load their weights early too).
+With ``pdl`` on Hopper both are PDL launches (``kernels.moe.pdl``): each lets the next launch start at once and
+waits for the launch before it before reading anything, so the output norm's launch and then the output
+projection's PDL matvec start early (the matvec loads its weight while these two run).
 """
 
 from __future__ import annotations
@@ -63,33 +63,17 @@ def _head_matvec(x, w_rows, m, KF: tl.constexpr, BJ: tl.constexpr):
 
 
 @triton.jit
-def _head_rows(w_rows, m, KF: tl.constexpr, BF: tl.constexpr):
-    """One head's rows of a gate's second projection, [B, BF] as stored (BF = KF rounded up to a power of two, the
-    rest 0): pointers [B] to rows of unit column stride, mask m; loaded whole, before the PDL wait."""
-    rj = tl.arange(0, BF)
-    return tl.load(w_rows[:, None] + rj[None, :], mask=m[:, None] & (rj < KF)[None, :], other=0.0)
-
-
-@triton.jit
-def _head_matvec_rows(x, wt, KF: tl.constexpr, BF: tl.constexpr):
-    """``_head_matvec`` from the rows ``_head_rows`` loaded, summed in one step."""
-    rj = tl.arange(0, BF)
-    xj = tl.load(x + rj, mask=rj < KF, other=0.0).to(tl.float32)
-    acc = tl.sum(wt.to(tl.float32) * xj[None, :], axis=1)
-    return acc.to(x.dtype.element_ty).to(tl.float32)
-
-
-@triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False,
+    BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Program (V block, sequence n * H + head h). With PDL it lets the next launch start and waits for the launch
-    before (the projections: qkv, raw, b); with EARLY (PDL launches of few programs: the registers it takes) it
-    first loads everything that is not that launch's output: the state slice, the conv tails and weights, the
-    gate's rows (whole, ``_head_rows``), dt_bias."""
+    """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
+    launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
+    wait took 255 registers and measured 10-13 us a step slower at 1 x 128K and 1 x 1M on the H200.)"""
+    if PDL:
+        gdc_launch_dependents()  # the next launch (the tail shift and output norm) reads nothing before its wait
+        gdc_wait()
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
@@ -100,24 +84,10 @@ def _decode_kernel(
     cv = iv * BV + tl.arange(0, BV)
     mk = rk < K
     mv = cv < V
-    mkv = mk[:, None] & mv[None, :]
-    sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
     tail = conv + slot * (W - 1) * Dc
-    if EARLY:
-        S = tl.load(sptr, mask=mkv, other=0.0)
-        q_acc, q_w = _conv_tail(tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
-        k_acc, k_w = _conv_tail(tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
-        v_acc, v_w = _conv_tail(tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
-        if KF > 0:
-            g_rows = _head_rows(gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BF)
-        dtb = tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_launch_dependents()  # the next launch (the tail shift and output norm) reads only weights before its wait
-        gdc_wait()
-    if not EARLY:
-        q_acc, q_w = _conv_tail(tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
-        k_acc, k_w = _conv_tail(tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
-        v_acc, v_w = _conv_tail(tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
+    q_acc, q_w = _conv_tail(tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
+    k_acc, k_w = _conv_tail(tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
+    v_acc, v_w = _conv_tail(tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
     x_row = qkv + n.to(tl.int64) * s_x
     qt = _conv_silu(x_row, q_acc, q_w, h * K + rk, mk)
     kt = _conv_silu(x_row, k_acc, k_w, H * K + h * K + rk, mk)
@@ -126,15 +96,10 @@ def _decode_kernel(
     kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
     # the gate: raw logits + dt_bias -> log-decay (kernels/gate/naive.py)
     if KF > 0:  # the logits from f_a's output [KF] and head h's rows of f_b's weight [H*K, KF]
-        if EARLY:
-            logit = _head_matvec_rows(raw + n.to(tl.int64) * s_raw, g_rows, KF, BF)
-        else:
-            logit = _head_matvec(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BJ)
+        logit = _head_matvec(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BJ)
     else:
         logit = tl.load(raw + n.to(tl.int64) * s_raw + h * K + rk, mask=mk, other=0.0).to(tl.float32)
-    if not EARLY:
-        dtb = tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
-    gx = logit + dtb
+    gx = logit + tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
     a = tl.exp(tl.load(A_log + h).to(tl.float32))
     if BOUNDED:
         gt = lower_bound * tl.sigmoid(a * gx)
@@ -143,8 +108,9 @@ def _decode_kernel(
         gt = -a * softplus
     bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
     # the recurrence on this program's [K, BV] slice of the state, in place at the slot
-    if not EARLY:
-        S = tl.load(sptr, mask=mkv, other=0.0)
+    mkv = mk[:, None] & mv[None, :]
+    sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
+    S = tl.load(sptr, mask=mkv, other=0.0)
     S = S * tl.exp(gt)[:, None]
     pred = tl.sum(kt[:, None] * S, axis=0)
     S += kt[:, None] * (bt * (vt - pred))[None, :]
@@ -176,46 +142,33 @@ def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr,
 def _shift_norm_kernel(
     qkv, s_x, conv, slots, o, gate, s_g, nw, y, eps, gw, s_gw,
     H: tl.constexpr, V: tl.constexpr, Dc: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    VF: tl.constexpr, BJ: tl.constexpr, BF: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    VF: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (n, h): the conv-tail shift of channels [h C, (h + 1) C) (C = Dc / H) of sequence n, and head h's
     ``rms_norm(o) * sigmoid(gate)`` (``kernels.norm``'s gated norm) into y [N, H, V]; with VF > 0 the gate
     logits from g_a's output [VF] (``gate``) and head h's rows of g_b's weight [H*V, VF] (``gw``). With PDL the
-    next launch may start at once (it reads only weights before its own wait) and the program waits for the decode
-    kernel (which reads the tails and writes o); with EARLY the gate's rows and the norm's weight load before."""
+    next launch may start at once, and the program waits for the decode kernel (which reads the tails and writes
+    o) before it reads anything."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     n = tl.program_id(0)
     h = tl.program_id(1)
     C: tl.constexpr = Dc // H
     c = tl.arange(0, BC)
-    d = tl.arange(0, BV)
-    m = d < V
-    if EARLY:
-        if VF > 0:
-            g_rows = _head_rows(gw + (h * V + d).to(tl.int64) * s_gw, m, VF, BF)
-        wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
     if W > 1:
         _shift(qkv, s_x, conv, slots, n, h * C + c, c < C, Dc, W)
+    d = tl.arange(0, BV)
+    m = d < V
     row = (n * H + h).to(tl.int64) * V
     v = tl.load(o + row + d, mask=m, other=0.0).to(tl.float32)
     if VF > 0:
-        if EARLY:
-            z = _head_matvec_rows(gate + n.to(tl.int64) * s_g, g_rows, VF, BF)
-        else:
-            z = _head_matvec(gate + n.to(tl.int64) * s_g, gw + (h * V + d).to(tl.int64) * s_gw, m, VF, BJ)
+        z = _head_matvec(gate + n.to(tl.int64) * s_g, gw + (h * V + d).to(tl.int64) * s_gw, m, VF, BJ)
     else:
         z = tl.load(gate + n.to(tl.int64) * s_g + h * V + d, mask=m, other=0.0).to(tl.float32)
     inv = tl.rsqrt(tl.sum(v * v, axis=0) / V + eps)
-    if not EARLY:
-        wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
+    wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
     tl.store(y + row + d, (v * inv * wv * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
-
-
-EARLY_MAX_PROGRAMS = 128
-"""PDL decode launches of up to this many programs (one sequence at the 48B shape: 32 heads x 2 V blocks) load
-their states, tails and weights before the wait (``EARLY``)."""
 
 
 def decode_launch_config(N: int, H: int, V: int, gate_in_kernel: bool) -> tuple[int, int]:
@@ -256,17 +209,13 @@ def kda_decode_triton(
     BV, num_warps = config or decode_launch_config(N, H, V, gate_proj is not None)
     pdl = pdl and use_pdl(qkv.device)
     launch = {"launch_pdl": True} if pdl else {}
-    # loads before the wait: only where the programs are few (one per SM or less), as they keep whole weight and
-    # state tiles in registers across it (255 a thread at BV 64 against 124; at BV 128 they would spill)
-    early = pdl and N * H * triton.cdiv(V, BV) <= EARLY_MAX_PROGRAMS
     KF = 0 if gate_proj is None else gate_proj.shape[1]
     gw = raw if gate_proj is None else gate_proj  # a placeholder pointer where KF = 0
     _decode_kernel[(triton.cdiv(V, BV), N * H)](
         qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
         conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
         gw, gw.stride(0), H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
-        KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), BF=triton.next_power_of_2(max(KF, 1)), PDL=pdl,
-        EARLY=early, num_warps=num_warps, **launch,
+        KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), PDL=pdl, num_warps=num_warps, **launch,
     )
     if out_norm is not None:
         nw, gate, eps = out_norm
@@ -276,8 +225,7 @@ def kda_decode_triton(
         _shift_norm_kernel[(N, H)](
             qkv, qkv.stride(0), conv_state, slots, o, gate, gate.stride(0), nw, y, float(eps), ogw, ogw.stride(0),
             H=H, V=V, Dc=Dc, W=W, BC=triton.next_power_of_2(Dc // H), BV=triton.next_power_of_2(V), VF=VF,
-            BJ=min(32, triton.next_power_of_2(max(VF, 1))), BF=triton.next_power_of_2(max(VF, 1)), PDL=pdl,
-            EARLY=early, num_warps=4, **launch,
+            BJ=min(32, triton.next_power_of_2(max(VF, 1))), PDL=pdl, num_warps=4, **launch,
         )
         return y
     if W > 1:

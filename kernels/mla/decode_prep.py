@@ -7,9 +7,10 @@ Grid (N, H * RB + 1): program (n, j) for j < H * RB computes the r-block j % RB 
 from its [dn, BR] tile of kv_b_proj's weight (read in place, no derived copy); program (n, H * RB) writes the
 sequence's new cache row.
 
-On Hopper it is a PDL launch (``kernels.moe.pdl``): each program loads its weights (W_uk's tile, the norm's)
-before it waits for the input projection, and lets the next launch (the attention's split kernel, which reads
-nothing before its own wait) start at once.
+On Hopper, for up to ``linear.MATVEC_MAX_ROWS`` sequences (where the input projection before it is a PDL matvec
+that lets it start early), it is a PDL launch (``kernels.moe.pdl``): each program loads its weights (W_uk's tile,
+the norm's) before it waits for the input projection, and lets the next launch (the attention's split kernel,
+which reads nothing before its own wait) start at once.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..linear import MATVEC_MAX_ROWS
 from ..moe.pdl import use_pdl
 
 
@@ -87,7 +89,7 @@ def mla_decode_prep_triton(
     BR = min(128, triton.next_power_of_2(r))
     while r % BR:
         BR //= 2
-    pdl = use_pdl(y.device)
+    pdl = use_pdl(y.device) and N <= MATVEC_MAX_ROWS
     _prep_kernel[(N, H * (r // BR) + 1)](
         y, y.stride(0), w_kv_b, norm_w, kv_pages, kv_rows, q_lat, q_pe, float(eps), H=H, DN=dn, DR=dr, DV=dv, R=r,
         BR=BR, BDN=triton.next_power_of_2(dn), BDR=triton.next_power_of_2(dr), BRF=triton.next_power_of_2(r),

@@ -34,6 +34,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..linear import MATVEC_MAX_ROWS
 from .pdl import use_pdl
 from .route import arrival_counters
 
@@ -297,6 +298,7 @@ def _down_direct_kernel(
     res, norm_w, s_out, h_out, counter, T, eps,
     D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     NORM: tl.constexpr, BD: tl.constexpr, PRE: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
+    TRIGGER: tl.constexpr = False,
 ):
     """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block):
     the products of GROUP pairs at a time summed in one [BN, BK] accumulator (routing weight folded into the
@@ -305,7 +307,8 @@ def _down_direct_kernel(
     the up kernel waited for before this launch could start; act is the up kernel's. With NORM the last program
     to finish (an arrival counter, reset by it) adds the T rows of y to the residual rows res [T, D] and norms
     them as ``kernels.norm.add_rms_norm`` does: s_out = res + y, h_out = rms_norm(s_out) * norm_w (both [T, D]
-    contiguous)."""
+    contiguous). With TRIGGER (a PDL launch of up to ``linear.MATVEC_MAX_ROWS`` tokens, whose next launch, the next
+    layer's input projection, is then a PDL matvec) each program lets the next launch start after its wait."""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < D
@@ -319,6 +322,7 @@ def _down_direct_kernel(
         w_b = tl.load(w_rows + ex_b * stride_we, mask=n_ok[:, None] & (kk < Fw)[None, :], other=0.0)
     if PDL:
         gdc_wait()  # act is the up kernel's output
+    if TRIGGER:
         # the next launch may start (the next layer's input matvec: its weight streams while this one ends),
         # after the wait as the up kernel's: a dependent's prologue runs once the up kernel and the router are done
         gdc_launch_dependents()
@@ -421,7 +425,7 @@ def _direct(
         res, norm_w, y if s is None else s, y if h is None else h, counter, T, float(eps),
         D=D, Fw=Fw, TOP_K=k, BN=c.BN_DOWN, BK=bk_down, NORM=add_norm is not None,
         BD=triton.next_power_of_2(D), PRE=min(c.PRE_DOWN, k), GROUP=min(c.GROUP_DOWN, k) if T == 1 else k,
-        PDL=pdl, num_warps=c.WARPS_DOWN, **launch,
+        PDL=pdl, TRIGGER=pdl and T <= MATVEC_MAX_ROWS, num_warps=c.WARPS_DOWN, **launch,
     )
     return y, s, h
 

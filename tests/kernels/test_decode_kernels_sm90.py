@@ -41,11 +41,10 @@ out = {
                                    "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32",
                                    "gw": bf},
                   {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
-                   "BF": 128, "PDL": False, "EARLY": False}),
+                   "PDL": False}),
     "norm": ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32, "y": bf,
                                      "eps": "fp32", "gw": bf},
-                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "BF": 128,
-                 "PDL": False, "EARLY": False}),
+                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "PDL": False}),
 }
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
@@ -60,11 +59,10 @@ out["decode_pdl"] = ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf
                                          "dt_bias": f32, "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf,
                                          "scale": "fp32", "gw": bf},
                         {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128,
-                         "BJ": 32, "BF": 128, "PDL": True, "EARLY": True})
+                         "BJ": 32, "PDL": True})
 out["norm_pdl"] = ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32,
                                            "y": bf, "eps": "fp32", "gw": bf},
-                      {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "BF": 128,
-                       "PDL": True, "EARLY": True})
+                      {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "PDL": True})
 print(json.dumps(out))
 """
 
@@ -96,10 +94,9 @@ def _before_wait(ptx: str) -> tuple[list[str], list[str]]:
     return lines[: waits[0]], lines[waits[0] + 1 :]
 
 
-def test_pdl_kernels_load_their_weights_and_states_before_the_wait():
-    """The PDL variants (Hopper): every load that does not read the launch before's output is issued before the
-    wait (the matvec's weight row; the decode kernel's state slice, conv tails and weights, gate rows; the norm's
-    gate rows), and every store after it."""
+def test_pdl_kernels_load_their_weights_before_the_wait():
+    """The PDL variants (Hopper): the matvecs' weight rows and the prep kernel's W_uk tile are requested before the
+    wait for the launch before; the KDA decode launches read nothing before it; no store precedes a wait."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -119,13 +116,7 @@ def test_pdl_kernels_load_their_weights_and_states_before_the_wait():
     assert len(waits) == 2
     assert sum("ld.global" in ln for ln in lines[: waits[0]]) >= 8
     assert not any("st.global" in ln for ln in lines[: waits[0]])
-    pre, post = _before_wait(out["decode_pdl"])
-    loads = sum("ld.global" in ln for ln in pre)
-    # the [128, 64] float32 state slice (32 KB on 128 threads, 16-byte loads: 16 a thread) and the [128, 128] bf16
-    # gate rows (16 a thread) at least; qkv's new row, f_a's output and beta after the wait
-    assert loads >= 32
-    assert sum("ld.global" in ln for ln in post) >= 3
-    assert not any("st.global" in ln for ln in pre)
-    pre, post = _before_wait(out["norm_pdl"])
-    assert sum("ld.global" in ln for ln in pre) >= 16 and not any("st.global" in ln for ln in pre)
-    assert any("st.global" in ln for ln in post)
+    for name in ("decode_pdl", "norm_pdl"):
+        pre, post = _before_wait(out[name])
+        assert not any("ld.global" in ln or "st.global" in ln for ln in pre), name
+        assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post), name

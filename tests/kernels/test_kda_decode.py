@@ -234,8 +234,8 @@ def _pdl_fresh_pools(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 @pytest.mark.gpu
 def test_pdl_launches_in_a_graph_match_plain_launches():
-    """The model's KDA decode chain with PDL (Hopper: the matvecs and both decode launches start early and load
-    weights, states and tails before they wait) as CUDA-graph replays, against the same chain with PDL off,
+    """The model's KDA decode chain with PDL (Hopper: the matvecs and both decode launches start early, the
+    matvecs load their weights before they wait) as CUDA-graph replays, against the same chain with PDL off,
     eagerly: each step's output, the states and the tails agree (a launch reading its input before the launch
     before wrote it would give another step's values)."""
     if not torch.cuda.is_available():
