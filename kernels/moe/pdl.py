@@ -17,11 +17,13 @@ import functools
 import torch
 
 ENABLED = True
-"""The knob: False launches every MoE decode kernel without PDL (``bench/decode_48b.py --pdl`` compares both)."""
+"""The knob: False launches every decode kernel that uses PDL without it (the MoE's, and those of
+``kernels.linear``'s matvecs, ``kernels.kda``'s decode and ``kernels.mla``'s decode prep, which follow the same
+rules; ``bench/decode_48b.py --modes fused,fused-nopdl`` compares both)."""
 
 
 def use_pdl(device: torch.device) -> bool:
-    """Whether the MoE decode kernels launch with PDL on ``device``: ``ENABLED``, a CUDA device of compute
+    """Whether the decode kernels launch with PDL on ``device``: ``ENABLED``, a CUDA device of compute
     capability 9.0 or more, and a Triton that takes ``launch_pdl``."""
     return ENABLED and device.type == "cuda" and _supported(device.index)
 

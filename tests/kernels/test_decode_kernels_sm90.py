@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 # in a process of its own: this folder's conftest turns the interpreter on without a GPU
 _COMPILE = """
 import inspect, json
@@ -67,11 +69,16 @@ print(json.dumps(out))
 """
 
 
-def test_decode_kernels_compile_for_sm90():
+@pytest.fixture(scope="module")
+def out() -> dict:
+    """Each kernel's PTX, compiled once for this module's tests."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "norm", "matvec_pdl", "prep_pdl", "heads_pdl", "decode_pdl",
                         "norm_pdl"}
     assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "norm"))
@@ -94,13 +101,9 @@ def _before_wait(ptx: str) -> tuple[list[str], list[str]]:
     return lines[: waits[0]], lines[waits[0] + 1 :]
 
 
-def test_pdl_kernels_load_their_weights_before_the_wait():
+def test_pdl_kernels_load_their_weights_before_the_wait(out):
     """The PDL variants (Hopper): the matvecs' weight rows and the prep kernel's W_uk tile are requested before the
     wait for the launch before; the KDA decode launches read nothing before it; no store precedes a wait."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
     pre, post = _before_wait(out["matvec_pdl"])
     # one weight row of 4096 bf16 on 4 warps: 8 KB in 16-byte loads (4 a thread), all before the wait; x's after it
     assert sum("ld.global.v4" in ln for ln in pre) >= 4
