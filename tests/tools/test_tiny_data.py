@@ -27,6 +27,7 @@ from tools.tiny_data import (
     TOK,
     RenamedCorpus,
     _episode,
+    _grep_episode,
     _list_episode,
     _name_stems,
     _read_episode,
@@ -503,6 +504,33 @@ def test_count_answers_number_each_listed_entry_before_the_total():
         if seen == 5:
             break
     assert seen == 5
+
+
+def test_list_and_grep_episodes_take_the_asked_variant_and_kind():
+    c = corpus()
+    rng = random.Random(9)
+    small = [d for d in c.dirs["train"] if len(c.entries(d)) <= 10][:6]
+    big = next(d for d in c.dirs["train"] if len(c.entries(d)) > 10)
+    for d in small:
+        for v in ("count", "first", "has"):
+            ep = _list_episode(rng, c, d, "train", v)
+            assert ep is not None and ep.variant == v and ep.arguments == {"path": d}
+    assert _list_episode(rng, c, big, "train", "count") is None  # a count is asked of 10 entries or fewer
+    for what in ("class", "def"):
+        got = [ep for rel in c.files["train"][:80] if (ep := _grep_episode(rng, c, rel, what)) is not None]
+        assert len(got) > 10 and all(ep.arguments["pattern"].startswith(what + " ") for ep in got)
+
+
+def test_renamed_projects_name_mix_picks_single_words_or_joined_ones():
+    words = tuple(f"word{chr(97 + i)}{chr(97 + j)}" for i in range(26) for j in range(26))  # enough for 72 names
+
+    def parts(mix: tuple[float, float]) -> list[str]:
+        c = RenamedCorpus(random.Random(3), corpus(), n_files=12, n_dirs=6, words=words, name_mix=mix)
+        return [x for d in c.holders() + c.dirs["train"] for x in d.split("/")]
+
+    assert all(x in words for x in parts((1.0, 1.0)))
+    assert all("_" in x for x in parts((0.0, 1.0)))
+    assert not any(x in words or "_" in x for x in parts((0.0, 0.0)))
 
 
 def test_facts_come_from_the_tool_output():

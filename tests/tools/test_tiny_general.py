@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kda_sessions.tokenizer import parse_assistant_output, validate_arguments
-from kda_sessions.tools import TOOL_SCHEMAS
+from kda_sessions.tools import TOOL_SCHEMAS, ToolError, Tools
 from tools import eval_tiny
 from tools import tiny_general as tg
 from tools import tiny_phrasing as tp
@@ -85,7 +85,7 @@ def test_questions_vary_and_keep_their_slots_verbatim(intent: str):
 def test_heldout_phrasings_and_off_task_messages_never_appear_in_training_rows():
     held = [tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if t.heldout]
     held += [tp.template_regex(t) for t in tp.OFF_TASK["heldout"]]
-    train = {t.id: tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if not t.heldout}
+    train = {t.id: tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if not (t.heldout or t.extra)}
     questions = [q for ids, _ in _rows(3, 64) for q in _user_turns(ids)]
     assert len(questions) > 200
     for q in questions:
@@ -327,3 +327,148 @@ def test_copy_drill_rows_copy_their_projects_words_into_calls_and_answers():
         random.Random(5), "heldout", 4096, 0.5)
     assert tg.make_general_row(random.Random(5), "train", 4096, 0.5, copy=0.0) == tg.make_general_row(
         random.Random(5), "train", 4096, 0.5)
+
+
+# ---- focus rows (make_general_row's ``focus``): the held-out failures of the shipped weights -------------------
+
+
+def _focus_episodes(seeds: range, per_row: int = 30) -> list[tuple[object, tg._Episode]]:
+    out = []
+    for seed in seeds:
+        rng = random.Random(seed)
+        c = tg.focus_corpus(rng, 0.5)
+        words, used = tg.project_words(c), set()
+        for _ in range(per_row):
+            ep = tg.focus_episode(rng, c, 3000, used, words)
+            if ep is not None:
+                out.append((c, ep))
+    return out
+
+
+def test_focus_rows_hold_each_kind_of_episode_in_its_share():
+    eps = _focus_episodes(range(16))
+    assert len(eps) > 400
+    share = {k: sum(k_of(ep) for _, ep in eps) / len(eps) for k, k_of in {
+        "error": lambda ep: ep.variant.startswith("error:") or ep.variant == "absent",
+        "intent": lambda ep: ep.variant.startswith("drill:"),
+        "multi": lambda ep: ep.kind == "multi_step",
+        "off_task": lambda ep: ep.kind == "off_task",
+    }.items()}
+    for k, v in share.items():  # an episode that did not fit is drawn again: shares near FOCUS_MIX's
+        assert abs(v - tg.FOCUS_MIX[k]) < 0.08, (k, v, share)
+    kinds = {ep.variant.split(":")[1] + ":" + ep.tool for _, ep in eps if ep.variant.startswith("error:")}
+    assert {"empty:grep", "path:read_file", "path:list_dir", "what:grep", "tool:list_dir"} <= kinds, kinds
+    # greps ask for classes as often as for functions: "the class X" was grepped as `def X`
+    whats = [ep.arguments["pattern"].split()[0] for _, ep in eps if ep.kind == "grep" and ep.variant == "def_line"]
+    assert len(whats) > 40 and 0.35 < whats.count("class") / len(whats) < 0.65
+    # intent drills ask two or three list_dir intents about one folder, count in most of them
+    drills = [ep for _, ep in eps if ep.variant.startswith("drill:")]
+    assert all(len(set(ep.variant[6:].split("+"))) == len(ep.variant[6:].split("+")) >= 2 for ep in drills)
+    assert sum("count" in ep.variant for ep in drills) > 0.5 * len(drills)
+    for ep in drills:
+        calls = [m["tool_calls"][0]["function"]["arguments"] for m in ep.messages if m.get("tool_calls")]
+        assert len(calls) == len(ep.variant[6:].split("+")) and set(calls) == {json.dumps({"path": ep.arguments["path"]})}
+
+
+def test_focus_errors_are_the_real_tools_output_then_the_corrected_call():
+    checked = folder_parts = 0
+    for c, ep in _focus_episodes(range(12)):
+        if not ep.variant.startswith("error:"):
+            continue
+        user, wrong, error, right, _result, *rest = ep.messages
+        name = wrong["tool_calls"][0]["function"]["name"]
+        args = json.loads(wrong["tool_calls"][0]["function"]["arguments"])
+        try:  # exactly what the library's Tools return, as the eval (and examples/agent_loop.py) report it
+            expected = Tools(c.root).call(name, args)
+        except ToolError as e:
+            expected = f"error: {e}"
+        assert error["content"] == expected and error["tool_call_id"] == wrong["tool_calls"][0]["id"]
+        assert expected == "" if ep.variant.startswith("error:empty") or ep.variant.startswith("error:what") else (
+            expected.startswith("error: "))
+        # after the failure comes the right call (never an answer), then its output and the answer
+        fixed = json.loads(right["tool_calls"][0]["function"]["arguments"])
+        assert right["role"] == "assistant" and fixed == ep.arguments and fixed != args
+        assert fact_in(rest[-1]["content"], ep.fact) and ep.fact not in right["content"]
+        n_head = len(render([user, wrong])[0])
+        n_fix = len(render([user, wrong, error])[0])
+        assert set(ep.mask[:n_head]) == {0} and set(ep.mask[n_fix:n_fix + len(render([right])[0])]) - {0} == {1}
+        if ep.variant.startswith(("error:empty", "error:path")):
+            wp, rp = args["path"].split("/"), fixed["path"].split("/")
+            assert len(wp) == len(rp) and sum(a != b for a, b in zip(wp, rp)) == 1
+            folder_parts += wp[0] != rp[0] and len(rp) > 1
+        checked += 1
+    assert checked > 60 and folder_parts > 0.3 * checked
+
+
+def test_absent_definitions_are_answered_no_from_the_empty_output():
+    n = 0
+    for _, ep in _focus_episodes(range(16)):
+        if ep.variant == "absent":
+            n += 1
+            _, call, out, answer = ep.messages
+            assert out["content"] == "" and answer["content"].startswith("No:") and ep.fact == "No"
+            assert json.loads(call["tool_calls"][0]["function"]["arguments"]) == ep.arguments
+    assert n >= 3
+
+
+def test_garbled_names_differ_as_a_bad_copy_would():
+    rng = random.Random(4)
+    for part in ("protocols", "loops", "lifespan", "middleware", "ab", "x"):
+        seen = {tg.garble(rng, part, "I have a demo in ten minutes. Which line of loops/a.py?") for _ in range(50)}
+        assert part not in seen and all(s and "/" not in s for s in seen)
+        if len(part) > 4:
+            assert len(seen) > 10 and any(s[:2] == part[:2] for s in seen)
+
+
+def test_focus_rows_use_extra_phrasings_and_never_heldout_ones():
+    held = [tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if t.heldout]
+    held += [tp.template_regex(t) for t in tp.OFF_TASK["heldout"]]
+    extra = {t.id: tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if t.extra}
+    rows = [tg.make_general_row(random.Random(s), "train", 8192, 0.5, focus=1.0) for s in range(6)]
+    questions = [q for ids, _ in rows for q in _user_turns(ids)]
+    assert len(questions) > 80
+    for q in questions:
+        assert not any(rx.search(q) for rx in held), q
+        assert not any(h in q for h in tp.CONTEXT["heldout"]), q
+    assert sum(any(rx.search(q) for rx in extra.values()) for q in questions) > 0.2 * len(questions)
+    for ids, mask in rows:  # well formed: every call parses and validates, rows are full
+        assert len(ids) == len(mask) <= 8192 and len(ids) > 0.9 * 8192 and set(mask) <= {0, 1, FACT}
+        for start in [i for i in range(len(ids)) if ids[i : i + len(GEN_IDS)] == GEN_IDS]:
+            parsed = parse_assistant_output(ids[start + len(GEN_IDS) : ids.index(END, start) + 1], TOK)
+            assert not parsed.errors
+            for call in parsed.tool_calls:
+                assert not validate_arguments(call.function.arguments, SCHEMAS[call.function.name])
+
+
+def test_extra_phrasings_are_opt_in_and_training_only():
+    for intent in tp.INTENTS:
+        assert not any(t.extra for t in tp.templates(intent, "train") + tp.templates(intent, "heldout"))
+    assert len(tp.templates("count", "train", extra=True)) >= 2 * len(tp.templates("count", "train"))
+    assert all(not t.heldout for ts in tp.TEMPLATES.values() for t in ts if t.extra)
+    with pytest.raises(ValueError, match="training questions only"):
+        tp.question(random.Random(0), "count", SLOTS, "heldout", extra=True)
+    rng = random.Random(5)
+    sentences = {tp.context_sentence(rng, ("loaders", "locks")) for _ in range(3000)}
+    assert len(sentences) > 500 and not sentences & set(tp.CONTEXT["heldout"])
+    assert any("loaders" in s for s in sentences)
+
+
+def test_focus_zero_draws_nothing_and_focus_rows_come_from_train_rows():
+    from tools import train_tiny
+
+    assert tg.make_general_row(random.Random(6), "train", 4096, 0.5, focus=0.0) == tg.make_general_row(
+        random.Random(6), "train", 4096, 0.5)
+    assert tg.make_general_row(random.Random(6), "heldout", 4096, 0.5, focus=1.0) == tg.make_general_row(
+        random.Random(6), "heldout", 4096, 0.5)
+    with pytest.raises(ValueError, match="focus must be"):
+        tg.make_general_row(random.Random(6), "train", 4096, 0.5, focus=1.5)
+    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0)
+    assert train_tiny._row(job) == tg.make_general_row(random.Random(12), "train", 4096, 0.5, focus=1.0)
+    # a sibling project names its folders mostly with one plain word, in groups that start alike
+    sib = [tg.focus_corpus(random.Random(s), 0.5) for s in range(12) if random.Random(s).random() < tg.FOCUS_SIBLINGS]
+    assert len(sib) >= 3 and all(isinstance(c, RenamedCorpus) for c in sib)
+    parts = [x for c in sib for d in c.holders() + c.dirs["train"] for x in d.split("/")]
+    assert sum(x.isalpha() for x in parts) > 0.6 * len(parts)
+    words = tg.sibling_words(random.Random(1))
+    assert len(words) >= 24 and not {w.lower() for w in words} & tg.heldout_names()
+    assert max(sum(w[:2] == v[:2] for v in words) for w in words) >= 4
