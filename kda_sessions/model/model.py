@@ -325,7 +325,7 @@ class HybridModel(nn.Module):
         plan = self._cpu_plan
         assert plan is not None
         if (check_weights or not plan.attn_weights) and plan.watch.changed():
-            plan.resolve()
+            plan.resolve(self)
         N, P = input_ids.shape[0], pools.page_size
         L = max(lens) - 1  # cached rows before the new tokens, of the longest sequence
         pages = page_table[:, : -(-max(lens) // P)].tolist()
@@ -423,7 +423,6 @@ class _CpuDecodePlan:
         for i, layer in enumerate(layers):
             nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else model.model.norm
             self.norm_modules += [layer.post_attention_layernorm, nxt]  # type: ignore[list-item]
-        self._model = model
         mods = [model.model.embed_tokens, model.lm_head, *self.norm_modules]
         mods += [m for attn, mlp in zip(self.attns, mlps) for part in (attn, mlp) for m in part.modules()]
         self.watch = ParamWatch(mods)
@@ -443,8 +442,7 @@ class _CpuDecodePlan:
         """Every layer's attention and FFN on its CPU path (``fast_cpu``: off runs the reference)."""
         return all(a.fast_cpu for a in self.attns) and all(m.fast_cpu for m in self.mlps)
 
-    def resolve(self) -> None:
-        m = self._model
+    def resolve(self, m: HybridModel) -> None:
         self.attn_weights = [a._cpu.get() for a in self.attns]
         self.ffns = [mlp._cpu.get() for mlp in self.mlps]
         self.embed = m.model.embed_tokens.weight
