@@ -388,8 +388,9 @@ def batches(
 def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]]]:
     """Held-out rows as before any curriculum: recall at 2,000+ tokens (the eval's distance), no drill rows."""
     d = tiny_data.RECALL_DISTANCE
-    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0))
-            for i in range(n)]
+    zero = 0.0
+    return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), zero, zero, zero, zero, zero, zero, zero,
+                  zero, zero, zero)) for i in range(n)]
 
 
 def heldout_loss(
