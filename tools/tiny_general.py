@@ -543,12 +543,19 @@ def _exists(c: Corpus | RenamedCorpus, path: str) -> bool:
     return (c.root / path).exists()
 
 
+@lru_cache(maxsize=1)
+def _garble_words() -> tuple[str, ...]:
+    """``rename_words`` but the held-out trees' names: a garbled call never writes an eval folder's name."""
+    held = heldout_names()
+    return tuple(w for w in rename_words() if w not in held)
+
+
 def garble(rng: random.Random, part: str, question: str) -> str:
     """``part`` of a path (a folder name, or a file's stem) as a bad copy writes it, the ways the shipped weights
     did: its first letters run on into another word (``protocols`` -> ``protcaps``), another word with the same
     start (``lifespan`` -> ``linear``), a word of the question's context pasted in (``loops`` -> ``tenmultis``
     after "in ten minutes"), or a letter dropped, swapped or doubled."""
-    words = rename_words()
+    words = _garble_words()
     qwords = [w for w in _WORD_RE.findall(question) if w.lower() not in part.lower()]
     for _ in range(12):
         k = rng.random()
