@@ -13,6 +13,11 @@ four more episode shapes:
 Copy drills (``copy`` of make_general_row, ``copy_corpus``): a training project named with a fresh vocabulary of long
 words seen nowhere else (``copy_words``), in folders, files and definitions, so calls and answers must copy them.
 
+Focus rows (``focus`` of make_general_row, ``focus_episode``): the held-out failures of the shipped weights in
+training shapes: projects whose names start alike (``sibling_words``), a wrong first call (a garbled folder or file
+name, ``def`` for ``class``, the entry listed for its folder) answered by the real tool (an error, or a grep's
+empty output) and then corrected, list_dir intent drills, and the EXTRA phrasings of ``tiny_phrasing``.
+
 Package trees: every top-level package of the interpreter's site-packages with at least MIN_TREE_FILES Python
 files. Whole trees are held out by a sha256 of ``tree:NAME`` (as tiny_data splits files) and by ``HELDOUT_TREES``;
 inside a training tree, files and folders are split by path hash as in the stdlib. ``EVAL_TREE`` (uvicorn, a

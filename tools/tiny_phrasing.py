@@ -9,6 +9,8 @@ politeness, casing, a dropped "?", and now and then one typo in a word that is n
 Templates are split: those marked held out (``Template.heldout``) never appear in training rows; the eval asks
 with them only (``question(rng, intent, slots, "heldout")``). The split is by template, written down below, the
 same on every machine. Off-task messages (``off_task``) come from a grammar of their own, split the same way.
+EXTRA training templates (``Template.extra``) and generated context sentences (``context_sentence``) join only
+where asked for (``question(..., extra=True)``, tiny_general's focus rows), so other rows keep their questions.
 
     question(rng, intent, slots, split) -> (text, template id)
     off_task(rng, split) -> (text, template id)
