@@ -372,6 +372,7 @@ def test_focus_rows_hold_each_kind_of_episode_in_its_share():
 
 def test_focus_errors_are_the_real_tools_output_then_the_corrected_call():
     checked = folder_parts = 0
+    nested: dict[str, int] = {"grep": 0, "read_file": 0, "list_dir": 0}  # a folder part garbled, by tool
     for c, ep in _focus_episodes(range(12)):
         if not ep.variant.startswith("error:"):
             continue
@@ -396,8 +397,9 @@ def test_focus_errors_are_the_real_tools_output_then_the_corrected_call():
             wp, rp = args["path"].split("/"), fixed["path"].split("/")
             assert len(wp) == len(rp) and sum(a != b for a, b in zip(wp, rp)) == 1
             folder_parts += wp[0] != rp[0] and len(rp) > 1
+            nested[name] += any(a != b for a, b in zip(wp[:-1], rp[:-1]))
         checked += 1
-    assert checked > 60 and folder_parts > 0.3 * checked
+    assert checked > 60 and folder_parts > 0.3 * checked and min(nested.values()) >= 5, nested
 
 
 def test_absent_definitions_are_answered_no_from_the_empty_output():
