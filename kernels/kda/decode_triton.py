@@ -171,6 +171,11 @@ def _shift_norm_kernel(
     tl.store(y + row + d, (v * inv * wv * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
 
 
+MAX_GRID_Y = 65535
+"""CUDA's limit on a launch grid's second axis, where the decode kernel puts one program per (sequence, head):
+``kda_decode_triton`` splits a larger batch (at H 32: 2,047 sequences a launch)."""
+
+
 def decode_launch_config(N: int, H: int, V: int, gate_in_kernel: bool) -> tuple[int, int]:
     """(BV, num_warps) of the decode kernel: ``fused_recurrent.launch_config``'s, or with the gate's matvec in the
     kernel (each program reads its head's [K, KF] rows) wider blocks on more warps."""
@@ -195,6 +200,17 @@ def kda_decode_triton(
     ``config``: the decode kernel's (BV, num_warps), default ``decode_launch_config``. ``pdl``: see ``kda_decode``
     (on a device where ``kernels.moe.pdl.use_pdl``, else ignored)."""
     N, H = b.shape
+    if N * H > MAX_GRID_Y:  # the decode kernel's grid holds N * H programs on its second axis: several launches
+        per = MAX_GRID_Y // H
+        return torch.cat([
+            kda_decode_triton(
+                qkv[i : i + per], raw[i : i + per], b[i : i + per], conv_weight, conv_state, A_log, dt_bias,
+                lower_bound, state, slots[i : i + per], scale,
+                None if out_norm is None else (out_norm[0], out_norm[1][i : i + per], out_norm[2]),
+                gate_proj, out_gate_proj, config, pdl,
+            )
+            for i in range(0, N, per)
+        ])
     K, V = state.shape[2:]
     Dc, W = conv_weight.shape
     # the kernels read b's columns, slots and the norm weight at unit stride: other views are copied first (the

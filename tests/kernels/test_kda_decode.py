@@ -255,3 +255,31 @@ def test_pdl_launches_in_a_graph_match_plain_launches():
     for c, r in zip(conv, ref_conv):
         assert torch.equal(c, r)
     assert rel_rms(outs[-1].float(), outs[0].float()) > 0.1  # the steps differ: a stale read would show
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["o", "gated-norm"])
+def test_a_batch_above_the_grid_limit_runs_in_several_launches(monkeypatch, norm):
+    """More sequences than the grid's second axis holds (``MAX_GRID_Y`` // H, lowered here to 1 and 2 a launch)
+    give what one launch gives: every row's output, state and tails, the untouched slots left as they were."""
+    from kda_sessions.kernels.kda import decode_triton
+
+    case = _case(torch.float32, "cpu")
+    out_norm = _out_norm(case) if norm else None
+    whole = _run(lambda *a: decode_triton.kda_decode_triton(*a, out_norm), case, -5.0)
+    inner = decode_triton.kda_decode_triton
+    batches: list[int] = []
+
+    def counted(qkv, *a, **k):
+        batches.append(qkv.shape[0])
+        return inner(qkv, *a, **k)
+
+    monkeypatch.setattr(decode_triton, "kda_decode_triton", counted)
+    for per, launches in ((1, [3, 1, 1, 1]), (2, [3, 2, 1])):
+        monkeypatch.setattr(decode_triton, "MAX_GRID_Y", per * H)
+        batches.clear()
+        split = _run(lambda *a: decode_triton.kda_decode_triton(*a, out_norm), case, -5.0)
+        assert batches == launches  # the whole batch, then one call per launch of at most `per` sequences
+        assert split[0].shape == whole[0].shape
+        for a, b in zip(split, whole):
+            assert rel_rms(a, b) < 1e-6
+        assert torch.equal(split[1], whole[1]) and torch.equal(split[2][[1, 3, 5]], case[7][[1, 3, 5]])
