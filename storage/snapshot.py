@@ -17,12 +17,13 @@ import contextlib
 import hashlib
 import logging
 import secrets
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import anyio
+import pydantic_core
 
 from ..types import SaveResult
 from .backends.base import DEFAULT_MAX_IN_FLIGHT, BlobStore, StoreStats, check_session_id
@@ -34,7 +35,7 @@ from .errors import (
     SessionBusy,
     StoreError,
 )
-from .manifest import ModelFingerprint, SessionManifest
+from .manifest import CheckpointRecord, ModelFingerprint, SessionManifest
 from .stream import BlobStream
 from .tier import RamTier, TieredStore
 
@@ -43,6 +44,21 @@ _GC_BATCH = 256  # candidates checked for fresh touches at a time, right before 
 
 DEFAULT_GC_GRACE_S = 600.0
 _MAX_VERIFIED = 1_000_000  # digests remembered as verified (~120 MB); past it they are checked again
+MANIFEST_CACHE_BYTES = 256 << 20
+"""Stored manifest bytes `SnapshotStore` keeps beside their parsed manifests (least recently used go first)."""
+
+
+def _detached(m: SessionManifest) -> SessionManifest:
+    """A copy of ``m`` that shares no mutable container with it (page lists, checkpoints, meta): what one caller
+    changes in its manifest reaches neither the cache nor another caller. Meta goes through JSON as it is stored."""
+
+    def record(r: CheckpointRecord) -> CheckpointRecord:
+        return r.model_copy(update={"pages": list(r.pages)})
+
+    return m.model_copy(update={
+        "fingerprint": m.fingerprint.model_copy(), "head": record(m.head),
+        "checkpoints": [record(r) for r in m.checkpoints], "meta": pydantic_core.from_json(pydantic_core.to_json(m.meta)),
+    })
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,11 @@ class SnapshotStore:
         self._leased: set[str] = set()
         # session -> (expected generation, sha256 of the manifest) of a commit whose outcome is unknown
         self._uncertain: dict[str, tuple[int, str]] = {}
+        self._manifests: OrderedDict[str, tuple[bytes, SessionManifest]] = OrderedDict()
+        """session -> (stored bytes, the manifest they parse to) this store wrote or read: a manifest lists every
+        page of every checkpoint (O(pages x checkpoints): 36 MB at 1M tokens with a checkpoint every 256 pages,
+        0.4-0.5 s to parse and check), so a read that finds the very bytes it knows skips the parse."""
+        self._manifest_bytes = 0
         self._verified: set[str] = set()
         """Blobs whose stored bytes this process wrote, or read back and hashed: dedup trusts only these."""
 
@@ -175,6 +196,8 @@ class SnapshotStore:
                 await self.store.put_manifest(manifest.session_id, data)
             else:
                 manifest, data = await self._commit(manifest, expected_generation)
+            # detached: the caller's manifest shares lists with its live session (meta's messages, say)
+            self._remember(manifest.session_id, data, _detached(manifest))
             await self._repair_after_commit(manifest, referenced, blobs, verified)
         return SaveResult(
             blobs_written=len(written),
@@ -265,9 +288,11 @@ class SnapshotStore:
     ) -> SessionManifest:
         """The validated manifest of `session_id`; checked against `expected` if given.
 
-        ManifestNotFound, IntegrityError (corrupt manifest), IncompatibleSnapshot (other model/format).
+        ManifestNotFound, IntegrityError (corrupt manifest), IncompatibleSnapshot (other model/format). The stored
+        bytes are read every time; when they are the very bytes this store last wrote or read for the session,
+        their parsed manifest is reused (a copy of it: the caller may change what it gets).
         """
-        manifest = SessionManifest.loads(await self.store.get_manifest(check_session_id(session_id)))
+        manifest = _detached(self._parse(session_id, await self.store.get_manifest(check_session_id(session_id))))
         if manifest.session_id != session_id:
             raise IntegrityError(
                 f"manifest stored for session {session_id!r} names session {manifest.session_id!r}"
@@ -275,6 +300,35 @@ class SnapshotStore:
         if expected is not None:
             manifest.check_compatible(expected)
         return manifest
+
+    def _parse(self, session_id: str, data: bytes, remember: bool = True) -> SessionManifest:
+        """`SessionManifest.loads` of ``data``, the manifest stored for ``session_id``, unless these are the bytes
+        remembered for it: then the manifest they parsed to (shared: not to be changed, `_detached` first)."""
+        known = self._manifests.get(session_id)
+        if known is not None and known[0] == data:
+            self._manifests.move_to_end(session_id)
+            return known[1]
+        manifest = SessionManifest.loads(data)
+        if remember:
+            self._remember(session_id, data, manifest)
+        return manifest
+
+    def _remember(self, session_id: str, data: bytes, manifest: SessionManifest) -> None:
+        """Keep ``manifest`` (no other holder may change it) as what ``data``, stored for ``session_id``, parses
+        to; the least recently used go past `MANIFEST_CACHE_BYTES`."""
+        self._forget_manifest(session_id)
+        if len(data) > MANIFEST_CACHE_BYTES:
+            return
+        self._manifests[session_id] = (bytes(data), manifest)
+        self._manifest_bytes += len(data)
+        while self._manifest_bytes > MANIFEST_CACHE_BYTES:
+            _, (gone, _) = self._manifests.popitem(last=False)
+            self._manifest_bytes -= len(gone)
+
+    def _forget_manifest(self, session_id: str) -> None:
+        old = self._manifests.pop(session_id, None)
+        if old is not None:
+            self._manifest_bytes -= len(old[0])
 
     async def load_blob(self, digest: str) -> bytes:
         """Verified bytes of one blob (BlobNotFound, IntegrityError)."""
@@ -303,6 +357,7 @@ class SnapshotStore:
     async def delete_session(self, session_id: str) -> GcResult:
         """Delete a session's manifest, then reclaim blobs that no remaining manifest references."""
         await self.store.delete_manifest(check_session_id(session_id))
+        self._forget_manifest(session_id)
         if session_id in self._leased:
             await self.release_lease(session_id)
         return await self.collect_garbage()
@@ -327,7 +382,7 @@ class SnapshotStore:
             except ManifestNotFound:  # deleted meanwhile: references nothing
                 continue
             try:
-                referenced |= SessionManifest.loads(raw).blob_digests()
+                referenced |= self._parse(sid, raw, remember=False).blob_digests()
             except (IntegrityError, IncompatibleSnapshot) as e:
                 logger.warning("garbage collection skipped: manifest of %s is unreadable (%s)", sid, e)
                 return GcResult(0, 0)
