@@ -148,11 +148,11 @@ class PageCodec:
                 view = _host_view(host)
                 bodies = [[view[j * self.page_bytes : (j + 1) * self.page_bytes]] for j in range(n)]
             else:
-                layer_bytes = self.page_bytes // self.shape[0]
-                # kv[l] is [num_pages, P, C], contiguous: page p of layer l starts p * layer_bytes into it
-                assert all(kv.is_contiguous() for kv in self.pools.kv)
-                bases = [kv.data_ptr() for kv in self.pools.kv]
-                bodies = [[_raw_view(base + page * layer_bytes, layer_bytes) for base in bases] for page in ids]
+                b = self.page_bytes // self.shape[0]
+                # kv[l] is [num_pages, P, C], contiguous: page p of layer l is bytes [p * b, (p + 1) * b) of it;
+                # slices of one view a layer (a ctypes object a page cost ~1-20 us, GC-tracked, growing with n)
+                layers = [_host_view(kv) for kv in self.pools.kv]
+                bodies = [[layer[page * b : (page + 1) * b] for layer in layers] for page in ids]
             targets = [(d, [heads[j * hlen : (j + 1) * hlen], *bodies[j]]) for j, d in enumerate(ds)]
             bad = set(await snapshots.load_blobs_into(targets))
             if bad or heads != self.header * n:
