@@ -2,6 +2,10 @@
 store throughput against the raw bandwidth of the same disk (dd) and Redis (redis-benchmark), one run.
 
     python bench/sessions_resume.py [--quick] [--out FILE]
+    python bench/sessions_resume.py --inflated 2048,16384 [--device cuda] [--parse-manifest-always]
+
+``--inflated``: only RAM-tier resumes at many pages without a prefill (`inflated_row`): seconds a page, the steps
+of a resume (the manifest's parse among them) and the full garbage collections inside it.
 
 For each model and context length N (random byte tokens, a fresh seed per N so nothing dedups):
   re-prefill  a fresh session: ``append(N tokens)`` + ``generate(max_tokens=1)``; that session is then saved
@@ -52,6 +56,7 @@ from common import MIB, Timer
 
 from kda_sessions.sessions import store_io as engine_snapshots
 from kda_sessions.storage import SnapshotStore, faults
+from kda_sessions.storage.manifest import SessionManifest
 
 DISK_ROUNDS = 3
 SAVE_CALLS = ("has_blobs", "touch_blobs", "put_blobs", "put_manifest", "commit_manifest")
@@ -392,6 +397,116 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+PHASES = (("manifest", "snapshots", "load_manifest"), ("load_session", "io", "load_session"),
+          ("store_read", "snapshots", "load_blobs_into"), ("page_restore", "codec", "restore"),
+          ("restore_head", "io", "restore_head"))
+
+
+async def inflated_row(pages: int, device: str, reps: int, tmp: str) -> dict[str, Any]:
+    """RAM-tier resume of a tiny-random session of ``pages`` full KV pages of 64 tokens with an interval checkpoint
+    every 256 pages, as the engine saves one (the manifest lists each checkpoint's pages: O(pages^2 / 256)). No
+    prefill: a short session is saved, then its manifest is given random page blobs of the right header, random
+    tokens and the checkpoints, and committed; the session is dropped and resumed ``reps`` times from the RAM tier
+    (median row). ``in_s``: seconds inside each step (`PHASES`); ``gc2``: full collections during the resume."""
+    import gc
+    import random
+
+    import kda_sessions as ks
+    from kda_sessions.sessions.codec import encode_tokens
+    from kda_sessions.sessions.prefix_index import prefix_key
+    from kda_sessions.storage.blobs import digest
+    from kda_sessions.storage.manifest import CheckpointRecord, SessionManifest
+
+    P = 64
+    with tempfile.TemporaryDirectory(dir=tmp) as folder:
+        async with await ks.Engine.open(store=f"disk:{folder}", device=device, page_size=P, num_pages=pages + 64,
+                                        ram_tier_bytes=64 << 30) as eng:
+            s = await eng.create_session()
+            await s.append(list(range(40, 40 + 2 * P)))
+            await s.save()
+            io, sid = eng.io, s.id
+            m = await io.snapshots.load_manifest(sid)
+            rng = random.Random(pages)
+            tokens = [rng.randrange(256) for _ in range(pages * P)]
+            blobs: dict[str, bytes] = {}
+
+            def add(data: bytes) -> str:
+                blobs[digest(data)] = data
+                return digest(data)
+
+            ds = [add(io.codec.header + rng.randbytes(io.codec.page_bytes)) for _ in range(pages)]
+            st = m.head.state_blob
+            cps = [CheckpointRecord(name=f"__at-{k * P}", position=k * P, state_blob=st, pages=ds[:k], created_at=time.time())
+                   for k in range(256, pages, 256)]
+            meta = {**m.meta, "prefix_keys": {c.name: prefix_key(tokens, c.position, P).to_json() for c in cps}}
+            big = SessionManifest.model_validate({**m.model_dump(), "num_tokens": pages * P, "meta": meta,
+                                                  "tokens_blob": add(encode_tokens(tokens)),
+                                                  "checkpoints": [c.model_dump() for c in cps],
+                                                  "head": CheckpointRecord(name="head", position=pages * P, state_blob=st,
+                                                                           pages=ds, created_at=time.time()).model_dump()})
+            await forget(eng, sid)
+            await io.snapshots.save(big, blobs, expected_generation=m.generation, verified=True)
+            row: dict[str, Any] = {"pages": pages, "page_KiB": io.codec.page_bytes / 1024,
+                                   "snapshot_MB": sum(map(len, blobs.values())) / 1e6,
+                                   "manifest_MB": len(await io.snapshots.store.get_manifest(sid)) / 1e6}
+            blobs.clear()
+            runs = []
+            for _ in range(reps):
+                spent: dict[str, float] = {}
+                gc2: list[float] = []
+                objs = {"snapshots": io.snapshots, "io": io, "codec": io.codec}
+                for name, where, attr in PHASES:
+                    fn = getattr(objs[where], attr)
+
+                    async def timed(*a: Any, _fn: Any = fn, _name: str = name, _spent: dict[str, float] = spent, **k: Any) -> Any:
+                        t = time.perf_counter()
+                        try:
+                            return await _fn(*a, **k)
+                        finally:
+                            _spent[_name] = _spent.get(_name, 0.0) + time.perf_counter() - t
+
+                    setattr(objs[where], attr, timed)
+
+                def on_gc(phase: str, info: dict[str, Any], _gc2: list[float] = gc2) -> None:
+                    if info["generation"] == 2:
+                        _gc2.append(time.perf_counter() * (1 if phase == "stop" else -1))
+
+                gc.callbacks.append(on_gc)
+                try:
+                    with Timer() as t:
+                        r = await eng.resume(sid)
+                finally:
+                    gc.callbacks.remove(on_gc)
+                    for _, where, attr in PHASES:
+                        delattr(objs[where], attr)
+                assert r.state.num_cached == pages * P
+                runs.append({"resume_s": t.s, "in_s": spent, "gc2": len(gc2) // 2, "gc2_s": sum(gc2)})
+                await forget(eng, sid)
+            runs.sort(key=lambda x: x["resume_s"])
+            row.update(runs[len(runs) // 2], resume_s_all=[x["resume_s"] for x in runs],
+                       tier_misses=tier_misses(eng))
+            row["us_per_page"] = row["resume_s"] / pages * 1e6
+            return _rounded(row)
+
+
+def _rounded(x: Any) -> Any:
+    if isinstance(x, float):
+        return round(x, 4)
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    return [_rounded(v) for v in x] if isinstance(x, list) else x
+
+
+async def run_inflated(args: argparse.Namespace) -> dict[str, Any]:
+    if args.parse_manifest_always:  # A/B: every load parses the stored manifest
+        SnapshotStore._parse = lambda self, sid, data, remember=True: SessionManifest.loads(data)  # type: ignore[method-assign]
+    rows = []
+    for n in args.inflated:
+        rows.append(await inflated_row(n, args.device, args.reps, args.tmp))
+        print(f"# {n} pages: {rows[-1]}", file=sys.stderr, flush=True)
+    return {"machine": common.machine(), "command": " ".join(["python", *sys.argv]), "inflated": rows}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: tiny-random at 1K and 4K, wider at 1K")
@@ -400,7 +515,15 @@ def main() -> None:
     p.add_argument("--wider-max", type=int, default=16384, help="skip wider-config lengths above this (time)")
     p.add_argument("--tmp", default="/tmp", help="folder for the disk store and the dd file (same disk)")
     p.add_argument("--out", help="also write the JSON here")
+    p.add_argument("--inflated", type=lambda s: [int(x) for x in s.split(",")], metavar="PAGES,...",
+                   help="only RAM-tier resumes of sessions of this many pages, made without prefill (`inflated_row`)")
+    p.add_argument("--device", default="cpu", help="with --inflated: the engine's device")
+    p.add_argument("--reps", type=int, default=3, help="with --inflated: resumes per size (median)")
+    p.add_argument("--parse-manifest-always", action="store_true", help="with --inflated: no reuse of parsed manifests")
     args = p.parse_args()
+    if args.inflated:
+        common.emit(anyio.run(run_inflated, args), args.out)
+        return
     if args.quick:
         common.MAX_WAIT_S = 5.0
         args.tiny_sizes, args.wider_sizes = [1024, 4096], [1024]
