@@ -175,7 +175,7 @@ class KDAAttention(nn.Module):
         """``decode_rows``'s weights: (w_in [D, Dc + K + V + H]: q | k | v | f_a | g_a | b columns; w_gate
         [K + V, H*K + H*V]: f_b and g_b block-diagonal, so one matmul of [f_a | g_a] gives [raw gate | output gate];
         conv [W, Dc] float32; gate_bias [H*K + H*V] float32: dt_bias for the raw gate columns, 0 for the output
-        gate's; neg_a [H*K] float32 = -exp(A_log) per channel; qk_scale [2H, 1] float32: K^-0.5 for the q heads
+        gate's; neg_a [H*K] float32 = -exp(A_log) per channel; qk_scale [2H, 1, 1] float32: K^-0.5 for the q heads
         (the read's scale), 1 for the k heads; w_out [H*V, D]: o_proj times o_norm's weight and sqrt(V) per input
         row, so the output norm is one rsqrt of each head's sum of squares); eps_qk, eps_o: 0-dim float32, the
         epsilons of the q/k l2norm (1e-6) and of the output norm (V times o_norm's) as tensors (a Python number is
@@ -190,7 +190,7 @@ class KDAAttention(nn.Module):
         mm = (lambda w: reduction_weight(w, dtype)) if compiled else row_matmul_weight
         a = self.A_log.float().view(H, 1).exp().expand(H, K).reshape(H * K)
         gate_bias = torch.cat([self.dt_bias.float(), self.dt_bias.new_zeros(H * V, dtype=f32)])
-        qk_scale = torch.cat([torch.full((H, 1), K**-0.5), torch.ones(H, 1)])
+        qk_scale = torch.cat([torch.full((H, 1, 1), K**-0.5), torch.ones(H, 1, 1)])
         row_scale = self.o_norm.weight.float().repeat(H) * V**0.5  # [H*V]
         w_out = (self.o_proj.weight.float() * row_scale).to(self.o_proj.weight.dtype)  # [D, H*V]
         eps_qk, eps_o = torch.tensor(1e-6, dtype=f32), torch.tensor(V * self.o_norm.eps, dtype=f32)
@@ -244,7 +244,7 @@ class KDAAttention(nn.Module):
         tails.copy_(seq[:, 1:])
         qkv = torch.nn.functional.silu((seq if seq.dtype == f32 else seq.float()).mul_(conv_w).sum(1))  # [N, Dc]
         qk, v = torch.split_with_sizes(qkv, [2 * HK, H * V], 1)
-        qk = qk.view(N, 2 * H, K)  # the q heads, then the k heads
+        qk = qk.view(N, 2 * H, 1, K)  # the q heads, then the k heads
         # l2norm of every q and k head at once, the q heads also times K^-0.5
         qk = qk * (qk * qk).sum(-1, keepdim=True).add_(eps_qk).rsqrt_().mul_(qk_scale)
         q, k = torch.split_with_sizes(qk, [H, H], 1)
@@ -271,7 +271,8 @@ class KDAAttention(nn.Module):
     def decode_one(self, x: Tensor, S: Tensor, tails: Tensor, w: tuple[Tensor, ...],
                    residual: Tensor | None = None) -> Tensor:
         """``decode_rows`` of one sequence, eagerly (what it runs for N = 1): the same ops on the same values, less the
-        batch dimension and the reshapes it needs (five ops fewer). x [1, D]; S [H, K, V] float32 and tails
+        batch dimension and the reshapes it needs (seven ops fewer: each costs a step a microsecond or two, the caches
+        cold after the layer's weight stream). x [1, D]; S [H, K, V] float32 and tails
         [W - 1, Dc], the sequence's state and conv tails (views of its pool rows, updated in place); w,
         ``cpu_decode_weights``. Returns [1, D], plus ``residual`` [1, D] where given."""
         H, K, V = self.H, self.K, self.V
@@ -283,12 +284,12 @@ class KDAAttention(nn.Module):
         raw, og = torch.split_with_sizes((fg if fg.dtype == f32 else fg.float()).add_(gate_bias), [HK, H * V], 1)
         seq = torch.cat([tails, new if new.dtype == tails.dtype else new.to(tails.dtype)])  # [W, Dc]
         tails.copy_(seq[1:])
-        qkv = torch.nn.functional.silu((seq if seq.dtype == f32 else seq.float()).mul_(conv_w).sum(0))  # [Dc]
-        qk, v = torch.split_with_sizes(qkv, [2 * HK, H * V])
-        qk = qk.view(2 * H, K)  # the q heads, then the k heads
+        qkv = (seq if seq.dtype == f32 else seq.float()).mul_(conv_w).sum(0)  # [Dc]
+        torch.nn.functional.silu(qkv, inplace=True)
+        # [3H, 1, K]: the q heads, the k heads, the v heads (V == K), split once with no view of each part
+        qk, v = torch.split_with_sizes(qkv.view(3 * H, 1, K), [2 * H, H])
         qk = qk * (qk * qk).sum(-1, keepdim=True).add_(eps_qk).rsqrt_().mul_(qk_scale)  # l2norm, q also * K^-0.5
-        q, k = torch.split_with_sizes(qk.view(2 * H, 1, K), [H, H])  # [H, 1, K] each
-        v = v.view(H, 1, V)
+        q, k = torch.split_with_sizes(qk, [H, H])  # [H, 1, K] each
         if self.lower_bound is None:
             g = torch.nn.functional.softplus(raw, beta=1.0, threshold=20.0).mul_(neg_a)
         else:

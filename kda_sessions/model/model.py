@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import weakref
 from collections.abc import Callable
 from functools import partial
 
@@ -328,7 +329,9 @@ class HybridModel(nn.Module):
             plan.resolve(self)
         N, P = input_ids.shape[0], pools.page_size
         L = max(lens) - 1  # cached rows before the new tokens, of the longest sequence
-        pages = page_table[:, : -(-max(lens) // P)].tolist()
+        width = -(-max(lens) // P)  # pages of the longest sequence
+        # the engine's table is that wide already (a slice of it would cost a step one more op)
+        pages = (page_table if page_table.shape[1] == width else page_table[:, :width]).tolist()
         if kv_rows is None:
             kv_rows = torch.tensor([t[(n - 1) // P] * P + (n - 1) % P for t, n in zip(pages, lens)])
         ids = slots.tolist()
@@ -337,23 +340,22 @@ class HybridModel(nn.Module):
         # one sequence on consecutive pages (a fresh pool's order): its cached rows, a view of each MLA layer's pages
         row0 = pages[0][0] * P if N == 1 and pages[0] == list(range(pages[0][0], pages[0][0] + len(pages[0]))) else None
         seq_lens = torch.tensor(lens, dtype=torch.int32) if row0 is None else None  # else gathered: context_rows
+        kda_rows, flats = plan.pool_rows(pools, s0, N)
         x = F.embedding(input_ids, plan.embed)  # [N, D]
         ffns, attn_w = plan.ffns, plan.attn_weights
         h = plan.norm(0, x)
         ik = im = 0
         for i, attn in enumerate(plan.attns):
             if isinstance(attn, KDAAttention):
-                state, conv = pools.kda[ik], pools.conv[ik]
                 if s0 is not None and N == 1:
-                    x = attn.decode_one(h, state[s0], conv[s0], attn_w[i], x)
+                    x = attn.decode_one(h, *kda_rows[ik], attn_w[i], x)
                 elif s0 is not None:
-                    x = attn.decode_rows(h, state[s0 : s0 + N], conv[s0 : s0 + N], attn_w[i], x)
+                    x = attn.decode_rows(h, *kda_rows[ik], attn_w[i], x)
                 else:
-                    x = attn.decode_cpu(h, slots, state, conv, residual=x)
+                    x = attn.decode_cpu(h, slots, pools.kda[ik], pools.conv[ik], residual=x)
                 ik += 1
             else:
-                kv = pools.kv[im]
-                flat = kv.view(-1, kv.shape[-1])  # [pages * P, r + dr]
+                kv, flat = pools.kv[im], flats[im]  # flat: [pages * P, r + dr]
                 if row0 is not None:
                     x, latent = attn.decode_one(h, flat[row0 : row0 + L], attn_w[i], x)  # [L, r + dr]: a view
                 else:
@@ -430,6 +432,8 @@ class _CpuDecodePlan:
         self.ffns: list[tuple[Tensor, ...]] = []
         self.norms: list[tuple[Tensor, Tensor, Tensor] | None] = []
         self.embed = self.head = torch.empty(0)
+        self._rows: tuple[object, ...] = ()
+        """``pool_rows``' key (a weak reference to the pools object, its three lists, s0, N) and its views."""
 
     @staticmethod
     def build(model: HybridModel, layers: tuple[nn.Module, ...]) -> _CpuDecodePlan | None:
@@ -452,6 +456,37 @@ class _CpuDecodePlan:
             w = norm.weight
             # ``rms_rows`` where rows and weight are float32, else the module itself
             self.norms.append((w, *norm.rows_consts(w[None])) if w.dtype == torch.float32 == self.embed.dtype else None)
+
+    def pool_rows(self, pools: StatePools, s0: int | None, n: int
+                  ) -> tuple[list[tuple[Tensor, Tensor]], list[Tensor]]:
+        """Views of ``pools`` a decode step reads: per KDA layer (state, conv tails) of slots s0 .. s0 + n - 1
+        ([H, K, V] and [W - 1, Dc] for n = 1, else with the slot dimension; none where s0 is None) and per MLA
+        layer its flat cache [pages * P, r + dr].
+
+        Built when the pools object, its lists or the slots change and reused by the steps between: each view costs
+        a decode step a few microseconds, the caches cold after its weight stream (14 of them on ``tiny``). The
+        views hold the pools' memory: they are dropped when the pools object is collected (a closed engine's pools
+        are not kept alive by the model). Tensors swapped into the same lists in place are not seen."""
+        rows = self._rows
+        if (rows and rows[0]() is pools and rows[1] is pools.kda and rows[2] is pools.conv  # type: ignore[operator]
+                and rows[3] is pools.kv and rows[4] == s0 and rows[5] == n):
+            return rows[6], rows[7]  # type: ignore[return-value]
+        if s0 is None:
+            kda: list[tuple[Tensor, Tensor]] = []
+        elif n == 1:
+            kda = [(s[s0], c[s0]) for s, c in zip(pools.kda, pools.conv)]
+        else:
+            kda = [(s[s0 : s0 + n], c[s0 : s0 + n]) for s, c in zip(pools.kda, pools.conv)]
+        flats = [kv.view(-1, kv.shape[-1]) for kv in pools.kv]
+        plan = weakref.ref(self)
+
+        def drop(_: object) -> None:
+            p = plan()
+            if p is not None:
+                p._rows = ()
+
+        self._rows = (weakref.ref(pools, drop), pools.kda, pools.conv, pools.kv, s0, n, kda, flats)
+        return kda, flats
 
     def norm(self, i: int, x: Tensor) -> Tensor:
         """The step's i-th norm (the first layer's input norm, then each layer's post-attention and next norms)."""
