@@ -419,8 +419,9 @@ async def inflated_row(pages: int, device: str, reps: int, tmp: str) -> dict[str
 
     P = 64
     with tempfile.TemporaryDirectory(dir=tmp) as folder:
-        async with await ks.Engine.open(store=f"disk:{folder}", device=device, page_size=P, num_pages=pages + 64,
-                                        ram_tier_bytes=64 << 30) as eng:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16  # as the GPU tests run tiny-random
+        async with await ks.Engine.open(store=f"disk:{folder}", device=device, dtype=dtype, page_size=P,
+                                        num_pages=pages + 64, ram_tier_bytes=64 << 30) as eng:
             s = await eng.create_session()
             await s.append(list(range(40, 40 + 2 * P)))
             await s.save()

@@ -310,6 +310,11 @@ class SnapshotStore:
             return known[1]
         manifest = SessionManifest.loads(data)
         if remember:
+            head = manifest.head.pages
+            for cp in manifest.checkpoints:  # a checkpoint's full pages are mostly the head's first: share the str
+                n = len(cp.pages) - 1
+                if 0 < n <= len(head) and cp.pages[:n] == head[:n]:
+                    cp.pages[:n] = head[:n]
             self._remember(session_id, data, manifest)
         return manifest
 

@@ -59,6 +59,8 @@ async def test_same_bytes_parse_once_and_each_caller_gets_its_own_copy(snaps: Sn
     await snaps.store.put_manifest("a", m.dumps())  # as another process would have written it
     first = await snaps.load_manifest("a", FP)
     assert parses == [len(m.dumps())]
+    kept = snaps._manifests["a"][1]  # what is kept holds each page digest once: checkpoints share the head's
+    assert all(cp.pages[i] is kept.head.pages[i] for cp in kept.checkpoints[1:] for i in range(len(cp.pages) - 1))
     first.meta["messages"].append({"role": "assistant", "content": "changed"})
     first.head.pages.pop()
     first.checkpoints[0].pages.clear()
