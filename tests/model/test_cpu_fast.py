@@ -2,7 +2,9 @@
 separate linears and the kernels' naive twins: same logits to float rounding, same pooled states, same greedy
 tokens."""
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -224,6 +226,37 @@ def test_decode_step_in_fewer_ops_keeps_the_logits(monkeypatch, seqs):
         assert rel_err(l_got, l_ref) < TOL
     for a, b in zip(got_pools.kda + got_pools.conv + got_pools.kv, ref_pools.kda + ref_pools.conv + ref_pools.kv):
         assert rel_err(a, b) < TOL
+
+
+def test_decode_step_slot_views_follow_the_pools_and_slots():
+    """One-sequence steps of two sequences in turn, each in its own slot, from two pools objects in turn (the slot
+    views ``_CpuDecodePlan.pool_rows`` keeps change every step): logits bit-identical to each sequence's steps alone;
+    the views do not keep a dropped pools object's tensors alive."""
+    m = load_model("tiny")
+    prompts = [list(range(40, 90)), list(range(7, 30))]
+    alone = {}
+    for s in (0, 1):
+        r = Runner(m, 2, 80)
+        logits, _ = r.feed([s], [prompts[s]])
+        alone[s] = []
+        for _ in range(6):
+            logits, _ = r.feed([s], [[int(logits.argmax(-1))]])
+            alone[s].append(logits)
+    runners = [Runner(m, 2, 80), Runner(m, 2, 80)]
+    nxt = {}
+    for i, r in enumerate(runners):
+        for s in (0, 1):
+            nxt[i, s] = int(r.feed([s], [prompts[s]])[0].argmax(-1))
+    for step in range(6):
+        for s in (0, 1):
+            for i, r in enumerate(runners):
+                logits, _ = r.feed([s], [[nxt[i, s]]])
+                assert torch.equal(logits, alone[s][step]), (step, s, i)
+                nxt[i, s] = int(logits.argmax(-1))
+    held = weakref.ref(runners[1].pools.kda[0])  # the pools of the last step
+    del runners, r
+    gc.collect()
+    assert held() is None
 
 
 def test_row_matmul_is_a_matmul_of_the_reduction_layout():
