@@ -341,7 +341,7 @@ class HybridModel(nn.Module):
         row0 = pages[0][0] * P if N == 1 and pages[0] == list(range(pages[0][0], pages[0][0] + len(pages[0]))) else None
         seq_lens = torch.tensor(lens, dtype=torch.int32) if row0 is None else None  # else gathered: context_rows
         kda_rows, flats = plan.pool_rows(pools, s0, N)
-        x = F.embedding(input_ids, plan.embed)  # [N, D]
+        x = plan.embed.index_select(0, input_ids)  # [N, D]: F.embedding's kernel without its wrapper (one op fewer)
         ffns, attn_w = plan.ffns, plan.attn_weights
         h = plan.norm(0, x)
         ik = im = 0
