@@ -432,8 +432,11 @@ class _CpuDecodePlan:
         self.ffns: list[tuple[Tensor, ...]] = []
         self.norms: list[tuple[Tensor, Tensor, Tensor] | None] = []
         self.embed = self.head = torch.empty(0)
-        self._rows: tuple[object, ...] = ()
-        """``pool_rows``' key (a weak reference to the pools object, its three lists, s0, N) and its views."""
+        self._rows_of: weakref.ref[StatePools] | None = None
+        """The pools object of ``_rows`` (weakly: the views are dropped when it is collected)."""
+        self._rows_key: tuple[int | None, ...] = ()
+        """(ids of the pools' three lists, s0, N) of ``_rows``."""
+        self._rows: tuple[list[tuple[Tensor, Tensor]], list[Tensor]] = ([], [])
 
     @staticmethod
     def build(model: HybridModel, layers: tuple[nn.Module, ...]) -> _CpuDecodePlan | None:
@@ -467,10 +470,9 @@ class _CpuDecodePlan:
         a decode step a few microseconds, the caches cold after its weight stream (14 of them on ``tiny``). The
         views hold the pools' memory: they are dropped when the pools object is collected (a closed engine's pools
         are not kept alive by the model). Tensors swapped into the same lists in place are not seen."""
-        rows = self._rows
-        if (rows and rows[0]() is pools and rows[1] is pools.kda and rows[2] is pools.conv  # type: ignore[operator]
-                and rows[3] is pools.kv and rows[4] == s0 and rows[5] == n):
-            return rows[6], rows[7]  # type: ignore[return-value]
+        key = (id(pools.kda), id(pools.conv), id(pools.kv), s0, n)  # the lists live as long as the pools object
+        if self._rows_of is not None and self._rows_of() is pools and self._rows_key == key:
+            return self._rows
         if s0 is None:
             kda: list[tuple[Tensor, Tensor]] = []
         elif n == 1:
@@ -483,10 +485,10 @@ class _CpuDecodePlan:
         def drop(_: object) -> None:
             p = plan()
             if p is not None:
-                p._rows = ()
+                p._rows_of, p._rows_key, p._rows = None, (), ([], [])
 
-        self._rows = (weakref.ref(pools, drop), pools.kda, pools.conv, pools.kv, s0, n, kda, flats)
-        return kda, flats
+        self._rows_of, self._rows_key, self._rows = weakref.ref(pools, drop), key, (kda, flats)
+        return self._rows
 
     def norm(self, i: int, x: Tensor) -> Tensor:
         """The step's i-th norm (the first layer's input norm, then each layer's post-attention and next norms)."""
