@@ -389,18 +389,23 @@ def error_episode(rng: random.Random, c: Corpus | RenamedCorpus, ep: _Episode) -
         return None  # the slip happened to name something real
     except ToolError as e:
         error = f"error: {e}"
-    wrong = tool_call(name, args)
+    return _retried(ep, tool_call(name, args), error, rng.choice(_CORRECT_INTRO), f"error:{ep.variant}")
+
+
+def _retried(ep: _Episode, call: dict, output: str, intro: str, variant: str) -> _Episode:
+    """``ep`` after a first ``call`` that got ``output`` from the tool (out of the loss): then ``ep``'s own call,
+    said with ``intro``, its result and its answer."""
     right = ep.messages[1]
-    right = {**right, "content": rng.choice(_CORRECT_INTRO),
+    right = {**right, "content": intro,
              "tool_calls": [{**right["tool_calls"][0], "id": right["tool_calls"][0]["id"].replace(":0", ":1")}]}
     result = {**ep.messages[2], "tool_call_id": right["tool_calls"][0]["id"]}
-    head = [ep.messages[0], {"role": "assistant", "content": "", "tool_calls": [wrong]}]
-    tail = [{"role": "tool", "tool_call_id": wrong["id"], "content": error}, right, result, *ep.messages[3:]]
+    head = [ep.messages[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
+    tail = [{"role": "tool", "tool_call_id": call["id"], "content": output}, right, result, *ep.messages[3:]]
     ids1, _ = render(head)
     ids2, mask2 = render(tail, ep.fact)
     out = copy.copy(ep)
     out.messages, out.ids, out.mask = head + tail, ids1 + ids2, [0] * len(ids1) + mask2
-    out.variant = f"error:{ep.variant}"
+    out.variant = variant
     return out
 
 
@@ -644,21 +649,8 @@ def focus_error_episode(rng: random.Random, c: Corpus | RenamedCorpus, ep: _Epis
         break
     else:
         return None
-    call = tool_call(name, args)
-    right = ep.messages[1]
-    pat = ep.arguments.get("pattern", "")
-    intro = rng.choice(_FIX_INTRO[why]).format(pat=pat, tool=name)
-    right = {**right, "content": intro,
-             "tool_calls": [{**right["tool_calls"][0], "id": right["tool_calls"][0]["id"].replace(":0", ":1")}]}
-    result = {**ep.messages[2], "tool_call_id": right["tool_calls"][0]["id"]}
-    head = [ep.messages[0], {"role": "assistant", "content": "", "tool_calls": [call]}]
-    tail = [{"role": "tool", "tool_call_id": call["id"], "content": out}, right, result, *ep.messages[3:]]
-    ids1, _ = render(head)
-    ids2, mask2 = render(tail, ep.fact)
-    fixed = copy.copy(ep)
-    fixed.messages, fixed.ids, fixed.mask = head + tail, ids1 + ids2, [0] * len(ids1) + mask2
-    fixed.variant = f"error:{why}:{ep.variant}"
-    return fixed
+    intro = rng.choice(_FIX_INTRO[why]).format(pat=ep.arguments.get("pattern", ""), tool=name)
+    return _retried(ep, tool_call(name, args), out, intro, f"error:{why}:{ep.variant}")
 
 
 def absent_episode(
