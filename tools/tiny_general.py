@@ -289,7 +289,11 @@ def _question(rng: random.Random, intent: str, slots: dict[str, str], split: str
 def rephrase(rng: random.Random, ep: _Episode, split: str) -> _Episode:
     """The episode asked in a grammar phrasing of ``split``; ``template`` names the phrasing."""
     intent, slots = _intent(ep)
-    text, tid = _question(rng, intent, slots, split)
+    return _asked(ep, *_question(rng, intent, slots, split))
+
+
+def _asked(ep: _Episode, text: str, tid: str) -> _Episode:
+    """``ep`` with its question worded as ``text``, by the template ``tid``."""
     messages = [{**ep.messages[0], "content": text}, *ep.messages[1:]]
     ids, mask = render(messages, ep.fact)
     out = copy.copy(ep)
@@ -487,13 +491,7 @@ def project_words(c: Corpus | RenamedCorpus) -> tuple[str, ...]:
 def focus_rephrase(rng: random.Random, ep: _Episode, words: tuple[str, ...]) -> _Episode:
     """``rephrase`` in training phrasings with the EXTRA templates and context sentences naming ``words``."""
     intent, slots = _intent(ep)
-    text, tid = grammar.question(rng, intent, slots, "train", typo=TRAIN_TYPO, extra=True, words=words)
-    messages = [{**ep.messages[0], "content": text}, *ep.messages[1:]]
-    ids, mask = render(messages, ep.fact)
-    out = copy.copy(ep)
-    out.messages, out.ids, out.mask = messages, ids, mask
-    out.template = tid
-    return out
+    return _asked(ep, *grammar.question(rng, intent, slots, "train", typo=TRAIN_TYPO, extra=True, words=words))
 
 
 def _focus_tool_episode(
