@@ -90,3 +90,26 @@ def test_constructor_validates_ids() -> None:
     m, _ = make_snapshot("s1", num_tokens=3)
     with pytest.raises(ValidationError):
         SessionManifest.model_validate({**m.model_dump(), "session_id": "a/b"})
+
+
+def test_bytes_as_dumps_wrote_them_parse_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`dumps`'s own bytes load without the general path's JSON pre-parse (`_loads_as_written`); a flipped byte
+    in them, or the same content written otherwise, goes the general way and is checked as before."""
+    from kda_sessions.storage import manifest as manifest_module
+
+    m, _ = make_snapshot("s1", num_tokens=10)
+    data = m.dumps()
+    real_loads = json.loads
+    calls: list[int] = []
+    monkeypatch.setattr(manifest_module.json, "loads", lambda s: calls.append(1) or real_loads(s))
+    assert SessionManifest.loads(data) == m and calls == []
+    i = data.index(m.tokens_blob.encode())
+    flipped = data[:i] + (b"0" if data[i : i + 1] != b"0" else b"1") + data[i + 1 :]
+    with pytest.raises(IntegrityError, match="checksum"):
+        SessionManifest.loads(flipped)
+    assert calls == [1]
+    spaced = json.dumps(real_loads(data)).encode()  # the same fields and checksum, other whitespace
+    assert SessionManifest.loads(spaced) == m and calls == [1, 1]
+    newer = data.replace(b'"format_version":1', b'"format_version":2')
+    with pytest.raises(IncompatibleSnapshot):
+        SessionManifest.loads(newer)
