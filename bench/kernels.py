@@ -5,6 +5,7 @@ side with fla-core (when importable). Prints one JSON document; ``--out FILE`` a
     python bench/kernels.py --out $OUT/kernels.json [--quick] [--only check,chunk,decode,mla,mlasweep,tune]
         [--warm-procs 6] [--fla-bg] [--old PATH/chunk.py] [--old-tune '[{"offdiag_warps": 1}]']
         [--mla-cand PATH/paged_decode.py] [--deadline 330] [--save-cache $OUT/tcache.tar.xz]
+    python bench/kernels.py --only kdadecode --no-fla [--old-kda-decode PATH/decode_triton.py]
 
 ``--old`` and ``--mla-cand`` name other versions of kernels/kda/chunk.py and kernels/mla/paged_decode.py (files
 anywhere, imported as modules of the kernels package so their relative imports resolve); they are checked against
@@ -556,6 +557,88 @@ def time_decode(fla_rec) -> list[dict]:
     return rows
 
 
+KDA_DECODE_CFGS = [(128, 4), (128, 8), (64, 4), (32, 2)]
+"""(BV, num_warps) of the KDA decode kernel timed by --only kdadecode beside its default."""
+
+
+def kda_decode_layers(N: int, n_layers: int, seed: int = 0) -> list[dict]:
+    """``n_layers`` KDA layers' decode inputs at the 48B shape (H 32, K = V = 128, conv 4, bf16), N sequences,
+    each layer with pools of its own (N + 8 slots, the N used ones out of order) as the model's decode hands them
+    to ``kda_decode``: up to 8 sequences the gates' second projections in the kernel (f_a, g_a [N, K] beside
+    their weights), above that the logits as [N, H*K] and [N, H*V] rows of one merged projection output."""
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    Dc = 2 * H * K + H * V
+    inside = N <= 8
+    layers = []
+    for _ in range(n_layers):
+        width = Dc + (K + V if inside else H * K + H * V) + H
+        y = torch.randn(N, width, device=DEV, generator=gen).to(DTYPE)
+        L = {
+            "qkv": y[:, :Dc], "raw": y[:, Dc : Dc + (K if inside else H * K)],
+            "gate": y[:, width - H - (V if inside else H * V) : width - H], "b": y[:, width - H :],
+            "cw": (torch.randn(4, Dc, device=DEV, generator=gen) * 0.5).to(DTYPE).t(),
+            "conv": torch.randn(N + 8, 3, Dc, device=DEV, generator=gen).to(DTYPE),
+            "state": torch.randn(N + 8, H, K, V, device=DEV, generator=gen) * 0.1,
+            "A_log": torch.log(torch.empty(H, device=DEV).uniform_(1, 16, generator=gen)),
+            "dt": torch.randn(H * K, device=DEV, generator=gen) * 0.5 - 2.0,
+            "nw": torch.rand(V, device=DEV, generator=gen) + 0.5,
+            "slots": torch.randperm(N + 8, device=DEV, generator=gen)[:N].to(torch.int32),
+            "fb": (torch.randn(H * K, K, device=DEV, generator=gen) * K**-0.5).to(DTYPE) if inside else None,
+            "gb": (torch.randn(H * V, V, device=DEV, generator=gen) * V**-0.5).to(DTYPE) if inside else None,
+        }
+        layers.append(L)
+    return layers
+
+
+def kda_decode_call(fn: Callable, L: dict, cfg: tuple[int, int] | None, pdl: bool) -> Callable[[], object]:
+    """One layer's ``kda_decode_triton`` (``fn``: the current one or another version's) as the model calls it:
+    the gated output norm, the gates' projections in the kernel where L has them."""
+    return lambda: fn(L["qkv"], L["raw"], L["b"], L["cw"], L["conv"], L["A_log"], L["dt"], None, L["state"],
+                      L["slots"], K**-0.5, (L["nw"], L["gate"], 1e-5), L["fb"], L["gb"], cfg, pdl)
+
+
+def time_kda_decode(old_path: str | None) -> list[dict]:
+    """The KDA decode launch(es) of one layer at the 48B shape, N = 1, 8, 32 sequences, PDL where the model uses
+    it (one sequence): graph replays of one call per layer over enough layers' pools that they exceed L2
+    (``graph_us``: bench_graph, ``stream_us``: bench_stream, both per layer), for the current kernel at its
+    default and ``KDA_DECODE_CFGS`` and for ``old_path``'s version (another decode_triton.py) at its default.
+    Each variant is first checked against the current default on copies of one layer's pools (outputs, states,
+    tails: relative RMS)."""
+    from kda_sessions.kernels.kda import decode_triton as cur
+    from kda_sessions.kernels.linear import MATVEC_MAX_ROWS
+
+    impls: list[tuple[str, Callable, tuple[int, int] | None]] = [("current", cur.kda_decode_triton, None)]
+    impls += [("current", cur.kda_decode_triton, c) for c in KDA_DECODE_CFGS]
+    if old_path and Path(old_path).exists():
+        impls.insert(0, ("old", load_module(old_path, "kda_sessions.kernels.kda").kda_decode_triton, None))
+    rows = []
+    for N in (1, 8, 32):
+        per_layer = N * H * K * V * 4 * 2 + (2 * H * K * K * 2 if N <= 8 else 0)
+        n_layers = 1 if SMOKE else max(20, -(-256_000_000 // per_layer))
+        layers = kda_decode_layers(N, n_layers)
+        pdl = N <= MATVEC_MAX_ROWS
+        first = {k: (v.clone() if k in ("conv", "state") else v) for k, v in layers[0].items()}  # the timings step it
+        ref_layer = {k: (v.clone() if k in ("conv", "state") else v) for k, v in first.items()}
+        ref = kda_decode_call(cur.kda_decode_triton, ref_layer, None, pdl)()
+        for name, fn, cfg in impls:
+            row: dict = {"N": N, "impl": name, "cfg": cfg or "default", "layers": n_layers, "pdl": pdl,
+                         "default_cfg": list(cur.decode_launch_config(N, H, V, N <= 8)) if name == "current" else None}
+            try:
+                chk = {k: (v.clone() if k in ("conv", "state") else v) for k, v in first.items()}
+                out = kda_decode_call(fn, chk, cfg, pdl)()
+                row["check"] = {"y": rel(out, ref), "state": rel(chk["state"], ref_layer["state"]),
+                                "conv_equal": bool(torch.equal(chk["conv"], ref_layer["conv"]))}
+                calls = [kda_decode_call(fn, L, cfg, pdl) for L in layers]
+                row["graph_us"] = 1e3 * bench_graph(calls, rep=50)
+                row["stream_us"] = 1e3 * bench_stream(calls)
+            except Exception:
+                row["error"] = traceback.format_exc()[-1500:]
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        del layers
+    return rows
+
+
 def mla_contexts() -> list[list[int]]:
     """Context lengths of the MLA timings: 32K, 128K and 1M tokens of one sequence, 32 sequences of 32K."""
     if SMOKE:
@@ -899,6 +982,11 @@ def summary(res: dict) -> str:
         if isinstance(row, dict):
             lines.append(f"decode N {row.get('N')}: pool {row.get('ours_pool_us', 0):.1f} us, graph "
                          f"{row.get('ours_graph_replay_us', 0):.1f} us, fla {row.get('fla_us', 0):.1f} us")
+    for row in res.get("kda_decode") if isinstance(res.get("kda_decode"), list) else []:
+        if isinstance(row, dict):
+            lines.append(f"kda decode N {row.get('N')} {row.get('impl')} {row.get('cfg')}: graph "
+                         f"{row.get('graph_us', 0):.2f} us, stream {row.get('stream_us', 0):.2f} us a layer "
+                         f"{row.get('check')} {'ERR' if 'error' in row else ''}")
     return "\n".join(lines)
 
 
@@ -906,10 +994,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="chunk at 8K only; without CUDA: tiny shapes on the CPU")
-    ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,checkmla,chunk,mla,mlasweep,mlasplits,decode,tune")
+    ap.add_argument("--only", default="check,chunk,decode,mla", help="of check,checkmla,chunk,mla,mlasweep,mlasplits,decode,kdadecode,tune")
     ap.add_argument("--no-fla", action="store_true", help="skip fla-core (its autotuning takes minutes)")
     ap.add_argument("--old", default=None, help="other chunk.py files to check and time beside the current one")
     ap.add_argument("--old-tune", default="[]", help="launch parameters to time each --old with too: a JSON list, or lists by file stem")
+    ap.add_argument("--old-kda-decode", default=None, help="another kernels/kda/decode_triton.py to time beside it")
     ap.add_argument("--mla-cand", default=None, help="other paged_decode.py files to check and time beside it")
     ap.add_argument("--mla-cfgs", default=None, help="JSON list of launch parameters to time each --mla-cand with")
     ap.add_argument("--deadline", type=float, default=1e9, help="seconds after start: later steps are skipped")
@@ -1005,6 +1094,8 @@ def main() -> None:
         steps.append(("mla_splits", lambda: mla_splits(bw())))
     if "decode" in parts:
         steps.append(("decode", lambda: time_decode(fla_rec)))
+    if "kdadecode" in parts:
+        steps.append(("kda_decode", lambda: time_kda_decode(a.old_kda_decode)))
     for name, fn in steps:
         t0 = time.time()
         if t0 - t_start > a.deadline and name != "fla_warm":

@@ -63,22 +63,54 @@ def _head_matvec(x, w_rows, m, KF: tl.constexpr, BJ: tl.constexpr):
 
 
 @triton.jit
+def _shift(qkv, s_x, tail, n, d, md, Dc: tl.constexpr, W: tl.constexpr):
+    """Channels d (mask md) of one sequence's tail (``tail``: its first row): rows 1 .. W - 2 move down one row, the
+    new pre-conv row of sequence n last."""
+    for w in tl.static_range(W - 2):
+        tl.store(tail + w * Dc + d, tl.load(tail + (w + 1) * Dc + d, mask=md), mask=md)
+    row = tl.load(qkv + n.to(tl.int64) * s_x + d, mask=md)
+    tl.store(tail + (W - 2) * Dc + d, row.to(tail.dtype.element_ty), mask=md)
+
+
+@triton.jit
+def _gate_weight(gate, s_g, n, h, d, m, nw, ogw, s_ogw, V: tl.constexpr, VF: tl.constexpr, BJ: tl.constexpr):
+    """Channels d (mask m) of head h's ``weight * sigmoid(gate logits)`` of sequence n, float32: the logits from
+    gate's row n [H*V], or with VF > 0 from g_a's output [VF] (``gate``) and head h's rows of g_b's weight
+    [H*V, VF] (``ogw``)."""
+    if VF > 0:
+        z = _head_matvec(gate + n.to(tl.int64) * s_g, ogw + (h * V + d).to(tl.int64) * s_ogw, m, VF, BJ)
+    else:
+        z = tl.load(gate + n.to(tl.int64) * s_g + h * V + d, mask=m, other=0.0).to(tl.float32)
+    return tl.load(nw + d, mask=m, other=0.0).to(tl.float32) * tl.sigmoid(z)
+
+
+@triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
+    gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr = False,
+    BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr, VF: tl.constexpr,
+    BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
-    wait took 255 registers and measured 10-13 us a step slower at 1 x 128K and 1 x 1M on the H200.)"""
+    wait took 255 registers and measured 10-13 us a step slower at 1 x 128K and 1 x 1M on the H200.)
+
+    The conv tails shift here too. A program's V block of v channels is read by that program alone: it shifts them
+    itself once all its threads have read them. The head's q and k channels are read by all of its V blocks: the
+    last of them to arrive (``counter`` [N * H], zero before the launch and reset by that program) shifts them.
+    With NORM (the gated output norm into y) that program also norms the head's V outputs: the others' from o
+    and gz (their ``weight * sigmoid(gate)``, each program computes its own block's). With one V block a head
+    there is no counter and o is never stored: the program has the whole head."""
     if PDL:
-        gdc_launch_dependents()  # the next launch (the tail shift and output norm) reads nothing before its wait
+        gdc_launch_dependents()  # the next launch reads nothing before its wait
         gdc_wait()
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
     h = nh % H
     Dc: tl.constexpr = 2 * H * K + H * V
+    NV: tl.constexpr = (V + BV - 1) // BV
     slot = tl.load(slots + n).to(tl.int64)
     rk = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
@@ -107,6 +139,8 @@ def _decode_kernel(
         softplus = tl.where(gx > 20.0, gx, tl.maximum(gx, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(gx))))
         gt = -a * softplus
     bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
+    if NORM:  # this block's weight * sigmoid(gate): its loads go out with the state's
+        gzv = _gate_weight(gate, s_g, n, h, cv, mv, nw, ogw, s_ogw, V, VF, BJO)
     # the recurrence on this program's [K, BV] slice of the state, in place at the slot
     mkv = mk[:, None] & mv[None, :]
     sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
@@ -115,60 +149,43 @@ def _decode_kernel(
     pred = tl.sum(kt[:, None] * S, axis=0)
     S += kt[:, None] * (bt * (vt - pred))[None, :]
     tl.store(sptr, S, mask=mkv)
-    ot = tl.sum(qt[:, None] * S, axis=0)
-    tl.store(o + nh.to(tl.int64) * V + cv, ot.to(o.dtype.element_ty), mask=mv)
-
-
-@triton.jit
-def _shift(qkv, s_x, conv, slots, n, d, md, Dc: tl.constexpr, W: tl.constexpr):
-    """Channels d (mask md) of sequence n's tail: rows 1 .. W - 2 move down one row, the new pre-conv row last."""
-    slot = tl.load(slots + n).to(tl.int64)
-    tail = conv + slot * (W - 1) * Dc
-    for w in tl.static_range(W - 2):
-        tl.store(tail + w * Dc + d, tl.load(tail + (w + 1) * Dc + d, mask=md), mask=md)
-    row = tl.load(qkv + n.to(tl.int64) * s_x + d, mask=md)
-    tl.store(tail + (W - 2) * Dc + d, row.to(conv.dtype.element_ty), mask=md)
-
-
-@triton.jit
-def _conv_shift_kernel(qkv, s_x, conv, slots, Dc: tl.constexpr, W: tl.constexpr, BD: tl.constexpr):
-    """The tail shift (``_shift``) of BD channels of sequence program_id(0)."""
-    n = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
-    _shift(qkv, s_x, conv, slots, n, d, d < Dc, Dc, W)
-
-
-@triton.jit
-def _shift_norm_kernel(
-    qkv, s_x, conv, slots, o, gate, s_g, nw, y, eps, gw, s_gw,
-    H: tl.constexpr, V: tl.constexpr, Dc: tl.constexpr, W: tl.constexpr, BC: tl.constexpr, BV: tl.constexpr,
-    VF: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Program (n, h): the conv-tail shift of channels [h C, (h + 1) C) (C = Dc / H) of sequence n, and head h's
-    ``rms_norm(o) * sigmoid(gate)`` (``kernels.norm``'s gated norm) into y [N, H, V]; with VF > 0 the gate
-    logits from g_a's output [VF] (``gate``) and head h's rows of g_b's weight [H*V, VF] (``gw``). With PDL the
-    next launch may start at once, and the program waits for the decode kernel (which reads the tails and writes
-    o) before it reads anything."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    n = tl.program_id(0)
-    h = tl.program_id(1)
-    C: tl.constexpr = Dc // H
-    c = tl.arange(0, BC)
-    if W > 1:
-        _shift(qkv, s_x, conv, slots, n, h * C + c, c < C, Dc, W)
-    d = tl.arange(0, BV)
-    m = d < V
-    row = (n * H + h).to(tl.int64) * V
-    v = tl.load(o + row + d, mask=m, other=0.0).to(tl.float32)
-    if VF > 0:
-        z = _head_matvec(gate + n.to(tl.int64) * s_g, gw + (h * V + d).to(tl.int64) * s_gw, m, VF, BJ)
+    ot = tl.sum(qt[:, None] * S, axis=0).to(o.dtype.element_ty)  # o as stored: the norm reads it so
+    row = nh.to(tl.int64) * V
+    if NV == 1:
+        if NORM:
+            of = ot.to(tl.float32)
+            inv = tl.rsqrt(tl.sum(of * of, axis=0) / V + eps)
+            tl.store(y + row + cv, (of * inv * gzv).to(y.dtype.element_ty), mask=mv)
+        else:
+            tl.store(o + row + cv, ot, mask=mv)
     else:
-        z = tl.load(gate + n.to(tl.int64) * s_g + h * V + d, mask=m, other=0.0).to(tl.float32)
-    inv = tl.rsqrt(tl.sum(v * v, axis=0) / V + eps)
-    wv = tl.load(nw + d, mask=m, other=0.0).to(tl.float32)
-    tl.store(y + row + d, (v * inv * wv * tl.sigmoid(z)).to(y.dtype.element_ty), mask=m)
+        tl.store(o + row + cv, ot, mask=mv)
+        if NORM:
+            tl.store(gz + row + cv, gzv, mask=mv)
+    if W > 1:
+        tl.debug_barrier()  # every thread of the program has read the tails before any moves
+        _shift(qkv, s_x, tail, n, 2 * H * K + h * V + cv, mv, Dc, W)
+        if NV == 1:
+            _shift(qkv, s_x, tail, n, h * K + rk, mk, Dc, W)
+            _shift(qkv, s_x, tail, n, H * K + h * K + rk, mk, Dc, W)
+    if NV > 1 and (W > 1 or NORM):
+        # the release: every thread's reads of the q and k tails and its stores of o and gz come before this
+        # program's arrival; the last to arrive (acquire) sees every other's
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counter + nh, 1, sem="acq_rel", scope="gpu")
+        if arrived == NV - 1:
+            if W > 1:
+                _shift(qkv, s_x, tail, n, h * K + rk, mk, Dc, W)
+                _shift(qkv, s_x, tail, n, H * K + h * K + rk, mk, Dc, W)
+            if NORM:
+                d = tl.arange(0, BVH)
+                m = d < V
+                # .cg: from L2, where the other programs' stores are, never from a stale L1 line
+                of = tl.load(o + row + d, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
+                g = tl.load(gz + row + d, mask=m, other=0.0, cache_modifier=".cg")
+                inv = tl.rsqrt(tl.sum(of * of, axis=0) / V + eps)
+                tl.store(y + row + d, (of * inv * g).to(y.dtype.element_ty), mask=m)
+            tl.atomic_xchg(counter + nh, 0, sem="relaxed", scope="gpu")
 
 
 MAX_GRID_Y = 65535
@@ -212,43 +229,65 @@ def kda_decode_triton(
             for i in range(0, N, per)
         ])
     K, V = state.shape[2:]
-    Dc, W = conv_weight.shape
-    # the kernels read b's columns, slots and the norm weight at unit stride: other views are copied first (the
+    W = conv_weight.shape[1]
+    # the kernel reads b's columns, slots and the norm weight at unit stride: other views are copied first (the
     # model's are unit-stride already: nothing is copied, nothing more is captured in a CUDA graph)
     b = b if b.stride(1) == 1 else b.contiguous()
     slots = slots if slots.stride(0) == 1 else slots.contiguous()
     if out_norm is not None and out_norm[0].stride(0) != 1:
         out_norm = (out_norm[0].contiguous(), out_norm[1], out_norm[2])
-    o = qkv.new_empty(N, H, V)
+    out = qkv.new_empty(N, H, V)
     if N == 0:
-        return o
+        return out
     BV, num_warps = config or decode_launch_config(N, H, V, gate_proj is not None)
+    NV = triton.cdiv(V, BV)
     pdl = pdl and use_pdl(qkv.device)
     launch = {"launch_pdl": True} if pdl else {}
     KF = 0 if gate_proj is None else gate_proj.shape[1]
     gw = raw if gate_proj is None else gate_proj  # a placeholder pointer where KF = 0
-    _decode_kernel[(triton.cdiv(V, BV), N * H)](
-        qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
-        conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
-        gw, gw.stride(0), H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
-        KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), PDL=pdl, num_warps=num_warps, **launch,
-    )
-    if out_norm is not None:
+    if out_norm is None:
+        nw, gate, eps, VF, ogw, o, gz = qkv, qkv, 0.0, 0, qkv, out, out
+    else:
         nw, gate, eps = out_norm
         VF = 0 if out_gate_proj is None else out_gate_proj.shape[1]
         ogw = gate if out_gate_proj is None else out_gate_proj
-        y = torch.empty_like(o)
-        _shift_norm_kernel[(N, H)](
-            qkv, qkv.stride(0), conv_state, slots, o, gate, gate.stride(0), nw, y, float(eps), ogw, ogw.stride(0),
-            H=H, V=V, Dc=Dc, W=W, BC=triton.next_power_of_2(Dc // H), BV=triton.next_power_of_2(V), VF=VF,
-            BJ=min(32, triton.next_power_of_2(max(VF, 1))), PDL=pdl, num_warps=4, **launch,
-        )
-        return y
-    if W > 1:
-        BD = min(1024, triton.next_power_of_2(Dc))
-        _conv_shift_kernel[(N, triton.cdiv(Dc, BD))](qkv, qkv.stride(0), conv_state, slots, Dc=Dc, W=W, BD=BD,
-                                                    num_warps=4)
-    return o
+        # with several V blocks a head, o and the blocks' weight * sigmoid(gate) go through memory to the last
+        o, gz = (qkv.new_empty(N, H, V), torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)) if NV > 1 \
+            else (out, out)
+    counter = head_counters(qkv.device, N * H) if NV > 1 else slots  # a placeholder pointer with one V block
+    _decode_kernel[(NV, N * H)](
+        qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
+        conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
+        gw, gw.stride(0), gate, gate.stride(0), nw, out, gz, float(eps), ogw, ogw.stride(0), counter,
+        H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
+        KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), NORM=out_norm is not None, VF=VF,
+        BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl,
+        num_warps=num_warps, **launch,
+    )
+    return out
 
 
-__all__ = ["decode_launch_config", "kda_decode_triton"]
+_COUNTERS: dict[tuple[str, int | None], Tensor] = {}
+_RETIRED: list[Tensor] = []
+
+
+def head_counters(device: torch.device, n: int) -> Tensor:
+    """At least ``n`` arrival counters on ``device``, one per (sequence, head) of a decode launch, zero between
+    launches (each launch's last arrivers reset theirs). Made outside a CUDA graph capture, they are kept (and
+    grown to a power of two, at least 1,024, when a launch needs more; the smaller ones are kept alive too, as a
+    captured graph may still use them); during a capture without enough of them, fresh zeroed ones (a memset
+    node in the graph). Launches on one stream never overlap in them: a PDL launch waits before it touches
+    them."""
+    key = (device.type, device.index)
+    c = _COUNTERS.get(key)
+    if c is not None and c.numel() >= n:
+        return c
+    fresh = torch.zeros(max(1024, triton.next_power_of_2(n)), dtype=torch.int32, device=device)
+    if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+        if c is not None:
+            _RETIRED.append(c)
+        _COUNTERS[key] = fresh
+    return fresh
+
+
+__all__ = ["decode_launch_config", "head_counters", "kda_decode_triton"]

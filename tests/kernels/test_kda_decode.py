@@ -52,14 +52,14 @@ def _out_norm(case) -> tuple[torch.Tensor, torch.Tensor, float]:
     return (torch.rand(V, generator=gen) + 0.5).to(qkv.device), gate, 1e-5
 
 
-def _check(dtype: torch.dtype, device: str, lower_bound: float | None, norm: bool = False) -> None:
+def _check(dtype: torch.dtype, device: str, lower_bound: float | None, norm: bool = False, config=None) -> None:
     from kda_sessions.kernels.kda.decode_triton import kda_decode_triton
 
     case = _case(dtype, device)
     out_norm = _out_norm(case) if norm else None
 
     def fused(*a):
-        return kda_decode_triton(*a, out_norm)
+        return kda_decode_triton(*a, out_norm, config=config)
 
     def twin(*a):
         o = naive_kda_decode(*a)
@@ -82,8 +82,11 @@ def _check(dtype: torch.dtype, device: str, lower_bound: float | None, norm: boo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
 @pytest.mark.parametrize("norm", [False, True], ids=["o", "gated-norm"])
-def test_fused_decode_matches_the_separate_ops(dtype, lower_bound, norm):
-    _check(dtype, "cpu", lower_bound, norm)
+@pytest.mark.parametrize("config", [None, (32, 1), (8, 1)], ids=["default", "one-block", "four-blocks"])
+def test_fused_decode_matches_the_separate_ops(dtype, lower_bound, norm, config):
+    """Every V-block split of a head (V 32: the default's two blocks, one, four): the tails shift and the norm
+    reads the head's whole output whichever program does it."""
+    _check(dtype, "cpu", lower_bound, norm, config)
 
 
 @pytest.mark.gpu
@@ -93,6 +96,71 @@ def test_fused_decode_matches_the_separate_ops_on_cuda(dtype, norm):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     _check(dtype, "cuda", None, norm)
+
+
+def _two_steps(device: str, config, norm: bool, n_seq: int = 3, h: int = H, k: int = K, v: int = V):
+    """Two consecutive decode steps of n_seq sequences (slots out of order, two left untouched) through
+    ``kda_decode_triton`` and through the twin, each step with new rows, the pools carried over. Returns the
+    fused (outputs, tails, states) and the twin's, on the CPU."""
+    from kda_sessions.kernels.kda.decode_triton import kda_decode_triton
+
+    gen = torch.Generator().manual_seed(3)
+    dc, w, s = 2 * h * k + h * v, W, n_seq + 2
+    conv_w = torch.randn(w, dc, generator=gen).t() * 0.5
+    conv_state = torch.randn(s, w - 1, dc, generator=gen)
+    state = torch.randn(s, h, k, v, generator=gen) * 0.1
+    A_log = torch.log(torch.empty(h).uniform_(1, 16, generator=gen))
+    dt_bias = torch.randn(h * k, generator=gen) * 0.5 - 2.0
+    slots = torch.randperm(s, generator=gen)[:n_seq]
+    nw = torch.rand(v, generator=gen) + 0.5
+    steps = [(torch.randn(n_seq, dc, generator=gen), torch.randn(n_seq, h * k, generator=gen),
+              torch.randn(n_seq, h, generator=gen), torch.randn(n_seq, h * v, generator=gen)) for _ in range(2)]
+    fused = [conv_state.to(device), state.to(device)]
+    twin = [conv_state.clone(), state.clone()]
+    outs, refs = [], []
+    for qkv, raw, b, gate in steps:
+        out_norm = (nw.to(device), gate.to(device), 1e-5) if norm else None
+        outs.append(kda_decode_triton(qkv.to(device), raw.to(device), b.to(device), conv_w.to(device), fused[0],
+                                      A_log.to(device), dt_bias.to(device), -5.0, fused[1], slots.to(device),
+                                      k**-0.5, out_norm, config=config).cpu())
+        o = naive_kda_decode(qkv, raw, b, conv_w, twin[0], A_log, dt_bias, -5.0, twin[1], slots, k**-0.5)
+        refs.append(naive_gated_rms_norm(o, nw, gate.reshape(n_seq, h, v), 1e-5, torch.float32) if norm else o)
+    return (outs, fused[0].cpu(), fused[1].cpu()), (refs, twin[0], twin[1])
+
+
+def _assert_two_steps(fused, twin, tol: float) -> None:
+    (outs, conv, st), (refs, rconv, rst) = fused, twin
+    for o, r in zip(outs, refs):
+        assert o.shape == r.shape and rel_rms(o, r) < tol
+    assert rel_rms(outs[1], outs[0]) > 0.1  # the steps differ
+    assert rel_rms(st, rst) < tol
+    assert torch.equal(conv, rconv)
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["o", "gated-norm"])
+@pytest.mark.parametrize("config", [(32, 1), (8, 1)], ids=["one-block", "four-blocks"])
+def test_two_consecutive_steps_match_the_twin(norm, config):
+    """The second step (the arrival counters reset by the first step's last programs, the tails shifted once)
+    gives what the twin gives, and the counters are zero again after it."""
+    from kda_sessions.kernels.kda.decode_triton import head_counters
+
+    fused, twin = _two_steps("cpu", config, norm)
+    _assert_two_steps(fused, twin, 1e-5)
+    assert not head_counters(torch.device("cpu"), 1).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [(128, 4), (64, 4), (32, 2), (16, 1)], ids=["bv128", "bv64", "bv32", "bv16"])
+def test_two_steps_at_the_48b_head_shape_on_cuda(config):
+    """H 32, K = V = 128, 64 sequences, float32: every (sequence, head) of a full launch finishes in its last
+    program (up to eight V blocks racing), two steps in a row, against the twin on the CPU."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.kernels.kda.decode_triton import head_counters
+
+    fused, twin = _two_steps("cuda", config, True, n_seq=64, h=32, k=128, v=128)
+    _assert_two_steps(fused, twin, 1e-4)
+    assert not head_counters(torch.device("cuda", torch.cuda.current_device()), 1).any()
 
 
 def test_public_function_checks_shapes():
