@@ -622,7 +622,7 @@ def time_kda_decode(old_path: str | None) -> list[dict]:
         ref = kda_decode_call(cur.kda_decode_triton, ref_layer, None, pdl)()
         for name, fn, cfg in impls:
             row: dict = {"N": N, "impl": name, "cfg": cfg or "default", "layers": n_layers, "pdl": pdl,
-                         "default_cfg": list(cur.decode_launch_config(N, H, V, N <= 8)) if name == "current" else None}
+                         "default_cfg": list(cur.decode_launch_config(N, V)) if name == "current" else None}
             try:
                 chk = {k: (v.clone() if k in ("conv", "state") else v) for k, v in first.items()}
                 out = kda_decode_call(fn, chk, cfg, pdl)()

@@ -1,7 +1,7 @@
 """One KDA decode step from the projections: short conv with its tails, gate, beta, q/k l2norm, the recurrence
 and the read, with the conv tails and the states updated in place in their pools at each sequence's slot.
 
-CUDA tensors go to two Triton launches (:mod:`.decode_triton`); CPU tensors to the twin, which is the separate
+CUDA tensors go to one Triton launch (:mod:`.decode_triton`); CPU tensors to the twin, which is the separate
 ops this step fuses (conv, gate, sigmoid, fused-recurrent with a pool), each through its own twin.
 """
 
@@ -44,15 +44,15 @@ def kda_decode(
     (None: K^-0.5). Returns o [N, H, V] in qkv's dtype; the tails and states at the slots are updated in place.
     With ``out_norm`` = (weight [V], gate [N, H * V] output-gate logits of unit column stride, eps) it returns the
     layer's gated output norm of o instead (``kernels.norm.gated_rms_norm`` of o as stored, in qkv's dtype), in
-    the same two launches on CUDA. No host sync on CUDA, so it can be captured in a CUDA graph.
+    the same launch on CUDA. No host sync on CUDA, so it can be captured in a CUDA graph.
 
-    The gates' second projections may run inside those launches: with ``gate_proj`` [H * K, KF] (f_b's weight,
+    The gates' second projections may run inside that launch: with ``gate_proj`` [H * K, KF] (f_b's weight,
     unit column stride) ``raw`` is [N, KF], f_a's output, and the logits are ``raw @ gate_proj^T`` rounded to raw's
     dtype (as the separate projection stores them); likewise ``out_gate_proj`` [H * V, VF] (g_b's weight) with
     out_norm's gate [N, VF], g_a's output.
 
-    ``pdl`` (CUDA on Hopper, ``kernels.moe.pdl.use_pdl``; ignored elsewhere): both launches are PDL launches
-    that let the next launch start at once and wait for the launch before them before they read anything; worth it
+    ``pdl`` (CUDA on Hopper, ``kernels.moe.pdl.use_pdl``; ignored elsewhere): it is a PDL launch
+    that lets the next launch start at once and waits for the launch before it before it reads anything; worth it
     where the next launch loads something before its own wait (the model's output projection at one sequence, a
     PDL matvec).
     """

@@ -1,18 +1,20 @@
-"""One KDA decode step in two Triton launches: conv + gate + beta + q/k norm + recurrence + read in one kernel,
-then the shift of the conv tails, both in place in the pools at the sequences' slots; with an output gate, the
-second launch also applies the layer's gated output norm (one program per (sequence, head) does both).
+"""One KDA decode step in one Triton launch: conv + gate + beta + q/k norm + recurrence + read, the shift of the
+conv tails, and with an output gate the layer's gated output norm, in place in the pools at the sequences' slots.
 
-The decode kernel runs one program per (V block, sequence, head) like the fused-recurrent kernel; every program
-computes its head's q and k from the conv tails (the K channels are shared by the V blocks of a head), so no
-program may overwrite a tail another still reads: the tails shift in a second launch, ordered after the first by
-the stream. Given the gates' weights, each program also computes its head's gate logits from the low-rank gate input
-(f_b's [K, KF] rows in the first launch, g_b's in the second), which saves the layer a matvec launch. Nothing is
-gathered or scattered and no intermediate tensor is written, so a step costs two launches
-instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and it can be captured in a CUDA graph.
+The kernel runs one program per (V block, sequence, head) like the fused-recurrent kernel; every program computes
+its head's q and k from the conv tails (the q and k channels are shared by the V blocks of a head), so no program
+may overwrite a tail another still reads. Each program shifts its own V block's v channels (read by it alone); the
+last of a head's V blocks to finish (a per-(sequence, head) arrival counter, ``head_counters``) shifts the head's q
+and k channels and norms the head's V outputs, which the others leave in memory. With one V block a head (from 8
+sequences up at V 128) the program does all of it with no counter. Given the gates' weights, each program also
+computes its head's gate logits from the low-rank gate input (f_b's [K, KF] rows) and its V block's output-gate
+logits (g_b's rows), which saves the layer a matvec launch. Nothing is gathered or scattered, so a step costs one
+launch instead of the ~25 of the separate conv, gate, cast and recurrence kernels, and it can be captured in a
+CUDA graph (the counters are zero again at the end of every launch).
 
-With ``pdl`` on Hopper both are PDL launches (``kernels.moe.pdl``): each lets the next launch start at once and
-waits for the launch before it before reading anything, so the output norm's launch and then the output
-projection's PDL matvec start early (the matvec loads its weight while these two run).
+With ``pdl`` on Hopper it is a PDL launch (``kernels.moe.pdl``): it lets the next launch start at once and waits
+for the launch before it before reading anything, so the output projection's PDL matvec starts early (it loads its
+weight while this one runs).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..moe.pdl import use_pdl
-from .fused_recurrent import launch_config
 
 
 @triton.jit
@@ -193,14 +194,13 @@ MAX_GRID_Y = 65535
 ``kda_decode_triton`` splits a larger batch (at H 32: 2,047 sequences a launch)."""
 
 
-def decode_launch_config(N: int, H: int, V: int, gate_in_kernel: bool) -> tuple[int, int]:
-    """(BV, num_warps) of the decode kernel: ``fused_recurrent.launch_config``'s, or with the gate's matvec in the
-    kernel (each program reads its head's [K, KF] rows) wider blocks on more warps."""
-    if not gate_in_kernel:
-        return launch_config(N, H, V)
-    # H200, H 32, K = V = 128, both launches as graph replays: at 1 sequence BV 64 on 4 warps 9.5 us (32: 9.7,
-    # 16 on 1-2 warps 9.8-11.6, 128 on 4-8 11.0-14.0); at 8 and 32 BV 128 on 4 warps 15.4 / 54.2 us (64: 17.9 /
-    # 54.8, 32 on 2: 19.8 / 62.1)
+def decode_launch_config(N: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps) of the decode kernel: two V blocks a head (at V 128) below 8 sequences, for more programs
+    in a latency-bound step; from 8 up one (no arrival counter, no o through memory). H200, H 32, K = V = 128, the
+    model's calls (the gates' projections in the kernel up to 8 sequences, PDL at one), graph replays, us a layer
+    (``bench/kernels.py --only kdadecode``): at 1 sequence BV 64 on 4 warps 9.98 (128 on 4: 10.20, on 8: 12.78;
+    32 on 2: 11.14); at 8, 128 on 4 18.79 (64 on 4: 22.88, 32 on 2: 25.70, 128 on 8: 27.84); at 32 without the
+    gates' projections 128 on 4 47.66 (64 on 4: 53.90, 32 on 2: 54.64, 128 on 8: 92.69)."""
     return min(triton.next_power_of_2(V), 64 if N < 8 else 128), 4
 
 
@@ -213,9 +213,11 @@ def kda_decode_triton(
     """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V], or
     with ``out_norm`` = (weight [V], gate [N, H*V] rows of unit column stride, eps) the gated norm of o. With
     ``gate_proj`` [H*K, KF], raw is [N, KF] and each head's gate logits are its rows of gate_proj times raw, in
-    the decode kernel; likewise ``out_gate_proj`` [H*V, VF] with out_norm's gate [N, VF], in the norm's launch.
-    ``config``: the decode kernel's (BV, num_warps), default ``decode_launch_config``. ``pdl``: see ``kda_decode``
-    (on a device where ``kernels.moe.pdl.use_pdl``, else ignored)."""
+    the kernel; likewise ``out_gate_proj`` [H*V, VF] with out_norm's gate [N, VF]. ``config``: the kernel's
+    (BV, num_warps), default ``decode_launch_config``. ``pdl``: see ``kda_decode`` (on a device where
+    ``kernels.moe.pdl.use_pdl``, else ignored). One launch (several above ``MAX_GRID_Y`` sequence-heads), on the
+    device's ``head_counters`` where a head has several V blocks: launches that use them must not run
+    concurrently (one stream)."""
     N, H = b.shape
     if N * H > MAX_GRID_Y:  # the decode kernel's grid holds N * H programs on its second axis: several launches
         per = MAX_GRID_Y // H
@@ -239,7 +241,7 @@ def kda_decode_triton(
     out = qkv.new_empty(N, H, V)
     if N == 0:
         return out
-    BV, num_warps = config or decode_launch_config(N, H, V, gate_proj is not None)
+    BV, num_warps = config or decode_launch_config(N, V)
     NV = triton.cdiv(V, BV)
     pdl = pdl and use_pdl(qkv.device)
     launch = {"launch_pdl": True} if pdl else {}
