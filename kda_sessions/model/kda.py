@@ -15,10 +15,10 @@ from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul
 
 GATE_IN_KERNEL_MAX_ROWS = 8
 """Decode batches of up to this many sequences run the gates' second projections (f_b, g_b) inside
-``kda_decode``'s launches; larger ones as one matvec over the merged block-diagonal weight before them. H200, 48B
-shape, graph replays of both launches with the gate projections inside against the separate matvec and the two
-launches: 9.5 against 11.0 us at 1 sequence, 15.4 against 16.4 at 8, but 54.2 against 52.5 at 32 (every program
-re-reads its head's [K, K] rows)."""
+``kda_decode``'s launch; larger ones as one matvec over the merged block-diagonal weight before it. H200, 48B
+shape, graph replays of the decode with the gate projections inside against the separate matvec and the decode
+(measured on its earlier two-launch form, not re-measured on the one launch): 9.5 against 11.0 us at 1 sequence,
+15.4 against 16.4 at 8, but 54.2 against 52.5 at 32 (every program re-reads its head's [K, K] rows)."""
 
 
 class KDAAttention(nn.Module):
@@ -52,8 +52,8 @@ class KDAAttention(nn.Module):
         self.fast_cpu = True
         """Decode on a CPU through ``_decode_cpu`` (False: through the kernels' naive twins, the reference)."""
         self.fused_decode = True
-        """Decode on a GPU in four launches: the input matvec, ``kda_decode``'s two (the gates' second projections
-        inside them up to ``GATE_IN_KERNEL_MAX_ROWS`` sequences, else one more matvec) and o_proj (False: the
+        """Decode on a GPU in three launches: the input matvec, ``kda_decode``'s one (the gates' second projections
+        inside it up to ``GATE_IN_KERNEL_MAX_ROWS`` sequences, else one more matvec) and o_proj (False: the
         separate conv, gate and recurrence kernels, its twin in the model)."""
 
     @property
@@ -94,7 +94,7 @@ class KDAAttention(nn.Module):
             return self.decode_cpu(x, slots, state, conv_state)
         if x.is_cuda and self.fused_decode and x.shape[0] > GATE_IN_KERNEL_MAX_ROWS:
             qkv, raw, b, og = self._projections_merged(x)
-            # [N, H, V]: the output norm and gate applied in kda_decode's second launch
+            # [N, H, V]: the output norm and gate applied inside kda_decode's launch
             o = kda_decode(qkv, raw, b, self._gpu.get()[2], conv_state, self.A_log, self.dt_bias, self.lower_bound,
                            state, slots, out_norm=(self.o_norm.weight, og, self.o_norm.eps))
             return linear(o.reshape(x.shape[0], self.H * self.V).to(x.dtype), self.o_proj.weight)
@@ -103,8 +103,8 @@ class KDAAttention(nn.Module):
             w_in, _, conv_w = self._gpu.get()
             y = linear(x, w_in)  # [N, Dc + K + V + H]: q | k | v | f_a | g_a | b
             qkv, fa, ga, b = y[:, :Dc], y[:, Dc : Dc + K], y[:, Dc + K : Dc + K + self.V], y[:, Dc + K + self.V :]
-            # [N, H, V]: f_b in the first launch, g_b, the output norm and gate in the second
-            # PDL launches where o_proj is a PDL matvec, which then loads its weight while they run (H200, 48B shape,
+            # [N, H, V]: f_b, g_b, the output norm and gate inside kda_decode's one launch
+            # a PDL launch where o_proj is a PDL matvec, which then loads its weight while it runs (H200, 48B shape,
             # graph replays: 1 x 128K 2.453 ms a step against 2.486 without; 8 x 32K, o_proj in cuBLAS: 7.80 / 7.79)
             o = kda_decode(qkv, fa, b, conv_w, conv_state, self.A_log, self.dt_bias, self.lower_bound, state, slots,
                            out_norm=(self.o_norm.weight, ga, self.o_norm.eps), gate_proj=self.f_b_proj.weight,
