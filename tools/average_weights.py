@@ -10,9 +10,8 @@ keeps them exact), with ``config.json`` copied from ``--config`` (default: the b
 weights. ``--take REGEX=INDEX`` keeps the tensors whose names match REGEX from one input instead of averaging them
 (for example one run's MLA layers: ``--take 'layers\.(3|7)\.self_attn\.=1'``).
 
-Shipped ``tiny`` since the tenth session is soup C: soup B (the 1 : 2 : 1 : 1 mean of runs 11, 15, 16 and 17)
-averaged again with runs 15-17 at 1 : 2 : 1 : 1, both MLA layers' attention weights taken from run 15 (commands in
-docs/tiny.md)."""
+Every shipped ``tiny`` is such a mean (the current one: the 1 : 1 mean of the weights shipped before it and the run
+continued from them; the chain of runs and soups, with their commands, is in docs/tiny.md)."""
 
 from __future__ import annotations
 
