@@ -129,10 +129,9 @@ def _residual_sum(x, res, off, m):
 
 @triton.jit
 def _sum_sq(v, axis: tl.constexpr):
-    """The sum of squares of v along ``axis`` in float64. The squares of 16-bit values are exact and so is their
-    sum over a model's width (unless the squares span more than ~2^25), so the result does not depend on the order
-    a kernel's tiles and warps sum in; float32 rows' sums differ between orders by ~2^-53, which their rounding to
-    float32 (``_rms_inv``) almost always removes."""
+    """The sum of squares of v along ``axis`` in float64: the squares of 16-bit values (and of float32 ones) are
+    exact and so is their sum over a model's width (unless the squares span more than ~2^25), so the result does
+    not depend on the order a kernel's tiles and warps sum in."""
     v64 = v.to(tl.float64)
     return tl.sum(v64 * v64, axis=axis)
 
