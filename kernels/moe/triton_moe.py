@@ -72,14 +72,7 @@ DIRECT_MAX_TOKENS = 16
 
 SHARED_AHEAD_MAX_TOKENS = 1
 """Up to this many tokens ``fused_moe_triton`` and ``fused_moe_add_norm`` pass a ``SharedInput`` on to the direct up
-kernel (its shared-expert programs run before the router ends), on a GPU with PDL launches; more tokens (not
-measured) or no PDL (nothing to overlap: the programs' own norm measured 1 us a layer slower) run without it."""
-
-
-def shared_ahead(shared: SharedInput | None, x: Tensor) -> SharedInput | None:
-    """``shared`` where the library's decode MoE passes it on to the up kernel (``SHARED_AHEAD_MAX_TOKENS``), else
-    None."""
-    return shared if x.shape[0] <= SHARED_AHEAD_MAX_TOKENS and use_pdl(x.device) else None
+kernel (its shared-expert programs run before the router ends); more tokens: as without it (not measured there)."""
 
 
 ADD_NORM_MAX_TOKENS = 1
@@ -559,7 +552,7 @@ def fused_moe_triton(
     if direct is None:
         direct = cfg is None and T <= DIRECT_MAX_TOKENS
     if direct:
-        return fused_moe_direct(x, w13, w2, chosen, weights, shared=shared_ahead(shared, x))
+        return fused_moe_direct(x, w13, w2, chosen, weights, shared=shared if T <= SHARED_AHEAD_MAX_TOKENS else None)
     cfg = cfg or launch_config(P)
     x = x.contiguous()
     align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch
@@ -596,5 +589,4 @@ __all__ = [
     "fused_moe_direct_add_norm",
     "fused_moe_triton",
     "launch_config",
-    "shared_ahead",
 ]
