@@ -423,8 +423,8 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
     layer's experts are not in L2 from the layer before). Per layer: the chain's us over ``layers``, and minus the
     matvecs alone (the MoE block with its launch gaps). Variants: the library with and without PDL, its shared
     expert's up programs waiting for the router as the routed ones (no ``SharedInput``), the router letting the up
-    kernel start only once its logits are done (``route.EARLY_TRIGGER_MAX_TOKENS`` 0), and with ``sweep`` other
-    direct tiles (``CHAIN_UP``: BN/BK/warps of up; ``CHAIN_DOWN``: of down, with PRE_DOWN)."""
+    kernel start only once its logits are done (``route.EARLY_TRIGGER_MAX_TOKENS`` 0), and with ``sweep`` other direct tiles
+    (``CHAIN_UP``: BN/BK/warps of up; ``CHAIN_DOWN``: of down, with PRE_DOWN)."""
     D, Fw, E, k, A = 2304, 1024, 256, 8, 4096
     gen = torch.Generator(device="cuda").manual_seed(T)
 
@@ -468,8 +468,7 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
 
     variants: list[tuple[str, bool, object]] = [("library", True, None)]
     if SharedInput is not None:
-        variants += [("library, shared expert waits", True, None),
-                     ("library, router trigger after its logits", True, None)]
+        variants += [("library, shared expert waits", True, None), ("library, router trigger after its logits", True, None)]
     if pdl is not None:
         variants.insert(0, ("library, no PDL", False, None))
         if sweep:

@@ -478,7 +478,7 @@ def _shared_args(shared: SharedInput | None, x: Tensor, k: int, E: int) -> dict:
     """The up kernel's arguments of ``shared`` (none without it)."""
     if shared is None:
         return {}
-    assert k >= 2 and 0 <= shared.index < E and shared.x.shape == x.shape, "shared: k >= 2, an expert id, x's shape"
+    assert k >= 2 and 0 <= shared.index < E and shared.x.shape == x.shape, "shared: a routed pair, an expert id, x's shape"
     sx = shared.x.contiguous()
     norm = shared.res is not None
     if norm:

@@ -494,8 +494,7 @@ def test_one_launch_router_with_the_norm_on_the_gpu(T: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("T,early", [(1, False), (1, True), (8, False), (16, True)],
-                         ids=["T1", "T1-early", "T8", "T16-early"])
+@pytest.mark.parametrize("T,early", [(1, False), (1, True), (8, False), (16, True)], ids=["T1", "T1-early", "T8", "T16-early"])
 def test_shared_expert_before_the_router_on_the_gpu(T: int, early: bool) -> None:
     """bf16 at the 48B shape, the MoE block as a decode step runs it (router with the add and norm, then the
     direct kernels, at one token the library's calls; and the router on its plain input): with ``SharedInput``
