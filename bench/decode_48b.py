@@ -423,7 +423,7 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
     layer's experts are not in L2 from the layer before). Per layer: the chain's us over ``layers``, and minus the
     matvecs alone (the MoE block with its launch gaps). Variants: the library with and without PDL, its shared
     expert's up programs waiting for the router as the routed ones (no ``SharedInput``), the router letting the up
-    kernel start only once its logits are done (``route.EARLY_TRIGGER_MAX_TOKENS`` 0), and with ``sweep`` other direct tiles
+    kernel start only once its logits are done (``route.EARLY_TRIGGER`` off), and with ``sweep`` other direct tiles
     (``CHAIN_UP``: BN/BK/warps of up; ``CHAIN_DOWN``: of down, with PRE_DOWN)."""
     D, Fw, E, k, A = 2304, 1024, 256, 8, 4096
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -458,13 +458,14 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
 
     def run_chain(name: str, cfg) -> tuple[Tensor, Tensor]:
         """``chain`` as variant ``name`` runs it (its knobs set around the call)."""
-        knob = _route_mod.EARLY_TRIGGER_MAX_TOKENS
-        if name == "library, router trigger after its logits":
-            _route_mod.EARLY_TRIGGER_MAX_TOKENS = 0
+        late = name == "library, router trigger after its logits"
+        if late:
+            _route_mod.EARLY_TRIGGER = False
         try:
             return chain(cfg, shared=name != "library, shared expert waits")
         finally:
-            _route_mod.EARLY_TRIGGER_MAX_TOKENS = knob
+            if late:
+                _route_mod.EARLY_TRIGGER = True
 
     variants: list[tuple[str, bool, object]] = [("library", True, None)]
     if SharedInput is not None:

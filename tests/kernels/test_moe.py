@@ -497,13 +497,12 @@ def test_one_launch_router_with_the_norm_on_the_gpu(T: int) -> None:
 @pytest.mark.parametrize("T,early", [(1, False), (1, True), (8, False), (16, True)], ids=["T1", "T1-early", "T8", "T16-early"])
 def test_shared_expert_before_the_router_on_the_gpu(T: int, early: bool) -> None:
     """bf16 at the 48B shape, the MoE block as a decode step runs it (router with the add and norm, then the
-    direct kernels, at one token the library's calls; and the router on its plain input): with ``SharedInput``
-    (PDL launches where the GPU has them: the shared expert's programs run before the router's end; ``early``:
-    the router lets them start right after its wait, else once its logits are done) the same bits as without
-    it, eager and in a CUDA graph replayed on new rows."""
-    from kda_sessions.kernels.moe import SharedInput, add_norm_route, fused_moe_add_norm, moe_route, route
-    from kda_sessions.kernels.moe.triton_moe import fused_moe_direct
-    from kda_sessions.kernels.norm import add_rms_norm
+    direct kernels; and the router on its plain input): with ``SharedInput`` (PDL launches where the GPU has them:
+    the shared expert's programs run before the router's end; ``early``: the router lets them start right after
+    its wait, else once its logits are done) the same bits as without it, eager and in a CUDA graph replayed on
+    new rows."""
+    from kda_sessions.kernels.moe import SharedInput, add_norm_route, fused_moe_add_norm, moe_route
+    from kda_sessions.kernels.moe import route
 
     E = 256
     _, w13, w2, _, _ = moe_case(T, E + 1, 8, 2304, 1024, seed=6, device="cuda", dtype=torch.bfloat16)
@@ -516,17 +515,13 @@ def test_shared_expert_before_the_router_on_the_gpu(T: int, early: bool) -> None
     def block(shared: bool) -> tuple[Tensor, ...]:
         s, h, chosen, w = add_norm_route(x, a, nw, 1e-6, gate, bias, 8, True, 2.446, E)
         sh = SharedInput(E, x, a, nw, 1e-6) if shared else None
+        s2, h2 = fused_moe_add_norm(h, w13, w2, chosen, w, s, nw2, 1e-6, sh)
         c3, w3 = moe_route(x, gate, bias, 8, True, 2.446, E)
-        sh3 = SharedInput(E, x) if shared else None
-        if T == 1:
-            s2, h2 = fused_moe_add_norm(h, w13, w2, chosen, w, s, nw2, 1e-6, sh)
-            return s2, h2, fused_moe(x, w13, w2, c3, w3, sh3)
-        # the library runs more tokens without it (SHARED_AHEAD_MAX_TOKENS): the kernels' own calls
-        s2, h2 = add_rms_norm(s, fused_moe_direct(h, w13, w2, chosen, w, shared=sh), nw2, 1e-6)
-        return s2, h2, fused_moe_direct(x, w13, w2, c3, w3, shared=sh3)
+        out = fused_moe(x, w13, w2, c3, w3, SharedInput(E, x) if shared else None)
+        return s2, h2, out
 
-    knob = route.EARLY_TRIGGER_MAX_TOKENS
-    route.EARLY_TRIGGER_MAX_TOKENS = T if early else 0
+    knob = route.EARLY_TRIGGER
+    route.EARLY_TRIGGER = early
     try:
         ref = block(False)
         assert all(torch.equal(r, g) for r, g in zip(ref, block(True)))
@@ -539,7 +534,7 @@ def test_shared_expert_before_the_router_on_the_gpu(T: int, early: bool) -> None
             ref = block(False)
             assert all(torch.equal(r, g) for r, g in zip(ref, got))
     finally:
-        route.EARLY_TRIGGER_MAX_TOKENS = knob
+        route.EARLY_TRIGGER = knob
 
 
 @pytest.mark.gpu
