@@ -423,7 +423,7 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
     layer's experts are not in L2 from the layer before). Per layer: the chain's us over ``layers``, and minus the
     matvecs alone (the MoE block with its launch gaps). Variants: the library with and without PDL, its shared
     expert's up programs waiting for the router as the routed ones (no ``SharedInput``), the router letting the up
-    kernel start only once its logits are done (``route.EARLY_TRIGGER`` off), and with ``sweep`` other direct tiles
+    kernel start right after its wait (``route.EARLY_TRIGGER``), and with ``sweep`` other direct tiles
     (``CHAIN_UP``: BN/BK/warps of up; ``CHAIN_DOWN``: of down, with PRE_DOWN)."""
     D, Fw, E, k, A = 2304, 1024, 256, 8, 4096
     gen = torch.Generator(device="cuda").manual_seed(T)
@@ -458,18 +458,18 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
 
     def run_chain(name: str, cfg) -> tuple[Tensor, Tensor]:
         """``chain`` as variant ``name`` runs it (its knobs set around the call)."""
-        late = name == "library, router trigger after its logits"
-        if late:
-            _route_mod.EARLY_TRIGGER = False
+        early = name == "library, router trigger after its wait"
+        if early:
+            _route_mod.EARLY_TRIGGER = True
         try:
             return chain(cfg, shared=name != "library, shared expert waits")
         finally:
-            if late:
-                _route_mod.EARLY_TRIGGER = True
+            if early:
+                _route_mod.EARLY_TRIGGER = False
 
     variants: list[tuple[str, bool, object]] = [("library", True, None)]
     if SharedInput is not None:
-        variants += [("library, shared expert waits", True, None), ("library, router trigger after its logits", True, None)]
+        variants += [("library, shared expert waits", True, None), ("library, router trigger after its wait", True, None)]
     if pdl is not None:
         variants.insert(0, ("library, no PDL", False, None))
         if sweep:

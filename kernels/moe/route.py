@@ -216,11 +216,9 @@ def _route_decode_kernel(
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
-EARLY_TRIGGER = True
+EARLY_TRIGGER = False
 """Whether the decode router lets the next launch start right after its PDL wait rather than once every program
-has its logits (where x and res are the caller's tensors, not copies). The direct up kernel's shared-expert
-programs then overlap the logits too: on the H200 at the 48B shape (``bench/decode_48b.py --moe-chain 1``) the MoE
-block measured 39.1 us a layer with it, 40.2 without."""
+has its logits (a knob for ``bench/decode_48b.py --moe-chain``)."""
 
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}
 

@@ -18,10 +18,7 @@ a layer, GEMVs by multiply-and-sum with the whole reduction unrolled (every load
 The direct down kernel can also take the residual add and RMSNorm after the layer: its last program to finish
 (an arrival counter, as the decode router's) adds and norms the few rows (``fused_moe_direct_add_norm``). On
 Hopper both direct kernels are PDL launches (``pdl``): the down kernel's programs start while the up kernel ends
-and load their first expert tiles before they wait for it. Told where the router's rows come from
-(``SharedInput``), the up kernel's programs of the shared expert form those rows themselves and run while the
-router ends, without waiting for it (the only programs of these launches that write before a wait: act is
-allocated after every tensor the router reads, and its logits live in chosen's storage).
+and load their first expert tiles before they wait for it.
 
 Every launch has a grid fixed by the shapes (at most ``T * k + min(E, T * k) * (BM - 1)`` padded rows); row
 blocks past ``num_padded`` return at once. No host sync anywhere, so a decode step is CUDA-graph safe.
@@ -319,54 +316,53 @@ def _up_direct_kernel(
     same bits). The other programs wait for the router. A program that does not wait is safe: the down kernel
     waits for this launch's end, which comes after the router's (every routed program waited for it), and the
     down kernel's programs start only after every routed program's trigger, placed after its wait."""
+    q = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)  # the launch's order
+    is_shared = False
     if SHARED:
-        q = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)  # the launch's order
         T = tl.num_programs(0) // TOP_K
         NB: tl.constexpr = (Fw + BN - 1) // BN
         K: tl.constexpr = TOP_K - 1  # routed pairs of a token
-        if q < T * NB:  # token fastest: every token's first column blocks start first
+        is_shared = q < T * NB
+        if is_shared:  # token fastest: every token's first column blocks start first
             tok = q % T
             nb = q // T
-            ex = tl.zeros([], dtype=tl.int64) + shared_id
-            if NORM:  # the first weight tiles load before the norm's sum over the width
-                kk = tl.arange(0, BK)
-                g_ptr, u_ptr, n_ok = _up_direct_tiles(w13, ex, nb, stride_we, stride_wn, Fw, BN, BK)
-                m = n_ok[:, None] & (kk < D)[None, :]
-                g_first = tl.load(g_ptr, mask=m, other=0.0)
-                u_first = tl.load(u_ptr, mask=m, other=0.0)
-                ss = tl.zeros([], dtype=tl.float64)
-                for k0 in tl.static_range(0, D, BK):
-                    ss += _sum_sq(_residual_sum(sx, sres, tok * D + k0 + kk, k0 + kk < D), 0)
-                inv = _rms_inv(ss, D, eps)
-                _up_direct_pair(sx, sres, snorm_w, inv, w13, act, ex, tok, tok * TOP_K + K, nb, stride_x, stride_we,
-                                stride_wn, stride_a, g_first, u_first, D, Fw, BN, BK, True, True)
-            else:
-                _up_direct_pair(sx, sx, sx, 0.0, w13, act, ex, tok, tok * TOP_K + K, nb, stride_x, stride_we,
-                                stride_wn, stride_a, None, None, D, Fw, BN, BK, False, False)
+            p = tok * TOP_K + K
         else:
             r = q - T * NB
             i = r % (T * K)  # routed pairs fastest, as without SHARED
-            _up_direct_routed(x, w13, act, chosen, (i // K) * TOP_K + i % K, i // K, r // (T * K), stride_x,
-                              stride_we, stride_wn, stride_a, D, Fw, BN, BK, PDL)
+            nb = r // (T * K)
+            tok = i // K
+            p = tok * TOP_K + i % K
     else:
         p = tl.program_id(0)
-        _up_direct_routed(x, w13, act, chosen, p, p // TOP_K, tl.program_id(1), stride_x, stride_we, stride_wn,
-                          stride_a, D, Fw, BN, BK, PDL)
-
-
-@triton.jit
-def _up_direct_routed(
-    x, w13, act, chosen, p, tok, nb, stride_x, stride_we, stride_wn, stride_a,
-    D: tl.constexpr, Fw: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-):
-    """A routed pair's program of ``_up_direct_kernel``: pair p (token tok), column block nb, after the router."""
-    if PDL:
-        gdc_wait()  # x and chosen are the router's outputs
-        # only after the wait: the down kernel's prologue reads the router's outputs too
-        gdc_launch_dependents()
-    ex = tl.load(chosen + p).to(tl.int64)
-    _up_direct_pair(x, x, x, 0.0, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a, None, None,
-                    D, Fw, BN, BK, False, False)
+        nb = tl.program_id(1)
+        tok = p // TOP_K
+    if is_shared:
+        ex = tl.zeros([], dtype=tl.int64) + shared_id
+        inv = 0.0
+        if NORM:  # the first weight tiles load before the norm's sum over the width
+            kk = tl.arange(0, BK)
+            g_ptr, u_ptr, n_ok = _up_direct_tiles(w13, ex, nb, stride_we, stride_wn, Fw, BN, BK)
+            m = n_ok[:, None] & (kk < D)[None, :]
+            g_first = tl.load(g_ptr, mask=m, other=0.0)
+            u_first = tl.load(u_ptr, mask=m, other=0.0)
+            ss = tl.zeros([], dtype=tl.float64)
+            for k0 in tl.static_range(0, D, BK):
+                ss += _sum_sq(_residual_sum(sx, sres, tok * D + k0 + kk, k0 + kk < D), 0)
+            inv = _rms_inv(ss, D, eps)
+            _up_direct_pair(sx, sres, snorm_w, inv, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn,
+                            stride_a, g_first, u_first, D, Fw, BN, BK, True, True)
+        else:
+            _up_direct_pair(sx, sx, sx, inv, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a,
+                            None, None, D, Fw, BN, BK, False, False)
+    else:
+        if PDL:
+            gdc_wait()  # x and chosen are the router's outputs
+            # only after the wait: the down kernel's prologue reads the router's outputs too
+            gdc_launch_dependents()
+        ex = tl.load(chosen + p).to(tl.int64)
+        _up_direct_pair(x, x, x, 0.0, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a, None, None,
+                        D, Fw, BN, BK, False, False)
 
 
 @triton.jit

@@ -499,8 +499,7 @@ def test_shared_expert_before_the_router_on_the_gpu(T: int, early: bool) -> None
     """bf16 at the 48B shape, the MoE block as a decode step runs it (router with the add and norm, then the
     direct kernels; and the router on its plain input): with ``SharedInput`` (PDL launches where the GPU has them:
     the shared expert's programs run before the router's end; ``early``: the router lets them start right after
-    its wait, else once its logits are done) the same bits as without it, eager and in a CUDA graph replayed on
-    new rows."""
+    its wait) the same bits as without it, eager and in a CUDA graph replayed on new rows."""
     from kda_sessions.kernels.moe import SharedInput, add_norm_route, fused_moe_add_norm, moe_route
     from kda_sessions.kernels.moe import route
 
@@ -520,7 +519,6 @@ def test_shared_expert_before_the_router_on_the_gpu(T: int, early: bool) -> None
         out = fused_moe(x, w13, w2, c3, w3, SharedInput(E, x) if shared else None)
         return s2, h2, out
 
-    knob = route.EARLY_TRIGGER
     route.EARLY_TRIGGER = early
     try:
         ref = block(False)
@@ -534,7 +532,7 @@ def test_shared_expert_before_the_router_on_the_gpu(T: int, early: bool) -> None
             ref = block(False)
             assert all(torch.equal(r, g) for r, g in zip(ref, got))
     finally:
-        route.EARLY_TRIGGER = knob
+        route.EARLY_TRIGGER = False
 
 
 @pytest.mark.gpu
