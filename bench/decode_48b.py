@@ -72,11 +72,6 @@ try:
     from kda_sessions.kernels.moe import pdl
 except ImportError:  # a tree whose MoE kernels predate PDL (``--moe-chain`` times such a tree too)
     pdl = None
-try:
-    from kda_sessions.kernels.moe import SharedInput
-    from kda_sessions.kernels.moe import route as _route_mod
-except ImportError:  # a tree whose up kernel waits for the router in every program
-    SharedInput = None
 
 HBM_BYTES_PER_S = 4.8e12
 T0 = time.time()
@@ -421,10 +416,8 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
     MoE block (router with the add and norm, up, down with the add and norm at one token), in one CUDA graph.
     Routers random per layer, experts (the shared one stacked last) from ``groups`` stacked copies in turn (a
     layer's experts are not in L2 from the layer before). Per layer: the chain's us over ``layers``, and minus the
-    matvecs alone (the MoE block with its launch gaps). Variants: the library with and without PDL, its shared
-    expert's up programs waiting for the router as the routed ones (no ``SharedInput``), the router letting the up
-    kernel start right after its wait (``route.EARLY_TRIGGER``), and with ``sweep`` other direct tiles
-    (``CHAIN_UP``: BN/BK/warps of up; ``CHAIN_DOWN``: of down, with PRE_DOWN)."""
+    matvecs alone (the MoE block with its launch gaps). Variants: the library with and without PDL, and with
+    ``sweep`` other direct tiles (``CHAIN_UP``: BN/BK/warps of up; ``CHAIN_DOWN``: of down, with PRE_DOWN)."""
     D, Fw, E, k, A = 2304, 1024, 256, 8, 4096
     gen = torch.Generator(device="cuda").manual_seed(T)
 
@@ -439,37 +432,23 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
     s0 = randn(T, D, scale=1.0)
     nw = torch.ones(D, device="cuda", dtype=torch.bfloat16)
 
-    def chain(cfg=None, moe: bool = True, shared: bool = True) -> tuple[Tensor, Tensor]:
+    def chain(cfg=None, moe: bool = True) -> tuple[Tensor, Tensor]:
         s, h = s0, s0
         for i in range(layers):
             o = a @ wo[i].t()  # [T, D]
             if not moe:
                 continue
-            sh = {"shared": SharedInput(E, o, s, nw, 1e-6)} if shared and SharedInput is not None else {}
             s, h, chosen, w = add_norm_route(o, s, nw, 1e-6, gates[i], bias, k, True, 2.446, E)
             w13, w2 = experts[i % groups]
             if cfg is None:
-                s, h = fused_moe_add_norm(h, w13, w2, chosen, w, s, nw, 1e-6, **sh)
+                s, h = fused_moe_add_norm(h, w13, w2, chosen, w, s, nw, 1e-6)
             elif T <= ADD_NORM_MAX_TOKENS:
-                s, h = fused_moe_direct_add_norm(h, w13, w2, chosen, w, s, nw, 1e-6, cfg, **sh)
+                s, h = fused_moe_direct_add_norm(h, w13, w2, chosen, w, s, nw, 1e-6, cfg)
             else:
-                s, h = add_rms_norm(s, fused_moe_direct(h, w13, w2, chosen, w, cfg, **sh), nw, 1e-6)
+                s, h = add_rms_norm(s, fused_moe_direct(h, w13, w2, chosen, w, cfg), nw, 1e-6)
         return s, h
 
-    def run_chain(name: str, cfg) -> tuple[Tensor, Tensor]:
-        """``chain`` as variant ``name`` runs it (its knobs set around the call)."""
-        early = name == "library, router trigger after its wait"
-        if early:
-            _route_mod.EARLY_TRIGGER = True
-        try:
-            return chain(cfg, shared=name != "library, shared expert waits")
-        finally:
-            if early:
-                _route_mod.EARLY_TRIGGER = False
-
     variants: list[tuple[str, bool, object]] = [("library", True, None)]
-    if SharedInput is not None:
-        variants += [("library, shared expert waits", True, None), ("library, router trigger after its wait", True, None)]
     if pdl is not None:
         variants.insert(0, ("library, no PDL", False, None))
         if sweep:
@@ -485,7 +464,7 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
         if pdl is not None:
             pdl.ENABLED = on
         try:
-            us = graph_us(lambda cfg=cfg, name=name: run_chain(name, cfg), reps)
+            us = graph_us(lambda cfg=cfg: chain(cfg), reps)
             out[name] = {"us_per_layer": round(us / layers, 2), "moe_us_per_layer": round((us - matvec_us) / layers, 2)}
         except Exception as err:  # a variant that fails to compile or capture: recorded, the others still run
             out[name] = f"{type(err).__name__}: {err}"[:300]
@@ -497,7 +476,7 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
         if name != "library" and isinstance(out.get(name), dict):
             if pdl is not None:
                 pdl.ENABLED = on
-            out[name]["h_rel_rms_vs_library"] = float((run_chain(name, cfg)[1].float() - ref).norm() / ref.norm())
+            out[name]["h_rel_rms_vs_library"] = float((chain(cfg)[1].float() - ref).norm() / ref.norm())
     from torch.profiler import ProfilerActivity, profile
 
     if pdl is not None:

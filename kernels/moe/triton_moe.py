@@ -261,24 +261,17 @@ def _down_kernel(
 
 
 @triton.jit
-def _up_direct_tiles(w13, ex, nb, stride_we, stride_wn, Fw: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """Pointers to the [BN, BK] tiles of w1[ex] and w3[ex] at columns block nb, width 0, and the columns' mask."""
-    n = nb * BN + tl.arange(0, BN)
-    g_ptr = w13 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + tl.arange(0, BK)[None, :]
-    return g_ptr, g_ptr + Fw * stride_wn, n < Fw
-
-
-@triton.jit
 def _up_direct_pair(
-    x, res, norm_w, inv, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a, g_first, u_first,
-    D: tl.constexpr, Fw: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr, PRE: tl.constexpr,
+    x, res, norm_w, inv, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a,
+    D: tl.constexpr, Fw: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
 ):
     """act[p, n] = silu(w1[ex][n] . h) * (w3[ex][n] . h) for the BN columns n of block nb, h = x[tok] or, with
-    NORM, ``route._normed`` of the residual sum x[tok] + res[tok] (inv its 1 / rms; x and res contiguous). With
-    PRE the tiles of the first BK columns of the width are g_first and u_first, loaded by the caller."""
+    NORM, ``route._normed`` of the residual sum x[tok] + res[tok] (inv its 1 / rms; x and res contiguous)."""
     n = nb * BN + tl.arange(0, BN)
+    n_ok = n < Fw
     kk = tl.arange(0, BK)
-    g_ptr, u_ptr, n_ok = _up_direct_tiles(w13, ex, nb, stride_we, stride_wn, Fw, BN, BK)
+    g_ptr = w13 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK] of w1[e]
+    u_ptr = g_ptr + Fw * stride_wn  # w3[e]
     acc_g = tl.zeros([BN, BK], dtype=tl.float32)
     acc_u = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in tl.static_range(0, D, BK):
@@ -289,13 +282,8 @@ def _up_direct_pair(
         else:
             xv = tl.load(x + tok * stride_x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         m = n_ok[:, None] & k_ok[None, :]
-        if PRE and k0 == 0:
-            wg, wu = g_first, u_first
-        else:
-            wg = tl.load(g_ptr + k0, mask=m, other=0.0)
-            wu = tl.load(u_ptr + k0, mask=m, other=0.0)
-        acc_g += wg.to(tl.float32) * xv
-        acc_u += wu.to(tl.float32) * xv
+        acc_g += tl.load(g_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
     g = tl.sum(acc_g, axis=1)
     h = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
     tl.store(act + p.to(tl.int64) * stride_a + n, h.to(act.dtype.element_ty), mask=n_ok)
@@ -338,31 +326,24 @@ def _up_direct_kernel(
         nb = tl.program_id(1)
         tok = p // TOP_K
     if is_shared:
-        ex = tl.zeros([], dtype=tl.int64) + shared_id
         inv = 0.0
-        if NORM:  # the first weight tiles load before the norm's sum over the width
+        if NORM:
             kk = tl.arange(0, BK)
-            g_ptr, u_ptr, n_ok = _up_direct_tiles(w13, ex, nb, stride_we, stride_wn, Fw, BN, BK)
-            m = n_ok[:, None] & (kk < D)[None, :]
-            g_first = tl.load(g_ptr, mask=m, other=0.0)
-            u_first = tl.load(u_ptr, mask=m, other=0.0)
             ss = tl.zeros([], dtype=tl.float64)
             for k0 in tl.static_range(0, D, BK):
                 ss += _sum_sq(_residual_sum(sx, sres, tok * D + k0 + kk, k0 + kk < D), 0)
             inv = _rms_inv(ss, D, eps)
-            _up_direct_pair(sx, sres, snorm_w, inv, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn,
-                            stride_a, g_first, u_first, D, Fw, BN, BK, True, True)
-        else:
-            _up_direct_pair(sx, sx, sx, inv, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a,
-                            None, None, D, Fw, BN, BK, False, False)
+        ex = tl.zeros([], dtype=tl.int64) + shared_id
+        _up_direct_pair(sx, sres, snorm_w, inv, w13, act, ex, tok, p, nb, stride_x,
+                        stride_we, stride_wn, stride_a, D, Fw, BN, BK, NORM)
     else:
         if PDL:
             gdc_wait()  # x and chosen are the router's outputs
             # only after the wait: the down kernel's prologue reads the router's outputs too
             gdc_launch_dependents()
         ex = tl.load(chosen + p).to(tl.int64)
-        _up_direct_pair(x, x, x, 0.0, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a, None, None,
-                        D, Fw, BN, BK, False, False)
+        _up_direct_pair(x, x, x, 0.0, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a, D, Fw,
+                        BN, BK, False)
 
 
 @triton.jit
