@@ -7,14 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.moe import (
-    ROUTE_DECODE_MAX_TOKENS,
-    SharedInput,
-    add_norm_route,
-    fused_moe,
-    fused_moe_add_norm,
-    moe_route,
-)
+from ..kernels.moe import ROUTE_DECODE_MAX_TOKENS, add_norm_route, fused_moe, fused_moe_add_norm, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
 from .fused import DerivedWeights, residual_matmul, row_matmul_weight, weights
 
@@ -253,8 +246,7 @@ class MoE(nn.Module):
         s, h, chosen, weights = add_norm_route(x, a, norm.weight, norm.eps, self.gate.weight,
                                                self.gate.e_score_correction_bias, self.top_k, self.renormalize,
                                                self.scale, shared_id)
-        return fused_moe_add_norm(h, w13, w2, chosen, weights, s, next_norm.weight, next_norm.eps,
-                                  SharedInput(shared_id, x, a, norm.weight, norm.eps))
+        return fused_moe_add_norm(h, w13, w2, chosen, weights, s, next_norm.weight, next_norm.eps)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]. On a GPU with stacked experts: the fused MoE kernels (no host sync, CUDA-graph
@@ -265,8 +257,7 @@ class MoE(nn.Module):
         chosen, weights = moe_route(x, self.gate.weight, self.gate.e_score_correction_bias, self.top_k,
                                     self.renormalize, self.scale, shared_id)  # [T, k] each, [T, k + 1] shared
         if fused is not None:
-            out = fused_moe(x, fused[0], fused[1], chosen, weights,
-                            None if shared_id is None else SharedInput(shared_id, x))
+            out = fused_moe(x, fused[0], fused[1], chosen, weights)
         else:
             out = torch.zeros_like(x)
             for e in torch.unique(chosen).tolist():

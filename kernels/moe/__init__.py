@@ -3,8 +3,6 @@ CUDA tensors go to Triton (no host sync, fixed launch shapes: CUDA-graph safe), 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import Tensor
 
 from ..norm import add_rms_norm
@@ -14,53 +12,19 @@ ROUTE_DECODE_MAX_TOKENS = 16
 """Up to this many tokens ``moe_route`` uses the one-launch decode kernel (``route.moe_route_decode``)."""
 
 
-@dataclass(frozen=True)
-class SharedInput:
-    """A decode MoE block's shared expert and where its rows come from before the router ends: the expert is
-    stacked as ``index`` and routed as chosen's last column with weight 1 (``moe_route``'s ``always_on``), and the
-    rows the router routes are ``x`` itself (``res`` None: ``moe_route(x, ...)``) or ``rms_norm(x + res) *
-    norm_weight`` (``add_norm_route(x, res, norm_weight, eps, ...)``'s h). x (and res) must be written before the
-    router's launch, as a decode step's are. On CUDA the direct up kernel's programs of that expert form the rows
-    themselves (the router's bits) and run while the router's launch ends (``triton_moe._up_direct_kernel``);
-    the result is the same as without it."""
-
-    index: int
-    x: Tensor
-    res: Tensor | None = None
-    norm_weight: Tensor | None = None
-    eps: float = 0.0
-
-
-def fused_moe(
-    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, shared: SharedInput | None = None
-) -> Tensor:
+def fused_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
     """Routed experts of one MoE layer.
 
     x [T, D]; w13 [E, 2F, D] (each expert's w1 rows, then its w3 rows) and w2 [E, D, F], in x's dtype;
     chosen [T, k] int (expert ids); weights [T, k] (routing weights). Returns [T, D] in x's dtype:
     ``out_t = sum_j weights[t, j] * w2[e] @ (silu(w1[e] @ x_t) * (w3[e] @ x_t))`` with ``e = chosen[t, j]``.
-    ``shared``: chosen's last column is that shared expert (``SharedInput``); a decode batch's up kernel then
-    reads it without waiting for the router.
     """
     _check_moe(x, w13, w2, chosen, weights)
-    shared = _checked(shared, x, w13, chosen)
     if x.is_cuda:
         from .triton_moe import fused_moe_triton
 
-        return fused_moe_triton(x, w13, w2, chosen, weights, shared=shared)
+        return fused_moe_triton(x, w13, w2, chosen, weights)
     return naive_fused_moe(x, w13, w2, chosen, weights)
-
-
-def _checked(shared: SharedInput | None, x: Tensor, w13: Tensor, chosen: Tensor) -> SharedInput | None:
-    if shared is None:
-        return None
-    if not 0 <= shared.index < w13.shape[0] or chosen.shape[1] < 2 or shared.x.shape != x.shape:
-        raise ValueError(f"shared: an expert id below E={w13.shape[0]}, k >= 2 and x's shape {tuple(x.shape)}, got "
-                         f"{shared.index}, k={chosen.shape[1]}, {tuple(shared.x.shape)}")
-    if shared.res is not None and (shared.res.shape != x.shape or shared.norm_weight is None
-                                   or shared.norm_weight.shape != (x.shape[1],)):
-        raise ValueError("shared: res must be x's shape and norm_weight [D]")
-    return shared
 
 
 def _check_moe(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor) -> None:
@@ -104,24 +68,23 @@ def moe_route(
 
 def fused_moe_add_norm(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, res: Tensor, norm_weight: Tensor,
-    eps: float, shared: SharedInput | None = None,
+    eps: float,
 ) -> tuple[Tensor, Tensor]:
     """``fused_moe`` and the residual add and RMSNorm after it: res [T, D] (the residual stream), norm_weight [D]
     -> (s = res + fused_moe(x, ...), h = rms_norm(s) * norm_weight), both [T, D] in x's dtype as
     ``kernels.norm.add_rms_norm`` gives them. On CUDA up to ``triton_moe.ADD_NORM_MAX_TOKENS`` tokens the add and
-    norm run in the direct down kernel's launch; otherwise the two calls. ``shared``: as ``fused_moe``'s."""
+    norm run in the direct down kernel's launch; otherwise the two calls."""
     if res.shape != x.shape or norm_weight.shape != (x.shape[-1],):
         raise ValueError(f"res must be x's shape {tuple(x.shape)} and norm_weight [D], got {tuple(res.shape)}, "
                          f"{tuple(norm_weight.shape)}")
-    shared = _checked(shared, x, w13, chosen)
     if x.is_cuda and x.shape[0] > 0:
         from .triton_moe import ADD_NORM_MAX_TOKENS, fused_moe_direct_add_norm
 
         if x.shape[0] <= ADD_NORM_MAX_TOKENS:
             _check_moe(x, w13, w2, chosen, weights)
-            return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps, shared=shared)
+            return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps)
     # the MoE's output first: the sum in x's dtype (the same bits as res + out where res is x's dtype)
-    return add_rms_norm(fused_moe(x, w13, w2, chosen, weights, shared), res, norm_weight, eps)
+    return add_rms_norm(fused_moe(x, w13, w2, chosen, weights), res, norm_weight, eps)
 
 
 def add_norm_route(
@@ -145,4 +108,4 @@ def add_norm_route(
     return s, h, chosen, weights
 
 
-__all__ = ["ROUTE_DECODE_MAX_TOKENS", "SharedInput", "add_norm_route", "fused_moe", "fused_moe_add_norm", "moe_route"]
+__all__ = ["ROUTE_DECODE_MAX_TOKENS", "add_norm_route", "fused_moe", "fused_moe_add_norm", "moe_route"]

@@ -9,10 +9,8 @@ width in flight), stores them, and the last program to finish (a per-device arri
 program: CUDA-graph safe) selects the top k of every token at once: one packed (score, index) max per slot.
 Launches of this kernel on one device must not overlap (one stream, as the decode step runs). The same launch can
 take the residual add and RMSNorm before the layer (``add_norm_route_decode``): every program norms the rows
-itself (they are a few KB) and program 0 stores them, one launch instead of two. The sum of squares of the norm
-runs in float64 (``_sum_sq``), exact for 16-bit rows whatever the order: the direct MoE up kernel's programs of the
-shared expert norm the same rows with other tiles and warps (``triton_moe``) and get the same bits. On Hopper it is
-a PDL launch (``pdl``): the gate rows load while the launch before ends, the counter is touched only after the wait.
+itself (they are a few KB) and program 0 stores them, one launch instead of two. On Hopper it is a PDL launch
+(``pdl``): the gate rows load while the launch before ends, the counter is touched only after the wait.
 """
 
 from __future__ import annotations
@@ -121,48 +119,18 @@ def _select_top_k(
 
 
 @triton.jit
-def _residual_sum(x, res, off, m):
-    """x + res at the offsets ``off`` (mask m), rounded to x's dtype as ``kernels.norm.add_rms_norm`` rounds it."""
-    return (tl.load(x + off, mask=m, other=0.0).to(tl.float32) + tl.load(res + off, mask=m, other=0.0).to(
-        tl.float32)).to(x.dtype.element_ty)
-
-
-@triton.jit
-def _sum_sq(v, axis: tl.constexpr):
-    """The sum of squares of v along ``axis`` in float64: the squares of 16-bit values (and of float32 ones) are
-    exact and so is their sum over a model's width (unless the squares span more than ~2^25), so the result does
-    not depend on the order a kernel's tiles and warps sum in."""
-    v64 = v.to(tl.float64)
-    return tl.sum(v64 * v64, axis=axis)
-
-
-@triton.jit
-def _rms_inv(ss, D: tl.constexpr, eps):
-    """1 / rms from the float64 sum of squares ss of a width-D row."""
-    return tl.rsqrt(ss.to(tl.float32) / D + eps)
-
-
-@triton.jit
-def _normed(sv, inv, nw):
-    """The normed row in sv's dtype: sv * inv * nw (inv and nw broadcast against sv), in float32."""
-    return (sv.to(tl.float32) * inv * nw).to(sv.dtype)
-
-
-@triton.jit
 def _route_decode_kernel(
     x, gate, bias, logits, counter, chosen, weights, T, E, stride_x, stride_g, scale, always_on,
     res, norm_w, s_out, h_out, eps,
     D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
-    RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
+    RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
     arrive selects (``_select_top_k``) and resets the counter. With NORM the router's input is
     ``rms_norm(x + res) * norm_w`` (x, res [T, D] contiguous; each program computes it, program 0 stores the sum
     in s_out and the normed rows in h_out, both [T, D] in x's dtype), rounded as ``kernels.norm.add_rms_norm``'s.
     With PDL the first BK columns of the program's gate rows (all of them at one token) and of the norm's weight
-    are loaded before the wait for the launch before (``pdl``): the weights' memory latency leaves the path. The
-    next launch may start once every program has its logits (all of x and res read), or with EARLY right after
-    the wait (the direct up kernel's shared-expert programs then overlap the logits too)."""
+    are loaded before the wait for the launch before (``pdl``): the weights' memory latency leaves the path."""
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     e_ok = e < E
     t = tl.arange(0, BT)
@@ -174,14 +142,15 @@ def _route_decode_kernel(
         nw_first = tl.load(norm_w + kk, mask=kk < D, other=0.0)
     if PDL:
         gdc_wait()  # x and res are the launch before's outputs
-        if EARLY:
-            gdc_launch_dependents()
     if NORM:  # the sum of squares of each token's residual sum, over the whole width first
-        ss = tl.zeros([BT], dtype=tl.float64)
+        ss = tl.zeros([BT], dtype=tl.float32)
         for k0 in tl.static_range(0, D, BK):
             m = t_ok[:, None] & (k0 + kk < D)[None, :]
-            ss += _sum_sq(_residual_sum(x, res, t[:, None] * D + k0 + kk[None, :], m), 1)
-        inv = _rms_inv(ss, D, eps)  # [BT]
+            off = t[:, None] * D + k0 + kk[None, :]
+            v = (tl.load(x + off, mask=m, other=0.0).to(tl.float32) + tl.load(res + off, mask=m, other=0.0).to(
+                tl.float32)).to(x.dtype.element_ty).to(tl.float32)
+            ss += tl.sum(v * v, axis=1)
+        inv = tl.rsqrt(ss / D + eps)  # [BT]
     acc = tl.zeros([BT, BE, BK], dtype=tl.float32)  # products summed over the width at the end, once
     for k0 in tl.static_range(0, D, BK):  # unrolled: every load of the slice can be in flight at once
         k_ok = k0 + kk < D
@@ -192,12 +161,13 @@ def _route_decode_kernel(
         m = t_ok[:, None] & k_ok[None, :]
         if NORM:
             off = t[:, None] * D + k0 + kk[None, :]
-            sv = _residual_sum(x, res, off, m)
+            sv = (tl.load(x + off, mask=m, other=0.0).to(tl.float32) + tl.load(res + off, mask=m, other=0.0).to(
+                tl.float32)).to(x.dtype.element_ty)
             if k0 == 0:
                 nw = nw_first.to(tl.float32)
             else:
                 nw = tl.load(norm_w + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-            hv = _normed(sv, inv[:, None], nw[None, :])
+            hv = (sv.to(tl.float32) * inv[:, None] * nw[None, :]).to(x.dtype.element_ty)
             if tl.program_id(0) == 0:
                 tl.store(s_out + off, sv, mask=m)
                 tl.store(h_out + off, hv, mask=m)
@@ -209,16 +179,12 @@ def _route_decode_kernel(
     tl.store(logits + t[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
     tl.debug_barrier()  # every thread's logits are written before this program's arrival is released
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if PDL and not EARLY:
+    if PDL:
         gdc_launch_dependents()  # the next launch's programs may start: it waits for this one's end
     if arrived == tl.num_programs(0) - 1:
         _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
-
-EARLY_TRIGGER = False
-"""Whether the decode router lets the next launch start right after its PDL wait rather than once every program
-has its logits (a knob for ``bench/decode_48b.py --moe-chain``)."""
 
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}
 
@@ -227,16 +193,12 @@ def arrival_counters(device: torch.device) -> Tensor:
     """The arrival counters of ``device`` (zero between launches): [0] the decode router's, [1] the direct MoE
     down kernel's (``triton_moe``). Made outside a graph capture and kept; during a capture without them, fresh
     zeroed counters (a memset node in the graph)."""
-    c = _kept_counters(device)
-    return torch.zeros(2, dtype=torch.int32, device=device) if c is None else c
-
-
-def _kept_counters(device: torch.device) -> Tensor | None:
-    """``arrival_counters``' kept tensor, made here outside a graph capture; None during a capture without it."""
     key = (device.type, device.index)
     c = _COUNTERS.get(key)
-    if c is None and (device.type != "cuda" or not torch.cuda.is_current_stream_capturing()):
-        c = _COUNTERS[key] = torch.zeros(2, dtype=torch.int32, device=device)
+    if c is None:
+        c = torch.zeros(2, dtype=torch.int32, device=device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _COUNTERS[key] = c
     return c
 
 
@@ -272,28 +234,17 @@ def _route_decode(
     T, D = x.shape
     E = gate.shape[0]
     assert 0 < T <= ROUTE_DECODE_MAX_TOKENS and gate.stride(1) == 1
-    x_in = x
     x = x.contiguous()
     extra = int(always_on is not None)
     dev = x.device
-    KO = top_k + extra
-    # the logits live in chosen's storage: the direct up kernel's shared-expert programs write their rows while
-    # this launch's last program may still read the logits, so that memory is not freed for them to reuse
-    # (and so does the counter where it is a capture's own, not kept)
-    n_log = -(-T * E // 4) * 4  # int32 words, 16-byte aligned after it
-    counter = _kept_counters(dev)
-    buf = torch.empty(n_log + 2 * T * KO + 4 * (counter is None), dtype=torch.int32, device=dev)
-    logits = buf[: T * E].view(torch.float32).view(T, E)
-    chosen = buf[n_log: n_log + 2 * T * KO].view(torch.int64).view(T, KO)
-    if counter is None:
-        counter = buf[n_log + 2 * T * KO:].zero_()
-    weights = torch.empty(T, KO, dtype=x.dtype, device=dev)
+    chosen = torch.empty(T, top_k + extra, dtype=torch.int64, device=dev)
+    weights = torch.empty(T, top_k + extra, dtype=x.dtype, device=dev)
+    logits = torch.empty(T, E, dtype=torch.float32, device=dev)
     if norm is None:
         res, norm_w, s, h, eps = x, x, None, None, 0.0
-        res_in = res
     else:
-        res_in, norm_w, eps = norm
-        res = res_in.contiguous()
+        res, norm_w, eps = norm
+        res = res.contiguous()
         s, h = torch.empty_like(x), torch.empty_like(x)
     BT = triton.next_power_of_2(T)
     BE = 2
@@ -304,13 +255,11 @@ def _route_decode(
     DP = triton.next_power_of_2(D)
     BK = min(DP, 4096) if BT == 1 else max(16, min(DP, 1024 * warps // (BT * BE)))
     pdl = use_pdl(dev)
-    # an early trigger lets the up kernel write while x and res are still read: only where they are the caller's
-    early = pdl and EARLY_TRIGGER and x is x_in and res is res_in
     _route_decode_kernel[(triton.cdiv(E, BE),)](
-        x, gate, bias, logits, counter, chosen, weights, T, E, x.stride(0), gate.stride(0),
+        x, gate, bias, logits, arrival_counters(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
-        NORM=norm is not None, PDL=pdl, EARLY=early, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
+        NORM=norm is not None, PDL=pdl, num_warps=warps, **({"launch_pdl": True} if pdl else {}),
     )
     return chosen, weights, s, h
 

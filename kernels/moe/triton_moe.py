@@ -35,9 +35,8 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..linear import MATVEC_MAX_ROWS
-from . import SharedInput
 from .pdl import use_pdl
-from .route import _normed, _residual_sum, _rms_inv, _sum_sq, arrival_counters
+from .route import arrival_counters
 
 ALIGN_KERNEL_MAX_PAIRS = 1024
 """Up to this many pairs the single-program align kernel groups them; above, torch ops do (prefill)."""
@@ -261,89 +260,36 @@ def _down_kernel(
 
 
 @triton.jit
-def _up_direct_pair(
-    x, res, norm_w, inv, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a,
-    D: tl.constexpr, Fw: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, NORM: tl.constexpr,
+def _up_direct_kernel(
+    x, w13, act, chosen, stride_x, stride_we, stride_wn, stride_a,
+    D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """act[p, n] = silu(w1[ex][n] . h) * (w3[ex][n] . h) for the BN columns n of block nb, h = x[tok] or, with
-    NORM, ``route._normed`` of the residual sum x[tok] + res[tok] (inv its 1 / rms; x and res contiguous)."""
-    n = nb * BN + tl.arange(0, BN)
+    """act[p, n] = silu(w1[e][n] . x[p // k]) * (w3[e][n] . x[p // k]), e = chosen[p], for the BN columns n of
+    program (p, n block)."""
+    if PDL:
+        gdc_wait()  # x and chosen are the router's outputs
+        # only after the wait: the down kernel's prologue reads the router's outputs too
+        gdc_launch_dependents()
+    p = tl.program_id(0)
+    ex = tl.load(chosen + p).to(tl.int64)
+    tok = p // TOP_K
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < Fw
     kk = tl.arange(0, BK)
     g_ptr = w13 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK] of w1[e]
     u_ptr = g_ptr + Fw * stride_wn  # w3[e]
+    x_ptr = x + tok * stride_x + kk
     acc_g = tl.zeros([BN, BK], dtype=tl.float32)
     acc_u = tl.zeros([BN, BK], dtype=tl.float32)
     for k0 in tl.static_range(0, D, BK):
         k_ok = k0 + kk < D
-        if NORM:
-            nw = tl.load(norm_w + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)
-            xv = _normed(_residual_sum(x, res, tok * D + k0 + kk, k_ok), inv, nw).to(tl.float32)[None, :]
-        else:
-            xv = tl.load(x + tok * stride_x + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        xv = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         m = n_ok[:, None] & k_ok[None, :]
         acc_g += tl.load(g_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
         acc_u += tl.load(u_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
     g = tl.sum(acc_g, axis=1)
     h = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
     tl.store(act + p.to(tl.int64) * stride_a + n, h.to(act.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _up_direct_kernel(
-    x, w13, act, chosen, stride_x, stride_we, stride_wn, stride_a,
-    D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
-    sx=None, sres=None, snorm_w=None, shared_id=0, eps=0.0, SHARED: tl.constexpr = False, NORM: tl.constexpr = False,
-):
-    """act[p, n] = silu(w1[e][n] . x[p // k]) * (w3[e][n] . x[p // k]), e = chosen[p], for the BN columns n of
-    program (p, n block), p = program_id(0). With SHARED the last pair of every token is the shared expert
-    ``shared_id`` (chosen's last column, the router's ``always_on``) and its programs come first in the launch's
-    order (program (i, j) is the i + j * num_programs(0)-th): they need nothing of the router, so they neither
-    read chosen nor wait (``pdl``), and their rows are sx's (the router's input, written before the router's launch)
-    or, with NORM, ``rms_norm(sx + sres) * snorm_w`` (eps ``eps``) as the router norms them (``route._sum_sq``: the
-    same bits). The other programs wait for the router. A program that does not wait is safe: the down kernel
-    waits for this launch's end, which comes after the router's (every routed program waited for it), and the
-    down kernel's programs start only after every routed program's trigger, placed after its wait."""
-    q = tl.program_id(0) + tl.program_id(1) * tl.num_programs(0)  # the launch's order
-    is_shared = False
-    if SHARED:
-        T = tl.num_programs(0) // TOP_K
-        NB: tl.constexpr = (Fw + BN - 1) // BN
-        K: tl.constexpr = TOP_K - 1  # routed pairs of a token
-        is_shared = q < T * NB
-        if is_shared:  # token fastest: every token's first column blocks start first
-            tok = q % T
-            nb = q // T
-            p = tok * TOP_K + K
-        else:
-            r = q - T * NB
-            i = r % (T * K)  # routed pairs fastest, as without SHARED
-            nb = r // (T * K)
-            tok = i // K
-            p = tok * TOP_K + i % K
-    else:
-        p = tl.program_id(0)
-        nb = tl.program_id(1)
-        tok = p // TOP_K
-    if is_shared:
-        inv = 0.0
-        if NORM:
-            kk = tl.arange(0, BK)
-            ss = tl.zeros([], dtype=tl.float64)
-            for k0 in tl.static_range(0, D, BK):
-                ss += _sum_sq(_residual_sum(sx, sres, tok * D + k0 + kk, k0 + kk < D), 0)
-            inv = _rms_inv(ss, D, eps)
-        ex = tl.zeros([], dtype=tl.int64) + shared_id
-        _up_direct_pair(sx, sres, snorm_w, inv, w13, act, ex, tok, p, nb, stride_x,
-                        stride_we, stride_wn, stride_a, D, Fw, BN, BK, NORM)
-    else:
-        if PDL:
-            gdc_wait()  # x and chosen are the router's outputs
-            # only after the wait: the down kernel's prologue reads the router's outputs too
-            gdc_launch_dependents()
-        ex = tl.load(chosen + p).to(tl.int64)
-        _up_direct_pair(x, x, x, 0.0, w13, act, ex, tok, p, nb, stride_x, stride_we, stride_wn, stride_a, D, Fw,
-                        BN, BK, False)
 
 
 @triton.jit
@@ -424,47 +370,28 @@ def _down_direct_kernel(
 
 
 def fused_moe_direct(
-    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: DirectLaunch | None = None,
-    shared: SharedInput | None = None,
+    x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: DirectLaunch | None = None
 ) -> Tensor:
     """``fused_moe_triton`` for few tokens in two launches, no grouping: up over (pair, column block), down over
-    (token, row block) summing the token's k pairs. Same arguments; chosen and weights are made contiguous.
-    ``shared``: chosen's last column is that shared expert, whose up programs form their rows themselves and do
-    not wait for the router (``_up_direct_kernel``)."""
-    return _direct(x, w13, w2, chosen, weights, cfg, None, shared)[0]
+    (token, row block) summing the token's k pairs. Same arguments; chosen and weights are made contiguous."""
+    return _direct(x, w13, w2, chosen, weights, cfg, None)[0]
 
 
 def fused_moe_direct_add_norm(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, res: Tensor, norm_weight: Tensor,
-    eps: float, cfg: DirectLaunch | None = None, shared: SharedInput | None = None,
+    eps: float, cfg: DirectLaunch | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``fused_moe_direct`` and the residual add and RMSNorm after it, in its two launches (the last program of
     the down kernel adds and norms the few rows): res [T, D], norm_weight [D] -> (s = res + moe(x), h =
     rms_norm(s) * norm_weight), both [T, D] in x's dtype, as ``kernels.norm.add_rms_norm`` gives them."""
-    _, s, h = _direct(x, w13, w2, chosen, weights, cfg, (res, norm_weight, eps), shared)
+    _, s, h = _direct(x, w13, w2, chosen, weights, cfg, (res, norm_weight, eps))
     assert s is not None and h is not None
     return s, h
 
 
-def _shared_args(shared: SharedInput | None, x: Tensor, k: int, E: int) -> dict:
-    """The up kernel's arguments of ``shared`` (none without it)."""
-    if shared is None:
-        return {}
-    assert k >= 2 and 0 <= shared.index < E and shared.x.shape == x.shape, "shared: a routed pair, an expert id, x's shape"
-    sx = shared.x.contiguous()
-    norm = shared.res is not None
-    if norm:
-        assert shared.res is not None and shared.norm_weight is not None and shared.res.shape == x.shape
-        sres, snw = shared.res.contiguous(), shared.norm_weight.contiguous()
-    else:
-        sres, snw = sx, sx
-    return {"sx": sx, "sres": sres, "snorm_w": snw, "shared_id": shared.index, "eps": float(shared.eps),
-            "SHARED": True, "NORM": norm}
-
-
 def _direct(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: DirectLaunch | None,
-    add_norm: tuple[Tensor, Tensor, float] | None, shared: SharedInput | None = None,
+    add_norm: tuple[Tensor, Tensor, float] | None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     T, D = x.shape
     F2 = w13.shape[1]
@@ -475,15 +402,13 @@ def _direct(
     x = x.contiguous()
     flat = chosen.reshape(-1).contiguous()
     route_w = weights.reshape(-1).contiguous()
-    # the shared programs' inputs are bound before act is allocated: act never takes memory they read
-    shared_args = _shared_args(shared, x, k, w13.shape[0])
     act = torch.empty(T * k, Fw, dtype=x.dtype, device=x.device)
     pdl = use_pdl(x.device)
     launch = {"launch_pdl": True} if pdl else {}
     bk_up = min(c.BK_UP, max(16, triton.next_power_of_2(D)))
     _up_direct_kernel[(T * k, triton.cdiv(Fw, c.BN_UP))](
         x, w13, act, flat, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, PDL=pdl, num_warps=c.WARPS_UP, **shared_args, **launch,
+        D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, PDL=pdl, num_warps=c.WARPS_UP, **launch,
     )
     y = torch.empty_like(x)
     if add_norm is None:
@@ -507,12 +432,11 @@ def _direct(
 
 def fused_moe_triton(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: MoeLaunch | None = None,
-    direct: bool | None = None, shared: SharedInput | None = None,
+    direct: bool | None = None,
 ) -> Tensor:
     """x [T, D], w13 [E, 2F, D], w2 [E, D, F], chosen [T, k], weights [T, k] -> [T, D] (see ``fused_moe``).
     The weights' last dimension must be contiguous; x is made contiguous. ``direct``: the decode kernels
-    (``fused_moe_direct``) rather than the grouped ones; None: when T <= ``DIRECT_MAX_TOKENS`` and no ``cfg``.
-    ``shared`` is used by the direct kernels only."""
+    (``fused_moe_direct``) rather than the grouped ones; None: when T <= ``DIRECT_MAX_TOKENS`` and no ``cfg``."""
     T, D = x.shape
     E, F2, _ = w13.shape
     Fw = F2 // 2
@@ -524,7 +448,7 @@ def fused_moe_triton(
     if direct is None:
         direct = cfg is None and T <= DIRECT_MAX_TOKENS
     if direct:
-        return fused_moe_direct(x, w13, w2, chosen, weights, shared=shared)
+        return fused_moe_direct(x, w13, w2, chosen, weights)
     cfg = cfg or launch_config(P)
     x = x.contiguous()
     align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch

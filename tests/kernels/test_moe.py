@@ -132,60 +132,6 @@ def test_fused_moe_add_norm_checks_shapes_and_runs_the_twins_on_a_cpu() -> None:
     assert torch.equal(s, rs) and torch.equal(h, rh)
 
 
-SHARED_CASES = [(1, 8, 2, True), (1, 8, 4, False), (3, 16, 2, True), (3, 16, 2, False)]
-
-
-@pytest.mark.parametrize("T,E,k,norm", SHARED_CASES, ids=[f"T{t}-E{e}-k{k}-{'norm' if n else 'plain'}"
-                                                          for t, e, k, n in SHARED_CASES])
-def test_direct_moe_runs_the_shared_expert_from_the_routers_input(T: int, E: int, k: int, norm: bool) -> None:
-    """The decode router (with or without the add and norm before it) routes to k of E experts and the shared
-    one stacked as E; the direct kernels told so (``SharedInput``: that expert's up programs norm the router's
-    inputs themselves, tiles that split D unevenly) give the same bits as without it, and the twins' result."""
-    from kda_sessions.kernels.moe import SharedInput
-    from kda_sessions.kernels.moe.route import add_norm_route_decode, moe_route_decode
-    from kda_sessions.kernels.moe.triton_moe import DirectLaunch, fused_moe_direct, fused_moe_direct_add_norm
-    from kda_sessions.kernels.norm.naive import naive_add_rms_norm
-
-    D, Fw = 40, 24
-    _, w13, w2, _, _ = moe_case(T, E + 1, k, D, Fw, seed=T + k)
-    gen = torch.Generator().manual_seed(T * 7 + k)
-    x, a = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
-    nw, nw2 = torch.rand(D, generator=gen) + 0.5, torch.rand(D, generator=gen) + 0.5
-    gate, bias = torch.randn(E, D, generator=gen) / 4, torch.randn(E, generator=gen) * 0.1
-    if norm:
-        s0, h, chosen, w = add_norm_route_decode(x, a, nw, 1e-6, gate, bias, k, True, 2.446, always_on=E)
-        shared = SharedInput(E, x, a, nw, 1e-6)
-    else:
-        s0, h = a, x
-        chosen, w = moe_route_decode(x, gate, bias, k, True, 2.446, always_on=E)
-        shared = SharedInput(E, x)
-    assert bool((chosen[:, -1] == E).all())
-    ref = naive_fused_moe(h, w13, w2, chosen, w)
-    rs, rh = naive_add_rms_norm(s0, ref, nw2, 1e-6)
-    for cfg in (DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(2, 32, 2, 2, 32, 2)):
-        out = fused_moe_direct(h, w13, w2, chosen, w, cfg, shared=shared)
-        assert torch.equal(out, fused_moe_direct(h, w13, w2, chosen, w, cfg)) and rel_rms(out, ref) < TOL
-    s, hn = fused_moe_direct_add_norm(h, w13, w2, chosen, w, s0, nw2, 1e-6, shared=shared)
-    es, eh = fused_moe_direct_add_norm(h, w13, w2, chosen, w, s0, nw2, 1e-6)
-    assert torch.equal(s, es) and torch.equal(hn, eh)
-    assert rel_rms(s, rs) < TOL and rel_rms(hn, rh) < TOL
-
-
-def test_shared_input_is_checked() -> None:
-    from kda_sessions.kernels.moe import SharedInput, fused_moe_add_norm
-
-    x, w13, w2, chosen, weights = moe_case(2, 4, 2, 16, 8)
-    with pytest.raises(ValueError, match="shared"):
-        fused_moe(x, w13, w2, chosen, weights, SharedInput(4, x))
-    with pytest.raises(ValueError, match="shared"):
-        fused_moe(x, w13, w2, chosen, weights, SharedInput(3, x[:1]))
-    with pytest.raises(ValueError, match="norm_weight"):
-        fused_moe_add_norm(x, w13, w2, chosen, weights, x, torch.ones(16), 1e-6, SharedInput(3, x, x))
-    # on a CPU the twins run, the shared expert's rows from chosen as any other's
-    out = fused_moe(x, w13, w2, chosen, weights, SharedInput(3, x))
-    assert torch.equal(out, naive_fused_moe(x, w13, w2, chosen, weights))
-
-
 def test_direct_moe_half_precision() -> None:
     from kda_sessions.kernels.moe.triton_moe import fused_moe_direct
 
