@@ -18,7 +18,7 @@ import inspect, json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kda_sessions.kernels.kda.decode_triton import _decode_kernel, _shift_norm_kernel
+from kda_sessions.kernels.kda.decode_triton import _decode_kernel
 from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel
 from kda_sessions.kernels.mla.decode_prep import _prep_kernel
 
@@ -33,20 +33,21 @@ def ptx(fn, types, const):
 
 
 bf, f32 = "*bf16", "*fp32"
+# the KDA decode as the model launches it at one sequence: gate projections inside, the gated output norm, two V
+# blocks a head (the last to arrive shifts the q/k tails and norms); "decode_one_block": one block a head
+DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
+                "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32", "gw": bf, "gate": bf,
+                "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32"}
+DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
+                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False}),
     "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
                                "eps": "fp32"},
                 {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
                  "PDL": False}),
-    "decode": ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
-                                   "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32",
-                                   "gw": bf},
-                  {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
-                   "PDL": False}),
-    "norm": ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32, "y": bf,
-                                     "eps": "fp32", "gw": bf},
-                {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "PDL": False}),
+    "decode": ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": False}),
+    "decode_one_block": ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "BV": 128, "PDL": False}),
 }
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
@@ -57,14 +58,7 @@ out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, 
                        "PDL": True})
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
                        {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
-out["decode_pdl"] = ptx(_decode_kernel, {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32,
-                                         "dt_bias": f32, "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf,
-                                         "scale": "fp32", "gw": bf},
-                        {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128,
-                         "BJ": 32, "PDL": True})
-out["norm_pdl"] = ptx(_shift_norm_kernel, {"qkv": bf, "conv": bf, "slots": "*i32", "o": bf, "gate": bf, "nw": f32,
-                                           "y": bf, "eps": "fp32", "gw": bf},
-                      {"H": 32, "V": 128, "Dc": 12288, "W": 4, "BC": 512, "BV": 128, "VF": 128, "BJ": 32, "PDL": True})
+out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
 print(json.dumps(out))
 """
 
@@ -79,9 +73,12 @@ def out() -> dict:
 
 
 def test_decode_kernels_compile_for_sm90(out):
-    assert set(out) == {"matvec", "prep", "decode", "norm", "matvec_pdl", "prep_pdl", "heads_pdl", "decode_pdl",
-                        "norm_pdl"}
-    assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "norm"))
+    assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
+                        "decode_pdl"}
+    assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "decode_one_block"))
+    # the KDA decode's last-arriver: one acq_rel atomic add on the counter and its reset; none with one block a head
+    assert "atom.global.gpu.acq_rel.add" in out["decode"] and "atom.global.gpu.relaxed.exch" in out["decode"]
+    assert "atom." not in out["decode_one_block"]
     lines = out["matvec"].splitlines()
     loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
     math = [i for i, ln in enumerate(lines) if any(op in ln for op in ("fma.rn.f32", "mul.f32", "add.f32"))]
@@ -103,7 +100,7 @@ def _before_wait(ptx: str) -> tuple[list[str], list[str]]:
 
 def test_pdl_kernels_load_their_weights_before_the_wait(out):
     """The PDL variants (Hopper): the matvecs' weight rows and the prep kernel's W_uk tile are requested before the
-    wait for the launch before; the KDA decode launches read nothing before it; no store precedes a wait."""
+    wait for the launch before; the KDA decode reads nothing before it; no store precedes a wait."""
     pre, post = _before_wait(out["matvec_pdl"])
     # one weight row of 4096 bf16 on 4 warps: 8 KB in 16-byte loads (4 a thread), all before the wait; x's after it
     assert sum("ld.global.v4" in ln for ln in pre) >= 4
@@ -119,7 +116,6 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     assert len(waits) == 2
     assert sum("ld.global" in ln for ln in lines[: waits[0]]) >= 8
     assert not any("st.global" in ln for ln in lines[: waits[0]])
-    for name in ("decode_pdl", "norm_pdl"):
-        pre, post = _before_wait(out[name])
-        assert not any("ld.global" in ln or "st.global" in ln for ln in pre), name
-        assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post), name
+    pre, post = _before_wait(out["decode_pdl"])
+    assert not any("ld.global" in ln or "st.global" in ln or "atom" in ln for ln in pre)
+    assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
