@@ -72,8 +72,10 @@ class EngineConfig(BaseModel):
     cpu_decode_threads: int | None = Field(default=1, ge=1)
     """Torch threads of the model call of decode steps on a CPU (prefill keeps ``cpu_threads``). None: the same as
     prefill. 1 by default: a decode step of a small model is a few hundred ops of microseconds each, and on more
-    threads every one of them wakes the others (``tiny`` at 1K on this 2-core machine: docs/benchmarks.md). No
-    effect on a GPU."""
+    threads every one of them wakes the others (``tiny`` at 1K on a 2-core machine: docs/benchmarks.md). The step
+    thread is not the main thread: once the main thread has run torch on 2 threads, OpenMP holds more threads than
+    cores and they sleep between ops (``tiny``'s bare step, 2 threads: 2.3 ms on the main thread, 7.5 ms on another;
+    1 thread: 3.1 ms on either), and on a busy machine 2 threads can take 30x longer. No effect on a GPU."""
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""
