@@ -164,6 +164,12 @@ async def engine_runs(reps: int, path: str, cpu_threads: int | None) -> dict[str
                 dec.update(tok_per_s=round(n / wall, 1), ms_per_token=round(1000 * wall / n, 2),
                            cpu_ms_per_token=round(1000 * cpu / n, 2), in_step=round(inside["s"] / wall, 3), load=load)
             await engine.delete_session(s.id)
+        runner = engine.core.runner
+        tuner = runner.decode_threads
+        lane = tuner.lanes.get(1) if tuner is not None else None
+        dec["decode_threads"] = lane.current if lane is not None else runner.cpu_decode_threads
+        if lane is not None:  # the median step the choice rests on, per count
+            dec["decode_step_ms"] = {str(k): round(1000 * v, 2) for k, v in sorted(lane.figure.items())}
     return {"engine_decode": dec, "engine_prefill": pre, "engine_open_s": opened}
 
 
@@ -238,12 +244,14 @@ def child(reps: int, path: str, auto: bool) -> dict[str, Any]:
 
     from kda_sessions.model import load_model
 
-    model = load_model("tiny")
-    set_fast(model, path != "reference")
     threads = torch.get_num_threads()
     out: dict[str, Any] = {"threads": "auto" if auto else threads, "path": path}
-    out["floor"] = floor(model)
+    # the engine first, as a user's process runs it: before this thread runs torch on several threads (its OpenMP
+    # team would leave the step thread's more threads than cores: EngineConfig.cpu_decode_threads)
     out.update(anyio.run(engine_runs, reps, path, None if auto else threads))
+    model = load_model("tiny")
+    set_fast(model, path != "reference")
+    out["floor"] = floor(model)
     if path.startswith("compiled"):
         model.compile_cpu_decode(torch.bfloat16 if path == "compiled-bf16" else None)
     out["step_decode"] = step_decode(model, reps)

@@ -12,6 +12,7 @@ import torch
 
 from .engine.config import EngineConfig
 from .engine.core import EngineCore
+from .engine.cpu_threads import without_openmp_team
 from .engine.pool import PageAllocator
 from .engine.runner import Runner
 from .engine.scheduler import Scheduler
@@ -92,7 +93,11 @@ class Engine:
         (``disk:PATH``, ``redis://host:port/db``, ``memory:``). ``overrides`` are EngineConfig fields."""
         config = (config or EngineConfig()).model_copy(update=overrides)
         config = EngineConfig.model_validate(config.model_dump())
-        m = await anyio.to_thread.run_sync(lambda: load_model(model, device=device, dtype=dtype))
+        def load() -> HybridModel:
+            with without_openmp_team(device):
+                return load_model(model, device=device, dtype=dtype)
+
+        m = await anyio.to_thread.run_sync(load)
         try:
             tokenizer = load_tokenizer(str(model))
         except TokenizerNotFound:

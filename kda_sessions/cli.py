@@ -28,6 +28,16 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
 
 _FORMATTER = _Formatter
 
+def _threads(text: str) -> int | str:
+    """A thread count, or ``auto``."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a thread count or 'auto': {text!r}") from None
+
+
 # (flags, default, type, help); every parser that takes engine flags gets them with default SUPPRESS, so a flag
 # given at any level survives, and ``_fill_defaults`` sets the ones nobody gave
 _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
@@ -49,7 +59,8 @@ _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
                                  "before a 503 (EngineConfig.page_wait_s, 30)"),
     ("--cpu-threads", None, int, "torch threads of the engine's steps on a CPU (EngineConfig.cpu_threads; torch's "
                                  "default: the cores)"),
-    ("--cpu-decode-threads", None, int, "torch threads of decode steps on a CPU (EngineConfig.cpu_decode_threads, 1)"),
+    ("--cpu-decode-threads", None, _threads, "torch threads of decode steps on a CPU, or auto: 1 or --cpu-threads' count, "
+                                               "whichever its steps time faster (EngineConfig.cpu_decode_threads, auto)"),
 ]
 _STORE_FLAGS = {"--store"}
 _DEFAULTS = {f.lstrip("-").replace("-", "_"): d for f, d, _, _ in _ENGINE_FLAGS} | {"enforce_eager": False}
@@ -61,7 +72,7 @@ def _engine_args(p: argparse.ArgumentParser, store_only: bool = False) -> None:
         if store_only and flag not in _STORE_FLAGS:
             continue
         shown = "" if default is None else f" (default: {default})"
-        metavar = {str: flag.lstrip("-").upper(), int: "N", float: "SECONDS"}[kind]
+        metavar = {str: flag.lstrip("-").upper(), int: "N", float: "SECONDS", _threads: "N|auto"}[kind]
         g.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=text + shown)
     if not store_only:
         g.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,13 +69,16 @@ class EngineConfig(BaseModel):
     the engine runs (torch gives new threads the last count set); the engine sets the caller's count back when it
     closes. None: torch's default. On a shared 2-core machine neither 1 nor 2 wins for ``tiny`` at every
     load (docs/benchmarks.md, "`tiny` on the CPU"). No effect on a GPU."""
-    cpu_decode_threads: int | None = Field(default=1, ge=1)
-    """Torch threads of the model call of decode steps on a CPU (prefill keeps ``cpu_threads``). None: the same as
-    prefill. 1 by default: a decode step of a small model is a few hundred ops of microseconds each, and on more
-    threads every one of them wakes the others (``tiny`` at 1K on a 2-core machine: docs/benchmarks.md). The step
-    thread is not the main thread: once the main thread has run torch on 2 threads, OpenMP holds more threads than
-    cores and they sleep between ops (``tiny``'s bare step, 2 threads: 2.3 ms on the main thread, 7.5 ms on another;
-    1 thread: 3.1 ms on either), and on a busy machine 2 threads can take 30x longer. No effect on a GPU."""
+    cpu_decode_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
+    """Torch threads of the model call of decode steps on a CPU (prefill keeps ``cpu_threads``). "auto": 1 or the
+    step thread's count, whichever the step thread times faster (``engine/cpu_threads.py``: it starts on 1, tries
+    the other count for a few steps now and then, sooner when its steps slow down). None: the same as prefill.
+    Neither count wins everywhere: ``tiny`` at 1K on a 2-core machine decodes ~1.4x faster on 2 threads while the
+    step thread is the process's only OpenMP team, and 10-40x slower on 2 with another busy process beside it, or
+    once another thread has run torch on 2 threads (OpenMP then holds more threads than cores and they sleep
+    between ops; docs/benchmarks.md, "`tiny` on the CPU"). Logits can differ in the last bits between 1 and 2
+    threads (the BLAS picks other kernels), so decoding is bit-reproducible only with a number here. No effect on
+    a GPU."""
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""

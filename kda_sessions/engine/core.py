@@ -17,6 +17,7 @@ import anyio.lowlevel
 from ..model import HybridModel
 from ..tokenizer import Tokenizer
 from .config import EngineConfig
+from .cpu_threads import without_openmp_team
 from .pool import Pools, pages_needed
 from .runner import Runner
 from .scheduler import Scheduler, Work
@@ -34,7 +35,8 @@ class EngineCore:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        tensors = model.allocate_pools(config.max_active_sessions, config.num_pages, config.page_size)
+        with without_openmp_team(model.device):  # the step thread's team stays the only one
+            tensors = model.allocate_pools(config.max_active_sessions, config.num_pages, config.page_size)
         self.pools = Pools(tensors, config.max_active_sessions, config.num_pages)
         idle = config.prefill_chunk_tokens_idle
         if idle is None:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
@@ -28,6 +30,7 @@ from ..model.graphs import DecodeGraphs
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
 from .cpu_batch import CpuDecodeBatches
+from .cpu_threads import DecodeThreads
 from .pool import Pools, pages_needed
 from .postprocess import Sampled, postprocess
 from .preemption import Preemption
@@ -63,7 +66,7 @@ class Runner:
         cuda_graphs: bool = True,
         park_timeout_s: float = 30.0,
         cpu_threads: int | None = None,
-        cpu_decode_threads: int | None = 1,
+        cpu_decode_threads: int | Literal["auto"] | None = "auto",
         cpu_compile: bool = False,
         cpu_compile_dtype: torch.dtype | None = None,
     ) -> None:
@@ -93,7 +96,11 @@ class Runner:
         self.cpu_batches = CpuDecodeBatches(pools.page_size) if model.device.type == "cpu" else None
         """Decode batches on a CPU, from buffers reused every step (``CpuDecodeBatches``)."""
         self.cpu_decode_threads = cpu_decode_threads if model.device.type == "cpu" else None
-        """Torch threads of the model call of decode rows on a CPU (None: the step thread's count)."""
+        """Torch threads of the model call of decode rows on a CPU (None: the step thread's count; "auto":
+        ``decode_threads`` chooses)."""
+        self.decode_threads: DecodeThreads | None = None
+        """With "auto" and a step thread on more than one thread: the count each decode step runs on, by timing
+        (made on the step thread, which knows its count)."""
         self.cpu_compile = cpu_compile and model.device.type == "cpu"
         self.cpu_compile_dtype = cpu_compile_dtype
         self.compiled = False
@@ -125,6 +132,12 @@ class Runner:
             torch.set_num_threads(self.threads_before)
 
     def _loop(self) -> None:
+        if self.cpu_decode_threads == "auto":
+            threads = torch.get_num_threads()
+            if self.cpu_compile or threads == 1:  # dynamo guards the count: compiled steps keep one
+                self.cpu_decode_threads = 1
+            else:
+                self.decode_threads = DecodeThreads((1, threads))
         if self.cpu_compile:
             self._compile_decode()
         while True:
@@ -379,13 +392,22 @@ class Runner:
         """``model.step``; one token per row on ``cpu_decode_threads`` torch threads: a decode step's few-microsecond
         ops each pay an OpenMP region's wake-up on more than one (docs/benchmarks.md, "`tiny` on the CPU")."""
         threads = torch.get_num_threads()
-        if not batch.is_decode or self.cpu_decode_threads is None or self.cpu_decode_threads == threads:
+        if not batch.is_decode or self.cpu_decode_threads is None:
             return self.model.step(batch, self.pools.tensors, check_weights)
-        torch.set_num_threads(self.cpu_decode_threads)
+        tuner, rows = self.decode_threads, len(batch.num_new)
+        want = tuner.pick(rows) if tuner is not None else self.cpu_decode_threads
+        assert isinstance(want, int)
+        if want != threads:
+            torch.set_num_threads(want)
+        t = time.perf_counter()
         try:
-            return self.model.step(batch, self.pools.tensors, check_weights)
+            out = self.model.step(batch, self.pools.tensors, check_weights)
+            if tuner is not None:
+                tuner.record(rows, time.perf_counter() - t)
+            return out
         finally:
-            torch.set_num_threads(threads)
+            if want != threads:
+                torch.set_num_threads(threads)
 
     # -- sampling --------------------------------------------------------------------------------------------
 

@@ -19,6 +19,15 @@ def test_engine_flags_build_the_config():
     assert (c.cpu_threads, c.cpu_decode_threads) == (3, 2)
     with pytest.raises(Exception, match="cpu_decode_threads"):  # pydantic's ValidationError names the field
         cli._engine_config(cli._parser().parse_args(["chat", "--cpu-decode-threads", "0"]))
+    c = cli._engine_config(cli._parser().parse_args(["serve", "--cpu-decode-threads", "auto"]))
+    assert c.cpu_decode_threads == "auto"
+
+
+def test_a_thread_count_that_is_neither_a_number_nor_auto_is_refused(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit):
+        cli._parser().parse_args(["chat", "--cpu-decode-threads", "fast"])
+    err = capsys.readouterr().err
+    assert "--cpu-decode-threads" in err and "not a thread count or 'auto': 'fast'" in err
 
 
 def test_no_flags_keep_the_defaults():

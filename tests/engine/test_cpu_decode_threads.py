@@ -1,0 +1,132 @@
+"""The thread count of CPU decode steps chosen by timing them (``cpu_decode_threads="auto"``, engine/cpu_threads.py),
+and the calling thread kept free of an OpenMP team while the engine opens."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import kda_sessions as ks
+from kda_sessions.engine import cpu_threads
+from kda_sessions.engine.cpu_threads import DecodeThreads
+from kda_sessions.model import HybridModel
+
+
+def drive(tuner: DecodeThreads, ms: dict[int, float], steps: int, rows: int = 1) -> list[int]:
+    """Run ``steps`` decode steps whose time is ``ms[count]``; the count of each step."""
+    used = []
+    for _ in range(steps):
+        n = tuner.pick(rows)
+        used.append(n)
+        tuner.record(rows, ms[n] / 1000)
+    return used
+
+
+def test_the_faster_count_is_kept():
+    t = DecodeThreads((1, 2))
+    used = drive(t, {1: 3.0, 2: 2.2}, 40)
+    # 1 untimed + 6 timed steps on 1, then the try: 1 untimed + 3 timed on 2, which wins
+    assert used[:7] == [1] * 7 and used[7:11] == [2] * 4
+    assert set(used[11:]) == {2}
+    lane = t.lanes[1]
+    assert lane.current == 2 and lane.figure == {1: 0.003, 2: 0.0022}
+
+
+def test_a_much_slower_try_is_given_up_after_one_timed_step_and_tried_less_often():
+    t = DecodeThreads((1, 2))
+    used = drive(t, {1: 3.0, 2: 60.0}, 400)
+    assert used[7:10] == [2, 2, 1], "one untimed and one timed step on the slow count, then back"
+    tries = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert len(tries) >= 3 and all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), gaps
+    assert t.lanes[1].current == 1
+
+
+def test_a_slowdown_of_the_chosen_count_brings_a_try_at_once():
+    t = DecodeThreads((1, 2))
+    drive(t, {1: 3.0, 2: 2.0}, 200)  # settles on 2 and backs off its tries of 1
+    assert t.lanes[1].current == 2 and t.lanes[1].probe_after > cpu_threads.FIRST_PROBE_AFTER
+    used = drive(t, {1: 3.0, 2: 40.0}, 20)  # the machine got busy: 2 threads crawl
+    assert 1 in used[: cpu_threads.SETTLE_STEPS + 2]
+    assert t.lanes[1].current == 1 and set(used[-5:]) == {1}
+
+
+def test_batch_sizes_choose_apart():
+    t = DecodeThreads((1, 2))
+    drive(t, {1: 3.0, 2: 2.0}, 30, rows=1)
+    drive(t, {1: 3.0, 2: 9.0}, 30, rows=4)
+    assert (t.lanes[1].current, t.lanes[4].current) == (2, 1)
+
+
+async def test_auto_decodes_on_both_counts_and_prefills_on_the_step_threads(monkeypatch):
+    """With a step thread of 2, "auto" times decode steps on 1 and on 2 (and keeps one); prefill stays on 2."""
+    seen: list[tuple[bool, int]] = []
+    step = HybridModel.step
+
+    def spy(self, batch, *args):
+        seen.append((batch.is_decode, torch.get_num_threads()))
+        return step(self, batch, *args)
+
+    monkeypatch.setattr(HybridModel, "step", spy)
+    before = torch.get_num_threads()
+    try:
+        async with await ks.Engine.open(store="memory:", cpu_threads=2) as eng:
+            assert eng.config.cpu_decode_threads == "auto"
+            s = await eng.create_session()
+            await s.append([1, 2, 3])
+            await s.generate(max_tokens=16, ignore_eos=True)
+            tuner = eng.core.runner.decode_threads
+            assert tuner is not None and tuner.counts == (1, 2)
+            assert set(tuner.lanes[1].figure) == {1, 2}
+    finally:
+        torch.set_num_threads(before)
+    assert {n for d, n in seen if not d} == {2}
+    assert {n for d, n in seen if d} == {1, 2}
+
+
+async def test_auto_on_a_one_thread_step_thread_is_one():
+    async with await ks.Engine.open(store="memory:", cpu_threads=1) as eng:
+        s = await eng.create_session()
+        await s.append([1, 2, 3])
+        await s.generate(max_tokens=2, ignore_eos=True)
+        runner = eng.core.runner
+        assert runner.decode_threads is None and runner.cpu_decode_threads == 1
+
+
+async def test_opening_runs_torch_on_one_thread_of_the_caller(monkeypatch):
+    """Loading the model and allocating the pools start no OpenMP team on the caller's threads (which would leave
+    the step thread's team more threads than cores), and the caller's count is set back."""
+    seen: dict[str, tuple[str, int]] = {}
+    allocate = HybridModel.allocate_pools
+    from kda_sessions import api
+
+    load = api.load_model
+
+    def spy_allocate(self, *args, **kwargs):
+        seen["pools"] = (threading.current_thread().name, torch.get_num_threads())
+        return allocate(self, *args, **kwargs)
+
+    def spy_load(*args, **kwargs):
+        seen["load"] = (threading.current_thread().name, torch.get_num_threads())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(HybridModel, "allocate_pools", spy_allocate)
+    monkeypatch.setattr(api, "load_model", spy_load)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        async with await ks.Engine.open(store="memory:", cpu_threads=1):
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen["load"][1] == 1 and seen["pools"] == (threading.current_thread().name, 1)
+
+
+@pytest.mark.parametrize("bad", [0, "fast", 1.5])
+def test_a_bad_value_names_the_field(bad):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="cpu_decode_threads"):
+        ks.EngineConfig(cpu_decode_threads=bad)
