@@ -16,7 +16,10 @@ minutes=$1
 extra=$2
 shift 2
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/train/*.whl || exit 1
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_DIR=/tmp/tc
+# tools/average_weights.py imports the library from the checkout: its kernels and storage as the editable install maps them
+ln -sfn "$PWD/kernels" kda_sessions/kernels
+ln -sfn "$PWD/storage" kda_sessions/storage
 if [ -w /dev/shm ]; then export TMPDIR=/dev/shm; fi
 mkdir -p /tmp/tc /tmp/sizes
 workers=$(( 14 / $# ))
