@@ -130,3 +130,20 @@ def test_a_bad_value_names_the_field(bad):
 
     with pytest.raises(ValidationError, match="cpu_decode_threads"):
         ks.EngineConfig(cpu_decode_threads=bad)
+
+
+async def test_tiny_decodes_the_same_tokens_on_one_and_two_threads():
+    """What "auto" may switch between: the BLAS's kernels differ with the count (logits move by ~1e-6), and
+    ``tiny``'s greedy tokens stay the same."""
+    before = torch.get_num_threads()
+    prompt = list(b"def main():\n    for i in range(10):\n        print(i)\n" * 8)
+    tokens = {}
+    try:
+        for n in (1, 2):
+            async with await ks.Engine.open(model="tiny", store="memory:", cpu_threads=2, cpu_decode_threads=n) as eng:
+                s = await eng.create_session()
+                await s.append(prompt)
+                tokens[n] = (await s.generate(max_tokens=48, ignore_eos=True)).token_ids
+    finally:
+        torch.set_num_threads(before)
+    assert len(tokens[1]) == 48 and tokens[1] == tokens[2]
