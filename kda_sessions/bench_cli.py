@@ -36,11 +36,11 @@ async def run_bench(args: argparse.Namespace, engine_config: Any, dtype: torch.d
                                    config=engine_config)
     async with engine:
         # first calls pay one-time costs (the CPU paths derive their fused weights, oneDNN sets up, a compiled
-        # decode compiles): not timed but reported
+        # decode compiles, cpu_decode_threads="auto" times its two counts): not timed but reported
         async with progress("warm-up" + (" (torch.compile)" if engine_config.cpu_compile else "")):
             warm = await engine.create_session()
             await warm.append(tokens[:64])
-            await warm.generate(max_tokens=2, ignore_eos=True)
+            await warm.generate(max_tokens=16, ignore_eos=True)
             await engine.delete_session(warm.id)
         out["warm_up_s"] = time.perf_counter() - t0
         out["compiled"] = engine_config.cpu_compile_weights if engine.core.runner.compiled else None
