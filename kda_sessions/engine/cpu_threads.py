@@ -42,7 +42,7 @@ class _Lane:
 
     current: int
     figure: dict[int, float] = field(default_factory=dict)
-    """Median step seconds last measured on each count."""
+    """Median step seconds last measured on each count: ``current``'s after settling and when a try starts."""
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=SETTLE_STEPS))
     trying: int | None = None
     tried: list[float] = field(default_factory=list)
@@ -90,9 +90,8 @@ class DecodeThreads:
             lane.figure[lane.current] = now
             known = now
         drifted = now > DRIFT_RATIO * known
-        if drifted:
-            lane.figure[lane.current] = now
         if drifted or lane.since >= lane.probe_after:
+            lane.figure[lane.current] = now  # the try is judged against the chosen count's latest steps
             lane.trying = self.counts[1] if lane.current == self.counts[0] else self.counts[0]
             lane.tried, lane.skip = [], 1
             if drifted:

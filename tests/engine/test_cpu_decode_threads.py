@@ -147,3 +147,13 @@ async def test_tiny_decodes_the_same_tokens_on_one_and_two_threads():
     finally:
         torch.set_num_threads(before)
     assert len(tokens[1]) == 48 and tokens[1] == tokens[2]
+
+
+def test_a_try_is_judged_against_the_latest_steps():
+    """The machine got quieter while 1 thread was chosen: the next try of 2 is compared with 1's latest steps, not
+    with the slow figure 1 settled on."""
+    t = DecodeThreads((1, 2))
+    drive(t, {1: 9.0, 2: 60.0}, 60)  # busy: 1 is chosen, 2 lost its try
+    assert t.lanes[1].current == 1
+    drive(t, {1: 3.0, 2: 2.9}, 400)  # quiet: 2 is barely faster, under the 8% a switch needs
+    assert t.lanes[1].current == 1 and t.lanes[1].figure[1] == 0.003
