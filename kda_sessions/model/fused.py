@@ -17,6 +17,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
+from ..errors import ConfigError
+
 HUGE_PAGE = 2 << 20
 """Bytes of a transparent huge page on x86-64 Linux."""
 PACK_MIN_BYTES = HUGE_PAGE // 2
@@ -167,15 +169,22 @@ class ParamWatch:
     submodule swapped for another is not seen (the caller rebuilds the watch when its modules change)."""
 
     def __init__(self, modules: Sequence[nn.Module]) -> None:
-        refs = [(m._parameters, n) for m in modules for n, p in m._parameters.items() if p is not None]
-        self._dicts = [d for d, _ in refs]
+        refs = [(m, n) for m in modules for n, p in m._parameters.items() if p is not None]
+        self._dicts = [m._parameters for m, _ in refs]
         self._names = [n for _, n in refs]
+        self._owners = [type(m).__name__ for m, _ in refs]
         self._held: list[Tensor] = []  # the last parameters seen, kept alive so that no new one reuses their ids
         self._key: tuple[int, ...] = ()
 
     def changed(self) -> bool:
-        params: list[Tensor] = list(map(operator.getitem, self._dicts, self._names))  # type: ignore[arg-type]
-        key = (*map(id, params), *map(Tensor.data_ptr, params), *map(_VERSION, params))
+        """Raises ConfigError when a watched parameter was deleted or set to None (the model cannot run without it)."""
+        try:
+            params: list[Tensor] = list(map(operator.getitem, self._dicts, self._names))  # type: ignore[arg-type]
+            key = (*map(id, params), *map(Tensor.data_ptr, params), *map(_VERSION, params))
+        except (KeyError, TypeError):
+            gone = [f"{o}.{n}" for d, n, o in zip(self._dicts, self._names, self._owners) if d.get(n) is None]
+            raise ConfigError(f"the model's parameter {', '.join(gone)} was deleted or set to None; a model runs "
+                              "with every parameter it was built with") from None
         if key == self._key:
             return False
         self._held, self._key = params, key

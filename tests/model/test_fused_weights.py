@@ -53,3 +53,20 @@ def test_param_watch_sees_every_kind_of_change():
     assert watch.changed() and not watch.changed()
     lin.bias = nn.Parameter(lin.bias.detach().clone())
     assert watch.changed() and not watch.changed()
+
+
+def test_param_watch_names_a_parameter_set_to_none():
+    from torch import nn
+
+    from kda_sessions.errors import ConfigError
+    from kda_sessions.model.fused import ParamWatch
+
+    lin = nn.Linear(4, 3)
+    watch = ParamWatch([lin])
+    assert watch.changed()
+    lin.bias = None
+    with pytest.raises(ConfigError, match=r"parameter Linear\.bias was deleted or set to None"):
+        watch.changed()
+    del lin.weight
+    with pytest.raises(ConfigError, match=r"Linear\.weight, Linear\.bias"):
+        watch.changed()
