@@ -18,6 +18,11 @@ training shapes: projects whose names start alike (``sibling_words``), a wrong f
 name, ``def`` for ``class``, the entry listed for its folder) answered by the real tool (an error, or a grep's
 empty output) and then corrected, list_dir intent drills, and the EXTRA phrasings of ``tiny_phrasing``.
 
+Listing rows (``listing`` of make_general_row, ``listing_episode``): on focus rows' projects, list_dir drills whose
+count, first-entry and "contains" questions all say "the listing of D" (``listing_drill``), and tool tasks after a
+context sentence whose words start like the parts of the path the call must name (``lure_episode``), some with a
+first call garbled toward such a word, then corrected.
+
 Package trees: every top-level package of the interpreter's site-packages with at least MIN_TREE_FILES Python
 files. Whole trees are held out by a sha256 of ``tree:NAME`` (as tiny_data splits files) and by ``HELDOUT_TREES``;
 inside a training tree, files and folders are split by path hash as in the stdlib. ``EVAL_TREE`` (uvicorn, a
@@ -102,6 +107,12 @@ FOCUS_KINDS = {"grep": 0.45, "read_line": 0.25, "read_file": 0.10, "list_dir": 0
 FOCUS_SIBLINGS = 0.5  # of focus rows: a project named with plain words in groups that share their first letters
 FOCUS_NAME_MIX = (0.75, 0.9)  # their names: 75% one plain word ("loops"), 15% two joined by "_", 10% word + number
 ABSENT = 0.1  # of focus error episodes: a grep of the right path for a name it lacks (empty output), answered "No"
+# listing rows (``listing`` of make_general_row), aimed at the two held-out failures the focus rows left: a count
+# question that says "the listing of D" answered with the first entry, and a name garbled toward a word of the
+# context sentence ("tell me" -> `tellvansiol.py`). Shares of a listing row's episodes:
+LISTING_MIX = {"drill": 0.45, "lure": 0.30, "lure_error": 0.15, "multi": 0.05, "off_task": 0.05}
+MAX_COUNTED = 10  # tiny_data asks for a count only in folders of this many entries or fewer
+MIN_LISTING_DIRS = 4  # a listing row's project has at least this many folders (``listing_corpus``)
 _WORD_RE = re.compile(r"[A-Za-z]{3,}")
 _FIX_INTRO = {  # the corrected call's text, by what went wrong
     "path": ["", "", "That path is not the one in the question; trying again.", "Wrong path; fixing the call.",
@@ -632,23 +643,33 @@ def focus_error_episode(rng: random.Random, c: Corpus | RenamedCorpus, ep: _Epis
         if wrong is None:
             continue
         name, args, why = wrong
-        if args == ep.arguments and name == ep.tool:
-            continue
-        if why == "path" and _exists(c, args["path"]):
-            continue  # the slip named something real: no error to recover from
-        try:
-            out = c.tools.call(name, args)
-        except ToolError as e:
-            out = f"error: {e}"
-        else:
-            if out != "" or why == "tool":  # a grep that finds nothing is the only failure without an error
-                continue
-            why = "empty" if why == "path" else why
-        break
+        failed = _failure(c, ep, name, args, why)
+        if failed is not None:
+            out, why = failed
+            break
     else:
         return None
     intro = rng.choice(_FIX_INTRO[why]).format(pat=ep.arguments.get("pattern", ""), tool=name)
     return _retried(ep, tool_call(name, args), out, intro, f"error:{why}:{ep.variant}")
+
+
+def _failure(
+    c: Corpus | RenamedCorpus, ep: _Episode, name: str, args: dict[str, Any], why: str
+) -> tuple[str, str] | None:
+    """(the real tool's output, what went wrong) of the wrong call ``name(args)`` for ``ep``: ``error: ...``, or the
+    empty output of a grep of a path that does not exist ("empty") or a pattern the file lacks; None where the call
+    is ``ep``'s own, names something real, or succeeds."""
+    if args == ep.arguments and name == ep.tool:
+        return None
+    if why == "path" and _exists(c, args["path"]):
+        return None  # the slip named something real: no error to recover from
+    try:
+        out = c.tools.call(name, args)
+    except ToolError as e:
+        return f"error: {e}", why
+    if out != "" or why == "tool":  # a grep that finds nothing is the only failure without an error
+        return None
+    return out, "empty" if why == "path" else why
 
 
 def absent_episode(
@@ -706,6 +727,166 @@ def focus_episode(
             ep = focus_rephrase(rng, ep, words)
             if shape == "error":
                 ep = focus_error_episode(rng, c, ep)
+    return ep if ep is not None and len(ep.ids) <= budget else None
+
+
+# ---- listing rows: "the listing of D" for every list_dir intent, context words that start like the path --------
+
+
+def listing_corpus(rng: random.Random, tree_share: float) -> Corpus | RenamedCorpus:
+    """A listing row's project: ``focus_corpus``'s, or on the stdlib where that is a package tree of fewer than
+    MIN_LISTING_DIRS folders (``requests``, ``h11``: one folder of more than MAX_COUNTED entries, no count to ask,
+    and a dozen files the row's tasks soon use up)."""
+    c = focus_corpus(rng, tree_share)
+    if len(c.dirs["train"]) + len(c.holders() if isinstance(c, RenamedCorpus) else []) < MIN_LISTING_DIRS:
+        c = focus_corpus(rng, 0.0)
+    return c
+
+
+def listing_drill(
+    rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], words: tuple[str, ...]
+) -> _Episode | None:
+    """How many entries, and the first entry or whether it contains X or both, of one folder of MAX_COUNTED
+    entries or fewer, in a shuffled order, every question in the words of LISTING_WORDS ("the listing of D", "D's
+    listing"), each answered after its own list_dir call (the count numbered as tiny_data numbers it): the same
+    words ask for all three, so only the question's intent decides the answer."""
+    dirs = c.dirs["train"] + (c.holders() if isinstance(c, RenamedCorpus) else [])
+    for _ in range(10):
+        d = rng.choice(dirs)
+        if d in used:
+            continue
+        listing = c.call("list_dir", path=d)
+        if listing.count("\n") >= MAX_COUNTED or 2 * len(listing) + 300 > budget:
+            continue
+        variants = ["count", *rng.sample(["first", "has"], rng.choice((1, 2)))]
+        rng.shuffle(variants)
+        eps = [ep for v in variants if (ep := _list_episode(rng, c, d, "train", v)) is not None]
+        if len(eps) < len(variants):
+            continue
+        eps = [_asked(ep, *grammar.question(rng, *_intent(ep), "train", typo=TRAIN_TYPO, extra=True, words=words,
+                                            listing=True)) for ep in eps]
+        ids = [t for ep in eps for t in ep.ids]
+        if len(ids) > budget:
+            continue
+        used.add(d)
+        last = eps[-1]
+        return _Episode("list_dir", "listing:" + "+".join(ep.variant for ep in eps),
+                        [m for ep in eps for m in ep.messages], ids, [m for ep in eps for m in ep.mask],
+                        "list_dir", {"path": d}, last.fact, template=last.template)
+    return None
+
+
+_STEM_RE = re.compile(r"[^A-Za-z]*([A-Za-z]{2,})")
+
+
+def path_stems(path: str) -> list[str]:
+    """The letters each part of ``path`` starts with, lower-case, past leading underscores or digits (``_version.py``
+    -> ``version``), for parts that start with two letters or more: what a lure word starts like."""
+    out = []
+    for part in path.split("/"):
+        m = _STEM_RE.match(part.removesuffix(".py"))
+        if m and part != ".":
+            out.append(m.group(1).lower())
+    return out
+
+
+@lru_cache(maxsize=1)
+def _lure_index() -> dict[str, tuple[str, ...]]:
+    """Plain English words (``plain_words``, never a held-out tree's name) by their first 2, 3 and 4 letters."""
+    held = heldout_names()
+    index: dict[str, list[str]] = {}
+    for w in plain_words():
+        if w not in held:
+            for k in (2, 3, 4):
+                if len(w) > k:
+                    index.setdefault(w[:k], []).append(w)
+    return {k: tuple(v) for k, v in index.items()}
+
+
+def lure_words(rng: random.Random, stems: list[str]) -> list[str]:
+    """One or two plain words, each starting with the same 2-4 letters as one of ``stems`` (the first folder's most
+    often) and not that stem; empty where no word starts like any of them."""
+    out: list[str] = []
+    for _ in range(rng.choice((1, 2))):
+        stem = stems[0] if rng.random() < 0.5 else rng.choice(stems)
+        for k in sorted({min(rng.choice((2, 3, 4)), len(stem)), 2}, reverse=True):
+            if found := [w for w in _lure_index().get(stem[:k], ()) if w != stem]:
+                out.append(rng.choice(found))
+                break
+    return out
+
+
+def lure_garble(rng: random.Random, part: str, word: str) -> str:
+    """``part`` of a path (a folder, or a file with its ``.py`` kept) as a copy that drifted into ``word`` writes
+    it: the word itself (its leading underscore dropped or kept), the word run on into the part's tail, or the
+    part's head run on into the word's tail (``loops`` after "look": ``look``, ``lookps``, ``loook``)."""
+    stem, ext = (part[:-3], ".py") if part.endswith(".py") else (part, "")
+    core = stem.lstrip("_0123456789")
+    lead, word = stem[: len(stem) - len(core)], word.lower()
+    j = next((i for i, (a, b) in enumerate(zip(core.lower(), word)) if a != b), min(len(core), len(word)))
+    k = rng.random()
+    if k < 0.35:
+        new = word if rng.random() < 0.5 else lead + word
+    elif k < 0.65:
+        new = lead + word + core[j:]
+    else:
+        new = lead + core[: rng.randrange(j, len(core))] + word[j:] if j < len(core) else lead + word
+    return (new if new != stem else lead + word + "s") + ext
+
+
+def lure_episode(
+    rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], words: tuple[str, ...],
+    error: bool = False,
+) -> _Episode | None:
+    """A tool task (FOCUS_KINDS) asked after a ``lure_sentence``: context whose words start like the parts of the
+    path the call must name, so a name finished from the context instead of copied from the question is wrong.
+    ``error``: a first call with one part garbled toward such a word (``lure_garble``), answered by the real tool
+    (an error, or a grep's empty output) and out of the loss, then the corrected call and the answer."""
+    ep = _focus_tool_episode(rng, c, budget, used)
+    if ep is None:
+        return None
+    stems = path_stems(ep.arguments["path"])
+    picks = lure_words(rng, stems) if stems else []
+    if not picks:
+        return None
+    sentence = grammar.lure_sentence(rng, stems, picks)
+    intent, slots = _intent(ep)
+    ep = _asked(ep, *grammar.question(rng, intent, slots, "train", typo=TRAIN_TYPO, extra=True, lure=sentence))
+    if not error:
+        ep.variant = f"lure:{ep.variant}"
+        return ep
+    assert ep.tool is not None
+    parts = ep.arguments["path"].split("/")
+    pairs = [(w, i) for w, s in grammar.lures_in(sentence, stems) for i, part in enumerate(parts)
+             if part != "." and path_stems(part) == [s]]
+    for _ in range(4):
+        if not pairs:
+            return None
+        word, i = rng.choice(pairs)
+        wrong = "/".join([*parts[:i], lure_garble(rng, parts[i], word), *parts[i + 1:]])
+        failed = _failure(c, ep, ep.tool, {**ep.arguments, "path": wrong}, "path")
+        if failed is not None:
+            out, why = failed
+            intro = rng.choice(_FIX_INTRO[why])
+            return _retried(ep, tool_call(ep.tool, {**ep.arguments, "path": wrong}), out, intro,
+                            f"lure_error:{why}:{ep.variant}")
+    return None
+
+
+def listing_episode(
+    rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], words: tuple[str, ...]
+) -> _Episode | None:
+    """One episode of a listing row, of a shape drawn from LISTING_MIX, fitting ``budget`` tokens."""
+    shape = rng.choices(list(LISTING_MIX), list(LISTING_MIX.values()))[0]
+    ep: _Episode | None
+    if shape == "off_task":
+        ep = off_task_episode(rng, "train")
+    elif shape == "multi":
+        ep = multi_step_episode(rng, c, "train", budget)
+    elif shape == "drill":
+        ep = listing_drill(rng, c, budget, used, words)
+    else:
+        ep = lure_episode(rng, c, budget, used, words, error=shape == "lure_error")
     return ep if ep is not None and len(ep.ids) <= budget else None
 
 
@@ -773,6 +954,7 @@ def _recall_sources(
 def make_general_row(
     rng: random.Random, split: str, max_len: int, tree_share: float = 0.5, recall: float = 0.0,
     distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE), copy: float = 0.0, focus: float = 0.0,
+    listing: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One row (ids, mask as tiny_data.make_row: 1 on the assistant's tokens but failed calls, 2 on facts): the
     header, then general episodes on one corpus (``row_corpus``) until the row is full. ``split`` picks the
@@ -780,7 +962,9 @@ def make_general_row(
     tool results) asked about ``distance`` tokens later (``_recall_sources``); at 0 nothing is drawn for it.
     ``copy``: the share of training rows that are copy drills (``row_corpus``). ``focus``: the share of training
     rows that are focus rows (``focus_corpus``, ``focus_episode``; at 0 nothing is drawn for it, and a focus row is
-    never a copy drill)."""
+    never a copy drill). ``listing``: the share of training rows that are listing rows (``listing_corpus``,
+    ``listing_episode``), drawn by the same random number as ``focus`` (focus + listing <= 1; at 0 nothing is
+    drawn for it)."""
     if split not in grammar.SPLITS:
         raise ValueError(f"split must be one of {grammar.SPLITS}, got {split!r}")
     if not 0.0 <= tree_share <= 1.0:
@@ -791,9 +975,17 @@ def make_general_row(
         raise ValueError(f"copy must be in [0, 1], got {copy}")
     if not 0.0 <= focus <= 1.0:
         raise ValueError(f"focus must be in [0, 1], got {focus}")
-    is_focus = bool(focus) and split == "train" and rng.random() < focus
-    c = focus_corpus(rng, tree_share) if is_focus else row_corpus(rng, split, tree_share, copy)
-    words = project_words(c) if is_focus else ()
+    if listing < 0.0 or focus + listing > 1.0:
+        raise ValueError(f"listing must be in [0, 1 - focus], got {listing} (focus {focus})")
+    aimed = None  # "focus" or "listing": a row of focus_corpus's projects and that kind's episodes
+    if (focus or listing) and split == "train":
+        u = rng.random()
+        aimed = "focus" if u < focus else "listing" if u < focus + listing else None
+    if aimed:
+        c = focus_corpus(rng, tree_share) if aimed == "focus" else listing_corpus(rng, tree_share)
+    else:
+        c = row_corpus(rng, split, tree_share, copy)
+    words = project_words(c) if aimed else ()
     ids = list(header_ids())
     mask = [0] * len(ids)
     if len(ids) + 400 > max_len:  # no room for a task after the header: source text, as tiny_data does
@@ -815,7 +1007,12 @@ def make_general_row(
             break
         if pending:  # land near the next question's target, not thousands of tokens past it
             budget = min(budget, pending[0][2] - len(ids) + FILL_SLACK)
-        ep = focus_episode(rng, c, budget, used, words) if is_focus else general_episode(rng, c, split, budget, used)
+        if aimed == "focus":
+            ep = focus_episode(rng, c, budget, used, words)
+        elif aimed == "listing":
+            ep = listing_episode(rng, c, budget, used, words)
+        else:
+            ep = general_episode(rng, c, split, budget, used)
         if ep is None and pending:  # nothing fits before the question: a short note carries the row on
             ep = _note_episode(rng, c, split, taken)
             ep = ep if ep is not None and len(ep.ids) <= budget else None

@@ -11,6 +11,9 @@ with them only (``question(rng, intent, slots, "heldout")``). The split is by te
 same on every machine. Off-task messages (``off_task``) come from a grammar of their own, split the same way.
 EXTRA training templates (``Template.extra``) and generated context sentences (``context_sentence``) join only
 where asked for (``question(..., extra=True)``, tiny_general's focus rows), so other rows keep their questions.
+LISTING templates (``Template.listing``) ask every list_dir intent in the words "the listing of D", "D's listing",
+"the list of D" (``question(..., listing=True)``, tiny_general's listing drills); ``lure_sentence`` makes context
+sentences whose words start like a path's parts.
 
     question(rng, intent, slots, split) -> (text, template id)
     off_task(rng, split) -> (text, template id)
@@ -35,6 +38,7 @@ class Template:
     text: str
     heldout: bool = False
     extra: bool = False  # training only, and only where asked for (``question(..., extra=True)``): see EXTRA
+    listing: bool = False  # training only, drawn by ``question(..., listing=True)`` alone: see LISTING
 
     @property
     def id(self) -> str:
@@ -47,6 +51,10 @@ def _t(intent: str, train: list[str], heldout: list[str]) -> list[Template]:
 
 def _x(intent: str, train: list[str]) -> list[Template]:
     return [Template(intent, s, extra=True) for s in train]
+
+
+def _l(intent: str, train: list[str]) -> list[Template]:
+    return [Template(intent, s, listing=True) for s in train]
 
 
 # intent -> templates. The first train template of each intent is tiny_data's own (the in-template eval's) form.
@@ -404,6 +412,66 @@ _ALL += [
         "Tell me the earliest def or class in {p}.",
     ]),
 ]
+# LISTING: count, first-entry and "contains" questions in the same words ("the listing of D", "D's listing", "the
+# list of D"), drawn only by ``question(..., listing=True)`` (tiny_general's listing drills) together with every other
+# training template in those words (LISTING_WORDS). In the other training phrasings "the listing of D" mostly asks
+# for the first entry, and the shipped weights answered the held-out "How big is the listing of D, in entries?"
+# with it. None is a held-out phrasing, nor within two words of one (a test measures the word distance).
+_ALL += [
+    *_l("count", [
+        "Count the entries in the listing of {d}.",
+        "What's the size of {d}'s listing?",
+        "How many entries are in the listing of {d}?",
+        "How many names does {d}'s listing hold?",
+        "Count the names in {d}'s listing.",
+        "What is the length of the listing of {d}?",
+        "How many lines does the listing of {d} have?",
+        "In the listing of {d}, how many entries are there?",
+        "The listing of {d}: how many entries?",
+        "Give me the number of entries in the list of {d}.",
+        "How many items are on the list of {d}?",
+        "How long is the list of entries in {d}?",
+        "Count {d}'s listing for me.",
+        "How many entries does {d}'s listing show?",
+        "Tell me how many names the listing of {d} has.",
+        "What's the entry count of the listing of {d}?",
+        "Get the listing of {d} and count it.",
+        "How many entries make up the listing of {d}?",
+        "Number of names in {d}'s listing?",
+        "What does the listing of {d} add up to, in entries?",
+    ]),
+    *_l("first", [
+        "What is the first name in the listing of {d}?",
+        "Which entry heads {d}'s listing?",
+        "What's the first line of the listing of {d}?",
+        "Give me the first entry in the listing of {d}.",
+        "In the listing of {d}, which entry comes first?",
+        "The listing of {d}: what is its first entry?",
+        "What does {d}'s listing start with?",
+        "What's first on the list of {d}?",
+        "Tell me the first entry of {d}'s listing.",
+        "Which entry is at the top of the list of {d}?",
+        "What's the first item in the listing of {d}?",
+        "Get the listing of {d} and tell me its first entry.",
+        "First name in the listing of {d}?",
+        "Which name comes first in {d}'s listing?",
+    ]),
+    *_l("has", [
+        "Is {x} in the listing of {d}?",
+        "Does {d}'s listing have {x} in it?",
+        "Does the listing of {d} contain {x}?",
+        "Is {x} on the list of {d}?",
+        "Would the listing of {d} show {x}?",
+        "In the listing of {d}, is there {x}?",
+        "Check the listing of {d} for {x}.",
+        "The listing of {d}: does it include {x}?",
+        "Is {x} anywhere in {d}'s listing?",
+        "Does {x} appear in the list of {d}?",
+        "Get the listing of {d} and tell me if {x} is in it.",
+        "Can you see {x} in {d}'s listing?",
+    ]),
+]
+LISTING_WORDS = re.compile(r"\blisting\b|\blist of\b|'s list\b", re.IGNORECASE)
 TEMPLATES: dict[str, list[Template]] = {
     i: [t for t in _ALL if t.intent == i] for i in dict.fromkeys(t.intent for t in _ALL)
 }
@@ -475,13 +543,19 @@ def _literal(rng: random.Random, text: str, typo: bool) -> str:
     return text[: m.start()] + _typo(rng, m.group()) + text[m.end():]
 
 
-def templates(intent: str, split: str, extra: bool = False) -> list[Template]:
-    """The templates of ``intent`` in ``split``; ``extra``: with the EXTRA training ones too."""
+def templates(intent: str, split: str, extra: bool = False, listing: bool = False) -> list[Template]:
+    """The templates of ``intent`` in ``split``; ``extra``: with the EXTRA training ones too; ``listing``: only
+    the training ones in LISTING_WORDS, the LISTING ones among them."""
     if intent not in TEMPLATES:
         raise ValueError(f"intent must be one of {INTENTS}, got {intent!r}")
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    return [t for t in TEMPLATES[intent] if t.heldout == (split == "heldout") and (extra or not t.extra)]
+    if listing:
+        if split != "train":
+            raise ValueError("listing phrasings are for training questions only")
+        return [t for t in TEMPLATES[intent] if not t.heldout and LISTING_WORDS.search(t.text)]
+    return [t for t in TEMPLATES[intent] if t.heldout == (split == "heldout") and (extra or not t.extra)
+            and not t.listing]
 
 
 def template_regex(t: Template | str) -> re.Pattern[str]:
@@ -529,21 +603,26 @@ def decorate(rng: random.Random, text: str, split: str) -> str:
 
 def question(
     rng: random.Random, intent: str, slots: dict[str, str], split: str, typo: float = 0.1, plain: bool = False,
-    extra: bool = False, words: tuple[str, ...] = (),
+    extra: bool = False, words: tuple[str, ...] = (), listing: bool = False, lure: str = "",
 ) -> tuple[str, str]:
     """(question text, template id) asking for ``intent`` about ``slots`` in a phrasing of ``split``; ``plain``:
     the template with its slots only (no quotes, context, politeness or typos). ``extra`` (training only): the
     EXTRA templates join the draw, and the context before a question is a ``context_sentence`` half the time,
-    naming some of ``words`` (at False nothing more is drawn: the questions of earlier runs)."""
-    if extra and split != "train":
+    naming some of ``words`` (at False nothing more is drawn: the questions of earlier runs). ``listing``
+    (training only): the template is one in LISTING_WORDS (``templates(..., listing=True)``). ``lure`` (with
+    ``extra``): a sentence (``lure_sentence``) said before the question, or now and then after it, instead of a
+    ``context_sentence``."""
+    if (extra or listing) and split != "train":
         raise ValueError("extra phrasings are for training questions only")
-    t = rng.choice(templates(intent, split, extra))
+    t = rng.choice(templates(intent, split, extra, listing))
     if missing := SLOTS[intent] - set(slots):
         raise ValueError(f"intent {intent!r} needs slots {sorted(SLOTS[intent])}, missing {sorted(missing)}")
     if plain:
         return t.text.format(**slots, **({"nth": ordinal(slots["n"])} if "n" in slots else {})), t.id
     text = decorate(rng, render_slots(rng, t, slots, typo), split)
-    if extra and rng.random() < 0.5:
+    if extra and lure:
+        text = lure + rng.choice([" ", " ", "\n"]) + text if rng.random() < LURE_BEFORE else f"{text} {lure}"
+    elif extra and rng.random() < 0.5:
         text = context_sentence(rng, words) + rng.choice([" ", " ", "\n"]) + text
     return text, t.id
 
@@ -589,6 +668,79 @@ def context_sentence(rng: random.Random, words: tuple[str, ...] = ()) -> str:
     else:
         text = rng.choice(CONTEXT["train"])
     return text if text not in CONTEXT["heldout"] else rng.choice(CONTEXT["train"])
+
+
+# ---- lure sentences: context whose words start like the parts of the path the call must name ---------------------
+
+LURE_BEFORE = 0.75  # of lure sentences said before the question (else after it)
+_LURE_MENTION = (
+    "The ticket mentions {w}, but that may be a red herring.", "Someone wrote '{w}' in the chat; ignore that.",
+    "Keywords from the bug report: {w}, {w2}.", "I already searched for {w} and {w2}.",
+    "The commit message just says '{w}'.", "Not to be confused with {w}.", "Autocomplete keeps suggesting {w} here.",
+    "The error log mentions {w} twice.", "Our wiki page on {w} is out of date.", "Last sprint was all about {w}.",
+    "My notes say {w}, probably wrong.", "{W} and {w2} came up in the review.", "I typed {w} by mistake before.",
+    "Search results for {w} were useless.", "The word {w} keeps coming up in the logs.",
+)
+_LURE_NATURAL = (
+    "I have to {act} in {time}.", "I need to {act} in {time}, so keep it short.",
+    "Please be quick: I have to {act} in {time}.", "I'll {act} after this, in {time} or so.",
+    "No rush, I'll {act} in {time} anyway.", "Tell me quickly, I have to {act}.", "In {time} I have to {act}.",
+    "Once this is answered I'll {act}.", "I can only look at this for {time}.", "Then I {must} {act}.",
+)
+LURE_FRAMES = _LURE_MENTION + _LURE_NATURAL  # every lure sentence is one of these with its slots filled
+_LURE_MUST = ("must", "should", "have to", "need to", "want to", "plan to", "promised to")
+_LURE_ACTS = (
+    "look at it again", "tell my team", "take a break", "test the fix", "talk to the reviewer", "leave for lunch",
+    "log off", "lock my screen", "push the branch", "pull the latest code", "print the report", "pick this up again",
+    "send a summary", "start the deploy", "stop the server", "show it to the team", "run the tests", "read the docs",
+    "return to it", "write the notes", "walk the dog", "wait for the build", "watch the pipeline", "merge the branch",
+    "move on", "meet a client", "fix the release", "file a ticket", "finish the review", "follow up", "help a colleague",
+    "hand it over", "build the image", "bring coffee", "grab lunch", "go home", "debug another thing",
+    "deploy the service", "update the docs", "open a pull request", "order food", "ask the lead", "add a test",
+    "check the logs", "change the config", "close the ticket", "clean up", "commit my work", "call the vendor",
+    "present the results", "plan the sprint", "prepare slides", "profile the server", "join a call",
+    "review another patch", "rebase the branch", "reply to email", "sign off", "ship the release",
+    "sync with the team", "upgrade my laptop", "vote on the design", "keep going", "kick off a build",
+    "zip the logs", "queue another job", "explain it to my boss", "export the data", "note it down",
+    "answer mail", "archive the thread", "book a room", "benchmark the change", "catch a train", "drive home",
+    "email the client", "gather the numbers", "install the update", "label the issues", "measure the latency",
+    "nudge the reviewer", "onboard a new hire", "pair with a colleague", "restart the worker", "summarize this",
+    "triage new bugs", "unblock a teammate", "verify the build", "wrap up", "yield the room",
+)
+_LURE_TIMES = (  # not "ten minutes": the held-out context sentence's words
+    "two minutes", "twelve minutes", "three hours", "thirty seconds", "twenty minutes", "four days",
+    "five minutes", "fifteen minutes", "six hours", "seven days", "eight minutes", "nine hours", "eleven minutes",
+    "a long while", "a little while", "a moment", "a minute", "an hour", "half an hour", "a few hours",
+    "a couple of days", "the morning", "the evening", "the afternoon", "one hour", "some time",
+    "a week", "a month", "a second", "the next sprint", "the new year", "a quick break", "forty minutes",
+    "ninety seconds", "sixty seconds", "an instant", "the weekend", "the holidays", "the upcoming release",
+)
+
+
+def lures_in(text: str, stems: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """(word, stem) for each word of ``text`` (3+ letters, any case) that starts with the same 2-4 letters as one
+    of ``stems`` (lower-case letters) and is not that stem: the words a bad copy of the stem may drift to."""
+    out = []
+    for w in re.findall(r"[A-Za-z]{3,}", text):
+        low = w.lower()
+        out += [(w, s) for s in stems if low != s and low[:2] == s[:2]]
+    return out
+
+
+def lure_sentence(rng: random.Random, stems: list[str], words: list[str]) -> str:
+    """A context sentence whose words start like ``stems`` (the letters the parts of a path start with): half the
+    time a natural one ("I have to look at it again in a long while." for ``loops/``), built from phrases that
+    share a stem's first letters where any do, else one that mentions ``words`` (plain words chosen by the caller
+    to start like a stem). Always holds a lure (``lures_in``); never three words in a row of a held-out context
+    sentence."""
+    if rng.random() < 0.5:
+        acts = [a for a in _LURE_ACTS if lures_in(a, stems)] or list(_LURE_ACTS)
+        times = [t for t in _LURE_TIMES if lures_in(t, stems)] or list(_LURE_TIMES)
+        text = rng.choice(_LURE_NATURAL).format(act=rng.choice(acts), time=rng.choice(times), must=rng.choice(_LURE_MUST))
+        if lures_in(text, stems) and text not in CONTEXT["heldout"]:
+            return text
+    w, w2 = rng.sample(words, 2) if len(words) > 1 else (words[0], words[0])
+    return rng.choice(_LURE_MENTION).format(w=w, w2=w2, W=w[:1].upper() + w[1:])
 
 
 # ---- off-task messages: answered by a fixed refusal that says what the model can do ----------------------------

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import random
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -85,7 +87,8 @@ def test_questions_vary_and_keep_their_slots_verbatim(intent: str):
 def test_heldout_phrasings_and_off_task_messages_never_appear_in_training_rows():
     held = [tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if t.heldout]
     held += [tp.template_regex(t) for t in tp.OFF_TASK["heldout"]]
-    train = {t.id: tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if not (t.heldout or t.extra)}
+    train = {t.id: tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts
+             if not (t.heldout or t.extra or t.listing)}
     questions = [q for ids, _ in _rows(3, 64) for q in _user_turns(ids)]
     assert len(questions) > 200
     for q in questions:
@@ -281,7 +284,7 @@ def test_training_rows_take_a_share_of_general_rows_and_zero_changes_nothing():
     from tools import train_tiny
 
     def job(seed: int, general: float) -> tuple:
-        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0, 0.0, 0.0)
+        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0, 0.0, 0.0, 0.0)
 
     assert train_tiny._row(job(11, 0.0)) == make_row(random.Random(11), "train", 2048)
     assert train_tiny._row(job(11, 1.0)) == tg.make_general_row(random.Random(11), "train", 2048, 0.5)
@@ -464,7 +467,7 @@ def test_focus_zero_draws_nothing_and_focus_rows_come_from_train_rows():
         random.Random(6), "heldout", 4096, 0.5)
     with pytest.raises(ValueError, match="focus must be"):
         tg.make_general_row(random.Random(6), "train", 4096, 0.5, focus=1.5)
-    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0)
+    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0, 0.0)
     assert train_tiny._row(job) == tg.make_general_row(random.Random(12), "train", 4096, 0.5, focus=1.0)
     # a sibling project names its folders mostly with one plain word, in groups that start alike
     sib = [tg.focus_corpus(random.Random(s), 0.5) for s in range(12) if random.Random(s).random() < tg.FOCUS_SIBLINGS]
@@ -474,3 +477,225 @@ def test_focus_zero_draws_nothing_and_focus_rows_come_from_train_rows():
     words = tg.sibling_words(random.Random(1))
     assert len(words) >= 24 and not {w.lower() for w in words} & tg.heldout_names()
     assert max(sum(w[:2] == v[:2] for v in words) for w in words) >= 4
+
+
+# ---- listing rows (make_general_row's ``listing``): "the listing of D" for every intent, context lures -----------
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"\{\w+\}(?:'s)?|[a-z']+", text.lower())
+
+
+def _word_distance(a: list[str], b: list[str]) -> int:
+    """Levenshtein distance between two word lists."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]
+
+
+def test_listing_phrasings_never_are_nor_render_a_heldout_one():
+    listing = [t for ts in tp.TEMPLATES.values() for t in ts if t.listing]
+    held = [t for ts in tp.TEMPLATES.values() for t in ts if t.heldout]
+    assert len(listing) >= 40 and not any(t.heldout or t.extra for t in listing)
+    held_rx = [tp.template_regex(t) for t in held]
+    held_plain = set()
+    for t in held:
+        held_plain.add(t.text.format(**SLOTS, nth=tp.ordinal(SLOTS["n"])).rstrip("?.!").lower())
+    rng = random.Random(9)
+    for t in listing:
+        assert t.text not in {h.text for h in held}
+        plain = t.text.format(**SLOTS)
+        assert plain.rstrip("?.!").lower() not in held_plain and not any(rx.search(plain) for rx in held_rx), t.text
+        # not a held-out phrasing with a word or two swapped ("How big is" -> "How long is" would make the eval's
+        # held-out count question an in-template one)
+        for h in held:
+            assert _word_distance(_words(t.text), _words(h.text)) >= 3, (t.text, h.text)
+        for _ in range(30):  # quoting, context, politeness, typos: never a held-out phrasing either
+            text, _ = tp.question(rng, t.intent, SLOTS, "train", typo=1.0, extra=True, listing=True)
+            assert not any(rx.search(text) for rx in held_rx), text
+    # the held-out count phrasing the shipped weights answer with the first entry stays held out
+    assert "How big is the listing of {d}, in entries?" in {t.text for t in tp.templates("count", "heldout")}
+
+
+def test_listing_phrasings_are_opt_in_and_all_say_listing():
+    for intent in tp.INTENTS:
+        assert not any(t.listing for t in tp.templates(intent, "train", extra=True) + tp.templates(intent, "heldout"))
+    for intent in ("count", "first", "has"):
+        pool = tp.templates(intent, "train", listing=True)
+        assert len(pool) >= 15 and all(tp.LISTING_WORDS.search(t.text) and not t.heldout for t in pool)
+        assert sum(t.listing for t in pool) >= 0.5 * len(pool)
+    with pytest.raises(ValueError, match="training questions only"):
+        tp.question(random.Random(0), "count", SLOTS, "heldout", listing=True)
+
+
+def _listing_episodes(seeds: range, per_row: int = 30) -> Iterator[tuple[Any, tg._Episode]]:
+    """Listing-row episodes with their projects, lazily: a renamed project's files live only until the next one is
+    made (one temp root a process), so a test runs the tools on each episode before taking the next."""
+    for seed in seeds:
+        rng = random.Random(seed)
+        c = tg.listing_corpus(rng, 0.5)
+        words, used = tg.project_words(c), set()
+        for _ in range(per_row):
+            ep = tg.listing_episode(rng, c, 3000, used, words)
+            if ep is not None:
+                yield c, ep
+
+
+def test_listing_rows_hold_each_kind_of_episode_in_its_share():
+    eps = list(_listing_episodes(range(12)))
+    assert len(eps) > 300
+    share = {k: sum(k_of(ep) for _, ep in eps) / len(eps) for k, k_of in {
+        "drill": lambda ep: ep.variant.startswith("listing:"),
+        "lure": lambda ep: ep.variant.startswith("lure:"),
+        "lure_error": lambda ep: ep.variant.startswith("lure_error:"),
+        "multi": lambda ep: ep.kind == "multi_step",
+        "off_task": lambda ep: ep.kind == "off_task",
+    }.items()}
+    for k, v in share.items():  # an episode that did not fit is drawn again: shares near LISTING_MIX's
+        assert abs(v - tg.LISTING_MIX[k]) < 0.08, (k, v, share)
+    kinds = {ep.variant.split(":")[-1] for _, ep in eps if ep.variant.startswith("lure")}
+    assert {"def_line", "line", "first_def", "count", "first", "has"} <= kinds, kinds
+
+
+def test_listing_drills_ask_every_intent_in_listing_words_and_answer_from_the_real_listing():
+    drills = questions = listed = 0
+    asked = {"count": 0, "first": 0, "has": 0}
+    for c, ep in _listing_episodes(range(12)):
+        if not ep.variant.startswith("listing:"):
+            continue
+        drills += 1
+        variants = ep.variant.removeprefix("listing:").split("+")
+        assert "count" in variants and len(set(variants)) == len(variants) in (2, 3)
+        d = ep.arguments["path"]
+        entries = Tools(c.root).call("list_dir", {"path": d}).split("\n")  # what the library's tool shows
+        assert len(entries) <= tg.MAX_COUNTED
+        users = [i for i, m in enumerate(ep.messages) if m["role"] == "user"]
+        assert len(users) == len(variants)
+        for variant, i in zip(variants, users):
+            q, call, out, answer = ep.messages[i]["content"], ep.messages[i + 1], ep.messages[i + 2], ep.messages[i + 3]
+            questions += 1
+            listed += bool(tp.LISTING_WORDS.search(q))
+            asked[variant] += 1
+            assert json.loads(call["tool_calls"][0]["function"]["arguments"]) == {"path": d}
+            assert out["content"] == "\n".join(entries)
+            a = answer["content"]
+            if variant == "count":  # numbered as tiny_data numbers counts, then the true total
+                numbered = ", ".join(f"{k} {e}" for k, e in enumerate(entries, 1))
+                assert f": {numbered}. " in a and a.endswith(f" has {len(entries)} entries.")
+            elif variant == "first":
+                assert a.startswith("The first entry of ") and a.endswith(f" is {entries[0]}.")
+            else:
+                name = re.search(r"(?:contains|has no) (.+)\.$", a).group(1)
+                assert a.startswith("Yes," if name in entries else "No,") and name in q
+    # every question says "listing of D" or "D's listing" (but where a typo hit that word)
+    assert drills > 100 and listed > 0.85 * questions
+    assert asked["count"] > 0.35 * questions and min(asked.values()) > 0.15 * questions, asked
+
+
+def test_lure_sentences_start_like_the_paths_parts():
+    rng = random.Random(2)
+    for path in ("loops/auto.py", "protocols/http/h11_impl.py", "_version.py", "lifespan/on.py", "middleware"):
+        stems = tg.path_stems(path)
+        assert stems and all(len(s) >= 2 and s.isalpha() and s.islower() for s in stems)
+        for _ in range(40):
+            words = tg.lure_words(rng, stems)
+            assert words and all(any(w[:2] == s[:2] and w != s for s in stems) for w in words)
+            sentence = tp.lure_sentence(rng, stems, words)
+            assert tp.lures_in(sentence, stems) and sentence not in tp.CONTEXT["heldout"]
+            assert not {w.lower() for w, _ in tp.lures_in(sentence, stems)} & set(stems)
+    held = {" ".join(ws[i : i + 3]) for c in tp.CONTEXT["heldout"] if (ws := _words(c)) for i in range(len(ws) - 2)}
+    for _ in range(3000):  # the held-out context sentences stay unseen: no three of their words in a row
+        sentence = " ".join(_words(tp.lure_sentence(rng, ["loops", "tests"], ["looking", "terms"])))
+        assert not any(h in sentence for h in held), sentence
+    assert tg.path_stems("_version.py") == ["version"] and tg.path_stems("h11_impl.py") == []
+    assert tp.lures_in("I have to look at it in a long while.", ["loops"]) == [("look", "loops"), ("long", "loops")]
+    for part, word in (("loops", "look"), ("_version.py", "verbose"), ("lifespan", "linear")):
+        seen = {tg.lure_garble(rng, part, word) for _ in range(40)}
+        assert part not in seen and len(seen) >= 3 and all(g.lstrip("_")[:2] == word[:2] for g in seen), seen
+        assert all(g.endswith(".py") for g in seen) == part.endswith(".py")
+
+
+def test_lure_episodes_say_a_lure_sentence_and_copy_the_questions_path():
+    frames = [re.compile("".join(re.escape(x) if i % 2 == 0 else "[A-Za-z' ]+" for i, x in
+                                 enumerate(re.split(r"\{(\w+)\}", f)))) for f in tp.LURE_FRAMES]
+    lures = errors = 0
+    for c, ep in _listing_episodes(range(12)):
+        if not ep.variant.startswith("lure"):
+            continue
+        lures += 1
+        question = ep.messages[0]["content"]
+        path = ep.arguments["path"]
+        stems = tg.path_stems(path)
+        # the message holds a lure sentence, and a word of it starts like one of the path's parts
+        said = [m.group() for rx in frames if (m := rx.search(question))]
+        assert any(tp.lures_in(x, stems) for x in said), (question, path)
+        calls = [m for m in ep.messages if m.get("tool_calls")]
+        right = json.loads(calls[-1]["tool_calls"][0]["function"]["arguments"])
+        assert right == ep.arguments and fact_in(ep.messages[-1]["content"], ep.fact)
+        if ep.variant.startswith("lure_error:"):
+            errors += 1
+            user, wrong, out = ep.messages[:3]
+            args = json.loads(wrong["tool_calls"][0]["function"]["arguments"])
+            try:
+                expected = Tools(c.root).call(wrong["tool_calls"][0]["function"]["name"], args)
+            except ToolError as e:
+                expected = f"error: {e}"
+            assert out["content"] == expected and (expected == "" or expected.startswith("error: "))
+            wp, rp = args["path"].split("/"), path.split("/")
+            diff = [(a, b) for a, b in zip(wp, rp) if a != b]
+            assert len(wp) == len(rp) and len(diff) == 1
+            garbled, part = diff[0]
+            lure_starts = {w.lower()[:2] for w, _ in tp.lures_in(question, stems)}
+            assert garbled.lstrip("_0123456789")[:2] in lure_starts, (garbled, part, question)
+            n_head = len(render([user, wrong])[0])
+            assert set(ep.mask[:n_head]) == {0} and FACT in ep.mask[n_head:]
+    assert lures > 80 and errors > 20
+
+
+def test_listing_rows_are_full_well_formed_and_never_heldout():
+    held = [tp.template_regex(t) for ts in tp.TEMPLATES.values() for t in ts if t.heldout]
+    held += [tp.template_regex(t) for t in tp.OFF_TASK["heldout"]]
+    rows = [tg.make_general_row(random.Random(s), "train", 8192, 0.5, listing=1.0) for s in range(6)]
+    questions = [q for ids, _ in rows for q in _user_turns(ids)]
+    assert len(questions) > 80
+    for q in questions:
+        assert not any(rx.search(q) for rx in held), q
+        assert not any(h in q for h in tp.CONTEXT["heldout"]), q
+    assert sum(bool(tp.LISTING_WORDS.search(q)) for q in questions) > 0.3 * len(questions)
+    for ids, mask in rows:
+        assert len(ids) == len(mask) <= 8192 and len(ids) > 0.9 * 8192 and set(mask) <= {0, 1, FACT}
+        for start in [i for i in range(len(ids)) if ids[i : i + len(GEN_IDS)] == GEN_IDS]:
+            parsed = parse_assistant_output(ids[start + len(GEN_IDS) : ids.index(END, start) + 1], TOK)
+            assert not parsed.errors
+            for call in parsed.tool_calls:
+                assert not validate_arguments(call.function.arguments, SCHEMAS[call.function.name])
+    # a small package tree (one folder of more than MAX_COUNTED entries) gives way to the stdlib
+    for seed in range(20):
+        c = tg.listing_corpus(random.Random(seed), 1.0)
+        assert len(c.dirs["train"]) + len(c.holders() if isinstance(c, RenamedCorpus) else []) >= tg.MIN_LISTING_DIRS
+
+
+def test_listing_zero_draws_nothing_and_listing_rows_share_the_focus_draw():
+    from tools import train_tiny
+
+    for kw in ({}, {"focus": 0.4}, {"focus": 1.0}, {"copy": 0.5, "recall": 0.6}):
+        assert tg.make_general_row(random.Random(6), "train", 4096, 0.5, listing=0.0, **kw) == tg.make_general_row(
+            random.Random(6), "train", 4096, 0.5, **kw)
+    assert tg.make_general_row(random.Random(6), "heldout", 4096, 0.5, listing=1.0) == tg.make_general_row(
+        random.Random(6), "heldout", 4096, 0.5)
+    with pytest.raises(ValueError, match="listing must be"):
+        tg.make_general_row(random.Random(6), "train", 4096, 0.5, focus=0.6, listing=0.5)
+    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0)
+    assert train_tiny._row(job) == tg.make_general_row(random.Random(12), "train", 4096, 0.5, listing=1.0)
+    # one number draws both: below focus a focus row, then up to focus + listing a listing row, else a general one
+    kinds = []
+    for seed in range(12):
+        u = random.Random(seed).random()
+        row = tg.make_general_row(random.Random(seed), "train", 2048, 0.5, focus=0.3, listing=0.4)
+        assert (row == tg.make_general_row(random.Random(seed), "train", 2048, 0.5, focus=1.0)) == (u < 0.3)
+        assert (row == tg.make_general_row(random.Random(seed), "train", 2048, 0.5, listing=1.0)) == (0.3 <= u < 0.7)
+        kinds.append(0 if u < 0.3 else 1 if u < 0.7 else 2)
+    assert set(kinds) == {0, 1, 2}
