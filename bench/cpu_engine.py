@@ -165,7 +165,7 @@ async def engine_runs(reps: int, path: str, cpu_threads: int | None) -> dict[str
                            cpu_ms_per_token=round(1000 * cpu / n, 2), in_step=round(inside["s"] / wall, 3), load=load)
             await engine.delete_session(s.id)
         runner = engine.core.runner
-        tuner = runner.decode_threads
+        tuner = runner.step_threads
         lane = tuner.lanes.get(1) if tuner is not None else None
         dec["decode_threads"] = lane.current if lane is not None else runner.cpu_decode_threads
         if lane is not None:  # the median step the choice rests on, per count

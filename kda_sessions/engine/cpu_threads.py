@@ -1,13 +1,16 @@
-"""The torch thread count of CPU decode steps, chosen by timing them (``EngineConfig.cpu_decode_threads="auto"``).
+"""The torch thread count of CPU steps, chosen by timing them (``EngineConfig.cpu_decode_threads="auto"``).
 
 A decode step of a small model is a few hundred ops of microseconds each. On a quiet machine, with the step thread
 the process's only OpenMP team, two threads run ``tiny``'s step ~1.4x faster than one; with another busy process on
 a 2-core machine, or once another thread of the process has run torch on several threads (OpenMP then holds more
 threads than cores and they sleep between ops), the same two threads take 10-40x longer (docs/benchmarks.md,
-"`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the steps it runs anyway: it starts
-on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow down), and keeps
-whichever is faster. Logits can differ in the last bits between counts (the BLAS picks other kernels), so outputs
-are bit-reproducible only with a fixed count.
+"`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the decode steps it runs anyway: it
+starts on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow down), and keeps
+whichever is faster. Prefill steps follow the latest decode choice (the step thread's count until decode has one):
+beside a busy process two threads prefill 2-7x slower than one too (OpenMP's waiting threads spin, and the
+scheduler runs them after the other process), and prefill steps are too few and too varied in size to time apart.
+Logits can differ in the last bits between counts (the BLAS picks other kernels), so outputs are bit-reproducible
+only with a fixed count.
 """
 
 from __future__ import annotations
@@ -54,13 +57,21 @@ class _Lane:
     """Timed steps on ``current`` before the next try: the first right after settling."""
 
 
-class DecodeThreads:
+class StepThreads:
     """Chooses between ``counts`` (1 and the step thread's count) for each decode batch size by timing the steps:
-    ``pick(rows)`` before a step, ``record(rows, seconds)`` after it, both on the step thread."""
+    ``pick(rows)`` before a decode step, ``record(rows, seconds)`` after it, ``prefill()`` before any other step;
+    all on the step thread."""
 
     def __init__(self, counts: tuple[int, int]) -> None:
         self.counts = counts
         self.lanes: dict[int, _Lane] = {}
+        self.last: _Lane | None = None
+        """The lane of the latest decode step."""
+
+    def prefill(self) -> int:
+        """The count of a step that prefills: the latest decode step's choice once it has timed one."""
+        lane = self.last
+        return self.counts[1] if lane is None or not lane.figure else lane.current
 
     def _lane(self, rows: int) -> _Lane:
         lane = self.lanes.get(rows)
@@ -69,7 +80,7 @@ class DecodeThreads:
         return lane
 
     def pick(self, rows: int) -> int:
-        lane = self._lane(rows)
+        lane = self.last = self._lane(rows)
         return lane.current if lane.trying is None else lane.trying
 
     def record(self, rows: int, seconds: float) -> None:

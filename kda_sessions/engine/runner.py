@@ -30,7 +30,7 @@ from ..model.graphs import DecodeGraphs
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
 from .cpu_batch import CpuDecodeBatches
-from .cpu_threads import DecodeThreads
+from .cpu_threads import StepThreads
 from .pool import Pools, pages_needed
 from .postprocess import Sampled, postprocess
 from .preemption import Preemption
@@ -97,10 +97,10 @@ class Runner:
         """Decode batches on a CPU, from buffers reused every step (``CpuDecodeBatches``)."""
         self.cpu_decode_threads = cpu_decode_threads if model.device.type == "cpu" else None
         """Torch threads of the model call of decode rows on a CPU (None: the step thread's count; "auto":
-        ``decode_threads`` chooses)."""
-        self.decode_threads: DecodeThreads | None = None
-        """With "auto" and a step thread on more than one thread: the count each decode step runs on, by timing
-        (made on the step thread, which knows its count)."""
+        ``step_threads`` chooses, for prefill steps too)."""
+        self.step_threads: StepThreads | None = None
+        """With "auto" and a step thread on more than one thread: the count each step runs on, by timing decode
+        steps (made on the step thread, which knows its count)."""
         self.cpu_compile = cpu_compile and model.device.type == "cpu"
         self.cpu_compile_dtype = cpu_compile_dtype
         self.compiled = False
@@ -137,7 +137,7 @@ class Runner:
             if self.cpu_compile or threads == 1:  # dynamo guards the count: compiled steps keep one
                 self.cpu_decode_threads = 1
             else:
-                self.decode_threads = DecodeThreads((1, threads))
+                self.step_threads = StepThreads((1, threads))
         if self.cpu_compile:
             self._compile_decode()
         while True:
@@ -390,11 +390,20 @@ class Runner:
 
     def _step(self, batch: ForwardBatch, check_weights: bool = True) -> tuple[torch.Tensor, CheckpointStates | None]:
         """``model.step``; one token per row on ``cpu_decode_threads`` torch threads: a decode step's few-microsecond
-        ops each pay an OpenMP region's wake-up on more than one (docs/benchmarks.md, "`tiny` on the CPU")."""
+        ops each pay an OpenMP region's wake-up on more than one (docs/benchmarks.md, "`tiny` on the CPU"). With
+        "auto", decode steps on the count ``step_threads`` picks by timing them, other steps on its latest choice."""
         threads = torch.get_num_threads()
-        if not batch.is_decode or self.cpu_decode_threads is None:
+        tuner, rows = self.step_threads, len(batch.num_new)
+        if not batch.is_decode:
+            if tuner is None or tuner.prefill() == threads:
+                return self.model.step(batch, self.pools.tensors, check_weights)
+            torch.set_num_threads(tuner.prefill())
+            try:
+                return self.model.step(batch, self.pools.tensors, check_weights)
+            finally:
+                torch.set_num_threads(threads)
+        if self.cpu_decode_threads is None:
             return self.model.step(batch, self.pools.tensors, check_weights)
-        tuner, rows = self.decode_threads, len(batch.num_new)
         want = tuner.pick(rows) if tuner is not None else self.cpu_decode_threads
         assert isinstance(want, int)
         if want != threads:

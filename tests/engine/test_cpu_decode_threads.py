@@ -1,4 +1,4 @@
-"""The thread count of CPU decode steps chosen by timing them (``cpu_decode_threads="auto"``, engine/cpu_threads.py),
+"""The thread count of CPU steps chosen by timing decode steps (``cpu_decode_threads="auto"``, engine/cpu_threads.py),
 and the calling thread kept free of an OpenMP team while the engine opens."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 
 import kda_sessions as ks
 from kda_sessions.engine import cpu_threads
-from kda_sessions.engine.cpu_threads import DecodeThreads
+from kda_sessions.engine.cpu_threads import StepThreads
 from kda_sessions.model import HybridModel
 
 
-def drive(tuner: DecodeThreads, ms: dict[int, float], steps: int, rows: int = 1) -> list[int]:
+def drive(tuner: StepThreads, ms: dict[int, float], steps: int, rows: int = 1) -> list[int]:
     """Run ``steps`` decode steps whose time is ``ms[count]``; the count of each step."""
     used = []
     for _ in range(steps):
@@ -25,7 +25,7 @@ def drive(tuner: DecodeThreads, ms: dict[int, float], steps: int, rows: int = 1)
 
 
 def test_the_faster_count_is_kept():
-    t = DecodeThreads((1, 2))
+    t = StepThreads((1, 2))
     used = drive(t, {1: 3.0, 2: 2.2}, 40)
     # 1 untimed + 6 timed steps on 1, then the try: 1 untimed + 3 timed on 2, which wins
     assert used[:7] == [1] * 7 and used[7:11] == [2] * 4
@@ -35,7 +35,7 @@ def test_the_faster_count_is_kept():
 
 
 def test_a_much_slower_try_is_given_up_after_one_timed_step_and_tried_less_often():
-    t = DecodeThreads((1, 2))
+    t = StepThreads((1, 2))
     used = drive(t, {1: 3.0, 2: 60.0}, 400)
     assert used[7:10] == [2, 2, 1], "one untimed and one timed step on the slow count, then back"
     tries = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
@@ -45,7 +45,7 @@ def test_a_much_slower_try_is_given_up_after_one_timed_step_and_tried_less_often
 
 
 def test_a_slowdown_of_the_chosen_count_brings_a_try_at_once():
-    t = DecodeThreads((1, 2))
+    t = StepThreads((1, 2))
     drive(t, {1: 3.0, 2: 2.0}, 200)  # settles on 2 and backs off its tries of 1
     assert t.lanes[1].current == 2 and t.lanes[1].probe_after > cpu_threads.FIRST_PROBE_AFTER
     used = drive(t, {1: 3.0, 2: 40.0}, 20)  # the machine got busy: 2 threads crawl
@@ -54,14 +54,14 @@ def test_a_slowdown_of_the_chosen_count_brings_a_try_at_once():
 
 
 def test_batch_sizes_choose_apart():
-    t = DecodeThreads((1, 2))
+    t = StepThreads((1, 2))
     drive(t, {1: 3.0, 2: 2.0}, 30, rows=1)
     drive(t, {1: 3.0, 2: 9.0}, 30, rows=4)
     assert (t.lanes[1].current, t.lanes[4].current) == (2, 1)
 
 
 async def test_auto_decodes_on_both_counts_and_prefills_on_the_step_threads(monkeypatch):
-    """With a step thread of 2, "auto" times decode steps on 1 and on 2 (and keeps one); prefill stays on 2."""
+    """With a step thread of 2, "auto" times decode steps on 1 and on 2 (and keeps one); the first prefill is on 2."""
     seen: list[tuple[bool, int]] = []
     step = HybridModel.step
 
@@ -77,13 +77,24 @@ async def test_auto_decodes_on_both_counts_and_prefills_on_the_step_threads(monk
             s = await eng.create_session()
             await s.append([1, 2, 3])
             await s.generate(max_tokens=16, ignore_eos=True)
-            tuner = eng.core.runner.decode_threads
+            tuner = eng.core.runner.step_threads
             assert tuner is not None and tuner.counts == (1, 2)
             assert set(tuner.lanes[1].figure) == {1, 2}
     finally:
         torch.set_num_threads(before)
-    assert {n for d, n in seen if not d} == {2}
+    assert seen[0] == (False, 2), "the first prefill, before any decode step: the step thread's count"
     assert {n for d, n in seen if d} == {1, 2}
+
+
+def test_prefill_follows_the_latest_decode_choice():
+    t = StepThreads((1, 2))
+    assert t.prefill() == 2, "before any decode step: the step thread's count"
+    drive(t, {1: 3.0, 2: 40.0}, 5)  # not settled yet
+    assert t.prefill() == 2
+    drive(t, {1: 3.0, 2: 40.0}, 20)  # 2 lost its try: the machine is busy
+    assert t.lanes[1].current == 1 and t.prefill() == 1
+    drive(t, {1: 3.0, 2: 2.0}, 200, rows=3)  # a batch of 3 decodes on 2: the latest choice
+    assert t.prefill() == 2
 
 
 async def test_auto_on_a_one_thread_step_thread_is_one():
@@ -92,7 +103,7 @@ async def test_auto_on_a_one_thread_step_thread_is_one():
         await s.append([1, 2, 3])
         await s.generate(max_tokens=2, ignore_eos=True)
         runner = eng.core.runner
-        assert runner.decode_threads is None and runner.cpu_decode_threads == 1
+        assert runner.step_threads is None and runner.cpu_decode_threads == 1
 
 
 async def test_opening_runs_torch_on_one_thread_of_the_caller(monkeypatch):
@@ -152,7 +163,7 @@ async def test_tiny_decodes_the_same_tokens_on_one_and_two_threads():
 def test_a_try_is_judged_against_the_latest_steps():
     """The machine got quieter while 1 thread was chosen: the next try of 2 is compared with 1's latest steps, not
     with the slow figure 1 settled on."""
-    t = DecodeThreads((1, 2))
+    t = StepThreads((1, 2))
     drive(t, {1: 9.0, 2: 60.0}, 60)  # busy: 1 is chosen, 2 lost its try
     assert t.lanes[1].current == 1
     drive(t, {1: 3.0, 2: 2.9}, 400)  # quiet: 2 is barely faster, under the 8% a switch needs
