@@ -73,13 +73,12 @@ class EngineConfig(BaseModel):
     """Torch threads of the model call of decode steps on a CPU (prefill keeps ``cpu_threads``). "auto": 1 or the
     step thread's count, whichever the step thread times faster (``engine/cpu_threads.py``: it starts on 1, tries
     the other count for a few steps now and then, sooner when its steps slow down), and prefill steps on the latest
-    decode choice (the step thread's count before the first decode step). None: the same as prefill.
+    decode choice (1 before the first decode step). None: the same as prefill.
     Neither count wins everywhere: ``tiny`` at 1K on a 2-core machine decodes ~1.4x faster on 2 threads while the
     step thread is the process's only OpenMP team, and 10-40x slower on 2 with another busy process beside it, or
     once another thread has run torch on 2 threads (OpenMP then holds more threads than cores and they sleep
     between ops; docs/benchmarks.md, "`tiny` on the CPU"). Prefill is ~1.8x faster on 2 threads on a quiet machine
-    and 2-7x slower beside a busy process (so the engine's first prefill, before any decode step, takes about twice
-    as long there as on 1 thread). Logits can differ in the last bits between 1 and 2 threads (the BLAS picks other
+    and 2-7x slower beside a busy process. Logits can differ in the last bits between 1 and 2 threads (the BLAS picks other
     kernels), so decoding is bit-reproducible only with a number here. No effect on a GPU."""
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,

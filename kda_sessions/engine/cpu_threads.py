@@ -6,7 +6,7 @@ a 2-core machine, or once another thread of the process has run torch on several
 threads than cores and they sleep between ops), the same two threads take 10-40x longer (docs/benchmarks.md,
 "`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the decode steps it runs anyway: it
 starts on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow down), and keeps
-whichever is faster. Prefill steps follow the latest decode choice (the step thread's count until decode has one):
+whichever is faster. Prefill steps follow the latest decode choice (1 until decode has one):
 beside a busy process two threads prefill 2-7x slower than one too (OpenMP's waiting threads spin, and the
 scheduler runs them after the other process), and prefill steps are too few and too varied in size to time apart.
 Logits can differ in the last bits between counts (the BLAS picks other kernels), so outputs are bit-reproducible
@@ -15,6 +15,7 @@ only with a fixed count.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,6 +34,8 @@ MAX_PROBE_AFTER = 8192
 ABORT_RATIO = 1.5
 """A tried count whose first timed step is this much slower than the chosen one's figure is given up at once:
 on a loaded machine two threads can take 40x longer, and every step of a try is a token's delay."""
+FIRST_STEP_ABORT_RATIO = 4.0
+"""The same for the untimed first step of a try (it may pay for waking threads, so it gets more room)."""
 SWITCH_RATIO = 0.92
 """The tried count is kept when its median step is below this share of the chosen count's."""
 DRIFT_RATIO = 1.5
@@ -69,9 +72,10 @@ class StepThreads:
         """The lane of the latest decode step."""
 
     def prefill(self) -> int:
-        """The count of a step that prefills: the latest decode step's choice once it has timed one."""
+        """The count of a step that prefills: the latest decode step's choice once it has timed one, 1 before (on a
+        busy machine the engine's first prefill took 4x as long on 2 threads; on a quiet one 1.6x as long on 1)."""
         lane = self.last
-        return self.counts[1] if lane is None or not lane.figure else lane.current
+        return self.counts[0] if lane is None or not lane.figure else lane.current
 
     def _lane(self, rows: int) -> _Lane:
         lane = self.lanes.get(rows)
@@ -87,6 +91,9 @@ class StepThreads:
         lane = self._lane(rows)
         if lane.skip:
             lane.skip -= 1
+            if lane.trying is not None and seconds > FIRST_STEP_ABORT_RATIO * lane.figure[lane.current]:
+                lane.probe_after = max(2 * lane.probe_after, 4 * FIRST_PROBE_AFTER)  # far slower: try less often
+                self._end_try(lane, seconds, won=False)
             return
         if lane.trying is not None:
             self._record_try(lane, seconds)
@@ -116,13 +123,18 @@ class StepThreads:
         if not lost and len(lane.tried) < PROBE_STEPS:
             return
         got = median(lane.tried)
+        self._end_try(lane, got, won=not lost and got < SWITCH_RATIO * base)
+
+    def _end_try(self, lane: _Lane, got: float, won: bool) -> None:
+        assert lane.trying is not None
         lane.figure[lane.trying] = got
-        if not lost and got < SWITCH_RATIO * base:
+        if won:
             lane.current, lane.probe_after = lane.trying, FIRST_PROBE_AFTER
         else:
             lane.probe_after = min(max(FIRST_PROBE_AFTER, 2 * lane.probe_after), MAX_PROBE_AFTER)
         lane.trying, lane.tried, lane.skip, lane.since = None, [], 1, 0
         lane.recent.clear()
+
 
 
 @contextmanager

@@ -36,8 +36,11 @@ def test_the_faster_count_is_kept():
 
 def test_a_much_slower_try_is_given_up_after_one_timed_step_and_tried_less_often():
     t = StepThreads((1, 2))
-    used = drive(t, {1: 3.0, 2: 60.0}, 400)
-    assert used[7:10] == [2, 2, 1], "one untimed and one timed step on the slow count, then back"
+    used = drive(t, {1: 3.0, 2: 60.0}, 2000)
+    assert used[7:9] == [2, 1], "20x slower: given up after its first (untimed) step"
+    twice = drive(slower := StepThreads((1, 2)), {1: 3.0, 2: 6.0}, 20)
+    assert twice[7:10] == [2, 2, 1], "2x slower: one untimed and one timed step, then back"
+    assert slower.lanes[1].current == 1
     tries = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
     gaps = [b - a for a, b in zip(tries, tries[1:])]
     assert len(tries) >= 3 and all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), gaps
@@ -61,7 +64,7 @@ def test_batch_sizes_choose_apart():
 
 
 async def test_auto_decodes_on_both_counts_and_prefills_on_the_step_threads(monkeypatch):
-    """With a step thread of 2, "auto" times decode steps on 1 and on 2 (and keeps one); the first prefill is on 2."""
+    """With a step thread of 2, "auto" times decode steps on 1 and on 2 (and keeps one); the first prefill is on 1."""
     seen: list[tuple[bool, int]] = []
     step = HybridModel.step
 
@@ -82,16 +85,18 @@ async def test_auto_decodes_on_both_counts_and_prefills_on_the_step_threads(monk
             assert set(tuner.lanes[1].figure) == {1, 2}
     finally:
         torch.set_num_threads(before)
-    assert seen[0] == (False, 2), "the first prefill, before any decode step: the step thread's count"
+    assert seen[0] == (False, 1), "the first prefill, before any decode step: 1"
     assert {n for d, n in seen if d} == {1, 2}
 
 
 def test_prefill_follows_the_latest_decode_choice():
     t = StepThreads((1, 2))
-    assert t.prefill() == 2, "before any decode step: the step thread's count"
-    drive(t, {1: 3.0, 2: 40.0}, 5)  # not settled yet
-    assert t.prefill() == 2
-    drive(t, {1: 3.0, 2: 40.0}, 20)  # 2 lost its try: the machine is busy
+    assert t.prefill() == 1, "before any decode step: 1"
+    drive(t, {1: 3.0, 2: 2.0}, 5)  # not settled yet
+    assert t.prefill() == 1
+    drive(t, {1: 3.0, 2: 2.0}, 20)  # 2 won its try: a quiet machine
+    assert t.lanes[1].current == 2 and t.prefill() == 2
+    drive(t, {1: 3.0, 2: 40.0}, 40)  # the machine got busy: back to 1, prefill too
     assert t.lanes[1].current == 1 and t.prefill() == 1
     drive(t, {1: 3.0, 2: 2.0}, 200, rows=3)  # a batch of 3 decodes on 2: the latest choice
     assert t.prefill() == 2
