@@ -94,7 +94,7 @@ class Engine:
         config = (config or EngineConfig()).model_copy(update=overrides)
         config = EngineConfig.model_validate(config.model_dump())
         def load() -> HybridModel:
-            with without_openmp_team(device):
+            with without_openmp_team(device, config.cpu_decode_threads == "auto"):
                 return load_model(model, device=device, dtype=dtype)
 
         m = await anyio.to_thread.run_sync(load)

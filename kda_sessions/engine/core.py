@@ -35,7 +35,7 @@ class EngineCore:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
-        with without_openmp_team(model.device):  # the step thread's team stays the only one
+        with without_openmp_team(model.device, config.cpu_decode_threads == "auto"):  # the step thread's team alone
             tensors = model.allocate_pools(config.max_active_sessions, config.num_pages, config.page_size)
         self.pools = Pools(tensors, config.max_active_sessions, config.num_pages)
         idle = config.prefill_chunk_tokens_idle

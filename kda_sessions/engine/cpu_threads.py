@@ -138,11 +138,13 @@ class StepThreads:
 
 
 @contextmanager
-def without_openmp_team(device: torch.device | str) -> Iterator[None]:
-    """Run torch on the calling thread on one thread when ``device`` is a CPU: so it starts no OpenMP team of its
-    own, which would leave the step thread's team more threads than cores for as long as the caller lives (loading
-    the model and allocating the pools at ``Engine.open``)."""
-    if torch.device(device).type != "cpu":
+def without_openmp_team(device: torch.device | str, auto: bool) -> Iterator[None]:
+    """Run torch on the calling thread on one thread when ``device`` is a CPU and the engine's thread counts are
+    ``auto``: so it starts no OpenMP team of its own, which would leave the step thread's team more threads than
+    cores for as long as the caller lives (loading the model and allocating the pools at ``Engine.open``). A lone
+    team is faster on a quiet machine and slower beside a busy one, where "auto" turns to 1 thread; with a fixed
+    count the caller's team stays, and the step thread's threads sleep between ops as before."""
+    if torch.device(device).type != "cpu" or not auto:
         yield
         return
     before = torch.get_num_threads()

@@ -111,9 +111,11 @@ async def test_auto_on_a_one_thread_step_thread_is_one():
         assert runner.step_threads is None and runner.cpu_decode_threads == 1
 
 
-async def test_opening_runs_torch_on_one_thread_of_the_caller(monkeypatch):
-    """Loading the model and allocating the pools start no OpenMP team on the caller's threads (which would leave
-    the step thread's team more threads than cores), and the caller's count is set back."""
+@pytest.mark.parametrize("setting", ["auto", 1])
+async def test_opening_runs_torch_on_one_thread_of_the_caller(monkeypatch, setting):
+    """With "auto", loading the model and allocating the pools start no OpenMP team on the caller's threads (which
+    would leave the step thread's team more threads than cores), and the caller's count is set back; with a fixed
+    count they run on the caller's."""
     seen: dict[str, tuple[str, int]] = {}
     allocate = HybridModel.allocate_pools
     from kda_sessions import api
@@ -133,11 +135,12 @@ async def test_opening_runs_torch_on_one_thread_of_the_caller(monkeypatch):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        async with await ks.Engine.open(store="memory:", cpu_threads=1):
+        async with await ks.Engine.open(store="memory:", cpu_threads=1, cpu_decode_threads=setting):
             assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
-    assert seen["load"][1] == 1 and seen["pools"] == (threading.current_thread().name, 1)
+    n = 1 if setting == "auto" else 2
+    assert seen["load"][1] == n and seen["pools"] == (threading.current_thread().name, n)
 
 
 @pytest.mark.parametrize("bad", [0, "fast", 1.5])
