@@ -503,6 +503,19 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
+    # the row flags first: a bad one must not cost the model's construction and parity check (a device call's start)
+    if not 0.0 <= args.drill_fraction <= 1.0 - tiny_data.PLAIN_FRACTION:
+        raise SystemExit(f"--drill-fraction must be in [0, {1.0 - tiny_data.PLAIN_FRACTION}], got {args.drill_fraction}")
+    for flag, value in (("--near-miss", args.near_miss), ("--near-miss-defs", args.near_miss_defs),
+                        ("--near-miss-entries", args.near_miss_entries), ("--line-recall", args.line_recall),
+                        ("--general-fraction", args.general_fraction), ("--tree-share", args.tree_share),
+                        ("--general-recall", args.general_recall), ("--copy-drill", args.copy_drill),
+                        ("--general-focus", args.general_focus), ("--general-listing", args.general_listing)):
+        if not 0.0 <= value <= 1.0:
+            raise SystemExit(f"{flag} must be in [0, 1], got {value}")
+    if args.general_focus + args.general_listing > 1.0:
+        raise SystemExit(f"--general-focus + --general-listing must be at most 1, got {args.general_focus} + "
+                         f"{args.general_listing}")
     device = torch.device(args.device)
     use_fla = device.type == "cuda"
     out = Path(args.out)
@@ -537,18 +550,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     pad_id = tiny_data.PAD_ID
     # a continued run draws other rows than the run it continues (seed + start step)
-    if not 0.0 <= args.drill_fraction <= 1.0 - tiny_data.PLAIN_FRACTION:
-        raise SystemExit(f"--drill-fraction must be in [0, {1.0 - tiny_data.PLAIN_FRACTION}], got {args.drill_fraction}")
-    for flag, value in (("--near-miss", args.near_miss), ("--near-miss-defs", args.near_miss_defs),
-                        ("--near-miss-entries", args.near_miss_entries), ("--line-recall", args.line_recall),
-                        ("--general-fraction", args.general_fraction), ("--tree-share", args.tree_share),
-                        ("--general-recall", args.general_recall), ("--copy-drill", args.copy_drill),
-                        ("--general-focus", args.general_focus), ("--general-listing", args.general_listing)):
-        if not 0.0 <= value <= 1.0:
-            raise SystemExit(f"{flag} must be in [0, 1], got {value}")
-    if args.general_focus + args.general_listing > 1.0:
-        raise SystemExit(f"--general-focus + --general-listing must be at most 1, got {args.general_focus} + "
-                         f"{args.general_listing}")
     recall = RecallData(args.recall_curriculum, args.drill_fraction)
     data = batches(args.seed * 1000 + args.start_step, "train", args.batch, args.seq, args.workers, pad_id,
                    recall=recall, first_step=args.start_step + 1, fact_weight=args.fact_weight,

@@ -460,6 +460,16 @@ def test_training_refuses_a_config_too_big_to_ship(tmp_path: Path):
         train_tiny.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "big"), "--config", str(big)])
 
 
+def test_a_bad_row_share_stops_training_before_anything_is_built(tmp_path: Path):
+    from tools import train_tiny
+
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit, match=r"--general-focus \+ --general-listing must be at most 1, got 0.7 \+ 0.5"):
+        train_tiny.main(["--quick", "--device", "cpu", "--out", str(out), "--general-focus", "0.7",
+                         "--general-listing", "0.5"])
+    assert not out.exists(), "the flags are checked before the output folder and the model are made"
+
+
 @pytest.mark.slow
 def test_training_takes_another_config(tmp_path: Path):
     from tools import train_tiny
