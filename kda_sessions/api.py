@@ -110,6 +110,8 @@ class Engine:
         snapshots = await open_snapshots(store, config)
         engine = cls(m, Path(str(model)).name, tokenizer, template, snapshots, config, store)
         try:
+            # the step thread's warm-up (Runner._warm_up) is part of opening, not of the first request
+            await anyio.to_thread.run_sync(engine.core.runner.warmed.wait, 60.0)
             indexed = await engine.io.index_stored()
         except BaseException:
             await engine.close()

@@ -107,6 +107,8 @@ class Runner:
         """Whether one-sequence CPU decode steps run compiled (``EngineConfig.cpu_compile``), once the step thread
         has compiled them."""
         self.thread = threading.Thread(target=self._main, name="kda-engine", daemon=True)
+        self.warmed = threading.Event()
+        """Set once the step thread has run its CPU warm-up (``_warm_up``), or at once where it runs none."""
 
     def start(self) -> None:
         self.thread.start()
@@ -138,8 +140,14 @@ class Runner:
                 self.cpu_decode_threads = 1
             else:
                 self.step_threads = StepThreads((1, threads))
-        if self.cpu_compile:
-            self._compile_decode()
+        try:
+            if self.cpu_compile:
+                self.warmed.set()  # requests may queue while the step compiles (EngineConfig.cpu_compile)
+                self._compile_decode()
+            elif self.model.device.type == "cpu":
+                self._warm_up()
+        finally:
+            self.warmed.set()
         while True:
             with self.cv:
                 while True:
@@ -157,6 +165,28 @@ class Runner:
             sampled = postprocess(plan, result.sampled, result.finished, self.pools, self.scheduler, self.tokenizer)
             self.steps += 1
             self.deliver(result.finished, sampled)
+
+    def _warm_up(self) -> None:
+        """A 4-token prefill and one decode step on the scratch slot and page, before any request: the first steps
+        of a CPU engine build what later steps reuse (the fused weights of the CPU paths, the decode batch buffers,
+        the BLAS's set-up: ``tiny``'s first 29-token prefill took 290 ms, the next 35), and that belongs to opening
+        the engine, not to the first request's time to first token (a resumed session's, say). A failure is logged
+        and left to the first real step."""
+        tensors = self.pools.tensors
+        if tensors.scratch_slot is None or tensors.scratch_page is None or tensors.page_size < 5:
+            return
+        dev, P, page = self.model.device, tensors.page_size, tensors.scratch_page
+        slots = torch.tensor([tensors.scratch_slot], device=dev)
+        table = torch.tensor([[page]], dtype=torch.int32, device=dev)
+        try:
+            for start, n in ((0, 4), (4, 1)):
+                batch = ForwardBatch(
+                    input_ids=torch.zeros(n, dtype=torch.long, device=dev), num_new=[n], start=[start], slots=slots,
+                    page_table=table, kv_rows=torch.arange(page * P + start, page * P + start + n, device=dev),
+                )
+                self._step(batch)  # on the counts real steps use (a decode lane's first step is not timed)
+        except Exception:
+            log.exception("warm-up step failed; the first request's step will build what it needs")
 
     def _compile_decode(self) -> None:
         """``HybridModel.compile_cpu_decode``, then one decode step on the scratch slot and page, so the compile

@@ -176,3 +176,21 @@ def test_a_try_is_judged_against_the_latest_steps():
     assert t.lanes[1].current == 1
     drive(t, {1: 3.0, 2: 2.9}, 400)  # quiet: 2 is barely faster, under the 8% a switch needs
     assert t.lanes[1].current == 1 and t.lanes[1].figure[1] == 0.003
+
+
+async def test_a_cpu_engine_warms_up_before_open_returns(monkeypatch):
+    """The first steps build what later ones reuse (fused weights, batch buffers, the BLAS's set-up): a 4-token prefill
+    and a decode step on the scratch slot run before ``Engine.open`` returns, so a first request (a resumed session)
+    does not pay for them in its time to first token."""
+    seen: list[tuple[list[int], list[int], int]] = []
+    step = HybridModel.step
+
+    def spy(self, batch, *args):
+        seen.append((batch.num_new, batch.start, int(batch.slots[0])))
+        return step(self, batch, *args)
+
+    monkeypatch.setattr(HybridModel, "step", spy)
+    async with await ks.Engine.open(store="memory:") as eng:
+        scratch = eng.core.pools.tensors.scratch_slot
+        assert scratch is not None and eng.core.runner.warmed.is_set()
+        assert seen == [([4], [0], scratch), ([1], [4], scratch)]
