@@ -106,7 +106,7 @@ from kda_sessions.model.mla import MLAttention
 from tools import tiny_data, tiny_general
 
 CONFIG = REPO / "kda_sessions" / "builtin" / "tiny.json"
-MAX_SHIPPED_BYTES = 60_000_000  # issue 31 (was 25 MB, issue 7): the weights in the package, as bf16 safetensors
+MAX_SHIPPED_BYTES = 60_000_000  # issue 31: the weights in the package at most, as bf16 safetensors
 PAD_WEIGHT = 0.0
 CONTEXT_WEIGHT = 0.05  # loss weight of tokens the assistant does not write (prompts, tool output)
 
