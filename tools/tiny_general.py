@@ -707,16 +707,25 @@ def absent_episode(
     return None
 
 
+_SHARED_SHAPES = ("off_task", "multi")
+"""Episode shapes focus and listing rows draw alike."""
+
+
+def _shared_shape(rng: random.Random, c: Corpus | RenamedCorpus, budget: int, shape: str) -> _Episode | None:
+    """An off-task refusal or a multi-step task (list, then read), the shapes of ``_SHARED_SHAPES``."""
+    if shape == "off_task":
+        return off_task_episode(rng, "train")
+    return multi_step_episode(rng, c, "train", budget)
+
+
 def focus_episode(
     rng: random.Random, c: Corpus | RenamedCorpus, budget: int, used: set[str], words: tuple[str, ...]
 ) -> _Episode | None:
     """One episode of a focus row, of a shape drawn from FOCUS_MIX, fitting ``budget`` tokens."""
     shape = rng.choices(list(FOCUS_MIX), list(FOCUS_MIX.values()))[0]
     ep: _Episode | None
-    if shape == "off_task":
-        ep = off_task_episode(rng, "train")
-    elif shape == "multi":
-        ep = multi_step_episode(rng, c, "train", budget)
+    if shape in _SHARED_SHAPES:
+        ep = _shared_shape(rng, c, budget, shape)
     elif shape == "intent":
         ep = intent_drill(rng, c, budget, used, words)
     elif shape == "error" and rng.random() < ABSENT:
@@ -879,10 +888,8 @@ def listing_episode(
     """One episode of a listing row, of a shape drawn from LISTING_MIX, fitting ``budget`` tokens."""
     shape = rng.choices(list(LISTING_MIX), list(LISTING_MIX.values()))[0]
     ep: _Episode | None
-    if shape == "off_task":
-        ep = off_task_episode(rng, "train")
-    elif shape == "multi":
-        ep = multi_step_episode(rng, c, "train", budget)
+    if shape in _SHARED_SHAPES:
+        ep = _shared_shape(rng, c, budget, shape)
     elif shape == "drill":
         ep = listing_drill(rng, c, budget, used, words)
     else:

@@ -424,24 +424,19 @@ class Runner:
         "auto", decode steps on the count ``step_threads`` picks by timing them, other steps on its latest choice."""
         threads = torch.get_num_threads()
         tuner, rows = self.step_threads, len(batch.num_new)
-        if not batch.is_decode:
-            if tuner is None or tuner.prefill() == threads:
-                return self.model.step(batch, self.pools.tensors, check_weights)
-            torch.set_num_threads(tuner.prefill())
-            try:
-                return self.model.step(batch, self.pools.tensors, check_weights)
-            finally:
-                torch.set_num_threads(threads)
-        if self.cpu_decode_threads is None:
-            return self.model.step(batch, self.pools.tensors, check_weights)
-        want = tuner.pick(rows) if tuner is not None else self.cpu_decode_threads
+        if tuner is not None:
+            want = tuner.pick(rows) if batch.is_decode else tuner.prefill()
+        elif batch.is_decode and self.cpu_decode_threads is not None:
+            want = self.cpu_decode_threads
+        else:
+            want = threads
         assert isinstance(want, int)
         if want != threads:
             torch.set_num_threads(want)
         t = time.perf_counter()
         try:
             out = self.model.step(batch, self.pools.tensors, check_weights)
-            if tuner is not None:
+            if tuner is not None and batch.is_decode:
                 tuner.record(rows, time.perf_counter() - t)
             return out
         finally:
