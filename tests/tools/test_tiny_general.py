@@ -335,17 +335,22 @@ def test_copy_drill_rows_copy_their_projects_words_into_calls_and_answers():
 # ---- focus rows (make_general_row's ``focus``): the held-out failures of the shipped weights -------------------
 
 
-def _focus_episodes(seeds: range, per_row: int = 30) -> list[tuple[object, tg._Episode]]:
-    out = []
+def _episodes(corpus: Any, episode: Any, seeds: range, per_row: int) -> Iterator[tuple[Any, tg._Episode]]:
+    """Episodes of ``episode`` (focus_episode, listing_episode) on projects of ``corpus``, with their projects,
+    lazily: a renamed project's files live only until the next one is made (one temp root a process), so a test
+    that runs the tools runs them on each episode before taking the next."""
     for seed in seeds:
         rng = random.Random(seed)
-        c = tg.focus_corpus(rng, 0.5)
+        c = corpus(rng, 0.5)
         words, used = tg.project_words(c), set()
         for _ in range(per_row):
-            ep = tg.focus_episode(rng, c, 3000, used, words)
+            ep = episode(rng, c, 3000, used, words)
             if ep is not None:
-                out.append((c, ep))
-    return out
+                yield c, ep
+
+
+def _focus_episodes(seeds: range, per_row: int = 30) -> list[tuple[Any, tg._Episode]]:
+    return list(_episodes(tg.focus_corpus, tg.focus_episode, seeds, per_row))
 
 
 def test_focus_rows_hold_each_kind_of_episode_in_its_share():
@@ -532,16 +537,7 @@ def test_listing_phrasings_are_opt_in_and_all_say_listing():
 
 
 def _listing_episodes(seeds: range, per_row: int = 30) -> Iterator[tuple[Any, tg._Episode]]:
-    """Listing-row episodes with their projects, lazily: a renamed project's files live only until the next one is
-    made (one temp root a process), so a test runs the tools on each episode before taking the next."""
-    for seed in seeds:
-        rng = random.Random(seed)
-        c = tg.listing_corpus(rng, 0.5)
-        words, used = tg.project_words(c), set()
-        for _ in range(per_row):
-            ep = tg.listing_episode(rng, c, 3000, used, words)
-            if ep is not None:
-                yield c, ep
+    return _episodes(tg.listing_corpus, tg.listing_episode, seeds, per_row)
 
 
 def test_listing_rows_hold_each_kind_of_episode_in_its_share():
