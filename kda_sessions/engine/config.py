@@ -70,10 +70,10 @@ class EngineConfig(BaseModel):
     closes. None: torch's default. On a shared 2-core machine neither 1 nor 2 wins for ``tiny`` at every
     load (docs/benchmarks.md, "`tiny` on the CPU"). No effect on a GPU."""
     cpu_decode_threads: Annotated[int, Field(ge=1)] | Literal["auto"] | None = "auto"
-    """Torch threads of the model call of decode steps on a CPU (prefill keeps ``cpu_threads``). "auto": 1 or the
-    step thread's count, whichever the step thread times faster (``engine/cpu_threads.py``: it starts on 1, tries
-    the other count for a few steps now and then, sooner when its steps slow down), and prefill steps on the latest
-    decode choice (1 before the first decode step). None: the same as prefill.
+    """Torch threads of the model call of decode steps on a CPU (prefill keeps ``cpu_threads``). "auto": for every
+    step, decode or prefill, 1 or the step thread's count, whichever the step thread times faster on steps like it
+    (``engine/cpu_threads.py``: decode steps by batch size, prefill steps by the tokens they feed; it starts on 1,
+    tries the other count for a few steps now and then, sooner when its steps slow down). None: the same as prefill.
     Neither count wins everywhere: ``tiny`` at 1K on a 2-core machine decodes ~1.4x faster on 2 threads while the
     step thread is the process's only OpenMP team, and 10-40x slower on 2 with another busy process beside it, or
     once another thread has run torch on 2 threads (OpenMP then holds more threads than cores and they sleep

@@ -1,16 +1,18 @@
 """The torch thread count of CPU steps, chosen by timing them (``EngineConfig.cpu_decode_threads="auto"``).
 
 A decode step of a small model is a few hundred ops of microseconds each. On a quiet machine, with the step thread
-the process's only OpenMP team, two threads run ``tiny``'s step ~1.4x faster than one; with another busy process on
-a 2-core machine, or once another thread of the process has run torch on several threads (OpenMP then holds more
-threads than cores and they sleep between ops), the same two threads take 10-40x longer (docs/benchmarks.md,
-"`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the decode steps it runs anyway: it
-starts on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow down), and keeps
-whichever is faster. Prefill steps follow the latest decode choice (1 until decode has one):
-beside a busy process two threads prefill 2-7x slower than one too (OpenMP's waiting threads spin, and the
-scheduler runs them after the other process), and prefill steps are too few and too varied in size to time apart.
-Logits can differ in the last bits between counts (the BLAS picks other kernels), so outputs are bit-reproducible
-only with a fixed count.
+the process's only OpenMP team, two threads run ``tiny``'s step up to ~1.4x faster than one; with another busy
+process on a 2-core machine, or once another thread of the process has run torch on several threads (OpenMP then
+holds more threads than cores and they sleep between ops), the same two threads take 10-40x longer
+(docs/benchmarks.md, "`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the steps it
+runs anyway: it starts on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow
+down), and keeps whichever is faster. Decode steps choose per batch size; prefill steps (any step that feeds a
+prompt) per size class of the tokens they feed (a power of two), by their time per token, in fewer steps (they are
+long: less noise, and few), and never try the other count while the latest decode steps found it far slower (beside
+a busy process two threads prefill 2-7x slower too: OpenMP's waiting threads spin, and the scheduler runs them after
+the other process). Prefill and decode differ: on a quiet 2-core AMD EPYC VM, 2 threads decoded ``tiny`` no faster
+than 1 and prefilled 4K 1.6x faster. Logits can differ in the last bits between counts (the BLAS picks other
+kernels), so outputs are bit-reproducible only with a fixed count.
 """
 
 from __future__ import annotations
@@ -40,42 +42,80 @@ SWITCH_RATIO = 0.92
 """The tried count is kept when its median step is below this share of the chosen count's."""
 DRIFT_RATIO = 1.5
 """The chosen count's recent median above this multiple of its figure (the machine got busier): try the other now."""
+PREFILL_SETTLE_STEPS = 3
+PREFILL_PROBE_STEPS = 2
+"""A prefill lane's ``SETTLE_STEPS`` and ``PROBE_STEPS``: a step of hundreds of tokens times steadily, and a prompt
+makes few of them. No step of a prefill lane goes untimed (waking threads costs microseconds against its
+milliseconds)."""
+PREFILL_MAX_CLASS = 12
+"""Prefill steps of 2**(PREFILL_MAX_CLASS - 1) tokens or more share one lane (2,048 and up: a CPU's whole chunks)."""
 
 
 @dataclass
 class _Lane:
-    """The choice for decode batches of one row count."""
+    """The choice for decode batches of one row count, or for prefill steps of one size class."""
 
     current: int
+    settle: int = SETTLE_STEPS
+    probe: int = PROBE_STEPS
+    untimed: int = 1
+    """Steps run untimed on a count after a change (its first: it may pay for waking threads)."""
+    gated: bool = False
+    """No try while the latest decode steps found the other count far slower (``StepThreads._far_slower``)."""
     figure: dict[int, float] = field(default_factory=dict)
-    """Median step seconds last measured on each count: ``current``'s after settling and when a try starts."""
-    recent: deque[float] = field(default_factory=lambda: deque(maxlen=SETTLE_STEPS))
+    """Median step seconds (per token, for prefill) last measured on each count: ``current``'s after settling and
+    when a try starts."""
+    recent: deque[float] = field(default_factory=deque)
     trying: int | None = None
     tried: list[float] = field(default_factory=list)
     skip: int = 1
-    """Steps still to run untimed on the count in use (its first after a change)."""
+    """Steps still to run untimed on the count in use."""
     since: int = 0
     """Timed steps on ``current`` since the last try."""
     probe_after: int = SETTLE_STEPS
     """Timed steps on ``current`` before the next try: the first right after settling."""
 
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.settle)
+        self.skip, self.probe_after = self.untimed, self.settle
+
 
 class StepThreads:
-    """Chooses between ``counts`` (1 and the step thread's count) for each decode batch size by timing the steps:
-    ``pick(rows)`` before a decode step, ``record(rows, seconds)`` after it, ``prefill()`` before any other step;
-    all on the step thread."""
+    """Chooses between ``counts`` (1 and the step thread's count) by timing the steps, all on the step thread:
+    ``pick(rows)`` before a decode step of ``rows`` sequences and ``record(rows, seconds)`` after it;
+    ``prefill(tokens)`` before any other step, feeding ``tokens`` in all, and ``record_prefill(tokens, seconds)``
+    after it."""
 
     def __init__(self, counts: tuple[int, int]) -> None:
         self.counts = counts
-        self.lanes: dict[int, _Lane] = {}
+        self.lanes: dict[int | tuple[str, int], _Lane] = {}
+        """Decode lanes by row count, prefill lanes by ``("prefill", size class)``."""
         self.last: _Lane | None = None
         """The lane of the latest decode step."""
 
-    def prefill(self) -> int:
-        """The count of a step that prefills: the latest decode step's choice once it has timed one, 1 before (on a
-        busy machine the engine's first prefill took 4x as long on 2 threads; on a quiet one 1.6x as long on 1)."""
+    def prefill(self, tokens: int) -> int:
+        """The count of a step that feeds ``tokens`` tokens (prompt chunks, with any decode rows beside them)."""
+        lane = self._prefill_lane(tokens)
+        return lane.current if lane.trying is None else lane.trying
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        self._record(self._prefill_lane(tokens), seconds / max(1, tokens))
+
+    def _prefill_lane(self, tokens: int) -> _Lane:
+        key = ("prefill", min(max(1, tokens).bit_length(), PREFILL_MAX_CLASS))
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = _Lane(current=self.counts[0], settle=PREFILL_SETTLE_STEPS,
+                                           probe=PREFILL_PROBE_STEPS, untimed=0, gated=True)
+        return lane
+
+    def _far_slower(self, count: int) -> bool:
+        """The latest decode steps found ``count`` far slower than the other (a busy machine, for several threads)."""
         lane = self.last
-        return self.counts[0] if lane is None or not lane.figure else lane.current
+        other = self.counts[0] if count == self.counts[1] else self.counts[1]
+        if lane is None or count not in lane.figure or other not in lane.figure:
+            return False
+        return lane.figure[count] > ABORT_RATIO * lane.figure[other]
 
     def _lane(self, rows: int) -> _Lane:
         lane = self.lanes.get(rows)
@@ -88,7 +128,9 @@ class StepThreads:
         return lane.current if lane.trying is None else lane.trying
 
     def record(self, rows: int, seconds: float) -> None:
-        lane = self._lane(rows)
+        self._record(self._lane(rows), seconds)
+
+    def _record(self, lane: _Lane, seconds: float) -> None:
         if lane.skip:
             lane.skip -= 1
             if lane.trying is not None and seconds > FIRST_STEP_ABORT_RATIO * lane.figure[lane.current]:
@@ -100,18 +142,22 @@ class StepThreads:
             return
         lane.recent.append(seconds)
         lane.since += 1
-        if len(lane.recent) < SETTLE_STEPS:
+        if len(lane.recent) < lane.settle:
             return
         now = median(lane.recent)
         known = lane.figure.get(lane.current)
-        if known is None or lane.since == SETTLE_STEPS:
+        if known is None or lane.since == lane.settle:
             lane.figure[lane.current] = now
             known = now
         drifted = now > DRIFT_RATIO * known
         if drifted or lane.since >= lane.probe_after:
+            other = self.counts[1] if lane.current == self.counts[0] else self.counts[0]
+            if lane.gated and self._far_slower(other):  # decode steps have just paid for that count
+                lane.since = 0
+                return
             lane.figure[lane.current] = now  # the try is judged against the chosen count's latest steps
-            lane.trying = self.counts[1] if lane.current == self.counts[0] else self.counts[0]
-            lane.tried, lane.skip = [], 1
+            lane.trying = other
+            lane.tried, lane.skip = [], lane.untimed
             if drifted:
                 lane.probe_after = FIRST_PROBE_AFTER
 
@@ -120,7 +166,9 @@ class StepThreads:
         lane.tried.append(seconds)
         base = lane.figure[lane.current]
         lost = len(lane.tried) == 1 and seconds > ABORT_RATIO * base
-        if not lost and len(lane.tried) < PROBE_STEPS:
+        if lost and seconds > FIRST_STEP_ABORT_RATIO * base:
+            lane.probe_after = max(2 * lane.probe_after, 4 * FIRST_PROBE_AFTER)  # far slower: try less often
+        if not lost and len(lane.tried) < lane.probe:
             return
         got = median(lane.tried)
         self._end_try(lane, got, won=not lost and got < SWITCH_RATIO * base)
@@ -132,7 +180,7 @@ class StepThreads:
             lane.current, lane.probe_after = lane.trying, FIRST_PROBE_AFTER
         else:
             lane.probe_after = min(max(FIRST_PROBE_AFTER, 2 * lane.probe_after), MAX_PROBE_AFTER)
-        lane.trying, lane.tried, lane.skip, lane.since = None, [], 1, 0
+        lane.trying, lane.tried, lane.skip, lane.since = None, [], lane.untimed, 0
         lane.recent.clear()
 
 

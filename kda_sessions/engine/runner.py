@@ -99,8 +99,8 @@ class Runner:
         """Torch threads of the model call of decode rows on a CPU (None: the step thread's count; "auto":
         ``step_threads`` chooses, for prefill steps too)."""
         self.step_threads: StepThreads | None = None
-        """With "auto" and a step thread on more than one thread: the count each step runs on, by timing decode
-        steps (made on the step thread, which knows its count)."""
+        """With "auto" and a step thread on more than one thread: the count each step runs on, by timing the steps
+        (made on the step thread, which knows its count)."""
         self.cpu_compile = cpu_compile and model.device.type == "cpu"
         self.cpu_compile_dtype = cpu_compile_dtype
         self.compiled = False
@@ -421,11 +421,12 @@ class Runner:
     def _step(self, batch: ForwardBatch, check_weights: bool = True) -> tuple[torch.Tensor, CheckpointStates | None]:
         """``model.step``; one token per row on ``cpu_decode_threads`` torch threads: a decode step's few-microsecond
         ops each pay an OpenMP region's wake-up on more than one (docs/benchmarks.md, "`tiny` on the CPU"). With
-        "auto", decode steps on the count ``step_threads`` picks by timing them, other steps on its latest choice."""
+        "auto", each step on the count ``step_threads`` picks by timing steps like it (decode steps by batch size, others
+        by the tokens they feed)."""
         threads = torch.get_num_threads()
-        tuner, rows = self.step_threads, len(batch.num_new)
+        tuner, rows, tokens = self.step_threads, len(batch.num_new), sum(batch.num_new)
         if tuner is not None:
-            want = tuner.pick(rows) if batch.is_decode else tuner.prefill()
+            want = tuner.pick(rows) if batch.is_decode else tuner.prefill(tokens)
         elif batch.is_decode and self.cpu_decode_threads is not None:
             want = self.cpu_decode_threads
         else:
@@ -436,8 +437,11 @@ class Runner:
         t = time.perf_counter()
         try:
             out = self.model.step(batch, self.pools.tensors, check_weights)
-            if tuner is not None and batch.is_decode:
-                tuner.record(rows, time.perf_counter() - t)
+            if tuner is not None:
+                if batch.is_decode:
+                    tuner.record(rows, time.perf_counter() - t)
+                else:
+                    tuner.record_prefill(tokens, time.perf_counter() - t)
             return out
         finally:
             if want != threads:

@@ -64,7 +64,8 @@ def test_batch_sizes_choose_apart():
 
 
 async def test_auto_decodes_on_both_counts_and_prefills_on_the_step_threads(monkeypatch):
-    """With a step thread of 2, "auto" times decode steps on 1 and on 2 (and keeps one); the first prefill is on 1."""
+    """With a step thread of 2, "auto" times decode steps on 1 and on 2 (and keeps one), and prefill steps apart;
+    the first prefill is on 1."""
     seen: list[tuple[bool, int]] = []
     step = HybridModel.step
 
@@ -83,23 +84,64 @@ async def test_auto_decodes_on_both_counts_and_prefills_on_the_step_threads(monk
             tuner = eng.core.runner.step_threads
             assert tuner is not None and tuner.counts == (1, 2)
             assert set(tuner.lanes[1].figure) == {1, 2}
+            assert ("prefill", 2) in tuner.lanes, "the 3-token prefill timed in its own lane"
     finally:
         torch.set_num_threads(before)
     assert seen[0] == (False, 1), "the first prefill, before any decode step: 1"
     assert {n for d, n in seen if d} == {1, 2}
 
 
-def test_prefill_follows_the_latest_decode_choice():
+def prefill(tuner: StepThreads, ms_per_token: dict[int, float], steps: int, tokens: int = 2048) -> list[int]:
+    """Run ``steps`` prefill steps of ``tokens`` tokens at ``ms_per_token[count]``; the count of each step."""
+    used = []
+    for _ in range(steps):
+        n = tuner.prefill(tokens)
+        used.append(n)
+        tuner.record_prefill(tokens, ms_per_token[n] * tokens / 1000)
+    return used
+
+
+def test_prefill_chooses_by_its_own_steps():
+    """Decode on 2 no faster than on 1 (a tie: stays on 1), prefill 1.6x faster on 2: prefill moves to 2 after 3
+    timed steps on 1 and 2 on 2, every step timed; decode keeps its own choice."""
     t = StepThreads((1, 2))
-    assert t.prefill() == 1, "before any decode step: 1"
-    drive(t, {1: 3.0, 2: 2.0}, 5)  # not settled yet
-    assert t.prefill() == 1
-    drive(t, {1: 3.0, 2: 2.0}, 20)  # 2 won its try: a quiet machine
-    assert t.lanes[1].current == 2 and t.prefill() == 2
-    drive(t, {1: 3.0, 2: 40.0}, 40)  # the machine got busy: back to 1, prefill too
-    assert t.lanes[1].current == 1 and t.prefill() == 1
-    drive(t, {1: 3.0, 2: 2.0}, 200, rows=3)  # a batch of 3 decodes on 2: the latest choice
-    assert t.prefill() == 2
+    drive(t, {1: 3.0, 2: 3.1}, 40)
+    assert t.lanes[1].current == 1
+    used = prefill(t, {1: 0.4, 2: 0.25}, 12)
+    assert used[:5] == [1, 1, 1, 2, 2] and set(used[5:]) == {2}
+    lane = t.lanes[("prefill", cpu_threads.PREFILL_MAX_CLASS)]
+    assert lane.current == 2 and lane.figure == {1: 0.0004, 2: 0.00025}
+    assert t.lanes[1].current == 1 and t.pick(1) in (1, 2)
+
+
+def test_prefill_sizes_choose_apart_and_large_chunks_share_a_lane():
+    t = StepThreads((1, 2))
+    prefill(t, {1: 0.4, 2: 0.25}, 12, tokens=4000)
+    prefill(t, {1: 0.02, 2: 0.05}, 12, tokens=20)
+    assert t.prefill(2048) == 2 and t.prefill(9000) == 2, "2,048 tokens and more: one lane"
+    assert t.prefill(20) == 1 and t.prefill(1000) == 1, "another size class: its own lane, from 1"
+
+
+def test_a_prefill_try_far_slower_is_given_up_at_once_and_a_busy_machine_moves_it_back():
+    t = StepThreads((1, 2))
+    used = prefill(t, {1: 0.4, 2: 2.0}, 40)
+    assert used[3:5] == [2, 1], "5x slower: given up after its first step"
+    assert used.count(2) == 1, "and not tried again soon"
+    t = StepThreads((1, 2))
+    prefill(t, {1: 0.4, 2: 0.25}, 12)
+    used = prefill(t, {1: 0.4, 2: 1.5}, 12)  # the machine got busy: 2 threads crawl
+    assert set(used[-5:]) == {1}
+
+
+def test_no_prefill_try_while_decode_finds_the_other_count_far_slower():
+    """Beside a busy process the decode steps' tries of 2 threads lose by far: prefill does not pay for one too."""
+    t = StepThreads((1, 2))
+    drive(t, {1: 3.0, 2: 60.0}, 40)
+    assert t.lanes[1].figure[2] > cpu_threads.ABORT_RATIO * t.lanes[1].figure[1]
+    assert set(prefill(t, {1: 0.4, 2: 0.25}, 40)) == {1}
+    drive(t, {1: 3.0, 2: 3.1}, 4000)  # quiet again: decode's next try of 2 is a near tie
+    assert t.lanes[1].figure[2] < cpu_threads.ABORT_RATIO * t.lanes[1].figure[1]
+    assert prefill(t, {1: 0.4, 2: 0.25}, 40)[-1] == 2
 
 
 async def test_auto_on_a_one_thread_step_thread_is_one():
