@@ -961,7 +961,7 @@ def _recall_sources(
 def make_general_row(
     rng: random.Random, split: str, max_len: int, tree_share: float = 0.5, recall: float = 0.0,
     distance: tuple[int, int] = (RECALL_DISTANCE, RECALL_DISTANCE), copy: float = 0.0, focus: float = 0.0,
-    listing: float = 0.0,
+    listing: float = 0.0, recall_late: float = 0.0,
 ) -> tuple[list[int], list[int]]:
     """One row (ids, mask as tiny_data.make_row: 1 on the assistant's tokens but failed calls, 2 on facts): the
     header, then general episodes on one corpus (``row_corpus``) until the row is full. ``split`` picks the
@@ -971,7 +971,10 @@ def make_general_row(
     rows that are focus rows (``focus_corpus``, ``focus_episode``; at 0 nothing is drawn for it, and a focus row is
     never a copy drill). ``listing``: the share of training rows that are listing rows (``listing_corpus``,
     ``listing_episode``), drawn by the same random number as ``focus`` (focus + listing <= 1; at 0 nothing is
-    drawn for it)."""
+    drawn for it). ``recall_late``: the share of rows with recall questions whose facts come after 1-3 of the
+    row's episodes rather than right after the header (at 0 nothing is drawn for it). Every fact of earlier rows
+    stood first in its row, and the shipped model recalled from the row's first tool outputs: asked about its
+    latest grep, after a listing and another grep, it gave the other grep's line (the demo's recall)."""
     if split not in grammar.SPLITS:
         raise ValueError(f"split must be one of {grammar.SPLITS}, got {split!r}")
     if not 0.0 <= tree_share <= 1.0:
@@ -984,6 +987,8 @@ def make_general_row(
         raise ValueError(f"focus must be in [0, 1], got {focus}")
     if listing < 0.0 or focus + listing > 1.0:
         raise ValueError(f"listing must be in [0, 1 - focus], got {listing} (focus {focus})")
+    if not 0.0 <= recall_late <= 1.0:
+        raise ValueError(f"recall_late must be in [0, 1], got {recall_late}")
     aimed = None  # "focus" or "listing": a row of focus_corpus's projects and that kind's episodes
     if (focus or listing) and split == "train":
         u = rng.random()
@@ -999,9 +1004,25 @@ def make_general_row(
         return _plain_row(rng, corpus(), split, max_len)
     used: set[str] = set()
     taken: set[str] = set()  # note things of this row: each asked about at most once
+
+    def episode(budget: int) -> _Episode | None:
+        if aimed == "focus":
+            return focus_episode(rng, c, budget, used, words)
+        if aimed == "listing":
+            return listing_episode(rng, c, budget, used, words)
+        return general_episode(rng, c, split, budget, used)
+
     pending: list[list[Any]] = []
     if recall and max_len - len(ids) >= distance[0] + 1000 and rng.random() < recall:
-        pending = _recall_sources(rng, c, split, max_len, distance, ids, mask, used, taken)
+        if recall_late and rng.random() < recall_late:  # other episodes before the facts
+            for _ in range(rng.choice((1, 2, 3))):
+                budget = min(2500, max_len - len(ids) - distance[0] - 1500)
+                ep = episode(budget) if budget >= 200 else None
+                if ep is not None:
+                    ids += ep.ids
+                    mask += ep.mask
+        if max_len - len(ids) >= distance[0] + 1000:
+            pending = _recall_sources(rng, c, split, max_len, distance, ids, mask, used, taken)
     misses = 0
     while misses < MAX_MISSES:
         if pending and len(ids) >= pending[0][2]:
@@ -1014,12 +1035,7 @@ def make_general_row(
             break
         if pending:  # land near the next question's target, not thousands of tokens past it
             budget = min(budget, pending[0][2] - len(ids) + FILL_SLACK)
-        if aimed == "focus":
-            ep = focus_episode(rng, c, budget, used, words)
-        elif aimed == "listing":
-            ep = listing_episode(rng, c, budget, used, words)
-        else:
-            ep = general_episode(rng, c, split, budget, used)
+        ep = episode(budget)
         if ep is None and pending:  # nothing fits before the question: a short note carries the row on
             ep = _note_episode(rng, c, split, taken)
             ep = ep if ep is not None and len(ep.ids) <= budget else None

@@ -255,9 +255,9 @@ def masked_losses(logits: Tensor, ids: Tensor, weights: Tensor, kinds: Tensor) -
 
 
 # seed, split, max_len, recall distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall,
-# general, tree_share, general_recall, copy_drill, general_focus, general_listing
+# general, tree_share, general_recall, copy_drill, general_focus, general_listing, general_recall_late
 RowJob = tuple[
-    int, str, int, tuple[int, int], float, float, float, float, float, float, float, float, float, float, float
+    int, str, int, tuple[int, int], float, float, float, float, float, float, float, float, float, float, float, float
 ]
 
 
@@ -289,7 +289,7 @@ def parse_curriculum(text: str) -> tuple[int, int, int]:
 
 def _row(args: RowJob) -> tuple[list[int], list[int]]:
     seed, split, max_len, distance, drill, near_miss, near_miss_defs, near_miss_entries, line_recall, general, \
-        tree_share, general_recall, copy_drill, general_focus, general_listing = args
+        tree_share, general_recall, copy_drill, general_focus, general_listing, general_recall_late = args
     # a row of tiny_general for a share ``general`` of the seeds, drawn from a stream of its own: at 0 the rows of
     # runs before the option are unchanged
     is_general = general > 0 and random.Random(f"general:{seed}").random() < general
@@ -298,7 +298,7 @@ def _row(args: RowJob) -> tuple[list[int], list[int]]:
             if is_general:
                 return tiny_general.make_general_row(random.Random(seed + attempt * 10**7), split, max_len, tree_share,
                                                      general_recall, distance, copy_drill, general_focus,
-                                                     general_listing)
+                                                     general_listing, general_recall_late)
             return tiny_data.make_row(
                 random.Random(seed + attempt * 10**7), split, max_len, distance, drill, near_miss, near_miss_defs,
                 near_miss_entries, line_recall,
@@ -326,7 +326,7 @@ def batches(
     recall: RecallData = RecallData(), first_step: int = 1, fact_weight: float = 1.0, near_miss: float = 0.0,
     near_miss_defs: float = 0.0, near_miss_entries: float = 0.0, line_recall: float = 0.0, general: float = 0.0,
     tree_share: float = 0.5, general_recall: float = 0.0, copy_drill: float = 0.0, general_focus: float = 0.0,
-    general_listing: float = 0.0,
+    general_listing: float = 0.0, general_recall_late: float = 0.0,
 ):
     """Endless batches (ids [B, T] int64, weights [B, T] float32, kinds [B, T] uint8: make_row's mask), rows from
     seeds seed*10**9 + i; the i-th row belongs to training step first_step + i // batch, whose recall distance
@@ -336,7 +336,8 @@ def batches(
     phrasings, package trees, multi-step, tool errors, off-task refusals), ``tree_share`` its share on package trees,
     ``general_recall`` its share that holds recall questions (make_general_row's ``recall``), ``copy_drill`` its
     share of copy drills (make_general_row's ``copy``), ``general_focus`` its share of focus rows (``focus``),
-    ``general_listing`` its share of listing rows (``listing``).
+    ``general_listing`` its share of listing rows (``listing``), ``general_recall_late`` the share of its recall rows
+    whose facts come after other episodes (``recall_late``).
 
     Each of ``workers`` processes makes every workers-th row, in order, into a queue of its own that holds about
     ``prefetch`` batches' worth of rows between them (an unbounded backlog let the workers run ahead and the
@@ -348,7 +349,7 @@ def batches(
     def jobs(i: int) -> RowJob:
         return (base + i, split, seq, recall.distance(first_step + i // batch), recall.drill, near_miss,
                 near_miss_defs, near_miss_entries, line_recall, general, tree_share, general_recall, copy_drill,
-                general_focus, general_listing)
+                general_focus, general_listing, general_recall_late)
 
     ctx = mp.get_context("fork")
     queues = [ctx.Queue(maxsize=-(-prefetch * batch // workers) + 1) for _ in range(workers)]
@@ -393,7 +394,7 @@ def heldout_rows(seed: int, n: int, seq: int) -> list[tuple[list[int], list[int]
     d = tiny_data.RECALL_DISTANCE
     zero = 0.0
     return [_row((seed * 10**9 + 5 * 10**8 + i, "heldout", seq, (d, d), zero, zero, zero, zero, zero, zero, zero,
-                  zero, zero, zero, zero)) for i in range(n)]
+                  zero, zero, zero, zero, zero)) for i in range(n)]
 
 
 def heldout_loss(
@@ -500,6 +501,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="share of --general-fraction rows that are listing rows: list_dir drills whose every question "
                          "says 'the listing of D', tool tasks after context words that start like the path "
                          "(tiny_general.listing_episode); at most 1 - --general-focus")
+    ap.add_argument("--general-recall-late", type=float, default=0.0,
+                    help="share of --general-recall rows whose facts come after 1-3 other episodes, not first in "
+                         "the row (tiny_general.make_general_row's recall_late)")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.seq, args.workers, args.warmup = 3, 2, 512, 0, 1
@@ -510,7 +514,8 @@ def main(argv: list[str] | None = None) -> None:
                         ("--near-miss-entries", args.near_miss_entries), ("--line-recall", args.line_recall),
                         ("--general-fraction", args.general_fraction), ("--tree-share", args.tree_share),
                         ("--general-recall", args.general_recall), ("--copy-drill", args.copy_drill),
-                        ("--general-focus", args.general_focus), ("--general-listing", args.general_listing)):
+                        ("--general-focus", args.general_focus), ("--general-listing", args.general_listing),
+                        ("--general-recall-late", args.general_recall_late)):
         if not 0.0 <= value <= 1.0:
             raise SystemExit(f"{flag} must be in [0, 1], got {value}")
     if args.general_focus + args.general_listing > 1.0:
@@ -556,7 +561,8 @@ def main(argv: list[str] | None = None) -> None:
                    near_miss=args.near_miss, near_miss_defs=args.near_miss_defs,
                    near_miss_entries=args.near_miss_entries, line_recall=args.line_recall,
                    general=args.general_fraction, tree_share=args.tree_share, general_recall=args.general_recall,
-                   copy_drill=args.copy_drill, general_focus=args.general_focus, general_listing=args.general_listing)
+                   copy_drill=args.copy_drill, general_focus=args.general_focus, general_listing=args.general_listing,
+                   general_recall_late=args.general_recall_late)
     t0 = time.perf_counter()
     tokens = 0
     step = 0

@@ -238,6 +238,38 @@ def test_general_rows_with_recall_ask_about_facts_far_back():
         tg.make_general_row(random.Random(3), "train", 4096, 0.5, recall=1.5)
 
 
+def test_late_recall_facts_come_after_other_episodes():
+    """With recall_late the row's first user turn is a task, not a fact to recall (every fact of earlier rows stood
+    first); the questions still ask about facts the row gave. At 0 nothing is drawn: the rows of earlier runs."""
+    from tools import train_tiny
+
+    note_re = re.compile(r"the (.+) is (\S+)\.$")
+    question_re = re.compile(r"^(?:What (.+) did I give you earlier\?|Remind me: what was the (.+)\?)$")
+    first_is_note = {0.0: 0, 1.0: 0}
+    asked = 0
+    for seed in range(6):
+        for late in (0.0, 1.0):
+            ids, mask = tg.make_general_row(random.Random(seed), "train", 8192, 0.5, recall=1.0, distance=(64, 2000),
+                                            recall_late=late)
+            assert len(ids) == len(mask) <= 8192
+            turns = _user_turns(ids)
+            first_is_note[late] += bool(note_re.search(turns[0]))
+            notes = dict(m.groups() for t in turns if (m := note_re.search(t)))
+            for t in turns:
+                if late and (m := question_re.match(t)):
+                    asked += 1
+                    assert (m.group(1) or m.group(2)) in notes, (t, notes)
+    assert first_is_note[0.0] >= 1 and first_is_note[1.0] == 0 and asked >= 2
+    for kw in ({}, {"recall": 0.6}, {"recall": 1.0, "focus": 0.5}):
+        assert tg.make_general_row(random.Random(5), "train", 4096, 0.5, recall_late=0.0, **kw) == \
+            tg.make_general_row(random.Random(5), "train", 4096, 0.5, **kw)
+    job = (5, "train", 8192, (64, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 1.0, 0.0, 0.0, 0.0, 1.0)
+    assert train_tiny._row(job) == tg.make_general_row(random.Random(5), "train", 8192, 0.5, recall=1.0,
+                                                       distance=(64, 2000), recall_late=1.0)
+    with pytest.raises(ValueError, match="recall_late must be"):
+        tg.make_general_row(random.Random(3), "train", 4096, 0.5, recall_late=1.5)
+
+
 def test_general_eval_tasks_use_the_heldout_tree_and_phrasings():
     c = tg.tree_corpus(tg.EVAL_TREE, whole=True)
     tasks = tg.general_tasks(0, 8)
@@ -684,7 +716,7 @@ def test_listing_zero_draws_nothing_and_listing_rows_share_the_focus_draw():
         random.Random(6), "heldout", 4096, 0.5)
     with pytest.raises(ValueError, match="listing must be"):
         tg.make_general_row(random.Random(6), "train", 4096, 0.5, focus=0.6, listing=0.5)
-    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0)
+    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 0.0, 1.0, 0.0)
     assert train_tiny._row(job) == tg.make_general_row(random.Random(12), "train", 4096, 0.5, listing=1.0)
     # one number draws both: below focus a focus row, then up to focus + listing a listing row, else a general one
     kinds = []
