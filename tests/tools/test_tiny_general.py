@@ -316,7 +316,7 @@ def test_training_rows_take_a_share_of_general_rows_and_zero_changes_nothing():
     from tools import train_tiny
 
     def job(seed: int, general: float) -> tuple:
-        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0, 0.0, 0.0, 0.0)
+        return (seed, "train", 2048, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, general, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0)
 
     assert train_tiny._row(job(11, 0.0)) == make_row(random.Random(11), "train", 2048)
     assert train_tiny._row(job(11, 1.0)) == tg.make_general_row(random.Random(11), "train", 2048, 0.5)
@@ -504,7 +504,7 @@ def test_focus_zero_draws_nothing_and_focus_rows_come_from_train_rows():
         random.Random(6), "heldout", 4096, 0.5)
     with pytest.raises(ValueError, match="focus must be"):
         tg.make_general_row(random.Random(6), "train", 4096, 0.5, focus=1.5)
-    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0, 0.0)
+    job = (12, "train", 4096, (2000, 2000), 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.5, 0.0, 0.0, 1.0, 0.0, 0.0)
     assert train_tiny._row(job) == tg.make_general_row(random.Random(12), "train", 4096, 0.5, focus=1.0)
     # a sibling project names its folders mostly with one plain word, in groups that start alike
     sib = [tg.focus_corpus(random.Random(s), 0.5) for s in range(12) if random.Random(s).random() < tg.FOCUS_SIBLINGS]
