@@ -972,9 +972,10 @@ def make_general_row(
     never a copy drill). ``listing``: the share of training rows that are listing rows (``listing_corpus``,
     ``listing_episode``), drawn by the same random number as ``focus`` (focus + listing <= 1; at 0 nothing is
     drawn for it). ``recall_late``: the share of rows with recall questions whose facts come after 1-3 of the
-    row's episodes rather than right after the header (at 0 nothing is drawn for it). Every fact of earlier rows
-    stood first in its row, and the shipped model recalled from the row's first tool outputs: asked about its
-    latest grep, after a listing and another grep, it gave the other grep's line (the demo's recall)."""
+    row's episodes rather than right after the header (at 0 nothing is drawn for it). Every fact of the
+    conversation rows before it stood first in its row (only tiny_data's drill rows spread short facts through the
+    row), and the shipped model recalled from the row's first tool outputs: asked about its latest grep, after a
+    listing and another grep, it gave the other grep's line (the demo's recall)."""
     if split not in grammar.SPLITS:
         raise ValueError(f"split must be one of {grammar.SPLITS}, got {split!r}")
     if not 0.0 <= tree_share <= 1.0:

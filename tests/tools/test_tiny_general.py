@@ -239,8 +239,8 @@ def test_general_rows_with_recall_ask_about_facts_far_back():
 
 
 def test_late_recall_facts_come_after_other_episodes():
-    """With recall_late the row's first user turn is a task, not a fact to recall (every fact of earlier rows stood
-    first); the questions still ask about facts the row gave. At 0 nothing is drawn: the rows of earlier runs."""
+    """With recall_late the row's first user turn is a task, not a fact to recall (without it, facts stand first);
+    the questions still ask about facts the row gave. At 0 nothing is drawn: the rows of earlier runs."""
     from tools import train_tiny
 
     note_re = re.compile(r"the (.+) is (\S+)\.$")
