@@ -235,13 +235,97 @@ PDL_ABLATIONS = {
 def _set_ablation(mode: str) -> None:
     for name, (mod, _) in PDL_ABLATIONS.items():
         mod.use_pdl = (lambda device: False) if mode == name else _USE_PDL
+    for patches in SKIPS.values():  # every patched name as the library has it, then the mode's patches
+        for mod, attr, _ in patches:
+            setattr(mod, attr, _SKIP_ORIGINALS.setdefault((mod.__name__, attr), getattr(mod, attr)))
+    for mod, attr, value in SKIPS.get(mode, []):
+        setattr(mod, attr, value)
+
+
+# -- skip modes: a class of the step's launches left out, to read its share of the step off the replay time -------
+
+_FIXED: dict[str, Tensor] = {}
+"""Router outputs of the skip-router mode (valid expert ids), made outside any capture by ``prepare_skips``."""
+_SKIP_ORIGINALS: dict[tuple[str, str], object] = {}
+
+
+def prepare_skips(model: HybridModel) -> None:
+    """The fixed router outputs skip-router hands the MoE kernels: experts 0..k-1 and the shared one, weight 1/k."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            fused = m._fused_weights()
+            if fused is None or fused[2] is None:
+                continue
+            k = m.top_k
+            dev = m.gate.weight.device
+            _FIXED["chosen"] = torch.tensor([list(range(k)) + [fused[2]]], dtype=torch.int64, device=dev)
+            _FIXED["weights"] = torch.full((1, k + 1), 1.0 / k, dtype=m.gate.weight.dtype, device=dev)
+            return
+
+
+def _skip_route(x: Tensor, res: Tensor, *args: object) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    n = x.shape[0]
+    return x, res, _FIXED["chosen"].expand(n, -1), _FIXED["weights"].expand(n, -1)
+
+
+def _skip_moe(h: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, s: Tensor, *args: object
+              ) -> tuple[Tensor, Tensor]:
+    return s, h
+
+
+def _skip_kda(qkv: Tensor, raw: Tensor, b: Tensor, *args: object, **kw: object) -> Tensor:
+    state = args[5]
+    assert isinstance(state, Tensor)
+    return qkv.new_empty(b.shape[0], b.shape[1], state.shape[-1])
+
+
+def _skip_linear(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _skip_head_linear(x: Tensor, w: Tensor) -> Tensor:
+    return x.new_empty(x.shape[0], x.shape[1], w.shape[1])
+
+
+def _skip_prep(y: Tensor, w_kv_b: Tensor, norm_w: Tensor, eps: float, kv_pages: Tensor, kv_rows: Tensor, H: int,
+               dn: int) -> tuple[Tensor, Tensor]:
+    r, dr = w_kv_b.shape[1], kv_pages.shape[-1] - w_kv_b.shape[1]
+    return y.new_empty(y.shape[0], H, r), y.new_empty(y.shape[0], H, dr)
+
+
+def _skip_paged(q_lat: Tensor, *args: object) -> Tensor:
+    return torch.empty_like(q_lat)
+
+
+def _skips() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
+    import kda_sessions.model.ffn as ffn_mod
+    import kda_sessions.model.kda as kda_mod
+    import kda_sessions.model.mla as mla_mod
+
+    return {
+        "skip-router": [(ffn_mod, "add_norm_route", _skip_route)],
+        "skip-moe": [(ffn_mod, "fused_moe_add_norm", _skip_moe)],
+        "skip-kda": [(kda_mod, "kda_decode", _skip_kda)],
+        "skip-matvec": [(kda_mod, "linear", _skip_linear), (mla_mod, "linear", _skip_linear),
+                        (mla_mod, "head_linear", _skip_head_linear)],
+        "skip-mla": [(mla_mod, "mla_decode_prep", _skip_prep), (mla_mod, "mla_decode_paged", _skip_paged)],
+    }
+
+
+SKIPS = _skips()
+"""Modes that leave one class of the step's launches out (their outputs: uninitialised buffers, or the inputs
+passed through): the step's replay time less that of such a mode is what the class costs the step, waits and
+overlaps included, which a profile's per-kernel times (PDL waits inside them) cannot tell. Timing only: the
+logits are garbage."""
 
 
 def set_moe_mode(model: HybridModel, mode: str) -> None:
     """fused (the library), fused-nopdl (the library with ``kernels.moe.pdl.ENABLED`` off: no programmatic
     dependent launch), the ``PDL_ABLATIONS`` (one PDL use off), fused-alt (the library with
     ``triton_moe.DIRECT_LAUNCH`` set to ``--alt-direct-from``'s tiles), gather (the replaced code), twin (the naive
-    twin, bf16; not capturable) or twin32 (the twin in float32)."""
+    twin, bf16; not capturable) or twin32 (the twin in float32). A mode may end in ``@N`` (``fused@2``): the same
+    mode run again in one case, for an A/B that alternates (a case keys its results by mode)."""
+    mode = mode.split("@")[0]
     _set_ablation(mode)
     if pdl is not None:
         pdl.ENABLED = mode != "fused-nopdl"
@@ -700,6 +784,7 @@ def main() -> None:
         return
     model = build(config(args.quick), args.device)
     results["params"] = sum(p.numel() for p in model.parameters())
+    prepare_skips(model)
     log(f"built {results['params'] / 1e9:.2f} B parameters")
     results["decode"] = []
     for case in [c for c in args.cases.split(",") if c]:
