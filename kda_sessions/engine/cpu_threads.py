@@ -4,15 +4,16 @@ A decode step of a small model is a few hundred ops of microseconds each. On a q
 the process's only OpenMP team, two threads run ``tiny``'s step up to ~1.4x faster than one; with another busy
 process on a 2-core machine, or once another thread of the process has run torch on several threads (OpenMP then
 holds more threads than cores and they sleep between ops), the same two threads take 10-40x longer
-(docs/benchmarks.md, "`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the steps it
-runs anyway: it starts on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow
-down), and keeps whichever is faster. Decode steps choose per batch size; prefill steps (any step that feeds a
-prompt) per size class of the tokens they feed (a power of two), by their time per token, in fewer steps (they are
-long: less noise, and few), and never try the other count while the latest decode steps found it far slower (beside
-a busy process two threads prefill 2-7x slower too: OpenMP's waiting threads spin, and the scheduler runs them after
-the other process). Prefill and decode differ: on a quiet 2-core AMD EPYC VM, 2 threads decoded ``tiny`` no faster
-than 1 and prefilled 4K 1.6x faster. Logits can differ in the last bits between counts (the BLAS picks other
-kernels), so outputs are bit-reproducible only with a fixed count.
+(docs/benchmarks.md, "`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the steps it runs
+anyway: it starts on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow
+down), and keeps whichever is faster (fewer threads on a tie; steps on fewer threads right after steps on more,
+while OpenMP's idle threads still spin, are not timed: ``SPIN_DOWN_S``). Decode steps choose per batch size; prefill
+steps (any step that feeds a prompt) per size class of the tokens they feed (a power of two), by their time per
+token, in fewer steps (they are long: less noise, and few), and never try the other count while the latest decode
+steps found it far slower (beside a busy process two threads prefill 2-7x slower too: OpenMP's waiting threads spin,
+and the scheduler runs them after the other process). Prefill and decode differ: on a quiet 2-core AMD EPYC VM, 2
+threads decoded ``tiny`` no faster than 1 and prefilled 4K 1.6x faster. Logits can differ in the last bits between
+counts (the BLAS picks other kernels), so outputs are bit-reproducible only with a fixed count.
 """
 
 from __future__ import annotations
@@ -39,7 +40,16 @@ on a loaded machine two threads can take 40x longer, and every step of a try is 
 FIRST_STEP_ABORT_RATIO = 4.0
 """The same for the untimed first step of a try (it may pay for waking threads, so it gets more room)."""
 SWITCH_RATIO = 0.92
-"""The tried count is kept when its median step is below this share of the chosen count's."""
+"""A tried larger count is kept when its median step is below this share of the chosen count's."""
+DOWN_SWITCH_RATIO = 1.0
+"""A tried smaller count is kept when its median step is at most this share of the chosen count's (unless it is
+slower): fewer threads leave the other cores to the machine, so a tie goes to them; more must be clearly faster."""
+SPIN_DOWN_S = 0.025
+"""After a step on more threads, OpenMP's idle threads spin on the cores for a while before they sleep (libgomp's
+default wait policy), and steps on fewer threads meanwhile run slower: on a 2-core AMD EPYC VM ``tiny``'s 1-thread
+decode steps took 3.3-3.6 ms for ~10-14 ms after 2-thread steps, 2.7-2.9 after. Decode steps on fewer threads are
+not timed until this much step time has passed since the last step on more (timed there, a try of 1 thread lost to
+the 2 threads that were 20% slower in steady state, and "auto" decoded below a fixed 1 thread)."""
 DRIFT_RATIO = 1.5
 """The chosen count's recent median above this multiple of its figure (the machine got busier): try the other now."""
 PREFILL_SETTLE_STEPS = 3
@@ -92,6 +102,8 @@ class StepThreads:
         """Decode lanes by row count, prefill lanes by ``("prefill", size class)``."""
         self.last: _Lane | None = None
         """The lane of the latest decode step."""
+        self.spin_left = 0.0
+        """Step seconds still to pass before a decode step on fewer threads is timed (``SPIN_DOWN_S``)."""
 
     def prefill(self, tokens: int) -> int:
         """The count of a step that feeds ``tokens`` tokens (prompt chunks, with any decode rows beside them)."""
@@ -99,7 +111,20 @@ class StepThreads:
         return lane.current if lane.trying is None else lane.trying
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
-        self._record(self._prefill_lane(tokens), seconds / max(1, tokens))
+        lane = self._prefill_lane(tokens)
+        self._spinning(lane, seconds)  # a prefill step's milliseconds of spin-down are noise in its time: timed
+        self._record(lane, seconds / max(1, tokens))
+
+    def _spinning(self, lane: _Lane, seconds: float) -> bool:
+        """Whether a step of ``seconds`` in ``lane`` ran on fewer threads while the idle threads of a step on more
+        may still have spun (``SPIN_DOWN_S``); a step on more threads opens that window again."""
+        count = lane.current if lane.trying is None else lane.trying
+        if count == max(self.counts):
+            self.spin_left = SPIN_DOWN_S
+            return False
+        inside = self.spin_left > 0
+        self.spin_left = max(0.0, self.spin_left - seconds)
+        return inside
 
     def _prefill_lane(self, tokens: int) -> _Lane:
         key = ("prefill", min(max(1, tokens).bit_length(), PREFILL_MAX_CLASS))
@@ -128,7 +153,9 @@ class StepThreads:
         return lane.current if lane.trying is None else lane.trying
 
     def record(self, rows: int, seconds: float) -> None:
-        self._record(self._lane(rows), seconds)
+        lane = self._lane(rows)
+        if not self._spinning(lane, seconds):
+            self._record(lane, seconds)
 
     def _record(self, lane: _Lane, seconds: float) -> None:
         if lane.skip:
@@ -171,7 +198,8 @@ class StepThreads:
         if not lost and len(lane.tried) < lane.probe:
             return
         got = median(lane.tried)
-        self._end_try(lane, got, won=not lost and got < SWITCH_RATIO * base)
+        faster = got <= DOWN_SWITCH_RATIO * base if lane.trying < lane.current else got < SWITCH_RATIO * base
+        self._end_try(lane, got, won=not lost and faster)
 
     def _end_try(self, lane: _Lane, got: float, won: bool) -> None:
         assert lane.trying is not None

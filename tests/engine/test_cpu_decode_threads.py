@@ -236,3 +236,44 @@ async def test_a_cpu_engine_warms_up_before_open_returns(monkeypatch):
         scratch = eng.core.pools.tensors.scratch_slot
         assert scratch is not None and eng.core.runner.warmed.is_set()
         assert seen == [([4], [0], scratch), ([1], [4], scratch)]
+
+
+def drive_spinning(tuner: StepThreads, ms: dict[int, float], spun_ms: float, steps: int) -> list[int]:
+    """``drive`` on a machine where a 1-thread step takes ``spun_ms`` while 2-thread steps' idle threads still spin:
+    for 12 ms of steps after the last 2-thread step (as on a 2-core EPYC VM)."""
+    used, since_two = [], float("inf")
+    for _ in range(steps):
+        n = tuner.pick(1)
+        used.append(n)
+        took = ms[n] if n == 2 or since_two >= 12.0 else spun_ms
+        since_two = 0.0 if n == 2 else since_two + took
+        tuner.record(1, took / 1000)
+    return used
+
+
+def test_one_thread_steps_beside_spinning_threads_are_not_timed(monkeypatch):
+    """2 threads got slower than 1 (3.5 against 2.8 ms) while chosen: the try of 1 waits out the 2-thread steps'
+    spin-down (1-thread steps 4 ms meanwhile), so it sees 2.8 and wins; timed from its first step it would see 4,
+    slower, and 2 would stay."""
+    t = StepThreads((1, 2))
+    drive(t, {1: 3.0, 2: 2.0}, 60)
+    assert t.lanes[1].current == 2
+    used = drive_spinning(t, {1: 2.8, 2: 3.5}, 4.0, 150)
+    assert t.lanes[1].current == 1 and t.lanes[1].figure[1] == 0.0028
+    assert set(used[-20:]) == {1}
+    spun = StepThreads((1, 2))
+    drive(spun, {1: 3.0, 2: 2.0}, 60)
+    spun.spin_left = 0.0
+    monkeypatch.setattr(cpu_threads, "SPIN_DOWN_S", 0.0)  # the window off: the try is timed while threads spin
+    drive_spinning(spun, {1: 2.8, 2: 3.5}, 4.0, 150)
+    assert spun.lanes[1].current == 2
+
+
+def test_fewer_threads_win_a_tie_and_more_must_be_clearly_faster():
+    t = StepThreads((1, 2))
+    drive(t, {1: 3.0, 2: 2.0}, 60)
+    assert t.lanes[1].current == 2
+    drive(t, {1: 2.0, 2: 2.0}, 400)  # the same speed: the next try of 1 keeps it
+    assert t.lanes[1].current == 1
+    drive(t, {1: 2.0, 2: 1.9}, 400)  # 5% faster on 2: not enough to take the other core
+    assert t.lanes[1].current == 1
