@@ -7,13 +7,14 @@ holds more threads than cores and they sleep between ops), the same two threads 
 (docs/benchmarks.md, "`tiny` on the CPU"). Neither count wins everywhere, so the step thread times the steps it runs
 anyway: it starts on 1, tries the other count for a few steps now and then (sooner when the steps it runs slow
 down), and keeps whichever is faster (fewer threads on a tie; steps on fewer threads right after steps on more,
-while OpenMP's idle threads still spin, are not timed: ``SPIN_DOWN_S``). Decode steps choose per batch size; prefill
-steps (any step that feeds a prompt) per size class of the tokens they feed (a power of two), by their time per
-token, in fewer steps (they are long: less noise, and few), and never try the other count while the latest decode
-steps found it far slower (beside a busy process two threads prefill 2-7x slower too: OpenMP's waiting threads spin,
-and the scheduler runs them after the other process). Prefill and decode differ: on a quiet 2-core AMD EPYC VM, 2
-threads decoded ``tiny`` no faster than 1 and prefilled 4K 1.6x faster. Logits can differ in the last bits between
-counts (the BLAS picks other kernels), so outputs are bit-reproducible only with a fixed count.
+while OpenMP's idle threads still spin, are not timed: ``SPIN_DOWN_S``; a switch stands only if the new count's
+settled steps confirm the try: ``_Lane.confirm``). Decode steps choose per batch size; prefill steps (any step that
+feeds a prompt) per size class of the tokens they feed (a power of two), by their time per token, in fewer steps
+(they are long: less noise, and few), and never try the other count while the latest decode steps found it far
+slower (beside a busy process two threads prefill 2-7x slower too: OpenMP's waiting threads spin, and the scheduler
+runs them after the other process). Prefill and decode differ: on a quiet 2-core AMD EPYC VM, 2 threads decoded
+``tiny`` no faster than 1 and prefilled 4K 1.6x faster. Logits can differ in the last bits between counts (the BLAS
+picks other kernels), so outputs are bit-reproducible only with a fixed count.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class _Lane:
     """Timed steps on ``current`` since the last try."""
     probe_after: int = SETTLE_STEPS
     """Timed steps on ``current`` before the next try: the first right after settling."""
+    confirm: int | None = None
+    """The count a won try replaced, until ``current`` has settled: a switch stands only if the settled steps are
+    still faster by the margin the try had to show (a try is a few steps; on a noisy machine it can win by luck)."""
 
     def __post_init__(self) -> None:
         self.recent = deque(maxlen=self.settle)
@@ -176,6 +180,14 @@ class StepThreads:
         if known is None or lane.since == lane.settle:
             lane.figure[lane.current] = now
             known = now
+            if lane.confirm is not None:
+                before, lane.confirm = lane.confirm, None
+                if not self._faster(lane.current, before, now, lane.figure[before]):  # the win was luck: back
+                    lane.current = before
+                    lane.probe_after = min(max(FIRST_PROBE_AFTER, 2 * lane.probe_after), MAX_PROBE_AFTER)
+                    lane.skip, lane.since = lane.untimed, 0
+                    lane.recent.clear()
+                    return
         drifted = now > DRIFT_RATIO * known
         if drifted or lane.since >= lane.probe_after:
             other = self.counts[1] if lane.current == self.counts[0] else self.counts[0]
@@ -198,14 +210,20 @@ class StepThreads:
         if not lost and len(lane.tried) < lane.probe:
             return
         got = median(lane.tried)
-        faster = got <= DOWN_SWITCH_RATIO * base if lane.trying < lane.current else got < SWITCH_RATIO * base
-        self._end_try(lane, got, won=not lost and faster)
+        self._end_try(lane, got, won=not lost and self._faster(lane.trying, lane.current, got, base))
+
+    @staticmethod
+    def _faster(count: int, other: int, seconds: float, other_seconds: float) -> bool:
+        """Whether ``count``'s median step ``seconds`` beats ``other``'s by the margin a switch to it needs."""
+        if count < other:
+            return seconds <= DOWN_SWITCH_RATIO * other_seconds
+        return seconds < SWITCH_RATIO * other_seconds
 
     def _end_try(self, lane: _Lane, got: float, won: bool) -> None:
         assert lane.trying is not None
         lane.figure[lane.trying] = got
         if won:
-            lane.current, lane.probe_after = lane.trying, FIRST_PROBE_AFTER
+            lane.confirm, lane.current, lane.probe_after = lane.current, lane.trying, FIRST_PROBE_AFTER
         else:
             lane.probe_after = min(max(FIRST_PROBE_AFTER, 2 * lane.probe_after), MAX_PROBE_AFTER)
         lane.trying, lane.tried, lane.skip, lane.since = None, [], lane.untimed, 0

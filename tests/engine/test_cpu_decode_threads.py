@@ -277,3 +277,23 @@ def test_fewer_threads_win_a_tie_and_more_must_be_clearly_faster():
     assert t.lanes[1].current == 1
     drive(t, {1: 2.0, 2: 1.9}, 400)  # 5% faster on 2: not enough to take the other core
     assert t.lanes[1].current == 1
+
+
+def test_a_try_won_by_luck_is_undone_once_its_count_has_settled():
+    """The three timed steps of a try of 2 threads happen to be fast (2.5 ms against 1 thread's 3.0), its steps after
+    that are not (3.5): once 2 has settled, the switch is undone and the next try comes later."""
+    t = StepThreads((1, 2))
+    lucky = iter([2.5] * 4)  # the try: one untimed step and three timed
+
+    used = []
+    for _ in range(80):
+        n = t.pick(1)
+        used.append(n)
+        t.record(1, (next(lucky, 3.5) if n == 2 else 3.0) / 1000)
+    lane = t.lanes[1]
+    assert used[7:11] == [2] * 4, "the lucky try"
+    switched = used[11:].index(1) + 11
+    # after the switch: one untimed step and six settling ones on 2, then back
+    assert used[11:switched] == [2] * (1 + cpu_threads.SETTLE_STEPS)
+    assert lane.current == 1 and lane.figure[2] == 0.0035 and lane.probe_after > cpu_threads.FIRST_PROBE_AFTER
+    assert set(used[switched:]) == {1}
