@@ -9,7 +9,7 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels.moe import ROUTE_DECODE_MAX_TOKENS, add_norm_route, fused_moe, fused_moe_add_norm, moe_route
 from ..kernels.norm import add_rms_norm, rms_norm
-from .fused import DerivedWeights, residual_matmul, row_matmul_weight, weights
+from .fused import DerivedWeights, residual_matmul, row_matmul_weight, row_mm, weights
 
 
 class RMSNorm(nn.Module):
@@ -86,7 +86,7 @@ def swiglu_residual_rows(x: Tensor, residual: Tensor, w13: Tensor, w2: Tensor) -
     up in one matmul (w13 [D, 2F]: gate | up columns), silu and the product in place on its gate half, the add
     inside the down matmul (w2 [F, D]; ``fused.residual_matmul``: outputs match ``residual + ffn(x)`` to float
     rounding)."""
-    gu = torch.mm(x, w13)  # [N, 2F]: gate | up
+    gu = row_mm(x, w13)  # [N, 2F]: gate | up
     gate, up = torch.split_with_sizes(gu, [w2.shape[0], w2.shape[0]], 1)
     return residual_matmul(residual, F.silu(gate, inplace=True).mul_(up), w2)
 

@@ -9,9 +9,12 @@ training steps and ``.to()`` all invalidate them. On a CPU they are packed into 
 
 from __future__ import annotations
 
+import functools
 import mmap
 import operator
 import sys
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -59,21 +62,97 @@ def lossless_dtype(w: Tensor) -> torch.dtype:
 
 
 def row_matmul(x: Tensor, w: Tensor) -> Tensor:
-    """x [N, in] @ w [in, out] -> [N, out]. Eagerly a BLAS matmul; while ``torch.compile`` traces, a product and a
+    """x [N, in] @ w [in, out] -> [N, out]. Eagerly ``row_mm``; while ``torch.compile`` traces, a product and a
     sum over ``in``, which inductor's C++ turns into one vectorized loop that reads each weight once (w from
     ``reduction_weight``; a bfloat16 w is summed in x's float32): for a few rows faster than BLAS's one-row matmul,
     which reads weights at well below the memory's rate (bench/cpu_paths.py, ``reduction``)."""
     if torch.compiler.is_compiling():
         return (x[:, None, :] * w.t()).sum(-1)
-    return torch.mm(x, w)  # what ``x @ w`` calls for 2-d operands, without matmul's dispatch on top
+    return row_mm(x, w)
+
+
+HALF_ROW_WEIGHTS = True
+"""``row_mm`` and ``residual_matmul`` read a float32 weight as packed float16 (FBGEMM's float16-weight GEMM: float32
+activations, products and sums, the weight widened in registers) where FBGEMM is there (x86) and float16 holds the
+weight to within ``HALF_MAX_ERROR``: a one-row matmul streams half the bytes, and FBGEMM's kernel reads them near
+a core's read rate where the BLAS's float32 one-row matmul runs at half of it (2-core EPYC VM, one thread, weights
+beyond the caches: 24-31 GB/s of float16 against 16-22 of float32; a 256 x 2048 matmul 33 us against 124)."""
+HALF_MAX_ERROR = 6e-8
+"""The largest change of a weight float16 may make for ``HALF_ROW_WEIGHTS``: below float32's rounding of any sum
+the weight enters. ``tiny`` (a bfloat16 checkpoint): 825 of its 9.0 M weights change, each by at most 3e-8 (all of
+magnitude below 6e-8, under float16's normal range); its logits move by ~1e-6 relative, as float32 summation order."""
+
+HALF_MAX_ROWS = 8
+"""Rows of x up to which ``HALF_ROW_WEIGHTS`` applies (decode steps); prefill's many rows stay on the BLAS."""
+
+_HALF: dict[int, tuple[weakref.ref[Tensor], int, Tensor | None, Tensor]] = {}
+"""id of a float32 row-matmul weight -> (a weak reference to it, its version then, its FBGEMM float16 pack or None,
+a zero bias)."""
+
+
+def _half_pack(w: Tensor) -> tuple[Tensor | None, Tensor]:
+    """The FBGEMM float16 pack of w [in, out] (a float32 CPU tensor) and a zero bias [out], made on first use and
+    kept while w lives unchanged (a rebuilt derived weight is a new tensor; one changed in place is packed again);
+    None where float16 cannot hold w within
+    ``HALF_MAX_ERROR`` or FBGEMM is not in this build of torch."""
+    hit = _HALF.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == _version(w):
+        return hit[2], hit[3]
+    packed = None
+    zero = torch.zeros(w.shape[1], dtype=torch.float32)
+    if _fbgemm_fp16() and w.dim() == 2 and w.numel():
+        half = w.to(torch.float16)
+        if bool((half.float() - w).abs().max() <= HALF_MAX_ERROR):
+            with warnings.catch_warnings():  # torch marks the FBGEMM float16 ops deprecated (they still ship)
+                warnings.simplefilter("ignore")
+                packed = torch.fbgemm_pack_gemm_matrix_fp16(w.t().contiguous())
+                torch.fbgemm_linear_fp16_weight(torch.zeros(1, w.shape[0]), packed, zero)  # its warning, once
+    for key in [k for k, v in _HALF.items() if v[0]() is None]:  # the packs of weights gone
+        del _HALF[key]
+    _HALF[id(w)] = (weakref.ref(w), _version(w), packed, zero)
+    return packed, zero
+
+
+def _version(w: Tensor) -> int:
+    """w's version counter; -1 for an inference tensor, which has none (nothing changes one in place but
+    inference-mode code)."""
+    return -1 if w.is_inference() else w._version
+
+
+@functools.cache
+def _fbgemm_fp16() -> bool:
+    return hasattr(torch, "fbgemm_linear_fp16_weight") and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def _half(x: Tensor, w: Tensor) -> bool:
+    """Whether ``row_mm`` may run x @ w on FBGEMM's float16 pack of w."""
+    return HALF_ROW_WEIGHTS and x.shape[0] <= HALF_MAX_ROWS and w.dtype == torch.float32 == x.dtype \
+        and w.device.type == "cpu" and not w.requires_grad
+
+
+def row_mm(x: Tensor, w: Tensor) -> Tensor:
+    """x [N, in] @ w [in, out] on a CPU's eager decode path: ``torch.mm``, or with ``HALF_ROW_WEIGHTS`` (a float32 x
+    of up to ``HALF_MAX_ROWS`` rows and w) FBGEMM's float16-weight GEMM (``_half_pack``)."""
+    if _half(x, w):
+        packed, zero = _half_pack(w)
+        if packed is not None:
+            return torch.fbgemm_linear_fp16_weight(x, packed, zero)
+    return torch.mm(x, w)
 
 
 def residual_matmul(residual: Tensor, x: Tensor, w: Tensor) -> Tensor:
     """residual [N, out] + x [N, in] @ w [in, out], eagerly. float32: one ``torch.addmm`` (the add inside the
     matmul's call, one op fewer; the same values as the separate add on tiny's layouts, else within float32's
-    rounding). Other dtypes: the separate matmul and add, as a half-precision addmm would round the sum once where
+    rounding), or with ``HALF_ROW_WEIGHTS`` (``row_mm``) FBGEMM's float16-weight GEMM with the one row's residual
+    as its bias. Other dtypes: the separate matmul and add, as a half-precision addmm would round the sum once where
     the separate ops round the product first."""
     if residual.dtype == torch.float32:
+        if _half(x, w):
+            packed, zero = _half_pack(w)
+            if packed is not None:
+                if residual.shape[0] == 1:
+                    return torch.fbgemm_linear_fp16_weight(x, packed, residual.reshape(-1))
+                return residual + torch.fbgemm_linear_fp16_weight(x, packed, zero)
         return torch.addmm(residual, x, w)
     return residual + torch.mm(x, w)
 
@@ -194,5 +273,5 @@ class ParamWatch:
 _VERSION = operator.attrgetter("_version")
 
 
-__all__ = ["DerivedWeights", "ParamWatch", "huge_page_zeros", "lossless_dtype", "pack", "reduction_weight",
-           "residual_matmul", "row_matmul", "row_matmul_weight", "weights"]
+__all__ = ["HALF_ROW_WEIGHTS", "DerivedWeights", "ParamWatch", "huge_page_zeros", "lossless_dtype", "pack",
+           "reduction_weight", "residual_matmul", "row_matmul", "row_matmul_weight", "row_mm", "weights"]

@@ -11,7 +11,8 @@ from ..kernels.kda.decode import kda_decode
 from ..kernels.linear import MATVEC_MAX_ROWS, linear
 from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
-from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, weights
+from .fused import (DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, row_mm,
+                    weights)
 
 GATE_IN_KERNEL_MAX_ROWS = 8
 """Decode batches of up to this many sequences run the gates' second projections (f_b, g_b) inside
@@ -279,8 +280,8 @@ class KDAAttention(nn.Module):
         HK, Dc = H * K, self.conv_dim
         f32 = torch.float32
         w_in, w_gate, conv_w, gate_bias, neg_a, qk_scale, w_out, eps_qk, eps_o = w
-        new, fa_ga, b = torch.split_with_sizes(torch.mm(x, w_in), [Dc, K + V, H], 1)  # [1, Dc + K + V + H]
-        fg = torch.mm(fa_ga, w_gate)  # [1, H*K + H*V]: raw gate + dt_bias | output gate logits, float32
+        new, fa_ga, b = torch.split_with_sizes(row_mm(x, w_in), [Dc, K + V, H], 1)  # [1, Dc + K + V + H]
+        fg = row_mm(fa_ga, w_gate)  # [1, H*K + H*V]: raw gate + dt_bias | output gate logits, float32
         raw, og = torch.split_with_sizes((fg if fg.dtype == f32 else fg.float()).add_(gate_bias), [HK, H * V], 1)
         seq = torch.cat([tails, new if new.dtype == tails.dtype else new.to(tails.dtype)])  # [W, Dc]
         tails.copy_(seq[1:])
@@ -305,7 +306,7 @@ class KDAAttention(nn.Module):
         o = o if o.dtype == x.dtype else o.to(x.dtype)
         if residual is not None:
             return residual_matmul(residual, o, w_out)
-        return torch.mm(o, w_out)
+        return row_mm(o, w_out)
 
     def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],

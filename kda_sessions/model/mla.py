@@ -11,7 +11,8 @@ from ..kernels.linear import head_linear, linear
 from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
-from .fused import DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, weights
+from .fused import (DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, row_mm,
+                    weights)
 
 
 class MLAttention(nn.Module):
@@ -220,11 +221,11 @@ class MLAttention(nn.Module):
         than as the transposed one of q @ lat^T, and ~1.3x faster than batched). Returns (out [1, D], plus
         ``residual`` where given; the new latent row [1, r + dr])."""
         H, dr, r = self.H, self.dr, self.r
-        y = torch.mm(x, w[0])
+        y = row_mm(x, w[0])
         # views taken by one split: each op of a step costs a few microseconds (as do casts that change nothing)
         q, c, k_pe = torch.split_with_sizes(y, [y.shape[1] - r - dr, r, dr], 1)
         if len(w) == 3:
-            q = torch.mm(self._norm(self.q_a_layernorm, q, False), w[2])
+            q = row_mm(self._norm(self.q_a_layernorm, q, False), w[2])
         latent = torch.cat([self._norm(self.kv_a_layernorm, c, False), k_pe], dim=-1)  # [1, r + dr]
         new = latent if latent.dtype == lat.dtype else latent.to(lat.dtype)  # as the pages will hold it
         new = new if new.dtype == x.dtype else new.to(x.dtype)
@@ -239,7 +240,7 @@ class MLAttention(nn.Module):
         o_lat = torch.addmm(p_new * new, p_old, lat)[:, :r].reshape(1, H * r)
         if residual is not None:
             return residual_matmul(residual, o_lat, w[1]), latent
-        return torch.mm(o_lat, w[1]), latent
+        return row_mm(o_lat, w[1]), latent
 
     @staticmethod
     def _norm(norm: nn.Module, x: Tensor, compiling: bool) -> Tensor:

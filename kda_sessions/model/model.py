@@ -30,6 +30,7 @@ from .fused import (
     reduction_weight,
     row_matmul,
     row_matmul_weight,
+    row_mm,
     weights,
 )
 from .kda import KDAAttention
@@ -367,7 +368,7 @@ class HybridModel(nn.Module):
             h = plan.norm(2 * i + 1, x)
             x = swiglu_residual_rows(h, x, *ffns[i])
             h = plan.norm(2 * i + 2, x)
-        logits = torch.mm(h, plan.head)  # [N, vocab]
+        logits = row_mm(h, plan.head)  # [N, vocab]
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def _layers(self) -> list[DecoderLayer]:
