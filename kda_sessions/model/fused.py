@@ -93,8 +93,7 @@ a zero bias)."""
 def _half_pack(w: Tensor) -> tuple[Tensor | None, Tensor]:
     """The FBGEMM float16 pack of w [in, out] (a float32 CPU tensor) and a zero bias [out], made on first use and
     kept while w lives unchanged (a rebuilt derived weight is a new tensor; one changed in place is packed again);
-    None where float16 cannot hold w within
-    ``HALF_MAX_ERROR`` or FBGEMM is not in this build of torch."""
+    None where float16 cannot hold w within ``HALF_MAX_ERROR`` or FBGEMM is not in this build of torch."""
     hit = _HALF.get(id(w))
     if hit is not None and hit[0]() is w and hit[1] == _version(w):
         return hit[2], hit[3]
