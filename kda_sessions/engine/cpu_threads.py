@@ -47,10 +47,11 @@ DOWN_SWITCH_RATIO = 1.0
 slower): fewer threads leave the other cores to the machine, so a tie goes to them; more must be clearly faster."""
 SPIN_DOWN_S = 0.025
 """After a step on more threads, OpenMP's idle threads spin on the cores for a while before they sleep (libgomp's
-default wait policy), and steps on fewer threads meanwhile run slower: on a 2-core AMD EPYC VM ``tiny``'s 1-thread
-decode steps took 3.3-3.6 ms for ~10-14 ms after 2-thread steps, 2.7-2.9 after. Decode steps on fewer threads are
-not timed until this much step time has passed since the last step on more (timed there, a try of 1 thread lost to
-the 2 threads that were 20% slower in steady state, and "auto" decoded below a fixed 1 thread)."""
+default wait policy), and steps on fewer threads meanwhile can run slower: on a 2-core AMD EPYC VM, with the BLAS's
+float32 matmuls, ``tiny``'s 1-thread decode steps took 3.3-3.6 ms for ~10-14 ms after 2-thread steps and 2.7-2.9
+after, so tries of 1 thread lost to 2 threads 20% slower in steady state (``bench/cpu_step.py``'s ``spin_down``
+measures it; with the float16 packs' 2 ms steps it was within the VM's noise). Decode steps on fewer threads are not
+timed until this much step time has passed since the last step on more."""
 DRIFT_RATIO = 1.5
 """The chosen count's recent median above this multiple of its figure (the machine got busier): try the other now."""
 PREFILL_SETTLE_STEPS = 3

@@ -97,7 +97,7 @@ def _decode_kernel(
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
     wait took 255 registers and measured 10-13 us a step slower at 1 x 128K and 1 x 1M on the H200. Asking the L2
     for them before the wait instead, no registers held (``prefetch.global.L2::evict_last``): no faster at 1 x 128K,
-    2.42-2.44 ms a step against 2.44, and 51 us slower at 1 x 1M, 4.11 against 4.06; 2026-12-04.)
+    2.42-2.44 ms a step against 2.44, and 51 us slower at 1 x 1M, 4.11 against 4.06.)
 
     The conv tails shift here too. A program's V block of v channels is read by that program alone: it shifts them
     itself once all its threads have read them. The head's q and k channels are read by all of its V blocks: the

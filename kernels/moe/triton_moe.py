@@ -97,7 +97,7 @@ reduction for all nine takes 138 and measured slower (``--moe-chain 1 --chain-sw
 a layer against 42.3, a reduction after every pair 42.3).
 
 Up and down as one launch, the down programs after the up ones in the grid, each spinning on per-pair counts of
-the up programs done (2026-12-04, H200, bits equal): the MoE block 51.2-51.6 us a layer against 40.6, the 1 x 128K
+the up programs done (H200, bits equal): the MoE block 51.2-51.6 us a layer against 40.6, the 1 x 128K
 step 2.65-2.69 ms against 2.44, 1 x 1M 4.29-4.32 against 4.06, with or without a sleep in the spin. A grid's
 programs start in order, so its down programs start only once every up program has, where the down launch's
 programs (PDL) are resident from the start of the up launch, loading their first tiles."""
