@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import sys
 import time
@@ -139,17 +138,14 @@ def spin_down(model: Any) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out")
     args = ap.parse_args()
     before = torch.get_num_threads()
     model = load_model("tiny")
     res = {"machine": common.machine(), "command": "python bench/cpu_step.py", "matvec": matvec(), "step": step(model),
            "spin_down": spin_down(model) if before > 1 else None}
     torch.set_num_threads(before)
-    text = json.dumps(res, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    common.emit(res, args.out)
 
 
 if __name__ == "__main__":
