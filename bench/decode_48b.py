@@ -190,8 +190,8 @@ def _twin32_forward(self: MoE, x: Tensor) -> Tensor:
     return (out + shared).to(x.dtype)
 
 
-def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm, next_norm) -> tuple[Tensor, Tensor]:
-    s, h = norm.residual(x, a)
+def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm, next_norm, defer: bool = False) -> tuple[Tensor, Tensor]:
+    s, h = norm.residual(x, a)  # never deferred: the next layer gets the normed rows
     return next_norm.residual(s, self(h))
 
 
@@ -232,7 +232,27 @@ PDL_ABLATIONS = {
 """Modes that turn one PDL use of the decode step off (the others as the library has them)."""
 
 
+def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
+    import kda_sessions.model.ffn as ffn_mod
+    import kda_sessions.model.model as model_mod
+
+    dense = (ffn_mod, "DENSE_DIRECT", True)
+    defer = (model_mod, "DEFER_NORM", True)
+    return {"new-dense": [dense], "new-defer": [defer], "new": [dense, defer]}
+
+
+FLAG_MODES = _flag_modes()
+"""Modes that turn library options on (A/B of a change not yet on by default): ``new-dense`` the dense FFN as a
+one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``new-defer`` each FFN block's norm in the next
+layer's input matvec (``model.DEFER_NORM``), ``new`` both. ``--greedy-modes`` runs the greedy check under them."""
+
+
 def _set_ablation(mode: str) -> None:
+    for patches in FLAG_MODES.values():  # every switch as the library has it, then the mode's
+        for mod, attr, _ in patches:
+            setattr(mod, attr, _SKIP_ORIGINALS.setdefault((mod.__name__, attr), getattr(mod, attr)))
+    for mod, attr, value in FLAG_MODES.get(mode, []):
+        setattr(mod, attr, value)
     for name, (mod, _) in PDL_ABLATIONS.items():
         mod.use_pdl = (lambda device: False) if mode == name else _USE_PDL
     for patches in SKIPS.values():  # every patched name as the library has it, then the mode's patches
@@ -273,13 +293,17 @@ def _skip_moe(h: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
     return s, h
 
 
+def _skip_moe_add(h: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, s: Tensor) -> Tensor:
+    return s
+
+
 def _skip_kda(qkv: Tensor, raw: Tensor, b: Tensor, *args: object, **kw: object) -> Tensor:
     state = args[5]
     assert isinstance(state, Tensor)
     return qkv.new_empty(b.shape[0], b.shape[1], state.shape[-1])
 
 
-def _skip_linear(x: Tensor, w: Tensor) -> Tensor:
+def _skip_linear(x: Tensor, w: Tensor, norm: object = None) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -304,7 +328,7 @@ def _skips() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
 
     return {
         "skip-router": [(ffn_mod, "add_norm_route", _skip_route)],
-        "skip-moe": [(ffn_mod, "fused_moe_add_norm", _skip_moe)],
+        "skip-moe": [(ffn_mod, "fused_moe_add_norm", _skip_moe), (ffn_mod, "fused_moe_add", _skip_moe_add)],
         "skip-kda": [(kda_mod, "kda_decode", _skip_kda)],
         "skip-matvec": [(kda_mod, "linear", _skip_linear), (mla_mod, "linear", _skip_linear),
                         (mla_mod, "head_linear", _skip_head_linear)],
@@ -621,10 +645,11 @@ def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
     return res
 
 
-def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
+def greedy_case(model: HybridModel, L: int, steps: int, device: str, graphed: tuple[str, ...] = ("fused",)) -> dict:
     """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays), with its naive
     twin (eager, bf16) and with the twin in float32, from the same states; the tokens of each and the first
-    step's logits difference (relative RMS) of each pair."""
+    step's logits difference (relative RMS) of each pair. ``graphed``: the graph-replayed modes (``fused`` and
+    others, e.g. ``new``), each compared with both twins."""
     P = 64
     pages = -(-(L + steps + 1) // P)
     pools = model.allocate_pools(1, pages, P)
@@ -638,11 +663,11 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
     table = [list(range(pages))]
     out: dict = {"context": L, "steps": steps}
     first: dict[str, Tensor] = {}
-    for mode in ("fused", "twin", "twin32"):
+    for mode in (*graphed, "twin", "twin32"):
         for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
             t.copy_(v)
         set_moe_mode(model, mode)
-        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode == "fused")
+        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode not in ("twin", "twin32"))
         tok, toks = 1, []
         for i in range(steps):
             logits = graphs.run([tok], [0], [L + 1 + i], table)
@@ -653,10 +678,11 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str) -> dict:
         out[f"{mode}_tokens"] = toks
         del graphs
     set_moe_mode(model, "fused")
-    out["same_tokens"] = out["fused_tokens"] == out["twin_tokens"]
-    out["same_tokens_fused_twin32"] = out["fused_tokens"] == out["twin32_tokens"]
+    out["same_tokens"] = all(out[f"{g}_tokens"] == out["twin_tokens"] for g in graphed)
+    for g in graphed:
+        out[f"same_tokens_{g}_twin32"] = out[f"{g}_tokens"] == out["twin32_tokens"]
     out["same_tokens_twin_twin32"] = out["twin_tokens"] == out["twin32_tokens"]
-    for a, b in (("fused", "twin"), ("fused", "twin32"), ("twin", "twin32")):
+    for a, b in [*((g, t) for g in graphed for t in ("twin", "twin32")), ("twin", "twin32")]:
         out[f"first_logits_rel_rms_{a}_{b}"] = float((first[a] - first[b]).norm() / first[b].norm())
     return out
 
@@ -704,6 +730,89 @@ def profile_case(model: HybridModel, L: int, device: str, top: int = 40, graphed
     return out
 
 
+KERNEL_CLASSES = [  # (class, pattern of the kernel's name), first match wins
+    ("router", r"_route_decode_kernel"), ("moe_up", r"_up_direct_kernel"), ("moe_down", r"_down_direct_kernel"),
+    ("kda_decode", r"_decode_kernel"), ("matvec", r"_matvec_kernel"), ("mla_split", r"split"),
+    ("mla_combine", r"combine"), ("mla_prep", r"prep"), ("lm_head_cublas", r"gemv|gemm|cublas|sm90_xmma|nvjet"),
+    ("norm", r"norm"), ("embedding", r"index|embedding"), ("elementwise", r"elementwise|copy|fill|Memset"),
+]
+
+
+def _kernel_class(name: str) -> str:
+    for cls, pat in KERNEL_CLASSES:
+        if re.search(pat, name, re.IGNORECASE):
+            return cls
+    return "other"
+
+
+def timeline_case(model: HybridModel, L: int, device: str, keep: int = 40) -> dict:
+    """One graph replay of the decode step (batch 1, context L) under the torch profiler, kernel by kernel in
+    launch order: each kernel's start, end and what it adds to the step (its end past the latest end before it;
+    with PDL a kernel starts before the one before ends, so its duration includes that wait). Summed by class
+    (``KERNEL_CLASSES``): where the step's time goes, waits and tails included, to set against each class's
+    bytes. ``keep``: the first that many kernels listed one by one."""
+    P = 64
+    pages = -(-(L + 1) // P)
+    pools = model.allocate_pools(1, pages, P)
+    graphs = DecodeGraphs(model, pools, max_batch=1)
+    args = ([1], [0], [L + 1], [list(range(pages))])
+    for _ in range(3):
+        graphs.run(*args)
+    torch.cuda.synchronize()
+    from torch.profiler import ProfilerActivity, profile
+
+    n = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            graphs.run(*args)
+            torch.cuda.synchronize()
+    ev = sorted((e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA),
+                key=lambda e: e.time_range.start)
+    per = len(ev) // n
+    steps = []
+    for i in range(n):
+        one = ev[i * per:(i + 1) * per]
+        t0, last = one[0].time_range.start, one[0].time_range.start
+        rows = []
+        for e in one:
+            end = e.time_range.end
+            rows.append({"name": e.name[:80], "class": _kernel_class(e.name), "start_us": round(e.time_range.start - t0, 2),
+                         "dur_us": round(end - e.time_range.start, 2), "adds_us": round(max(0.0, end - last), 2)})
+            last = max(last, end)
+        steps.append(rows)
+    by_class: dict[str, list[float]] = {}
+    for rows in steps:
+        sums: dict[str, float] = {}
+        for r in rows:
+            sums[r["class"]] = sums.get(r["class"], 0.0) + r["adds_us"]
+        for c, v in sums.items():
+            by_class.setdefault(c, []).append(v)
+    spans = [rows[-1]["start_us"] + rows[-1]["dur_us"] for rows in steps]
+    counts: dict[str, int] = {}
+    for r in steps[-1]:
+        counts[r["class"]] = counts.get(r["class"], 0) + 1
+    del graphs
+    return {"context": L, "kernels_per_step": per, "span_us_median": round(statistics.median(spans), 1),
+            "adds_us_median_by_class": {c: round(statistics.median(v), 1) for c, v in
+                                        sorted(by_class.items(), key=lambda kv: -statistics.median(kv[1]))},
+            "launches_by_class": counts, "first_kernels": steps[-1][:keep], "last_kernels": steps[-1][-8:]}
+
+
+def read_rate_case(reps: int, gb: float = 1.2) -> dict:
+    """HBM rates on this GPU over ``gb`` GB (beyond the L2): a copy (read + write, bytes counted both ways), a
+    float32 sum of a bf16 tensor (read only), graph replays: the ceilings the step's kernels stand against."""
+    n = int(gb * 1e9 / 2)
+    a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
+    b = torch.empty_like(a)
+    out = torch.empty((), dtype=torch.float32, device="cuda")
+    copy_us = graph_us(lambda: b.copy_(a), reps)
+    sum_us = graph_us(lambda: torch.sum(a, dtype=torch.float32, out=out), reps)
+    del a, b
+    torch.cuda.empty_cache()
+    return {"GB": gb, "copy_us": round(copy_us, 1), "copy_TB_per_s": round(2 * n * 2 / copy_us / 1e6, 3),
+            "sum_us": round(sum_us, 1), "read_TB_per_s": round(n * 2 / sum_us / 1e6, 3)}
+
+
 def gemv_case(reps: int) -> list[dict]:
     """cuBLAS ``x @ W.T`` at 1 and 8 rows for the step's non-routed weight shapes, as graph replays: GB/s of weight
     read (what the decode step's dense matvecs achieve). ``_t`` rows hold the weight as [D, N] (the layout of the
@@ -735,6 +844,8 @@ def main() -> None:
     ap.add_argument("--moe-tokens", default="1,8,32,256,2048", help="token counts of the MoE-layer-alone timings")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--greedy-steps", type=int, default=8, help="greedy steps, fused MoE vs its naive twin")
+    ap.add_argument("--greedy-modes", default="fused",
+                    help="graph-replayed modes of the greedy check, each against the twins (e.g. fused,new)")
     ap.add_argument("--greedy-layers", type=int, default=4,
                     help="depth of the real-width model of the greedy check (27 random layers amplify bf16 rounding)")
     ap.add_argument("--gemv", action="store_true", help="also time cuBLAS matvecs of the non-routed weight shapes")
@@ -746,6 +857,8 @@ def main() -> None:
     ap.add_argument("--chain-sweep", action="store_true", help="the chain at one token also under other direct tiles (PDL on)")
     ap.add_argument("--alt-direct-from", type=Path,
                     help="a --moe-chain --chain-sweep JSON: mode fused-alt runs its fastest up and down tiles")
+    ap.add_argument("--timeline", default="", help="contexts of a one-replay kernel timeline (batch 1), e.g. 131072")
+    ap.add_argument("--read-rate", action="store_true", help="also time a copy and a read-only sum beyond the L2")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     results: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -767,7 +880,8 @@ def main() -> None:
     def greedy() -> None:
         small = build(config(args.quick, args.greedy_layers), args.device)
         results["greedy"] = {"layers": small.config.num_hidden_layers,
-                             **greedy_case(small, 8192 if not args.quick else 100, args.greedy_steps, args.device)}
+                             **greedy_case(small, 8192 if not args.quick else 100, args.greedy_steps, args.device,
+                                           tuple(args.greedy_modes.split(",")))}
         log(json.dumps(results["greedy"]))
 
     if args.alt_direct_from is not None:
@@ -782,7 +896,8 @@ def main() -> None:
         guarded("greedy", greedy)
         if args.device == "cuda":
             torch.cuda.empty_cache()
-    if not args.cases and not (args.moe_tokens and args.device == "cuda") and not args.profile:
+    if not args.cases and not (args.moe_tokens and args.device == "cuda") and not args.profile \
+            and not args.timeline and not args.read_rate:
         return
     model = build(config(args.quick), args.device)
     results["params"] = sum(p.numel() for p in model.parameters())
@@ -815,6 +930,13 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
         guarded("profile", prof)
+    for L in [int(v) for v in args.timeline.split(",") if v]:
+        guarded(f"timeline {L}", lambda L=L: results.setdefault("timeline", []).append(
+            timeline_case(model, min(L, 256) if args.quick else L, args.device)))
+        log(json.dumps({k: v for k, v in results["timeline"][-1].items() if k.endswith("class")}))
+        torch.cuda.empty_cache()
+    if args.read_rate:
+        guarded("read_rate", lambda: results.__setitem__("read_rate", read_rate_case(args.reps)))
     if args.gemv:
         guarded("gemv", lambda: results.__setitem__("gemv", gemv_case(args.reps)))
     log(json.dumps({k: v for k, v in results.items() if k in ("moe_layer", "gemv", "errors")}))

@@ -7,7 +7,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.moe import ROUTE_DECODE_MAX_TOKENS, add_norm_route, fused_moe, fused_moe_add_norm, moe_route
+from ..kernels.moe import (
+    ROUTE_DECODE_MAX_TOKENS,
+    add_norm_route,
+    fused_moe,
+    fused_moe_add,
+    fused_moe_add_norm,
+    moe_route,
+)
 from ..kernels.norm import add_rms_norm, rms_norm
 from .fused import DerivedWeights, residual_matmul, row_matmul_weight, row_mm, weights
 
@@ -49,6 +56,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, width, bias=False)
         self.up_proj = nn.Linear(dim, width, bias=False)
         self.down_proj = nn.Linear(width, dim, bias=False)
+        self._stacked: Tensor | None = None
         self._cpu = DerivedWeights(lambda: weights(self, ("gate_proj", "up_proj", "down_proj")), self._cpu_weights)
         self.fast_cpu = True
         """On a CPU without autograd: gate and up in one matmul, weights [in, out] (False: the three linears)."""
@@ -63,6 +71,64 @@ class SwiGLU(nn.Module):
         """residual + this FFN of x, both [N, D], on a CPU without autograd (``swiglu_residual_rows``)."""
         return swiglu_residual_rows(x, residual, *self._cpu.get())
 
+    @torch.no_grad()
+    def stack(self) -> None:
+        """Move gate_proj's and up_proj's weights into one tensor w13 [1, 2F, D] (gate rows, then up) that the two
+        parameters then view, down_proj's viewed as w2 [1, D, F]: memory and checkpoint names unchanged. On a GPU
+        a decode batch then runs this FFN as a one-expert MoE in the direct MoE kernels (``residual_block``): two
+        PDL launches with the residual add and norm after it, not three GEMMs and two elementwise kernels. A later
+        ``.to()`` breaks the views; the path then turns itself off."""
+        if self._fused_weights() is not None:
+            return
+        g = self.gate_proj.weight
+        w13 = g.new_empty(1, 2 * g.shape[0], g.shape[1])
+        w13[0, : g.shape[0]].copy_(g)
+        w13[0, g.shape[0]:].copy_(self.up_proj.weight)
+        self._view_stacked(w13)
+
+    def allocate_stacked(self, device: torch.device | str, dtype: torch.dtype) -> None:
+        """Uninitialised stacked storage (as ``stack`` lays it out) for gate_proj and up_proj, for a loader to fill
+        (the model built on the meta device)."""
+        F_, D = self.gate_proj.weight.shape
+        self._view_stacked(torch.empty(1, 2 * F_, D, device=device, dtype=dtype))
+
+    def _view_stacked(self, w13: Tensor) -> None:
+        F_ = w13.shape[1] // 2
+        self.gate_proj.weight = nn.Parameter(w13[0, :F_], requires_grad=self.gate_proj.weight.requires_grad)
+        self.up_proj.weight = nn.Parameter(w13[0, F_:], requires_grad=self.up_proj.weight.requires_grad)
+        self._stacked = w13
+
+    def _fused_weights(self) -> tuple[Tensor, Tensor] | None:
+        """(w13 [1, 2F, D], w2 [1, D, F]) while gate_proj and up_proj view the stacked storage and down_proj's
+        weight is contiguous, else None."""
+        w13 = self._stacked
+        if w13 is None:
+            return None
+        F_ = w13.shape[1] // 2
+        g, u, w2 = self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight
+        if g.data_ptr() != w13.data_ptr() or u.data_ptr() != w13[0, F_:].data_ptr() or g.dtype != w13.dtype \
+                or g.device != w13.device or not w2.is_contiguous() or w2.dtype != w13.dtype:
+            self._stacked = None
+            return None
+        return w13, w2.unsqueeze(0)
+
+    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm, defer: bool = False
+                       ) -> tuple[Tensor, Tensor | None]:
+        """The residual add and ``norm`` before this FFN, the FFN, and the residual add and ``next_norm`` after
+        it: x, a [T, D] -> (s = x + a + ffn(norm(x + a)), next_norm(s)). On a GPU, stacked (``stack``), up to
+        ``DENSE_DIRECT_MAX_TOKENS`` tokens: the FFN as a one-expert MoE (``kernels.moe.fused_moe_add_norm``, the
+        add and norm after it in its launches; with ``defer``, ``fused_moe_add`` and (s, None): ``next_norm`` is
+        left to the caller's next matvec). Otherwise ``norm.residual``, this module's call (its hooks run),
+        ``next_norm.residual``."""
+        s, h = norm.residual(x, a)
+        fused = self._fused_weights() if x.is_cuda and 0 < x.shape[0] <= DENSE_DIRECT_MAX_TOKENS else None
+        if fused is None or not DENSE_DIRECT:
+            return next_norm.residual(s, self(h))
+        chosen, weights = _one_expert(x.shape[0], x.dtype, x.device)
+        if defer:
+            return fused_moe_add(h, fused[0], fused[1], chosen, weights, s), None
+        return fused_moe_add_norm(h, fused[0], fused[1], chosen, weights, s, next_norm.weight, next_norm.eps)
+
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]."""
         if self.fast_cpu and not x.is_cuda and not torch.is_grad_enabled():  # the derived weights are detached
@@ -70,6 +136,33 @@ class SwiGLU(nn.Module):
             gate, up = (x @ w13).chunk(2, dim=-1)  # [T, F] each
             return (F.silu(gate).mul_(up)) @ w2
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+DENSE_DIRECT = False
+"""A stacked dense FFN's decode batch on a GPU runs in the direct MoE kernels (``SwiGLU.residual_block``). Off until
+verified on a GPU: on the H200 at the 48B shape it took the 1 x 128K / 1 x 1M step 11 us shorter (the dense
+layer's five cuBLAS and elementwise launches, 51 us, as two PDL launches, 40 us; ``bench/decode_48b.py`` modes
+``new-dense`` against ``fused``), but that run's greedy check (``--greedy-steps 8``: the graphed step against its
+eager twin) failed with two other changes on (since removed); ``tests/model/test_cuda_graph_decode.py``'s
+``test_one_token_step_options_on_cuda`` and that check decide it."""
+
+DENSE_DIRECT_MAX_TOKENS = 16
+"""Up to this many tokens (the direct MoE kernels' range); more run the three GEMMs."""
+
+_ONE_EXPERT: dict[tuple[torch.dtype, torch.device], tuple[Tensor, Tensor]] = {}
+
+
+def _one_expert(T: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The routing of a dense FFN run as a one-expert MoE: expert 0, weight 1, for T tokens ([T, 1] each). Made
+    once per dtype and device outside a CUDA graph capture and sliced; during a capture without them, fresh ones."""
+    key = (dtype, device)
+    got = _ONE_EXPERT.get(key)
+    if got is None:
+        got = (torch.zeros(DENSE_DIRECT_MAX_TOKENS, 1, dtype=torch.int64, device=device),
+               torch.ones(DENSE_DIRECT_MAX_TOKENS, 1, dtype=dtype, device=device))
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _ONE_EXPERT[key] = got
+    return got[0][:T], got[1][:T]
 
 
 def rms_rows(x: Tensor, weight: Tensor, dim: Tensor, eps: Tensor) -> Tensor:
@@ -227,13 +320,15 @@ class MoE(nn.Module):
         E = len(self.experts)
         return fused[0][:E], fused[1][:E]
 
-    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm) -> tuple[Tensor, Tensor]:
+    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm, defer: bool = False
+                       ) -> tuple[Tensor, Tensor | None]:
         """The residual add and ``norm`` before this layer, the layer, and the residual add and ``next_norm`` after
         it: x, a [T, D] -> (s = x + a + this layer of norm(x + a), next_norm(s)). On a GPU with stacked experts
         (the shared one among them), for a decode batch, both adds and norms run inside the layer's launches:
         the first in the router's (``add_norm_route``), the second in the down kernel's (``fused_moe_add_norm``),
-        three launches for the whole block. Otherwise ``norm.residual``, this module's call (its hooks run),
-        ``next_norm.residual``."""
+        three launches for the whole block; with ``defer`` the down kernel only adds (``fused_moe_add``) and this
+        returns (s, None): ``next_norm`` is left to the caller's next matvec (``kernels.linear.linear``'s
+        ``norm``). Otherwise ``norm.residual``, this module's call (its hooks run), ``next_norm.residual``."""
         fused = self._fused_weights() if x.is_cuda else None
         if fused is not None and (
             x.shape[0] > ROUTE_DECODE_MAX_TOKENS or fused[2] is None or self.shared_experts is None
@@ -246,6 +341,8 @@ class MoE(nn.Module):
         s, h, chosen, weights = add_norm_route(x, a, norm.weight, norm.eps, self.gate.weight,
                                                self.gate.e_score_correction_bias, self.top_k, self.renormalize,
                                                self.scale, shared_id)
+        if defer:
+            return fused_moe_add(h, w13, w2, chosen, weights, s), None
         return fused_moe_add_norm(h, w13, w2, chosen, weights, s, next_norm.weight, next_norm.eps)
 
     def forward(self, x: Tensor) -> Tensor:

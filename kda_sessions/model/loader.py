@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..errors import CheckpointError
-from .ffn import MoE
+from .ffn import MoE, SwiGLU
 from .model import HybridModel
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,10 @@ def _allocate(model: HybridModel, device: str | torch.device, dtype: torch.dtype
     for m in model.modules():
         if isinstance(m, MoE):
             m.allocate_stacked(device, dtype)
+    for layer in model.model.layers:
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, SwiGLU):
+            mlp.allocate_stacked(device, dtype)
     for mod_name, mod in model.named_modules():
         for pname, p in list(mod._parameters.items()):
             if p is not None and p.is_meta:

@@ -122,6 +122,25 @@ def test_direct_moe_with_the_norm_after_it_matches_the_twins(T: int, E: int, k: 
         assert int(_COUNTERS[("cpu", None)][1]) == 0
 
 
+@pytest.mark.parametrize("T,E,k,D,Fw", ADD_NORM_CASES[:2], ids=["T1-E8-k2", "T5-E8-k3"])
+def test_direct_moe_with_the_add_after_it_matches_the_twin(T: int, E: int, k: int, D: int, Fw: int) -> None:
+    """Each down program adds the residual to its own rows (no norm, no counter): the expert loop's output
+    added to the residual as ``add_rms_norm`` adds it; ``fused_moe_add`` on a CPU: exactly the twins' sum."""
+    from kda_sessions.kernels.moe import fused_moe_add
+    from kda_sessions.kernels.moe.triton_moe import DirectLaunch, fused_moe_direct_add
+    from kda_sessions.kernels.norm.naive import naive_add_rms_norm
+
+    x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T + 20)
+    res = torch.randn(T, D, generator=torch.Generator().manual_seed(T + 21))
+    ref = naive_fused_moe(x, w13, w2, chosen, weights)
+    rs, _ = naive_add_rms_norm(res, ref, torch.ones(D), 1e-6)
+    for cfg in (DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(2, 512, 2, 2, 512, 2)):
+        assert rel_rms(fused_moe_direct_add(x, w13, w2, chosen, weights, res, cfg), rs) < TOL
+    assert torch.equal(fused_moe_add(x, w13, w2, chosen, weights, res), res + ref)
+    with pytest.raises(ValueError, match="res must be"):
+        fused_moe_add(x, w13, w2, chosen, weights, res[:, :8])
+
+
 def test_fused_moe_add_norm_checks_shapes_and_runs_the_twins_on_a_cpu() -> None:
     from kda_sessions.kernels.moe import fused_moe_add_norm
     from kda_sessions.kernels.norm import add_rms_norm

@@ -310,6 +310,38 @@ def test_graph_replay_equals_eager_on_cuda():
         assert rel_err(x[:n], y[:n]) < 1e-5
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("flag", ["DENSE_DIRECT", "DEFER_NORM", "both"])
+def test_one_token_step_options_on_cuda(monkeypatch, flag):
+    """One sequence (the batch the step's options change), graph replays: the dense FFN as a one-expert MoE
+    (``ffn.DENSE_DIRECT``) and each FFN block's norm in the next layer's input matvec (``model.DEFER_NORM``),
+    against the step without them, from the same states: logits within 1e-4 (float32; other sum orders) and the
+    same argmax, step after step; the states after them within 1e-5."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.model import ffn
+    from kda_sessions.model import model as model_mod
+
+    model = load_model("tiny-random", device="cuda", dtype=torch.float32)
+    on, off = twins(model, [40], seed=12)
+    monkeypatch.setattr(ffn, "DENSE_DIRECT", False)
+    monkeypatch.setattr(model_mod, "DEFER_NORM", False)
+    plain = DecodeGraphs(model, off.pools)
+    for name in ("DENSE_DIRECT", "DEFER_NORM") if flag == "both" else (flag,):
+        monkeypatch.setattr(ffn if name == "DENSE_DIRECT" else model_mod, name, True)
+    graphs = DecodeGraphs(model, on.pools)
+    g = torch.Generator().manual_seed(13)
+    for step in range(6):
+        ids = torch.randint(0, 272, (1,), generator=g).tolist()
+        a = on.static_decode(graphs, [0], ids)
+        b = off.static_decode(plain, [0], ids)
+        assert rel_err(a, b) < 1e-4, step
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert graphs.replays == 6 and plain.replays == 6
+    for x, y in zip(on.pools.kda + on.pools.kv, off.pools.kda + off.pools.kv):
+        assert rel_err(x[:-1], y[:-1]) < 1e-5
+
+
 class PinnedRoutes:
     """``moe_route`` that records the CPU model's experts, call by call, and hands the same ones to the GPU
     model's calls in the same order. A near-tie between two experts resolves by the order of the float32 sums
@@ -379,14 +411,22 @@ def test_cuda_model_matches_the_cpu_model(monkeypatch):
 
 @pytest.mark.slow  # ~2.5 min on a 2-core VM: the decode steps' kernels run in Triton's interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (a CPU run)")
-def test_gpu_decode_branches_match_the_cpu_path(model, monkeypatch):
+@pytest.mark.parametrize("options", [False, True], ids=["default", "dense-defer"])
+def test_gpu_decode_branches_match_the_cpu_path(model, monkeypatch, options):
     """The decode step's GPU branches (KDA's decode with its output norm, the MoE block's adds and norms in the
     router's and the down kernel's launches, at one token and at three) run on a CPU through the interpreter,
     whose float32 dots are exact: the logits equal the CPU path's to 1e-5. The MLA decode takes its Triton split
-    kernel (the Gluon one and the SM count need a real device)."""
+    kernel (the Gluon one and the SM count need a real device). ``dense-defer``: with the dense FFN in the direct
+    MoE kernels (``ffn.DENSE_DIRECT``) and the norms after the FFN blocks in the next input matvecs
+    (``model.DEFER_NORM``, one token)."""
     import types
 
     from kda_sessions.kernels.mla import paged_decode
+    from kda_sessions.model import ffn
+    from kda_sessions.model import model as model_mod
+
+    monkeypatch.setattr(ffn, "DENSE_DIRECT", options)
+    monkeypatch.setattr(model_mod, "DEFER_NORM", options)
 
     monkeypatch.setattr(paged_decode, "gluon_split_ok", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=4))

@@ -7,7 +7,7 @@ import torch
 from kda_sessions.config import ConfigError, ModelConfig
 from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.model import CheckpointError, load_model, save_model
-from kda_sessions.model.ffn import MoE
+from kda_sessions.model.ffn import MoE, SwiGLU
 from kda_sessions.model.loader import BUILTIN_DIR
 
 from .helpers import Runner
@@ -171,3 +171,33 @@ def test_moe_stacked_experts_match_the_sparse_loop(T: int) -> None:
     assert torch.equal(moe(x), sparse)  # the CPU path is the loop, unchanged
     model.to(torch.float64)  # breaks the views: the stacked path turns itself off
     assert moe._stacked_weights() is None
+
+
+def test_dense_ffn_stack_keeps_weights_and_the_one_expert_twin_equals_it() -> None:
+    """SwiGLU.stack: gate and up view one [1, 2F, D] tensor (memory-neutral, names and values unchanged), and
+    the MoE twin over it with one expert of weight 1 equals the FFN; residual_block on a CPU is the unfused
+    path; ``.to()`` breaks the views and the stacked path turns itself off."""
+    model = load_model("tiny-random")
+    layer = next(la for la in model.model.layers if hasattr(la, "mlp"))
+    mlp = layer.mlp
+    assert isinstance(mlp, SwiGLU)
+    before = {n: t.clone() for n, t in mlp.state_dict().items()}
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5))
+    dense = mlp(x)
+    model.stack_experts()
+    fused = mlp._fused_weights()
+    assert fused is not None
+    w13, w2 = fused
+    F_ = mlp.gate_proj.weight.shape[0]
+    assert w13.shape == (1, 2 * F_, x.shape[1]) and mlp.gate_proj.weight.data_ptr() == w13.data_ptr()
+    after = mlp.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    one = torch.zeros(3, 1, dtype=torch.int64)
+    assert torch.allclose(naive_fused_moe(x, w13, w2, one, torch.ones(3, 1)), dense, rtol=1e-5, atol=1e-6)
+    a = torch.randn_like(x)
+    s, h = mlp.residual_block(x, a, layer.post_attention_layernorm, model.model.norm, defer=True)
+    s1, h1 = layer.post_attention_layernorm.residual(x, a)
+    s2, h2 = model.model.norm.residual(s1, mlp(h1))
+    assert h is not None and torch.equal(s, s2) and torch.equal(h, h2)  # a CPU never defers
+    model.to(torch.float64)
+    assert mlp._fused_weights() is None
