@@ -312,7 +312,8 @@ def _down_direct_kernel(
     first weight tiles are loaded before the PDL wait: their expert ids are the router's, which every program of
     the up kernel waited for before this launch could start; act is the up kernel's. (Asking the L2 for the other
     pairs' rows there too, ``prefetch.global.L2`` at normal or ``evict_last`` priority, measured slower on the H200:
-    the 1 x 128K step 2.57 ms against 2.44, 1 x 1M 4.19 against 4.06 / 4.11.) With NORM the last program
+    the 1 x 128K step 2.57 ms against 2.44, 1 x 1M 4.19 against 4.06 / 4.11. Loading every pair's id and routing
+    weight before the wait, as a vector, one reduction per pair to pick its own: the 1 x 1M step 37 us slower.) With NORM the last program
     to finish (an arrival counter, reset by it) adds the T rows of y to the residual rows res [T, D] and norms
     them as ``kernels.norm.add_rms_norm`` does: s_out = res + y, h_out = rms_norm(s_out) * norm_w (both [T, D]
     contiguous). With TRIGGER (a PDL launch of up to ``linear.MATVEC_MAX_ROWS`` tokens, whose next launch, the next
