@@ -806,9 +806,8 @@ def read_rate_case(reps: int, gb: float = 1.2) -> dict:
     n = int(gb * 1e9 / 2)
     a = torch.empty(n, dtype=torch.bfloat16, device="cuda").normal_()
     b = torch.empty_like(a)
-    out = torch.empty((), dtype=torch.float32, device="cuda")
     copy_us = graph_us(lambda: b.copy_(a), reps)
-    sum_us = graph_us(lambda: torch.sum(a, dtype=torch.float32, out=out), reps)
+    sum_us = graph_us(lambda: a.sum(dtype=torch.float32), reps)
     del a, b
     torch.cuda.empty_cache()
     return {"GB": gb, "copy_us": round(copy_us, 1), "copy_TB_per_s": round(2 * n * 2 / copy_us / 1e6, 3),
