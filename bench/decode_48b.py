@@ -687,10 +687,9 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str, graphed: tu
     return out
 
 
-def profile_case(model: HybridModel, L: int, device: str, top: int = 40, graphed: bool = False) -> dict:
-    """The decode step (batch 1, context L) under the torch profiler, eager or (``graphed``) as CUDA-graph
-    replays: kernel launches and device time per step, the top kernels by device time, and for graph replays the
-    step's wall time between CUDA events (its excess over the summed kernel time is launch gaps)."""
+def _profiled_steps(model: HybridModel, L: int, graphed: bool, n: int) -> tuple[DecodeGraphs, tuple, object]:
+    """n decode steps (batch 1, context L; eager or graph replays, after three untimed) under the torch profiler,
+    each synchronised: (the DecodeGraphs, the step's ``run`` arguments, the profiler)."""
     P = 64
     pages = -(-(L + 1) // P)
     pools = model.allocate_pools(1, pages, P)
@@ -701,11 +700,19 @@ def profile_case(model: HybridModel, L: int, device: str, top: int = 40, graphed
     torch.cuda.synchronize()
     from torch.profiler import ProfilerActivity, profile
 
-    n = 5
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             graphs.run(*args)
-        torch.cuda.synchronize()
+            torch.cuda.synchronize()
+    return graphs, args, prof
+
+
+def profile_case(model: HybridModel, L: int, device: str, top: int = 40, graphed: bool = False) -> dict:
+    """The decode step (batch 1, context L) under the torch profiler, eager or (``graphed``) as CUDA-graph
+    replays: kernel launches and device time per step, the top kernels by device time, and for graph replays the
+    step's wall time between CUDA events (its excess over the summed kernel time is launch gaps)."""
+    n = 5
+    graphs, args, prof = _profiled_steps(model, L, graphed, n)
     rows, kernels = [], []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
@@ -752,21 +759,8 @@ def timeline_case(model: HybridModel, L: int, device: str, keep: int = 40) -> di
     with PDL a kernel starts before the one before ends, so its duration includes that wait). Summed by class
     (``KERNEL_CLASSES``): where the step's time goes, waits and tails included, to set against each class's
     bytes. ``keep``: the first that many kernels listed one by one."""
-    P = 64
-    pages = -(-(L + 1) // P)
-    pools = model.allocate_pools(1, pages, P)
-    graphs = DecodeGraphs(model, pools, max_batch=1)
-    args = ([1], [0], [L + 1], [list(range(pages))])
-    for _ in range(3):
-        graphs.run(*args)
-    torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-
     n = 5
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(n):
-            graphs.run(*args)
-            torch.cuda.synchronize()
+    graphs, _, prof = _profiled_steps(model, L, True, n)
     ev = sorted((e for e in prof.events() if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
                  and not e.name.startswith("Memcpy")),  # the inputs' copy before each replay is not the step's
                 key=lambda e: e.time_range.start)
