@@ -802,8 +802,6 @@ def read_rate_case(reps: int, gb: float = 1.2) -> dict:
     b = torch.empty_like(a)
     copy_us = graph_us(lambda: b.copy_(a), reps)
     sum_us = graph_us(lambda: a.sum(dtype=torch.float32), reps)
-    del a, b
-    torch.cuda.empty_cache()
     return {"GB": gb, "copy_us": round(copy_us, 1), "copy_TB_per_s": round(2 * n * 2 / copy_us / 1e6, 3),
             "sum_us": round(sum_us, 1), "read_TB_per_s": round(n * 2 / sum_us / 1e6, 3)}
 
