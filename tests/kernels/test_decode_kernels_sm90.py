@@ -41,7 +41,8 @@ DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f3
 DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
                 "NORM": True, "VF": 128, "BJO": 32, "BVH": 128}
 out = {
-    "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False}),
+    "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
+                                                                  "NORM": False}),
     "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
                                "eps": "fp32"},
                 {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
@@ -51,13 +52,16 @@ out = {
 }
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
-                                                                     "PDL": True})
+                                                                     "PDL": True, "NORM": False})
+# the input projection norming its row of x (the residual stream) in its launch (``linear``'s ``norm``)
+out["matvec_norm_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf, "nw": bf, "eps": "fp32"},
+                             {"I": 2304, "N": 1, "BO": 1, "BI": 4096, "PDL": True, "NORM": True})
 out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf,
                                      "q_pe": bf, "eps": "fp32"},
                       {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
                        "PDL": True})
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
-                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
+                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128, "NORM": False})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
 print(json.dumps(out))
 """
@@ -74,7 +78,7 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl"}
+                        "decode_pdl", "matvec_norm_pdl"}
     assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "decode_one_block"))
     # the KDA decode's last-arriver: one acq_rel atomic add on the counter and its reset; none with one block a head
     assert "atom.global.gpu.acq_rel.add" in out["decode"] and "atom.global.gpu.relaxed.exch" in out["decode"]
@@ -106,6 +110,10 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     assert sum("ld.global.v4" in ln for ln in pre) >= 4
     assert any("ld.global" in ln for ln in post)
     assert not any("st.global" in ln for ln in pre)
+    pre, post = _before_wait(out["matvec_norm_pdl"])
+    # the norm's weight and x after the wait (x is the launch before's), the weight row before it; the norm's rsqrt
+    assert sum("ld.global.v4" in ln for ln in pre) >= 4 and sum("ld.global" in ln for ln in post) >= 2
+    assert not any("st.global" in ln for ln in pre) and any("rsqrt" in ln for ln in post)
     pre, post = _before_wait(out["heads_pdl"])
     # a W_uv row of 512 bf16 on 4 warps: one 8-byte load a thread before the wait, the head's x after it
     assert any("ld.global" in ln for ln in pre) and any("ld.global" in ln for ln in post)
