@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 from kda_sessions.kernels.kda.decode_triton import _decode_kernel
 from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel
 from kda_sessions.kernels.mla.decode_prep import _prep_kernel
+from kda_sessions.kernels.moe.triton_moe import _down_direct_kernel
 
 
 def ptx(fn, types, const):
@@ -63,6 +64,12 @@ out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, 
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
                        {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128, "NORM": False})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
+# the MoE down kernel at one token adding the residual to its own rows (no norm, no counter: ``fused_moe_add``)
+out["moe_down_resid_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf,
+                                                      "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
+                                                      "counter": "*i32", "eps": "fp32"},
+                                {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": False, "BD": 4096,
+                                 "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True, "RESID": True})
 print(json.dumps(out))
 """
 
@@ -78,7 +85,14 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "matvec_norm_pdl"}
+                        "decode_pdl", "matvec_norm_pdl", "moe_down_resid_pdl"}
+    # the down kernel adding the residual: its stores after the wait (it lets the next launch start after it
+    # too), no arrival counter
+    lines = out["moe_down_resid_pdl"].splitlines()
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    assert len(waits) == 1 and not any("st.global" in ln for ln in lines[: waits[0]])
+    assert any("st.global" in ln for ln in lines[waits[0] :])
+    assert "atom." not in out["moe_down_resid_pdl"]
     assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "decode_one_block"))
     # the KDA decode's last-arriver: one acq_rel atomic add on the counter and its reset; none with one block a head
     assert "atom.global.gpu.acq_rel.add" in out["decode"] and "atom.global.gpu.relaxed.exch" in out["decode"]
