@@ -40,7 +40,7 @@ DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f3
                 "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32", "gw": bf, "gate": bf,
                 "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32"}
 DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
-                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128}
+                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "EARLY": False}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
                                                                   "NORM": False}),
@@ -64,6 +64,7 @@ out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, 
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
                        {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128, "NORM": False})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
+out["decode_pdl_early"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "EARLY": True})
 # the MoE down kernel at one token adding the residual to its own rows (no norm, no counter: ``fused_moe_add``)
 out["moe_down_resid_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf,
                                                       "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
@@ -85,7 +86,7 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "matvec_norm_pdl", "moe_down_resid_pdl"}
+                        "decode_pdl", "matvec_norm_pdl", "moe_down_resid_pdl", "decode_pdl_early"}
     # the down kernel adding the residual: its stores after the wait (it lets the next launch start after it
     # too), no arrival counter
     lines = out["moe_down_resid_pdl"].splitlines()
@@ -141,3 +142,7 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     pre, post = _before_wait(out["decode_pdl"])
     assert not any("ld.global" in ln or "st.global" in ln or "atom" in ln for ln in pre)
     assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
+    # EARLY: the slot, the conv tails and weights read before the wait; nothing stored or counted before it
+    pre, post = _before_wait(out["decode_pdl_early"])
+    assert sum("ld.global" in ln for ln in pre) >= 4
+    assert not any("st.global" in ln or "atom" in ln for ln in pre) and any("st.global" in ln for ln in post)

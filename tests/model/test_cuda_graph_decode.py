@@ -311,24 +311,27 @@ def test_graph_replay_equals_eager_on_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["DENSE_DIRECT", "DEFER_NORM", "both"])
+@pytest.mark.parametrize("flag", ["DENSE_DIRECT", "DEFER_NORM", "EARLY_TAILS", "all"])
 def test_one_token_step_options_on_cuda(monkeypatch, flag):
     """One sequence (the batch the step's options change), graph replays: the dense FFN as a one-expert MoE
-    (``ffn.DENSE_DIRECT``) and each FFN block's norm in the next layer's input matvec (``model.DEFER_NORM``),
-    against the step without them, from the same states: logits within 1e-4 (float32; other sum orders) and the
-    same argmax, step after step; the states after them within 1e-5."""
+    (``ffn.DENSE_DIRECT``), each FFN block's norm in the next layer's input matvec (``model.DEFER_NORM``) and the
+    KDA decode's slot and conv tails read before its PDL wait (``kda.decode_triton.EARLY_TAILS``), against the
+    step without them, from the same states: logits within 1e-4 (float32; other sum orders) and the same argmax,
+    step after step; the states after them within 1e-5."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    from kda_sessions.kernels.kda import decode_triton
     from kda_sessions.model import ffn
     from kda_sessions.model import model as model_mod
 
+    homes = {"DENSE_DIRECT": ffn, "DEFER_NORM": model_mod, "EARLY_TAILS": decode_triton}
     model = load_model("tiny-random", device="cuda", dtype=torch.float32)
     on, off = twins(model, [40], seed=12)
-    monkeypatch.setattr(ffn, "DENSE_DIRECT", False)
-    monkeypatch.setattr(model_mod, "DEFER_NORM", False)
+    for name, mod in homes.items():
+        monkeypatch.setattr(mod, name, False)
     plain = DecodeGraphs(model, off.pools)
-    for name in ("DENSE_DIRECT", "DEFER_NORM") if flag == "both" else (flag,):
-        monkeypatch.setattr(ffn if name == "DENSE_DIRECT" else model_mod, name, True)
+    for name in homes if flag == "all" else (flag,):
+        monkeypatch.setattr(homes[name], name, True)
     graphs = DecodeGraphs(model, on.pools)
     g = torch.Generator().manual_seed(13)
     for step in range(6):
