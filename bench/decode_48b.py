@@ -239,14 +239,17 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     dense = (ffn_mod, "DENSE_DIRECT", True)
     defer = (model_mod, "DEFER_NORM", True)
     tails = (_kda_dec_mod, "EARLY_TAILS", True)
-    return {"new-dense": [dense], "new-defer": [defer], "new-tails": [tails], "new": [dense, defer, tails]}
+    uv = (_matvec_mod, "HEAD_ROWS", 4)
+    return {"new-dense": [dense], "new-defer": [defer], "new-tails": [tails], "new-uv": [uv],
+            "new": [dense, defer, tails, uv]}
 
 
 FLAG_MODES = _flag_modes()
 """Modes that turn library options on (A/B of a change not yet on by default): ``new-dense`` the dense FFN as a
 one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``new-defer`` each FFN block's norm in the next
 layer's input matvec (``model.DEFER_NORM``), ``new-tails`` the KDA decode kernel reading its slot and conv tails
-before its PDL wait (``kda.decode_triton.EARLY_TAILS``), ``new`` all three. ``--greedy-modes`` runs the greedy check under them."""
+before its PDL wait (``kda.decode_triton.EARLY_TAILS``), ``new-uv`` MLA's W_uv matvec on 4 rows a program
+(``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early), ``new`` all four. ``--greedy-modes`` runs the greedy check under them."""
 
 
 def _set_ablation(mode: str) -> None:

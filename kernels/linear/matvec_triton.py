@@ -88,6 +88,14 @@ def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None,
 
 
 
+HEAD_ROWS = 1
+"""Rows a program of ``head_matvec_triton`` (1, 2 or 4; on 2 warps). With one, MLA's W_uv at the 48B shape is 4,096
+programs, more than the GPU holds at once, so the PDL trigger that lets o_proj's matvec start (every program's)
+fires only as the last ones start: o_proj's weight load is not hidden (the step's timeline: o_proj adds 7.1-7.7 us
+after W_uv against 4.4-4.7 after the KDA decode). With 4, 1,024 programs, all resident at once. Not yet measured
+on a GPU (``bench/decode_48b.py`` mode ``new-uv``)."""
+
+
 def head_matvec_triton(x: Tensor, w: Tensor) -> Tensor:
     """Per head h: y[n, h] = w[h] @ x[n, h] for x [N, H, I] (1 <= N <= MAX_ROWS; unit column stride) and w [H, O, I]
     (any head and row strides, unit column stride: e.g. a slice of each head's rows of a larger weight) ->
@@ -95,12 +103,12 @@ def head_matvec_triton(x: Tensor, w: Tensor) -> Tensor:
     N, H, I = x.shape
     O = w.shape[1]
     y = x.new_empty(N, H, O)
-    BO, warps = 1, 2
+    BO, warps = HEAD_ROWS if O % HEAD_ROWS == 0 else 1, 2
     pdl = use_pdl(x.device)
-    _matvec_kernel[(H * O,)](x, x.stride(0), w, w.stride(1), y, H * O, H * O, I=I, N=N, BO=BO,
+    _matvec_kernel[(H * O // BO,)](x, x.stride(0), w, w.stride(1), y, H * O, H * O, I=I, N=N, BO=BO,
                              BI=triton.next_power_of_2(I), PDL=pdl, HO=O, s_xh=x.stride(1), s_wh=w.stride(0),
                              num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return y
 
 
-__all__ = ["MAX_ROWS", "head_matvec_triton", "matvec_config", "matvec_triton"]
+__all__ = ["HEAD_ROWS", "MAX_ROWS", "head_matvec_triton", "matvec_config", "matvec_triton"]

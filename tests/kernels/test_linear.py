@@ -143,7 +143,12 @@ def _check_heads(N: int, H: int, O: int, I: int, dtype: torch.dtype, device: str
 
 @pytest.mark.parametrize("N", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_head_matvec_matches_the_twin(N, dtype):
+@pytest.mark.parametrize("rows", [1, 4], ids=["row", "4rows"])
+def test_head_matvec_matches_the_twin(N, dtype, rows, monkeypatch):
+    """``rows``: the rows a program (``matvec_triton.HEAD_ROWS``); 4 divides the 12 rows of a head."""
+    from kda_sessions.kernels.linear import matvec_triton
+
+    monkeypatch.setattr(matvec_triton, "HEAD_ROWS", rows)
     _check_heads(N, 3, 12, 40, dtype, "cpu")
 
 
@@ -156,7 +161,11 @@ def test_head_linear_checks_shapes_and_falls_back_on_a_cpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 8])
-def test_head_matvec_matches_the_twin_on_cuda(N):
+@pytest.mark.parametrize("rows", [1, 4], ids=["row", "4rows"])
+def test_head_matvec_matches_the_twin_on_cuda(N, rows, monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
+    from kda_sessions.kernels.linear import matvec_triton
+
+    monkeypatch.setattr(matvec_triton, "HEAD_ROWS", rows)
     _check_heads(N, 32, 128, 512, torch.bfloat16, "cuda")  # MLA's W_uv at the 48B shape
