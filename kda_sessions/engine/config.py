@@ -90,6 +90,12 @@ class EngineConfig(BaseModel):
     a busy 2-core machine, 8-16 s from inductor's on-disk cache); requests wait meanwhile, which is why it is not
     the default. Batches of several sequences, contexts under 3 tokens and models with MoE layers decode eagerly.
     No effect on a GPU."""
+    cpu_half_weights: bool = True
+    """On a CPU (x86, where torch has FBGEMM), the eager decode step's one-row matmuls read a float16 pack of each
+    float32 weight float16 holds to within 6e-8 (``model.fused.HALF_ROW_WEIGHTS``: float32 activations, products and
+    sums; ``tiny`` decodes ~2x faster, docs/benchmarks.md). The packs sit beside the float32 weights: +50% of their
+    bytes in memory (``tiny``: +18 MB). False: no packs, the BLAS on the float32 weights (logits as prefill's
+    matmuls give them; greedy tokens the same for ``tiny``). No effect on a GPU."""
     cpu_compile_weights: Literal["model", "bfloat16"] = "model"
     """The matmul weights the compiled CPU decode reads: the model's values (the eager path's greedy tokens, logits
     equal to float rounding; held in bfloat16 where that is exact, as for ``tiny``'s bfloat16 checkpoint loaded in

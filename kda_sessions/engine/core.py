@@ -50,7 +50,8 @@ class EngineCore:
                              cuda_graphs=config.cuda_graphs, park_timeout_s=config.page_wait_s,
                              cpu_threads=config.cpu_threads if model.device.type == "cpu" else None,
                              cpu_decode_threads=config.cpu_decode_threads,
-                             cpu_compile=config.cpu_compile, cpu_compile_dtype=config.cpu_compile_dtype)
+                             cpu_compile=config.cpu_compile, cpu_compile_dtype=config.cpu_compile_dtype,
+                             cpu_half_weights=config.cpu_half_weights)
         self.preemption = self.runner.preemption
         self.runner.start()
 

@@ -26,6 +26,7 @@ import torch
 
 from ..errors import OutOfPages
 from ..model import CheckpointStates, ForwardBatch, HybridModel
+from ..model.fused import half_row_weights
 from ..model.graphs import DecodeGraphs
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
@@ -69,6 +70,7 @@ class Runner:
         cpu_decode_threads: int | Literal["auto"] | None = "auto",
         cpu_compile: bool = False,
         cpu_compile_dtype: torch.dtype | None = None,
+        cpu_half_weights: bool = True,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -95,6 +97,8 @@ class Runner:
         matmuls anyway)."""
         self.cpu_batches = CpuDecodeBatches(pools.page_size) if model.device.type == "cpu" else None
         """Decode batches on a CPU, from buffers reused every step (``CpuDecodeBatches``)."""
+        self.cpu_half_weights = cpu_half_weights
+        """``EngineConfig.cpu_half_weights``: every model call of this runner runs under ``fused.half_row_weights``."""
         self.cpu_decode_threads = cpu_decode_threads if model.device.type == "cpu" else None
         """Torch threads of the model call of decode rows on a CPU (None: the step thread's count; "auto":
         ``step_threads`` chooses, for prefill steps too)."""
@@ -436,7 +440,8 @@ class Runner:
             torch.set_num_threads(want)
         t = time.perf_counter()
         try:
-            out = self.model.step(batch, self.pools.tensors, check_weights)
+            with half_row_weights(self.cpu_half_weights):
+                out = self.model.step(batch, self.pools.tensors, check_weights)
             if tuner is not None:
                 if batch.is_decode:
                     tuner.record(rows, time.perf_counter() - t)

@@ -15,7 +15,9 @@ import operator
 import sys
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor, nn
@@ -85,6 +87,23 @@ magnitude below 6e-8, under float16's normal range); its logits move by ~1e-6 re
 HALF_MAX_ROWS = 8
 """Rows of x up to which ``HALF_ROW_WEIGHTS`` applies (decode steps); prefill's many rows stay on the BLAS."""
 
+_HALF_HERE: ContextVar[bool | None] = ContextVar("half_row_weights", default=None)
+"""``half_row_weights``'s setting in this thread or task (None: none set)."""
+
+
+@contextmanager
+def half_row_weights(enabled: bool) -> Iterator[None]:
+    """The float16 packs (``HALF_ROW_WEIGHTS``, which stays the switch for the whole process) on or off for the calls
+    inside, in this thread or task only: an engine's step thread runs its model under its ``cpu_half_weights``. Off,
+    no weight is packed (no memory beside the float32 weights) and the one-row matmuls are the BLAS's, as
+    prefill's."""
+    token = _HALF_HERE.set(enabled)
+    try:
+        yield
+    finally:
+        _HALF_HERE.reset(token)
+
+
 _HALF: dict[int, tuple[weakref.ref[Tensor], int, Tensor | None, Tensor]] = {}
 """id of a float32 row-matmul weight -> (a weak reference to it, its version then, its FBGEMM float16 pack or None,
 a zero bias)."""
@@ -125,7 +144,8 @@ def _fbgemm_fp16() -> bool:
 
 def _half(x: Tensor, w: Tensor) -> bool:
     """Whether ``row_mm`` may run x @ w on FBGEMM's float16 pack of w."""
-    return HALF_ROW_WEIGHTS and x.shape[0] <= HALF_MAX_ROWS and w.dtype == torch.float32 == x.dtype \
+    return HALF_ROW_WEIGHTS and _HALF_HERE.get() is not False and x.shape[0] <= HALF_MAX_ROWS \
+        and w.dtype == torch.float32 == x.dtype \
         and w.device.type == "cpu" and not w.requires_grad
 
 
@@ -272,5 +292,5 @@ class ParamWatch:
 _VERSION = operator.attrgetter("_version")
 
 
-__all__ = ["HALF_ROW_WEIGHTS", "DerivedWeights", "ParamWatch", "huge_page_zeros", "lossless_dtype", "pack",
-           "reduction_weight", "residual_matmul", "row_matmul", "row_matmul_weight", "row_mm", "weights"]
+__all__ = ["HALF_ROW_WEIGHTS", "DerivedWeights", "ParamWatch", "half_row_weights", "huge_page_zeros", "lossless_dtype",
+           "pack", "reduction_weight", "residual_matmul", "row_matmul", "row_matmul_weight", "row_mm", "weights"]

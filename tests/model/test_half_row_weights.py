@@ -60,14 +60,23 @@ def test_a_weight_changed_in_place_is_packed_again():
     assert rel(row_mm(x, w), 2 * before) < 1e-6
 
 
+def _live_packs() -> int:
+    return sum(1 for ref, _, packed, _ in fused._HALF.values() if ref() is not None and packed is not None)
+
+
 async def test_tiny_generates_the_same_tokens_with_and_without_the_float16_packs(monkeypatch):
-    """Greedy decoding of the built-in model: the same 48 tokens either way (its logits move by float32 rounding)."""
+    """Greedy decoding of the built-in model: the same 48 tokens either way (its logits move by float32 rounding);
+    the engine option ``cpu_half_weights=False`` packs no weight (nor does the module switch off), the default does."""
     prompt = list(b"def main():\n    for i in range(10):\n        print(i)\n" * 8)
     tokens = {}
-    for half in (True, False):
+    for name, half, option in (("default", True, True), ("option off", True, False), ("switch off", False, True)):
         monkeypatch.setattr(fused, "HALF_ROW_WEIGHTS", half)
-        async with await ks.Engine.open(model="tiny", store="memory:", cpu_decode_threads=1) as eng:
+        fused._HALF.clear()
+        async with await ks.Engine.open(model="tiny", store="memory:", cpu_decode_threads=1,
+                                        cpu_half_weights=option) as eng:
             s = await eng.create_session()
             await s.append(prompt)
-            tokens[half] = (await s.generate(max_tokens=48, ignore_eos=True)).token_ids
-    assert len(tokens[True]) == 48 and tokens[True] == tokens[False]
+            tokens[name] = (await s.generate(max_tokens=48, ignore_eos=True)).token_ids
+            packs = _live_packs()
+        assert (packs > 0) == (half and option and fused._fbgemm_fp16()), (name, packs)
+    assert len(tokens["default"]) == 48 and tokens["default"] == tokens["option off"] == tokens["switch off"]
