@@ -47,6 +47,7 @@ from kda_sessions.kernels.kda import decode_triton as _kda_dec_mod
 from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
 from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route, triton_moe
+from kda_sessions.kernels.moe import route as _route_mod
 from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.kernels.moe.pdl import use_pdl as _USE_PDL
 from kda_sessions.kernels.moe.route import moe_route_triton
@@ -240,8 +241,9 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     defer = (model_mod, "DEFER_NORM", True)
     tails = (_kda_dec_mod, "EARLY_TAILS", True)
     uv = (_matvec_mod, "HEAD_ROWS", 4)
-    return {"new-dense": [dense], "new-defer": [defer], "new-tails": [tails], "new-uv": [uv],
-            "new": [dense, defer, tails, uv]}
+    gather = (_route_mod, "SELECT_GATHER", True)
+    return {"new-dense": [dense], "new-defer": [defer], "new-tails": [tails], "new-uv": [uv], "new-gather": [gather],
+            "new": [dense, defer, tails, uv, gather]}
 
 
 FLAG_MODES = _flag_modes()
@@ -249,7 +251,8 @@ FLAG_MODES = _flag_modes()
 one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``new-defer`` each FFN block's norm in the next
 layer's input matvec (``model.DEFER_NORM``), ``new-tails`` the KDA decode kernel reading its slot and conv tails
 before its PDL wait (``kda.decode_triton.EARLY_TAILS``), ``new-uv`` MLA's W_uv matvec on 4 rows a program
-(``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early), ``new`` all four. ``--greedy-modes`` runs the greedy check under them."""
+(``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early), ``new-gather`` the
+decode router's selection taking the chosen scores from registers (``route.SELECT_GATHER``), ``new`` all five. ``--greedy-modes`` runs the greedy check under them."""
 
 
 def _set_ablation(mode: str) -> None:

@@ -21,6 +21,7 @@ from triton.compiler import ASTSource
 from kda_sessions.kernels.kda.decode_triton import _decode_kernel
 from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel
 from kda_sessions.kernels.mla.decode_prep import _prep_kernel
+from kda_sessions.kernels.moe.route import _route_decode_kernel
 from kda_sessions.kernels.moe.triton_moe import _down_direct_kernel
 
 
@@ -71,6 +72,13 @@ out["moe_down_resid_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": 
                                                       "counter": "*i32", "eps": "fp32"},
                                 {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": False, "BD": 4096,
                                  "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True, "RESID": True})
+# the decode router at one token with its norm, selecting the scores from registers (``route.SELECT_GATHER``)
+out["route_gather_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
+                                                     "counter": "*i32", "chosen": "*i64", "weights": bf,
+                                                     "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf,
+                                                     "h_out": bf, "eps": "fp32"},
+                              {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
+                               "EXTRA": 1, "NORM": True, "PDL": True, "GATHER": True})
 print(json.dumps(out))
 """
 
@@ -86,7 +94,9 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "matvec_norm_pdl", "moe_down_resid_pdl", "decode_pdl_early"}
+                        "decode_pdl", "matvec_norm_pdl", "moe_down_resid_pdl", "decode_pdl_early",
+                        "route_gather_pdl"}
+    assert "atom.global.gpu.acq_rel.add" in out["route_gather_pdl"]
     # the down kernel adding the residual: its stores after the wait (it lets the next launch start after it
     # too), no arrival counter
     lines = out["moe_down_resid_pdl"].splitlines()

@@ -302,12 +302,17 @@ DECODE_ROUTE_CASES = [(1, 16, 4, True, False), (1, 256, 8, True, True), (3, 40, 
 @pytest.mark.parametrize("T,E,k,renorm,shared", DECODE_ROUTE_CASES,
                          ids=[f"T{t}-E{e}-k{k}-{'renorm' if r else 'raw'}{'-shared' if a else ''}"
                               for t, e, k, r, a in DECODE_ROUTE_CASES])
-def test_one_launch_router_matches_the_twin(T: int, E: int, k: int, renorm: bool, shared: bool) -> None:
+@pytest.mark.parametrize("gather", [False, True], ids=["reread", "gather"])
+def test_one_launch_router_matches_the_twin(T: int, E: int, k: int, renorm: bool, shared: bool, gather: bool,
+                                            monkeypatch) -> None:
     """The decode router (logits of 2 experts a program, the last program to arrive selects for every token):
     the twin's experts in its order and its weights; the arrival counter is back at zero, so a second call
-    selects again (as a graph replay would)."""
+    selects again (as a graph replay would). ``gather``: the chosen scores from registers (``SELECT_GATHER``)."""
+    from kda_sessions.kernels.moe import route
     from kda_sessions.kernels.moe.naive import naive_moe_route
     from kda_sessions.kernels.moe.route import _COUNTERS, moe_route_decode
+
+    monkeypatch.setattr(route, "SELECT_GATHER", gather)
 
     gen = torch.Generator().manual_seed(E + T)
     x = torch.randn(T, 48, generator=gen)

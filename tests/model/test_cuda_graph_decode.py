@@ -311,20 +311,22 @@ def test_graph_replay_equals_eager_on_cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["DENSE_DIRECT", "DEFER_NORM", "EARLY_TAILS", "all"])
+@pytest.mark.parametrize("flag", ["DENSE_DIRECT", "DEFER_NORM", "EARLY_TAILS", "SELECT_GATHER", "all"])
 def test_one_token_step_options_on_cuda(monkeypatch, flag):
     """One sequence (the batch the step's options change), graph replays: the dense FFN as a one-expert MoE
     (``ffn.DENSE_DIRECT``), each FFN block's norm in the next layer's input matvec (``model.DEFER_NORM``) and the
-    KDA decode's slot and conv tails read before its PDL wait (``kda.decode_triton.EARLY_TAILS``), against the
+    KDA decode's slot and conv tails read before its PDL wait (``kda.decode_triton.EARLY_TAILS``) and the router's
+    selection from registers (``moe.route.SELECT_GATHER``), against the
     step without them, from the same states: logits within 1e-4 (float32; other sum orders) and the same argmax,
     step after step; the states after them within 1e-5."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from kda_sessions.kernels.kda import decode_triton
+    from kda_sessions.kernels.moe import route
     from kda_sessions.model import ffn
     from kda_sessions.model import model as model_mod
 
-    homes = {"DENSE_DIRECT": ffn, "DEFER_NORM": model_mod, "EARLY_TAILS": decode_triton}
+    homes = {"DENSE_DIRECT": ffn, "DEFER_NORM": model_mod, "EARLY_TAILS": decode_triton, "SELECT_GATHER": route}
     model = load_model("tiny-random", device="cuda", dtype=torch.float32)
     on, off = twins(model, [40], seed=12)
     for name, mod in homes.items():
