@@ -46,6 +46,8 @@ def test_sharded_bf16_checkpoint_streams_in(tmp_path, reference) -> None:
     moes = [x for x in m.modules() if isinstance(x, MoE)]
     assert moes and all(x._stacked_weights() is not None for x in moes)  # experts loaded into stacked storage
     assert all((f := x._fused_weights()) is not None and f[2] == len(x.experts) for x in moes)  # shared too
+    dense = [la.mlp for la in m.model.layers if hasattr(la, "mlp")]
+    assert dense and all(d._fused_weights() is not None for d in dense)  # gate and up loaded into stacked storage
     ids = torch.arange(12).view(1, 12)
     assert torch.isfinite(m(ids)).all()
 
