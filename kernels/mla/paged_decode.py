@@ -177,18 +177,29 @@ def _split_kernel_tokens(
     tl.store(lse_part + base, lse, mask=mh)
 
 
+COMBINE_EARLY_TRIGGER = False
+"""The PDL merge lets its next launch (MLA's W_uv matvec) start before it waits for the split kernel: with
+``linear.matvec_triton.HEAD_ROWS`` = 4 (W_uv's programs all resident), W_uv's and o_proj's weights load while the
+split kernel runs. Off until measured on a GPU (``bench/decode_48b.py`` mode ``new-uv`` turns both on)."""
+
+
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel_lse(
     o_part, lse_part, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False,
 ):
     """One pass over the splits with a running max: out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m). Empty
     splits (lse -1e30, o 0) weigh 2^(-1e30 - m) = 0 beside any split with a token; masked lanes load -3e38.
     ``PDL``: launched as a programmatic dependent launch behind the split kernel, so it waits for the split kernel's
-    writes before it reads them (sm_90; never under the interpreter)."""
+    writes before it reads them (sm_90; never under the interpreter). With EARLY_TRIGGER it lets the next launch
+    start before its own wait (the next, W_uv's PDL matvec, reads only its weight before its wait), so W_uv's and
+    then o_proj's weights can stream while the split kernel runs."""
     if PDL:
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
         gdc_wait()
-        gdc_launch_dependents()
+        if not EARLY_TRIGGER:
+            gdc_launch_dependents()
     h = tl.program_id(0)
     n = tl.program_id(1)
     rs = tl.arange(0, BS)
@@ -322,7 +333,8 @@ def _launch(
         one_pass = N < 8
         bs = min(256, max(16, triton.next_power_of_2(num_splits))) if one_pass else 16
         _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=bs,
-                                                         PDL=pdl, num_warps=4 if one_pass else 2, **_pdl_launch(pdl))
+                                                         PDL=pdl, EARLY_TRIGGER=COMBINE_EARLY_TRIGGER,
+                                                         num_warps=4 if one_pass else 2, **_pdl_launch(pdl))
         return out
     acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
     m = torch.empty(N, num_splits, H, device=q_lat.device, dtype=torch.float32)

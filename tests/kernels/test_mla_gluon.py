@@ -104,7 +104,7 @@ from triton.compiler import ASTSource
 from kda_sessions.kernels.mla.paged_decode import _combine_kernel_lse as fn
 
 types = {"o_part": "*bf16", "lse_part": "*fp32", "out": "*bf16", "NSPLIT": "i32"}
-const = {"H": 32, "R": 512, "BR": 64, "BS": 128, "PDL": True}
+const = {"H": 32, "R": 512, "BR": 64, "BS": 128, "PDL": True, "EARLY_TRIGGER": EARLY}
 params = list(inspect.signature(fn.fn).parameters)
 sig = {p: "constexpr" if p in const else types[p] for p in params}
 src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
@@ -115,16 +115,21 @@ print(json.dumps({"ptx": k.asm["ptx"]}))
 
 
 @pytest.mark.skipif(paged_decode.gdc_wait is None, reason="this Triton has no griddepcontrol")
-def test_merge_kernel_as_a_dependent_launch_waits_before_it_reads():
+@pytest.mark.parametrize("early", [False, True], ids=["trigger-after", "trigger-before"])
+def test_merge_kernel_as_a_dependent_launch_waits_before_it_reads(early: bool):
     """Launched as a programmatic dependent launch behind the split kernel, the merge must not read a partial before
-    griddepcontrol.wait: in its sm_90 PTX the wait comes before every global load."""
+    griddepcontrol.wait: in its sm_90 PTX the wait comes before every global load; it lets the next launch start
+    after its wait, or before it with ``COMBINE_EARLY_TRIGGER`` (``early``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE_MERGE], env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([sys.executable, "-c", f"EARLY = {early}\n" + _COMPILE_MERGE], env=env, capture_output=True,
+                         text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     lines = json.loads(res.stdout.strip().splitlines()[-1])["ptx"].splitlines()
     waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    triggers = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
     loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
     assert len(waits) == 1 and loads and waits[0] < min(loads)
+    assert len(triggers) == 1 and (triggers[0] < waits[0]) == early
 
 
 def test_gluon_never_serves_cpu_tensors():

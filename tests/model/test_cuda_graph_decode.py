@@ -310,30 +310,40 @@ def test_graph_replay_equals_eager_on_cuda():
         assert rel_err(x[:n], y[:n]) < 1e-5
 
 
+STEP_OPTIONS = ["dense", "defer", "tails", "uv", "gather", "all"]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("flag", ["DENSE_DIRECT", "DEFER_NORM", "EARLY_TAILS", "SELECT_GATHER", "all"])
-def test_one_token_step_options_on_cuda(monkeypatch, flag):
-    """One sequence (the batch the step's options change), graph replays: the dense FFN as a one-expert MoE
-    (``ffn.DENSE_DIRECT``), each FFN block's norm in the next layer's input matvec (``model.DEFER_NORM``) and the
-    KDA decode's slot and conv tails read before its PDL wait (``kda.decode_triton.EARLY_TAILS``) and the router's
-    selection from registers (``moe.route.SELECT_GATHER``), against the
-    step without them, from the same states: logits within 1e-4 (float32; other sum orders) and the same argmax,
-    step after step; the states after them within 1e-5."""
+@pytest.mark.parametrize("option", STEP_OPTIONS)
+def test_one_token_step_options_on_cuda(monkeypatch, option):
+    """One sequence (the batch the step's options change), graph replays, each option of the step (off by default)
+    against the step without them, from the same states: the dense FFN as a one-expert MoE (``ffn.DENSE_DIRECT``),
+    each FFN block's norm in the next layer's input matvec (``model.DEFER_NORM``), the KDA decode's slot and conv
+    tails read before its PDL wait (``kda.decode_triton.EARLY_TAILS``), W_uv on 4 rows a program with the MLA merge
+    letting it start early (``matvec_triton.HEAD_ROWS``, ``paged_decode.COMBINE_EARLY_TRIGGER``), the router's
+    selection from registers (``moe.route.SELECT_GATHER``). Logits within 1e-4 (float32; other sum orders) and the
+    same argmax, step after step; the states after them within 1e-5."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from kda_sessions.kernels.kda import decode_triton
+    from kda_sessions.kernels.linear import matvec_triton
+    from kda_sessions.kernels.mla import paged_decode
     from kda_sessions.kernels.moe import route
     from kda_sessions.model import ffn
     from kda_sessions.model import model as model_mod
 
-    homes = {"DENSE_DIRECT": ffn, "DEFER_NORM": model_mod, "EARLY_TAILS": decode_triton, "SELECT_GATHER": route}
+    options = {  # option -> (module, name, off, on)
+        "dense": [(ffn, "DENSE_DIRECT", False, True)], "defer": [(model_mod, "DEFER_NORM", False, True)],
+        "tails": [(decode_triton, "EARLY_TAILS", False, True)], "gather": [(route, "SELECT_GATHER", False, True)],
+        "uv": [(matvec_triton, "HEAD_ROWS", 1, 4), (paged_decode, "COMBINE_EARLY_TRIGGER", False, True)],
+    }
     model = load_model("tiny-random", device="cuda", dtype=torch.float32)
     on, off = twins(model, [40], seed=12)
-    for name, mod in homes.items():
-        monkeypatch.setattr(mod, name, False)
+    for mod, name, value, _ in (x for xs in options.values() for x in xs):
+        monkeypatch.setattr(mod, name, value)
     plain = DecodeGraphs(model, off.pools)
-    for name in homes if flag == "all" else (flag,):
-        monkeypatch.setattr(homes[name], name, True)
+    for mod, name, _, value in (x for k in (options if option == "all" else [option]) for x in options[k]):
+        monkeypatch.setattr(mod, name, value)
     graphs = DecodeGraphs(model, on.pools)
     g = torch.Generator().manual_seed(13)
     for step in range(6):
