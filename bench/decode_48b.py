@@ -47,6 +47,7 @@ from kda_sessions.kernels.kda import decode_triton as _kda_dec_mod
 from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
 from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.mla import paged_decode as _paged_mod
+from kda_sessions.kernels.mla import paged_decode_gluon as _gluon_mod
 from kda_sessions.kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route, triton_moe
 from kda_sessions.kernels.moe import route as _route_mod
 from kda_sessions.kernels.moe.naive import naive_fused_moe
@@ -243,8 +244,9 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     tails = (_kda_dec_mod, "EARLY_TAILS", True)
     uv = [(_matvec_mod, "HEAD_ROWS", 4), (_paged_mod, "COMBINE_EARLY_TRIGGER", True)]
     gather = (_route_mod, "SELECT_GATHER", True)
+    tiles = (_gluon_mod, "EARLY_TILES", True)
     return {"new-dense": [dense], "new-defer": [defer], "new-tails": [tails], "new-uv": uv, "new-gather": [gather],
-            "new": [dense, defer, tails, *uv, gather]}
+            "new-tiles": [tiles], "new": [dense, defer, tails, *uv, gather, tiles]}
 
 
 FLAG_MODES = _flag_modes()
@@ -254,7 +256,8 @@ layer's input matvec (``model.DEFER_NORM``), ``new-tails`` the KDA decode kernel
 before its PDL wait (``kda.decode_triton.EARLY_TAILS``), ``new-uv`` MLA's W_uv matvec on 4 rows a program
 (``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early) and the MLA merge
 letting W_uv's launch start before its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``new-gather`` the
-decode router's selection taking the chosen scores from registers (``route.SELECT_GATHER``), ``new`` all five. ``--greedy-modes`` runs the greedy check under them."""
+decode router's selection taking the chosen scores from registers (``route.SELECT_GATHER``), ``new-tiles`` the
+MLA split kernel copying its first two tiles before its PDL wait (``paged_decode_gluon.EARLY_TILES``), ``new`` all. ``--greedy-modes`` runs the greedy check under them."""
 
 
 def _set_ablation(mode: str) -> None:
