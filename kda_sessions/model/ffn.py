@@ -139,12 +139,11 @@ class SwiGLU(nn.Module):
 
 
 DENSE_DIRECT = False
-"""A stacked dense FFN's decode batch on a GPU runs in the direct MoE kernels (``SwiGLU.residual_block``). Off until
-verified on a GPU: on the H200 at the 48B shape it took the 1 x 128K / 1 x 1M step 12-27 us shorter (the dense
-layer's seven cuBLAS, norm and elementwise launches, 51 us, as two PDL launches after the norm, 40 us;
-``bench/decode_48b.py`` mode ``new-dense`` against ``fused``), but that run's greedy check (``--greedy-steps 8``: the graphed step against its
-eager twin) failed with two other changes on (since removed); ``tests/model/test_cuda_graph_decode.py``'s
-``test_one_token_step_options_on_cuda`` and that check decide it."""
+"""A stacked dense FFN's decode batch on a GPU runs in the direct MoE kernels (``SwiGLU.residual_block``): two PDL
+launches after the norm where cuBLAS takes seven (GEMMs, SiLU, product, split-K reduce, norms; 51.5 us at the 48B
+shape, docs/benchmarks.md). Off until verified and timed on a GPU: ``bench/decode_48b.py`` mode ``new-dense`` with
+``--greedy-modes fused,new-dense``, and ``tests/model/test_cuda_graph_decode.py``'s
+``test_one_token_step_options_on_cuda``."""
 
 DENSE_DIRECT_MAX_TOKENS = 16
 """Up to this many tokens (the direct MoE kernels' range); more run the three GEMMs."""
