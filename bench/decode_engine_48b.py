@@ -6,7 +6,8 @@ Parts, each written to ``--out`` as it ends:
             (concurrently), one warm-up ``generate`` (captures the graph of that batch and width), then three
             times ``generate(1)`` and ``generate(1 + --steps)`` on every session at once (greedy, ``ignore_eos``):
             the time per step is the difference of their medians over ``--steps`` (host work, sampling and
-            detokenising included);
+            detokenising included); with ``--decode-ahead off,on`` both settings of ``EngineConfig.decode_ahead``,
+            alternated in each case;
   replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
             random pools (no prefill, so 1M fits in the time);
   profile   the eager step at 1 x ``--profile-context`` (8K) under the torch profiler (``decode_48b.profile_case``),
@@ -79,7 +80,8 @@ async def generate_all(sessions: list, n: int) -> float:
     return time.perf_counter() - t
 
 
-async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int) -> dict[str, Any]:
+async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int,
+                      ahead: tuple[bool, ...] = (False,)) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -87,17 +89,23 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
     sync()
     prefill_s = time.perf_counter() - t
     await generate_all(sessions, 2)  # captures the graphs of this batch and page-table width
-    one, many = [], []
+    one: dict[bool, list[float]] = {a: [] for a in ahead}
+    many: dict[bool, list[float]] = {a: [] for a in ahead}
     for _ in range(3):  # medians: a call now and then also pays for other engine work (a checkpoint trim)
-        one.append(await generate_all(sessions, 1))
-        many.append(await generate_all(sessions, 1 + steps))
-    step_ms = (statistics.median(many) - statistics.median(one)) / steps * 1e3
+        for a in ahead:  # alternated, for an A/B within one run
+            engine.runner.decode_ahead = a
+            one[a].append(await generate_all(sessions, 1))
+            many[a].append(await generate_all(sessions, 1 + steps))
+    by = {a: (statistics.median(many[a]) - statistics.median(one[a])) / steps * 1e3 for a in ahead}
+    step_ms = by[ahead[0]]
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
     return {"batch": batch, "context": L, "prefill_s": round(prefill_s, 2), "step_ms": round(step_ms, 3),
             "tok_per_s": round(batch * 1e3 / step_ms, 1), "floor_ms": round(floor["floor_ms"], 3),
-            "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor}
+            "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor,
+            "step_ms_decode_ahead": {("on" if a else "off"): round(v, 3) for a, v in by.items()},
+            "steps_queued_ahead": engine.runner.steps_ahead}
 
 
 async def engine_profile(engine: Engine, L: int, steps: int, top: int = 20) -> dict[str, Any]:
@@ -158,6 +166,8 @@ def main() -> None:
     ap.add_argument("--cases", default="1x8192,1x131072,8x32768", help="Engine cases, BATCHxCONTEXT")
     ap.add_argument("--replay-cases", default="1x8192,1x131072,1x1048576,8x32768,32x32768")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per Engine case")
+    ap.add_argument("--decode-ahead", default="off", choices=["off", "on", "off,on", "on,off"],
+                    help="EngineConfig.decode_ahead in the Engine cases; two settings alternate in each case")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per replay case")
     ap.add_argument("--prefill-2b", type=int, default=0, help="also prefill the 2 B bench model N tokens (0: no)")
     ap.add_argument("--profile-kda", default="separate,fused",
@@ -196,6 +206,8 @@ def main() -> None:
     res["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     log(f"built {res['params_b']} B parameters in {res['build_s']} s")
 
+    ahead = tuple(v == "on" for v in args.decode_ahead.split(","))
+
     async def engine_parts() -> None:
         todo = cases(args.cases)
         engine = await open_engine(model, max(b for b, _ in todo), max(L for _, L in todo) + args.steps + 8,
@@ -203,7 +215,7 @@ def main() -> None:
         try:
             for b, L in todo:
                 try:
-                    r = await engine_case(engine, model, b, L, args.steps)
+                    r = await engine_case(engine, model, b, L, args.steps, ahead)
                     res.setdefault("engine", []).append(r)
                     log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
                 except Exception as e:

@@ -51,7 +51,7 @@ class EngineCore:
                              cpu_threads=config.cpu_threads if model.device.type == "cpu" else None,
                              cpu_decode_threads=config.cpu_decode_threads,
                              cpu_compile=config.cpu_compile, cpu_compile_dtype=config.cpu_compile_dtype,
-                             cpu_half_weights=config.cpu_half_weights)
+                             cpu_half_weights=config.cpu_half_weights, decode_ahead=config.decode_ahead)
         self.preemption = self.runner.preemption
         self.runner.start()
 
@@ -117,6 +117,7 @@ class EngineCore:
             "steps": self.runner.steps,
             "tokens_prefilled": self.runner.tokens_prefilled,
             "tokens_decoded": self.runner.tokens_decoded,
+            "steps_queued_ahead": self.runner.steps_ahead,
             "preemptions": self.preemption.preemptions,
         }
 

@@ -19,7 +19,6 @@ picks other kernels), so outputs are bit-reproducible only with a fixed count.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager

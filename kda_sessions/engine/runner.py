@@ -23,11 +23,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch import Tensor
 
 from ..errors import OutOfPages
 from ..model import CheckpointStates, ForwardBatch, HybridModel
 from ..model.fused import half_row_weights
-from ..model.graphs import DecodeGraphs
+from ..model.graphs import DecodeGraphs, Feed
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
 from .cpu_batch import CpuDecodeBatches
@@ -36,7 +37,7 @@ from .pool import Pools, pages_needed
 from .postprocess import Sampled, postprocess
 from .preemption import Preemption
 from .rollback import roll_back
-from .sampler import sample_batch
+from .sampler import PendingSample, sample_batch, sample_batch_async
 from .scheduler import Scheduler, StepPlan, Work
 from .sequence import Sequence
 
@@ -46,6 +47,20 @@ PARKED_POLL_S = 0.05
 """How often the step thread looks for pages for parked works when nothing else runs."""
 
 Deliver = Callable[[list[Work], list[tuple[Work, int]]], None]
+
+
+@dataclass
+class Queued:
+    """A decode step queued on the device (``Runner._launch``): its works, in batch order, and their draws."""
+
+    works: list[Work]
+    pending: PendingSample
+
+
+def runs_ahead(w: Work) -> bool:
+    """Whether ``w``'s tokens can be fed on the device, unread (``EngineConfig.decode_ahead``): whether it ends on
+    a token only by a stop token or its length, which the device and the host decide alike."""
+    return w.constraint is None and not w.params.stop and not w.params.top_logprobs
 
 
 @dataclass
@@ -71,6 +86,7 @@ class Runner:
         cpu_compile: bool = False,
         cpu_compile_dtype: torch.dtype | None = None,
         cpu_half_weights: bool = True,
+        decode_ahead: bool = False,
     ) -> None:
         self.model = model
         self.pools = pools
@@ -86,6 +102,12 @@ class Runner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and model.device.type == "cuda" and pools.tensors.scratch_slot is not None:
             self.graphs = DecodeGraphs(model, pools.tensors, capture_lock=pools.mutex)
+        self.decode_ahead = decode_ahead
+        """``EngineConfig.decode_ahead``: with ``graphs``, decode steps whose rows all ``runs_ahead`` queue the next
+        step before the host reads their tokens (``_decode_ahead``)."""
+        self.steps_ahead = 0
+        """Decode steps queued before the host had read the step before them."""
+        self._stop_ids: Tensor | None = None
         self.cpu_threads = cpu_threads
         """Torch threads the step thread sets (None: torch's default). torch keeps the last count any thread set and
         gives it to threads started later, so the step thread sets the caller's count back when it ends."""
@@ -164,6 +186,17 @@ class Runner:
                 plan = self.scheduler.plan()
                 for w in plan.dropped:
                     self.preemption.discard(w)
+            if not timed_out and self._can_run_ahead(plan):
+                try:
+                    self._decode_ahead(plan.decode)
+                except BaseException as e:  # a fault outside the per-row guards: fail the works, never the engine
+                    log.exception("engine step failed")
+                    out = StepResult()
+                    for w in plan.decode:
+                        if w.finish_reason is None and w.error is None:
+                            self._fail(w, e, out, rollback=True)
+                    self._finish_step(None, None, out)
+                continue
             result = self.run(plan)
             result.finished.extend(timed_out)
             sampled = postprocess(plan, result.sampled, result.finished, self.pools, self.scheduler, self.tokenizer)
@@ -431,11 +464,10 @@ class Runner:
         tuner, rows, tokens = self.step_threads, len(batch.num_new), sum(batch.num_new)
         if tuner is not None:
             want = tuner.pick(rows) if batch.is_decode else tuner.prefill(tokens)
-        elif batch.is_decode and self.cpu_decode_threads is not None:
+        elif batch.is_decode and isinstance(self.cpu_decode_threads, int):  # "auto" is resolved when the loop starts
             want = self.cpu_decode_threads
         else:
             want = threads
-        assert isinstance(want, int)
         if want != threads:
             torch.set_num_threads(want)
         t = time.perf_counter()
@@ -451,6 +483,122 @@ class Runner:
         finally:
             if want != threads:
                 torch.set_num_threads(threads)
+
+    # -- decode ahead (EngineConfig.decode_ahead) --------------------------------------------------------------
+
+    def _can_run_ahead(self, plan: StepPlan) -> bool:
+        return (self.decode_ahead and self.graphs is not None and not plan.prefill and not plan.dropped
+                and self.graphs.accepts(len(plan.decode)) and all(runs_ahead(w) for w in plan.decode))
+
+    def _decode_ahead(self, works: list[Work]) -> None:
+        """Decode steps of ``works`` (all ``runs_ahead``) while nothing else asks for the step thread: each step is
+        queued, with its rows' draws, before the host reads the step before it, its ids taken on the device from
+        that step's tokens (``graphs.Feed``), so the GPU runs while the host reads, checks and delivers tokens. A row
+        is in the next step unless its length ends it; a row whose token is a stop token runs there as a dummy
+        (scratch slot and page), so its state and cache stay at the sequence's pending token, as without this."""
+        out = StepResult()
+        works = [w for w in works if not w.cancelled and w.finish_reason is None and w.error is None]
+        ok = self._with_pages(works, [w.session.num_cached + 1 for w in works], out)
+        works = [works[i] for i in ok]
+        step: Queued | None = None
+        if works:
+            try:
+                step = self._launch(works, None)
+            except Exception as e:
+                self._retry_alone(works, e, out)
+        while step is not None:
+            nxt, failed, error = None, [], None
+            rows = self._going_on(step)
+            if rows:
+                failed = [step.works[j] for j in rows]
+                try:
+                    nxt = self._launch(failed, step, rows)
+                    failed = []
+                except Exception as e:
+                    error = e
+            self._finish_step(step, nxt, out)
+            out, step = StepResult(), nxt
+            if error is not None:
+                self._retry_alone([w for w in failed if w.finish_reason is None and w.error is None], error, out)
+        if out.sampled or out.finished:
+            self._finish_step(None, None, out)
+
+    def _going_on(self, step: Queued) -> list[int]:
+        """Rows of ``step`` the next step can feed on the device before the host reads it: those drawn whose length
+        does not end with this token, when nothing else waits for the step thread (else none)."""
+        s = self.scheduler
+        if self.stopping or s.waiting or s.parked or any(w.cancelled for w in step.works):
+            return []
+        drawn = set(step.pending.ok)
+        rows = [j for j, w in enumerate(step.works) if j in drawn and w.finish_reason is None and w.error is None
+                and len(w.output) + 1 < w.params.max_tokens]
+        if not rows or not self.graphs or not self.graphs.accepts(len(rows)):
+            return []
+        for j in rows:  # pages for the token after this one; never a preemption while a step is queued
+            w = step.works[j]
+            try:
+                self._ensure_pages(w, w.session.num_cached + 1)
+            except OutOfPages:
+                return []
+        return rows
+
+    def _launch(self, works: list[Work], before: Queued | None, rows: list[int] | None = None) -> Queued:
+        """Queue a decode step of ``works`` and their draws; without ``before`` each feeds its pending token, with it
+        work i feeds ``before``'s token of its row ``rows[i]`` on the device (``graphs.Feed``)."""
+        assert self.graphs is not None
+        seqs = [w.session for w in works]
+        slots = [s.slot for s in seqs if s.slot is not None]
+        assert len(slots) == len(seqs)
+        feed = None
+        if before is None:
+            ids = [s.tokens[s.num_cached] for s in seqs]
+        else:
+            assert rows is not None
+            ids = [0] * len(seqs)
+            drawn = {i: j for j, i in enumerate(before.pending.ok)}
+            assert before.pending.tokens is not None
+            feed = Feed(before.pending.tokens, [drawn[j] for j in rows], self._stop_tensor(),
+                        [not w.params.ignore_eos for w in works])
+            self.steps_ahead += 1
+        logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in seqs], [s.pages for s in seqs], feed)
+        for s in seqs:  # every row advanced (a fed row that stops is undone by _finish_step)
+            s.num_cached += 1
+        self.tokens_decoded += len(works)
+        pending = sample_batch_async(logits, [w.params for w in works], [w.generator for w in works])
+        return Queued(works, pending)
+
+    def _finish_step(self, step: Queued | None, nxt: Queued | None, out: StepResult) -> None:
+        """Read ``step``'s tokens into ``out`` (rows that ended at the step before are skipped: they ran as dummies),
+        undo ``nxt``'s advance of rows whose token stops them, then postprocess and deliver."""
+        if step is not None:
+            for w, res in zip(step.works, step.pending.result()):
+                if w.finish_reason is not None or w.error is not None:
+                    continue
+                if isinstance(res, Exception):
+                    self._fail(w, res, out, rollback=True)
+                else:
+                    out.sampled.append(Sampled(w, res[0], res[1], []))
+        stops = {smp.work for smp in out.sampled
+                 if smp.token in self.tokenizer.eos_ids and not smp.work.params.ignore_eos}
+        for w in nxt.works if nxt is not None else []:
+            if w in stops:  # the device ran it as a dummy: its pending token is this one, as without nxt
+                w.session.num_cached -= 1
+                self.tokens_decoded -= 1
+        works = step.works if step is not None else []
+        sampled = postprocess(StepPlan([], works, []), out.sampled, out.finished, self.pools, self.scheduler,
+                              self.tokenizer)
+        for w in nxt.works if nxt is not None else []:
+            if w.finish_reason is not None and w not in stops:  # runs_ahead and _going_on rule this out
+                log.error("session %s ended in a step whose next was queued (%s)", w.session.id, w.finish_reason)
+        self.steps += 1
+        self.deliver(out.finished, sampled)
+
+    def _stop_tensor(self) -> Tensor:
+        """The tokenizer's stop tokens on the model's device (-1, which no token is, when it has none)."""
+        if self._stop_ids is None:
+            self._stop_ids = torch.tensor(sorted(self.tokenizer.eos_ids) or [-1], dtype=torch.long,
+                                          device=self.model.device)
+        return self._stop_ids
 
     # -- sampling --------------------------------------------------------------------------------------------
 

@@ -8,13 +8,17 @@ greedily, and the scaled logits are shifted by their maximum first, so no temper
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from ..types import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
-__all__ = ["MIN_TEMPERATURE", "SEED_RANGE", "SamplingParams", "draw", "sample", "sample_batch"]
+__all__ = [
+    "MIN_TEMPERATURE", "SEED_RANGE", "PendingSample", "SamplingParams", "draw", "sample", "sample_batch",
+    "sample_batch_async",
+]
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
@@ -54,6 +58,46 @@ def sample_batch(
     and nothing before it waits for the device (no index tensors are copied to it). Where no row asks for
     logprobs (``SamplingParams.logprobs``), none is computed and each row's is nan: on a CPU a decode step's
     weights have just evicted the caches, and each op here then costs ~10 us."""
+    return sample_batch_async(logits, params, generators).result()
+
+
+@dataclass
+class PendingSample:
+    """A batch's draws queued on the device (``sample_batch_async``): ``tokens`` [len(ok)] int64 stays on the
+    device for whoever feeds them on (a decode step ahead, ``model.graphs.Feed``); ``result`` waits for the one
+    copy to the host."""
+
+    out: list[tuple[int, float] | Exception]
+    """Per row: the exception of a row that failed when its draw was queued, else a placeholder."""
+    ok: list[int]
+    """The rows drawn, in the order of ``tokens``."""
+    tokens: Tensor | None
+    host: Tensor | None
+    """Pinned on CUDA: [len(ok)] int64 tokens, or [2, len(ok)] float64 (tokens, logprobs) when logprobs were asked."""
+    copied: torch.cuda.Event | None = None
+
+    def result(self) -> list[tuple[int, float] | Exception]:
+        """Each row's (token, logprob) (nan where no row asked for logprobs) or its exception."""
+        if self.host is None:
+            return self.out
+        if self.copied is not None:
+            self.copied.synchronize()
+        out = list(self.out)
+        if self.host.dim() == 1:
+            for i, tok in zip(self.ok, self.host.tolist()):
+                out[i] = (int(tok), math.nan)
+        else:
+            toks, lps = self.host.tolist()
+            for j, i in enumerate(self.ok):
+                out[i] = (int(toks[j]), float(lps[j]))
+        return out
+
+
+def sample_batch_async(
+    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> PendingSample:
+    """``sample_batch``'s draws queued without waiting for the device: the tokens (and logprobs) are copied to the
+    host asynchronously; a row whose draw raises fails alone (its exception is in ``out`` at once)."""
     N = logits.shape[0]
     out: list[tuple[int, float] | Exception] = [ValueError("not sampled")] * N
     if all(p.greedy for p in params):
@@ -70,15 +114,18 @@ def sample_batch(
             else:
                 ok.append(i)
         if not ok:
-            return out
+            return PendingSample(out, ok, None, None)
         toks = torch.stack(picks)
-    if not any(p.logprobs for p in params):
-        for i, tok in zip(ok, toks.tolist()):  # the one device-to-host copy
-            out[i] = (int(tok), math.nan)
-        return out
-    rows = logits if len(ok) == N else torch.stack([logits[i] for i in ok])
-    lps = torch.log_softmax(rows.float(), dim=-1).gather(1, toks[:, None])[:, 0]
-    host = torch.stack([toks.double(), lps.double()]).cpu().tolist()  # the one device-to-host copy
-    for j, i in enumerate(ok):
-        out[i] = (int(host[0][j]), float(host[1][j]))
-    return out
+    if any(p.logprobs for p in params):
+        rows = logits if len(ok) == N else torch.stack([logits[i] for i in ok])
+        lps = torch.log_softmax(rows.float(), dim=-1).gather(1, toks[:, None])[:, 0]
+        dev = torch.stack([toks.double(), lps.double()])
+    else:
+        dev = toks
+    if not toks.is_cuda:
+        return PendingSample(out, ok, toks, dev)
+    host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+    host.copy_(dev, non_blocking=True)  # the one device-to-host copy
+    copied = torch.cuda.Event()
+    copied.record()
+    return PendingSample(out, ok, toks, host, copied)

@@ -10,6 +10,11 @@ page-table rows that did not change since the last step (same page list, same le
 new tokens' flat cache rows are computed on the host into the same buffer (int64), rather than by ~6 small
 kernels at the start of every step.
 
+A step may take its first rows' input ids on the device from an earlier step's sampled tokens (``Feed``), so it
+can be queued before the host has read them (the engine's decode ahead, ``EngineConfig.decode_ahead``). A fed row
+whose token is a stop token runs as a dummy (scratch slot and page, context 1): the request it belongs to has
+ended, so its state and cache must stay as they were.
+
 Without graphs (a CPU model, ``enabled=False``, or a capture that failed) ``run`` executes the same static-buffer
 step eagerly, which is what the CPU tests check against ``HybridModel.step``.
 """
@@ -41,6 +46,19 @@ def batch_buckets(max_batch: int) -> list[int]:
     if out[-1] != max_batch:
         out.append(max_batch)
     return out
+
+
+@dataclass
+class Feed:
+    """Input ids of a step's first rows taken on the device from an earlier step's sampled tokens: row i feeds
+    ``tokens[rows[i]]``; where ``can_stop[i]`` and that token is one of ``stop_ids``, row i runs as a dummy."""
+
+    tokens: Tensor
+    """[K] int64 on the model's device."""
+    rows: list[int]
+    stop_ids: Tensor
+    """[S] int64 on the model's device (S >= 1)."""
+    can_stop: list[bool]
 
 
 @dataclass
@@ -96,6 +114,10 @@ class DecodeGraphs:
         self.captures = 0
         self.eager_runs = 0
         self.capture_error: str | None = None
+        pin = self.device.type == "cuda"
+        self._feed_host = torch.empty(2 * self.max_batch, dtype=torch.int64, pin_memory=pin)
+        self._feed_dev = torch.empty(2 * self.max_batch, dtype=torch.int64, device=self.device)
+        self._feed_copied: torch.cuda.Event | None = None
 
     def accepts(self, n: int) -> bool:
         return 1 <= n <= self.max_batch
@@ -115,11 +137,16 @@ class DecodeGraphs:
         return st.graph if st is not None else None
 
     @torch.inference_mode()
-    def run(self, input_ids: list[int], slots: list[int], seq_lens: list[int], pages: list[list[int]]) -> Tensor:
+    def run(self, input_ids: list[int], slots: list[int], seq_lens: list[int], pages: list[list[int]],
+            feed: Feed | None = None) -> Tensor:
         """One decode step: sequence n feeds ``input_ids[n]`` at position ``seq_lens[n] - 1`` from KDA slot
         ``slots[n]``, its context in ``pages[n]`` (at least ceil(seq_lens[n] / P) pages, allocated by the
-        caller). Returns logits [N, vocab] float32."""
+        caller); with ``feed``, its first ``len(feed.rows)`` sequences feed tokens on the device instead (their
+        ``input_ids`` are ignored). Returns logits [N, vocab] float32."""
         N = len(input_ids)
+        if feed is not None and not (len(feed.rows) == len(feed.can_stop) <= N):
+            raise ValueError(f"a feed needs one row index and one can_stop per fed row, at most {N}; got "
+                             f"{len(feed.rows)} and {len(feed.can_stop)}")
         if not self.accepts(N) or not (len(slots) == len(seq_lens) == len(pages) == N):
             raise ValueError(f"need 1..{self.max_batch} sequences with one entry each, got {N}, {len(slots)}, "
                              f"{len(seq_lens)}, {len(pages)}")
@@ -128,6 +155,8 @@ class DecodeGraphs:
             with self.capture_lock:
                 self._capture(st)
         self._fill(st, input_ids, slots, seq_lens, pages)
+        if feed is not None and feed.rows:
+            self._feed(st, feed)
         if st.graph is not None:
             st.graph.replay()
             self.replays += 1
@@ -202,6 +231,29 @@ class DecodeGraphs:
             st.copied.record()
         else:
             st.ints.copy_(st.host)
+
+    def _feed(self, st: _Static, feed: Feed) -> None:
+        """After ``_fill``'s copy: the fed rows' ids from ``feed.tokens``, and the rows whose token stops their
+        request turned into dummies, all on the device (no sync). The next ``_fill`` copies the whole host buffer
+        again, so nothing here outlives the step."""
+        M = len(feed.rows)
+        if self._feed_copied is not None:
+            self._feed_copied.synchronize()  # the previous copy out of the host buffer has finished
+        host = self._feed_host.numpy()
+        host[:M] = feed.rows
+        host[M : 2 * M] = feed.can_stop
+        self._feed_dev[: 2 * M].copy_(self._feed_host[: 2 * M], non_blocking=True)
+        if self.device.type == "cuda":
+            self._feed_copied = torch.cuda.Event()
+            self._feed_copied.record()
+        tok = feed.tokens.index_select(0, self._feed_dev[:M])  # [M] int64
+        st.inputs.input_ids[:M].copy_(tok)
+        stop = (tok[:, None] == feed.stop_ids[None, :]).any(1) & self._feed_dev[M : 2 * M].bool()  # [M]
+        assert self.pools.scratch_slot is not None and self.pools.scratch_page is not None
+        st.inputs.slots[:M].masked_fill_(stop, self.pools.scratch_slot)
+        st.inputs.seq_lens[:M].masked_fill_(stop, 1)
+        st.kv_rows[:M].masked_fill_(stop, self.pools.scratch_page * self.pools.page_size)
+        st.inputs.page_table[:M, 0].masked_fill_(stop, self.pools.scratch_page)
 
     # -- capture -------------------------------------------------------------------------------------------
 

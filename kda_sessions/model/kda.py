@@ -11,8 +11,15 @@ from ..kernels.kda.decode import kda_decode
 from ..kernels.linear import MATVEC_MAX_ROWS, linear
 from ..kernels.norm import gated_rms_norm, rms_norm
 from .batch import ForwardBatch
-from .fused import (DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, row_mm,
-                    weights)
+from .fused import (
+    DerivedWeights,
+    reduction_weight,
+    residual_matmul,
+    row_matmul,
+    row_matmul_weight,
+    row_mm,
+    weights,
+)
 
 GATE_IN_KERNEL_MAX_ROWS = 8
 """Decode batches of up to this many sequences run the gates' second projections (f_b, g_b) inside

@@ -12,8 +12,15 @@ from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_paged
 from ..kernels.norm import rms_norm
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
-from .fused import (DerivedWeights, reduction_weight, residual_matmul, row_matmul, row_matmul_weight, row_mm,
-                    weights)
+from .fused import (
+    DerivedWeights,
+    reduction_weight,
+    residual_matmul,
+    row_matmul,
+    row_matmul_weight,
+    row_mm,
+    weights,
+)
 
 
 class MLAttention(nn.Module):

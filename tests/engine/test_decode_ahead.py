@@ -1,0 +1,217 @@
+"""Decode ahead (``EngineConfig.decode_ahead``): each decode step queued before the host reads the one before it,
+its ids fed on the device. On a CPU the option does nothing, so these tests give the runner the static-buffer
+step (``DecodeGraphs``, eager) and turn it on by hand; the reference engine runs the same step without it. Tokens,
+logprobs and the states sessions are left in must be the same, token for token."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+import kda_sessions as ks
+from kda_sessions.engine.runner import runs_ahead
+from kda_sessions.engine.scheduler import Work
+from kda_sessions.engine.sequence import Sequence
+from kda_sessions.model.graphs import DecodeGraphs
+from kda_sessions.types import SamplingParams
+
+
+def prompt(i: int, n: int = 30) -> list[int]:
+    return [(i * 13 + j * 7) % 250 for j in range(n + i)]
+
+
+async def engine(ahead: bool) -> ks.Engine:
+    eng = await ks.Engine.open(store="memory:", page_size=16)
+    r = eng.runner
+    r.graphs = DecodeGraphs(r.model, r.pools.tensors, enabled=False, capture_lock=r.pools.mutex)
+    r.decode_ahead = ahead
+    return eng
+
+
+async def together(sessions: list, **kw_each: list) -> list:
+    """``generate`` on every session at once; kw_each: per-session keyword lists."""
+    replies: list = [None] * len(sessions)
+
+    async def go(i: int) -> None:
+        replies[i] = await sessions[i].generate(**{k: v[i] for k, v in kw_each.items()})
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(sessions)):
+            tg.start_soon(go, i)
+    return replies
+
+
+async def test_rows_leaving_by_length_give_the_same_tokens_logprobs_and_states():
+    lengths = [3, 7, 12, 20]
+    runs = []
+    for ahead in (False, True):
+        eng = await engine(ahead)
+        async with eng:
+            sessions = []
+            for i in range(len(lengths)):
+                s = await eng.create_session()
+                await s.append(prompt(i))
+                sessions.append(s)
+            first = await together(sessions, max_tokens=lengths, ignore_eos=[True] * 4, logprobs=[True] * 4)
+            then = await together(sessions, max_tokens=[5] * 4, ignore_eos=[True] * 4)
+            runs.append({
+                "tokens": [r.token_ids for r in first], "logprobs": [r.logprobs for r in first],
+                "then": [r.token_ids for r in then], "ahead": eng.runner.steps_ahead,
+                "reasons": [r.finish_reason for r in first],
+            })
+    off, on = runs
+    assert off["ahead"] == 0 and on["ahead"] >= 15  # 20 steps, the first of each run not ahead
+    assert [len(t) for t in on["tokens"]] == lengths and on["reasons"] == ["length"] * 4
+    assert on["tokens"] == off["tokens"]
+    for a, b in zip(on["logprobs"], off["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-6)
+    assert on["then"] == off["then"]  # each session was left where it would be without decode ahead
+
+
+async def test_a_stop_token_ends_its_row_and_leaves_the_state_at_the_pending_token():
+    # the stop token: one the reference's greedy row 0 yields at its 5th token and not before
+    async with await engine(False) as eng:
+        s = await eng.create_session()
+        await s.append(prompt(0))
+        toks = (await s.generate(max_tokens=12, ignore_eos=True)).token_ids
+    at = next(i for i in range(4, 12) if toks[i] not in toks[:i])
+    stop = toks[at]
+    runs = []
+    for ahead in (False, True):
+        eng = await engine(ahead)
+        async with eng:
+            eng.runner.tokenizer.eos_ids = {stop}
+            a, b = await eng.create_session(), await eng.create_session()
+            await a.append(prompt(0))
+            await b.append(prompt(1))
+            first = await together([a, b], max_tokens=[12, 16], ignore_eos=[False, True])
+            then = await together([a, b], max_tokens=[6, 6], ignore_eos=[True, True])
+            runs.append(([r.token_ids for r in first], [r.finish_reason for r in first],
+                         [r.token_ids for r in then], eng.runner.steps_ahead))
+    (off_first, off_reason, off_then, _), (on_first, on_reason, on_then, on_ahead) = runs
+    assert on_ahead > 0
+    assert off_reason == on_reason == ["stop", "length"]
+    assert on_first == off_first and len(on_first[0]) == at + 1 and on_first[0][-1] == stop
+    # row 0 ran as a dummy in the step after its stop token: its state did not move
+    assert on_then == off_then
+
+
+async def test_seeded_sampling_is_the_same_ahead():
+    outs = []
+    for ahead in (False, True):
+        async with await engine(ahead) as eng:
+            s1, s2 = await eng.create_session(), await eng.create_session()
+            await s1.append(prompt(2))
+            await s2.append(prompt(3))
+            r = await together([s1, s2], max_tokens=[10, 14], temperature=[0.9, 1.2], seed=[5, 6],
+                               top_k=[40, 0], top_p=[1.0, 0.9], ignore_eos=[True, True])
+            outs.append(([x.token_ids for x in r], eng.runner.steps_ahead))
+    assert outs[1][1] > 0 and outs[0][0] == outs[1][0]
+
+
+async def test_a_request_arriving_mid_run_stops_the_queueing_and_both_complete():
+    async with await engine(True) as eng:
+        a, b = await eng.create_session(), await eng.create_session()
+        await a.append(prompt(4))
+        got: list = [None, None]
+
+        async def long() -> None:
+            got[0] = await a.generate(max_tokens=40, ignore_eos=True)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(long)
+            while eng.runner.steps_ahead < 3:
+                await anyio.sleep(0.005)
+            await b.append(prompt(5))  # a prefill: the queued steps end, the plan takes it, then they go on
+            got[1] = await b.generate(max_tokens=5, ignore_eos=True)
+        assert len(got[0].token_ids) == 40 and len(got[1].token_ids) == 5
+        ahead = eng.runner.steps_ahead
+        assert ahead >= 10
+        # a's session ended with its last token pending, as always
+        sa = eng.sessions[a.id]
+        assert sa.num_cached == len(sa.tokens) - 1
+    async with await engine(False) as ref:
+        r = await ref.create_session()
+        await r.append(prompt(4))
+        alone = await r.generate(max_tokens=40, ignore_eos=True)
+    assert got[0].token_ids == alone.token_ids
+
+
+def test_which_rows_run_ahead():
+    def work(**kw: object) -> Work:
+        return Work(session=Sequence("s"), prompt=[], params=SamplingParams(**kw))  # type: ignore[arg-type]
+
+    assert runs_ahead(work(max_tokens=4))
+    assert runs_ahead(work(max_tokens=4, logprobs=True, temperature=0.7))
+    assert not runs_ahead(work(max_tokens=4, stop=["x"]))
+    assert not runs_ahead(work(max_tokens=4, logprobs=True, top_logprobs=2))
+
+
+@pytest.mark.gpu
+async def test_decode_ahead_on_cuda_gives_the_same_tokens_and_states():
+    """Graph replays, pinned copies and events as they run on a GPU: a stop token, rows leaving by length, seeded
+    sampling and logprobs, then a continuation of every session; the same with and without decode ahead."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    base = prompt(0)
+    runs = []
+    stop = None
+    for ahead in (False, True):
+        async with await ks.Engine.open(store="memory:", device="cuda", page_size=16, decode_ahead=ahead) as eng:
+            assert eng.runner.graphs is not None and eng.runner.graphs.use_graphs
+            if stop is None:  # a token the greedy row yields at its 5th token and not before
+                s = await eng.create_session()
+                await s.append(base)
+                toks = (await s.generate(max_tokens=12, ignore_eos=True)).token_ids
+                at = next(i for i in range(4, 12) if toks[i] not in toks[:i])
+                stop = toks[at]
+            eng.runner.tokenizer.eos_ids = {stop}
+            sessions = []
+            for i in range(4):
+                s = await eng.create_session()
+                await s.append(prompt(i) if i else base)
+                sessions.append(s)
+            first = await together(sessions, max_tokens=[12, 5, 17, 9], ignore_eos=[False, True, True, True],
+                                   temperature=[0.0, 0.0, 0.8, 0.0], seed=[None, None, 3, None],
+                                   logprobs=[False, True, False, True])
+            then = await together(sessions, max_tokens=[6] * 4, ignore_eos=[True] * 4)
+            runs.append(([r.token_ids for r in first], [r.finish_reason for r in first],
+                         [r.logprobs for r in first], [r.token_ids for r in then], eng.runner.steps_ahead))
+    (t0, f0, l0, n0, a0), (t1, f1, l1, n1, a1) = runs
+    assert a0 == 0 and a1 >= 10
+    assert f0 == f1 and f1[0] == "stop"
+    assert t0 == t1 and n0 == n1
+    for x, y in zip(l0, l1):
+        assert (x is None and y is None) or x == pytest.approx(y, abs=1e-5)
+
+
+async def test_a_queued_step_that_fails_to_launch_is_retried_row_by_row(caplog):
+    """As a failed decode step of several rows: each row is rolled back and run again alone, and goes on."""
+    async with await engine(False) as ref:
+        rs = [await ref.create_session() for _ in range(2)]
+        for i, r in enumerate(rs):
+            await r.append(prompt(6 + i))
+        want = [x.token_ids for x in await together(rs, max_tokens=[12, 12], ignore_eos=[True, True])]
+    async with await engine(True) as eng:
+        graphs = eng.runner.graphs
+        assert graphs is not None
+        run, fed = graphs.run, []
+
+        def flaky(*args, **kw):
+            if len(args) > 4 and args[4] is not None:
+                fed.append(1)
+                if len(fed) == 3:
+                    raise RuntimeError("launch failed")
+            return run(*args, **kw)
+
+        graphs.run = flaky  # type: ignore[method-assign]
+        ss = [await eng.create_session() for _ in range(2)]
+        for i, s in enumerate(ss):
+            await s.append(prompt(6 + i))
+        got = await together(ss, max_tokens=[12, 12], ignore_eos=[True, True])
+        more = await together(ss, max_tokens=[4, 4], ignore_eos=[True, True])
+    assert "launch failed" in caplog.text and len(fed) > 3
+    assert [x.token_ids for x in got] == want and [x.finish_reason for x in got] == ["length"] * 2
+    assert [len(x.token_ids) for x in more] == [4, 4]
