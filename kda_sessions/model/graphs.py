@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..kernels.feed import feed_decode_rows
 from .batch import DecodeInputs, StatePools
 from .model import HybridModel
 
@@ -64,8 +65,8 @@ class Feed:
 @dataclass
 class _Static:
     """The static inputs of one bucket: bs rows, width pages per row, all in one int32 device buffer
-    (ids | slots | seq_lens | kv_rows as int64 | page table rows, each part 16-byte aligned), its host twin (pinned
-    on CUDA), and the captured graph with its output logits [bs, vocab]."""
+    (ids | slots | seq_lens | kv_rows as int64 | a ``Feed``'s rows | its can_stop | page table rows, each part
+    16-byte aligned), its host twin (pinned on CUDA), and the captured graph with its output logits [bs, vocab]."""
 
     bs: int
     width: int
@@ -114,10 +115,6 @@ class DecodeGraphs:
         self.captures = 0
         self.eager_runs = 0
         self.capture_error: str | None = None
-        pin = self.device.type == "cuda"
-        self._feed_host = torch.empty(2 * self.max_batch, dtype=torch.int64, pin_memory=pin)
-        self._feed_dev = torch.empty(2 * self.max_batch, dtype=torch.int64, device=self.device)
-        self._feed_copied: torch.cuda.Event | None = None
 
     def accepts(self, n: int) -> bool:
         return 1 <= n <= self.max_batch
@@ -154,7 +151,7 @@ class DecodeGraphs:
         if st.graph is None and self.use_graphs:
             with self.capture_lock:
                 self._capture(st)
-        self._fill(st, input_ids, slots, seq_lens, pages)
+        self._fill(st, input_ids, slots, seq_lens, pages, feed)
         if feed is not None and feed.rows:
             self._feed(st, feed)
         if st.graph is not None:
@@ -171,13 +168,13 @@ class DecodeGraphs:
         key = (bs, width)
         if key not in self._static:
             b4 = -(-bs // 4) * 4  # each part starts 16-byte aligned
-            ints = torch.empty(5 * b4 + bs * width, dtype=torch.int32, device=self.device)
+            ints = torch.empty(7 * b4 + bs * width, dtype=torch.int32, device=self.device)
             host = torch.empty(ints.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
             inputs = DecodeInputs(
                 input_ids=ints[:bs],
                 slots=ints[b4 : b4 + bs],
                 seq_lens=ints[2 * b4 : 2 * b4 + bs],
-                page_table=ints[5 * b4 :].view(bs, width),  # contiguous [bs, width]
+                page_table=ints[7 * b4 :].view(bs, width),  # contiguous [bs, width]
                 cu_seqlens=torch.arange(bs + 1, dtype=torch.long, device=self.device),
             )
             kv_rows = ints[3 * b4 : 3 * b4 + 2 * bs].view(torch.int64)  # [bs] int64
@@ -186,8 +183,10 @@ class DecodeGraphs:
             self._static[key] = st
         return self._static[key]
 
-    def _fill(self, st: _Static, ids: list[int], slots: list[int], lens: list[int], pages: list[list[int]]) -> None:
-        """Write the host buffer (real rows, then dummies on the scratch slot and page) and copy it over."""
+    def _fill(self, st: _Static, ids: list[int], slots: list[int], lens: list[int], pages: list[list[int]],
+              feed: Feed | None = None) -> None:
+        """Write the host buffer (real rows, then dummies on the scratch slot and page; a feed's rows and can_stop)
+        and copy it over."""
         if st.copied is not None:
             st.copied.synchronize()  # the previous copy out of the host buffer has finished
         bs, N = st.bs, len(ids)
@@ -210,7 +209,11 @@ class DecodeGraphs:
                                  f"{len(pages[i])}")
             rows[i] = pages[i][pos // P] * P + pos % P
         rows[N:] = scratch_page * P  # the dummies' one token, on the scratch page
-        table = h[5 * b4 :].reshape(bs, st.width)
+        if feed is not None:
+            M = len(feed.rows)
+            h[5 * b4 : 5 * b4 + M] = feed.rows
+            h[6 * b4 : 6 * b4 + M] = feed.can_stop
+        table = h[7 * b4 :].reshape(bs, st.width)
         for i in range(bs):
             p = pages[i] if i < N else None
             last, n_last = st.rows[i]
@@ -234,26 +237,15 @@ class DecodeGraphs:
 
     def _feed(self, st: _Static, feed: Feed) -> None:
         """After ``_fill``'s copy: the fed rows' ids from ``feed.tokens``, and the rows whose token stops their
-        request turned into dummies, all on the device (no sync). The next ``_fill`` copies the whole host buffer
-        again, so nothing here outlives the step."""
+        request turned into dummies, on the device (``kernels.feed``; no sync). The next ``_fill`` copies the whole
+        host buffer again, so nothing here outlives the step."""
         M = len(feed.rows)
-        if self._feed_copied is not None:
-            self._feed_copied.synchronize()  # the previous copy out of the host buffer has finished
-        host = self._feed_host.numpy()
-        host[:M] = feed.rows
-        host[M : 2 * M] = feed.can_stop
-        self._feed_dev[: 2 * M].copy_(self._feed_host[: 2 * M], non_blocking=True)
-        if self.device.type == "cuda":
-            self._feed_copied = torch.cuda.Event()
-            self._feed_copied.record()
-        tok = feed.tokens.index_select(0, self._feed_dev[:M])  # [M] int64
-        st.inputs.input_ids[:M].copy_(tok)
-        stop = (tok[:, None] == feed.stop_ids[None, :]).any(1) & self._feed_dev[M : 2 * M].bool()  # [M]
+        b4 = -(-st.bs // 4) * 4
         assert self.pools.scratch_slot is not None and self.pools.scratch_page is not None
-        st.inputs.slots[:M].masked_fill_(stop, self.pools.scratch_slot)
-        st.inputs.seq_lens[:M].masked_fill_(stop, 1)
-        st.kv_rows[:M].masked_fill_(stop, self.pools.scratch_page * self.pools.page_size)
-        st.inputs.page_table[:M, 0].masked_fill_(stop, self.pools.scratch_page)
+        i = st.inputs
+        feed_decode_rows(feed.tokens, st.ints[5 * b4 : 5 * b4 + M], st.ints[6 * b4 : 6 * b4 + M], feed.stop_ids,
+                         i.input_ids[:M], i.slots[:M], i.seq_lens[:M], st.kv_rows[:M], i.page_table[:M],
+                         self.pools.scratch_slot, self.pools.scratch_page, self.pools.page_size)
 
     # -- capture -------------------------------------------------------------------------------------------
 

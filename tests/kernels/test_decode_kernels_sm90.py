@@ -18,6 +18,7 @@ import inspect, json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from kda_sessions.kernels.feed.triton_feed import _feed_kernel
 from kda_sessions.kernels.kda.decode_triton import _decode_kernel
 from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel
 from kda_sessions.kernels.mla.decode_prep import _prep_kernel
@@ -79,6 +80,10 @@ out["route_gather_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias"
                                                      "h_out": bf, "eps": "fp32"},
                               {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
                                "EXTRA": 1, "NORM": True, "PDL": True, "GATHER": True})
+# the decode feed of a decode step queued ahead (``kernels.feed``): 64 rows, the scalars as runtime ints
+out["feed"] = ptx(_feed_kernel, {"tokens": "*i64", "rows": "*i32", "can_stop": "*i32", "stop_ids": "*i64",
+                                 "ids": "*i32", "slots": "*i32", "seq_lens": "*i32", "kv_rows": "*i64", "table": "*i32"},
+                  {"BM": 64, "BS": 16})
 print(json.dumps(out))
 """
 
@@ -95,7 +100,8 @@ def out() -> dict:
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
                         "decode_pdl", "matvec_norm_pdl", "moe_down_resid_pdl", "decode_pdl_early",
-                        "route_gather_pdl"}
+                        "route_gather_pdl", "feed"}
+    assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_gather_pdl"]
     # the down kernel adding the residual: its stores after the wait (it lets the next launch start after it
     # too), no arrival counter

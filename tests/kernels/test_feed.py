@@ -1,0 +1,45 @@
+"""The decode feed's Triton program against its twin under TRITON_INTERPRET=1 (integers: equal), and its checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_sessions.kernels.feed import feed_decode_rows
+from kda_sessions.kernels.feed.naive import naive_feed_decode_rows
+
+
+def case(M: int, K: int, W: int, stops: list[int], seed: int) -> tuple:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 40, (K,), generator=g)
+    tokens[: len(stops)] = torch.tensor(stops)  # some rows draw a stop token
+    rows = torch.randperm(K, generator=g)[:M].to(torch.int32)
+    can_stop = torch.randint(0, 2, (M,), generator=g, dtype=torch.int32)
+    ids, slots, lens = (torch.randint(0, 99, (M,), generator=g, dtype=torch.int32) for _ in range(3))
+    kv_rows = torch.randint(0, 9999, (M,), generator=g)
+    table = torch.randint(0, 50, (M, W + 3), generator=g, dtype=torch.int32)[:, :W]  # rows strided
+    return tokens, rows, can_stop, torch.tensor(stops or [-1]), ids, slots, lens, kv_rows, table
+
+
+@pytest.mark.parametrize("M,K,W,stops", [(1, 1, 1, [7]), (5, 9, 4, [3, 11]), (37, 40, 16, [0, 1, 2, 5]),
+                                          (8, 8, 2, [])], ids=["1-row", "5-rows", "37-rows", "no-stops"])
+def test_feed_matches_the_twin(M, K, W, stops):
+    from kda_sessions.kernels.feed.triton_feed import feed_decode_rows_triton
+
+    args = case(M, K, W, stops, seed=M)
+    ref = [a.clone() for a in args]
+    feed_decode_rows_triton(*args, 5, 6, 16)
+    naive_feed_decode_rows(*ref, 5, 6, 16)
+    for got, want in zip(args[4:], ref[4:]):
+        assert torch.equal(got, want)
+    stop = (ref[0][ref[1].long()][:, None] == ref[3][None, :]).any(1) & (ref[2] != 0)
+    if stops:
+        assert bool(stop.any())  # the case exercises both kinds of row
+    assert torch.equal(ref[5][stop], torch.full_like(ref[5][stop], 5)) and torch.equal(ref[4], ref[0][ref[1].long()].int())
+
+
+def test_feed_names_a_bad_shape():
+    args = list(case(4, 6, 3, [1], seed=1))
+    args[5] = args[5][:3]
+    with pytest.raises(ValueError, match="slots"):
+        feed_decode_rows(*args, 5, 6, 16)
