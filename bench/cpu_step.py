@@ -53,8 +53,8 @@ def matvec() -> dict[str, Any]:
         n = 64 * MIB // (i * o * 4)
         ws = [(torch.randn(i, o) * 0.05).bfloat16().float() for _ in range(n)]  # bfloat16 values, as tiny's
         x = torch.randn(1, i)
-        blas = _best(lambda: [torch.mm(x, w) for w in ws])
-        half = _best(lambda: [fused.row_mm(x, w) for w in ws])
+        blas = _best(lambda x=x, ws=ws: [torch.mm(x, w) for w in ws])
+        half = _best(lambda x=x, ws=ws: [fused.row_mm(x, w) for w in ws])
         out["shapes"][f"{i}x{o}"] = {"blas_gbs": round(64 * MIB / blas / 1e9, 1), "blas_us": round(blas / n * 1e6, 1),
                                      "row_mm_gbs": round(64 * MIB / half / 1e9, 1),
                                      "row_mm_us": round(half / n * 1e6, 1)}

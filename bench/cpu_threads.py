@@ -45,7 +45,7 @@ SPIN = "while True:\n    pass\n"
 
 def run_once(pkg: str, setting: str, turns: int, path: list[str]) -> float:
     kw = {} if setting in ("auto", "ref") else {"cpu_decode_threads": int(setting)}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]))
     env.pop("OMP_NUM_THREADS", None)
     out = subprocess.run([sys.executable, "-c", CHILD.format(pkg=pkg, kw=kw, turns=turns)], env=env,
                          capture_output=True, text=True, check=True, cwd=common.REPO).stdout

@@ -291,7 +291,7 @@ def prepare_skips(model: HybridModel) -> None:
                 continue
             k = m.top_k
             dev = m.gate.weight.device
-            _FIXED["chosen"] = torch.tensor([list(range(k)) + [fused[2]]], dtype=torch.int64, device=dev)
+            _FIXED["chosen"] = torch.tensor([[*range(k), fused[2]]], dtype=torch.int64, device=dev)
             _FIXED["weights"] = torch.full((1, k + 1), 1.0 / k, dtype=m.gate.weight.dtype, device=dev)
             return
 

@@ -3,6 +3,7 @@ and the calling thread kept free of an OpenMP team while the engine opens."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -42,8 +43,8 @@ def test_a_much_slower_try_is_given_up_after_one_timed_step_and_tried_less_often
     assert twice[7:10] == [2, 2, 1], "2x slower: one untimed and one timed step, then back"
     assert slower.lanes[1].current == 1
     tries = [i for i in range(1, len(used)) if used[i] == 2 and used[i - 1] == 1]
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
-    assert len(tries) >= 3 and all(g2 > g1 for g1, g2 in zip(gaps, gaps[1:])), gaps
+    gaps = [b - a for a, b in itertools.pairwise(tries)]
+    assert len(tries) >= 3 and all(g2 > g1 for g1, g2 in itertools.pairwise(gaps)), gaps
     assert t.lanes[1].current == 1
 
 

@@ -456,7 +456,7 @@ def test_training_refuses_a_config_too_big_to_ship(tmp_path: Path):
 
     big = tmp_path / "big.json"  # hidden 640, FFN 2,560: 45.5 M parameters, 91.0 MB as bf16
     big.write_text(json.dumps({**json.loads(train_tiny.CONFIG.read_text()), "hidden_size": 640, "intermediate_size": 2560}))
-    with pytest.raises(SystemExit, match="91.0 MB as bf16, over the 60 MB"):
+    with pytest.raises(SystemExit, match=r"91\.0 MB as bf16, over the 60 MB"):
         train_tiny.main(["--quick", "--device", "cpu", "--out", str(tmp_path / "big"), "--config", str(big)])
 
 
