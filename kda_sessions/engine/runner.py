@@ -107,7 +107,7 @@ class Runner:
         step before the host reads their tokens (``_decode_ahead``)."""
         self.steps_ahead = 0
         """Decode steps queued before the host had read the step before them."""
-        self._stop_ids: Tensor | None = None
+        self._stop_ids: tuple[frozenset[int], Tensor] | None = None
         self.cpu_threads = cpu_threads
         """Torch threads the step thread sets (None: torch's default). torch keeps the last count any thread set and
         gives it to threads started later, so the step thread sets the caller's count back when it ends."""
@@ -594,11 +594,12 @@ class Runner:
         self.deliver(out.finished, sampled)
 
     def _stop_tensor(self) -> Tensor:
-        """The tokenizer's stop tokens on the model's device (-1, which no token is, when it has none)."""
-        if self._stop_ids is None:
-            self._stop_ids = torch.tensor(sorted(self.tokenizer.eos_ids) or [-1], dtype=torch.long,
-                                          device=self.model.device)
-        return self._stop_ids
+        """The tokenizer's stop tokens on the model's device (-1, which no token is, when it has none), made again
+        if the set changed: the device and ``_finish_step`` must stop the same rows."""
+        key = frozenset(self.tokenizer.eos_ids)
+        if self._stop_ids is None or self._stop_ids[0] != key:
+            self._stop_ids = (key, torch.tensor(sorted(key) or [-1], dtype=torch.long, device=self.model.device))
+        return self._stop_ids[1]
 
     # -- sampling --------------------------------------------------------------------------------------------
 

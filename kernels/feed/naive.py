@@ -9,12 +9,7 @@ def naive_feed_decode_rows(
     tokens: Tensor, rows: Tensor, can_stop: Tensor, stop_ids: Tensor, ids: Tensor, slots: Tensor, seq_lens: Tensor,
     kv_rows: Tensor, table: Tensor, scratch_slot: int, scratch_page: int, page_size: int,
 ) -> None:
-    """In place, for the M fed rows i: ids[i] = tokens[rows[i]]; where can_stop[i] and that token is in stop_ids,
-    row i becomes a dummy: slots[i] = scratch_slot, seq_lens[i] = 1, kv_rows[i] = scratch_page * page_size,
-    table[i, 0] = scratch_page.
-
-    tokens [K] int64, rows [M] int32 (indices into tokens), can_stop [M] int32 (0 or 1), stop_ids [S] int64;
-    ids, slots, seq_lens [M] int32, kv_rows [M] int64, table [M, W] int32."""
+    """``feed_decode_rows`` (same arguments and shapes) in plain torch ops."""
     tok = tokens.index_select(0, rows.long())  # [M]
     ids.copy_(tok)
     stop = (tok[:, None] == stop_ids[None, :]).any(1) & (can_stop != 0)  # [M]
