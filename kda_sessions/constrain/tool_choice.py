@@ -216,4 +216,6 @@ def _choose(logits: Tensor, valid: Callable[[int], bool], params: SamplingParams
             raise RuntimeError("constrained decoding found no valid token")
     scaled = logits[pool].float()
     probs = torch.softmax((scaled - scaled.max()) / params.temperature, dim=-1)  # max 0: no overflow
+    if generator is not None and generator.device != probs.device:
+        probs = probs.to(generator.device)  # the request's own generator, where it lives
     return pool[int(torch.multinomial(probs, 1, generator=generator))]

@@ -52,7 +52,8 @@ def work_for(
         constraint = ToolChoiceConstraint(tokenizer, s.tools, choice)
     if s.num_tokens <= s.num_cached and not prefill_only:
         raise ValueError(f"session {s.id!r} has no tokens to continue from; append some first")
-    generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+    # on the model's device: a draw then never waits for the device (a step queued ahead keeps running)
+    generator = None if params.seed is None else torch.Generator(device=core.model.device).manual_seed(params.seed)
     return Work(session=s, prompt=[], params=params, prefill_only=prefill_only, generator=generator,
                 constraint=constraint)
 

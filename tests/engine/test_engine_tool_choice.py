@@ -105,3 +105,23 @@ async def test_forced_call_is_the_call_the_model_makes_freely(tiny_engine: ks.En
         calls[choice] = [(c.function.name, c.function.arguments) for c in r.tool_calls]
     assert calls["auto"] == [("list_dir", '{"path": "."}')]
     assert calls["required"] == calls["auto"] and calls["list_dir"] == calls["auto"]
+
+
+@pytest.mark.gpu
+async def test_seeded_sampled_forced_call_on_cuda_repeats():
+    """On a GPU the logits stay on the device: a seeded draw (constrained or not) uses the request's generator
+    there (admission makes it on the model's device), and the same seed gives the same call."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    async with await ks.Engine.open(store="memory:", device="cuda") as eng:
+        got = []
+        for _ in range(2):
+            s = await eng.create_session(system="agent", tools=TOOL_SCHEMAS)
+            r = await s.send("look around", max_tokens=120, tool_choice="grep", temperature=1.0, seed=3)
+            assert r.finish_reason == "tool_calls", r
+            free = await s.send_tool_result(r.tool_calls[0].id, "ok", max_tokens=8, temperature=0.9, seed=4,
+                                            ignore_eos=True)
+            got.append((r.tool_calls[0].function.arguments, free.token_ids))
+        assert got[0] == got[1]
