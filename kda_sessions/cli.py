@@ -55,8 +55,8 @@ _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
                                           "chunks share the rest (EngineConfig.prefill_chunk_tokens, 2048)"),
     ("--prefill-chunk-tokens-idle", None, int, "prompt tokens of a step when no request generates "
                                                "(EngineConfig.prefill_chunk_tokens_idle; 8192 on a GPU, 2048 on a CPU)"),
-    ("--page-wait", None, float, "seconds a request waits at admission for KV pages held by running requests "
-                                 "before a 503 (EngineConfig.page_wait_s, 30)"),
+    ("--page-wait", None, float, "seconds a request waits at admission for KV pages or a state slot held by "
+                                 "running requests before a 503 (EngineConfig.page_wait_s, 30)"),
     ("--cpu-threads", None, int, "torch threads of the engine's steps on a CPU (EngineConfig.cpu_threads; torch's "
                                  "default: the cores)"),
     ("--cpu-decode-threads", None, _threads, "torch threads of decode steps on a CPU, or auto: 1 or --cpu-threads' count, "

@@ -61,9 +61,10 @@ class EngineConfig(BaseModel):
     after this long (on disk at once, when the holder was a dead process of the same host), and only then can
     another engine save the session. Shorter means a faster takeover after a crash and more renewal traffic."""
     page_wait_s: float = Field(default=30.0, ge=0)
-    """How long a request waits for KV pages that others hold before it fails with OutOfPages (503): at
-    admission, for the pages of its prompt (running requests end, and their sessions become idle and evictable);
-    while generating, parked after a preemption, for pages to resume with."""
+    """How long a request waits for KV pages or a state slot that others hold before it fails with OutOfPages or
+    OutOfSlots (503): at admission, for a slot when every slot holds a busy session (more concurrent requests than
+    ``max_active_sessions``) and for the pages of its prompt (running requests end, and their sessions become idle
+    and evictable); while generating, parked after a preemption, for pages to resume with."""
     cpu_threads: int | None = Field(default=None, ge=1)
     """Torch threads of the engine's step thread on a CPU (its decode steps: ``cpu_decode_threads``). torch's count is process-wide for threads started while
     the engine runs (torch gives new threads the last count set); the engine sets the caller's count back when it

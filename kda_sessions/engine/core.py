@@ -13,6 +13,7 @@ from typing import Any
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+import torch
 
 from ..model import HybridModel
 from ..tokenizer import Tokenizer
@@ -58,6 +59,11 @@ class EngineCore:
     def close(self) -> None:
         """Stop the step thread (blocking: call it from a worker thread)."""
         self.runner.stop()
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device (where a request's seeded generator lives)."""
+        return self.model.device
 
     @property
     def busy(self) -> bool:

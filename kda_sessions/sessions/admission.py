@@ -53,7 +53,7 @@ def work_for(
     if s.num_tokens <= s.num_cached and not prefill_only:
         raise ValueError(f"session {s.id!r} has no tokens to continue from; append some first")
     # on the model's device: a draw then never waits for the device (a step queued ahead keeps running)
-    generator = None if params.seed is None else torch.Generator(device=core.model.device).manual_seed(params.seed)
+    generator = None if params.seed is None else torch.Generator(device=core.device).manual_seed(params.seed)
     return Work(session=s, prompt=[], params=params, prefill_only=prefill_only, generator=generator,
                 constraint=constraint)
 

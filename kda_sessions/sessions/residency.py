@@ -65,14 +65,27 @@ class Residency:
                 raise
 
     async def _alloc_slot(self, exclude: SessionState) -> int:
+        """A free slot, else an idle session's (evicted to the store); while every slot's session is busy, wait (up
+        to ``config.page_wait_s``) for one to become idle, so that more concurrent requests than slots queue
+        instead of failing."""
+        deadline = anyio.current_time() + self.config.page_wait_s
         while True:
             with self.pools.mutex:
                 try:
                     return self.pools.slots.alloc()
                 except OutOfSlots:
                     pass
-            if not await self.evict_one(exclude):
-                raise OutOfSlots(f"all {self.pools.slots.num_slots} state slots hold sessions that are busy")
+            if await self.evict_one(exclude):
+                continue
+            left = deadline - anyio.current_time()
+            busy = any(x.lock.locked() for x in self.held() if x.resident and x is not exclude)
+            n = self.pools.slots.num_slots
+            if not busy:
+                raise OutOfSlots(f"all {n} state slots hold sessions this engine cannot move out (saving them failed)")
+            if left <= 0:
+                raise OutOfSlots(f"all {n} state slots hold sessions that stayed busy for {self.config.page_wait_s:g} s")
+            with anyio.move_on_after(min(left, 0.25)):  # a work ending, or a caller releasing its session
+                await self.core.work_ended.wait()
 
     async def ensure_pages(self, s: SessionState, total_tokens: int) -> None:
         """Make sure the pool can give ``s`` pages for ``total_tokens`` tokens: evict idle sessions, and while

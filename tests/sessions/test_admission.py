@@ -29,6 +29,7 @@ class FakeCore:
     busy: bool = False
     config: Any = field(default_factory=lambda: SimpleNamespace(num_pages=NUM_PAGES, page_size=P))
     submitted: list[tuple[Work, int]] = field(default_factory=list)
+    device: str = "cpu"
 
     def pages_for(self, num_tokens: int) -> int:
         return pages_needed(num_tokens, P)
