@@ -561,10 +561,12 @@ class Runner:
                         [not w.params.ignore_eos for w in works])
             self.steps_ahead += 1
         logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in seqs], [s.pages for s in seqs], feed)
-        for s in seqs:  # every row advanced (a fed row that stops is undone by _finish_step)
+        pending = sample_batch_async(logits, [w.params for w in works], [w.generator for w in works])
+        # every row advanced (a fed row that stops is undone by _finish_step); counted only once nothing here can
+        # raise: a launch that raised leaves the counts as they were, and the caller rolls its rows back
+        for s in seqs:
             s.num_cached += 1
         self.tokens_decoded += len(works)
-        pending = sample_batch_async(logits, [w.params for w in works], [w.generator for w in works])
         return Queued(works, pending)
 
     def _finish_step(self, step: Queued | None, nxt: Queued | None, out: StepResult) -> None:

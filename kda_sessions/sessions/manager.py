@@ -193,15 +193,19 @@ class SessionManager:
                 turn_open=parent.turn_open if cp is None else cp.turn_open, parent=parent_id,
                 next_message_index=num_messages,
             )
-            if cp is None:
-                await self.residency.seat_on_head(child, parent)
-                return child
             try:
-                await io.materialize(cp)
-                await self.residency.seat_on_checkpoint(child, cp)
-            finally:
-                if transient:  # the child holds what it shares; nothing else does
-                    self.residency.release_checkpoint(cp)
+                if cp is None:
+                    await self.residency.seat_on_head(child, parent)
+                    return child
+                try:
+                    await io.materialize(cp)
+                    await self.residency.seat_on_checkpoint(child, cp)
+                finally:
+                    if transient:  # the child holds what it shares; nothing else does
+                        self.residency.release_checkpoint(cp)
+            except BaseException:  # failed or cancelled: the child, held by no one, keeps no slot or page
+                self.residency.release(child, keep_checkpoint_states=False)
+                raise
         return child
 
     async def load_unheld(self, tenant: str | None, session_id: str) -> SessionState:

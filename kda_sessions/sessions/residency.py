@@ -50,19 +50,20 @@ class Residency:
 
     async def make_resident(self, s: SessionState) -> None:
         """Give ``s`` a state slot (evicting idle sessions to the store if none is free) and, for a session that
-        was saved and moved out, load its head state and pages back. On failure nothing stays allocated."""
+        was saved and moved out, load its head state and pages back. On failure or cancellation nothing stays
+        allocated."""
         if s.resident:
             return
         slot = await self._alloc_slot(exclude=s)
         s.slot = slot
-        await self.pools.run_locked(lambda: self.pools.zero_slot(slot))
-        if s.head_blobs is not None:
-            try:
+        try:  # a failure or a cancellation anywhere from here leaves it as it was: not resident
+            await self.pools.run_locked(lambda: self.pools.zero_slot(slot))
+            if s.head_blobs is not None:
                 await self.ensure_pages(s, s.num_cached)
                 await self.store_of(s.tenant).restore_head(s)
-            except BaseException:
-                self.release(s, keep_checkpoint_states=True)
-                raise
+        except BaseException:
+            self.release(s, keep_checkpoint_states=True)
+            raise
 
     async def _alloc_slot(self, exclude: SessionState) -> int:
         """A free slot, else an idle session's (evicted to the store); while every slot's session is busy, wait (up

@@ -233,12 +233,20 @@ class StoreIO:
         )
 
     async def save(self, s: SessionState) -> SaveResult:
-        """Make the session's current state durable. Caller holds ``s.lock``.
+        """Make the session's current state durable. Caller holds ``s.lock``. Shielded from cancellation: a save
+        cancelled between its commit and its bookkeeping would leave the session naming a generation and blobs
+        the store no longer agrees with (its next save a SnapshotConflict, or a manifest naming blobs never
+        sent), and an eviction's save runs inside whatever request needed the slot, which its caller may cancel.
+        A cancelled caller waits for the save to end (its blobs and one manifest write).
 
         The blobs are written while they are made (`_build` into a `BlobStream`, `SnapshotStore.put_stream`),
         then the manifest commits: compare-and-set on the generation this engine last loaded or saved, under the
         session's lease: SessionBusy if another engine holds the lease, SnapshotConflict if another engine saved
         it since."""
+        with anyio.CancelScope(shield=True):
+            return await self._save(s)
+
+    async def _save(self, s: SessionState) -> SaveResult:
         # the head's pages may not change while they are encoded: the caller's lock keeps works off the session
         stream = BlobStream()
         streamed: set[str] = set()

@@ -50,7 +50,13 @@ async def check(s: ks.Session, ref: ks.Engine, what: str) -> None:
     assert len(set(got) & set(want)) >= 3, f"{what}: top tokens {sorted(got)} against {sorted(want)}"
 
 
-async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine) -> dict[str, int]:
+OPS = ("new", "append", "generate", "batch", "batch", "cancel", "checkpoint", "fork", "save", "resume", "delete", "check")
+"""The operations a campaign draws from (batch twice: the decode steps of several sessions are where most can go
+wrong)."""
+
+
+async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine,
+                   op_names: tuple[str, ...] = OPS) -> dict[str, int]:
     rng = random.Random(seed)
     done: dict[str, int] = {}
     async with await ks.Engine.open(store=store, page_size=16, max_active_sessions=3,
@@ -72,9 +78,9 @@ async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine)
 
         for _ in range(4):  # one more than the slots: from the start, a session moves out for another
             await new()
-        for i in range(ops):
-            op = rng.choice(["new", "append", "generate", "batch", "batch", "cancel", "checkpoint", "fork", "save",
-                             "resume", "delete", "check"])
+
+        async def one(i: int, op: str) -> None:
+            nonlocal named
             if op == "new" or not sessions:
                 await new()
             elif op == "append":
@@ -110,10 +116,19 @@ async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine)
                 s = rng.choice(sessions)
                 await eng.delete_session(s.id)
                 sessions.remove(s)
-                named = [(p, n) for p, n in named if p is not s]
+                named = [(p, n) for p, n in named if p.id != s.id]
             elif op == "check":
                 s = rng.choice(sessions)
                 await check(s, ref, f"seed {seed} op {i} session {s.id}")
+
+        history: list[str] = []
+        for i in range(ops):
+            op = rng.choice(op_names)
+            history.append(f"{i}:{op}")
+            try:
+                await one(i, op)
+            except Exception as e:
+                raise AssertionError(f"seed {seed}, op {i} ({op}) failed; ops before: {history[-16:]}") from e
             done[op] = done.get(op, 0) + 1
         for s in sessions:
             await check(s, ref, f"seed {seed} end, session {s.id}")
