@@ -50,9 +50,13 @@ async def check(s: ks.Session, ref: ks.Engine, what: str) -> None:
     assert len(set(got) & set(want)) >= 3, f"{what}: top tokens {sorted(got)} against {sorted(want)}"
 
 
-OPS = ("new", "append", "generate", "batch", "batch", "cancel", "checkpoint", "fork", "save", "resume", "delete", "check")
+OPS = ("new", "append", "generate", "batch", "batch", "cancel", "checkpoint", "fork", "save", "resume", "delete", "check",
+       "chat", "send")
 """The operations a campaign draws from (batch twice: the decode steps of several sessions are where most can go
-wrong)."""
+wrong). ``chat`` starts a conversation on one of three system prompts (conversations that share one reuse its
+checkpointed head: the prefix cache), ``send`` adds a user turn to one."""
+
+SYSTEMS = ("You are a coding agent.", "You review diffs and answer briefly.", "Plan first, then act.")
 
 
 async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine,
@@ -79,10 +83,19 @@ async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine,
         for _ in range(4):  # one more than the slots: from the start, a session moves out for another
             await new()
 
+        chats: list[ks.Session] = []
+
         async def one(i: int, op: str) -> None:
-            nonlocal named
+            nonlocal named, chats
             if op == "new" or not sessions:
                 await new()
+            elif op == "chat" or (op == "send" and not chats):
+                c = await eng.create_session(system=rng.choice(SYSTEMS))
+                await c.send(f"task {rng.randrange(5)}", max_tokens=rng.randint(1, 8))
+                sessions.append(c)
+                chats.append(c)
+            elif op == "send":
+                await rng.choice(chats).send(f"more {rng.randrange(99)}", max_tokens=rng.randint(1, 8))
             elif op == "append":
                 await rng.choice(sessions).append(ids(rng.randint(1, 40)))
             elif op == "generate":
@@ -111,12 +124,15 @@ async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine,
                 await rng.choice(sessions).save()
             elif op == "resume":
                 s = rng.choice(sessions)
-                sessions[sessions.index(s)] = await eng.resume(s.id)
+                r = await eng.resume(s.id)
+                sessions[sessions.index(s)] = r
+                chats = [r if c.id == r.id else c for c in chats]
             elif op == "delete" and len(sessions) > 2:
                 s = rng.choice(sessions)
                 await eng.delete_session(s.id)
                 sessions.remove(s)
                 named = [(p, n) for p, n in named if p.id != s.id]
+                chats = [c for c in chats if c.id != s.id]
             elif op == "check":
                 s = rng.choice(sessions)
                 await check(s, ref, f"seed {seed} op {i} session {s.id}")
@@ -135,6 +151,7 @@ async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine,
         done["sessions"] = len(sessions)
         done["steps_ahead"] = eng.runner.steps_ahead
         done["evictions"] = eng.stats()["evictions"]
+        done["prefix_hits"] = eng.stats()["prefix_cache_hits"]
     return done
 
 
@@ -143,7 +160,7 @@ async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine,
 async def test_sessions_keep_their_state_under_random_operations(ref, tmp_path, store, ahead):
     url = f"disk:{tmp_path / 'store'}" if store == "disk" else "memory:"
     done = await campaign(11 if ahead else 7, 36, url, ahead, ref)
-    assert sum(v for k, v in done.items() if k not in ("sessions", "steps_ahead", "evictions")) == 36
+    assert sum(v for k, v in done.items() if k not in ("sessions", "steps_ahead", "evictions", "prefix_hits")) == 36
     assert done["evictions"] > 0 and done["sessions"] > 3  # sessions moved out and back in
     if ahead:
         assert done["steps_ahead"] > 0
