@@ -51,10 +51,11 @@ async def check(s: ks.Session, ref: ks.Engine, what: str) -> None:
 
 
 OPS = ("new", "append", "generate", "batch", "batch", "cancel", "checkpoint", "fork", "save", "resume", "delete", "check",
-       "chat", "send")
+       "chat", "send", "interrupt")
 """The operations a campaign draws from (batch twice: the decode steps of several sessions are where most can go
 wrong). ``chat`` starts a conversation on one of three system prompts (conversations that share one reuse its
-checkpointed head: the prefix cache), ``send`` adds a user turn to one."""
+checkpointed head: the prefix cache), ``send`` adds a user turn to one, ``interrupt`` cancels an append, fork,
+checkpoint, user turn or save at a random moment."""
 
 SYSTEMS = ("You are a coding agent.", "You review diffs and answer briefly.", "Plan first, then act.")
 
@@ -133,6 +134,22 @@ async def campaign(seed: int, ops: int, store: str, ahead: bool, ref: ks.Engine,
                 sessions.remove(s)
                 named = [(p, n) for p, n in named if p.id != s.id]
                 chats = [c for c in chats if c.id != s.id]
+            elif op == "interrupt":
+                what = rng.choice(["append", "fork", "checkpoint", "send", "save"])
+                what = "append" if what == "send" and not chats else what
+                s = rng.choice(chats if what == "send" else sessions)
+                with anyio.move_on_after(rng.uniform(0.0, 0.02)):
+                    if what == "append":
+                        await s.append(ids(rng.randint(1, 80)))
+                    elif what == "fork":
+                        sessions.append(await s.fork())
+                    elif what == "checkpoint":
+                        await s.checkpoint(f"c{i}")
+                        named.append((s, f"c{i}"))
+                    elif what == "send":
+                        await s.send(f"more {rng.randrange(99)}", max_tokens=rng.randint(1, 8))
+                    else:
+                        await s.save()
             elif op == "check":
                 s = rng.choice(sessions)
                 await check(s, ref, f"seed {seed} op {i} session {s.id}")
