@@ -11,6 +11,7 @@ from ..constrain.json_prefix import check_top_level, decoding_schema
 from ..constrain.json_reply import JsonReplyConstraint, response_schema
 from ..constrain.tool_choice import ToolChoiceConstraint, parse_tool_choice
 from ..engine.core import EngineCore
+from ..engine.rollback import roll_back
 from ..engine.sampler import SamplingParams
 from ..engine.scheduler import Constraint, Work
 from ..tokenizer import Tokenizer
@@ -111,6 +112,17 @@ class Admission:
         # set the pages aside (ensure_pages just made them free, with no await since)
         self.core.submit(work, reserve=max(0, self.core.pages_for(admit) - len(s.pages)))
         return work
+
+    def take_back(self, s: SessionState, before: int) -> None:
+        """After ``start`` raised (refused, or cancelled): drop the tokens from ``before`` on that the caller added
+        for it. ``start`` may have seated the session on another session's checkpoint inside those tokens
+        (``PrefixCache.reuse``) before it raised; its state is then past what stays, so it goes back to its newest
+        exact checkpoint before them (else the empty state: the next call prefills again)."""
+        del s.tokens[before:]
+        if s.resident and s.num_cached > max(0, s.num_tokens - 1):
+            with self.core.pools.mutex:
+                s.num_cached = max(0, s.num_tokens - 1)
+                roll_back(s, self.core.pools)
 
     async def wait(self, work: Work) -> Work:
         """Wait for ``work`` (cancelled with the waiting task); raises its error."""

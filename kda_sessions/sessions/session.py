@@ -60,8 +60,8 @@ class Session:
             s.tokens.extend(ids)
             try:
                 work = await self.manager.admission.start(s, SamplingParams(max_tokens=1), prefill_only=True)
-            except BaseException:
-                del s.tokens[before:]  # refused before anything ran: the session is as it was
+            except BaseException:  # refused or cancelled: the session is as it was
+                self.manager.admission.take_back(s, before)
                 raise
             await self.manager.admission.wait(work)
             run = work.prompt_len + work.replayed
@@ -196,8 +196,8 @@ class Session:
             return await m.admission.start(s, params, checkpoints=checkpoints, end_checkpoint=end,
                                            on_token=on_token, on_finish=on_finish, tool_choice=tool_choice,
                                            response_format=response_format)
-        except BaseException:  # refused before anything ran (bad max_tokens, no room): the session is as it was
-            del s.tokens[undo[0] :]
+        except BaseException:  # refused (bad max_tokens, no room) or cancelled: the session is as it was
+            m.admission.take_back(s, undo[0])
             del s.messages[undo[1] :]
             s.turn_open = undo[2]
             raise

@@ -73,3 +73,39 @@ async def test_a_resume_cancelled_while_it_makes_room_leaves_it_moved_out(tmp_pa
         await r.append(prompt())
         assert (await r.generate(max_tokens=4, ignore_eos=True)).token_ids == first.token_ids
         assert (await r.generate(max_tokens=4, ignore_eos=True)).token_ids == got.token_ids
+
+
+async def test_a_turn_refused_after_a_prefix_seat_leaves_the_state_at_its_tokens(monkeypatch):
+    """A second conversation on the same system prompt is seated on the first one's checkpoint inside its new
+    turn's tokens (prefix reuse), then refused (no pages): the turn's tokens go, and the state must not stay past
+    them. The next turn then gives what a fresh conversation gives."""
+    from kda_sessions.errors import OutOfPages
+    from kda_sessions.sessions.residency import Residency
+
+    system, turns = "You are a coding agent.", ["task 1", "more " * 12, "again " * 10]
+    async with await ks.Engine.open(store="memory:", page_size=16, checkpoint_interval_pages=2) as eng:
+        a = await eng.create_session(system=system)
+        for t in turns:
+            await a.send(t, max_tokens=4)
+        b = await eng.create_session(system=system)
+        await b.send(turns[0], max_tokens=4)
+        hits = eng.stats()["prefix_cache_hits"]
+        ensure = Residency.ensure_pages
+
+        async def refuse(self, s, total):
+            raise OutOfPages("no pages (test)")
+
+        monkeypatch.setattr(Residency, "ensure_pages", refuse)
+        try:
+            await b.send(turns[1], max_tokens=4)
+        except OutOfPages:
+            pass
+        monkeypatch.setattr(Residency, "ensure_pages", ensure)
+        st = b.state
+        assert eng.stats()["prefix_cache_hits"] > hits  # the refused turn was seated first
+        assert st.num_cached <= st.num_tokens - 1
+        got = (await b.send(turns[1] + " again", max_tokens=6)).token_ids
+    async with await ks.Engine.open(store="memory:", page_size=16, checkpoint_interval_pages=0) as ref:
+        r = await ref.create_session(system=system)
+        await r.send(turns[0], max_tokens=4)
+        assert (await r.send(turns[1] + " again", max_tokens=6)).token_ids == got
