@@ -6,6 +6,7 @@ cancel lands inside it."""
 from __future__ import annotations
 
 import anyio
+import pytest
 
 import kda_sessions as ks
 from kda_sessions.storage.snapshot import SnapshotStore
@@ -96,10 +97,8 @@ async def test_a_turn_refused_after_a_prefix_seat_leaves_the_state_at_its_tokens
             raise OutOfPages("no pages (test)")
 
         monkeypatch.setattr(Residency, "ensure_pages", refuse)
-        try:
+        with pytest.raises(OutOfPages):
             await b.send(turns[1], max_tokens=4)
-        except OutOfPages:
-            pass
         monkeypatch.setattr(Residency, "ensure_pages", ensure)
         st = b.state
         assert eng.stats()["prefix_cache_hits"] > hits  # the refused turn was seated first
