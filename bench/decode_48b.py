@@ -246,7 +246,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     gather = (_route_mod, "SELECT_GATHER", True)
     tiles = (_gluon_mod, "EARLY_TILES", True)
     return {"new-dense": [dense], "new-defer": [defer], "new-tails": [tails], "new-uv": uv, "new-gather": [gather],
-            "new-tiles": [tiles], "new": [dense, defer, tails, *uv, gather, tiles]}
+            "new-tiles": [tiles], "new-du": [dense, *uv], "new": [dense, defer, tails, *uv, gather, tiles]}
 
 
 FLAG_MODES = _flag_modes()
@@ -257,7 +257,8 @@ before its PDL wait (``kda.decode_triton.EARLY_TAILS``), ``new-uv`` MLA's W_uv m
 (``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early) and the MLA merge
 letting W_uv's launch start before its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``new-gather`` the
 decode router's selection taking the chosen scores from registers (``route.SELECT_GATHER``), ``new-tiles`` the
-MLA split kernel copying its first two tiles before its PDL wait (``paged_decode_gluon.EARLY_TILES``), ``new`` all. ``--greedy-modes`` runs the greedy check under them."""
+MLA split kernel copying its first two tiles before its PDL wait (``paged_decode_gluon.EARLY_TILES``), ``new-du``
+dense and uv, ``new`` all. ``--greedy-modes`` runs the greedy check under them."""
 
 
 def _set_ablation(mode: str) -> None:

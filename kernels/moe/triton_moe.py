@@ -26,7 +26,8 @@ blocks past ``num_padded`` return at once. No host sync anywhere, so a decode st
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -53,13 +54,37 @@ class MoeLaunch:
     num_stages: int
 
 
-def launch_config(num_pairs: int) -> MoeLaunch:
+def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = None) -> MoeLaunch:
     """Few pairs (decode): 16-row blocks, each a GEMV-like read of one expert's tile; many pairs (prefill):
     64-row blocks that reuse each weight tile across rows. Chosen by ``bench/decode_48b.py --sweep`` on an H200
-    (docs/benchmarks.md)."""
-    if num_pairs <= 256:
-        return MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4)
-    return MoeLaunch(BM=64, BN=128, BK=64, num_warps=4, num_stages=4)
+    (docs/benchmarks.md) for 2-byte weights. ``max_shared``: the device's shared memory per block (bytes);
+    given, the pipeline gets fewer stages (then a shorter BK) until the up kernel's tiles of ``elem_size``-byte
+    values fit in it (float32 prefill tiles at 4 stages need 240 KB, over an H200's 227)."""
+    cfg = (MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4) if num_pairs <= 256
+           else MoeLaunch(BM=64, BN=128, BK=64, num_warps=4, num_stages=4))
+    if max_shared is None:
+        return cfg
+    while _up_shared_bytes(cfg, elem_size) > max_shared:
+        if cfg.num_stages > 2:
+            cfg = replace(cfg, num_stages=cfg.num_stages - 1)
+        elif cfg.BK > 16:
+            cfg = replace(cfg, BK=cfg.BK // 2)
+        else:
+            break
+    return cfg
+
+
+def _up_shared_bytes(cfg: MoeLaunch, elem_size: int) -> int:
+    """Shared memory of ``_up_kernel`` (the larger of the two): the x tile and both weight tiles, buffered
+    num_stages - 1 times, with 8 KB spare for Triton's own scratch."""
+    return (cfg.num_stages - 1) * (cfg.BM * cfg.BK + 2 * cfg.BK * cfg.BN) * elem_size + 8192
+
+
+@functools.cache
+def max_shared_bytes(device: torch.device) -> int:
+    """Shared memory a block may opt in to on ``device`` (99 KB where torch does not say)."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024)
 
 
 DIRECT_MAX_TOKENS = 16
@@ -475,7 +500,7 @@ def fused_moe_triton(
         direct = cfg is None and T <= DIRECT_MAX_TOKENS
     if direct:
         return fused_moe_direct(x, w13, w2, chosen, weights)
-    cfg = cfg or launch_config(P)
+    cfg = cfg or launch_config(P, x.element_size(), max_shared_bytes(x.device) if x.is_cuda else None)
     x = x.contiguous()
     align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch
     sorted_ids, block_expert, num_padded = align(chosen, E, cfg.BM)

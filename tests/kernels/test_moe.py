@@ -481,3 +481,18 @@ def test_route_kernels_on_the_gpu(T: int) -> None:
     assert float((chosen != rc).float().mean()) <= 1e-3
     same = (chosen == rc).all(-1)
     assert rel_rms(w[same], rw[same]) < TOL_BF16
+
+
+@pytest.mark.parametrize("pairs", [8, 2048])
+@pytest.mark.parametrize("elem_size", [2, 4])
+def test_launch_config_fits_the_devices_shared_memory(pairs, elem_size):
+    """float32 prefill tiles at the bf16-tuned 4 stages need 240 KB, over an H200's 227 KB (the tiny model's
+    prefill on CUDA failed with OutOfResources): the config sheds stages, then BK, until the up kernel fits."""
+    from kda_sessions.kernels.moe.triton_moe import _up_shared_bytes, launch_config
+
+    bf16 = launch_config(pairs)
+    for limit in (232448, 166912, 101376):  # H100/H200, A100, consumer parts
+        cfg = launch_config(pairs, elem_size, limit)
+        assert _up_shared_bytes(cfg, elem_size) <= limit
+        assert (cfg.BM, cfg.BN) == (bf16.BM, bf16.BN) and cfg.num_stages >= 2
+    assert launch_config(pairs, 2, 232448) == bf16  # the tuned bf16 tiles are kept where they fit
