@@ -496,3 +496,32 @@ def test_launch_config_fits_the_devices_shared_memory(pairs, elem_size):
         assert _up_shared_bytes(cfg, elem_size) <= limit
         assert (cfg.BM, cfg.BN) == (bf16.BM, bf16.BN) and cfg.num_stages >= 2
     assert launch_config(pairs, 2, 232448) == bf16  # the tuned bf16 tiles are kept where they fit
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("defer", [False, True], ids=["add_norm", "add"])
+def test_dense_ffn_as_one_expert_at_the_48b_width(defer: bool) -> None:
+    """``ffn.DENSE_DIRECT``'s launches at the 48B dense layer (D 2304, width 9216, one expert of weight 1), bf16, one
+    token: the sum (and norm) against the float32 twin on the same bf16 inputs."""
+    from kda_sessions.kernels.moe import fused_moe_add, fused_moe_add_norm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    D, F_ = 2304, 9216
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    x, res = rnd(1, D), rnd(1, D)
+    w13, w2 = rnd(1, 2 * F_, D, scale=D**-0.5), rnd(1, D, F_, scale=F_**-0.5)
+    chosen = torch.zeros(1, 1, dtype=torch.int64, device="cuda")
+    weights = torch.ones(1, 1, dtype=torch.bfloat16, device="cuda")
+    norm_w = rnd(D).abs() + 0.5
+    s_ref = res.float() + naive_fused_moe(x.float(), w13.float(), w2.float(), chosen, weights.float())
+    if defer:
+        s = fused_moe_add(x, w13, w2, chosen, weights, res)
+    else:
+        s, h = fused_moe_add_norm(x, w13, w2, chosen, weights, res, norm_w, 1e-5)
+        h_ref = s_ref * torch.rsqrt(s_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
+        assert rel_rms(h, h_ref) < TOL_BF16
+    assert rel_rms(s, s_ref) < TOL_BF16
