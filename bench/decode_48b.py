@@ -15,9 +15,11 @@ shared experts, dense layer, lm_head), each routed expert chosen in the step onc
 latent KV of every sequence, and the KDA states read and written; divided by 4.8 TB/s (the H200's HBM peak).
 
 The greedy check (fused MoE, graphed, against its naive twin, eager, same tokens) runs on a real-width model of
-``--greedy-layers`` layers, both routed by the library's router: random router weights leave near-ties among the
-256 experts that rounding differences flip (a flipped expert moves the logits by ~10%), so a twin with its own
-router, or 27 layers, measures routing luck rather than the experts' math.
+``--greedy-layers`` layers, every run routed as the float32 twin's run and fed its tokens (``PinnedRoutes``):
+random router weights leave near-ties among the 256 experts that rounding differences flip (a flipped expert moves
+the logits by ~10%), so unpinned runs (``--greedy-pin off``) measure routing luck rather than the layers' math:
+unpinned, on an H100, the fused step against the twin was 0.175 relative RMS on the first logits and an option
+that only reorders the dense layer's sums (``new-dense``) 0.42, where on an H200 the fused step matched the twin.
 
     python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
     python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --moe-chain 1,8 --chain-sweep  # MoE slice
@@ -659,11 +661,88 @@ def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
     return res
 
 
-def greedy_case(model: HybridModel, L: int, steps: int, device: str, graphed: tuple[str, ...] = ("fused",)) -> dict:
+class PinnedRoutes:
+    """The routers' choices of one run (``record``), handed to the next runs' routers step by step (``pin``), so
+    that a greedy check compares the layers' arithmetic rather than which near-ties flipped: with random router
+    weights the 8th and 9th of 256 experts are often within rounding of each other, and one flipped expert moves a
+    token's logits by ~10% (``--greedy-pin off`` shows it). Wraps ``moe_route`` (the twins' and the prefill
+    path's) and ``add_norm_route`` (the graphed decode's) where the model and this script call them; pinning
+    copies into the routers' outputs, so it is captured in a CUDA graph and replays with the buffers the host
+    fills before each step. ``flips``: rows whose own choice differed from the pinned one, over the pinned steps."""
+
+    def __init__(self, model: HybridModel) -> None:
+        import kda_sessions.model.ffn as ffn_mod
+
+        self.n = sum(isinstance(m, MoE) for m in model.modules())
+        self.mode = "off"
+        self.calls = 0
+        self.recorded: list[tuple[Tensor, Tensor]] = []
+        self.pins: list[tuple[Tensor, Tensor, Tensor]] = []  # per layer: chosen, weights, the router's own choice
+        self.flips = 0
+        self._patched = [(ffn_mod, "moe_route", ffn_mod.moe_route), (ffn_mod, "add_norm_route", ffn_mod.add_norm_route),
+                         (globals(), "moe_route", moe_route)]
+        route, add_norm = ffn_mod.moe_route, ffn_mod.add_norm_route
+
+        def wrapped_route(x, gate, bias, top_k, *args, **kwargs):
+            chosen, weights = route(x, gate, bias, top_k, *args, **kwargs)
+            return self._apply(chosen, weights, top_k)
+
+        def wrapped_add_norm(x, a, nw, eps, gate, bias, top_k, *args, **kwargs):
+            s_, h, chosen, weights = add_norm(x, a, nw, eps, gate, bias, top_k, *args, **kwargs)
+            return (s_, h, *self._apply(chosen, weights, top_k))
+
+        ffn_mod.moe_route, ffn_mod.add_norm_route = wrapped_route, wrapped_add_norm
+        globals()["moe_route"] = wrapped_route
+
+    def close(self) -> None:
+        for where, name, fn in self._patched:
+            if isinstance(where, dict):
+                where[name] = fn
+            else:
+                setattr(where, name, fn)
+
+    def _apply(self, chosen: Tensor, weights: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        j = self.calls % self.n
+        self.calls += 1
+        if self.mode == "record":
+            self.recorded.append((chosen[:, :k].clone(), weights[:, :k].clone()))
+        elif self.mode == "pin":
+            pc, pw, own = self.pins[j]
+            own.copy_(chosen[:, :k])
+            chosen[:, :k].copy_(pc)
+            weights[:, :k].copy_(pw.to(weights.dtype))
+        return chosen, weights
+
+    def start(self, mode: str) -> None:
+        self.mode, self.calls = mode, 0
+        if mode == "record":
+            self.recorded = []
+        if mode == "pin" and not self.pins:
+            self.pins = [(c.clone(), w.clone(), c.clone()) for c, w in self.recorded[: self.n]]
+
+    def before_step(self, i: int) -> None:
+        """Fill the pins with step i's recorded choices."""
+        if self.mode == "pin":
+            for j, (pc, pw, _) in enumerate(self.pins):
+                c, w = self.recorded[i * self.n + j]
+                pc.copy_(c)
+                pw.copy_(w)
+
+    def after_step(self) -> None:
+        if self.mode == "pin":
+            for pc, _, own in self.pins:
+                self.flips += int((own.sort(-1).values != pc.sort(-1).values).any(-1).sum())
+
+
+def greedy_case(model: HybridModel, L: int, steps: int, device: str, graphed: tuple[str, ...] = ("fused",),
+                pin: bool = True) -> dict:
     """Batch 1 at context L: ``steps`` greedy decode steps with the fused MoE (graph replays), with its naive
     twin (eager, bf16) and with the twin in float32, from the same states; the tokens of each and the first
     step's logits difference (relative RMS) of each pair. ``graphed``: the graph-replayed modes (``fused`` and
-    others, e.g. ``new``), each compared with both twins."""
+    others, e.g. ``new``), each compared with both twins. ``pin``: every run routed as the float32 twin's run
+    (``PinnedRoutes``; it runs first), its greedy tokens fed to the others' steps too, so one flipped near-tie in
+    one run cannot send the runs down different tokens; ``route_flips`` counts the rows whose own router chose
+    otherwise."""
     P = 64
     pages = -(-(L + steps + 1) // P)
     pools = model.allocate_pools(1, pages, P)
@@ -675,23 +754,39 @@ def greedy_case(model: HybridModel, L: int, steps: int, device: str, graphed: tu
             t.normal_(0.0, 0.01, generator=gen)
     saved = [t.clone() for t in pools.kda + pools.conv + pools.kv]
     table = [list(range(pages))]
-    out: dict = {"context": L, "steps": steps}
+    out: dict = {"context": L, "steps": steps, "pinned_routes": pin}
     first: dict[str, Tensor] = {}
-    for mode in (*graphed, "twin", "twin32"):
-        for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
-            t.copy_(v)
-        set_moe_mode(model, mode)
-        graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode not in ("twin", "twin32"))
-        tok, toks = 1, []
-        for i in range(steps):
-            logits = graphs.run([tok], [0], [L + 1 + i], table)
-            if i == 0:
-                first[mode] = logits.float().clone()
-            tok = int(logits[0].argmax())
-            toks.append(tok)
-        out[f"{mode}_tokens"] = toks
-        del graphs
+    pins = PinnedRoutes(model) if pin else None
+    feed: list[int] = []
+    try:
+        for mode in ("twin32", *graphed, "twin"):
+            for t, v in zip(pools.kda + pools.conv + pools.kv, saved):
+                t.copy_(v)
+            set_moe_mode(model, mode)
+            if pins is not None:
+                pins.start("record" if mode == "twin32" else "pin")
+            graphs = DecodeGraphs(model, pools, max_batch=1, enabled=mode not in ("twin", "twin32"))
+            tok, toks = 1, []
+            for i in range(steps):
+                if pins is not None:
+                    pins.before_step(i)
+                logits = graphs.run([tok], [0], [L + 1 + i], table)
+                if pins is not None:
+                    pins.after_step()
+                if i == 0:
+                    first[mode] = logits.float().clone()
+                toks.append(int(logits[0].argmax()))
+                tok = feed[i] if pins is not None and mode != "twin32" else toks[-1]
+            if mode == "twin32":
+                feed = toks
+            out[f"{mode}_tokens"] = toks
+            del graphs
+    finally:
+        if pins is not None:
+            pins.close()
     set_moe_mode(model, "fused")
+    if pins is not None:
+        out["route_flips"] = pins.flips
     out["same_tokens"] = all(out[f"{g}_tokens"] == out["twin_tokens"] for g in graphed)
     for g in graphed:
         out[f"same_tokens_{g}_twin32"] = out[f"{g}_tokens"] == out["twin32_tokens"]
@@ -853,6 +948,8 @@ def main() -> None:
     ap.add_argument("--greedy-steps", type=int, default=8, help="greedy steps, fused MoE vs its naive twin")
     ap.add_argument("--greedy-modes", default="fused",
                     help="graph-replayed modes of the greedy check, each against the twins (e.g. fused,new)")
+    ap.add_argument("--greedy-pin", default="on", choices=["on", "off"],
+                    help="route every greedy run as the float32 twin's (PinnedRoutes), its tokens fed to all")
     ap.add_argument("--greedy-layers", type=int, default=4,
                     help="depth of the real-width model of the greedy check (27 random layers amplify bf16 rounding)")
     ap.add_argument("--gemv", action="store_true", help="also time cuBLAS matvecs of the non-routed weight shapes")
@@ -888,7 +985,7 @@ def main() -> None:
         small = build(config(args.quick, args.greedy_layers), args.device)
         results["greedy"] = {"layers": small.config.num_hidden_layers,
                              **greedy_case(small, 8192 if not args.quick else 100, args.greedy_steps, args.device,
-                                           tuple(args.greedy_modes.split(",")))}
+                                           tuple(args.greedy_modes.split(",")), args.greedy_pin == "on")}
         log(json.dumps(results["greedy"]))
 
     if args.alt_direct_from is not None:
