@@ -17,9 +17,8 @@ latent KV of every sequence, and the KDA states read and written; divided by 4.8
 The greedy check (fused MoE, graphed, against its naive twin, eager, same tokens) runs on a real-width model of
 ``--greedy-layers`` layers, every run routed as the float32 twin's run and fed its tokens (``PinnedRoutes``):
 random router weights leave near-ties among the 256 experts that rounding differences flip (a flipped expert moves
-the logits by ~10%), so unpinned runs (``--greedy-pin off``) measure routing luck rather than the layers' math:
-unpinned, on an H100, the fused step against the twin was 0.175 relative RMS on the first logits and an option
-that only reorders the dense layer's sums (``new-dense``) 0.42, where on an H200 the fused step matched the twin.
+the logits by ~10%), so unpinned runs (``--greedy-pin off``) measure routing luck rather than the layers' math
+(unpinned, the library's own step can read 0.17 relative RMS from its twin on one GPU and match it on another).
 
     python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
     python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --moe-chain 1,8 --chain-sweep  # MoE slice
