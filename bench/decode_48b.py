@@ -48,9 +48,7 @@ from kda_sessions.kernels.kda import decode_triton as _kda_dec_mod
 from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
 from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.mla import paged_decode as _paged_mod
-from kda_sessions.kernels.mla import paged_decode_gluon as _gluon_mod
 from kda_sessions.kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route, triton_moe
-from kda_sessions.kernels.moe import route as _route_mod
 from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.kernels.moe.pdl import use_pdl as _USE_PDL
 from kda_sessions.kernels.moe.route import moe_route_triton
@@ -194,8 +192,8 @@ def _twin32_forward(self: MoE, x: Tensor) -> Tensor:
     return (out + shared).to(x.dtype)
 
 
-def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm, next_norm, defer: bool = False) -> tuple[Tensor, Tensor]:
-    s, h = norm.residual(x, a)  # never deferred: the next layer gets the normed rows
+def _residual_apart(self: MoE, x: Tensor, a: Tensor, norm, next_norm) -> tuple[Tensor, Tensor]:
+    s, h = norm.residual(x, a)
     return next_norm.residual(s, self(h))
 
 
@@ -238,28 +236,18 @@ PDL_ABLATIONS = {
 
 def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     import kda_sessions.model.ffn as ffn_mod
-    import kda_sessions.model.model as model_mod
 
     dense = (ffn_mod, "DENSE_DIRECT", True)
-    defer = (model_mod, "DEFER_NORM", True)
-    tails = (_kda_dec_mod, "EARLY_TAILS", True)
     uv = [(_matvec_mod, "HEAD_ROWS", 4), (_paged_mod, "COMBINE_EARLY_TRIGGER", True)]
-    gather = (_route_mod, "SELECT_GATHER", True)
-    tiles = (_gluon_mod, "EARLY_TILES", True)
-    return {"new-dense": [dense], "new-defer": [defer], "new-tails": [tails], "new-uv": uv, "new-gather": [gather],
-            "new-tiles": [tiles], "new-du": [dense, *uv], "new": [dense, defer, tails, *uv, gather, tiles]}
+    return {"new-dense": [dense], "new-uv": uv, "new-du": [dense, *uv]}
 
 
 FLAG_MODES = _flag_modes()
 """Modes that turn library options on (A/B of a change not yet on by default): ``new-dense`` the dense FFN as a
-one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``new-defer`` each FFN block's norm in the next
-layer's input matvec (``model.DEFER_NORM``), ``new-tails`` the KDA decode kernel reading its slot and conv tails
-before its PDL wait (``kda.decode_triton.EARLY_TAILS``), ``new-uv`` MLA's W_uv matvec on 4 rows a program
+one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``new-uv`` MLA's W_uv matvec on 4 rows a program
 (``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early) and the MLA merge
-letting W_uv's launch start before its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``new-gather`` the
-decode router's selection taking the chosen scores from registers (``route.SELECT_GATHER``), ``new-tiles`` the
-MLA split kernel copying its first two tiles before its PDL wait (``paged_decode_gluon.EARLY_TILES``), ``new-du``
-dense and uv, ``new`` all. ``--greedy-modes`` runs the greedy check under them."""
+letting W_uv's launch start before its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``new-du`` both.
+``--greedy-modes`` runs the greedy check under them."""
 
 
 def _set_ablation(mode: str) -> None:

@@ -11,7 +11,6 @@ from ..kernels.moe import (
     ROUTE_DECODE_MAX_TOKENS,
     add_norm_route,
     fused_moe,
-    fused_moe_add,
     fused_moe_add_norm,
     moe_route,
 )
@@ -112,21 +111,17 @@ class SwiGLU(nn.Module):
             return None
         return w13, w2.unsqueeze(0)
 
-    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm, defer: bool = False
-                       ) -> tuple[Tensor, Tensor | None]:
+    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm) -> tuple[Tensor, Tensor]:
         """The residual add and ``norm`` before this FFN, the FFN, and the residual add and ``next_norm`` after
         it: x, a [T, D] -> (s = x + a + ffn(norm(x + a)), next_norm(s)). On a GPU, stacked (``stack``), up to
         ``DENSE_DIRECT_MAX_TOKENS`` tokens: the FFN as a one-expert MoE (``kernels.moe.fused_moe_add_norm``, the
-        add and norm after it in its launches; with ``defer``, ``fused_moe_add`` and (s, None): ``next_norm`` is
-        left to the caller's next matvec). Otherwise ``norm.residual``, this module's call (its hooks run),
+        add and norm after it in its launches). Otherwise ``norm.residual``, this module's call (its hooks run),
         ``next_norm.residual``."""
         s, h = norm.residual(x, a)
         fused = self._fused_weights() if x.is_cuda and 0 < x.shape[0] <= DENSE_DIRECT_MAX_TOKENS else None
         if fused is None or not DENSE_DIRECT:
             return next_norm.residual(s, self(h))
         chosen, weights = _one_expert(x.shape[0], x.dtype, x.device)
-        if defer:
-            return fused_moe_add(h, fused[0], fused[1], chosen, weights, s), None
         return fused_moe_add_norm(h, fused[0], fused[1], chosen, weights, s, next_norm.weight, next_norm.eps)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -319,15 +314,13 @@ class MoE(nn.Module):
         E = len(self.experts)
         return fused[0][:E], fused[1][:E]
 
-    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm, defer: bool = False
-                       ) -> tuple[Tensor, Tensor | None]:
+    def residual_block(self, x: Tensor, a: Tensor, norm: RMSNorm, next_norm: RMSNorm) -> tuple[Tensor, Tensor]:
         """The residual add and ``norm`` before this layer, the layer, and the residual add and ``next_norm`` after
         it: x, a [T, D] -> (s = x + a + this layer of norm(x + a), next_norm(s)). On a GPU with stacked experts
         (the shared one among them), for a decode batch, both adds and norms run inside the layer's launches:
         the first in the router's (``add_norm_route``), the second in the down kernel's (``fused_moe_add_norm``),
-        three launches for the whole block; with ``defer`` the down kernel only adds (``fused_moe_add``) and this
-        returns (s, None): ``next_norm`` is left to the caller's next matvec (``kernels.linear.linear``'s
-        ``norm``). Otherwise ``norm.residual``, this module's call (its hooks run), ``next_norm.residual``."""
+        three launches for the whole block. Otherwise ``norm.residual``, this module's call (its hooks run),
+        ``next_norm.residual``."""
         fused = self._fused_weights() if x.is_cuda else None
         if fused is not None and (
             x.shape[0] > ROUTE_DECODE_MAX_TOKENS or fused[2] is None or self.shared_experts is None
@@ -340,8 +333,6 @@ class MoE(nn.Module):
         s, h, chosen, weights = add_norm_route(x, a, norm.weight, norm.eps, self.gate.weight,
                                                self.gate.e_score_correction_bias, self.top_k, self.renormalize,
                                                self.scale, shared_id)
-        if defer:
-            return fused_moe_add(h, w13, w2, chosen, weights, s), None
         return fused_moe_add_norm(h, w13, w2, chosen, weights, s, next_norm.weight, next_norm.eps)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from ..config import ModelConfig
 from ..kernels import causal_conv, chunk_kda, fused_recurrent_kda, kda_gate
 from ..kernels.kda.decode import kda_decode
 from ..kernels.linear import MATVEC_MAX_ROWS, linear
-from ..kernels.norm import gated_rms_norm, rms_norm
+from ..kernels.norm import gated_rms_norm
 from .batch import ForwardBatch
 from .fused import (
     DerivedWeights,
@@ -95,14 +95,9 @@ class KDAAttention(nn.Module):
         state[slots] = final
         return self._output(x, o, og), ck_state, ck_tail
 
-    def decode(self, x: Tensor, slots: Tensor, cu_seqlens: Tensor, state: Tensor, conv_state: Tensor,
-               norm: tuple[Tensor, float] | None = None) -> Tensor:
+    def decode(self, x: Tensor, slots: Tensor, cu_seqlens: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], slots [N] int,
-        cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D].
-        ``norm`` = (weight [D], eps): x is the residual stream and the layer's input its RMSNorm, computed inside
-        the input projection's launch where that is a Triton matvec (a GPU, up to ``MATVEC_MAX_ROWS``)."""
-        if norm is not None and not (x.is_cuda and self.fused_decode and x.shape[0] <= GATE_IN_KERNEL_MAX_ROWS):
-            x, norm = rms_norm(x, norm[0], norm[1]), None
+        cu_seqlens [N + 1] (arange). Updates ``state`` and ``conv_state`` at the slots in place; returns [N, D]."""
         if self._use_fast_cpu(x):
             return self.decode_cpu(x, slots, state, conv_state)
         if x.is_cuda and self.fused_decode and x.shape[0] > GATE_IN_KERNEL_MAX_ROWS:
@@ -114,7 +109,7 @@ class KDAAttention(nn.Module):
         if x.is_cuda and self.fused_decode:
             Dc, K = self.conv_dim, self.K
             w_in, _, conv_w = self._gpu.get()
-            y = linear(x, w_in, norm=norm)  # [N, Dc + K + V + H]: q | k | v | f_a | g_a | b
+            y = linear(x, w_in)  # [N, Dc + K + V + H]: q | k | v | f_a | g_a | b
             qkv, fa, ga, b = y[:, :Dc], y[:, Dc : Dc + K], y[:, Dc + K : Dc + K + self.V], y[:, Dc + K + self.V :]
             # [N, H, V]: f_b, g_b, the output norm and gate inside kda_decode's one launch
             # a PDL launch where o_proj is a PDL matvec, which then loads its weight while it runs (H200, 48B shape,

@@ -9,7 +9,6 @@ from torch import Tensor, nn
 from ..config import ModelConfig
 from ..kernels.linear import head_linear, linear
 from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_paged
-from ..kernels.norm import rms_norm
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
 from .fused import (
@@ -77,33 +76,28 @@ class MLAttention(nn.Module):
         o = self._prefill(q, batch, kv_pages)
         return self.o_proj(o.reshape(T, self.H * self.dv))
 
-    def decode(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor,
-               norm: tuple[Tensor, float] | None = None) -> Tensor:
+    def decode(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor) -> Tensor:
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], page_table [N, max_pages]
         int32, seq_lens [N] int32 (the new token included), kv_rows [N] int64 flat cache row of each new token.
-        Writes the new latent rows into ``kv_pages`` and returns [N, D]. ``norm`` = (weight [D], eps): x is the
-        residual stream and the layer's input its RMSNorm, computed inside the input projection's launch on the
-        GPU path."""
-        if norm is not None and not (x.is_cuda and self.fused_decode and hasattr(self, "q_proj")):
-            x, norm = rms_norm(x, norm[0], norm[1]), None
+        Writes the new latent rows into ``kv_pages`` and returns [N, D]."""
         if self.fast_cpu and not x.is_cuda and not torch.is_grad_enabled():  # fused weights are detached
             return self.decode_cpu(x, page_table, seq_lens, kv_rows, kv_pages)
         if x.is_cuda and self.fused_decode and hasattr(self, "q_proj"):
-            return self._decode_gpu(x, page_table, seq_lens, kv_rows, kv_pages, norm)
+            return self._decode_gpu(x, page_table, seq_lens, kv_rows, kv_pages)
         N = x.shape[0]
         q, latent = self._project(x)
         kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, kv_rows, latent.to(kv_pages.dtype))
         o = self._decode(q, page_table, seq_lens, kv_pages)
         return self.o_proj(o.reshape(N, self.H * self.dv))
 
-    def _decode_gpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor,
-                    norm: tuple[Tensor, float] | None = None) -> Tensor:
+    def _decode_gpu(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor
+                    ) -> Tensor:
         """``decode`` on a GPU in six launches: q | kv_a in one matvec, ``mla_decode_prep`` (the latent's norm and
         page write, the query absorbed), the split and merge of ``mla_decode_paged``, the values (W_uv per head)
         and o_proj."""
         N = x.shape[0]
         H, dn, dv = self.H, self.dn, self.dv
-        y = linear(x, self._gpu.get()[0], norm=norm)  # [N, H * (dn + dr) + r + dr]
+        y = linear(x, self._gpu.get()[0])  # [N, H * (dn + dr) + r + dr]
         q_lat, q_pe = mla_decode_prep(y, self.kv_b_proj.weight, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
                                       kv_pages, kv_rows, H, dn)
         o_lat = mla_decode_paged(q_lat, q_pe, kv_pages, page_table, seq_lens, self.scale)  # [N, H, r]

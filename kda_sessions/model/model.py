@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from ..kernels.linear import MATVEC_MAX_ROWS
 from .batch import CheckpointStates, DecodeInputs, ForwardBatch, StatePools
 from .ffn import MoE, RMSNorm, SwiGLU, rms_rows, swiglu_residual_rows
 from .fused import (
@@ -69,15 +68,6 @@ class Backbone(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-DEFER_NORM = False
-"""One token's decode step on a GPU: the residual add after each FFN block stays in its last launch but the norm
-before the next layer goes into that layer's input matvec (``kernels.linear.linear``'s ``norm``), so no launch
-ends with one program norming the row while the rest of the GPU waits (26 such tails a step at the 48B shape).
-Off until measured and verified on a GPU (``bench/decode_48b.py`` mode ``new-defer``;
-``tests/model/test_cuda_graph_decode.py``'s ``test_one_token_step_options_on_cuda``); checked on a CPU through
-Triton's interpreter (``test_gpu_decode_branches_match_the_cpu_path`` with both options on)."""
 
 
 class HybridModel(nn.Module):
@@ -306,20 +296,15 @@ class HybridModel(nn.Module):
         x = self.model.embed_tokens(inp.input_ids)  # [N, D]
         ik = im = 0
         layers = self._layers()
-        h: Tensor | None = layers[0].input_layernorm(x)
-        # one token on a GPU: the norm before a layer goes into its input matvec's launch, not the launch before
-        defer = DEFER_NORM and x.is_cuda and x.shape[0] <= MATVEC_MAX_ROWS
+        h = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
-            norm = None if h is not None else (layer.input_layernorm.weight, layer.input_layernorm.eps)
-            inp_x = x if h is None else h
             if isinstance(layer.self_attn, KDAAttention):
-                a = layer.self_attn.decode(inp_x, inp.slots, inp.cu_seqlens, pools.kda[ik], pools.conv[ik], norm)
+                a = layer.self_attn.decode(h, inp.slots, inp.cu_seqlens, pools.kda[ik], pools.conv[ik])
                 ik += 1
             else:
-                a = layer.self_attn.decode(inp_x, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im], norm)
+                a = layer.self_attn.decode(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im])
                 im += 1
-            x, h = self._residual_norms(i, layer, x, a, defer and i + 1 < len(layers))
-        assert h is not None
+            x, h = self._residual_norms(i, layer, x, a)
         return self.lm_head(h).float()
 
     def _fast_cpu_decode(self, input_ids: Tensor) -> bool:
@@ -396,21 +381,18 @@ class HybridModel(nn.Module):
         assert all(isinstance(layer, DecoderLayer) for layer in layers)
         return layers  # type: ignore[return-value]
 
-    def _residual_norms(self, i: int, layer: DecoderLayer, x: Tensor, a: Tensor, defer: bool = False
-                        ) -> tuple[Tensor, Tensor | None]:
+    def _residual_norms(self, i: int, layer: DecoderLayer, x: Tensor, a: Tensor) -> tuple[Tensor, Tensor]:
         """Layer i's two residual adds from its attention output a, each fused with the norm that follows it
-        (the FFN's, then the next layer's input norm or the final norm): returns (x, the next normed input). With
-        ``defer`` the FFN block may leave the second norm out and return (x, None) (``MoE.residual_block``): the
-        next layer's input projection then norms x in its launch."""
+        (the FFN's, then the next layer's input norm or the final norm): returns (x, the next normed input)."""
         layers = self.model.layers
         norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
         assert isinstance(norm, RMSNorm)
         moe = getattr(layer, "block_sparse_moe", None)
         if isinstance(moe, MoE):  # on a GPU both adds and norms inside the MoE layer's launches
-            return moe.residual_block(x, a, layer.post_attention_layernorm, norm, defer)
+            return moe.residual_block(x, a, layer.post_attention_layernorm, norm)
         mlp = getattr(layer, "mlp", None)
         if isinstance(mlp, SwiGLU):
-            return mlp.residual_block(x, a, layer.post_attention_layernorm, norm, defer)
+            return mlp.residual_block(x, a, layer.post_attention_layernorm, norm)
         x, h = layer.post_attention_layernorm.residual(x, a)
         return norm.residual(x, layer.ffn(h))
 

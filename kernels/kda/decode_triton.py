@@ -91,16 +91,15 @@ def _decode_kernel(
     gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr, VF: tl.constexpr,
-    BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False, EARLY: tl.constexpr = False,
+    BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
     wait took 255 registers and measured 10-13 us a step slower at 1 x 128K and 1 x 1M on the H200. Asking the L2
     for them before the wait instead, no registers held (``prefetch.global.L2::evict_last``): no faster at 1 x 128K,
-    2.42-2.44 ms a step against 2.44, and 51 us slower at 1 x 1M, 4.11 against 4.06.) With EARLY (and PDL) the
-    sequence's slot, its conv tails and the conv's weights are read before the wait, the tails' products summed
-    there (a few registers: no launch writes them but this kernel, at its end): after the wait the chain starts at
-    the input projection's row, not at slot -> tails.
+    2.42-2.44 ms a step against 2.44, and 51 us slower at 1 x 1M, 4.11 against 4.06. Reading only the slot, the
+    conv tails and the conv's weights before the wait, their products summed there, a few registers: no faster,
+    2.432 ms a 1 x 128K step against 2.431, H200, 2026-12-05.)
 
     The conv tails shift here too. A program's V block of v channels is read by that program alone: it shifts them
     itself once all its threads have read them. The head's q and k channels are read by all of its V blocks: the
@@ -110,8 +109,7 @@ def _decode_kernel(
     there is no counter and o is never stored: the program has the whole head."""
     if PDL:
         gdc_launch_dependents()  # the next launch reads nothing before its wait
-        if not EARLY:
-            gdc_wait()
+        gdc_wait()
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
@@ -127,8 +125,6 @@ def _decode_kernel(
     q_acc, q_w = _conv_tail(tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
     k_acc, k_w = _conv_tail(tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
     v_acc, v_w = _conv_tail(tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
-    if PDL and EARLY:
-        gdc_wait()  # qkv, raw, b and the gates' inputs are the launch before's
     x_row = qkv + n.to(tl.int64) * s_x
     qt = _conv_silu(x_row, q_acc, q_w, h * K + rk, mk)
     kt = _conv_silu(x_row, k_acc, k_w, H * K + h * K + rk, mk)
@@ -196,11 +192,6 @@ def _decode_kernel(
                 tl.store(y + row + d, (of * inv * g).to(y.dtype.element_ty), mask=m)
             tl.atomic_xchg(counter + nh, 0, sem="relaxed", scope="gpu")
 
-
-EARLY_TAILS = False
-"""The PDL decode kernel reads the slot, conv tails and conv weights before its wait (``_decode_kernel``'s EARLY):
-the launch before it must write none of them (the model's decode step: the input projection). Off until measured on
-a GPU (``bench/decode_48b.py`` mode ``new-tails``)."""
 
 MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second axis, where the decode kernel puts one program per (sequence, head):
@@ -276,7 +267,7 @@ def kda_decode_triton(
         gw, gw.stride(0), gate, gate.stride(0), nw, out, gz, float(eps), ogw, ogw.stride(0), counter,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
         KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), NORM=out_norm is not None, VF=VF,
-        BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl, EARLY=EARLY_TAILS,
+        BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl,
         num_warps=num_warps, **launch,
     )
     return out

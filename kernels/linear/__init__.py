@@ -19,24 +19,16 @@ cuBLAS leads on the wider weights (KDA's input 19.8 / 18.5 at two, 30.4 / 18.7 a
 cuBLAS's 174 plus its cast's 4.6 (a 1 x 1M step 25 us slower)."""
 
 
-def linear(x: Tensor, w: Tensor, norm: tuple[Tensor, float] | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor) -> Tensor:
     """x [N, I] @ w [O, I]^T -> [N, O] in x's dtype (a linear layer's weight as stored, no bias), float32 sums.
-    Either operand may be a row slice of a larger tensor; its columns must be contiguous. ``norm`` = (weight [I],
-    eps): the RMSNorm of x first, as ``kernels.norm.rms_norm`` (the residual stream's norm before a layer): inside
-    the Triton matvec's launch where it runs, else a norm launch before it."""
+    Either operand may be a row slice of a larger tensor; its columns must be contiguous."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [N, I] and w [O, I] with the same I, got {tuple(x.shape)}, {tuple(w.shape)}")
-    if norm is not None and norm[0].shape != (x.shape[1],):
-        raise ValueError(f"norm's weight must be [I] = [{x.shape[1]}], got {tuple(norm[0].shape)}")
     if x.is_cuda and 1 <= x.shape[0] <= MATVEC_MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 \
             and x.dtype == w.dtype:
         from .matvec_triton import matvec_triton
 
-        return matvec_triton(x, w, norm=norm)
-    if norm is not None:
-        from ..norm import rms_norm
-
-        x = rms_norm(x, norm[0], norm[1])
+        return matvec_triton(x, w)
     return F.linear(x, w)
 
 

@@ -83,7 +83,7 @@ if gluon is not None:
     def _split_kernel_gluon(
         q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
         NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
-        BN: gl.constexpr, PDL: gl.constexpr, EARLY: gl.constexpr = False,
+        BN: gl.constexpr, PDL: gl.constexpr,
     ):
         gl.static_assert(R == 512)
         gl.static_assert(DR == 64)
@@ -105,30 +105,17 @@ if gluon is not None:
         mbarrier.init(bar.index(1), count=1)
         start = s * tokens_per_split
         pt = page_table + n.to(gl.int64) * max_pages
-        if PDL and EARLY:
-            # seq_lens and the page table are the step's inputs, and no launch of this step writes a cache row but
-            # the newest (L - 1, the prep kernel's): the first two tiles' copies go out before the wait where they
-            # lie wholly before that row, while the launch before ends
-            L = gl.load(seq_lens + n)
-            page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
-            page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
-            page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
-            end = gl.minimum(start + tokens_per_split, L)
-            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P,
-                     (start < end) & (start + BN <= L - 1), NB, BN)
-            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P,
-                     (start + BN < end) & (start + 2 * BN <= L - 1), NB, BN)
+        if PDL:  # launched early, behind the kernel that writes q or the cache: nothing is read before this
+            # (copying the first two tiles before the wait where they lie wholly before the newest cache row, the
+            # only one the prep kernel writes: no faster, 2.438 ms a 1 x 128K step against 2.431, H200, 2026-12-05)
             _g_grid_dep_wait()
-        else:
-            if PDL:  # launched early, behind the kernel that writes q or the cache: nothing is read before this
-                _g_grid_dep_wait()
-            # the loads of the prologue go out together, none waiting on another: seq_lens, the first three tiles'
-            # page ids (clamped to the table's row, so always in bounds; unused where a tile lies past the split),
-            # then q
-            L = gl.load(seq_lens + n)
-            page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
-            page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
-            page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
+        # the loads of the prologue go out together, none waiting on another: seq_lens, the first three tiles'
+        # page ids (clamped to the table's row, so always in bounds; unused where a tile lies past the split),
+        # then q
+        L = gl.load(seq_lens + n)
+        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
+        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
         # q [BH, 576] as NB boxes [BH, 64] (the B operand, q_k^T K-major, of the score product): requested before
         # the tiles' copies, since behind a tile's 72 KB its loads took 4.3 us
         rh_l = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
@@ -145,17 +132,10 @@ if gluon is not None:
         q7 = gl.load(q_ptr + 7 * 64, mask=mh_l, other=0.0)
         q8 = gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0)
 
-        # the first two tiles' copies, each predicated off where its tile lies past the split (with EARLY: the
-        # ones not copied before the wait)
+        # the first two tiles' copies, each predicated off where its tile lies past the split
         end = gl.minimum(start + tokens_per_split, L)
-        if PDL and EARLY:
-            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P,
-                     (start < end) & (start + BN > L - 1), NB, BN)
-            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P,
-                     (start + BN < end) & (start + 2 * BN > L - 1), NB, BN)
-        else:
-            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P, start < end, NB, BN)
-            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, start + BN < end, NB, BN)
+        _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P, start < end, NB, BN)
+        _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, start + BN < end, NB, BN)
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
         q_smem.index(0).store(q0)
@@ -250,13 +230,6 @@ if gluon is not None:
 
 
 
-EARLY_TILES = False
-"""The PDL split kernel copies its first two tiles before its wait where they lie wholly before the newest cache row
-(the only one the launch before, MLA's prep, writes): up to 144 KB a program streaming while the prep kernel runs.
-Off until measured and checked on a GPU (``bench/decode_48b.py`` mode ``new-tiles``; tests/kernels/test_mla_gluon.py
-with it on)."""
-
-
 def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN: int, BH: int) -> bool:
     """Whether the Gluon kernel serves a call: a Hopper GPU (sm_90), bf16, r 512, dr 64, page-aligned tiles of
     64 rows, head blocks of 16-64, a 16-byte-aligned cache (TMA)."""
@@ -285,7 +258,6 @@ def launch_split_gluon(
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
         q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
-        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl,
-        EARLY=pdl and EARLY_TILES, num_warps=4,
+        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, num_warps=4,
         **({"launch_pdl": True} if pdl else {}),  # only when asked: older Triton rejects the option
     )

@@ -87,22 +87,6 @@ def fused_moe_add_norm(
     return add_rms_norm(fused_moe(x, w13, w2, chosen, weights), res, norm_weight, eps)
 
 
-def fused_moe_add(x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, res: Tensor) -> Tensor:
-    """``fused_moe`` and the residual add after it, with no norm: res [T, D] -> s = res + fused_moe(x, ...) in x's
-    dtype (``kernels.norm.add_rms_norm``'s sum). On CUDA up to ``triton_moe.ADD_NORM_MAX_TOKENS`` tokens inside
-    the direct down kernel's launch, each program adding its own rows (the norm then goes to the next matvec,
-    ``kernels.linear.linear``'s ``norm``); otherwise the add after it."""
-    if res.shape != x.shape:
-        raise ValueError(f"res must be x's shape {tuple(x.shape)}, got {tuple(res.shape)}")
-    if x.is_cuda and x.shape[0] > 0:
-        from .triton_moe import ADD_NORM_MAX_TOKENS, fused_moe_direct_add
-
-        if x.shape[0] <= ADD_NORM_MAX_TOKENS:
-            _check_moe(x, w13, w2, chosen, weights)
-            return fused_moe_direct_add(x, w13, w2, chosen, weights, res)
-    return res + fused_moe(x, w13, w2, chosen, weights)
-
-
 def add_norm_route(
     x: Tensor, res: Tensor, norm_weight: Tensor, eps: float, gate: Tensor, bias: Tensor, top_k: int,
     renormalize: bool, scale: float, always_on: int | None = None,
@@ -124,4 +108,4 @@ def add_norm_route(
     return s, h, chosen, weights
 
 
-__all__ = ["ROUTE_DECODE_MAX_TOKENS", "add_norm_route", "fused_moe", "fused_moe_add", "fused_moe_add_norm", "moe_route"]
+__all__ = ["ROUTE_DECODE_MAX_TOKENS", "add_norm_route", "fused_moe", "fused_moe_add_norm", "moe_route"]

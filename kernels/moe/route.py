@@ -84,12 +84,12 @@ def _route_kernel(
 def _select_top_k(
     logits, bias, chosen, weights, T, E, scale, always_on,
     BT: tl.constexpr, K: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr, EXTRA: tl.constexpr,
-    GATHER: tl.constexpr = False,
 ):
     """The top K of ``sigmoid(logits[t]) + bias`` for the T <= BT tokens at once (lowest index first among equal
     scores), their plain scores renormalised and scaled -> chosen [T, K + EXTRA], weights [T, K + EXTRA]. The
-    logits were written by other programs of this launch: read through L2 (``.cg``). With GATHER the chosen
-    experts' scores come from the rows already in registers (``tl.gather``), not from a second read of L2."""
+    logits were written by other programs of this launch: read through L2 (``.cg``). (The chosen experts' scores
+    taken from the rows in registers, ``tl.gather``, instead of the second L2 read below: no faster, 2.432 ms a
+    1 x 128K step of the 48B shape against 2.431, H200, 2026-12-05.)"""
     t = tl.arange(0, BT)
     e = tl.arange(0, EP)
     t_ok = t < T
@@ -108,10 +108,7 @@ def _select_top_k(
         idx = (EP - 1 - (best & (EP - 1))).to(tl.int32)
         ids = tl.where(j[None, :] == i, idx[:, None], ids)
         packed = tl.where(e[None, :] == idx[:, None], -9223372036854775807, packed)
-    if GATHER:
-        w = tl.gather(tl.sigmoid(lg), ids, axis=1)
-    else:
-        w = tl.sigmoid(tl.load(logits + t[:, None] * E + ids, mask=t_ok[:, None], other=0.0, cache_modifier=".cg"))
+    w = tl.sigmoid(tl.load(logits + t[:, None] * E + ids, mask=t_ok[:, None], other=0.0, cache_modifier=".cg"))
     if RENORM:
         w = w / (tl.sum(w, axis=1)[:, None] + 1e-20)
     KO: tl.constexpr = K + EXTRA  # the row width of chosen and weights
@@ -128,7 +125,7 @@ def _route_decode_kernel(
     x, gate, bias, logits, counter, chosen, weights, T, E, stride_x, stride_g, scale, always_on,
     res, norm_w, s_out, h_out, eps,
     D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
-    RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, GATHER: tl.constexpr = False,
+    RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
     arrive selects (``_select_top_k``) and resets the counter. With NORM the router's input is
@@ -187,14 +184,9 @@ def _route_decode_kernel(
     if PDL:
         gdc_launch_dependents()  # the next launch's programs may start: it waits for this one's end
     if arrived == tl.num_programs(0) - 1:
-        _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA, GATHER)
+        _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
-
-SELECT_GATHER = False
-"""The decode router's selecting program takes the chosen experts' scores from its registers (``tl.gather``), not
-from a second L2 read after its max loop: one dependent round trip less on every MoE layer's path. Off until
-measured on a GPU (``bench/decode_48b.py`` mode ``new-gather``)."""
 
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}
 
@@ -269,7 +261,7 @@ def _route_decode(
         x, gate, bias, logits, arrival_counters(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
-        NORM=norm is not None, PDL=pdl, GATHER=SELECT_GATHER, num_warps=warps,
+        NORM=norm is not None, PDL=pdl, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return chosen, weights, s, h

@@ -42,10 +42,10 @@ DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f3
                 "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32", "gw": bf, "gate": bf,
                 "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32"}
 DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
-                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "EARLY": False}
+                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
-                                                                  "NORM": False}),
+                                                                  "HO": 0}),
     "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
                                "eps": "fp32"},
                 {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
@@ -55,31 +55,27 @@ out = {
 }
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
-                                                                     "PDL": True, "NORM": False})
-# the input projection norming its row of x (the residual stream) in its launch (``linear``'s ``norm``)
-out["matvec_norm_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf, "nw": bf, "eps": "fp32"},
-                             {"I": 2304, "N": 1, "BO": 1, "BI": 4096, "PDL": True, "NORM": True})
+                                                                     "PDL": True, "HO": 0})
 out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf,
                                      "q_pe": bf, "eps": "fp32"},
                       {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
                        "PDL": True})
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
-                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128, "NORM": False})
+                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
-out["decode_pdl_early"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "EARLY": True})
-# the MoE down kernel at one token adding the residual to its own rows (no norm, no counter: ``fused_moe_add``)
-out["moe_down_resid_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf,
-                                                      "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
-                                                      "counter": "*i32", "eps": "fp32"},
-                                {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": False, "BD": 4096,
-                                 "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True, "RESID": True})
-# the decode router at one token with its norm, selecting the scores from registers (``route.SELECT_GATHER``)
-out["route_gather_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
-                                                     "counter": "*i32", "chosen": "*i64", "weights": bf,
-                                                     "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf,
-                                                     "h_out": bf, "eps": "fp32"},
-                              {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
-                               "EXTRA": 1, "NORM": True, "PDL": True, "GATHER": True})
+# the MoE down kernel at one token with the residual add and norm after it (its last program: ``fused_moe_add_norm``)
+out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf,
+                                                     "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
+                                                     "counter": "*i32", "eps": "fp32"},
+                               {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096,
+                                "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True})
+# the decode router at one token with its norm (the add and norm before a MoE layer)
+out["route_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
+                                              "counter": "*i32", "chosen": "*i64", "weights": bf,
+                                              "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf,
+                                              "h_out": bf, "eps": "fp32"},
+                       {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
+                        "EXTRA": 1, "NORM": True, "PDL": True})
 # the decode feed of a decode step queued ahead (``kernels.feed``): 64 rows, the scalars as runtime ints
 out["feed"] = ptx(_feed_kernel, {"tokens": "*i64", "rows": "*i32", "can_stop": "*i32", "stop_ids": "*i64",
                                  "ids": "*i32", "slots": "*i32", "seq_lens": "*i32", "kv_rows": "*i64", "table": "*i32"},
@@ -99,17 +95,17 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "matvec_norm_pdl", "moe_down_resid_pdl", "decode_pdl_early",
-                        "route_gather_pdl", "feed"}
+                        "decode_pdl", "moe_down_norm_pdl", "route_pdl", "feed"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
-    assert "atom.global.gpu.acq_rel.add" in out["route_gather_pdl"]
-    # the down kernel adding the residual: its stores after the wait (it lets the next launch start after it
-    # too), no arrival counter
-    lines = out["moe_down_resid_pdl"].splitlines()
+    assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
+    # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
+    # too), the last program's arrival counted and the counter reset
+    lines = out["moe_down_norm_pdl"].splitlines()
     waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
     assert len(waits) == 1 and not any("st.global" in ln for ln in lines[: waits[0]])
     assert any("st.global" in ln for ln in lines[waits[0] :])
-    assert "atom." not in out["moe_down_resid_pdl"]
+    assert "atom.global.gpu.acq_rel.add" in out["moe_down_norm_pdl"]
+    assert "atom.global.gpu.relaxed.exch" in out["moe_down_norm_pdl"]
     assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "decode_one_block"))
     # the KDA decode's last-arriver: one acq_rel atomic add on the counter and its reset; none with one block a head
     assert "atom.global.gpu.acq_rel.add" in out["decode"] and "atom.global.gpu.relaxed.exch" in out["decode"]
@@ -141,10 +137,6 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     assert sum("ld.global.v4" in ln for ln in pre) >= 4
     assert any("ld.global" in ln for ln in post)
     assert not any("st.global" in ln for ln in pre)
-    pre, post = _before_wait(out["matvec_norm_pdl"])
-    # the norm's weight and x after the wait (x is the launch before's), the weight row before it; the norm's rsqrt
-    assert sum("ld.global.v4" in ln for ln in pre) >= 4 and sum("ld.global" in ln for ln in post) >= 2
-    assert not any("st.global" in ln for ln in pre) and any("rsqrt" in ln for ln in post)
     pre, post = _before_wait(out["heads_pdl"])
     # a W_uv row of 512 bf16 on 4 warps: one 8-byte load a thread before the wait, the head's x after it
     assert any("ld.global" in ln for ln in pre) and any("ld.global" in ln for ln in post)
@@ -158,7 +150,3 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     pre, post = _before_wait(out["decode_pdl"])
     assert not any("ld.global" in ln or "st.global" in ln or "atom" in ln for ln in pre)
     assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
-    # EARLY: the slot, the conv tails and weights read before the wait; nothing stored or counted before it
-    pre, post = _before_wait(out["decode_pdl_early"])
-    assert sum("ld.global" in ln for ln in pre) >= 4
-    assert not any("st.global" in ln or "atom" in ln for ln in pre) and any("st.global" in ln for ln in post)

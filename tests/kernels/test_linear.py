@@ -40,41 +40,6 @@ def test_linear_checks_shapes_and_falls_back_on_a_cpu():
         linear(x, w[:, :8])
 
 
-def _check_norm(N: int, O: int, I: int, dtype: torch.dtype, device: str) -> None:
-    """linear with ``norm``: the RMSNorm of x (as ``kernels.norm.rms_norm`` rounds it) then the product."""
-    from kda_sessions.kernels.norm.naive import naive_rms_norm
-
-    gen = torch.Generator().manual_seed(N * 11 + O)
-    x = (torch.randn(N, I, generator=gen) * 3.0).to(device, dtype)
-    w = (torch.randn(O, I, generator=gen) * I**-0.5).to(device, dtype)
-    nw = (torch.rand(I, generator=gen) + 0.5).to(device, dtype)
-    out = linear(x, w, norm=(nw, 1e-6))
-    h = naive_rms_norm(x.cpu(), nw.cpu(), 1e-6)
-    ref = naive_linear(h, w.cpu())
-    assert out.shape == (N, O) and out.dtype == dtype
-    assert rel_rms(out.cpu(), ref) < (1e-5 if dtype == torch.float32 else 8e-3)
-
-
-@pytest.mark.parametrize("N", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_matvec_with_the_norm_before_it_matches_the_twins(N, dtype, monkeypatch):
-    """The Triton matvec norming x in its launch (one row: the GPU decode step's input projections; under the
-    interpreter with ``is_cuda`` claimed), and the fallback (three rows, a CPU: a norm, then ``F.linear``)."""
-    if N == 1:
-        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    _check_norm(N, 37, 300, dtype, "cpu")
-    with pytest.raises(ValueError, match="norm's weight"):
-        linear(torch.randn(N, 16), torch.randn(5, 16), norm=(torch.ones(8), 1e-6))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(12576, 2304), (6720, 2304)], ids=["kda_in", "mla_in"])
-def test_matvec_with_the_norm_before_it_on_cuda(shape):
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    _check_norm(1, *shape, torch.bfloat16, "cuda")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("N", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape", [(2304, 4096), (12576, 2304), (6720, 2304), (100, 70)],

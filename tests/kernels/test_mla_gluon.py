@@ -47,8 +47,7 @@ types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "pe_de
          "page_table": "*i32", "seq_lens": "*i32",
          "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
          "NSPLIT": "i32"}
-const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1",
-         "EARLY": sys.argv[3] == "1"}
+const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1"}
 params = list(inspect.signature(fn.fn).parameters)
 sig = {p: "constexpr" if p in const else types[p] for p in params}
 src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
@@ -58,9 +57,9 @@ print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 """
 
 
-def _compile_sm90(BH: int, pdl: bool, early: bool = False) -> dict:
+def _compile_sm90(BH: int, pdl: bool) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE, str(BH), str(int(pdl)), str(int(early))], env=env,
+    res = subprocess.run([sys.executable, "-c", _COMPILE, str(BH), str(int(pdl))], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -68,14 +67,12 @@ def _compile_sm90(BH: int, pdl: bool, early: bool = False) -> dict:
 
 @needs_gluon
 @pytest.mark.slow  # ~70 s on a CPU machine (the first sm90 compile in a process builds Triton's toolchain state)
-@pytest.mark.parametrize("BH,pdl,early", [(16, False, False), (32, True, False), (32, True, True)],
-                         ids=["bh16", "bh32-pdl", "bh32-pdl-early"])
-def test_gluon_split_kernel_compiles_for_sm90(BH, pdl, early):
+@pytest.mark.parametrize("BH,pdl", [(16, False), (32, True)], ids=["bh16", "bh32-pdl"])
+def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     """It compiles with this Triton (Gluon's API moves between releases), fits in shared memory, and its tile loop
     keeps a tile's TMA copy in flight while it runs another tile's products on wgmma. As a
-    programmatic dependent launch it reads nothing from global memory before griddepcontrol.wait; with EARLY
-    (``EARLY_TILES``) only the step's inputs (its length, page ids) and the first two tiles' copies, q after it."""
-    k = _compile_sm90(BH, pdl, early)
+    programmatic dependent launch it reads nothing from global memory before griddepcontrol.wait."""
+    k = _compile_sm90(BH, pdl)
     assert k["shared"] <= SMEM_SM90
     ptx = k["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor.2d" in ptx
@@ -85,13 +82,6 @@ def test_gluon_split_kernel_compiles_for_sm90(BH, pdl, early):
     mmas = [i for i, ln in enumerate(lines) if "wgmma.mma_async" in ln]
     loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
     dep_waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
-    if early:
-        # the first two tiles issued before the dependency wait and again (the complement) after it, q between
-        assert len(copies) == 10 and sum("cp.async.bulk.tensor.3d" in lines[i] for i in copies) == 5
-        assert len(dep_waits) == 1 and sum(i < dep_waits[0] for i in copies) == 4
-        assert sum(i < dep_waits[0] for i in loads) <= 4 and sum(i > dep_waits[0] for i in loads) >= 9
-        assert waits and sorted(copies)[7] < min(waits) < min(mmas) and max(mmas) < max(copies)
-        return
     # q's nine boxes are loaded before any copy goes out (behind a tile's copy they wait 4 us), then two tiles are
     # copied before the loop's first wait, and the loop refills a stage after that stage's products
     assert len(copies) == 6 and sum("cp.async.bulk.tensor.3d" in lines[i] for i in copies) == 3
@@ -223,15 +213,11 @@ def test_gluon_split_kernel_in_a_cuda_graph():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
-@pytest.mark.parametrize("early", [False, True], ids=["tiles-after-wait", "early-tiles"])
-def test_gluon_pdl_sees_the_writes_of_the_kernels_before_it(early, monkeypatch):
+def test_gluon_pdl_sees_the_writes_of_the_kernels_before_it():
     """As programmatic dependent launches the split kernel and the merge start before the kernel ahead of them ends;
     they must still read q and the cache as that kernel left them: a pass over the whole pool flips its sign and q
-    moves right before each call, eagerly and in a graph (plain launches before it: the split starts once they end,
-    so ``EARLY_TILES``'s copies before its wait see them too)."""
+    moves right before each call, eagerly and in a graph."""
     from kda_sessions.kernels.mla.paged_decode import _launch
-
-    monkeypatch.setattr(pg, "EARLY_TILES", early)
 
     ql, qp, kv, pt, sl, scale = _case([40000, 5], 32, 64, seed=2)
     _launch(ql, qp, kv, pt, sl, scale, pdl=True)  # compile
