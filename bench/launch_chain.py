@@ -36,8 +36,6 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 BLOCK = 1024
 """Elements a program loads at once (bf16: 2 KB; 16 bytes a thread on 4 warps)."""
 
