@@ -296,17 +296,13 @@ def _skip_moe(h: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tenso
     return s, h
 
 
-def _skip_moe_add(h: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, s: Tensor) -> Tensor:
-    return s
-
-
 def _skip_kda(qkv: Tensor, raw: Tensor, b: Tensor, *args: object, **kw: object) -> Tensor:
     state = args[5]
     assert isinstance(state, Tensor)
     return qkv.new_empty(b.shape[0], b.shape[1], state.shape[-1])
 
 
-def _skip_linear(x: Tensor, w: Tensor, norm: object = None) -> Tensor:
+def _skip_linear(x: Tensor, w: Tensor) -> Tensor:
     return x.new_empty(x.shape[0], w.shape[0])
 
 
@@ -331,7 +327,7 @@ def _skips() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
 
     return {
         "skip-router": [(ffn_mod, "add_norm_route", _skip_route)],
-        "skip-moe": [(ffn_mod, "fused_moe_add_norm", _skip_moe), (ffn_mod, "fused_moe_add", _skip_moe_add)],
+        "skip-moe": [(ffn_mod, "fused_moe_add_norm", _skip_moe)],
         "skip-kda": [(kda_mod, "kda_decode", _skip_kda)],
         "skip-matvec": [(kda_mod, "linear", _skip_linear), (mla_mod, "linear", _skip_linear),
                         (mla_mod, "head_linear", _skip_head_linear)],
