@@ -239,14 +239,18 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
 
     dense = (ffn_mod, "DENSE_DIRECT", True)
     uv = [(_matvec_mod, "HEAD_ROWS", 4), (_paged_mod, "COMBINE_EARLY_TRIGGER", True)]
-    return {"new-dense": [dense], "new-uv": uv, "new-du": [dense, *uv]}
+    shared = (triton_moe, "FIXED_FIRST", True)
+    return {"new-dense": [dense], "new-uv": uv, "new-du": [dense, *uv], "new-shared": [shared],
+            "new-all": [dense, *uv, shared]}
 
 
 FLAG_MODES = _flag_modes()
 """Modes that turn library options on (A/B of a change not yet on by default): ``new-dense`` the dense FFN as a
 one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``new-uv`` MLA's W_uv matvec on 4 rows a program
 (``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early) and the MLA merge
-letting W_uv's launch start before its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``new-du`` both.
+letting W_uv's launch start before its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``new-du`` both,
+``new-shared`` the MoE up kernel reading the shared expert's rows before its PDL wait (``triton_moe.FIXED_FIRST``),
+``new-all`` all three.
 ``--greedy-modes`` runs the greedy check under them."""
 
 

@@ -122,7 +122,7 @@ class SwiGLU(nn.Module):
         if fused is None or not DENSE_DIRECT:
             return next_norm.residual(s, self(h))
         chosen, weights = _one_expert(x.shape[0], x.dtype, x.device)
-        return fused_moe_add_norm(h, fused[0], fused[1], chosen, weights, s, next_norm.weight, next_norm.eps)
+        return fused_moe_add_norm(h, fused[0], fused[1], chosen, weights, s, next_norm.weight, next_norm.eps, 0)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]."""
@@ -333,7 +333,7 @@ class MoE(nn.Module):
         s, h, chosen, weights = add_norm_route(x, a, norm.weight, norm.eps, self.gate.weight,
                                                self.gate.e_score_correction_bias, self.top_k, self.renormalize,
                                                self.scale, shared_id)
-        return fused_moe_add_norm(h, w13, w2, chosen, weights, s, next_norm.weight, next_norm.eps)
+        return fused_moe_add_norm(h, w13, w2, chosen, weights, s, next_norm.weight, next_norm.eps, shared_id)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, D] -> [T, D]. On a GPU with stacked experts: the fused MoE kernels (no host sync, CUDA-graph

@@ -68,21 +68,26 @@ def moe_route(
 
 def fused_moe_add_norm(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, res: Tensor, norm_weight: Tensor,
-    eps: float,
+    eps: float, always_on: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``fused_moe`` and the residual add and RMSNorm after it: res [T, D] (the residual stream), norm_weight [D]
     -> (s = res + fused_moe(x, ...), h = rms_norm(s) * norm_weight), both [T, D] in x's dtype as
     ``kernels.norm.add_rms_norm`` gives them. On CUDA up to ``triton_moe.ADD_NORM_MAX_TOKENS`` tokens the add and
-    norm run in the direct down kernel's launch; otherwise the two calls."""
+    norm run in the direct down kernel's launch; otherwise the two calls. ``always_on``: the expert id that every
+    row of chosen holds last (``moe_route``'s ``always_on``; the caller's promise, not checked on the device: the
+    kernels may use the id in place of that column); the up kernel can then read its weights early."""
     if res.shape != x.shape or norm_weight.shape != (x.shape[-1],):
         raise ValueError(f"res must be x's shape {tuple(x.shape)} and norm_weight [D], got {tuple(res.shape)}, "
                          f"{tuple(norm_weight.shape)}")
+    if always_on is not None and not 0 <= always_on < w13.shape[0]:
+        raise ValueError(f"always_on must be an expert id in [0, {w13.shape[0]}), got {always_on}")
     if x.is_cuda and x.shape[0] > 0:
         from .triton_moe import ADD_NORM_MAX_TOKENS, fused_moe_direct_add_norm
 
         if x.shape[0] <= ADD_NORM_MAX_TOKENS:
             _check_moe(x, w13, w2, chosen, weights)
-            return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps)
+            return fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, norm_weight, eps,
+                                             always_on=always_on)
     # the MoE's output first: the sum in x's dtype (the same bits as res + out where res is x's dtype)
     return add_rms_norm(fused_moe(x, w13, w2, chosen, weights), res, norm_weight, eps)
 

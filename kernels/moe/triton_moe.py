@@ -114,6 +114,13 @@ class DirectLaunch:
     GROUP_DOWN: int = 2
 
 
+FIXED_FIRST = False
+"""Given the always-on expert of every token's last pair (``fused_moe_direct_add_norm``'s ``always_on``: the
+shared expert), the up kernel's programs of that expert come first in its grid and read their weight rows before
+the PDL wait, while the router still selects (``_up_direct_kernel``). Off until measured on the H200
+(``bench/decode_48b.py`` mode ``new-shared``)."""
+
+
 DIRECT_LAUNCH = DirectLaunch(2, 512, 2, 2, 512, 2, 2, 2)
 """Two rows a program on two warps, both kernels: the fastest of ``bench/decode_48b.py --sweep``'s direct tiles on
 the H200 at the 48B shape (D 2304, F 1024, 9 experts a token), at 1 and at 8 tokens (docs/benchmarks.md). At one
@@ -291,35 +298,87 @@ def _down_kernel(
 
 
 @triton.jit
+def _up_rows(x_row, w13, chosen, p, n, n_ok, stride_we, stride_wn, D: tl.constexpr, Fw: tl.constexpr,
+             BK: tl.constexpr):
+    """(w1[e][n] . x, w3[e][n] . x) for pair p's expert e = chosen[p] and the rows n (mask n_ok), float32: the
+    whole width in BK-column steps, unrolled (every load in flight at once)."""
+    ex = tl.load(chosen + p).to(tl.int64)
+    kk = tl.arange(0, BK)
+    g_ptr = w13 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK] of w1[e]
+    u_ptr = g_ptr + Fw * stride_wn  # w3[e]
+    acc_g = tl.zeros(g_ptr.shape, dtype=tl.float32)
+    acc_u = tl.zeros(g_ptr.shape, dtype=tl.float32)
+    for k0 in tl.static_range(0, D, BK):
+        k_ok = k0 + kk < D
+        xv = tl.load(x_row + k0 + kk, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.load(g_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
+        acc_u += tl.load(u_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
+    return tl.sum(acc_g, axis=1), tl.sum(acc_u, axis=1)
+
+
+@triton.jit
 def _up_direct_kernel(
-    x, w13, act, chosen, stride_x, stride_we, stride_wn, stride_a,
+    x, w13, act, chosen, stride_x, stride_we, stride_wn, stride_a, T, fixed,
     D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr,
+    FIXED: tl.constexpr = False, D1: tl.constexpr = 16, DR: tl.constexpr = 16,
 ):
     """act[p, n] = silu(w1[e][n] . x[p // k]) * (w3[e][n] . x[p // k]), e = chosen[p], for the BN columns n of
-    program (p, n block)."""
+    program (p, n block). Without FIXED, program (p, n block) is (program_id(0), program_id(1)).
+
+    With FIXED every token's last pair is expert ``fixed`` (a shared expert, ``moe_route``'s ``always_on``): the
+    grid is one axis whose first T * cdiv(Fw, BN) programs are those pairs (launched first, so resident first), and
+    they load their whole weight rows (D1 + DR columns: D's largest power of two and the rest, padded) before the
+    PDL wait, while the router before them still selects: that expert's bytes leave the launch's critical path.
+    The other programs follow in the order of the two-axis grid."""
+    n_blocks: tl.constexpr = (Fw + BN - 1) // BN
+    if FIXED:
+        pid = tl.program_id(0)
+        is_fixed = pid < T * n_blocks
+        if TOP_K == 1:
+            p = pid // n_blocks
+            nb = pid % n_blocks
+        else:
+            q = tl.maximum(pid - T * n_blocks, 0)
+            rest = T * (TOP_K - 1)  # the other pairs, pair index fastest as in the two-axis grid
+            r = q % rest
+            p = tl.where(is_fixed, (pid // n_blocks) * TOP_K + TOP_K - 1, (r // (TOP_K - 1)) * TOP_K + r % (TOP_K - 1))
+            nb = tl.where(is_fixed, pid % n_blocks, q // rest)
+        n = nb * BN + tl.arange(0, BN)
+        n_ok = n < Fw
+        k1 = tl.arange(0, D1)
+        k2 = D1 + tl.arange(0, DR)
+        f_rows = w13 + fixed.to(tl.int64) * stride_we + n[:, None].to(tl.int64) * stride_wn
+        # the other programs load nothing here (masked by rows: the columns' masks stay constexpr, 16-byte loads)
+        n_pre = n < tl.where(is_fixed, Fw, 0)
+        m1 = n_pre[:, None] & (k1 < D)[None, :]
+        m2 = n_pre[:, None] & (k2 < D)[None, :]
+        g1 = tl.load(f_rows + k1[None, :], mask=m1, other=0.0)  # [BN, D1]: before the wait
+        g2 = tl.load(f_rows + k2[None, :], mask=m2, other=0.0)
+        u1 = tl.load(f_rows + Fw * stride_wn + k1[None, :], mask=m1, other=0.0)
+        u2 = tl.load(f_rows + Fw * stride_wn + k2[None, :], mask=m2, other=0.0)
+    else:
+        p = tl.program_id(0)
+        nb = tl.program_id(1)
+        n = nb * BN + tl.arange(0, BN)
+        n_ok = n < Fw
     if PDL:
         gdc_wait()  # x and chosen are the router's outputs
         # only after the wait: the down kernel's prologue reads the router's outputs too
         gdc_launch_dependents()
-    p = tl.program_id(0)
-    ex = tl.load(chosen + p).to(tl.int64)
     tok = p // TOP_K
-    n = tl.program_id(1) * BN + tl.arange(0, BN)
-    n_ok = n < Fw
-    kk = tl.arange(0, BK)
-    g_ptr = w13 + ex * stride_we + n[:, None].to(tl.int64) * stride_wn + kk[None, :]  # [BN, BK] of w1[e]
-    u_ptr = g_ptr + Fw * stride_wn  # w3[e]
-    x_ptr = x + tok * stride_x + kk
-    acc_g = tl.zeros([BN, BK], dtype=tl.float32)
-    acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-    for k0 in tl.static_range(0, D, BK):
-        k_ok = k0 + kk < D
-        xv = tl.load(x_ptr + k0, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        m = n_ok[:, None] & k_ok[None, :]
-        acc_g += tl.load(g_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
-        acc_u += tl.load(u_ptr + k0, mask=m, other=0.0).to(tl.float32) * xv
-    g = tl.sum(acc_g, axis=1)
-    h = g * tl.sigmoid(g) * tl.sum(acc_u, axis=1)
+    x_row = x + tok.to(tl.int64) * stride_x
+    if FIXED:
+        if is_fixed:
+            x1 = tl.load(x_row + k1, mask=k1 < D, other=0.0).to(tl.float32)[None, :]
+            x2 = tl.load(x_row + k2, mask=k2 < D, other=0.0).to(tl.float32)[None, :]
+            g = tl.sum(g1.to(tl.float32) * x1, axis=1) + tl.sum(g2.to(tl.float32) * x2, axis=1)
+            u = tl.sum(u1.to(tl.float32) * x1, axis=1) + tl.sum(u2.to(tl.float32) * x2, axis=1)
+        else:
+            g, u = _up_rows(x_row, w13, chosen, p, n, n_ok, stride_we, stride_wn, D, Fw, BK)
+    else:
+        g, u = _up_rows(x_row, w13, chosen, p, n, n_ok, stride_we, stride_wn, D, Fw, BK)
+    h = g * tl.sigmoid(g) * u
     tl.store(act + p.to(tl.int64) * stride_a + n, h.to(act.dtype.element_ty), mask=n_ok)
 
 
@@ -416,19 +475,21 @@ def fused_moe_direct(
 
 def fused_moe_direct_add_norm(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, res: Tensor, norm_weight: Tensor,
-    eps: float, cfg: DirectLaunch | None = None,
+    eps: float, cfg: DirectLaunch | None = None, always_on: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``fused_moe_direct`` and the residual add and RMSNorm after it, in its two launches (the last program of
     the down kernel adds and norms the few rows): res [T, D], norm_weight [D] -> (s = res + moe(x), h =
-    rms_norm(s) * norm_weight), both [T, D] in x's dtype, as ``kernels.norm.add_rms_norm`` gives them."""
-    _, s, h = _direct(x, w13, w2, chosen, weights, cfg, (res, norm_weight, eps))
+    rms_norm(s) * norm_weight), both [T, D] in x's dtype, as ``kernels.norm.add_rms_norm`` gives them.
+    ``always_on``: the expert id of chosen's last column in every row (``moe_route``'s), whose up rows the up
+    kernel then reads before its PDL wait (``FIXED_FIRST``); that column is not read."""
+    _, s, h = _direct(x, w13, w2, chosen, weights, cfg, (res, norm_weight, eps), always_on)
     assert s is not None and h is not None
     return s, h
 
 
 def _direct(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: DirectLaunch | None,
-    add_norm: tuple[Tensor, Tensor, float] | None,
+    add_norm: tuple[Tensor, Tensor, float] | None, fixed: int | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     T, D = x.shape
     F2 = w13.shape[1]
@@ -443,9 +504,13 @@ def _direct(
     pdl = use_pdl(x.device)
     launch = {"launch_pdl": True} if pdl else {}
     bk_up = min(c.BK_UP, max(16, triton.next_power_of_2(D)))
-    _up_direct_kernel[(T * k, triton.cdiv(Fw, c.BN_UP))](
-        x, w13, act, flat, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, PDL=pdl, num_warps=c.WARPS_UP, **launch,
+    n_blocks = triton.cdiv(Fw, c.BN_UP)
+    pre_fixed = fixed is not None and FIXED_FIRST
+    d1 = 1 << (D.bit_length() - 1)  # D's largest power of two, then the rest (padded) for the fixed expert's rows
+    _up_direct_kernel[(T * k * n_blocks,) if pre_fixed else (T * k, n_blocks)](
+        x, w13, act, flat, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), T, fixed or 0,
+        D=D, Fw=Fw, TOP_K=k, BN=c.BN_UP, BK=bk_up, PDL=pdl, FIXED=pre_fixed, D1=d1,
+        DR=max(16, triton.next_power_of_2(D - d1)), num_warps=c.WARPS_UP, **launch,
     )
     y = torch.empty_like(x)
     if add_norm is None:

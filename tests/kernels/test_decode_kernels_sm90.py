@@ -23,14 +23,14 @@ from kda_sessions.kernels.kda.decode_triton import _decode_kernel
 from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel
 from kda_sessions.kernels.mla.decode_prep import _prep_kernel
 from kda_sessions.kernels.moe.route import _route_decode_kernel
-from kda_sessions.kernels.moe.triton_moe import _down_direct_kernel
+from kda_sessions.kernels.moe.triton_moe import _down_direct_kernel, _up_direct_kernel
 
 
 def ptx(fn, types, const):
     params = list(inspect.signature(fn.fn).parameters)
     sig = {p: "constexpr" if p in const else types.get(p, "i32") for p in params}
-    # pointers and row strides divisible by 16, as the launches' arguments are (Triton specializes on it)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*" or p.startswith("s_")}
+    # pointers and row strides (s_*, stride_*) divisible by 16, as the launches' arguments are (Triton specializes on it)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*" or p.startswith(("s_", "stride_"))}
     src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
 
@@ -69,6 +69,10 @@ out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": b
                                                      "counter": "*i32", "eps": "fp32"},
                                {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096,
                                 "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True})
+# the MoE up kernel at one token with the shared expert's rows read before the wait (``triton_moe.FIXED_FIRST``)
+out["moe_up_fixed_pdl"] = ptx(_up_direct_kernel, {"x": bf, "w13": bf, "act": bf, "chosen": "*i64"},
+                              {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "PDL": True, "FIXED": True,
+                               "D1": 2048, "DR": 256})
 # the decode router at one token with its norm (the add and norm before a MoE layer)
 out["route_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
                                               "counter": "*i32", "chosen": "*i64", "weights": bf,
@@ -95,7 +99,7 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "moe_down_norm_pdl", "route_pdl", "feed"}
+                        "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -105,6 +109,12 @@ def test_decode_kernels_compile_for_sm90(out):
     assert len(waits) == 1 and not any("st.global" in ln for ln in lines[: waits[0]])
     assert any("st.global" in ln for ln in lines[waits[0] :])
     assert "atom.global.gpu.acq_rel.add" in out["moe_down_norm_pdl"]
+    # the up kernel with a fixed expert: that expert's rows (2 x 2304 bf16 of w1 and of w3) in 16-byte loads
+    # before the wait, the activations stored after it
+    lines = out["moe_up_fixed_pdl"].splitlines()
+    waits = [i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln]
+    assert len(waits) == 1 and sum("ld.global.v4" in ln for ln in lines[: waits[0]]) >= 8
+    assert not any("st.global" in ln for ln in lines[: waits[0]])
     assert "atom.global.gpu.relaxed.exch" in out["moe_down_norm_pdl"]
     assert all("griddepcontrol" not in out[k] for k in ("matvec", "prep", "decode", "decode_one_block"))
     # the KDA decode's last-arriver: one acq_rel atomic add on the counter and its reset; none with one block a head

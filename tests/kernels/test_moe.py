@@ -122,6 +122,29 @@ def test_direct_moe_with_the_norm_after_it_matches_the_twins(T: int, E: int, k: 
         assert int(_COUNTERS[("cpu", None)][1]) == 0
 
 
+@pytest.mark.parametrize("T,E,k,D,Fw", [(1, 8, 3, 48, 40), (3, 8, 3, 40, 24), (1, 4, 1, 32, 40)],
+                         ids=["T1-k3", "T3-k3", "T1-k1"])
+def test_direct_moe_with_an_always_on_expert_read_first_matches_the_twins(
+    T: int, E: int, k: int, D: int, Fw: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``always_on`` with ``FIXED_FIRST``: the up kernel's one-axis grid (the fixed expert's programs first, its
+    rows loaded whole as D's largest power of two and the padded rest) gives the twins' sum and norm, for one
+    token, several, and one expert a token (the dense FFN's case, where every program is the fixed expert's)."""
+    from kda_sessions.kernels.moe import triton_moe
+    from kda_sessions.kernels.moe.triton_moe import DirectLaunch, fused_moe_direct_add_norm
+    from kda_sessions.kernels.norm.naive import naive_add_rms_norm
+
+    monkeypatch.setattr(triton_moe, "FIXED_FIRST", True)
+    x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T + k)
+    chosen[:, -1] = E - 1
+    gen = torch.Generator().manual_seed(T + 2)
+    res, nw = torch.randn(T, D, generator=gen), torch.rand(D, generator=gen) + 0.5
+    rs, rh = naive_add_rms_norm(res, naive_fused_moe(x, w13, w2, chosen, weights), nw, 1e-6)
+    for cfg in (DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(16, 64, 4, 64, 64, 4)):
+        s, h = fused_moe_direct_add_norm(x, w13, w2, chosen, weights, res, nw, 1e-6, cfg, always_on=E - 1)
+        assert rel_rms(s, rs) < TOL and rel_rms(h, rh) < TOL
+
+
 def test_fused_moe_add_norm_checks_shapes_and_runs_the_twins_on_a_cpu() -> None:
     from kda_sessions.kernels.moe import fused_moe_add_norm
     from kda_sessions.kernels.norm import add_rms_norm

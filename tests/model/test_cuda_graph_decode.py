@@ -310,7 +310,7 @@ def test_graph_replay_equals_eager_on_cuda():
         assert rel_err(x[:n], y[:n]) < 1e-5
 
 
-STEP_OPTIONS = ["dense", "uv", "all"]
+STEP_OPTIONS = ["dense", "uv", "shared", "all"]
 
 
 @pytest.mark.gpu
@@ -319,17 +319,20 @@ def test_one_token_step_options_on_cuda(monkeypatch, option):
     """One sequence (the batch the step's options change), graph replays, each option of the step (off by default)
     against the step without them, from the same states: the dense FFN as a one-expert MoE (``ffn.DENSE_DIRECT``),
     W_uv on 4 rows a program with the MLA merge letting it start early (``matvec_triton.HEAD_ROWS``,
-    ``paged_decode.COMBINE_EARLY_TRIGGER``). Logits within 1e-4 (float32; other sum orders) and the
+    ``paged_decode.COMBINE_EARLY_TRIGGER``), the MoE up kernel reading the shared expert's rows before its wait
+    (``triton_moe.FIXED_FIRST``). Logits within 1e-4 (float32; other sum orders) and the
     same argmax, step after step; the states after them within 1e-5."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from kda_sessions.kernels.linear import matvec_triton
     from kda_sessions.kernels.mla import paged_decode
+    from kda_sessions.kernels.moe import triton_moe
     from kda_sessions.model import ffn
 
     options = {  # option -> (module, name, off, on)
         "dense": [(ffn, "DENSE_DIRECT", False, True)],
         "uv": [(matvec_triton, "HEAD_ROWS", 1, 4), (paged_decode, "COMBINE_EARLY_TRIGGER", False, True)],
+        "shared": [(triton_moe, "FIXED_FIRST", False, True)],
     }
     model = load_model("tiny-random", device="cuda", dtype=torch.float32)
     on, off = twins(model, [40], seed=12)
@@ -420,19 +423,21 @@ def test_cuda_model_matches_the_cpu_model(monkeypatch):
 
 @pytest.mark.slow  # ~2.5 min on a 2-core VM: the decode steps' kernels run in Triton's interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (a CPU run)")
-@pytest.mark.parametrize("options", [False, True], ids=["default", "dense"])
+@pytest.mark.parametrize("options", [False, True], ids=["default", "options"])
 def test_gpu_decode_branches_match_the_cpu_path(model, monkeypatch, options):
     """The decode step's GPU branches (KDA's decode with its output norm, the MoE block's adds and norms in the
     router's and the down kernel's launches, at one token and at three) run on a CPU through the interpreter,
     whose float32 dots are exact: the logits equal the CPU path's to 1e-5. The MLA decode takes its Triton split
-    kernel (the Gluon one and the SM count need a real device). ``dense``: with the dense FFN in the direct MoE
-    kernels (``ffn.DENSE_DIRECT``)."""
+    kernel (the Gluon one and the SM count need a real device). ``options``: with the dense FFN in the direct MoE
+    kernels (``ffn.DENSE_DIRECT``) and the shared expert's up rows read first (``triton_moe.FIXED_FIRST``)."""
     import types
 
     from kda_sessions.kernels.mla import paged_decode
+    from kda_sessions.kernels.moe import triton_moe
     from kda_sessions.model import ffn
 
     monkeypatch.setattr(ffn, "DENSE_DIRECT", options)
+    monkeypatch.setattr(triton_moe, "FIXED_FIRST", options)
 
     monkeypatch.setattr(paged_decode, "gluon_split_ok", lambda *a, **k: False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: types.SimpleNamespace(multi_processor_count=4))
