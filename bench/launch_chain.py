@@ -8,7 +8,8 @@ before wrote, so every launch depends on the last. Cases, each with PDL and with
 
 - ``latency``: no weights, one program per SM: the cost of a boundary alone.
 - ``stream``: the step's bytes split evenly over the N launches (distinct buffers, beyond the L2), ``--per-sm``
-  programs per SM: a chain of ideal kernels, each a perfect read of its share.
+  programs per SM: a chain of ideal kernels, each a perfect read of its share. With PDL twice: the next launch
+  let in once every program has its share summed, and (``early_trigger``) as soon as every program has started.
 - ``one read``: the same bytes in one ``torch.sum`` (no chain): the rate a plain read reaches.
 
 ``stream`` with PDL, against the real step, splits the step's distance from its floor into what a chain of
@@ -41,17 +42,22 @@ BLOCK = 1024
 
 
 @triton.jit
-def _link_kernel(w, n_w, x_in, n_in, x_out, sink, BLOCK: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr):
+def _link_kernel(w, n_w, x_in, n_in, x_out, sink, BLOCK: tl.constexpr, ITERS: tl.constexpr, PDL: tl.constexpr,
+                 EARLY: tl.constexpr):
     """Program p: the sum of its ITERS * BLOCK elements of w (every load issued before the PDL wait), then
-    x_out[p] = x_in[p % n_in] + 1 after it; the sum goes to sink[p] so the loads stay."""
+    x_out[p] = x_in[p % n_in] + 1 after it; the sum goes to sink[p] so the loads stay. With PDL the next launch
+    may start once every program has summed its share, or with EARLY as soon as every program has started."""
     pid = tl.program_id(0)
+    if PDL and EARLY:
+        gdc_launch_dependents()
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     base = pid.to(tl.int64) * (BLOCK * ITERS)
     for i in tl.static_range(ITERS):
         offs = base + i * BLOCK + tl.arange(0, BLOCK)
         acc += tl.load(w + offs, mask=offs < n_w, other=0.0).to(tl.float32)
     if PDL:
-        gdc_launch_dependents()
+        if not EARLY:
+            gdc_launch_dependents()
         gdc_wait()  # x_in is the launch before's output
     v = tl.load(x_in + pid % n_in)
     tl.store(x_out + pid, v + 1.0)
@@ -63,8 +69,8 @@ class Chain:
     """N launches of ``_link_kernel``: launch i reads weights[i] (``elems`` each; none when 0) and the x buffer
     the launch before wrote."""
 
-    def __init__(self, n: int, elems: int, programs: int, pdl: bool, device: str) -> None:
-        self.n, self.programs, self.pdl = n, programs, pdl
+    def __init__(self, n: int, elems: int, programs: int, pdl: bool, device: str, early: bool = False) -> None:
+        self.n, self.programs, self.pdl, self.early = n, programs, pdl, early
         self.iters = math.ceil(elems / (programs * BLOCK)) if elems else 0
         self.weights = [torch.ones(max(elems, 1), dtype=torch.bfloat16, device=device) for _ in range(n)] if elems \
             else [torch.ones(1, dtype=torch.bfloat16, device=device)] * n
@@ -77,7 +83,7 @@ class Chain:
         for i in range(self.n):
             _link_kernel[(self.programs,)](self.weights[i], self.elems, self.xs[i % 2], self.programs,
                                            self.xs[(i + 1) % 2], self.sink, BLOCK=BLOCK, ITERS=self.iters,
-                                           PDL=self.pdl, num_warps=4, **launch)
+                                           PDL=self.pdl, EARLY=self.early, num_warps=4, **launch)
 
     def out(self) -> torch.Tensor:
         """The last launch's x (after one run from the zeros: N everywhere)."""
@@ -102,12 +108,13 @@ def graph_us(fn, reps: int) -> float:
     return round(sorted(times)[len(times) // 2], 1)
 
 
-def chain_case(n: int, elems: int, programs: int, pdl: bool, device: str, reps: int) -> dict:
-    chain = Chain(n, elems, programs, pdl, device)
+def chain_case(n: int, elems: int, programs: int, pdl: bool, device: str, reps: int, early: bool = False) -> dict:
+    chain = Chain(n, elems, programs, pdl, device, early)
     chain.run()  # from zeros: every link adds 1, so each program's value is N if all ran in order
     ok = bool((chain.out() == n).all())
     us = None if device == "cpu" else graph_us(chain.run, reps)
-    res = {"launches": n, "programs": programs, "pdl": pdl, "bytes_per_launch": elems * 2, "us": us, "order_ok": ok}
+    res = {"launches": n, "programs": programs, "pdl": pdl, "early_trigger": early, "bytes_per_launch": elems * 2,
+           "us": us, "order_ok": ok}
     if us is not None:
         res["us_per_launch"] = round(us / n, 2)
         if elems:
@@ -154,6 +161,9 @@ def main() -> None:
         res["cases"].append({"case": "latency", **chain_case(a.launches, 0, sms, pdl, a.device, a.reps)})
         res["cases"].append({"case": "stream", **chain_case(a.launches, elems, sms * a.per_sm, pdl, a.device,
                                                             a.reps)})
+        if pdl:  # the next launch let in at the start: its programs take SMs as this one's finish
+            res["cases"].append({"case": "stream", **chain_case(a.launches, elems, sms * a.per_sm, pdl, a.device,
+                                                                a.reps, early=True)})
         print(json.dumps(res["cases"][-2:]), flush=True)
     res["one_read"] = one_read_us(elems * a.launches, a.device, a.reps)
     print(json.dumps(res, indent=1))
