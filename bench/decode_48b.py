@@ -937,6 +937,8 @@ def main() -> None:
                     help="graph-replayed modes of the greedy check, each against the twins (e.g. fused,new)")
     ap.add_argument("--greedy-pin", default="on", choices=["on", "off"],
                     help="route every greedy run as the float32 twin's (PinnedRoutes), its tokens fed to all")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep the first N layers of the 48B shape in the timed cases (real width; to fit an 80 GB GPU)")
     ap.add_argument("--greedy-layers", type=int, default=4,
                     help="depth of the real-width model of the greedy check (27 random layers amplify bf16 rounding)")
     ap.add_argument("--gemv", action="store_true", help="also time cuBLAS matvecs of the non-routed weight shapes")
@@ -990,8 +992,9 @@ def main() -> None:
     if not args.cases and not (args.moe_tokens and args.device == "cuda") and not args.profile \
             and not args.timeline and not args.read_rate:
         return
-    model = build(config(args.quick), args.device)
+    model = build(config(args.quick, args.layers), args.device)
     results["params"] = sum(p.numel() for p in model.parameters())
+    results["layers"] = model.config.num_hidden_layers
     prepare_skips(model)
     log(f"built {results['params'] / 1e9:.2f} B parameters")
     results["decode"] = []
