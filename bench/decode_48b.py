@@ -237,20 +237,18 @@ PDL_ABLATIONS = {
 def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     import kda_sessions.model.ffn as ffn_mod
 
-    dense = (ffn_mod, "DENSE_DIRECT", True)
-    uv = [(_matvec_mod, "HEAD_ROWS", 4), (_paged_mod, "COMBINE_EARLY_TRIGGER", True)]
-    shared = (triton_moe, "FIXED_FIRST", True)
-    return {"new-dense": [dense], "new-uv": uv, "new-du": [dense, *uv], "new-shared": [shared],
-            "new-all": [dense, *uv, shared]}
+    dense = (ffn_mod, "DENSE_DIRECT", False)
+    uv = [(_matvec_mod, "HEAD_ROWS", 1), (_paged_mod, "COMBINE_EARLY_TRIGGER", False)]
+    shared = (triton_moe, "FIXED_FIRST", False)
+    return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared]}
 
 
 FLAG_MODES = _flag_modes()
-"""Modes that turn library options on (A/B of a change not yet on by default): ``new-dense`` the dense FFN as a
-one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``new-uv`` MLA's W_uv matvec on 4 rows a program
-(``matvec_triton.HEAD_ROWS``: all its programs resident, so o_proj's PDL launch starts early) and the MLA merge
-letting W_uv's launch start before its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``new-du`` both,
-``new-shared`` the MoE up kernel reading the shared expert's rows before its PDL wait (``triton_moe.FIXED_FIRST``),
-``new-all`` all three.
+"""Modes that turn a library option off (an A/B of an option against the step without it): ``old-dense`` the
+dense FFN in cuBLAS rather than as a one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``old-uv``
+MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA merge letting W_uv's launch start
+only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
+expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three.
 ``--greedy-modes`` runs the greedy check under them."""
 
 

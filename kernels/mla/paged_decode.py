@@ -177,10 +177,10 @@ def _split_kernel_tokens(
     tl.store(lse_part + base, lse, mask=mh)
 
 
-COMBINE_EARLY_TRIGGER = False
+COMBINE_EARLY_TRIGGER = True
 """The PDL merge lets its next launch (MLA's W_uv matvec) start before it waits for the split kernel: with
 ``linear.matvec_triton.HEAD_ROWS`` = 4 (W_uv's programs all resident), W_uv's and o_proj's weights load while the
-split kernel runs. Off until measured on a GPU (``bench/decode_48b.py`` mode ``new-uv`` turns both on)."""
+split kernel runs. Its figures: ``HEAD_ROWS``'s (the two are measured together, mode ``new-uv``)."""
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])

@@ -316,7 +316,7 @@ STEP_OPTIONS = ["dense", "uv", "shared", "all"]
 @pytest.mark.gpu
 @pytest.mark.parametrize("option", STEP_OPTIONS)
 def test_one_token_step_options_on_cuda(monkeypatch, option):
-    """One sequence (the batch the step's options change), graph replays, each option of the step (off by default)
+    """One sequence (the batch the step's options change), graph replays, each option of the step (on by default)
     against the step without them, from the same states: the dense FFN as a one-expert MoE (``ffn.DENSE_DIRECT``),
     W_uv on 4 rows a program with the MLA merge letting it start early (``matvec_triton.HEAD_ROWS``,
     ``paged_decode.COMBINE_EARLY_TRIGGER``), the MoE up kernel reading the shared expert's rows before its wait
