@@ -68,18 +68,30 @@ out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": b
                                                      "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
                                                      "counter": "*i32", "eps": "fp32"},
                                {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096,
-                                "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True})
+                                "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True, "TRIGGER_EARLY": False})
 # the MoE up kernel at one token with the shared expert's rows read before the wait (``triton_moe.FIXED_FIRST``)
 out["moe_up_fixed_pdl"] = ptx(_up_direct_kernel, {"x": bf, "w13": bf, "act": bf, "chosen": "*i64"},
                               {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "PDL": True, "FIXED": True,
                                "D1": 2048, "DR": 256})
+# the down kernel and the router letting their next launch start at their own start
+out["moe_down_early_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf,
+                                                      "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
+                                                      "counter": "*i32", "eps": "fp32"},
+                                {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096,
+                                 "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True, "TRIGGER_EARLY": True})
+out["route_early_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
+                                                    "counter": "*i32", "chosen": "*i64", "weights": bf,
+                                                    "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf,
+                                                    "h_out": bf, "eps": "fp32"},
+                             {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
+                              "EXTRA": 1, "NORM": True, "PDL": True, "EARLY_TRIGGER": True})
 # the decode router at one token with its norm (the add and norm before a MoE layer)
 out["route_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
                                               "counter": "*i32", "chosen": "*i64", "weights": bf,
                                               "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf,
                                               "h_out": bf, "eps": "fp32"},
                        {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
-                        "EXTRA": 1, "NORM": True, "PDL": True})
+                        "EXTRA": 1, "NORM": True, "PDL": True, "EARLY_TRIGGER": False})
 # the decode feed of a decode step queued ahead (``kernels.feed``): 64 rows, the scalars as runtime ints
 out["feed"] = ptx(_feed_kernel, {"tokens": "*i64", "rows": "*i32", "can_stop": "*i32", "stop_ids": "*i64",
                                  "ids": "*i32", "slots": "*i32", "seq_lens": "*i32", "kv_rows": "*i64", "table": "*i32"},
@@ -99,7 +111,8 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed"}
+                        "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
+                        "moe_down_early_pdl", "route_early_pdl"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -109,6 +122,15 @@ def test_decode_kernels_compile_for_sm90(out):
     assert len(waits) == 1 and not any("st.global" in ln for ln in lines[: waits[0]])
     assert any("st.global" in ln for ln in lines[waits[0] :])
     assert "atom.global.gpu.acq_rel.add" in out["moe_down_norm_pdl"]
+    # the early triggers: one launch_dependents each, before the wait (the router's before any load too)
+    for name in ("moe_down_early_pdl", "route_early_pdl", "moe_down_norm_pdl", "route_pdl"):
+        lines = out[name].splitlines()
+        wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+        trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
+        assert len(trig) == 1 and (trig[0] < wait) == name.endswith("early_pdl"), name
+    lines = out["route_early_pdl"].splitlines()
+    trig = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
+    assert not any("ld.global" in ln for ln in lines[:trig])
     # the up kernel with a fixed expert: that expert's rows (2 x 2304 bf16 of w1 and of w3) in 16-byte loads
     # before the wait, the activations stored after it
     lines = out["moe_up_fixed_pdl"].splitlines()
