@@ -63,35 +63,25 @@ out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, 
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
                        {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
-# the MoE down kernel at one token with the residual add and norm after it (its last program: ``fused_moe_add_norm``)
-out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf,
-                                                     "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
-                                                     "counter": "*i32", "eps": "fp32"},
-                               {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096,
-                                "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True, "TRIGGER_EARLY": False})
+# the MoE down kernel at one token with the residual add and norm after it (its last program: ``fused_moe_add_norm``),
+# and the decode router at one token with its norm (the add and norm before a MoE layer); each also letting its
+# next launch start at its own start ("_early": ``triton_moe.DOWN_EARLY_TRIGGER``, ``route.ROUTE_EARLY_TRIGGER``)
+DOWN_TYPES = {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf, "res": bf, "norm_w": bf, "s_out": bf,
+              "h_out": bf, "counter": "*i32", "eps": "fp32"}
+DOWN_CONST = {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096, "PRE": 2, "GROUP": 2,
+              "PDL": True, "TRIGGER": True}
+ROUTE_TYPES = {"x": bf, "gate": bf, "bias": f32, "logits": f32, "counter": "*i32", "chosen": "*i64", "weights": bf,
+               "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf, "eps": "fp32"}
+ROUTE_CONST = {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True, "EXTRA": 1, "NORM": True,
+               "PDL": True}
+for early in (False, True):
+    tag = "_early" if early else ""
+    out[f"moe_down{tag or '_norm'}_pdl"] = ptx(_down_direct_kernel, DOWN_TYPES, {**DOWN_CONST, "TRIGGER_EARLY": early})
+    out[f"route{tag}_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, {**ROUTE_CONST, "EARLY_TRIGGER": early})
 # the MoE up kernel at one token with the shared expert's rows read before the wait (``triton_moe.FIXED_FIRST``)
 out["moe_up_fixed_pdl"] = ptx(_up_direct_kernel, {"x": bf, "w13": bf, "act": bf, "chosen": "*i64"},
                               {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "PDL": True, "FIXED": True,
                                "D1": 2048, "DR": 256})
-# the down kernel and the router letting their next launch start at their own start
-out["moe_down_early_pdl"] = ptx(_down_direct_kernel, {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf,
-                                                      "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf,
-                                                      "counter": "*i32", "eps": "fp32"},
-                                {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096,
-                                 "PRE": 2, "GROUP": 2, "PDL": True, "TRIGGER": True, "TRIGGER_EARLY": True})
-out["route_early_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
-                                                    "counter": "*i32", "chosen": "*i64", "weights": bf,
-                                                    "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf,
-                                                    "h_out": bf, "eps": "fp32"},
-                             {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
-                              "EXTRA": 1, "NORM": True, "PDL": True, "EARLY_TRIGGER": True})
-# the decode router at one token with its norm (the add and norm before a MoE layer)
-out["route_pdl"] = ptx(_route_decode_kernel, {"x": bf, "gate": bf, "bias": f32, "logits": f32,
-                                              "counter": "*i32", "chosen": "*i64", "weights": bf,
-                                              "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf,
-                                              "h_out": bf, "eps": "fp32"},
-                       {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True,
-                        "EXTRA": 1, "NORM": True, "PDL": True, "EARLY_TRIGGER": False})
 # the decode feed of a decode step queued ahead (``kernels.feed``): 64 rows, the scalars as runtime ints
 out["feed"] = ptx(_feed_kernel, {"tokens": "*i64", "rows": "*i32", "can_stop": "*i32", "stop_ids": "*i64",
                                  "ids": "*i32", "slots": "*i32", "seq_lens": "*i32", "kv_rows": "*i64", "table": "*i32"},
