@@ -136,7 +136,7 @@ class SwiGLU(nn.Module):
 DENSE_DIRECT = True
 """A stacked dense FFN's decode batch on a GPU runs in the direct MoE kernels (``SwiGLU.residual_block``): two PDL
 launches after the norm where cuBLAS takes seven (GEMMs, SiLU, product, split-K reduce, norms; 51.5 us at the 48B
-shape, docs/benchmarks.md). Against off (``bench/decode_48b.py`` mode ``new-dense``): the 1 x 128K step -15 us on
+shape, docs/benchmarks.md). Against off (``bench/decode_48b.py`` mode ``old-dense``): the 1 x 128K step -15 us on
 the H200 (2026-12-05); on an H100 at 16 layers of the 48B shape, two alternations, -14 us at 1 x 128K and -19 at
 1 x 1M (2026-12-06). No less exact than the cuBLAS path (``test_dense_ffn_as_one_expert_at_the_48b_width``); the
 pinned greedy check gives the twins' tokens (docs/benchmarks.md)."""

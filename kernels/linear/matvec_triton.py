@@ -84,7 +84,7 @@ HEAD_ROWS = 4
 programs, more than the GPU holds at once, so the PDL trigger that lets o_proj's matvec start (every program's)
 fires only as the last ones start: o_proj's weight load is not hidden (the step's timeline: o_proj adds 7.1-7.7 us
 after W_uv against 4.4-4.7 after the KDA decode). With 4, 1,024 programs, all resident at once. With
-``paged_decode.COMBINE_EARLY_TRIGGER`` (mode ``new-uv`` of ``bench/decode_48b.py`` sets both against 1 and off):
+``paged_decode.COMBINE_EARLY_TRIGGER`` (``bench/decode_48b.py`` mode ``old-uv`` turns both off):
 the 1 x 128K step -28 us on the H200 (2.403 ms against 2.431, 2026-12-05); on an H100 at 16 layers of the 48B
 shape, two alternations, -17 us at 1 x 128K (1.912 / 1.911 ms against 1.926 / 1.930) and -19 at 1 x 1M
 (3.279 / 3.278 against 3.303 / 3.293), 2026-12-06; the greedy tokens and logits the same bits as with 1."""

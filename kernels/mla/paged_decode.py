@@ -180,7 +180,7 @@ def _split_kernel_tokens(
 COMBINE_EARLY_TRIGGER = True
 """The PDL merge lets its next launch (MLA's W_uv matvec) start before it waits for the split kernel: with
 ``linear.matvec_triton.HEAD_ROWS`` = 4 (W_uv's programs all resident), W_uv's and o_proj's weights load while the
-split kernel runs. Its figures: ``HEAD_ROWS``'s (the two are measured together, mode ``new-uv``)."""
+split kernel runs. Its figures: ``HEAD_ROWS``'s (the two are measured together, mode ``old-uv`` turns both off)."""
 
 
 @triton.jit(do_not_specialize=["NSPLIT"])

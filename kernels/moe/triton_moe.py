@@ -118,7 +118,7 @@ FIXED_FIRST = True
 """Given the always-on expert of every token's last pair (``fused_moe_direct_add_norm``'s ``always_on``: the
 shared expert), the up kernel's programs of that expert come first in its grid and read their weight rows before
 the PDL wait, while the router still selects (``_up_direct_kernel``). Against off (``bench/decode_48b.py
---layers 16`` mode ``new-shared``; an H100, the first 16 layers of the 48B shape: 15 MoE layers; two alternations,
+--layers 16`` mode ``old-shared``; an H100, the first 16 layers of the 48B shape: 15 MoE layers; two alternations,
 2026-12-06): 1 x 128K 1.904 / 1.905 ms against 1.926 / 1.930 (-23 us), 1 x 1M 3.268 / 3.272 against 3.303 /
 3.293 (-28 us), ~1.5-1.9 us a MoE layer; the greedy tokens and logits the same bits. Not yet timed on the H200."""
 
