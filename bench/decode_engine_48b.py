@@ -173,6 +173,8 @@ def main() -> None:
     ap.add_argument("--profile-kda", default="separate,fused",
                     help="eager profiles at 1 x 8K, KDA decode 'separate' and/or 'fused' (the library's), in order")
     ap.add_argument("--profile-context", type=int, default=8192, help="context of the eager profiles (batch 1)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="only the first N layers at the real width (16 fits an 80 GB card)")
     ap.add_argument("--budget", type=float, default=420.0, help="start no new part after this many seconds")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -201,7 +203,7 @@ def main() -> None:
         return [(b, min(L, 300) if args.quick else L) for b, L in out]  # type: ignore[misc]
 
     t = time.perf_counter()
-    model = build_model(config_48b(args.quick), args.device)
+    model = build_model(config_48b(args.quick, args.layers), args.device)
     res["build_s"] = round(time.perf_counter() - t, 1)
     res["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 2)
     log(f"built {res['params_b']} B parameters in {res['build_s']} s")

@@ -46,8 +46,9 @@ KDA_LAYERS = [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 2
 MLA_LAYERS = [4, 8, 12, 16, 20, 24, 27]
 
 
-def config_48b(quick: bool) -> ModelConfig:
-    """KDA.md's Kimi-Linear-48B-A3B shape (``--quick``: 4 layers, narrow, 16 experts)."""
+def config_48b(quick: bool, layers: int | None = None) -> ModelConfig:
+    """KDA.md's Kimi-Linear-48B-A3B shape (``--quick``: 4 layers, narrow, 16 experts); ``layers`` keeps only the
+    first that many layers at the real width (fits an 80 GB card at 16)."""
     d = dict(
         model_type="kimi_linear", vocab_size=163840, hidden_size=2304, intermediate_size=9216,
         moe_intermediate_size=1024, num_hidden_layers=27, num_attention_heads=32, kv_lora_rank=512,
@@ -62,6 +63,10 @@ def config_48b(quick: bool) -> ModelConfig:
                  qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_experts_per_token=4,
                  linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=32,
                                          short_conv_kernel_size=4))
+    if layers is not None and not quick:
+        d["num_hidden_layers"] = min(27, layers)
+        d["linear_attn_config"] = dict(d["linear_attn_config"], kda_layers=[i for i in KDA_LAYERS if i <= layers],
+                                       full_attn_layers=[i for i in MLA_LAYERS if i <= layers])
     return ModelConfig.from_dict(d)
 
 
