@@ -49,7 +49,6 @@ from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
 from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.mla import paged_decode as _paged_mod
 from kda_sessions.kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route, triton_moe
-from kda_sessions.kernels.moe import route as route_mod
 from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.kernels.moe.pdl import use_pdl as _USE_PDL
 from kda_sessions.kernels.moe.route import moe_route_triton
@@ -241,10 +240,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     dense = (ffn_mod, "DENSE_DIRECT", False)
     uv = [(_matvec_mod, "HEAD_ROWS", 1), (_paged_mod, "COMBINE_EARLY_TRIGGER", False)]
     shared = (triton_moe, "FIXED_FIRST", False)
-    route_early = (route_mod, "ROUTE_EARLY_TRIGGER", True)
-    down_early = (triton_moe, "DOWN_EARLY_TRIGGER", True)
-    return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared],
-            "new-route-early": [route_early], "new-down-early": [down_early], "new-early": [route_early, down_early]}
+    return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared]}
 
 
 FLAG_MODES = _flag_modes()
@@ -252,9 +248,7 @@ FLAG_MODES = _flag_modes()
 dense FFN in cuBLAS rather than as a one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``old-uv``
 MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA merge letting W_uv's launch start
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
-expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three. Modes
-that turn an option on: ``new-route-early`` (``route.ROUTE_EARLY_TRIGGER``), ``new-down-early``
-(``triton_moe.DOWN_EARLY_TRIGGER``), ``new-early`` both.
+expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three.
 ``--greedy-modes`` runs the greedy check under them."""
 
 

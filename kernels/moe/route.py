@@ -126,7 +126,6 @@ def _route_decode_kernel(
     res, norm_w, s_out, h_out, eps,
     D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
     RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr = False,
 ):
     """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
     arrive selects (``_select_top_k``) and resets the counter. With NORM the router's input is
@@ -134,10 +133,10 @@ def _route_decode_kernel(
     in s_out and the normed rows in h_out, both [T, D] in x's dtype), rounded as ``kernels.norm.add_rms_norm``'s.
     With PDL the first BK columns of the program's gate rows (all of them at one token) and of the norm's weight
     are loaded before the wait for the launch before (``pdl``): the weights' memory latency leaves the path.
-    The next launch (the MoE up kernel) may start once every program has its logits stored, or with EARLY_TRIGGER
-    (``ROUTE_EARLY_TRIGGER``) at once: the up kernel reads only the shared expert's rows before its wait."""
-    if PDL and EARLY_TRIGGER:
-        gdc_launch_dependents()
+    The next launch (the MoE up kernel) may start once every program has its logits stored. (Letting it start at
+    this kernel's start, so that the up kernel's shared-expert rows load during the whole router: within noise,
+    with the down kernel's trigger moved likewise -5 / -6 us at 1 x 128K and -10 / -1 at 1 x 1M over 15 MoE
+    layers, H100, the 48B shape's first 16 layers, 2026-12-06.)"""
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     e_ok = e < E
     t = tl.arange(0, BT)
@@ -186,17 +185,11 @@ def _route_decode_kernel(
     tl.store(logits + t[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
     tl.debug_barrier()  # every thread's logits are written before this program's arrival is released
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-    if PDL and not EARLY_TRIGGER:
+    if PDL:
         gdc_launch_dependents()  # the next launch's programs may start: it waits for this one's end
     if arrived == tl.num_programs(0) - 1:
         _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-
-
-ROUTE_EARLY_TRIGGER = False
-"""The decode router (a PDL launch) lets the MoE up kernel start at its own start, not once its logits are stored:
-with ``triton_moe.FIXED_FIRST`` the shared expert's rows then load during the whole router, not only during its
-selection. Off until timed (``bench/decode_48b.py`` mode ``new-route-early``)."""
 
 
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}
@@ -272,7 +265,7 @@ def _route_decode(
         x, gate, bias, logits, arrival_counters(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
-        NORM=norm is not None, PDL=pdl, EARLY_TRIGGER=ROUTE_EARLY_TRIGGER, num_warps=warps,
+        NORM=norm is not None, PDL=pdl, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return chosen, weights, s, h

@@ -123,11 +123,6 @@ the PDL wait, while the router still selects (``_up_direct_kernel``). Against of
 3.293 (-28 us), ~1.5-1.9 us a MoE layer; the greedy tokens and logits the same bits. Not yet timed on the H200."""
 
 
-DOWN_EARLY_TRIGGER = False
-"""The direct down kernel (a PDL launch followed by the next layer's PDL input matvec) lets that matvec start at
-its own start, not after its wait: the matvec's weight loads then fill the down kernel's tail. Off until timed
-(``bench/decode_48b.py`` mode ``new-down-early``). ``bench/launch_chain.py`` on an H100: 194 ideal reading kernels
-2.59 ms triggering at their start against 3.27 triggering after their reads."""
 
 
 DIRECT_LAUNCH = DirectLaunch(2, 512, 2, 2, 512, 2, 2, 2)
@@ -397,7 +392,7 @@ def _down_direct_kernel(
     res, norm_w, s_out, h_out, counter, T, eps,
     D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     NORM: tl.constexpr, BD: tl.constexpr, PRE: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr = False, TRIGGER_EARLY: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False,
 ):
     """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block):
     the products of GROUP pairs at a time summed in one [BN, BK] accumulator (routing weight folded into the
@@ -413,10 +408,8 @@ def _down_direct_kernel(
     layer's input projection, is then a PDL matvec) each program lets the next launch start after its wait. (Each
     program adding the residual to its own rows, no counter, and the norm left to the next layer's input matvec,
     each of whose programs norms the row itself: 84 us slower, the 1 x 128K step of the 48B shape 2.515 ms against
-    2.431, H200, 2026-12-05.) With TRIGGER_EARLY (``DOWN_EARLY_TRIGGER``) it lets it start at its own start instead:
-    the next launch's prologue reads weights only, and it can start only once every program of this one has."""
-    if TRIGGER and TRIGGER_EARLY:
-        gdc_launch_dependents()
+    2.431, H200, 2026-12-05. Triggering at this kernel's start instead, so that the matvec's weights load during
+    its tail: within noise, ``route._route_decode_kernel``'s docstring has the figures.)"""
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < D
@@ -430,7 +423,7 @@ def _down_direct_kernel(
         w_b = tl.load(w_rows + ex_b * stride_we, mask=n_ok[:, None] & (kk < Fw)[None, :], other=0.0)
     if PDL:
         gdc_wait()  # act is the up kernel's output
-    if TRIGGER and not TRIGGER_EARLY:
+    if TRIGGER:
         # the next launch may start (the next layer's input matvec: its weight streams while this one ends),
         # after the wait as the up kernel's: a dependent's prologue runs once the up kernel and the router are done
         gdc_launch_dependents()
@@ -539,7 +532,7 @@ def _direct(
         res, norm_w, y if s is None else s, y if h is None else h, counter, T, float(eps),
         D=D, Fw=Fw, TOP_K=k, BN=c.BN_DOWN, BK=bk_down, NORM=add_norm is not None,
         BD=triton.next_power_of_2(D), PRE=min(c.PRE_DOWN, k), GROUP=min(c.GROUP_DOWN, k) if T == 1 else k,
-        PDL=pdl, TRIGGER=pdl and T <= MATVEC_MAX_ROWS, TRIGGER_EARLY=DOWN_EARLY_TRIGGER,
+        PDL=pdl, TRIGGER=pdl and T <= MATVEC_MAX_ROWS,
         num_warps=c.WARPS_DOWN, **launch,
     )
     return y, s, h

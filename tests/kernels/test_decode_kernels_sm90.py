@@ -64,8 +64,7 @@ out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
                        {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
 # the MoE down kernel at one token with the residual add and norm after it (its last program: ``fused_moe_add_norm``),
-# and the decode router at one token with its norm (the add and norm before a MoE layer); each also letting its
-# next launch start at its own start ("_early": ``triton_moe.DOWN_EARLY_TRIGGER``, ``route.ROUTE_EARLY_TRIGGER``)
+# and the decode router at one token with its norm (the add and norm before a MoE layer)
 DOWN_TYPES = {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf, "res": bf, "norm_w": bf, "s_out": bf,
               "h_out": bf, "counter": "*i32", "eps": "fp32"}
 DOWN_CONST = {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096, "PRE": 2, "GROUP": 2,
@@ -74,10 +73,8 @@ ROUTE_TYPES = {"x": bf, "gate": bf, "bias": f32, "logits": f32, "counter": "*i32
                "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf, "eps": "fp32"}
 ROUTE_CONST = {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True, "EXTRA": 1, "NORM": True,
                "PDL": True}
-for early in (False, True):
-    tag = "_early" if early else ""
-    out[f"moe_down{tag or '_norm'}_pdl"] = ptx(_down_direct_kernel, DOWN_TYPES, {**DOWN_CONST, "TRIGGER_EARLY": early})
-    out[f"route{tag}_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, {**ROUTE_CONST, "EARLY_TRIGGER": early})
+out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, DOWN_TYPES, DOWN_CONST)
+out["route_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, ROUTE_CONST)
 # the MoE up kernel at one token with the shared expert's rows read before the wait (``triton_moe.FIXED_FIRST``)
 out["moe_up_fixed_pdl"] = ptx(_up_direct_kernel, {"x": bf, "w13": bf, "act": bf, "chosen": "*i64"},
                               {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "PDL": True, "FIXED": True,
@@ -101,8 +98,7 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
-                        "moe_down_early_pdl", "route_early_pdl"}
+                        "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -112,15 +108,13 @@ def test_decode_kernels_compile_for_sm90(out):
     assert len(waits) == 1 and not any("st.global" in ln for ln in lines[: waits[0]])
     assert any("st.global" in ln for ln in lines[waits[0] :])
     assert "atom.global.gpu.acq_rel.add" in out["moe_down_norm_pdl"]
-    # the early triggers: one launch_dependents each, before the wait (the router's before any load too)
-    for name in ("moe_down_early_pdl", "route_early_pdl", "moe_down_norm_pdl", "route_pdl"):
+    # the down kernel and the router: one launch_dependents each, after the wait (their dependents' prologues read
+    # the router's choices, or the next launch reads nothing before its wait)
+    for name in ("moe_down_norm_pdl", "route_pdl"):
         lines = out[name].splitlines()
         wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
         trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
-        assert len(trig) == 1 and (trig[0] < wait) == name.endswith("early_pdl"), name
-    lines = out["route_early_pdl"].splitlines()
-    trig = next(i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln)
-    assert not any("ld.global" in ln for ln in lines[:trig])
+        assert len(trig) == 1 and trig[0] > wait, name
     # the up kernel with a fixed expert: that expert's rows (2 x 2304 bf16 of w1 and of w3) in 16-byte loads
     # before the wait, the activations stored after it
     lines = out["moe_up_fixed_pdl"].splitlines()

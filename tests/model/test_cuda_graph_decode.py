@@ -310,7 +310,7 @@ def test_graph_replay_equals_eager_on_cuda():
         assert rel_err(x[:n], y[:n]) < 1e-5
 
 
-STEP_OPTIONS = ["dense", "uv", "shared", "early", "all"]
+STEP_OPTIONS = ["dense", "uv", "shared", "all"]
 
 
 @pytest.mark.gpu
@@ -320,21 +320,18 @@ def test_one_token_step_options_on_cuda(monkeypatch, option):
     against the step without them, from the same states: the dense FFN as a one-expert MoE (``ffn.DENSE_DIRECT``),
     W_uv on 4 rows a program with the MLA merge letting it start early (``matvec_triton.HEAD_ROWS``,
     ``paged_decode.COMBINE_EARLY_TRIGGER``), the MoE up kernel reading the shared expert's rows before its wait
-    (``triton_moe.FIXED_FIRST``), the router and the MoE down kernel letting their next launch start at their own
-    start (``route.ROUTE_EARLY_TRIGGER``, ``triton_moe.DOWN_EARLY_TRIGGER``; off by default). Logits within 1e-4 (float32; other sum orders) and the
-    same argmax, step after step; the states after them within 1e-5."""
+    (``triton_moe.FIXED_FIRST``). Logits within 1e-4 (float32; other sum orders) and the same argmax, step after step; the states after them within 1e-5."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     from kda_sessions.kernels.linear import matvec_triton
     from kda_sessions.kernels.mla import paged_decode
-    from kda_sessions.kernels.moe import route, triton_moe
+    from kda_sessions.kernels.moe import triton_moe
     from kda_sessions.model import ffn
 
     options = {  # option -> (module, name, off, on)
         "dense": [(ffn, "DENSE_DIRECT", False, True)],
         "uv": [(matvec_triton, "HEAD_ROWS", 1, 4), (paged_decode, "COMBINE_EARLY_TRIGGER", False, True)],
         "shared": [(triton_moe, "FIXED_FIRST", False, True)],
-        "early": [(route, "ROUTE_EARLY_TRIGGER", False, True), (triton_moe, "DOWN_EARLY_TRIGGER", False, True)],
     }
     model = load_model("tiny-random", device="cuda", dtype=torch.float32)
     on, off = twins(model, [40], seed=12)
