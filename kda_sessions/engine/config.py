@@ -92,7 +92,7 @@ class EngineConfig(BaseModel):
     request runs once more as a dummy (scratch slot and page), so sessions end in the same state, token for token.
     ``generate`` at the 48B shape's first 16 layers on an H100 (``bench/decode_engine_48b.py --layers 16
     --decode-ahead off,on``): 1 x 8K 1.797 -> 1.739 ms a step, 1 x 128K 2.063 -> 1.889 (graph replay 1.844), 8 x 32K
-    6.303 -> 5.958 (replay 5.960). No effect on a CPU."""
+    6.303 -> 5.958 (replay 5.960), 1 x 1M 3.347 -> 3.267 (replay 3.250). No effect on a CPU."""
     cpu_compile: bool = False
     """On a CPU, decode steps of one sequence run as one ``torch.compile``d function (inductor's C++, which needs a
     C++ compiler; ``HybridModel.compile_cpu_decode``): for ``tiny`` at 1K about half the eager path's CPU time a token
