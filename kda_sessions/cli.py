@@ -63,7 +63,8 @@ _ENGINE_FLAGS: list[tuple[str, Any, Any, str]] = [
                                                "whichever its steps time faster (EngineConfig.cpu_decode_threads, auto)"),
 ]
 _STORE_FLAGS = {"--store"}
-_DEFAULTS = {f.lstrip("-").replace("-", "_"): d for f, d, _, _ in _ENGINE_FLAGS} | {"enforce_eager": False}
+_DEFAULTS = {f.lstrip("-").replace("-", "_"): d for f, d, _, _ in _ENGINE_FLAGS} | {"enforce_eager": False,
+                                                                                    "no_decode_ahead": False}
 
 
 def _engine_args(p: argparse.ArgumentParser, store_only: bool = False) -> None:
@@ -77,6 +78,9 @@ def _engine_args(p: argparse.ArgumentParser, store_only: bool = False) -> None:
     if not store_only:
         g.add_argument("--enforce-eager", action="store_true", default=argparse.SUPPRESS,
                        help="no CUDA graphs for decode (GPU only; default: graphs on)")
+        g.add_argument("--no-decode-ahead", action="store_true", default=argparse.SUPPRESS,
+                       help="wait for each graphed decode step's tokens before queuing the next "
+                            "(EngineConfig.decode_ahead off; GPU only; default: decode ahead on)")
 
 
 def _fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -99,6 +103,7 @@ def _engine_config(args: argparse.Namespace) -> Any:
         "lease_ttl_s": get("lease_ttl"), "page_wait_s": get("page_wait"),
         "prefill_chunk_tokens": get("prefill_chunk_tokens"), "prefill_chunk_tokens_idle": get("prefill_chunk_tokens_idle"),
         "cuda_graphs": False if get("enforce_eager") else None,
+        "decode_ahead": False if get("no_decode_ahead") else None,
         "cpu_compile": True if get("compile") else None, "cpu_compile_weights": get("compile"),
         "cpu_threads": get("cpu_threads"), "cpu_decode_threads": get("cpu_decode_threads"),
     }

@@ -10,10 +10,11 @@ from kda_sessions import cli
 def test_engine_flags_build_the_config():
     args = cli._parser().parse_args([
         "serve", "--lease-ttl", "2.5", "--enforce-eager", "--page-size", "16", "--num-pages", "128",
-        "--max-active-sessions", "3", "--ram-tier-mib", "5",
+        "--max-active-sessions", "3", "--ram-tier-mib", "5", "--no-decode-ahead",
     ])
     c = cli._engine_config(args)
     assert (c.lease_ttl_s, c.cuda_graphs, c.page_size, c.num_pages, c.max_active_sessions) == (2.5, False, 16, 128, 3)
+    assert c.decode_ahead is False and cli._engine_config(cli._parser().parse_args(["serve"])).decode_ahead is True
     assert c.ram_tier_bytes == 5 << 20
     c = cli._engine_config(cli._parser().parse_args(["bench", "--cpu-threads", "3", "--cpu-decode-threads", "2"]))
     assert (c.cpu_threads, c.cpu_decode_threads) == (3, 2)
