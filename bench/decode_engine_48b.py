@@ -9,7 +9,7 @@ Parts, each written to ``--out`` as it ends:
             detokenising included); with ``--decode-ahead off,on`` both settings of ``EngineConfig.decode_ahead``,
             alternated in each case;
   replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
-            random pools (no prefill, so 1M fits in the time);
+            random pools (no prefill, so 1M fits in the time), in each of ``--replay-modes`` (``decode_48b``'s);
   profile   the eager step at 1 x ``--profile-context`` (8K) under the torch profiler (``decode_48b.profile_case``),
             with KDA's fused decode (``KDAAttention.fused_decode``) and with the separate kernels it replaces:
             kernels per step, top kernels;
@@ -169,6 +169,9 @@ def main() -> None:
     ap.add_argument("--decode-ahead", default="off", choices=["off", "on", "off,on", "on,off"],
                     help="EngineConfig.decode_ahead in the Engine cases; two settings alternate in each case")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per replay case")
+    ap.add_argument("--replay-modes", default="fused",
+                    help="decode_48b modes timed in each replay case, e.g. fused,old-all,fused@2,old-all@2 for an "
+                         "A/B of the step's options in the same process as the Engine cases")
     ap.add_argument("--prefill-2b", type=int, default=0, help="also prefill the 2 B bench model N tokens (0: no)")
     ap.add_argument("--profile-kda", default="separate,fused",
                     help="eager profiles at 1 x 8K, KDA decode 'separate' and/or 'fused' (the library's), in order")
@@ -244,7 +247,8 @@ def main() -> None:
                  lambda L=L: profile_case(model, L, args.device, top=30))
         set_fused_decode(model, True)
     for b, L in cases(args.replay_cases):
-        part(f"replay_{b}x{L}", lambda b=b, L=L: decode_case(model, b, L, ["fused"], args.reps, args.device))
+        part(f"replay_{b}x{L}", lambda b=b, L=L: decode_case(model, b, L, args.replay_modes.split(","), args.reps,
+                                                              args.device))
     if args.prefill_2b:
         del model
         gc.collect()
