@@ -22,6 +22,7 @@ the logits by ~10%), so unpinned runs (``--greedy-pin off``) measure routing luc
 
     python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
     python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --moe-chain 1,8 --chain-sweep  # MoE slice
+    python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --stamps 131072  # KDA decode's phases
     python bench/decode_48b.py --quick --device cpu                      # tiny sizes, to check the script
 """
 
@@ -888,6 +889,70 @@ def timeline_case(model: HybridModel, L: int, device: str, keep: int = 40) -> di
             "launches_by_class": counts, "first_kernels": steps[-1][:keep], "last_kernels": steps[-1][-8:]}
 
 
+STAMP_PHASES = ["wait", "conv", "qk_norm", "decay_gate", "output_gate", "state_read", "state_update", "arrive_norm"]
+"""The KDA decode kernel's phases, each ending at the next clock column of a program's stamp row (the columns of
+``kernels/kda/decode_triton.py``'s ``_decode_kernel`` docstring): the wait for the launch before, the conv tails
+and input row read and the conv, the q and k norms, the decay gate's logits (f_b's rows times the low-rank input),
+the output gate's, the state slice read with the prediction summed, the update stored with o summed, then the
+arrival and (last program of a head) the gated norm."""
+
+
+def stamps_case(model: HybridModel, L: int, device: str, n: int = 5) -> dict:
+    """Where the KDA decode kernels' time goes inside the graphed 1 x L step: the step captured with every KDA
+    decode launch built with clock stamps (``decode_triton.STAMP_ROWS``, ``kernels.stamps``), replayed n times;
+    per program, each phase's cycles (``STAMP_PHASES``) as us (the program's cycles scaled to its globaltimer span),
+    and when it started after the layer's first program. Medians over programs, layers and replays; ``slowest``:
+    the median over layers and replays of each phase's longest program."""
+    from kda_sessions.kernels.kda import decode_triton
+
+    if device != "cuda":
+        return {"context": L, "skipped": "the stamps need a CUDA device"}
+    P = 64
+    pages = -(-(L + 1) // P)
+    pools = model.allocate_pools(1, pages, P)
+    kda_layers = len(model.config.kda_layer_ids)
+    decode_triton.STAMP_ROWS = rows = []
+    try:
+        graphs = DecodeGraphs(model, pools, max_batch=1)
+        args = ([1], [0], [L + 1], [list(range(pages))])
+        for _ in range(3):
+            graphs.run(*args)
+        made = len(rows)
+        samples = []
+        for _ in range(n):
+            graphs.run(*args)
+            torch.cuda.synchronize()
+            samples.append([b.cpu() for b in rows[-kda_layers:]])
+        assert len(rows) == made and graphs.captures == 1, "the stamped launches must be the captured graph's"
+    finally:
+        decode_triton.STAMP_ROWS = None
+    del graphs
+    return {"context": L, "kda_layers": kda_layers, "replays": n, **stamp_summary(samples)}
+
+
+def stamp_summary(samples: list[list[Tensor]]) -> dict:
+    """``stamps_case``'s figures from its replays' stamp rows (per replay, per KDA layer, [programs, 16] int64)."""
+    phase: dict[str, list[float]] = {p: [] for p in STAMP_PHASES}
+    slowest: dict[str, list[float]] = {p: [] for p in STAMP_PHASES}
+    spans, skews, rates = [], [], []
+    for layers in samples:
+        for b in layers:
+            g0, g1, c = b[:, 0].double(), b[:, 1].double(), b[:, 2:2 + len(STAMP_PHASES) + 1].double()
+            ns_per_cycle = (g1 - g0) / (c[:, -1] - c[:, 0]).clamp(min=1)
+            rates.append(float(ns_per_cycle.median()))
+            d = (c[:, 1:] - c[:, :-1]) * ns_per_cycle[:, None] / 1e3  # [programs, phases] us
+            for i, p in enumerate(STAMP_PHASES):
+                phase[p].extend(d[:, i].tolist())
+                slowest[p].append(float(d[:, i].max()))
+            spans.append(float(g1.max() - g0.min()) / 1e3)
+            skews.extend(((g0 - g0.min()) / 1e3).tolist())
+    med = statistics.median
+    return {"programs": int(samples[0][0].shape[0]), "span_us_median": round(med(spans), 2), "ns_per_cycle_median": round(med(rates), 4),
+            "start_after_first_us_median": round(med(skews), 2), "start_after_first_us_max": round(max(skews), 2),
+            "phase_us_median": {p: round(med(v), 3) for p, v in phase.items()},
+            "phase_us_slowest": {p: round(med(v), 3) for p, v in slowest.items()}}
+
+
 def read_rate_case(reps: int, gb: float = 1.2) -> dict:
     """HBM rates on this GPU over ``gb`` GB (beyond the L2): a copy (read + write, bytes counted both ways), a
     float32 sum of a bf16 tensor (read only), graph replays: the ceilings the step's kernels stand against."""
@@ -949,6 +1014,8 @@ def main() -> None:
     ap.add_argument("--alt-direct-from", type=Path,
                     help="a --moe-chain --chain-sweep JSON: mode fused-alt runs its fastest up and down tiles")
     ap.add_argument("--timeline", default="", help="contexts of a one-replay kernel timeline (batch 1), e.g. 131072")
+    ap.add_argument("--stamps", default="",
+                    help="contexts (batch 1) at which to time the KDA decode kernels' phases from clock stamps")
     ap.add_argument("--read-rate", action="store_true", help="also time a copy and a read-only sum beyond the L2")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -988,7 +1055,7 @@ def main() -> None:
         if args.device == "cuda":
             torch.cuda.empty_cache()
     if not args.cases and not (args.moe_tokens and args.device == "cuda") and not args.profile \
-            and not args.timeline and not args.read_rate:
+            and not args.timeline and not args.read_rate and not args.stamps:
         return
     model = build(config(args.quick, args.layers), args.device)
     results["params"] = sum(p.numel() for p in model.parameters())
@@ -1022,6 +1089,10 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
         guarded("profile", prof)
+    for L in [int(v) for v in args.stamps.split(",") if v]:
+        guarded(f"stamps {L}", lambda L=L: results.setdefault("stamps", []).append(
+            stamps_case(model, min(L, 256) if args.quick else L, args.device)))
+        log(json.dumps(results.get("stamps", [{}])[-1]))
     for L in [int(v) for v in args.timeline.split(",") if v]:
         guarded(f"timeline {L}", lambda L=L: results.setdefault("timeline", []).append(
             timeline_case(model, min(L, 256) if args.quick else L, args.device)))

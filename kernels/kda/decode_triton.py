@@ -26,6 +26,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..moe.pdl import use_pdl
+from ..stamps import WIDTH, clock_after, clock_now, global_ns, store_at, store_max_at
 
 
 @triton.jit
@@ -88,10 +89,10 @@ def _gate_weight(gate, s_g, n, h, d, m, nw, ogw, s_ogw, V: tl.constexpr, VF: tl.
 @triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
-    gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter,
+    gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr, VF: tl.constexpr,
-    BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False,
+    BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
 ):
     """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
@@ -106,10 +107,20 @@ def _decode_kernel(
     last of them to arrive (``counter`` [N * H], zero before the launch and reset by that program) shifts them.
     With NORM (the gated output norm into y) that program also norms the head's V outputs: the others' from o
     and gz (their ``weight * sigmoid(gate)``, each program computes its own block's). With one V block a head
-    there is no counter and o is never stored: the program has the whole head."""
+    there is no counter and o is never stored: the program has the whole head.
+
+    With STAMPS (``kernels.stamps``; ``STAMP_ROWS``) each program stores its phases' clock readings in its row of
+    ``stamps`` (program nh * NV + iv): [2] start, [3] after the wait, [4] conv done, [5] q and k normed, [6] decay
+    gate done, [7] output gate done, [8] state read and the prediction summed, [9] state updated and o summed,
+    [10] end (the arrival and the last program's norm included)."""
+    if STAMPS:
+        g_start = global_ns()
+        c_start = clock_now()
     if PDL:
         gdc_launch_dependents()  # the next launch reads nothing before its wait
         gdc_wait()
+    if STAMPS:
+        c_wait = clock_now()
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
@@ -129,8 +140,12 @@ def _decode_kernel(
     qt = _conv_silu(x_row, q_acc, q_w, h * K + rk, mk)
     kt = _conv_silu(x_row, k_acc, k_w, H * K + h * K + rk, mk)
     vt = _conv_silu(x_row, v_acc, v_w, 2 * H * K + h * V + cv, mv)
+    if STAMPS:
+        c_conv = clock_after(qt + kt)
     qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6) * scale
     kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
+    if STAMPS:
+        c_norm = clock_after(qt + kt)
     # the gate: raw logits + dt_bias -> log-decay (kernels/gate/naive.py)
     if KF > 0:  # the logits from f_a's output [KF] and head h's rows of f_b's weight [H*K, KF]
         logit = _head_matvec(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BJ)
@@ -144,17 +159,25 @@ def _decode_kernel(
         softplus = tl.where(gx > 20.0, gx, tl.maximum(gx, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(gx))))
         gt = -a * softplus
     bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
+    if STAMPS:
+        c_gate = clock_after(gt)
     if NORM:  # this block's weight * sigmoid(gate): its loads go out with the state's
         gzv = _gate_weight(gate, s_g, n, h, cv, mv, nw, ogw, s_ogw, V, VF, BJO)
+        if STAMPS:
+            c_ogate = clock_after(gzv)
     # the recurrence on this program's [K, BV] slice of the state, in place at the slot
     mkv = mk[:, None] & mv[None, :]
     sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
     S = tl.load(sptr, mask=mkv, other=0.0)
     S = S * tl.exp(gt)[:, None]
     pred = tl.sum(kt[:, None] * S, axis=0)
+    if STAMPS:
+        c_pred = clock_after(pred)
     S += kt[:, None] * (bt * (vt - pred))[None, :]
     tl.store(sptr, S, mask=mkv)
     ot = tl.sum(qt[:, None] * S, axis=0).to(o.dtype.element_ty)  # o as stored: the norm reads it so
+    if STAMPS:
+        c_out = clock_after(ot.to(tl.float32))
     row = nh.to(tl.int64) * V
     if NV == 1:
         if NORM:
@@ -191,6 +214,31 @@ def _decode_kernel(
                 inv = tl.rsqrt(tl.sum(of * of, axis=0) / V + eps)
                 tl.store(y + row + d, (of * inv * g).to(y.dtype.element_ty), mask=m)
             tl.atomic_xchg(counter + nh, 0, sem="relaxed", scope="gpu")
+    if STAMPS:
+        c_end = clock_now()
+        g_end = global_ns()
+        r = nh * NV + iv
+        store_at(stamps, r, 0, g_start)
+        store_at(stamps, r, 1, g_end)
+        store_at(stamps, r, 2, c_start)
+        store_at(stamps, r, 3, c_wait)
+        store_max_at(stamps, r, 4, c_conv)
+        store_max_at(stamps, r, 5, c_norm)
+        store_max_at(stamps, r, 6, c_gate)
+        if NORM:
+            store_max_at(stamps, r, 7, c_ogate)
+        else:
+            store_max_at(stamps, r, 7, c_gate)
+        store_max_at(stamps, r, 8, c_pred)
+        store_max_at(stamps, r, 9, c_out)
+        store_at(stamps, r, 10, c_end)
+
+
+STAMP_ROWS: list[Tensor] | None = None
+"""Bench only (``bench/decode_48b.py --stamps``): when a list, every decode launch made while it is one (a CUDA
+graph's capture included) is built with its clock stamps (``kernels.stamps``) and appends its buffer here, [NV *
+N * H, ``stamps.WIDTH``] int64, which each run of the launch (each replay) fills again. None: the kernel as
+shipped, no stamps compiled in."""
 
 
 MAX_GRID_Y = 65535
@@ -261,13 +309,19 @@ def kda_decode_triton(
         o, gz = (qkv.new_empty(N, H, V), torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)) if NV > 1 \
             else (out, out)
     counter = head_counters(qkv.device, N * H) if NV > 1 else slots  # a placeholder pointer with one V block
+    stamps = None
+    if STAMP_ROWS is not None and qkv.device.type == "cuda":
+        stamps = torch.zeros(NV * N * H, int(WIDTH), dtype=torch.int64, device=qkv.device)
+        STAMP_ROWS.append(stamps)
     _decode_kernel[(NV, N * H)](
         qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
         conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
         gw, gw.stride(0), gate, gate.stride(0), nw, out, gz, float(eps), ogw, ogw.stride(0), counter,
+        slots if stamps is None else stamps,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
         KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), NORM=out_norm is not None, VF=VF,
         BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl,
+        STAMPS=stamps is not None,
         num_warps=num_warps, **launch,
     )
     return out

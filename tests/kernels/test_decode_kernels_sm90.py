@@ -40,9 +40,9 @@ bf, f32 = "*bf16", "*fp32"
 # blocks a head (the last to arrive shifts the q/k tails and norms); "decode_one_block": one block a head
 DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
                 "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32", "gw": bf, "gate": bf,
-                "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32"}
+                "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32", "stamps": "*i64"}
 DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
-                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128}
+                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "STAMPS": False}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
                                                                   "HO": 0}),
@@ -63,6 +63,8 @@ out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, 
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
                        {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
+# with its clock stamps (``kernels.stamps``: bench/decode_48b.py --stamps)
+out["decode_stamps_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "STAMPS": True})
 # the MoE down kernel at one token with the residual add and norm after it (its last program: ``fused_moe_add_norm``),
 # and the decode router at one token with its norm (the add and norm before a MoE layer)
 DOWN_TYPES = {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf, "res": bf, "norm_w": bf, "s_out": bf,
@@ -98,7 +100,8 @@ def out() -> dict:
 
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
-                        "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed"}
+                        "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
+                        "decode_stamps_pdl"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -166,3 +169,17 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     pre, post = _before_wait(out["decode_pdl"])
     assert not any("ld.global" in ln or "st.global" in ln or "atom" in ln for ln in pre)
     assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
+
+
+def test_the_kda_decode_stamps_only_when_asked(out):
+    """Built with STAMPS: two globaltimer readings, a clock reading at each of the nine phase ends, the eleven
+    values stored after the kernel's other stores; as shipped (STAMPS off): neither timer read."""
+    text = out["decode_stamps_pdl"]
+    assert text.count("%globaltimer") == 2
+    assert text.count("%clock64") >= 9
+    lines = text.splitlines()
+    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+    first_clock = next(i for i, ln in enumerate(lines) if "%clock64" in ln)
+    assert first_clock < wait  # the program's start is read before it waits
+    for name in ("decode", "decode_pdl", "decode_one_block"):
+        assert "%clock64" not in out[name] and "%globaltimer" not in out[name], name

@@ -163,6 +163,28 @@ def test_two_steps_at_the_48b_head_shape_on_cuda(config):
     assert not head_counters(torch.device("cuda", torch.cuda.current_device()), 1).any()
 
 
+@pytest.mark.gpu
+def test_stamped_launches_give_the_same_bits_and_ordered_clocks_on_cuda(monkeypatch):
+    """``decode_triton.STAMP_ROWS`` (bench/decode_48b.py --stamps): the launch built with clock stamps gives the
+    shipped launch's outputs, tails and states bit for bit, and each program's row is filled in order: its
+    globaltimer span positive, its clock readings non-decreasing phase after phase."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.kernels.kda import decode_triton
+
+    plain = _two_steps("cuda", (64, 4), True, n_seq=2, h=32, k=128, v=128)[0]
+    rows: list[torch.Tensor] = []
+    monkeypatch.setattr(decode_triton, "STAMP_ROWS", rows)
+    stamped = _two_steps("cuda", (64, 4), True, n_seq=2, h=32, k=128, v=128)[0]
+    (po, pc, ps), (so, sc, ss) = plain, stamped
+    assert all(torch.equal(x, y) for x, y in zip(po, so)) and torch.equal(pc, sc) and torch.equal(ps, ss)
+    assert len(rows) == 2 and rows[0].shape == (2 * 2 * 32, 16)
+    for r in rows:
+        r = r.cpu()
+        assert (r[:, 1] > r[:, 0]).all()
+        assert (r[:, 3:11] >= r[:, 2:10]).all() and (r[:, 10] > r[:, 2]).all()
+
+
 def test_public_function_checks_shapes():
     qkv, raw, b, cw, conv_state, A_log, dt_bias, state, slots = _case(torch.float32, "cpu")
     with pytest.raises(ValueError, match="conv_state"):

@@ -1,0 +1,55 @@
+"""Clock stamps inside a decode kernel: where a latency-bound kernel's time goes, phase by phase (bench only).
+
+The torch profiler gives a kernel's span; the step's latency-bound kernels (KDA decode ~11 us a layer at the 48B
+shape for ~1 us of bytes) need to be seen inside. A kernel built with its ``STAMPS`` constexpr reads the SM's
+cycle counter (``%clock64``) at the end of each phase and ``%globaltimer`` (ns, the same on every SM) at its start
+and end, and its programs store them, one row each, in a buffer that ``bench/decode_48b.py --stamps`` reads after
+a graph replay of the whole step. A phase's stamp takes the values the phase computed as inputs of the read (an
+asm operand), so it is read once they have arrived, not when their loads were issued; a stamp of a tensor gives
+one reading a thread, reduced (max) only where the row is stored, at the program's end. Off (the constexpr False)
+the kernels compile to the same code as without this module. Needs sm_70 or later; never under the interpreter.
+
+Row layout (``WIDTH`` int64 a program): [0] globaltimer at the program's start, [1] globaltimer at its end,
+[2 + i] clock64 at the end of phase i (i = 0: the program's start)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+WIDTH: tl.constexpr = tl.constexpr(16)
+"""int64 values a program stores: two globaltimer readings, then up to 14 clock readings."""
+
+
+@triton.jit
+def clock_now():
+    """The SM's cycle counter now (int64 scalar)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def global_ns():
+    """The GPU's nanosecond timer now (int64 scalar), comparable across SMs."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def clock_after(x):
+    """The SM's cycle counter once x (a float32 tensor or scalar) is computed: one reading per element (int64)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %clock64; // $1", "=l,r", [x.to(tl.int32, bitcast=True)],
+                                     dtype=tl.int64, is_pure=False, pack=1)
+
+
+@triton.jit
+def store_at(buf, row, i: tl.constexpr, value):
+    """Stores an int64 scalar at column i of program row ``row``."""
+    tl.store(buf + row.to(tl.int64) * WIDTH + i, value)
+
+
+@triton.jit
+def store_max_at(buf, row, i: tl.constexpr, readings):
+    """Stores the latest of a 1-D tensor of readings (``clock_after`` of a tensor) at column i of row ``row``."""
+    tl.store(buf + row.to(tl.int64) * WIDTH + i, tl.max(readings, axis=0))
+
+
+__all__ = ["WIDTH", "clock_after", "clock_now", "global_ns", "store_at", "store_max_at"]
