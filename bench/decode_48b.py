@@ -22,7 +22,7 @@ the logits by ~10%), so unpinned runs (``--greedy-pin off``) measure routing luc
 
     python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
     python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --moe-chain 1,8 --chain-sweep  # MoE slice
-    python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --stamps 131072  # KDA decode's phases
+    python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --stamps 131072  # phases of KDA, router, MoE down
     python bench/decode_48b.py --quick --device cpu                      # tiny sizes, to check the script
 """
 
@@ -889,65 +889,75 @@ def timeline_case(model: HybridModel, L: int, device: str, keep: int = 40) -> di
             "launches_by_class": counts, "first_kernels": steps[-1][:keep], "last_kernels": steps[-1][-8:]}
 
 
-STAMP_PHASES = ["wait", "conv", "qk_norm", "decay_gate", "output_gate", "state_read", "state_update", "arrive_norm"]
-"""The KDA decode kernel's phases, each ending at the next clock column of a program's stamp row (the columns of
-``kernels/kda/decode_triton.py``'s ``_decode_kernel`` docstring): the wait for the launch before, the conv tails
-and input row read and the conv, the q and k norms, the decay gate's logits (f_b's rows times the low-rank input),
-the output gate's, the state slice read with the prediction summed, the update stored with o summed, then the
-arrival and (last program of a head) the gated norm."""
+STAMP_PHASES = {
+    "kda_decode": ["wait", "conv", "qk_norm", "decay_gate", "output_gate", "state_read", "state_update",
+                   "arrive_norm"],
+    "route": ["wait", "norm", "logits", "arrive", "select"],
+    "moe_down": ["wait", "experts", "arrive", "add_norm"],
+}
+"""The phases of the kernels that stamp (``kernels.stamps``), each ending at the next clock column of a program's
+row, as their docstrings list them. KDA decode: the wait for the launch before, the conv tails and input row read
+and the conv, the q and k norms, the decay gate's logits (f_b's rows times the low-rank input), the output gate's,
+the state slice read with the prediction summed, the update stored with o summed, then the arrival and (a head's
+last program) the gated norm. Router: the wait, the add and norm's sums of squares, the logits, the arrival, then
+(the last program) the top-k selection. MoE down: the wait, the experts' rows summed, the arrival, then (the last
+program) the residual add and norm."""
 
 
 def stamps_case(model: HybridModel, L: int, device: str, n: int = 5) -> dict:
-    """Where the KDA decode kernels' time goes inside the graphed 1 x L step: the step captured with every KDA
-    decode launch built with clock stamps (``decode_triton.STAMP_ROWS``, ``kernels.stamps``), replayed n times;
-    per program, each phase's cycles (``STAMP_PHASES``) as us (the program's cycles scaled to its globaltimer span),
-    and when it started after the layer's first program. Medians over programs, layers and replays; ``slowest``:
-    the median over layers and replays of each phase's longest program."""
-    from kda_sessions.kernels.kda import decode_triton
+    """Where the latency-bound kernels' time goes inside the graphed 1 x L step: the step captured with the KDA
+    decode, router and MoE down launches built with clock stamps (``kernels.stamps.ROWS``), replayed n times;
+    per kernel (``STAMP_PHASES``), per program, each phase's cycles as us (the program's cycles scaled to its
+    globaltimer span) and when it started after the launch's first program (``stamp_summary``)."""
+    from kda_sessions.kernels import stamps
 
     if device != "cuda":
         return {"context": L, "skipped": "the stamps need a CUDA device"}
     P = 64
     pages = -(-(L + 1) // P)
     pools = model.allocate_pools(1, pages, P)
-    kda_layers = len(model.config.kda_layer_ids)
-    decode_triton.STAMP_ROWS = rows = []
+    stamps.ROWS = rows = {}
     try:
         graphs = DecodeGraphs(model, pools, max_batch=1)
         args = ([1], [0], [L + 1], [list(range(pages))])
-        for _ in range(3):
-            graphs.run(*args)
-        made = len(rows)
-        samples = []
+        graphs.run(*args)  # two warm-up steps and the captured one: the last third of each list is the graph's
+        made = {k: len(v) for k, v in rows.items()}
+        assert graphs.captures == 1 and all(v % 3 == 0 for v in made.values()), made
+        samples: dict[str, list[list[Tensor]]] = {k: [] for k in rows}
         for _ in range(n):
             graphs.run(*args)
             torch.cuda.synchronize()
-            samples.append([b.cpu() for b in rows[-kda_layers:]])
-        assert len(rows) == made and graphs.captures == 1, "the stamped launches must be the captured graph's"
+            for k, v in rows.items():
+                samples[k].append([b.cpu() for b in v[-made[k] // 3:]])
+        assert {k: len(v) for k, v in rows.items()} == made, "replays must not launch anew"
     finally:
-        decode_triton.STAMP_ROWS = None
+        stamps.ROWS = None
     del graphs
-    return {"context": L, "kda_layers": kda_layers, "replays": n, **stamp_summary(samples)}
+    return {"context": L, "replays": n,
+            **{k: {"launches": made[k] // 3, **stamp_summary(v, STAMP_PHASES[k])} for k, v in samples.items()}}
 
 
-def stamp_summary(samples: list[list[Tensor]]) -> dict:
-    """``stamps_case``'s figures from its replays' stamp rows (per replay, per KDA layer, [programs, 16] int64)."""
-    phase: dict[str, list[float]] = {p: [] for p in STAMP_PHASES}
-    slowest: dict[str, list[float]] = {p: [] for p in STAMP_PHASES}
+def stamp_summary(samples: list[list[Tensor]], phases: list[str]) -> dict:
+    """One kernel's figures from its stamp rows (per replay, per launch, [programs, 16] int64): medians over
+    programs, launches and replays of each phase's us; ``phase_us_slowest``: per launch the phase's longest
+    program, median over launches and replays; ``span_us``: a launch's first program start to its last end."""
+    phase: dict[str, list[float]] = {p: [] for p in phases}
+    slowest: dict[str, list[float]] = {p: [] for p in phases}
     spans, skews, rates = [], [], []
-    for layers in samples:
-        for b in layers:
-            g0, g1, c = b[:, 0].double(), b[:, 1].double(), b[:, 2:2 + len(STAMP_PHASES) + 1].double()
+    for launches in samples:
+        for b in launches:
+            g0, g1, c = b[:, 0].double(), b[:, 1].double(), b[:, 2:2 + len(phases) + 1].double()
             ns_per_cycle = (g1 - g0) / (c[:, -1] - c[:, 0]).clamp(min=1)
             rates.append(float(ns_per_cycle.median()))
             d = (c[:, 1:] - c[:, :-1]) * ns_per_cycle[:, None] / 1e3  # [programs, phases] us
-            for i, p in enumerate(STAMP_PHASES):
+            for i, p in enumerate(phases):
                 phase[p].extend(d[:, i].tolist())
                 slowest[p].append(float(d[:, i].max()))
             spans.append(float(g1.max() - g0.min()) / 1e3)
             skews.extend(((g0 - g0.min()) / 1e3).tolist())
     med = statistics.median
-    return {"programs": int(samples[0][0].shape[0]), "span_us_median": round(med(spans), 2), "ns_per_cycle_median": round(med(rates), 4),
+    return {"programs": int(samples[0][0].shape[0]), "span_us_median": round(med(spans), 2),
+            "ns_per_cycle_median": round(med(rates), 4),
             "start_after_first_us_median": round(med(skews), 2), "start_after_first_us_max": round(max(skews), 2),
             "phase_us_median": {p: round(med(v), 3) for p, v in phase.items()},
             "phase_us_slowest": {p: round(med(v), 3) for p, v in slowest.items()}}
@@ -1015,7 +1025,8 @@ def main() -> None:
                     help="a --moe-chain --chain-sweep JSON: mode fused-alt runs its fastest up and down tiles")
     ap.add_argument("--timeline", default="", help="contexts of a one-replay kernel timeline (batch 1), e.g. 131072")
     ap.add_argument("--stamps", default="",
-                    help="contexts (batch 1) at which to time the KDA decode kernels' phases from clock stamps")
+                    help="contexts (batch 1) at which to time the KDA decode, router and MoE down kernels' phases from "
+                         "clock stamps (kernels.stamps)")
     ap.add_argument("--read-rate", action="store_true", help="also time a copy and a read-only sum beyond the L2")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

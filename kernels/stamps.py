@@ -9,16 +9,36 @@ asm operand), so it is read once they have arrived, not when their loads were is
 one reading a thread, reduced (max) only where the row is stored, at the program's end. Off (the constexpr False)
 the kernels compile to the same code as without this module. Needs sm_70 or later; never under the interpreter.
 
+Launches made while ``ROWS`` is a dict (a CUDA graph's capture included) are built with their stamps and add their
+buffers to it under the kernel's name; each run of the launch (each replay) fills them again.
+
 Row layout (``WIDTH`` int64 a program): [0] globaltimer at the program's start, [1] globaltimer at its end,
 [2 + i] clock64 at the end of phase i (i = 0: the program's start)."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 WIDTH: tl.constexpr = tl.constexpr(16)
 """int64 values a program stores: two globaltimer readings, then up to 14 clock readings."""
+
+ROWS: dict[str, list[Tensor]] | None = None
+"""Bench only (``bench/decode_48b.py --stamps``): None, the kernels as shipped (no stamps compiled in); a dict,
+each stamping kernel's launches append their stamp buffers [programs, ``WIDTH``] int64 under the kernel's name
+(``kda_decode``, ``route``, ``moe_down``)."""
+
+
+def stamp_buffer(name: str, programs: int, device: torch.device) -> Tensor | None:
+    """A zeroed stamp buffer for a launch of kernel ``name`` of ``programs`` programs, added to ``ROWS``; None
+    (build the kernel without stamps) when ``ROWS`` is None or the device is not a GPU."""
+    if ROWS is None or device.type != "cuda":
+        return None
+    buf = torch.zeros(programs, int(WIDTH), dtype=torch.int64, device=device)
+    ROWS.setdefault(name, []).append(buf)
+    return buf
 
 
 @triton.jit
@@ -52,4 +72,11 @@ def store_max_at(buf, row, i: tl.constexpr, readings):
     tl.store(buf + row.to(tl.int64) * WIDTH + i, tl.max(readings, axis=0))
 
 
-__all__ = ["WIDTH", "clock_after", "clock_now", "global_ns", "store_at", "store_max_at"]
+@triton.jit
+def store_max2_at(buf, row, i: tl.constexpr, readings):
+    """``store_max_at`` for a 2-D tensor of readings."""
+    tl.store(buf + row.to(tl.int64) * WIDTH + i, tl.max(tl.max(readings, axis=1), axis=0))
+
+
+__all__ = ["ROWS", "WIDTH", "clock_after", "clock_now", "global_ns", "stamp_buffer", "store_at", "store_max2_at",
+           "store_max_at"]

@@ -26,7 +26,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..moe.pdl import use_pdl
-from ..stamps import WIDTH, clock_after, clock_now, global_ns, store_at, store_max_at
+from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_max_at
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def _decode_kernel(
     and gz (their ``weight * sigmoid(gate)``, each program computes its own block's). With one V block a head
     there is no counter and o is never stored: the program has the whole head.
 
-    With STAMPS (``kernels.stamps``; ``STAMP_ROWS``) each program stores its phases' clock readings in its row of
+    With STAMPS (``kernels.stamps``) each program stores its phases' clock readings in its row of
     ``stamps`` (program nh * NV + iv): [2] start, [3] after the wait, [4] conv done, [5] q and k normed, [6] decay
     gate done, [7] output gate done, [8] state read and the prediction summed, [9] state updated and o summed,
     [10] end (the arrival and the last program's norm included)."""
@@ -234,13 +234,6 @@ def _decode_kernel(
         store_at(stamps, r, 10, c_end)
 
 
-STAMP_ROWS: list[Tensor] | None = None
-"""Bench only (``bench/decode_48b.py --stamps``): when a list, every decode launch made while it is one (a CUDA
-graph's capture included) is built with its clock stamps (``kernels.stamps``) and appends its buffer here, [NV *
-N * H, ``stamps.WIDTH``] int64, which each run of the launch (each replay) fills again. None: the kernel as
-shipped, no stamps compiled in."""
-
-
 MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second axis, where the decode kernel puts one program per (sequence, head):
 ``kda_decode_triton`` splits a larger batch (at H 32: 2,047 sequences a launch)."""
@@ -309,10 +302,7 @@ def kda_decode_triton(
         o, gz = (qkv.new_empty(N, H, V), torch.empty(N, H, V, dtype=torch.float32, device=qkv.device)) if NV > 1 \
             else (out, out)
     counter = head_counters(qkv.device, N * H) if NV > 1 else slots  # a placeholder pointer with one V block
-    stamps = None
-    if STAMP_ROWS is not None and qkv.device.type == "cuda":
-        stamps = torch.zeros(NV * N * H, int(WIDTH), dtype=torch.int64, device=qkv.device)
-        STAMP_ROWS.append(stamps)
+    stamps = stamp_buffer("kda_decode", NV * N * H, qkv.device)
     _decode_kernel[(NV, N * H)](
         qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
         conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,

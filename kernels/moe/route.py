@@ -21,6 +21,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_max2_at, store_max_at
 from . import ROUTE_DECODE_MAX_TOKENS
 from .pdl import use_pdl
 
@@ -126,6 +127,7 @@ def _route_decode_kernel(
     res, norm_w, s_out, h_out, eps,
     D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
     RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
+    stamps=None, STAMPS: tl.constexpr = False,
 ):
     """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
     arrive selects (``_select_top_k``) and resets the counter. With NORM the router's input is
@@ -136,7 +138,14 @@ def _route_decode_kernel(
     The next launch (the MoE up kernel) may start once every program has its logits stored. (Letting it start at
     this kernel's start, so that the up kernel's shared-expert rows load during the whole router: within noise,
     with the down kernel's trigger moved likewise -5 / -6 us at 1 x 128K and -10 / -1 at 1 x 1M over 15 MoE
-    layers, H100, the 48B shape's first 16 layers, 2026-12-06.)"""
+    layers, H100, the 48B shape's first 16 layers, 2026-12-06.)
+
+    With STAMPS (``kernels.stamps``) program i stores its phases' clock readings in row i of ``stamps``: [2] start,
+    [3] after the wait, [4] the norm's sums of squares done, [5] the logits summed, [6] arrived, [7] end (the last
+    program's selection included)."""
+    if STAMPS:
+        g_start = global_ns()
+        c_start = clock_now()
     e = tl.program_id(0) * BE + tl.arange(0, BE)
     e_ok = e < E
     t = tl.arange(0, BT)
@@ -148,6 +157,8 @@ def _route_decode_kernel(
         nw_first = tl.load(norm_w + kk, mask=kk < D, other=0.0)
     if PDL:
         gdc_wait()  # x and res are the launch before's outputs
+    if STAMPS:
+        c_wait = clock_now()
     if NORM:  # the sum of squares of each token's residual sum, over the whole width first
         ss = tl.zeros([BT], dtype=tl.float32)
         for k0 in tl.static_range(0, D, BK):
@@ -157,6 +168,8 @@ def _route_decode_kernel(
                 tl.float32)).to(x.dtype.element_ty).to(tl.float32)
             ss += tl.sum(v * v, axis=1)
         inv = tl.rsqrt(ss / D + eps)  # [BT]
+        if STAMPS:
+            c_norm = clock_after(inv)
     acc = tl.zeros([BT, BE, BK], dtype=tl.float32)  # products summed over the width at the end, once
     for k0 in tl.static_range(0, D, BK):  # unrolled: every load of the slice can be in flight at once
         k_ok = k0 + kk < D
@@ -182,14 +195,33 @@ def _route_decode_kernel(
             xv = tl.load(x + t[:, None] * stride_x + k0 + kk[None, :], mask=m, other=0.0).to(tl.float32)  # [BT, BK]
         acc += xv[:, None, :] * w[None, :, :]
     logit = tl.sum(acc, axis=2)  # [BT, BE]
+    if STAMPS:
+        c_logit = clock_after(logit)
     tl.store(logits + t[:, None] * E + e[None, :], logit, mask=t_ok[:, None] & e_ok[None, :])
     tl.debug_barrier()  # every thread's logits are written before this program's arrival is released
     arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if STAMPS:
+        c_arrive = clock_after(arrived)
     if PDL:
         gdc_launch_dependents()  # the next launch's programs may start: it waits for this one's end
     if arrived == tl.num_programs(0) - 1:
         _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    if STAMPS:
+        c_end = clock_now()
+        g_end = global_ns()
+        r = tl.program_id(0)
+        store_at(stamps, r, 0, g_start)
+        store_at(stamps, r, 1, g_end)
+        store_at(stamps, r, 2, c_start)
+        store_at(stamps, r, 3, c_wait)
+        if NORM:
+            store_max_at(stamps, r, 4, c_norm)
+        else:
+            store_at(stamps, r, 4, c_wait)
+        store_max2_at(stamps, r, 5, c_logit)
+        store_at(stamps, r, 6, c_arrive)
+        store_at(stamps, r, 7, c_end)
 
 
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}
@@ -261,11 +293,12 @@ def _route_decode(
     DP = triton.next_power_of_2(D)
     BK = min(DP, 4096) if BT == 1 else max(16, min(DP, 1024 * warps // (BT * BE)))
     pdl = use_pdl(dev)
+    stamps = stamp_buffer("route", triton.cdiv(E, BE), dev)
     _route_decode_kernel[(triton.cdiv(E, BE),)](
         x, gate, bias, logits, arrival_counters(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
-        NORM=norm is not None, PDL=pdl, num_warps=warps,
+        NORM=norm is not None, PDL=pdl, stamps=stamps, STAMPS=stamps is not None, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return chosen, weights, s, h

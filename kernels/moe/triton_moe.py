@@ -36,6 +36,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..linear import MATVEC_MAX_ROWS
+from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_max_at
 from .pdl import use_pdl
 from .route import arrival_counters
 
@@ -392,7 +393,7 @@ def _down_direct_kernel(
     res, norm_w, s_out, h_out, counter, T, eps,
     D: tl.constexpr, Fw: tl.constexpr, TOP_K: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     NORM: tl.constexpr, BD: tl.constexpr, PRE: tl.constexpr, GROUP: tl.constexpr, PDL: tl.constexpr,
-    TRIGGER: tl.constexpr = False,
+    TRIGGER: tl.constexpr = False, stamps=None, STAMPS: tl.constexpr = False,
 ):
     """y[t, n] = sum_j route_w[t, j] * (w2[e_j][n] . act[t * k + j]) for the BN rows n of program (t, n block):
     the products of GROUP pairs at a time summed in one [BN, BK] accumulator (routing weight folded into the
@@ -409,7 +410,14 @@ def _down_direct_kernel(
     program adding the residual to its own rows, no counter, and the norm left to the next layer's input matvec,
     each of whose programs norms the row itself: 84 us slower, the 1 x 128K step of the 48B shape 2.515 ms against
     2.431, H200, 2026-12-05. Triggering at this kernel's start instead, so that the matvec's weights load during
-    its tail: within noise, ``route._route_decode_kernel``'s docstring has the figures.)"""
+    its tail: within noise, ``route._route_decode_kernel``'s docstring has the figures.)
+
+    With STAMPS (``kernels.stamps``) program (t, n block) stores its phases' clock readings in row t *
+    num_programs(1) + n block of ``stamps``: [2] start, [3] after the wait, [4] its rows of y summed, [5] arrived
+    (with NORM; else [4] again), [6] end (the last program's add and norm included)."""
+    if STAMPS:
+        g_start = global_ns()
+        c_start = clock_now()
     t = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     n_ok = n < D
@@ -423,6 +431,8 @@ def _down_direct_kernel(
         w_b = tl.load(w_rows + ex_b * stride_we, mask=n_ok[:, None] & (kk < Fw)[None, :], other=0.0)
     if PDL:
         gdc_wait()  # act is the up kernel's output
+    if STAMPS:
+        c_wait = clock_now()
     if TRIGGER:
         # the next launch may start (the next layer's input matvec: its weight streams while this one ends),
         # after the wait as the up kernel's: a dependent's prologue runs once the up kernel and the router are done
@@ -452,10 +462,14 @@ def _down_direct_kernel(
         if (j + 1) % GROUP == 0 or j == TOP_K - 1:  # GROUP pairs a reduction
             acc += tl.sum(part, axis=1)  # [BN]
             part = tl.zeros([BN, BK], dtype=tl.float32)
+    if STAMPS:
+        c_sum = clock_after(acc)
     tl.store(y + t.to(tl.int64) * stride_y + n, acc.to(y.dtype.element_ty), mask=n_ok)
     if NORM:
         tl.debug_barrier()  # every thread's rows of y are written before this program's arrival is released
         arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+        if STAMPS:
+            c_arrive = clock_after(arrived)
         if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
             d = tl.arange(0, BD)
             d_ok = d < D
@@ -468,6 +482,20 @@ def _down_direct_kernel(
                 inv = tl.rsqrt(tl.sum(v * v, axis=0) / D + eps)
                 tl.store(h_out + r * D + d, (v * inv * nw).to(h_out.dtype.element_ty), mask=d_ok)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    if STAMPS:
+        c_end = clock_now()
+        g_end = global_ns()
+        r = t * tl.num_programs(1) + tl.program_id(1)
+        store_at(stamps, r, 0, g_start)
+        store_at(stamps, r, 1, g_end)
+        store_at(stamps, r, 2, c_start)
+        store_at(stamps, r, 3, c_wait)
+        store_max_at(stamps, r, 4, c_sum)
+        if NORM:
+            store_at(stamps, r, 5, c_arrive)
+        else:
+            store_max_at(stamps, r, 5, c_sum)
+        store_at(stamps, r, 6, c_end)
 
 
 def fused_moe_direct(
@@ -527,12 +555,13 @@ def _direct(
         counter = arrival_counters(x.device)[1:]  # the router uses [0]: launches on one stream never overlap
     bk_down = min(c.BK_DOWN, max(16, triton.next_power_of_2(Fw)))
     assert 0 <= c.PRE_DOWN <= 2 and c.GROUP_DOWN >= 1, f"PRE_DOWN must be 0, 1 or 2 and GROUP_DOWN >= 1, got {c}"
+    stamps = stamp_buffer("moe_down", T * triton.cdiv(D, c.BN_DOWN), x.device)
     _down_direct_kernel[(T, triton.cdiv(D, c.BN_DOWN))](
         act, w2, y, flat, route_w, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
         res, norm_w, y if s is None else s, y if h is None else h, counter, T, float(eps),
         D=D, Fw=Fw, TOP_K=k, BN=c.BN_DOWN, BK=bk_down, NORM=add_norm is not None,
         BD=triton.next_power_of_2(D), PRE=min(c.PRE_DOWN, k), GROUP=min(c.GROUP_DOWN, k) if T == 1 else k,
-        PDL=pdl, TRIGGER=pdl and T <= MATVEC_MAX_ROWS,
+        PDL=pdl, TRIGGER=pdl and T <= MATVEC_MAX_ROWS, stamps=stamps, STAMPS=stamps is not None,
         num_warps=c.WARPS_DOWN, **launch,
     )
     return y, s, h

@@ -70,13 +70,15 @@ out["decode_stamps_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "P
 DOWN_TYPES = {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf, "res": bf, "norm_w": bf, "s_out": bf,
               "h_out": bf, "counter": "*i32", "eps": "fp32"}
 DOWN_CONST = {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": True, "BD": 4096, "PRE": 2, "GROUP": 2,
-              "PDL": True, "TRIGGER": True}
+              "PDL": True, "TRIGGER": True, "STAMPS": False}
 ROUTE_TYPES = {"x": bf, "gate": bf, "bias": f32, "logits": f32, "counter": "*i32", "chosen": "*i64", "weights": bf,
                "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf, "eps": "fp32"}
 ROUTE_CONST = {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True, "EXTRA": 1, "NORM": True,
-               "PDL": True}
+               "PDL": True, "STAMPS": False}
 out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, DOWN_TYPES, DOWN_CONST)
 out["route_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, ROUTE_CONST)
+out["moe_down_stamps_pdl"] = ptx(_down_direct_kernel, {**DOWN_TYPES, "stamps": "*i64"}, {**DOWN_CONST, "STAMPS": True})
+out["route_stamps_pdl"] = ptx(_route_decode_kernel, {**ROUTE_TYPES, "stamps": "*i64"}, {**ROUTE_CONST, "STAMPS": True})
 # the MoE up kernel at one token with the shared expert's rows read before the wait (``triton_moe.FIXED_FIRST``)
 out["moe_up_fixed_pdl"] = ptx(_up_direct_kernel, {"x": bf, "w13": bf, "act": bf, "chosen": "*i64"},
                               {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "PDL": True, "FIXED": True,
@@ -101,7 +103,7 @@ def out() -> dict:
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
                         "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
-                        "decode_stamps_pdl"}
+                        "decode_stamps_pdl", "moe_down_stamps_pdl", "route_stamps_pdl"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -171,15 +173,15 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
 
 
-def test_the_kda_decode_stamps_only_when_asked(out):
-    """Built with STAMPS: two globaltimer readings, a clock reading at each of the nine phase ends, the eleven
-    values stored after the kernel's other stores; as shipped (STAMPS off): neither timer read."""
-    text = out["decode_stamps_pdl"]
-    assert text.count("%globaltimer") == 2
-    assert text.count("%clock64") >= 9
-    lines = text.splitlines()
-    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
-    first_clock = next(i for i, ln in enumerate(lines) if "%clock64" in ln)
-    assert first_clock < wait  # the program's start is read before it waits
-    for name in ("decode", "decode_pdl", "decode_one_block"):
+def test_the_decode_kernels_stamp_only_when_asked(out):
+    """Built with STAMPS: two globaltimer readings (start, end), a clock reading at each phase end, the first
+    before the PDL wait; as shipped (STAMPS off): neither timer read."""
+    for name, clocks in (("decode_stamps_pdl", 9), ("moe_down_stamps_pdl", 5), ("route_stamps_pdl", 6)):
+        text = out[name]
+        assert text.count("%globaltimer") == 2, name
+        assert text.count("%clock64") >= clocks, name
+        lines = text.splitlines()
+        wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
+        assert next(i for i, ln in enumerate(lines) if "%clock64" in ln) < wait, name
+    for name in ("decode", "decode_pdl", "decode_one_block", "moe_down_norm_pdl", "route_pdl"):
         assert "%clock64" not in out[name] and "%globaltimer" not in out[name], name

@@ -165,17 +165,17 @@ def test_two_steps_at_the_48b_head_shape_on_cuda(config):
 
 @pytest.mark.gpu
 def test_stamped_launches_give_the_same_bits_and_ordered_clocks_on_cuda(monkeypatch):
-    """``decode_triton.STAMP_ROWS`` (bench/decode_48b.py --stamps): the launch built with clock stamps gives the
+    """``kernels.stamps.ROWS`` (bench/decode_48b.py --stamps): the launch built with clock stamps gives the
     shipped launch's outputs, tails and states bit for bit, and each program's row is filled in order: its
     globaltimer span positive, its clock readings non-decreasing phase after phase."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    from kda_sessions.kernels.kda import decode_triton
+    from kda_sessions.kernels import stamps
 
     plain = _two_steps("cuda", (64, 4), True, n_seq=2, h=32, k=128, v=128)[0]
-    rows: list[torch.Tensor] = []
-    monkeypatch.setattr(decode_triton, "STAMP_ROWS", rows)
+    monkeypatch.setattr(stamps, "ROWS", {})
     stamped = _two_steps("cuda", (64, 4), True, n_seq=2, h=32, k=128, v=128)[0]
+    rows = stamps.ROWS["kda_decode"]
     (po, pc, ps), (so, sc, ss) = plain, stamped
     assert all(torch.equal(x, y) for x, y in zip(po, so)) and torch.equal(pc, sc) and torch.equal(ps, ss)
     assert len(rows) == 2 and rows[0].shape == (2 * 2 * 32, 16)

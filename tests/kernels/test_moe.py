@@ -465,6 +465,39 @@ def test_one_launch_router_with_the_norm_on_the_gpu(T: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_stamped_router_and_down_give_the_same_bits_and_ordered_clocks(monkeypatch) -> None:
+    """``kernels.stamps.ROWS`` (bench/decode_48b.py --stamps): the router with its add and norm and the direct MoE
+    with its add and norm, built with clock stamps, give the shipped launches' outputs bit for bit at one token,
+    and every program's row is filled in order (a positive globaltimer span, clock readings non-decreasing)."""
+    from kda_sessions.kernels import stamps
+    from kda_sessions.kernels.moe import add_norm_route, fused_moe_add_norm
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    x, a, res = (torch.randn(1, 2304, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    nw = (torch.rand(2304, generator=gen, device="cuda") + 0.5).bfloat16()
+    gate = (torch.randn(256, 2304, generator=gen, device="cuda") * 0.02).bfloat16()
+    bias = torch.randn(256, generator=gen, device="cuda") * 0.01
+    _, w13, w2, _, _ = moe_case(1, 257, 9, 2304, 1024, seed=3, device="cuda", dtype=torch.bfloat16)
+
+    def block() -> list[torch.Tensor]:
+        s, h, chosen, w = add_norm_route(x, a, nw, 1e-6, gate, bias, 8, True, 2.446, 256)
+        s2, h2 = fused_moe_add_norm(h, w13, w2, chosen, w, res, nw, 1e-6, always_on=256)
+        return [s, h, chosen, w, s2, h2]
+
+    plain = block()
+    monkeypatch.setattr(stamps, "ROWS", {})
+    stamped = block()
+    assert all(torch.equal(p, q) for p, q in zip(plain, stamped))
+    for name, clocks in (("route", 6), ("moe_down", 5)):
+        (r,) = stamps.ROWS[name]
+        r = r.cpu()
+        assert (r[:, 1] > r[:, 0]).all(), name
+        c = r[:, 2:2 + clocks]
+        assert (c[:, 1:] >= c[:, :-1]).all() and (c[:, -1] > c[:, 0]).all(), name
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1, 8, 16, 64, 2048], ids=["T1", "T8", "T16", "T64", "T2048"])
 def test_route_kernels_on_the_gpu(T: int) -> None:
     """bf16 x and gate at the 48B shape; a near-tie may swap an expert: at most 1 in 1,000 choices differ."""
