@@ -940,10 +940,12 @@ def stamps_case(model: HybridModel, L: int, device: str, n: int = 5) -> dict:
 def stamp_summary(samples: list[list[Tensor]], phases: list[str]) -> dict:
     """One kernel's figures from its stamp rows (per replay, per launch, [programs, 16] int64): medians over
     programs, launches and replays of each phase's us; ``phase_us_slowest``: per launch the phase's longest
-    program, median over launches and replays; ``span_us``: a launch's first program start to its last end."""
+    program, median over launches and replays; ``span_us``: a launch's first program start to its last end;
+    ``after_wait_us``: from the first of its programs to leave the PDL wait (the launch before it done) to its last
+    end, the launch's own share of the step's critical path."""
     phase: dict[str, list[float]] = {p: [] for p in phases}
     slowest: dict[str, list[float]] = {p: [] for p in phases}
-    spans, skews, rates = [], [], []
+    spans, skews, rates, own = [], [], [], []
     for launches in samples:
         for b in launches:
             g0, g1, c = b[:, 0].double(), b[:, 1].double(), b[:, 2:2 + len(phases) + 1].double()
@@ -954,9 +956,12 @@ def stamp_summary(samples: list[list[Tensor]], phases: list[str]) -> dict:
                 phase[p].extend(d[:, i].tolist())
                 slowest[p].append(float(d[:, i].max()))
             spans.append(float(g1.max() - g0.min()) / 1e3)
+            waited = g0 + (c[:, 1] - c[:, 0]) * ns_per_cycle  # globaltimer ns when each program left the wait
+            own.append(float(g1.max() - waited.min()) / 1e3)
             skews.extend(((g0 - g0.min()) / 1e3).tolist())
     med = statistics.median
     return {"programs": int(samples[0][0].shape[0]), "span_us_median": round(med(spans), 2),
+            "after_wait_us_median": round(med(own), 2),
             "ns_per_cycle_median": round(med(rates), 4),
             "start_after_first_us_median": round(med(skews), 2), "start_after_first_us_max": round(max(skews), 2),
             "phase_us_median": {p: round(med(v), 3) for p, v in phase.items()},
