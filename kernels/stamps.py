@@ -61,6 +61,20 @@ def clock_after(x):
 
 
 @triton.jit
+def store_ends(buf, row, last: tl.constexpr, g_start, c_start, c_wait):
+    """Reads the program's end (clock and globaltimer) and stores the row's fixed columns: [0] ``g_start``, [1]
+    the end's globaltimer, [2] ``c_start``, [3] ``c_wait`` (the clock after the PDL wait), [last] the end's clock.
+    The kernel stores its phases' readings in the columns between."""
+    c_end = clock_now()
+    g_end = global_ns()
+    store_at(buf, row, 0, g_start)
+    store_at(buf, row, 1, g_end)
+    store_at(buf, row, 2, c_start)
+    store_at(buf, row, 3, c_wait)
+    store_at(buf, row, last, c_end)
+
+
+@triton.jit
 def store_at(buf, row, i: tl.constexpr, value):
     """Stores an int64 scalar at column i of program row ``row``."""
     tl.store(buf + row.to(tl.int64) * WIDTH + i, value)
@@ -78,5 +92,5 @@ def store_max2_at(buf, row, i: tl.constexpr, readings):
     tl.store(buf + row.to(tl.int64) * WIDTH + i, tl.max(tl.max(readings, axis=1), axis=0))
 
 
-__all__ = ["ROWS", "WIDTH", "clock_after", "clock_now", "global_ns", "stamp_buffer", "store_at", "store_max2_at",
-           "store_max_at"]
+__all__ = ["ROWS", "WIDTH", "clock_after", "clock_now", "global_ns", "stamp_buffer", "store_at", "store_ends",
+           "store_max2_at", "store_max_at"]

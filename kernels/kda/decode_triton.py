@@ -26,7 +26,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..moe.pdl import use_pdl
-from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_max_at
+from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_ends, store_max_at
 
 
 @triton.jit
@@ -161,6 +161,7 @@ def _decode_kernel(
     bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
     if STAMPS:
         c_gate = clock_after(gt)
+        c_ogate = c_gate  # no output gate: a phase of nothing
     if NORM:  # this block's weight * sigmoid(gate): its loads go out with the state's
         gzv = _gate_weight(gate, s_g, n, h, cv, mv, nw, ogw, s_ogw, V, VF, BJO)
         if STAMPS:
@@ -215,23 +216,14 @@ def _decode_kernel(
                 tl.store(y + row + d, (of * inv * g).to(y.dtype.element_ty), mask=m)
             tl.atomic_xchg(counter + nh, 0, sem="relaxed", scope="gpu")
     if STAMPS:
-        c_end = clock_now()
-        g_end = global_ns()
         r = nh * NV + iv
-        store_at(stamps, r, 0, g_start)
-        store_at(stamps, r, 1, g_end)
-        store_at(stamps, r, 2, c_start)
-        store_at(stamps, r, 3, c_wait)
+        store_ends(stamps, r, 10, g_start, c_start, c_wait)
         store_max_at(stamps, r, 4, c_conv)
         store_max_at(stamps, r, 5, c_norm)
         store_max_at(stamps, r, 6, c_gate)
-        if NORM:
-            store_max_at(stamps, r, 7, c_ogate)
-        else:
-            store_max_at(stamps, r, 7, c_gate)
+        store_max_at(stamps, r, 7, c_ogate)
         store_max_at(stamps, r, 8, c_pred)
         store_max_at(stamps, r, 9, c_out)
-        store_at(stamps, r, 10, c_end)
 
 
 MAX_GRID_Y = 65535

@@ -21,7 +21,16 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_max2_at, store_max_at
+from ..stamps import (
+    clock_after,
+    clock_now,
+    global_ns,
+    stamp_buffer,
+    store_at,
+    store_ends,
+    store_max2_at,
+    store_max_at,
+)
 from . import ROUTE_DECODE_MAX_TOKENS
 from .pdl import use_pdl
 
@@ -208,20 +217,14 @@ def _route_decode_kernel(
         _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     if STAMPS:
-        c_end = clock_now()
-        g_end = global_ns()
         r = tl.program_id(0)
-        store_at(stamps, r, 0, g_start)
-        store_at(stamps, r, 1, g_end)
-        store_at(stamps, r, 2, c_start)
-        store_at(stamps, r, 3, c_wait)
+        store_ends(stamps, r, 7, g_start, c_start, c_wait)
         if NORM:
             store_max_at(stamps, r, 4, c_norm)
         else:
             store_at(stamps, r, 4, c_wait)
         store_max2_at(stamps, r, 5, c_logit)
         store_at(stamps, r, 6, c_arrive)
-        store_at(stamps, r, 7, c_end)
 
 
 _COUNTERS: dict[tuple[str, int | None], Tensor] = {}

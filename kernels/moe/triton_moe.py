@@ -36,7 +36,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..linear import MATVEC_MAX_ROWS
-from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_max_at
+from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_ends, store_max_at
 from .pdl import use_pdl
 from .route import arrival_counters
 
@@ -483,19 +483,13 @@ def _down_direct_kernel(
                 tl.store(h_out + r * D + d, (v * inv * nw).to(h_out.dtype.element_ty), mask=d_ok)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     if STAMPS:
-        c_end = clock_now()
-        g_end = global_ns()
         r = t * tl.num_programs(1) + tl.program_id(1)
-        store_at(stamps, r, 0, g_start)
-        store_at(stamps, r, 1, g_end)
-        store_at(stamps, r, 2, c_start)
-        store_at(stamps, r, 3, c_wait)
+        store_ends(stamps, r, 6, g_start, c_start, c_wait)
         store_max_at(stamps, r, 4, c_sum)
         if NORM:
             store_at(stamps, r, 5, c_arrive)
         else:
             store_max_at(stamps, r, 5, c_sum)
-        store_at(stamps, r, 6, c_end)
 
 
 def fused_moe_direct(
