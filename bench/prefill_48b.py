@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from decode_48b import config as decode_48b_config  # bench/ is on the path: this script's folder
 
 from kda_sessions.api import Engine, open_snapshots
 from kda_sessions.config import ModelConfig
@@ -42,32 +43,21 @@ from kda_sessions.model.mla import MLAttention
 from kda_sessions.tokenizer import ByteTokenizer, builtin_template
 
 H200_BF16_DENSE_TFLOPS = 989.0
-KDA_LAYERS = [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26]
-MLA_LAYERS = [4, 8, 12, 16, 20, 24, 27]
 
 
 def config_48b(quick: bool, layers: int | None = None) -> ModelConfig:
-    """KDA.md's Kimi-Linear-48B-A3B shape (``--quick``: 4 layers, narrow, 16 experts); ``layers`` keeps only the
-    first that many layers at the real width (fits an 80 GB card at 16)."""
-    d = dict(
-        model_type="kimi_linear", vocab_size=163840, hidden_size=2304, intermediate_size=9216,
-        moe_intermediate_size=1024, num_hidden_layers=27, num_attention_heads=32, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, num_experts=256, num_experts_per_token=8,
-        num_shared_experts=1, routed_scaling_factor=2.446, first_k_dense_replace=1,
-        linear_attn_config=dict(kda_layers=KDA_LAYERS, full_attn_layers=MLA_LAYERS, num_heads=32, head_dim=128,
+    """KDA.md's Kimi-Linear-48B-A3B shape (``decode_48b.config``; ``layers`` keeps only the first that many layers at
+    the real width: 16 fit an 80 GB card); ``--quick``: 4 layers, narrow, 16 experts."""
+    if not quick:
+        return decode_48b_config(False, layers)
+    return ModelConfig.from_dict(dict(
+        model_type="kimi_linear", vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+        num_hidden_layers=4, num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+        v_head_dim=32, num_experts=16, num_experts_per_token=4, num_shared_experts=1, routed_scaling_factor=2.446,
+        first_k_dense_replace=1,
+        linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=32,
                                 short_conv_kernel_size=4),
-    )
-    if quick:
-        d.update(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
-                 num_hidden_layers=4, num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
-                 qk_rope_head_dim=16, v_head_dim=32, num_experts=16, num_experts_per_token=4,
-                 linear_attn_config=dict(kda_layers=[1, 2, 3], full_attn_layers=[4], num_heads=4, head_dim=32,
-                                         short_conv_kernel_size=4))
-    if layers is not None and not quick:
-        d["num_hidden_layers"] = min(27, layers)
-        d["linear_attn_config"] = dict(d["linear_attn_config"], kda_layers=[i for i in KDA_LAYERS if i <= layers],
-                                       full_attn_layers=[i for i in MLA_LAYERS if i <= layers])
-    return ModelConfig.from_dict(d)
+    ))
 
 
 @torch.no_grad()
