@@ -890,14 +890,14 @@ def timeline_case(model: HybridModel, L: int, device: str, keep: int = 40) -> di
 
 
 STAMP_PHASES = {
-    "kda_decode": ["wait", "conv", "qk_norm", "decay_gate", "output_gate", "state_read", "state_update",
+    "kda_decode": ["wait", "decay_gate", "output_gate", "conv", "qk_norm", "state_read", "state_update",
                    "arrive_norm"],
     "route": ["wait", "norm", "logits", "arrive", "select"],
     "moe_down": ["wait", "experts", "arrive", "add_norm"],
 }
 """The phases of the kernels that stamp (``kernels.stamps``), each ending at the next clock column of a program's
-row, as their docstrings list them. KDA decode: the wait for the launch before, the conv tails and input row read
-and the conv, the q and k norms, the decay gate's logits (f_b's rows times the low-rank input), the output gate's,
+row, as their docstrings list them. KDA decode: the wait for the launch before, the decay gate's logits (f_b's rows
+times the low-rank input), the output gate's, the conv tails and input row read and the conv, the q and k norms,
 the state slice read with the prediction summed, the update stored with o summed, then the arrival and (a head's
 last program) the gated norm. Router: the wait, the add and norm's sums of squares, the logits, the arrival, then
 (the last program) the top-k selection. MoE down: the wait, the experts' rows summed, the arrival, then (the last
@@ -1032,6 +1032,7 @@ def main() -> None:
     ap.add_argument("--stamps", default="",
                     help="contexts (batch 1) at which to time the KDA decode, router and MoE down kernels' phases from "
                          "clock stamps (kernels.stamps)")
+    ap.add_argument("--stamps-modes", default="fused", help="modes (--modes) of the --stamps runs, comma-separated")
     ap.add_argument("--read-rate", action="store_true", help="also time a copy and a read-only sum beyond the L2")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -1106,9 +1107,12 @@ def main() -> None:
 
         guarded("profile", prof)
     for L in [int(v) for v in args.stamps.split(",") if v]:
-        guarded(f"stamps {L}", lambda L=L: results.setdefault("stamps", []).append(
-            stamps_case(model, min(L, 256) if args.quick else L, args.device)))
-        log(json.dumps(results.get("stamps", [{}])[-1]))
+        for mode in args.stamps_modes.split(","):
+            _set_ablation(mode)
+            guarded(f"stamps {L} {mode}", lambda L=L, mode=mode: results.setdefault("stamps", []).append(
+                {"mode": mode, **stamps_case(model, min(L, 256) if args.quick else L, args.device)}))
+            log(json.dumps(results.get("stamps", [{}])[-1]))
+        _set_ablation("fused")
     for L in [int(v) for v in args.timeline.split(",") if v]:
         guarded(f"timeline {L}", lambda L=L: results.setdefault("timeline", []).append(
             timeline_case(model, min(L, 256) if args.quick else L, args.device)))

@@ -87,6 +87,52 @@ def _gate_weight(gate, s_g, n, h, d, m, nw, ogw, s_ogw, V: tl.constexpr, VF: tl.
 
 
 @triton.jit
+def _decay_gate(raw, s_raw, gw, s_gw, dt_bias, A_log, b, s_b, lower_bound, n, h, rk, mk,
+                K: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, BOUNDED: tl.constexpr):
+    """Head h's log-decay [BK] of sequence n from its raw logits + dt_bias (kernels/gate/naive.py), and its beta
+    (sigmoid of b), float32. The logits: raw's row, or with KF > 0 f_a's output [KF] (``raw``) times head h's rows
+    of f_b's weight [H*K, KF] (``gw``)."""
+    if KF > 0:
+        logit = _head_matvec(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BJ)
+    else:
+        logit = tl.load(raw + n.to(tl.int64) * s_raw + h * K + rk, mask=mk, other=0.0).to(tl.float32)
+    return _log_decay(logit, dt_bias, A_log, lower_bound, h, rk, mk, K, BOUNDED), \
+        tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
+
+
+@triton.jit
+def _log_decay(logit, dt_bias, A_log, lower_bound, h, rk, mk, K: tl.constexpr, BOUNDED: tl.constexpr):
+    """Head h's log-decay [BK] from its gate logits (kernels/gate/naive.py), float32."""
+    gx = logit + tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(A_log + h).to(tl.float32))
+    if BOUNDED:
+        gt = lower_bound * tl.sigmoid(a * gx)
+    else:
+        softplus = tl.where(gx > 20.0, gx, tl.maximum(gx, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(gx))))
+        gt = -a * softplus
+    return gt
+
+
+@triton.jit
+def _two_head_matvecs(x, w_rows, m, y, u_rows, mu, KF: tl.constexpr, BJ: tl.constexpr):
+    """``_head_matvec`` of (x, w_rows, m) and of (y, u_rows, mu) over the same KF columns in one loop, each
+    product summed once at the end: every block's loads of both can be in flight at once."""
+    acc_w = tl.zeros([m.shape[0], BJ], dtype=tl.float32)
+    acc_u = tl.zeros([mu.shape[0], BJ], dtype=tl.float32)
+    for j0 in tl.static_range(0, KF, BJ):
+        rj = j0 + tl.arange(0, BJ)
+        mj = rj < KF
+        xj = tl.load(x + rj, mask=mj, other=0.0).to(tl.float32)
+        yj = tl.load(y + rj, mask=mj, other=0.0).to(tl.float32)
+        acc_w += tl.load(w_rows[:, None] + rj[None, :], mask=m[:, None] & mj[None, :], other=0.0).to(
+            tl.float32) * xj[None, :]
+        acc_u += tl.load(u_rows[:, None] + rj[None, :], mask=mu[:, None] & mj[None, :], other=0.0).to(
+            tl.float32) * yj[None, :]
+    return tl.sum(acc_w, axis=1).to(x.dtype.element_ty).to(tl.float32), \
+        tl.sum(acc_u, axis=1).to(y.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
     gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps,
@@ -102,6 +148,17 @@ def _decode_kernel(
     conv tails and the conv's weights before the wait, their products summed there, a few registers: no faster,
     2.432 ms a 1 x 128K step against 2.431, H200, 2026-12-05.)
 
+    After the wait it reads the gates' inputs and rows first (nothing of them waits on the slot), both gates'
+    matvecs in one loop with their products summed once at the end, then the state slice with the conv tails (both
+    wait on the slot alone). Clock stamps (``kernels.stamps``) of the order before, H100, the 48B shape's first 16
+    layers, 1 x 128K: conv 3.4 us, decay gate 2.0, output gate 1.1, state read 1.2, update 0.8, arrival and norm
+    1.3, a launch 11.0-11.5 us; the gates first in one loop: 10.0 us, the step 1.939 / 1.935 / 1.937 ms -> 1.915 /
+    1.915 / 1.917 at 1 x 128K and 3.266 / 3.262 / 3.258 -> 3.239 / 3.243 / 3.240 at 1 x 1M, three alternations
+    (``bench/decode_48b.py --layers 16 --cases 1x131072,1x1048576``, 2026-12-06). The gates first as two matvecs:
+    half of that (-14 us); the state's load moved up alone, the gates after the conv: +36 us; the matvecs' products
+    summed once with the order before: no change. Instruction fetch is not what holds the rest: 64 KB of cold
+    straight-line code costs ~3.4 us more than its loop (``bench/icache.py``), and this kernel is 28 KB.
+
     The conv tails shift here too. A program's V block of v channels is read by that program alone: it shifts them
     itself once all its threads have read them. The head's q and k channels are read by all of its V blocks: the
     last of them to arrive (``counter`` [N * H], zero before the launch and reset by that program) shifts them.
@@ -110,8 +167,8 @@ def _decode_kernel(
     there is no counter and o is never stored: the program has the whole head.
 
     With STAMPS (``kernels.stamps``) each program stores its phases' clock readings in its row of
-    ``stamps`` (program nh * NV + iv): [2] start, [3] after the wait, [4] conv done, [5] q and k normed, [6] decay
-    gate done, [7] output gate done, [8] state read and the prediction summed, [9] state updated and o summed,
+    ``stamps`` (program nh * NV + iv): [2] start, [3] after the wait, [4] decay gate done, [5] output gate done,
+    [6] conv done, [7] q and k normed, [8] state read and the prediction summed, [9] state updated and o summed,
     [10] end (the arrival and the last program's norm included)."""
     if STAMPS:
         g_start = global_ns()
@@ -133,6 +190,30 @@ def _decode_kernel(
     mk = rk < K
     mv = cv < V
     tail = conv + slot * (W - 1) * Dc
+    # the gates first: their reads wait on nothing but the launch before, so they go out with the slot's
+    if NORM and KF > 0 and VF == KF and BJO == BJ:  # both gates' matvecs in one loop (the model's shape)
+        logit, z = _two_head_matvecs(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk,
+                                     gate + n.to(tl.int64) * s_g, ogw + (h * V + cv).to(tl.int64) * s_ogw, mv, KF, BJ)
+        gt = _log_decay(logit, dt_bias, A_log, lower_bound, h, rk, mk, K, BOUNDED)
+        bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
+        gzv = tl.load(nw + cv, mask=mv, other=0.0).to(tl.float32) * tl.sigmoid(z)
+        if STAMPS:
+            c_gate = clock_after(gt)
+            c_ogate = clock_after(gzv)
+    else:
+        gt, bt = _decay_gate(raw, s_raw, gw, s_gw, dt_bias, A_log, b, s_b, lower_bound, n, h, rk, mk,
+                             K, KF, BJ, BOUNDED)
+        if STAMPS:
+            c_gate = clock_after(gt)
+            c_ogate = c_gate  # no output gate: a phase of nothing
+        if NORM:
+            gzv = _gate_weight(gate, s_g, n, h, cv, mv, nw, ogw, s_ogw, V, VF, BJO)
+            if STAMPS:
+                c_ogate = clock_after(gzv)
+    # the recurrence's [K, BV] slice of the state, in place at the slot: its load goes out with the conv tails'
+    mkv = mk[:, None] & mv[None, :]
+    sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
+    S = tl.load(sptr, mask=mkv, other=0.0)
     q_acc, q_w = _conv_tail(tail, cw, s_cd, s_cw, h * K + rk, mk, Dc, W)
     k_acc, k_w = _conv_tail(tail, cw, s_cd, s_cw, H * K + h * K + rk, mk, Dc, W)
     v_acc, v_w = _conv_tail(tail, cw, s_cd, s_cw, 2 * H * K + h * V + cv, mv, Dc, W)
@@ -146,30 +227,6 @@ def _decode_kernel(
     kt = kt * tl.rsqrt(tl.sum(kt * kt, axis=0) + 1e-6)
     if STAMPS:
         c_norm = clock_after(qt + kt)
-    # the gate: raw logits + dt_bias -> log-decay (kernels/gate/naive.py)
-    if KF > 0:  # the logits from f_a's output [KF] and head h's rows of f_b's weight [H*K, KF]
-        logit = _head_matvec(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk, KF, BJ)
-    else:
-        logit = tl.load(raw + n.to(tl.int64) * s_raw + h * K + rk, mask=mk, other=0.0).to(tl.float32)
-    gx = logit + tl.load(dt_bias + h * K + rk, mask=mk, other=0.0).to(tl.float32)
-    a = tl.exp(tl.load(A_log + h).to(tl.float32))
-    if BOUNDED:
-        gt = lower_bound * tl.sigmoid(a * gx)
-    else:
-        softplus = tl.where(gx > 20.0, gx, tl.maximum(gx, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(gx))))
-        gt = -a * softplus
-    bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
-    if STAMPS:
-        c_gate = clock_after(gt)
-        c_ogate = c_gate  # no output gate: a phase of nothing
-    if NORM:  # this block's weight * sigmoid(gate): its loads go out with the state's
-        gzv = _gate_weight(gate, s_g, n, h, cv, mv, nw, ogw, s_ogw, V, VF, BJO)
-        if STAMPS:
-            c_ogate = clock_after(gzv)
-    # the recurrence on this program's [K, BV] slice of the state, in place at the slot
-    mkv = mk[:, None] & mv[None, :]
-    sptr = state + (slot * H + h) * K * V + rk[:, None] * V + cv[None, :]
-    S = tl.load(sptr, mask=mkv, other=0.0)
     S = S * tl.exp(gt)[:, None]
     pred = tl.sum(kt[:, None] * S, axis=0)
     if STAMPS:
@@ -218,10 +275,10 @@ def _decode_kernel(
     if STAMPS:
         r = nh * NV + iv
         store_ends(stamps, r, 10, g_start, c_start, c_wait)
-        store_max_at(stamps, r, 4, c_conv)
-        store_max_at(stamps, r, 5, c_norm)
-        store_max_at(stamps, r, 6, c_gate)
-        store_max_at(stamps, r, 7, c_ogate)
+        store_max_at(stamps, r, 4, c_gate)
+        store_max_at(stamps, r, 5, c_ogate)
+        store_max_at(stamps, r, 6, c_conv)
+        store_max_at(stamps, r, 7, c_norm)
         store_max_at(stamps, r, 8, c_pred)
         store_max_at(stamps, r, 9, c_out)
 

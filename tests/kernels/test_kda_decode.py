@@ -200,15 +200,18 @@ def test_public_function_checks_shapes():
     assert y.shape == (3, H, V) and not torch.equal(y, o)
 
 
-def _check_gate_proj(dtype: torch.dtype, device: str, lower_bound: float | None, config=None) -> None:
+def _check_gate_proj(dtype: torch.dtype, device: str, lower_bound: float | None, config=None,
+                     widths: tuple[int, int] = (8, 12)) -> None:
     """The gates' second projections inside the launch (``gate_proj``, ``out_gate_proj``) against the twin fed
-    the logits of a separate ``naive_linear``: the same values, the logits rounded to the dtype in both."""
+    the logits of a separate ``naive_linear``: the same values, the logits rounded to the dtype in both. Low-rank
+    widths (KF, VF) unlike K and V, by default one not a power of two; equal ones (as the model's) run both
+    matvecs in one loop."""
     from kda_sessions.kernels.kda.decode_triton import kda_decode_triton
     from kda_sessions.kernels.linear import naive_linear
 
     qkv, _, b, cw, conv_state, A_log, dt_bias, state, slots = _case(dtype, device)
     gen = torch.Generator().manual_seed(11)
-    KF, VF = 8, 12  # low-rank widths unlike K and V, one not a power of two
+    KF, VF = widths
     fa = torch.randn(qkv.shape[0], KF + VF + 3, generator=gen).to(device, dtype)  # f_a | g_a, strided slices
     w_fb = (torch.randn(H * K, KF, generator=gen) * 0.5).to(device, dtype)
     w_gb = (torch.randn(H * V, VF, generator=gen) * 0.5).to(device, dtype)
@@ -229,8 +232,9 @@ def _check_gate_proj(dtype: torch.dtype, device: str, lower_bound: float | None,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
-def test_gate_projections_in_the_launches(dtype, lower_bound):
-    _check_gate_proj(dtype, "cpu", lower_bound)
+@pytest.mark.parametrize("widths", [(8, 12), (16, 16)], ids=["kf8-vf12", "kf16-vf16"])
+def test_gate_projections_in_the_launches(dtype, lower_bound, widths):
+    _check_gate_proj(dtype, "cpu", lower_bound, widths=widths)
 
 
 @pytest.mark.gpu
@@ -240,6 +244,7 @@ def test_gate_projections_in_the_launches_on_cuda(dtype, config):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     _check_gate_proj(dtype, "cuda", None, config)
+    _check_gate_proj(dtype, "cuda", None, config, widths=(128, 128))
 
 
 def test_public_function_checks_gate_proj_shapes():
