@@ -99,7 +99,10 @@ def _select_top_k(
     scores), their plain scores renormalised and scaled -> chosen [T, K + EXTRA], weights [T, K + EXTRA]. The
     logits were written by other programs of this launch: read through L2 (``.cg``). (The chosen experts' scores
     taken from the rows in registers, ``tl.gather``, instead of the second L2 read below: no faster, 2.432 ms a
-    1 x 128K step of the 48B shape against 2.431, H200, 2026-12-05.)"""
+    1 x 128K step of the 48B shape against 2.431, H200, 2026-12-05. At one token this phase is ~4.6 us of the
+    launch's ~7 us after its wait (clock stamps, ``bench/decode_48b.py --stamps``, H100). A loop-free selection by
+    rank, each expert compared with every other 16 or 32 at a time, took 42 and 15.6 us instead: the compare
+    tiles cost registers and a layout change each; the step 1.842 -> 2.385 ms, H100, 16 layers, 2026-12-06.)"""
     t = tl.arange(0, BT)
     e = tl.arange(0, EP)
     t_ok = t < T
