@@ -241,7 +241,10 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     dense = (ffn_mod, "DENSE_DIRECT", False)
     uv = [(_matvec_mod, "HEAD_ROWS", 1), (_paged_mod, "COMBINE_EARLY_TRIGGER", False)]
     shared = (triton_moe, "FIXED_FIRST", False)
-    return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared]}
+    return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared],
+            **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
+                                    lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
+               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))}}
 
 
 FLAG_MODES = _flag_modes()
@@ -249,7 +252,8 @@ FLAG_MODES = _flag_modes()
 dense FFN in cuBLAS rather than as a one-expert MoE in the direct kernels (``ffn.DENSE_DIRECT``), ``old-uv``
 MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA merge letting W_uv's launch start
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
-expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three.
+expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
+``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 
