@@ -294,7 +294,11 @@ def decode_launch_config(N: int, V: int) -> tuple[int, int]:
     model's calls (the gates' projections in the kernel up to 8 sequences, PDL at one), graph replays, us a layer
     (``bench/kernels.py --only kdadecode``): at 1 sequence BV 64 on 4 warps 9.98 (128 on 4: 10.20, on 8: 12.78;
     32 on 2: 11.14); at 8, 128 on 4 18.79 (64 on 4: 22.88, 32 on 2: 25.70, 128 on 8: 27.84); at 32 without the
-    gates' projections 128 on 4 47.66 (64 on 4: 53.90, 32 on 2: 54.64, 128 on 8: 92.69)."""
+    gates' projections 128 on 4 47.66 (64 on 4: 53.90, 32 on 2: 54.64, 128 on 8: 92.69). With the gates read first
+    (H100, the 48B shape's first 16 layers, 1 x 128K step, two alternations, ``bench/decode_48b.py --modes
+    fused,kda-bv64w8,...``, 2026-12-06): 64 on 4 1.826 / 1.823 ms, 32 on 4 1.815 / 1.814 (its launches' stamped
+    span longer, 10.2 us against 9.7: left as is until the H200 says), 64 on 8 1.835 / 1.835, 32 on 2 1.831 /
+    1.834, 128 on 8 1.852 / 1.849."""
     return min(triton.next_power_of_2(V), 64 if N < 8 else 128), 4
 
 
