@@ -166,8 +166,9 @@ def main() -> None:
     ap.add_argument("--cases", default="1x8192,1x131072,8x32768", help="Engine cases, BATCHxCONTEXT")
     ap.add_argument("--replay-cases", default="1x8192,1x131072,1x1048576,8x32768,32x32768")
     ap.add_argument("--steps", type=int, default=64, help="decode steps timed per Engine case")
-    ap.add_argument("--decode-ahead", default="off", choices=["off", "on", "off,on", "on,off"],
-                    help="EngineConfig.decode_ahead in the Engine cases; two settings alternate in each case")
+    ap.add_argument("--decode-ahead", default="on", choices=["off", "on", "off,on", "on,off"],
+                    help="EngineConfig.decode_ahead in the Engine cases (on: the library default); two settings alternate "
+                         "in each case")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per replay case")
     ap.add_argument("--replay-modes", default="fused",
                     help="decode_48b modes timed in each replay case, e.g. fused,old-all,fused@2,old-all@2 for an "
