@@ -244,11 +244,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared],
             **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
-               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
-            "matvec-loop": [(_matvec_mod, "LOOP", True)],
-            "matvec-loop3": [(_matvec_mod, "LOOP", True), (_matvec_mod, "LOOP_PER_SM", 3)],
-            "kda-prefetch": [(_kda_dec_mod, "PREFETCH", True)],
-            "loop-prefetch": [(_matvec_mod, "LOOP", True), (_kda_dec_mod, "PREFETCH", True)]}
+               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))}}
 
 
 FLAG_MODES = _flag_modes()
@@ -257,10 +253,7 @@ dense FFN in cuBLAS rather than as a one-expert MoE in the direct kernels (``ffn
 MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA merge letting W_uv's launch start
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
 expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
-``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``);
-``matvec-loop`` one-row matvecs on a few looping programs a multiprocessor (``matvec_triton.LOOP``; ``-loop3``
-three a multiprocessor), ``kda-prefetch`` the KDA decode kernel's L2 prefetch before its wait
-(``decode_triton.PREFETCH``), ``loop-prefetch`` both.
+``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 

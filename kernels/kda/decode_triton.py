@@ -133,23 +133,12 @@ def _two_head_matvecs(x, w_rows, m, y, u_rows, mu, KF: tl.constexpr, BJ: tl.cons
 
 
 @triton.jit
-def _prefetch_rows(rows, ROW: tl.constexpr, LINE: tl.constexpr):
-    """Asks the L2 for the 128-byte lines of ROW elements from each of the row pointers ``rows`` [R] (LINE elements
-    a line), to be kept there (``evict_last``). Nothing is read into registers and nothing waits."""
-    NL: tl.constexpr = (ROW + LINE - 1) // LINE
-    j = tl.minimum(tl.arange(0, triton.next_power_of_2(NL)) * LINE, ROW - 1)  # past the row: its last line again
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l",
-                              [rows[:, None] + j[None, :]], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
     gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr, VF: tl.constexpr,
     BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
 ):
     """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
@@ -184,38 +173,23 @@ def _decode_kernel(
     if STAMPS:
         g_start = global_ns()
         c_start = clock_now()
+    if PDL:
+        gdc_launch_dependents()  # the next launch reads nothing before its wait
+        gdc_wait()
+    if STAMPS:
+        c_wait = clock_now()
     iv = tl.program_id(0)
     nh = tl.program_id(1)
     n = nh // H
     h = nh % H
     Dc: tl.constexpr = 2 * H * K + H * V
     NV: tl.constexpr = (V + BV - 1) // BV
+    slot = tl.load(slots + n).to(tl.int64)
     rk = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
     mk = rk < K
     mv = cv < V
-    if PDL:
-        gdc_launch_dependents()  # the next launch reads nothing before its wait
-    slot = tl.load(slots + n).to(tl.int64)  # the host's, written before the step: no launch writes it
     tail = conv + slot * (W - 1) * Dc
-    if PREFETCH:  # what no launch of this step writes, into the L2 while the launch before ends
-        rkc = tl.minimum(rk, K - 1)
-        cvc = tl.minimum(cv, V - 1)
-        if KF > 0:
-            _prefetch_rows(gw + (h * K + rkc).to(tl.int64) * s_gw, KF, 128 // (gw.dtype.element_ty.primitive_bitwidth // 8))
-        if NORM and VF > 0:
-            _prefetch_rows(ogw + (h * V + cvc).to(tl.int64) * s_ogw, VF,
-                           128 // (ogw.dtype.element_ty.primitive_bitwidth // 8))
-        _prefetch_rows(state + (slot * H + h) * K * V + rkc * V + iv * BV, BV, 32)
-        w3 = tl.arange(0, triton.next_power_of_2(W - 1)) % (W - 1)
-        LT: tl.constexpr = 128 // (conv.dtype.element_ty.primitive_bitwidth // 8)
-        _prefetch_rows(tail + w3 * Dc + h * K, K, LT)
-        _prefetch_rows(tail + w3 * Dc + H * K + h * K, K, LT)
-        _prefetch_rows(tail + w3 * Dc + 2 * H * K + h * V + iv * BV, BV, LT)
-    if PDL:
-        gdc_wait()
-    if STAMPS:
-        c_wait = clock_now()
     # the gates first: their reads wait on nothing but the launch before, so they go out with the slot's
     if NORM and KF > 0 and VF == KF and BJO == BJ:  # both gates' matvecs in one loop (the model's shape)
         logit, z = _two_head_matvecs(raw + n.to(tl.int64) * s_raw, gw + (h * K + rk).to(tl.int64) * s_gw, mk,
@@ -309,11 +283,6 @@ def _decode_kernel(
         store_max_at(stamps, r, 9, c_out)
 
 
-PREFETCH = False
-"""With PDL, the decode kernel asks the L2 for the gates' rows, its state slice and the conv tails before its
-wait (``_prefetch_rows``), so that its reads after the wait hit the L2: of use only where its programs start
-before the launch before ends (``matvec_triton.LOOP``)."""
-
 MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second axis, where the decode kernel puts one program per (sequence, head):
 ``kda_decode_triton`` splits a larger batch (at H 32: 2,047 sequences a launch)."""
@@ -395,7 +364,7 @@ def kda_decode_triton(
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
         KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), NORM=out_norm is not None, VF=VF,
         BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl,
-        STAMPS=stamps is not None, PREFETCH=PREFETCH and pdl,
+        STAMPS=stamps is not None,
         num_warps=num_warps, **launch,
     )
     return out

@@ -11,11 +11,19 @@ On Hopper it is a PDL launch (``kernels.moe.pdl``): a program loads its weight s
 before it waits for the launch before (``gdc_wait``) and reads x, so where that launch lets its dependents start
 early (the MoE down kernel, KDA's decode kernels) the weight streams while it ends. It lets its own dependents
 start at once: theirs are PDL launches that read only weights before their wait (or plain launches).
+
+One row of x is many more programs than the GPU holds at once (12,576 for KDA's input), so the launch after starts
+only as the last ones do: the KDA decode kernel's programs reach their wait after this launch has ended (clock
+stamps: 0.0 us waited). Tried (H100, the 48B shape's first 16 layers, two alternations, 2026-12-06): every one-row
+matvec on 2 or 3 programs a multiprocessor, each looping over blocks of 4 rows (8,192 columns), the next block
+requested before the current one's sums, all resident from the start: the 1 x 128K step 1.927 / 1.922 ms ->
+1.962 / 1.958 (2 a multiprocessor) and 1.933 / 1.933 (3); at 1 x 1M 3.254 / 3.246 -> 3.282 / 3.280 and 3.255 /
+3.255; with the KDA decode asking the L2 for its rows, state and conv tails before its wait as well: 1.975 /
+1.977 and 3.325 / 3.325, its programs still waiting 0.5 us.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
@@ -55,62 +63,6 @@ def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, 
         tl.store(y + n * s_y + ro, tl.sum(wt * xv[None, :], axis=1).to(y.dtype.element_ty), mask=mo)
 
 
-@triton.jit
-def _matvec_loop_kernel(x, w, s_w, y, O, I: tl.constexpr, IA: tl.constexpr, IB: tl.constexpr, BO: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """y[o] = w[o] . x for one row x [I]: program p takes the blocks of BO rows p, p + P, p + 2P, ... (P programs,
-    a few a multiprocessor, all resident at once), requesting each next block before it sums the current one. A
-    row's I columns as IA (a power of two) + IB (the rest, rounded up to one; 0 if none), so no register holds a
-    masked-out column at I = 2304. With PDL the first block is requested, then the next launch let in, then the
-    wait: with every program resident from the start, the launch after starts at once (its loads before its own
-    wait overlap this one)."""
-    p = tl.program_id(0)
-    P = tl.num_programs(0)
-    NB = tl.cdiv(O, BO)
-    r = tl.arange(0, BO)
-    ka = tl.arange(0, IA)
-    kb = IA + tl.arange(0, max(IB, 1))
-    mb = kb < I
-    ro = p * BO + r
-    wa = tl.load(w + ro.to(tl.int64)[:, None] * s_w + ka[None, :], mask=(ro < O)[:, None], other=0.0)
-    if IB > 0:
-        wb = tl.load(w + ro.to(tl.int64)[:, None] * s_w + kb[None, :], mask=(ro < O)[:, None] & mb[None, :],
-                     other=0.0)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-    xa = tl.load(x + ka).to(tl.float32)
-    if IB > 0:
-        xb = tl.load(x + kb, mask=mb, other=0.0).to(tl.float32)
-    for blk in range(p, NB, P):
-        rn = (blk + P) * BO + r  # the next block's rows: requested before this block's sums
-        mn = rn < O
-        na = tl.load(w + rn.to(tl.int64)[:, None] * s_w + ka[None, :], mask=mn[:, None], other=0.0)
-        acc = tl.sum(wa.to(tl.float32) * xa[None, :], axis=1)
-        if IB > 0:
-            nb = tl.load(w + rn.to(tl.int64)[:, None] * s_w + kb[None, :], mask=mn[:, None] & mb[None, :], other=0.0)
-            acc += tl.sum(wb.to(tl.float32) * xb[None, :], axis=1)
-            wb = nb
-        ro = blk * BO + r
-        tl.store(y + ro, acc.to(y.dtype.element_ty), mask=ro < O)
-        wa = na
-
-
-LOOP = False
-"""One row of x through ``_matvec_loop_kernel`` (a few programs a multiprocessor, each looping over blocks of
-rows) rather than one program a row."""
-LOOP_PER_SM = 2
-"""Programs a multiprocessor of ``_matvec_loop_kernel``."""
-
-
-def _loop_split(I: int) -> tuple[int, int, int]:
-    """(IA, IB, BO) of ``_matvec_loop_kernel`` for rows of I: IA the largest power of two <= I, IB the rest
-    rounded up to one (0 if none), BO rows a block so that a block is ~8,192 columns."""
-    IA = 1 << (I.bit_length() - 1)
-    IB = 0 if IA == I else triton.next_power_of_2(I - IA)
-    return IA, IB, max(1, 8192 // IA)
-
-
 def matvec_config(N: int, O: int, I: int) -> tuple[int, int]:
     """(BO, num_warps) for x [N, I] and w [O, I]: one row on 2 warps. H200, graph replays over copies beyond the L2,
     one row of x, us (BO/warps 1/2, 1/4, 2/4, 4/4, 4/8): o_proj 2304 x 4096 6.92, 7.11, 7.11, 8.31, 7.14; KDA's merged
@@ -126,33 +78,14 @@ def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -
     N, I = x.shape
     O = w.shape[0]
     y = x.new_empty(N, O)
-    pdl = use_pdl(x.device)
-    if LOOP and N == 1 and config is None:
-        IA, IB, BO = _loop_split(I)
-        programs = min(triton.cdiv(O, BO), LOOP_PER_SM * _multiprocessors(x.device))
-        _matvec_loop_kernel[(programs,)](x, w, w.stride(0), y, O, I=I, IA=IA, IB=IB, BO=BO, PDL=pdl, num_warps=4,
-                                         **({"launch_pdl": True} if pdl else {}))
-        return y
     BO, warps = config or matvec_config(N, O, I)
+    pdl = use_pdl(x.device)
     _matvec_kernel[(triton.cdiv(O, BO),)](x, x.stride(0), w, w.stride(0), y, y.stride(0), O, I=I, N=N, BO=BO,
                                           BI=triton.next_power_of_2(I), PDL=pdl, num_warps=warps,
                                           **({"launch_pdl": True} if pdl else {}))
     return y
 
 
-
-
-_SMS: dict[int | None, int] = {}
-
-
-def _multiprocessors(device: torch.device) -> int:
-    """The CUDA device's multiprocessor count (cached); 4 elsewhere (the interpreter's tests)."""
-    if device.type != "cuda":
-        return 4
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 HEAD_ROWS = 4

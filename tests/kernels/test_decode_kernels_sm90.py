@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kda_sessions.kernels.feed.triton_feed import _feed_kernel
 from kda_sessions.kernels.kda.decode_triton import _decode_kernel
-from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel, _matvec_loop_kernel
+from kda_sessions.kernels.linear.matvec_triton import _matvec_kernel
 from kda_sessions.kernels.mla.decode_prep import _prep_kernel
 from kda_sessions.kernels.moe.route import _route_decode_kernel
 from kda_sessions.kernels.moe.triton_moe import _down_direct_kernel, _up_direct_kernel
@@ -42,7 +42,7 @@ DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f3
                 "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32", "gw": bf, "gate": bf,
                 "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32", "stamps": "*i64"}
 DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
-                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "STAMPS": False, "PREFETCH": False}
+                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "STAMPS": False}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
                                                                   "HO": 0}),
@@ -63,9 +63,6 @@ out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, 
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
                        {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
-out["decode_prefetch_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "PREFETCH": True})
-out["matvec_loop_pdl"] = ptx(_matvec_loop_kernel, {"x": bf, "w": bf, "y": bf},
-                             {"I": 2304, "IA": 2048, "IB": 256, "BO": 4, "PDL": True})
 # with its clock stamps (``kernels.stamps``: bench/decode_48b.py --stamps)
 out["decode_stamps_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "STAMPS": True})
 # the MoE down kernel at one token with the residual add and norm after it (its last program: ``fused_moe_add_norm``),
@@ -106,8 +103,7 @@ def out() -> dict:
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
                         "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
-                        "decode_stamps_pdl", "moe_down_stamps_pdl", "route_stamps_pdl", "decode_prefetch_pdl",
-                        "matvec_loop_pdl"}
+                        "decode_stamps_pdl", "moe_down_stamps_pdl", "route_stamps_pdl"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -173,14 +169,7 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     assert sum("ld.global" in ln for ln in lines[: waits[0]]) >= 8
     assert not any("st.global" in ln for ln in lines[: waits[0]])
     pre, post = _before_wait(out["decode_pdl"])
-    # the KDA decode: the slot (the host's) is its one read before the wait; no write, no prefetch unless asked
-    assert sum("ld.global" in ln for ln in pre) == 1
-    assert not any("st.global" in ln or "atom" in ln or "prefetch" in ln for ln in pre)
-    assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
-    pre, _ = _before_wait(out["decode_prefetch_pdl"])  # decode_triton.PREFETCH: the L2 asked before the wait
-    assert sum("prefetch.global.L2" in ln for ln in pre) >= 6 and sum("ld.global" in ln for ln in pre) == 1
-    pre, post = _before_wait(out["matvec_loop_pdl"])  # matvec_triton.LOOP: the first block before the wait
-    assert any("ld.global" in ln for ln in pre) and not any("st.global" in ln for ln in pre)
+    assert not any("ld.global" in ln or "st.global" in ln or "atom" in ln for ln in pre)
     assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
 
 

@@ -27,19 +27,6 @@ def _check(N: int, O: int, I: int, dtype: torch.dtype, device: str, config=None)
     assert rel_rms(out.cpu(), ref) < (1e-6 if dtype == torch.float32 else 8e-3)
 
 
-@pytest.mark.parametrize("O,I", [(37, 300), (300, 256), (37, 4096)], ids=["rest-cols", "pow2-loops", "two-rows"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_looping_matvec_matches_the_twin(O, I, dtype, monkeypatch):
-    """``matvec_triton.LOOP``: a few programs (8 under the interpreter), each over several blocks of rows; the
-    columns split as a power of two and the rest (300 = 256 + 44), or a power of two alone."""
-    from kda_sessions.kernels.linear import matvec_triton
-
-    monkeypatch.setattr(matvec_triton, "LOOP", True)
-    IA, IB, _ = matvec_triton._loop_split(I)
-    assert IA + IB >= I and IA & (IA - 1) == 0 and (IB & (IB - 1)) == 0
-    _check(1, O, I, dtype, "cpu")
-
-
 @pytest.mark.parametrize("N", [1, 3, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_matvec_matches_the_twin(N, dtype):
