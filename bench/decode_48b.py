@@ -22,7 +22,7 @@ the logits by ~10%), so unpinned runs (``--greedy-pin off``) measure routing luc
 
     python bench/decode_48b.py --moe-tokens 1,8,2048 --greedy-steps 4 --profile --out $OUT/d.json   # on the device
     python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --moe-chain 1,8 --chain-sweep  # MoE slice
-    python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --stamps 131072  # phases of KDA, router, MoE down
+    python bench/decode_48b.py --cases= --moe-tokens= --greedy-steps 0 --stamps 131072  # phases, launch boundaries
     python bench/decode_48b.py --quick --device cpu                      # tiny sizes, to check the script
 """
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import re
@@ -898,6 +899,7 @@ STAMP_PHASES = {
                    "arrive_norm"],
     "route": ["wait", "norm", "logits", "arrive", "select"],
     "moe_down": ["wait", "experts", "arrive", "add_norm"],
+    "matvec": ["wait", "read"],
 }
 """The phases of the kernels that stamp (``kernels.stamps``), each ending at the next clock column of a program's
 row, as their docstrings list them. KDA decode: the wait for the launch before, the decay gate's logits (f_b's rows
@@ -905,7 +907,8 @@ times the low-rank input), the output gate's, the conv tails and input row read 
 the state slice read with the prediction summed, the update stored with o summed, then the arrival and (a head's
 last program) the gated norm. Router: the wait, the add and norm's sums of squares, the logits, the arrival, then
 (the last program) the top-k selection. MoE down: the wait, the experts' rows summed, the arrival, then (the last
-program) the residual add and norm."""
+program) the residual add and norm. Matvec (Triton's one-row projections): the wait (its weight slab requested
+before it), then x read, the products summed and stored."""
 
 
 def stamps_case(model: HybridModel, L: int, device: str, n: int = 5) -> dict:
@@ -921,24 +924,54 @@ def stamps_case(model: HybridModel, L: int, device: str, n: int = 5) -> dict:
     pages = -(-(L + 1) // P)
     pools = model.allocate_pools(1, pages, P)
     stamps.ROWS = rows = {}
+    stamps.LAUNCHES.clear()
     try:
         graphs = DecodeGraphs(model, pools, max_batch=1)
         args = ([1], [0], [L + 1], [list(range(pages))])
         graphs.run(*args)  # two warm-up steps and the captured one: the last third of each list is the graph's
         made = {k: len(v) for k, v in rows.items()}
         assert graphs.captures == 1 and all(v % 3 == 0 for v in made.values()), made
+        assert len(stamps.LAUNCHES) % 3 == 0
+        graph_launches = stamps.LAUNCHES[-len(stamps.LAUNCHES) // 3:]
         samples: dict[str, list[list[Tensor]]] = {k: [] for k in rows}
+        sequences: list[list[tuple[str, Tensor]]] = []
         for _ in range(n):
             graphs.run(*args)
             torch.cuda.synchronize()
             for k, v in rows.items():
                 samples[k].append([b.cpu() for b in v[-made[k] // 3:]])
+            sequences.append([(k, b.cpu()) for k, b in graph_launches])
         assert {k: len(v) for k, v in rows.items()} == made, "replays must not launch anew"
     finally:
         stamps.ROWS = None
+        stamps.LAUNCHES.clear()
     del graphs
     return {"context": L, "replays": n,
-            **{k: {"launches": made[k] // 3, **stamp_summary(v, STAMP_PHASES[k])} for k, v in samples.items()}}
+            **{k: {"launches": made[k] // 3, **stamp_summary(v, STAMP_PHASES[k])} for k, v in samples.items()},
+            "after_the_launch_before": boundary_summary(sequences)}
+
+
+def boundary_summary(sequences: list[list[tuple[str, Tensor]]]) -> dict:
+    """Each pair of stamped launches one right after the other in the step (another launch may run between, where
+    it is not a stamping kernel: MoE up, MLA's, cuBLAS's), by kernel names "before>after", medians over pairs and
+    replays, us against the end of the one before (its last program's): ``first_start`` when the later launch's
+    first program started (negative: it started early, PDL), ``first_past_wait`` when its first program left the
+    PDL wait, ``last_end`` its end."""
+    by: dict[str, dict[str, list[float]]] = {}
+    for seq in sequences:
+        times = []
+        for name, b in seq:
+            last = len(STAMP_PHASES[name]) + 2
+            g0, g1, c0, cw, ce = (b[:, i].double() for i in (0, 1, 2, 3, last))
+            ns_per_cycle = (g1 - g0) / (ce - c0).clamp(min=1)
+            times.append((name, float(g0.min()), float((g0 + (cw - c0) * ns_per_cycle).min()), float(g1.max())))
+        for (a, _, _, a_end), (b_name, b_start, b_wait, b_end) in itertools.pairwise(times):
+            d = by.setdefault(f"{a}>{b_name}", {"first_start": [], "first_past_wait": [], "last_end": []})
+            d["first_start"].append((b_start - a_end) / 1e3)
+            d["first_past_wait"].append((b_wait - a_end) / 1e3)
+            d["last_end"].append((b_end - a_end) / 1e3)
+    return {k: {"pairs": len(v["first_start"]) // len(sequences),
+                **{m: round(statistics.median(x), 2) for m, x in v.items()}} for k, v in by.items()}
 
 
 def stamp_summary(samples: list[list[Tensor]], phases: list[str]) -> dict:
@@ -1034,8 +1067,9 @@ def main() -> None:
                     help="a --moe-chain --chain-sweep JSON: mode fused-alt runs its fastest up and down tiles")
     ap.add_argument("--timeline", default="", help="contexts of a one-replay kernel timeline (batch 1), e.g. 131072")
     ap.add_argument("--stamps", default="",
-                    help="contexts (batch 1) at which to time the KDA decode, router and MoE down kernels' phases from "
-                         "clock stamps (kernels.stamps)")
+                    help="contexts (batch 1) at which to time the KDA decode, router, MoE down and matvec kernels' "
+                         "phases from clock stamps (kernels.stamps), and when each such launch starts against the "
+                         "end of the one before")
     ap.add_argument("--stamps-modes", default="fused", help="modes (--modes) of the --stamps runs, comma-separated")
     ap.add_argument("--read-rate", action="store_true", help="also time a copy and a read-only sum beyond the L2")
     ap.add_argument("--out", type=Path)

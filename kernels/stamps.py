@@ -28,16 +28,22 @@ WIDTH: tl.constexpr = tl.constexpr(16)
 ROWS: dict[str, list[Tensor]] | None = None
 """Bench only (``bench/decode_48b.py --stamps``): None, the kernels as shipped (no stamps compiled in); a dict,
 each stamping kernel's launches append their stamp buffers [programs, ``WIDTH``] int64 under the kernel's name
-(``kda_decode``, ``route``, ``moe_down``)."""
+(``kda_decode``, ``route``, ``moe_down``, ``matvec``)."""
+
+
+LAUNCHES: list[tuple[str, Tensor]] = []
+"""Bench only: every stamp buffer ``stamp_buffer`` made, with its kernel's name, in launch order (what the step's
+stamped launches did one after another: when each started against the end of the one before)."""
 
 
 def stamp_buffer(name: str, programs: int, device: torch.device) -> Tensor | None:
-    """A zeroed stamp buffer for a launch of kernel ``name`` of ``programs`` programs, added to ``ROWS``; None
-    (build the kernel without stamps) when ``ROWS`` is None or the device is not a GPU."""
+    """A zeroed stamp buffer for a launch of kernel ``name`` of ``programs`` programs, added to ``ROWS`` and
+    ``LAUNCHES``; None (build the kernel without stamps) when ``ROWS`` is None or the device is not a GPU."""
     if ROWS is None or device.type != "cuda":
         return None
     buf = torch.zeros(programs, int(WIDTH), dtype=torch.int64, device=device)
     ROWS.setdefault(name, []).append(buf)
+    LAUNCHES.append((name, buf))
     return buf
 
 
@@ -92,5 +98,5 @@ def store_max2_at(buf, row, i: tl.constexpr, readings):
     tl.store(buf + row.to(tl.int64) * WIDTH + i, tl.max(tl.max(readings, axis=1), axis=0))
 
 
-__all__ = ["ROWS", "WIDTH", "clock_after", "clock_now", "global_ns", "stamp_buffer", "store_at", "store_ends",
+__all__ = ["LAUNCHES", "ROWS", "WIDTH", "clock_after", "clock_now", "global_ns", "stamp_buffer", "store_at", "store_ends",
            "store_max2_at", "store_max_at"]

@@ -30,6 +30,7 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..moe.pdl import use_pdl
+from ..stamps import clock_now, global_ns, stamp_buffer, store_ends
 
 MAX_ROWS = 8
 """The most rows of x the kernel takes (one product and sum over the slab per row)."""
@@ -37,12 +38,19 @@ MAX_ROWS = 8
 
 @triton.jit
 def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, BO: tl.constexpr,
-                   BI: tl.constexpr, PDL: tl.constexpr = False, HO: tl.constexpr = 0, s_xh=0, s_wh=0):
+                   BI: tl.constexpr, PDL: tl.constexpr = False, HO: tl.constexpr = 0, s_xh=0, s_wh=0, stamps=None,
+                   STAMPS: tl.constexpr = False):
     """y[n, o] = w[o] . x[n] for the BO rows o of program_id(0). With HO > 0 the rows come in heads of HO (BO
     divides HO): row o is row o % HO of head o // HO (at w + head * s_wh) and multiplies x[n]'s head, at
     x + n * s_x + head * s_xh; y's rows stay flat, [N, heads * HO]. (Each row of x RMS-normed by every program
     itself, so that the norm after a layer's last launch could move into the next layer's input matvec: 84 us
-    slower a 1 x 128K step of the 48B shape, 2.515 ms against 2.431, H200, 2026-12-05.)"""
+    slower a 1 x 128K step of the 48B shape, 2.515 ms against 2.431, H200, 2026-12-05.)
+
+    With STAMPS (``kernels.stamps``) program i stores in row i of ``stamps``: [2] start, [3] after the wait, [4]
+    end."""
+    if STAMPS:
+        g_start = global_ns()
+        c_start = clock_now()
     ro = tl.program_id(0) * BO + tl.arange(0, BO)
     mo = ro < O
     k = tl.arange(0, BI)
@@ -58,9 +66,13 @@ def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, 
     if PDL:  # the weight is requested; x is the launch before's output
         gdc_launch_dependents()
         gdc_wait()
+    if STAMPS:
+        c_wait = clock_now()
     for n in tl.static_range(N):
         xv = tl.load(xh + n * s_x + k, mask=mk, other=0.0).to(tl.float32)
         tl.store(y + n * s_y + ro, tl.sum(wt * xv[None, :], axis=1).to(y.dtype.element_ty), mask=mo)
+    if STAMPS:
+        store_ends(stamps, tl.program_id(0), 4, g_start, c_start, c_wait)
 
 
 def matvec_config(N: int, O: int, I: int) -> tuple[int, int]:
@@ -80,8 +92,10 @@ def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -
     y = x.new_empty(N, O)
     BO, warps = config or matvec_config(N, O, I)
     pdl = use_pdl(x.device)
+    stamps = stamp_buffer("matvec", triton.cdiv(O, BO), x.device)
     _matvec_kernel[(triton.cdiv(O, BO),)](x, x.stride(0), w, w.stride(0), y, y.stride(0), O, I=I, N=N, BO=BO,
-                                          BI=triton.next_power_of_2(I), PDL=pdl, num_warps=warps,
+                                          BI=triton.next_power_of_2(I), PDL=pdl, stamps=stamps,
+                                          STAMPS=stamps is not None, num_warps=warps,
                                           **({"launch_pdl": True} if pdl else {}))
     return y
 
@@ -108,9 +122,11 @@ def head_matvec_triton(x: Tensor, w: Tensor) -> Tensor:
     y = x.new_empty(N, H, O)
     BO, warps = HEAD_ROWS if O % HEAD_ROWS == 0 else 1, 2
     pdl = use_pdl(x.device)
+    stamps = stamp_buffer("matvec", H * O // BO, x.device)
     _matvec_kernel[(H * O // BO,)](x, x.stride(0), w, w.stride(1), y, H * O, H * O, I=I, N=N, BO=BO,
                              BI=triton.next_power_of_2(I), PDL=pdl, HO=O, s_xh=x.stride(1), s_wh=w.stride(0),
-                             num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+                             stamps=stamps, STAMPS=stamps is not None, num_warps=warps,
+                             **({"launch_pdl": True} if pdl else {}))
     return y
 
 

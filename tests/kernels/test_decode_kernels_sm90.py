@@ -45,7 +45,7 @@ DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUND
                 "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "STAMPS": False}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
-                                                                  "HO": 0}),
+                                                                  "HO": 0, "STAMPS": False}),
     "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
                                "eps": "fp32"},
                 {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
@@ -55,13 +55,13 @@ out = {
 }
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
-                                                                     "PDL": True, "HO": 0})
+                                                                     "PDL": True, "HO": 0, "STAMPS": False})
 out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf,
                                      "q_pe": bf, "eps": "fp32"},
                       {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
                        "PDL": True})
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
-                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128})
+                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128, "STAMPS": False})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
 # with its clock stamps (``kernels.stamps``: bench/decode_48b.py --stamps)
 out["decode_stamps_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "STAMPS": True})
@@ -77,6 +77,8 @@ ROUTE_CONST = {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENO
                "PDL": True, "STAMPS": False}
 out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, DOWN_TYPES, DOWN_CONST)
 out["route_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, ROUTE_CONST)
+out["matvec_stamps_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf, "stamps": "*i64"},
+                               {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": True, "HO": 0, "STAMPS": True})
 out["moe_down_stamps_pdl"] = ptx(_down_direct_kernel, {**DOWN_TYPES, "stamps": "*i64"}, {**DOWN_CONST, "STAMPS": True})
 out["route_stamps_pdl"] = ptx(_route_decode_kernel, {**ROUTE_TYPES, "stamps": "*i64"}, {**ROUTE_CONST, "STAMPS": True})
 # the MoE up kernel at one token with the shared expert's rows read before the wait (``triton_moe.FIXED_FIRST``)
@@ -103,7 +105,8 @@ def out() -> dict:
 def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
                         "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
-                        "decode_stamps_pdl", "moe_down_stamps_pdl", "route_stamps_pdl"}
+                        "decode_stamps_pdl", "moe_down_stamps_pdl", "route_stamps_pdl",
+                        "matvec_stamps_pdl"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -176,12 +179,14 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
 def test_the_decode_kernels_stamp_only_when_asked(out):
     """Built with STAMPS: two globaltimer readings (start, end), a clock reading at each phase end, the first
     before the PDL wait; as shipped (STAMPS off): neither timer read."""
-    for name, clocks in (("decode_stamps_pdl", 9), ("moe_down_stamps_pdl", 5), ("route_stamps_pdl", 6)):
+    for name, clocks in (("decode_stamps_pdl", 9), ("moe_down_stamps_pdl", 5), ("route_stamps_pdl", 6),
+                         ("matvec_stamps_pdl", 3)):
         text = out[name]
         assert text.count("%globaltimer") == 2, name
         assert text.count("%clock64") >= clocks, name
         lines = text.splitlines()
         wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
         assert next(i for i, ln in enumerate(lines) if "%clock64" in ln) < wait, name
-    for name in ("decode", "decode_pdl", "decode_one_block", "moe_down_norm_pdl", "route_pdl"):
+    for name in ("decode", "decode_pdl", "decode_one_block", "moe_down_norm_pdl", "route_pdl", "matvec", "matvec_pdl",
+                 "heads_pdl"):
         assert "%clock64" not in out[name] and "%globaltimer" not in out[name], name

@@ -51,6 +51,31 @@ def test_matvec_matches_the_twin_on_cuda(N, shape):
 
 
 @pytest.mark.gpu
+def test_stamped_matvec_gives_the_same_bits_and_ordered_clocks(monkeypatch):
+    """``kernels.stamps.ROWS`` (bench/decode_48b.py --stamps): the matvec built with clock stamps gives the shipped
+    launch's bits, and every program's row is filled in order; the launch is in ``stamps.LAUNCHES``."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.kernels import stamps
+    from kda_sessions.kernels.linear.matvec_triton import matvec_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(1, 2304, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(12576, 2304, device="cuda", generator=gen) * 0.02).bfloat16()
+    plain = matvec_triton(x, w)
+    monkeypatch.setattr(stamps, "ROWS", {})
+    monkeypatch.setattr(stamps, "LAUNCHES", [])
+    stamped = matvec_triton(x, w)
+    assert torch.equal(plain, stamped)
+    (r,) = stamps.ROWS["matvec"]
+    assert [n for n, _ in stamps.LAUNCHES] == ["matvec"] and r.shape[0] == 12576
+    r = r.cpu()
+    assert (r[:, 1] > r[:, 0]).all()
+    c = r[:, 2:5]
+    assert (c[:, 1:] >= c[:, :-1]).all() and (c[:, -1] > c[:, 0]).all()
+
+
+@pytest.mark.gpu
 def test_matvec_chain_with_pdl_waits_for_the_launch_before():
     """A chain of matvecs, each reading the one before's output (on Hopper PDL launches that load their weight
     before they wait), eagerly and as CUDA-graph replays, against the chain with PDL off: the same values (a
