@@ -37,11 +37,14 @@ stamped launches did one after another: when each started against the end of the
 
 
 def stamp_buffer(name: str, programs: int, device: torch.device) -> Tensor | None:
-    """A zeroed stamp buffer for a launch of kernel ``name`` of ``programs`` programs, added to ``ROWS`` and
-    ``LAUNCHES``; None (build the kernel without stamps) when ``ROWS`` is None or the device is not a GPU."""
+    """A stamp buffer for a launch of kernel ``name`` of ``programs`` programs, added to ``ROWS`` and
+    ``LAUNCHES``; None (build the kernel without stamps) when ``ROWS`` is None or the device is not a GPU. Not
+    zeroed: every program of a stamping kernel stores its row's columns each run, and a fill would be one more
+    launch before the stamped one (in a graph, a node between two PDL launches: the stamped launch could no
+    longer start early, and its start against the launch before would measure the fill)."""
     if ROWS is None or device.type != "cuda":
         return None
-    buf = torch.zeros(programs, int(WIDTH), dtype=torch.int64, device=device)
+    buf = torch.empty(programs, int(WIDTH), dtype=torch.int64, device=device)
     ROWS.setdefault(name, []).append(buf)
     LAUNCHES.append((name, buf))
     return buf
