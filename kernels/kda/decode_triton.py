@@ -133,12 +133,21 @@ def _two_head_matvecs(x, w_rows, m, y, u_rows, mu, KF: tl.constexpr, BJ: tl.cons
 
 
 @triton.jit
+def _trigger_after(x):
+    """Lets the next launch start (``griddepcontrol.launch_dependents``) once this thread's values x (a float32
+    tensor) have arrived: an asm operand, so the instruction waits for them rather than for their loads' issue."""
+    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1\n\tmov.u32 $0, 0;", "=r,r",
+                              [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
     gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr, VF: tl.constexpr,
     BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
+    TRIGGER: tl.constexpr = 0,
 ):
     """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
@@ -174,7 +183,8 @@ def _decode_kernel(
         g_start = global_ns()
         c_start = clock_now()
     if PDL:
-        gdc_launch_dependents()  # the next launch reads nothing before its wait
+        if TRIGGER == 0:
+            gdc_launch_dependents()  # the next launch reads nothing before its wait
         gdc_wait()
     if STAMPS:
         c_wait = clock_now()
@@ -197,6 +207,8 @@ def _decode_kernel(
         gt = _log_decay(logit, dt_bias, A_log, lower_bound, h, rk, mk, K, BOUNDED)
         bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
         gzv = tl.load(nw + cv, mask=mv, other=0.0).to(tl.float32) * tl.sigmoid(z)
+        if PDL and TRIGGER == 1:
+            _trigger_after(gt)
         if STAMPS:
             c_gate = clock_after(gt)
             c_ogate = clock_after(gzv)
@@ -221,6 +233,10 @@ def _decode_kernel(
     qt = _conv_silu(x_row, q_acc, q_w, h * K + rk, mk)
     kt = _conv_silu(x_row, k_acc, k_w, H * K + h * K + rk, mk)
     vt = _conv_silu(x_row, v_acc, v_w, 2 * H * K + h * V + cv, mv)
+    if PDL and TRIGGER == 2:
+        _trigger_after(qt + kt + tl.sum(S, axis=1))
+    if PDL and TRIGGER == 1 and not (NORM and KF > 0 and VF == KF and BJO == BJ):
+        _trigger_after(qt + kt)  # the gates' other order: after their reads all the same
     if STAMPS:
         c_conv = clock_after(qt + kt)
     qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6) * scale
@@ -282,6 +298,11 @@ def _decode_kernel(
         store_max_at(stamps, r, 8, c_pred)
         store_max_at(stamps, r, 9, c_out)
 
+
+TRIGGER_AT = 0
+"""Where a PDL launch lets the next launch (the output projection's matvec, which loads its weight before its own
+wait) start: 0 at once, 1 once the gates' reads have arrived, 2 once the conv tails' and the state slice's have
+(so that the matvec's 18.9 MB do not queue ahead of this kernel's few reads)."""
 
 MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second axis, where the decode kernel puts one program per (sequence, head):
@@ -364,7 +385,7 @@ def kda_decode_triton(
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
         KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), NORM=out_norm is not None, VF=VF,
         BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl,
-        STAMPS=stamps is not None,
+        STAMPS=stamps is not None, TRIGGER=TRIGGER_AT,
         num_warps=num_warps, **launch,
     )
     return out

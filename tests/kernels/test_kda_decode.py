@@ -352,6 +352,22 @@ def test_pdl_launches_in_a_graph_match_plain_launches():
     assert rel_rms(outs[-1].float(), outs[0].float()) > 0.1  # the steps differ: a stale read would show
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("at", [1, 2])
+def test_a_later_trigger_changes_no_bit(monkeypatch, at):
+    """The KDA decode letting the output matvec start later (``decode_triton.TRIGGER_AT``) gives the chain's
+    outputs, states and tails bit for bit, as graph replays."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.kernels.kda import decode_triton
+
+    ref = _pdl_layers(3, graph=True)
+    monkeypatch.setattr(decode_triton, "TRIGGER_AT", at)
+    got = _pdl_layers(3, graph=True)
+    for a, b in zip(got, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 @pytest.mark.parametrize("norm", [False, True], ids=["o", "gated-norm"])
 def test_a_batch_above_the_grid_limit_runs_in_several_launches(monkeypatch, norm):
     """More sequences than the grid's second axis holds (``MAX_GRID_Y`` // H, lowered here to 1 and 2 a launch)
