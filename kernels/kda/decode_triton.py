@@ -25,6 +25,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..l2 import PIECE, l2_prefetch_share, prefetch_plan
 from ..moe.pdl import use_pdl
 from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_ends, store_max_at
 
@@ -143,11 +144,12 @@ def _trigger_after(x):
 @triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
-    gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps,
+    gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps, pf, pf_bytes, pf_share,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr, VF: tl.constexpr,
     BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
     TRIGGER: tl.constexpr = 0,
+    PF_PIECES: tl.constexpr = 0,
 ):
     """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
@@ -178,7 +180,15 @@ def _decode_kernel(
     With STAMPS (``kernels.stamps``) each program stores its phases' clock readings in its row of
     ``stamps`` (program nh * NV + iv): [2] start, [3] after the wait, [4] decay gate done, [5] output gate done,
     [6] conv done, [7] q and k normed, [8] state read and the prediction summed, [9] state updated and o summed,
-    [10] end (the arrival and the last program's norm included)."""
+    [10] end (the arrival and the last program's norm included).
+
+    With PF_PIECES > 0 the grid has one more column of programs (program_id(0) == NV), which only ask the L2 for
+    their shares of the pf_bytes at ``pf`` (``kernels.l2``: the next launch's weight) and end."""
+    NV: tl.constexpr = (V + BV - 1) // BV
+    if PF_PIECES > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if tl.program_id(0) == NV:
+            l2_prefetch_share(pf, pf_bytes, pf_share, tl.program_id(1), PF_PIECES, PIECE)
+            return
     if STAMPS:
         g_start = global_ns()
         c_start = clock_now()
@@ -193,7 +203,6 @@ def _decode_kernel(
     n = nh // H
     h = nh % H
     Dc: tl.constexpr = 2 * H * K + H * V
-    NV: tl.constexpr = (V + BV - 1) // BV
     slot = tl.load(slots + n).to(tl.int64)
     rk = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
@@ -303,6 +312,10 @@ TRIGGER_AT = 0
 """Where a PDL launch lets the next launch (the output projection's matvec, which loads its weight before its own
 wait) start: 0 at once, 1 once the gates' reads have arrived, 2 once the conv tails' and the state slice's have
 (so that the matvec's 18.9 MB do not queue ahead of this kernel's few reads)."""
+L2_PREFETCH = 0.0
+"""The fraction of ``l2_prefetch``'s bytes (the output projection's weight, which the next launch streams), its
+last, that a PDL launch asks the L2 for (``kernels.l2``): the rows of the matvec programs that are not resident
+while this kernel runs, and so load their rows only after it ends. 0: none."""
 
 MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second axis, where the decode kernel puts one program per (sequence, head):
@@ -328,6 +341,7 @@ def kda_decode_triton(
     lower_bound: float | None, state: Tensor, slots: Tensor, scale: float,
     out_norm: tuple[Tensor, Tensor, float] | None = None, gate_proj: Tensor | None = None,
     out_gate_proj: Tensor | None = None, config: tuple[int, int] | None = None, pdl: bool = False,
+    l2_prefetch: Tensor | None = None,
 ) -> Tensor:
     """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V], or
     with ``out_norm`` = (weight [V], gate [N, H*V] rows of unit column stride, eps) the gated norm of o. With
@@ -336,7 +350,8 @@ def kda_decode_triton(
     (BV, num_warps), default ``decode_launch_config``. ``pdl``: see ``kda_decode`` (on a device where
     ``kernels.moe.pdl.use_pdl``, else ignored). One launch (several above ``MAX_GRID_Y`` sequence-heads), on the
     device's ``head_counters`` where a head has several V blocks: launches that use them must not run
-    concurrently (one stream)."""
+    concurrently (one stream). ``l2_prefetch``: a contiguous tensor (the next launch's weight) that a PDL launch
+    asks the L2 for with one more program a sequence-head (``kernels.l2``), where ``L2_PREFETCH`` is on."""
     N, H = b.shape
     if N * H > MAX_GRID_Y:  # the decode kernel's grid holds N * H programs on its second axis: several launches
         per = MAX_GRID_Y // H
@@ -345,7 +360,7 @@ def kda_decode_triton(
                 qkv[i : i + per], raw[i : i + per], b[i : i + per], conv_weight, conv_state, A_log, dt_bias,
                 lower_bound, state, slots[i : i + per], scale,
                 None if out_norm is None else (out_norm[0], out_norm[1][i : i + per], out_norm[2]),
-                gate_proj, out_gate_proj, config, pdl,
+                gate_proj, out_gate_proj, config, pdl, l2_prefetch if i == 0 else None,
             )
             for i in range(0, N, per)
         ])
@@ -377,15 +392,16 @@ def kda_decode_triton(
             else (out, out)
     counter = head_counters(qkv.device, N * H) if NV > 1 else slots  # a placeholder pointer with one V block
     stamps = stamp_buffer("kda_decode", NV * N * H, qkv.device)
-    _decode_kernel[(NV, N * H)](
+    pf, pf_bytes, pf_share, pf_pieces = prefetch_plan(l2_prefetch if pdl else None, N * H, L2_PREFETCH)
+    _decode_kernel[(NV + (pf_pieces > 0), N * H)](
         qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
         conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
         gw, gw.stride(0), gate, gate.stride(0), nw, out, gz, float(eps), ogw, ogw.stride(0), counter,
-        slots if stamps is None else stamps,
+        slots if stamps is None else stamps, slots if pf is None else pf, pf_bytes, pf_share,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
         KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), NORM=out_norm is not None, VF=VF,
         BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl,
-        STAMPS=stamps is not None, TRIGGER=TRIGGER_AT,
+        STAMPS=stamps is not None, TRIGGER=TRIGGER_AT, PF_PIECES=pf_pieces,
         num_warps=num_warps, **launch,
     )
     return out
