@@ -245,9 +245,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared],
             **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
-               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
-            **{f"kda-trig{t}": [(_kda_dec_mod, "TRIGGER_AT", t)] for t in (0, 1, 2)},
-            **{f"kda-l2t{p}": [(_kda_dec_mod, "L2_PREFETCH", p / 100)] for p in (25, 40, 100)}}
+               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))}}
 
 
 FLAG_MODES = _flag_modes()
@@ -256,9 +254,7 @@ dense FFN in cuBLAS rather than as a one-expert MoE in the direct kernels (``ffn
 MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA merge letting W_uv's launch start
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
 expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
-``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``);
-``kda-trigT`` the KDA decode letting the next launch start at point T (``decode_triton.TRIGGER_AT``).
-``kda-l2tP`` the KDA decode asking the L2 for the last P% of o_proj's weight (``decode_triton.L2_PREFETCH``).
+``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 

@@ -116,8 +116,7 @@ class KDAAttention(nn.Module):
             # graph replays: 1 x 128K 2.453 ms a step against 2.486 without; 8 x 32K, o_proj in cuBLAS: 7.80 / 7.79)
             o = kda_decode(qkv, fa, b, conv_w, conv_state, self.A_log, self.dt_bias, self.lower_bound, state, slots,
                            out_norm=(self.o_norm.weight, ga, self.o_norm.eps), gate_proj=self.f_b_proj.weight,
-                           out_gate_proj=self.g_b_proj.weight, pdl=x.shape[0] <= MATVEC_MAX_ROWS,
-                           l2_prefetch=self.o_proj.weight)
+                           out_gate_proj=self.g_b_proj.weight, pdl=x.shape[0] <= MATVEC_MAX_ROWS)
             return linear(o.reshape(x.shape[0], self.H * self.V).to(x.dtype), self.o_proj.weight)
         # the kernels' public functions: Triton on CUDA, their naive twins on a CPU
         qkv, raw, b, og = self._projections_merged(x) if x.is_cuda else self._projections(x)

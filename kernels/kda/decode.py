@@ -33,7 +33,6 @@ def kda_decode(
     gate_proj: Tensor | None = None,
     out_gate_proj: Tensor | None = None,
     pdl: bool = False,
-    l2_prefetch: Tensor | None = None,
 ) -> Tensor:
     """One new token for each of N sequences.
 
@@ -55,8 +54,7 @@ def kda_decode(
     ``pdl`` (CUDA on Hopper, ``kernels.moe.pdl.use_pdl``; ignored elsewhere): it is a PDL launch
     that lets the next launch start at once and waits for the launch before it before it reads anything; worth it
     where the next launch loads something before its own wait (the model's output projection at one sequence, a
-    PDL matvec). ``l2_prefetch``: a contiguous tensor the next launch reads (its weight), which a PDL launch asks
-    the L2 for while it runs (``decode_triton.L2_PREFETCH``); a hint, ignored elsewhere.
+    PDL matvec).
     """
     N, H = b.shape
     S, H_, K, V = state.shape
@@ -99,7 +97,7 @@ def kda_decode(
 
         return kda_decode_triton(qkv, raw, b, conv_weight, conv_state, A_log.reshape(H), dt_bias.reshape(H * K),
                                  lower_bound, state, slots, float(scale), out_norm, gate_proj, out_gate_proj,
-                                 pdl=pdl, l2_prefetch=l2_prefetch)
+                                 pdl=pdl)
     if gate_proj is not None:
         raw = naive_linear(raw, gate_proj)
     o = naive_kda_decode(qkv, raw, b, conv_weight, conv_state, A_log, dt_bias, lower_bound, state, slots, scale)

@@ -25,7 +25,6 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..l2 import PIECE, l2_prefetch_share, prefetch_plan
 from ..moe.pdl import use_pdl
 from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_ends, store_max_at
 
@@ -134,22 +133,12 @@ def _two_head_matvecs(x, w_rows, m, y, u_rows, mu, KF: tl.constexpr, BJ: tl.cons
 
 
 @triton.jit
-def _trigger_after(x):
-    """Lets the next launch start (``griddepcontrol.launch_dependents``) once this thread's values x (a float32
-    tensor) have arrived: an asm operand, so the instruction waits for them rather than for their loads' issue."""
-    tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $1\n\tmov.u32 $0, 0;", "=r,r",
-                              [x.to(tl.int32, bitcast=True)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _decode_kernel(
     qkv, s_x, raw, s_raw, b, s_b, cw, s_cd, s_cw, conv, A_log, dt_bias, lower_bound, state, slots, o, scale, gw, s_gw,
-    gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps, pf, pf_bytes, pf_share,
+    gate, s_g, nw, y, gz, eps, ogw, s_ogw, counter, stamps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     BOUNDED: tl.constexpr, KF: tl.constexpr, BJ: tl.constexpr, NORM: tl.constexpr, VF: tl.constexpr,
     BJO: tl.constexpr, BVH: tl.constexpr, PDL: tl.constexpr = False, STAMPS: tl.constexpr = False,
-    TRIGGER: tl.constexpr = 0,
-    PF_PIECES: tl.constexpr = 0,
 ):
     """Program (V block, sequence n * H + head h). With PDL it lets the next launch start, then waits for the
     launch before before it reads anything. (Loading the state slice, the conv tails and the gate's rows before the
@@ -158,6 +147,18 @@ def _decode_kernel(
     2.42-2.44 ms a step against 2.44, and 51 us slower at 1 x 1M, 4.11 against 4.06. Reading only the slot, the
     conv tails and the conv's weights before the wait, their products summed there, a few registers: no faster,
     2.432 ms a 1 x 128K step against 2.431, H200, 2026-12-05.)
+
+    The next launch (o_proj's PDL matvec) starts with this one and loads its 18.9 MB of weight before its wait, so
+    those bytes queue ahead of this kernel's own reads: its gate phase takes 5.1 us against 2.5 without them, and
+    the matvec still ends 5.9 us after this launch (clock stamps, ``bench/decode_48b.py --stamps``: its 2,304 rows
+    do not all fit in the registers beside this launch, and the rest load after). Tried (H100, the 48B shape's first
+    16 layers, two alternations, 2026-12-06): letting the matvec start only once this kernel's gate reads have
+    arrived, or its state's: the gate phase 2.5 us but the conv's 2.0 -> 3.5 (or the arrival's 1.3 -> 3.9), the
+    matvec still 5.9 us after; the 1 x 128K step 1.8249 / 1.8234 ms -> 1.8311 / 1.8308 and 1.8306 / 1.8285, within
+    1 us at 1 x 1M and 8 x 32K. Asking the L2 for o_proj's weight from one more column of programs
+    (``cp.async.bulk.prefetch.L2``, before the wait): all of it 1.8236 / 1.8219 -> 1.8489 / 1.8482 ms, its last 40%
+    (the rows of the matvec programs not resident during this launch) 1.823 / 1.825 -> 1.838 / 1.838, its last 25%
+    1.831 / 1.832; the matvec's end after this launch 5.9 -> 5.1 us, this launch's gate phase 5.1 -> 6.7.
 
     After the wait it reads the gates' inputs and rows first (nothing of them waits on the slot), both gates'
     matvecs in one loop with their products summed once at the end, then the state slice with the conv tails (both
@@ -180,21 +181,12 @@ def _decode_kernel(
     With STAMPS (``kernels.stamps``) each program stores its phases' clock readings in its row of
     ``stamps`` (program nh * NV + iv): [2] start, [3] after the wait, [4] decay gate done, [5] output gate done,
     [6] conv done, [7] q and k normed, [8] state read and the prediction summed, [9] state updated and o summed,
-    [10] end (the arrival and the last program's norm included).
-
-    With PF_PIECES > 0 the grid has one more column of programs (program_id(0) == NV), which only ask the L2 for
-    their shares of the pf_bytes at ``pf`` (``kernels.l2``: the next launch's weight) and end."""
-    NV: tl.constexpr = (V + BV - 1) // BV
-    if PF_PIECES > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
-        if tl.program_id(0) == NV:
-            l2_prefetch_share(pf, pf_bytes, pf_share, tl.program_id(1), PF_PIECES, PIECE)
-            return
+    [10] end (the arrival and the last program's norm included)."""
     if STAMPS:
         g_start = global_ns()
         c_start = clock_now()
     if PDL:
-        if TRIGGER == 0:
-            gdc_launch_dependents()  # the next launch reads nothing before its wait
+        gdc_launch_dependents()  # the next launch reads nothing before its wait
         gdc_wait()
     if STAMPS:
         c_wait = clock_now()
@@ -203,6 +195,7 @@ def _decode_kernel(
     n = nh // H
     h = nh % H
     Dc: tl.constexpr = 2 * H * K + H * V
+    NV: tl.constexpr = (V + BV - 1) // BV
     slot = tl.load(slots + n).to(tl.int64)
     rk = tl.arange(0, BK)
     cv = iv * BV + tl.arange(0, BV)
@@ -216,8 +209,6 @@ def _decode_kernel(
         gt = _log_decay(logit, dt_bias, A_log, lower_bound, h, rk, mk, K, BOUNDED)
         bt = tl.sigmoid(tl.load(b + n.to(tl.int64) * s_b + h).to(tl.float32))
         gzv = tl.load(nw + cv, mask=mv, other=0.0).to(tl.float32) * tl.sigmoid(z)
-        if PDL and TRIGGER == 1:
-            _trigger_after(gt)
         if STAMPS:
             c_gate = clock_after(gt)
             c_ogate = clock_after(gzv)
@@ -242,10 +233,6 @@ def _decode_kernel(
     qt = _conv_silu(x_row, q_acc, q_w, h * K + rk, mk)
     kt = _conv_silu(x_row, k_acc, k_w, H * K + h * K + rk, mk)
     vt = _conv_silu(x_row, v_acc, v_w, 2 * H * K + h * V + cv, mv)
-    if PDL and TRIGGER == 2:
-        _trigger_after(qt + kt + tl.sum(S, axis=1))
-    if PDL and TRIGGER == 1 and not (NORM and KF > 0 and VF == KF and BJO == BJ):
-        _trigger_after(qt + kt)  # the gates' other order: after their reads all the same
     if STAMPS:
         c_conv = clock_after(qt + kt)
     qt = qt * tl.rsqrt(tl.sum(qt * qt, axis=0) + 1e-6) * scale
@@ -308,15 +295,6 @@ def _decode_kernel(
         store_max_at(stamps, r, 9, c_out)
 
 
-TRIGGER_AT = 0
-"""Where a PDL launch lets the next launch (the output projection's matvec, which loads its weight before its own
-wait) start: 0 at once, 1 once the gates' reads have arrived, 2 once the conv tails' and the state slice's have
-(so that the matvec's 18.9 MB do not queue ahead of this kernel's few reads)."""
-L2_PREFETCH = 0.0
-"""The fraction of ``l2_prefetch``'s bytes (the output projection's weight, which the next launch streams), its
-last, that a PDL launch asks the L2 for (``kernels.l2``): the rows of the matvec programs that are not resident
-while this kernel runs, and so load their rows only after it ends. 0: none."""
-
 MAX_GRID_Y = 65535
 """CUDA's limit on a launch grid's second axis, where the decode kernel puts one program per (sequence, head):
 ``kda_decode_triton`` splits a larger batch (at H 32: 2,047 sequences a launch)."""
@@ -341,7 +319,6 @@ def kda_decode_triton(
     lower_bound: float | None, state: Tensor, slots: Tensor, scale: float,
     out_norm: tuple[Tensor, Tensor, float] | None = None, gate_proj: Tensor | None = None,
     out_gate_proj: Tensor | None = None, config: tuple[int, int] | None = None, pdl: bool = False,
-    l2_prefetch: Tensor | None = None,
 ) -> Tensor:
     """Shapes as :func:`kda_sessions.kernels.kda.decode.kda_decode` (validated there). Returns o [N, H, V], or
     with ``out_norm`` = (weight [V], gate [N, H*V] rows of unit column stride, eps) the gated norm of o. With
@@ -350,8 +327,7 @@ def kda_decode_triton(
     (BV, num_warps), default ``decode_launch_config``. ``pdl``: see ``kda_decode`` (on a device where
     ``kernels.moe.pdl.use_pdl``, else ignored). One launch (several above ``MAX_GRID_Y`` sequence-heads), on the
     device's ``head_counters`` where a head has several V blocks: launches that use them must not run
-    concurrently (one stream). ``l2_prefetch``: a contiguous tensor (the next launch's weight) that a PDL launch
-    asks the L2 for with one more program a sequence-head (``kernels.l2``), where ``L2_PREFETCH`` is on."""
+    concurrently (one stream)."""
     N, H = b.shape
     if N * H > MAX_GRID_Y:  # the decode kernel's grid holds N * H programs on its second axis: several launches
         per = MAX_GRID_Y // H
@@ -360,7 +336,7 @@ def kda_decode_triton(
                 qkv[i : i + per], raw[i : i + per], b[i : i + per], conv_weight, conv_state, A_log, dt_bias,
                 lower_bound, state, slots[i : i + per], scale,
                 None if out_norm is None else (out_norm[0], out_norm[1][i : i + per], out_norm[2]),
-                gate_proj, out_gate_proj, config, pdl, l2_prefetch if i == 0 else None,
+                gate_proj, out_gate_proj, config, pdl,
             )
             for i in range(0, N, per)
         ])
@@ -392,16 +368,15 @@ def kda_decode_triton(
             else (out, out)
     counter = head_counters(qkv.device, N * H) if NV > 1 else slots  # a placeholder pointer with one V block
     stamps = stamp_buffer("kda_decode", NV * N * H, qkv.device)
-    pf, pf_bytes, pf_share, pf_pieces = prefetch_plan(l2_prefetch if pdl else None, N * H, L2_PREFETCH)
-    _decode_kernel[(NV + (pf_pieces > 0), N * H)](
+    _decode_kernel[(NV, N * H)](
         qkv, qkv.stride(0), raw, raw.stride(0), b, b.stride(0), conv_weight, conv_weight.stride(0),
         conv_weight.stride(1), conv_state, A_log, dt_bias, float(lower_bound or 0.0), state, slots, o, scale,
         gw, gw.stride(0), gate, gate.stride(0), nw, out, gz, float(eps), ogw, ogw.stride(0), counter,
-        slots if stamps is None else stamps, slots if pf is None else pf, pf_bytes, pf_share,
+        slots if stamps is None else stamps,
         H=H, K=K, V=V, W=W, BK=triton.next_power_of_2(K), BV=BV, BOUNDED=lower_bound is not None,
         KF=KF, BJ=min(32, triton.next_power_of_2(max(KF, 1))), NORM=out_norm is not None, VF=VF,
         BJO=min(32, triton.next_power_of_2(max(VF, 1))), BVH=triton.next_power_of_2(V), PDL=pdl,
-        STAMPS=stamps is not None, TRIGGER=TRIGGER_AT, PF_PIECES=pf_pieces,
+        STAMPS=stamps is not None,
         num_warps=num_warps, **launch,
     )
     return out

@@ -40,11 +40,9 @@ bf, f32 = "*bf16", "*fp32"
 # blocks a head (the last to arrive shifts the q/k tails and norms); "decode_one_block": one block a head
 DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
                 "lower_bound": "fp32", "state": f32, "slots": "*i32", "o": bf, "scale": "fp32", "gw": bf, "gate": bf,
-                "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32", "stamps": "*i64",
-                "pf": bf}
+                "nw": bf, "y": bf, "gz": f32, "eps": "fp32", "ogw": bf, "counter": "*i32", "stamps": "*i64"}
 DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUNDED": False, "KF": 128, "BJ": 32,
-                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "STAMPS": False, "TRIGGER": 0,
-                "PF_PIECES": 0}
+                "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "STAMPS": False}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
                                                                   "HO": 0, "STAMPS": False}),
@@ -67,11 +65,6 @@ out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
 # with its clock stamps (``kernels.stamps``: bench/decode_48b.py --stamps)
 out["decode_stamps_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "STAMPS": True})
-# letting the next launch start later (``decode_triton.TRIGGER_AT``)
-out["decode_trigger1_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "TRIGGER": 1})
-out["decode_trigger2_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "TRIGGER": 2})
-# with an L2 prefetch of the next launch's weight (``kernels.l2``, ``decode_triton.L2_PREFETCH``)
-out["decode_l2_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "PF_PIECES": 10})
 # the MoE down kernel at one token with the residual add and norm after it (its last program: ``fused_moe_add_norm``),
 # and the decode router at one token with its norm (the add and norm before a MoE layer)
 DOWN_TYPES = {"act": bf, "w2": bf, "y": bf, "chosen": "*i64", "route_w": bf, "res": bf, "norm_w": bf, "s_out": bf,
@@ -113,7 +106,7 @@ def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
                         "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
                         "decode_stamps_pdl", "moe_down_stamps_pdl", "route_stamps_pdl",
-                        "matvec_stamps_pdl", "decode_trigger1_pdl", "decode_trigger2_pdl", "decode_l2_pdl"}
+                        "matvec_stamps_pdl"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -181,29 +174,6 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     pre, post = _before_wait(out["decode_pdl"])
     assert not any("ld.global" in ln or "st.global" in ln or "atom" in ln for ln in pre)
     assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
-
-
-def test_the_kda_decode_lets_the_next_launch_start_where_told(out):
-    """TRIGGER 1 / 2: the launch_dependents come after the wait and after loads (the gates', or the conv tails' and
-    the state's too), with no other trigger before the wait."""
-    for name in ("decode_trigger1_pdl", "decode_trigger2_pdl"):
-        lines = out[name].splitlines()
-        wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
-        trig = [i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln]
-        assert trig and min(trig) > wait, name
-        assert sum("ld.global" in ln for ln in lines[wait : min(trig)]) >= 4, name
-
-
-def test_the_kda_decode_asks_the_l2_only_when_told(out):
-    """With PF_PIECES the extra programs' bulk L2 prefetches (one a piece, thread 0 only) come before any wait and
-    before the kernel reads anything; without it, no prefetch at all."""
-    lines = out["decode_l2_pdl"].splitlines()
-    pf = [i for i, ln in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in ln]
-    wait = next(i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln)
-    assert len(pf) == 10 and max(pf) < wait
-    assert not any("ld.global" in ln for ln in lines[: max(pf)])
-    for name in ("decode", "decode_pdl", "decode_one_block", "decode_stamps_pdl"):
-        assert "prefetch" not in out[name], name
 
 
 def test_the_decode_kernels_stamp_only_when_asked(out):
