@@ -163,8 +163,10 @@ def _decode_kernel(
     After the wait it reads the gates' inputs and rows first (nothing of them waits on the slot), both gates'
     matvecs in one loop with their products summed once at the end, then the state slice with the conv tails (both
     wait on the slot alone). Clock stamps (``kernels.stamps``) of the order before, H100, the 48B shape's first 16
-    layers, 1 x 128K: conv 3.4 us, decay gate 2.0, output gate 1.1, state read 1.2, update 0.8, arrival and norm
-    1.3, a launch 11.0-11.5 us; the gates first in one loop: 10.0 us, the step 1.939 / 1.935 / 1.937 ms -> 1.915 /
+    layers, 1 x 128K, with a fill launch before each stamped one then (so o_proj's matvec could not start early):
+    conv 3.4 us, decay gate 2.0, output gate 1.1, state read 1.2, update 0.8, arrival and norm 1.3, a launch
+    11.0-11.5 us; the gates first in one loop: 10.0 us (11.5 in the step as it runs, o_proj's matvec loading beside
+    it), the step 1.939 / 1.935 / 1.937 ms -> 1.915 /
     1.915 / 1.917 at 1 x 128K and 3.266 / 3.262 / 3.258 -> 3.239 / 3.243 / 3.240 at 1 x 1M, three alternations
     (``bench/decode_48b.py --layers 16 --cases 1x131072,1x1048576``, 2026-12-06). The gates first as two matvecs:
     half of that (-14 us); the state's load moved up alone, the gates after the conv: +36 us; the matvecs' products

@@ -13,8 +13,9 @@ early (the MoE down kernel, KDA's decode kernels) the weight streams while it en
 start at once: theirs are PDL launches that read only weights before their wait (or plain launches).
 
 One row of x is many more programs than the GPU holds at once (12,576 for KDA's input), so the launch after starts
-only as the last ones do: the KDA decode kernel's programs reach their wait after this launch has ended (clock
-stamps: 0.0 us waited). Tried (H100, the 48B shape's first 16 layers, two alternations, 2026-12-06): every one-row
+only as the last ones do: the KDA decode kernel's first programs start 0.5 us before this launch ends and leave
+their wait 0.3 us after it (clock stamps, ``bench/decode_48b.py --stamps``, H100, 16 layers of the 48B shape,
+1 x 128K). Tried (H100, the 48B shape's first 16 layers, two alternations, 2026-12-06): every one-row
 matvec on 2 or 3 programs a multiprocessor, each looping over blocks of 4 rows (8,192 columns), the next block
 requested before the current one's sums, all resident from the start: the 1 x 128K step 1.927 / 1.922 ms ->
 1.962 / 1.958 (2 a multiprocessor) and 1.933 / 1.933 (3); at 1 x 1M 3.254 / 3.246 -> 3.282 / 3.280 and 3.255 /
