@@ -68,6 +68,7 @@ from kda_sessions.kernels.moe.triton_moe import (
 )
 from kda_sessions.kernels.norm import add_rms_norm
 from kda_sessions.model import HybridModel
+from kda_sessions.model import kda as _kda_model_mod
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs
 from kda_sessions.model.loader import FP32_PARAMS
@@ -247,6 +248,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
                for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
             "mv-packed": [(_matvec_mod, "PACKED", True)],
+            "kda-ahead": [(_kda_model_mod, "L2_AHEAD", True)],
             **{f"mv-p{bo}w{w}o": [(_matvec_mod, "PACKED", True), (_matvec_mod, "PACKED_CONFIG", {(2304, 4096): (bo, w)})]
                for bo, w in ((8, 8), (4, 8), (2, 4))}}
 

@@ -25,14 +25,20 @@ requested before the current one's sums, all resident from the start: the 1 x 12
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from ..l2 import PIECE_BYTES as _PIECE
+from ..l2 import PROGRAMS_A_RANGE, l2_prefetch_job, prefetch_args
 from ..moe.pdl import use_pdl
 from ..stamps import clock_now, global_ns, stamp_buffer, store_ends
+
+PIECE_BYTES: tl.constexpr = tl.constexpr(_PIECE)
 
 MAX_ROWS = 8
 """The most rows of x the kernel takes (one product and sum over the slab per row)."""
@@ -41,7 +47,9 @@ MAX_ROWS = 8
 @triton.jit
 def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, BO: tl.constexpr,
                    BI: tl.constexpr, PDL: tl.constexpr = False, HO: tl.constexpr = 0, s_xh=0, s_wh=0, stamps=None,
-                   STAMPS: tl.constexpr = False, PACKED: tl.constexpr = False):
+                   STAMPS: tl.constexpr = False, PACKED: tl.constexpr = False, slot_ptr=None, b0=0, r0=0, n0=0,
+                   b1=0, r1=0, n1=0, b2=0, r2=0, n2=0, b3=0, r3=0, n3=0, AHEAD: tl.constexpr = 0,
+                   APROG: tl.constexpr = 1, APIECES: tl.constexpr = 0):
     """y[n, o] = w[o] . x[n] for the BO rows o of program_id(0). With HO > 0 the rows come in heads of HO (BO
     divides HO): row o is row o % HO of head o // HO (at w + head * s_wh) and multiplies x[n]'s head, at
     x + n * s_x + head * s_xh; y's rows stay flat, [N, heads * HO]. (Each row of x RMS-normed by every program
@@ -53,8 +61,16 @@ def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, 
     from its halves (a bfloat16's float32 is its bits shifted up), so a program holds its rows in half the
     registers of float32 and more programs are resident at once.
 
+    With AHEAD > 0 the grid's last AHEAD programs only ask the L2 for the ranges (b_i, r_i, n_i) that a later
+    launch reads (``kernels.l2.l2_prefetch_job``) and end.
+
     With STAMPS (``kernels.stamps``) program i stores in row i of ``stamps``: [2] start, [3] after the wait, [4]
     end."""
+    if AHEAD > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
+        if tl.program_id(0) >= tl.num_programs(0) - AHEAD:
+            l2_prefetch_job(tl.program_id(0) - (tl.num_programs(0) - AHEAD), slot_ptr, b0, r0, n0, b1, r1, n1, b2,
+                            r2, n2, b3, r3, n3, APROG, APIECES, PIECE_BYTES)
+            return
     if STAMPS:
         g_start = global_ns()
         c_start = clock_now()
@@ -116,9 +132,11 @@ def _pairs(t: Tensor) -> Tensor | None:
     return t.view(torch.int32)
 
 
-def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -> Tensor:
+def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None,
+                  ahead: Sequence[tuple[Tensor, Tensor | None]] | None = None) -> Tensor:
     """x [N, I] (unit column stride, 1 <= N <= MAX_ROWS), w [O, I] (unit column stride) -> y [N, O] in x's dtype.
-    ``config``: (BO, num_warps), default ``matvec_config``."""
+    ``config``: (BO, num_warps), default ``matvec_config``. ``ahead``: ranges a later launch reads, which a PDL
+    launch asks the L2 for (``kernels.l2.prefetch_args``); ignored without PDL."""
     N, I = x.shape
     O = w.shape[0]
     y = x.new_empty(N, O)
@@ -129,10 +147,15 @@ def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -
     assert xa is not None and wa is not None
     pdl = use_pdl(x.device)
     stamps = stamp_buffer("matvec", triton.cdiv(O, BO), x.device)
-    _matvec_kernel[(triton.cdiv(O, BO),)](xa, xa.stride(0), wa, wa.stride(0), y, y.stride(0), O, I=Ia, N=N, BO=BO,
-                                          BI=triton.next_power_of_2(Ia), PDL=pdl, stamps=stamps,
-                                          STAMPS=stamps is not None, PACKED=packed, num_warps=warps,
-                                          **({"launch_pdl": True} if pdl else {}))
+    extra, pf, pieces = prefetch_args(ahead if pdl else None)
+    slot_ptr = next((sl for _, sl in ahead or () if sl is not None), x)
+    _matvec_kernel[(triton.cdiv(O, BO) + extra,)](xa, xa.stride(0), wa, wa.stride(0), y, y.stride(0), O, I=Ia, N=N,
+                                                  BO=BO, BI=triton.next_power_of_2(Ia), PDL=pdl, stamps=stamps,
+                                                  STAMPS=stamps is not None, PACKED=packed, slot_ptr=slot_ptr,
+                                                  b0=pf[0], r0=pf[1], n0=pf[2], b1=pf[3], r1=pf[4], n1=pf[5],
+                                                  b2=pf[6], r2=pf[7], n2=pf[8], b3=pf[9], r3=pf[10], n3=pf[11],
+                                                  AHEAD=extra, APROG=PROGRAMS_A_RANGE, APIECES=pieces,
+                                                  num_warps=warps, **({"launch_pdl": True} if pdl else {}))
     return y
 
 

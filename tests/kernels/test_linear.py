@@ -69,6 +69,28 @@ def test_matvec_matches_the_twin_on_cuda(N, shape, packed, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_a_matvec_asking_the_l2_for_later_bytes_gives_the_same_bits():
+    """``matvec_triton(..., ahead=...)``: the extra programs that ask the L2 for a whole tensor and for one slot's
+    row of a pool change no output bit, in a PDL launch, and leave both tensors as they were."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.kernels.linear.matvec_triton import matvec_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(1, 2304, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(12576, 2304, device="cuda", generator=gen).bfloat16()
+    pool = torch.randn(4, 32, 128, 128, device="cuda", generator=gen)
+    gate = torch.randn(4096, 128, device="cuda", generator=gen).bfloat16()
+    slots = torch.tensor([2], device="cuda")
+    before = (pool.clone(), gate.clone())
+    plain = matvec_triton(x, w)
+    asked = matvec_triton(x, w, ahead=[(gate, None), (pool, slots)])
+    torch.cuda.synchronize()
+    assert torch.equal(plain, asked)
+    assert torch.equal(pool, before[0]) and torch.equal(gate, before[1])
+
+
+@pytest.mark.gpu
 def test_stamped_matvec_gives_the_same_bits_and_ordered_clocks(monkeypatch):
     """``kernels.stamps.ROWS`` (bench/decode_48b.py --stamps): the matvec built with clock stamps gives the shipped
     launch's bits, and every program's row is filled in order; the launch is in ``stamps.LAUNCHES``."""
