@@ -249,6 +249,8 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
                for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
             "mv-packed": [(_matvec_mod, "PACKED", True)],
             "kda-ahead": [(_kda_model_mod, "L2_AHEAD", True)],
+            "kda-ahead-p8": [(_kda_model_mod, "L2_AHEAD", True), (_matvec_mod, "PACKED", True),
+                             (_matvec_mod, "PACKED_CONFIG", {(2304, 4096): (8, 8)})],
             **{f"mv-p{bo}w{w}o": [(_matvec_mod, "PACKED", True), (_matvec_mod, "PACKED_CONFIG", {(2304, 4096): (bo, w)})]
                for bo, w in ((8, 8), (4, 8), (2, 4))}}
 
