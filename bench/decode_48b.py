@@ -68,7 +68,6 @@ from kda_sessions.kernels.moe.triton_moe import (
 )
 from kda_sessions.kernels.norm import add_rms_norm
 from kda_sessions.model import HybridModel
-from kda_sessions.model import kda as _kda_model_mod
 from kda_sessions.model.ffn import MoE
 from kda_sessions.model.graphs import DecodeGraphs
 from kda_sessions.model.loader import FP32_PARAMS
@@ -246,13 +245,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared],
             **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
-               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
-            "mv-packed": [(_matvec_mod, "PACKED", True)],
-            "kda-ahead": [(_kda_model_mod, "L2_AHEAD", True)],
-            "kda-ahead-p8": [(_kda_model_mod, "L2_AHEAD", True), (_matvec_mod, "PACKED", True),
-                             (_matvec_mod, "PACKED_CONFIG", {(2304, 4096): (8, 8)})],
-            **{f"mv-p{bo}w{w}o": [(_matvec_mod, "PACKED", True), (_matvec_mod, "PACKED_CONFIG", {(2304, 4096): (bo, w)})]
-               for bo, w in ((8, 8), (4, 8), (2, 4))}}
+               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))}}
 
 
 FLAG_MODES = _flag_modes()
@@ -261,9 +254,7 @@ dense FFN in cuBLAS rather than as a one-expert MoE in the direct kernels (``ffn
 MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA merge letting W_uv's launch start
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
 expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
-``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``);
-``mv-packed`` (an option to turn on) the matvecs' bfloat16 weight slabs held as int32 pairs (``matvec_triton.PACKED``),
-``mv-pBwWo`` that and the output projections' (2304 x 4096) on B rows a program and W warps (``PACKED_CONFIG``).
+``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 

@@ -29,11 +29,6 @@ shape, graph replays of the decode with the gate projections inside against the 
 15.4 against 16.4 at 8, but 54.2 against 52.5 at 32 (every program re-reads its head's [K, K] rows)."""
 
 
-
-L2_AHEAD = False
-"""Bench option (``bench/decode_48b.py`` mode ``kda-ahead``): at one sequence the layer's input matvec asks the L2
-for the bytes of the KDA decode's chain of reads (``kernels.l2``)."""
-
 class KDAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -114,11 +109,7 @@ class KDAAttention(nn.Module):
         if x.is_cuda and self.fused_decode:
             Dc, K = self.conv_dim, self.K
             w_in, _, conv_w = self._gpu.get()
-            # [N, Dc + K + V + H]: q | k | v | f_a | g_a | b; with L2_AHEAD at one sequence the matvec asks the L2
-            # for what kda_decode's chain then reads (its gate rows, the state slice, the conv tails)
-            ahead = [(self.f_b_proj.weight, None), (self.g_b_proj.weight, None), (state, slots), (conv_state, slots)] \
-                if L2_AHEAD and x.shape[0] == 1 else None
-            y = linear(x, w_in, ahead=ahead)
+            y = linear(x, w_in)  # [N, Dc + K + V + H]: q | k | v | f_a | g_a | b
             qkv, fa, ga, b = y[:, :Dc], y[:, Dc : Dc + K], y[:, Dc + K : Dc + K + self.V], y[:, Dc + K + self.V :]
             # [N, H, V]: f_b, g_b, the output norm and gate inside kda_decode's one launch
             # a PDL launch where o_proj is a PDL matvec, which then loads its weight while it runs (H200, 48B shape,

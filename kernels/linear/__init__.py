@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -21,17 +19,16 @@ cuBLAS leads on the wider weights (KDA's input 19.8 / 18.5 at two, 30.4 / 18.7 a
 cuBLAS's 174 plus its cast's 4.6 (a 1 x 1M step 25 us slower)."""
 
 
-def linear(x: Tensor, w: Tensor, ahead: Sequence[tuple[Tensor, Tensor | None]] | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor) -> Tensor:
     """x [N, I] @ w [O, I]^T -> [N, O] in x's dtype (a linear layer's weight as stored, no bias), float32 sums.
-    Either operand may be a row slice of a larger tensor; its columns must be contiguous. ``ahead``: bytes a later
-    launch reads, which the Triton matvec asks the L2 for (``matvec_triton``); a hint, ignored elsewhere."""
+    Either operand may be a row slice of a larger tensor; its columns must be contiguous."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [N, I] and w [O, I] with the same I, got {tuple(x.shape)}, {tuple(w.shape)}")
     if x.is_cuda and 1 <= x.shape[0] <= MATVEC_MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 \
             and x.dtype == w.dtype:
         from .matvec_triton import matvec_triton
 
-        return matvec_triton(x, w, ahead=ahead)
+        return matvec_triton(x, w)
     return F.linear(x, w)
 
 

@@ -25,20 +25,13 @@ requested before the current one's sums, all resident from the start: the 1 x 12
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from ..l2 import PIECE_BYTES as _PIECE
-from ..l2 import PROGRAMS_A_RANGE, l2_prefetch_job, prefetch_args
 from ..moe.pdl import use_pdl
 from ..stamps import clock_now, global_ns, stamp_buffer, store_ends
-
-PIECE_BYTES: tl.constexpr = tl.constexpr(_PIECE)
 
 MAX_ROWS = 8
 """The most rows of x the kernel takes (one product and sum over the slab per row)."""
@@ -47,30 +40,15 @@ MAX_ROWS = 8
 @triton.jit
 def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, BO: tl.constexpr,
                    BI: tl.constexpr, PDL: tl.constexpr = False, HO: tl.constexpr = 0, s_xh=0, s_wh=0, stamps=None,
-                   STAMPS: tl.constexpr = False, PACKED: tl.constexpr = False, slot_ptr=None, b0=0, r0=0, n0=0,
-                   b1=0, r1=0, n1=0, b2=0, r2=0, n2=0, b3=0, r3=0, n3=0, AHEAD: tl.constexpr = 0,
-                   APROG: tl.constexpr = 1, APIECES: tl.constexpr = 0):
+                   STAMPS: tl.constexpr = False):
     """y[n, o] = w[o] . x[n] for the BO rows o of program_id(0). With HO > 0 the rows come in heads of HO (BO
     divides HO): row o is row o % HO of head o // HO (at w + head * s_wh) and multiplies x[n]'s head, at
     x + n * s_x + head * s_xh; y's rows stay flat, [N, heads * HO]. (Each row of x RMS-normed by every program
     itself, so that the norm after a layer's last launch could move into the next layer's input matvec: 84 us
     slower a 1 x 128K step of the 48B shape, 2.515 ms against 2.431, H200, 2026-12-05.)
 
-    With PACKED, x and w are bfloat16 rows viewed as int32 pairs (I, BI and the strides in pairs: I = the pairs a
-    row): the slab stays packed in the registers until after the wait, and each pair's two products are formed
-    from its halves (a bfloat16's float32 is its bits shifted up), so a program holds its rows in half the
-    registers of float32 and more programs are resident at once.
-
-    With AHEAD > 0 the grid's last AHEAD programs only ask the L2 for the ranges (b_i, r_i, n_i) that a later
-    launch reads (``kernels.l2.l2_prefetch_job``) and end.
-
     With STAMPS (``kernels.stamps``) program i stores in row i of ``stamps``: [2] start, [3] after the wait, [4]
     end."""
-    if AHEAD > 0:  # noqa: SIM102 (a constexpr test, then a runtime one)
-        if tl.program_id(0) >= tl.num_programs(0) - AHEAD:
-            l2_prefetch_job(tl.program_id(0) - (tl.num_programs(0) - AHEAD), slot_ptr, b0, r0, n0, b1, r1, n1, b2,
-                            r2, n2, b3, r3, n3, APROG, APIECES, PIECE_BYTES)
-            return
     if STAMPS:
         g_start = global_ns()
         c_start = clock_now()
@@ -85,24 +63,15 @@ def _matvec_kernel(x, s_x, w, s_w, y, s_y, O, I: tl.constexpr, N: tl.constexpr, 
     else:
         w_rows = w + ro.to(tl.int64)[:, None] * s_w
         xh = x
-    if PACKED:
-        wp = tl.load(w_rows + k[None, :], mask=mo[:, None] & mk[None, :], other=0)  # [BO, BI] int32 pairs
-    else:
-        wt = tl.load(w_rows + k[None, :], mask=mo[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [BO, BI]
+    wt = tl.load(w_rows + k[None, :], mask=mo[:, None] & mk[None, :], other=0.0).to(tl.float32)  # [BO, BI]
     if PDL:  # the weight is requested; x is the launch before's output
         gdc_launch_dependents()
         gdc_wait()
     if STAMPS:
         c_wait = clock_now()
     for n in tl.static_range(N):
-        if PACKED:
-            xp = tl.load(xh + n * s_x + k, mask=mk, other=0)
-            lo = (wp << 16).to(tl.float32, bitcast=True) * (xp << 16).to(tl.float32, bitcast=True)[None, :]
-            hi = (wp & -65536).to(tl.float32, bitcast=True) * (xp & -65536).to(tl.float32, bitcast=True)[None, :]
-            tl.store(y + n * s_y + ro, tl.sum(lo + hi, axis=1).to(y.dtype.element_ty), mask=mo)
-        else:
-            xv = tl.load(xh + n * s_x + k, mask=mk, other=0.0).to(tl.float32)
-            tl.store(y + n * s_y + ro, tl.sum(wt * xv[None, :], axis=1).to(y.dtype.element_ty), mask=mo)
+        xv = tl.load(xh + n * s_x + k, mask=mk, other=0.0).to(tl.float32)
+        tl.store(y + n * s_y + ro, tl.sum(wt * xv[None, :], axis=1).to(y.dtype.element_ty), mask=mo)
     if STAMPS:
         store_ends(stamps, tl.program_id(0), 4, g_start, c_start, c_wait)
 
@@ -116,46 +85,19 @@ def matvec_config(N: int, O: int, I: int) -> tuple[int, int]:
     return 1, 2
 
 
-PACKED = False
-"""Whether bfloat16 matvecs hold their weight slabs as int32 pairs (``_matvec_kernel``'s PACKED), where the rows
-allow it (even widths, strides and offsets)."""
-
-PACKED_CONFIG: dict[tuple[int, int], tuple[int, int]] = {}
-"""(BO, num_warps) of packed matvecs by weight shape (O, I); others as ``matvec_config``."""
-
-
-def _pairs(t: Tensor) -> Tensor | None:
-    """A bfloat16 [R, I] tensor of unit column stride as int32 [R, I / 2] pairs, or None where its layout has no
-    such view."""
-    if t.dtype != torch.bfloat16 or t.shape[1] % 2 or t.stride(0) % 2 or t.storage_offset() % 2:
-        return None
-    return t.view(torch.int32)
-
-
-def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None,
-                  ahead: Sequence[tuple[Tensor, Tensor | None]] | None = None) -> Tensor:
+def matvec_triton(x: Tensor, w: Tensor, config: tuple[int, int] | None = None) -> Tensor:
     """x [N, I] (unit column stride, 1 <= N <= MAX_ROWS), w [O, I] (unit column stride) -> y [N, O] in x's dtype.
-    ``config``: (BO, num_warps), default ``matvec_config``. ``ahead``: ranges a later launch reads, which a PDL
-    launch asks the L2 for (``kernels.l2.prefetch_args``); ignored without PDL."""
+    ``config``: (BO, num_warps), default ``matvec_config``."""
     N, I = x.shape
     O = w.shape[0]
     y = x.new_empty(N, O)
-    xp, wp = (_pairs(x), _pairs(w)) if PACKED else (None, None)
-    packed = xp is not None and wp is not None
-    BO, warps = config or (PACKED_CONFIG.get((O, I)) if packed else None) or matvec_config(N, O, I)
-    xa, wa, Ia = (xp, wp, I // 2) if packed else (x, w, I)
-    assert xa is not None and wa is not None
+    BO, warps = config or matvec_config(N, O, I)
     pdl = use_pdl(x.device)
     stamps = stamp_buffer("matvec", triton.cdiv(O, BO), x.device)
-    extra, pf, pieces = prefetch_args(ahead if pdl else None)
-    slot_ptr = next((sl for _, sl in ahead or () if sl is not None), x)
-    _matvec_kernel[(triton.cdiv(O, BO) + extra,)](xa, xa.stride(0), wa, wa.stride(0), y, y.stride(0), O, I=Ia, N=N,
-                                                  BO=BO, BI=triton.next_power_of_2(Ia), PDL=pdl, stamps=stamps,
-                                                  STAMPS=stamps is not None, PACKED=packed, slot_ptr=slot_ptr,
-                                                  b0=pf[0], r0=pf[1], n0=pf[2], b1=pf[3], r1=pf[4], n1=pf[5],
-                                                  b2=pf[6], r2=pf[7], n2=pf[8], b3=pf[9], r3=pf[10], n3=pf[11],
-                                                  AHEAD=extra, APROG=PROGRAMS_A_RANGE, APIECES=pieces,
-                                                  num_warps=warps, **({"launch_pdl": True} if pdl else {}))
+    _matvec_kernel[(triton.cdiv(O, BO),)](x, x.stride(0), w, w.stride(0), y, y.stride(0), O, I=I, N=N, BO=BO,
+                                          BI=triton.next_power_of_2(I), PDL=pdl, stamps=stamps,
+                                          STAMPS=stamps is not None, num_warps=warps,
+                                          **({"launch_pdl": True} if pdl else {}))
     return y
 
 

@@ -36,7 +36,6 @@ def ptx(fn, types, const):
 
 
 bf, f32 = "*bf16", "*fp32"
-MV = {"PACKED": False, "AHEAD": 0, "APROG": 1, "APIECES": 0}  # the matvec's defaulted constexprs, as shipped
 # the KDA decode as the model launches it at one sequence: gate projections inside, the gated output norm, two V
 # blocks a head (the last to arrive shifts the q/k tails and norms); "decode_one_block": one block a head
 DECODE_TYPES = {"qkv": bf, "raw": bf, "b": bf, "cw": bf, "conv": bf, "A_log": f32, "dt_bias": f32,
@@ -46,7 +45,7 @@ DECODE_CONST = {"H": 32, "K": 128, "V": 128, "W": 4, "BK": 128, "BV": 64, "BOUND
                 "NORM": True, "VF": 128, "BJO": 32, "BVH": 128, "STAMPS": False}
 out = {
     "matvec": ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": False,
-                                                                  "HO": 0, "STAMPS": False, **MV}),
+                                                                  "HO": 0, "STAMPS": False}),
     "prep": ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf, "q_pe": bf,
                                "eps": "fp32"},
                 {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
@@ -56,13 +55,13 @@ out = {
 }
 # the PDL variants (``kernels.moe.pdl``)
 out["matvec_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf}, {"I": 4096, "N": 1, "BO": 1, "BI": 4096,
-                                                                     "PDL": True, "HO": 0, "STAMPS": False, **MV})
+                                                                     "PDL": True, "HO": 0, "STAMPS": False})
 out["prep_pdl"] = ptx(_prep_kernel, {"y": bf, "w": bf, "norm_w": f32, "kv": bf, "kv_rows": "*i64", "q_lat": bf,
                                      "q_pe": bf, "eps": "fp32"},
                       {"H": 32, "DN": 128, "DR": 64, "DV": 128, "R": 512, "BR": 128, "BDN": 128, "BDR": 64, "BRF": 512,
                        "PDL": True})
 out["heads_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf},
-                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128, "STAMPS": False, **MV})
+                       {"I": 512, "N": 1, "BO": 1, "BI": 512, "PDL": True, "HO": 128, "STAMPS": False})
 out["decode_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True})
 # with its clock stamps (``kernels.stamps``: bench/decode_48b.py --stamps)
 out["decode_stamps_pdl"] = ptx(_decode_kernel, DECODE_TYPES, {**DECODE_CONST, "PDL": True, "STAMPS": True})
@@ -79,7 +78,7 @@ ROUTE_CONST = {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENO
 out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, DOWN_TYPES, DOWN_CONST)
 out["route_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, ROUTE_CONST)
 out["matvec_stamps_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf, "stamps": "*i64"},
-                               {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": True, "HO": 0, "STAMPS": True, **MV})
+                               {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": True, "HO": 0, "STAMPS": True})
 out["moe_down_stamps_pdl"] = ptx(_down_direct_kernel, {**DOWN_TYPES, "stamps": "*i64"}, {**DOWN_CONST, "STAMPS": True})
 out["route_stamps_pdl"] = ptx(_route_decode_kernel, {**ROUTE_TYPES, "stamps": "*i64"}, {**ROUTE_CONST, "STAMPS": True})
 # the MoE up kernel at one token with the shared expert's rows read before the wait (``triton_moe.FIXED_FIRST``)
