@@ -21,6 +21,18 @@ requested before the current one's sums, all resident from the start: the 1 x 12
 1.962 / 1.958 (2 a multiprocessor) and 1.933 / 1.933 (3); at 1 x 1M 3.254 / 3.246 -> 3.282 / 3.280 and 3.255 /
 3.255; with the KDA decode asking the L2 for its rows, state and conv tails before its wait as well: 1.975 /
 1.977 and 3.325 / 3.325, its programs still waiting 0.5 us.
+
+o_proj's matvec (2,304 rows) starts with the KDA decode and loads its rows before its wait, but only ~1,600 of
+them fit in the registers beside that launch (58 registers a program of one row), and o_proj still ends 5.9 us
+after the KDA decode. Tried (H100, 16 layers of the 48B shape, two alternations each, 2026-12-06): the slab held as
+int32 pairs of bfloat16 until after the wait, each pair's products from its halves (ptxas: 8 rows on 8 warps in 80
+registers, 2,144 rows resident): on 8 rows a program o_proj ends 4.6 us after the KDA decode but that launch takes
+13.4 us instead of 11.0 (its reads queue behind the larger preload), the 1 x 128K step 1.8241 / 1.8239 ms ->
+1.8438 / 1.8435; on 4 rows and 8 warps -1 to -7 us at 1 x 128K and -5 to -9 at 1 x 1M over four alternations (in
+the runs' noise, not kept); one row, packed: +2 / +3 us. The KDA layer's input matvec asking the L2, from 32 extra
+programs at its grid's end, for what the KDA decode then reads (gate rows, state slice, conv tails: 4 MB): that
+launch 11.5 -> 9.5 us, but it starts 1.3 us after the matvec's end instead of 0.5 before (the extra programs are
+the last to start), so it ends at the same time: the step +1 / +4 us; with the packed 8-row o_proj as well, +7.
 """
 
 from __future__ import annotations
