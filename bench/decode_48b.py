@@ -51,6 +51,7 @@ from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
 from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.mla import paged_decode as _paged_mod
 from kda_sessions.kernels.moe import add_norm_route, fused_moe, fused_moe_add_norm, moe_route, triton_moe
+from kda_sessions.kernels.moe import route as _route_mod
 from kda_sessions.kernels.moe.naive import naive_fused_moe
 from kda_sessions.kernels.moe.pdl import use_pdl as _USE_PDL
 from kda_sessions.kernels.moe.route import moe_route_triton
@@ -245,7 +246,8 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
     return {"old-dense": [dense], "old-uv": uv, "old-shared": [shared], "old-all": [dense, *uv, shared],
             **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
-               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))}}
+               for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
+            "route-lanes": [(_route_mod, "SELECT_LANES", True)]}
 
 
 FLAG_MODES = _flag_modes()
@@ -254,7 +256,8 @@ dense FFN in cuBLAS rather than as a one-expert MoE in the direct kernels (``ffn
 MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA merge letting W_uv's launch start
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
 expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
-``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``).
+``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``);
+``route-lanes`` (an option to turn on) the router's one-token selection by warp shuffles (``route.SELECT_LANES``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 

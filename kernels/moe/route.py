@@ -134,12 +134,137 @@ def _select_top_k(
 
 
 @triton.jit
+def _lane(like):
+    """This thread's lane in its warp, in the shape of ``like`` (an int32 tensor)."""
+    return tl.inline_asm_elementwise("mov.u32 $0, %laneid; // $1", "=r,r", [like], dtype=tl.int32, is_pure=True,
+                                     pack=1)
+
+
+@triton.jit
+def _warp_max(v):
+    """The max of int64 v over the 32 lanes of each warp, in every lane (five butterfly shuffles)."""
+    for i in tl.static_range(5):
+        v = tl.inline_asm_elementwise(
+            "{ .reg .b32 lo, hi, olo, ohi; .reg .b64 o; mov.b64 {lo, hi}, $1; "
+            "shfl.sync.bfly.b32 olo, lo, $2, 0x1f, 0xffffffff; shfl.sync.bfly.b32 ohi, hi, $2, 0x1f, 0xffffffff; "
+            "mov.b64 o, {olo, ohi}; max.s64 $0, $1, o; }",
+            "=l,l,r", [v, tl.full(v.shape, 16 >> i, tl.int32)], dtype=tl.int64, is_pure=True, pack=1)
+    return v
+
+
+@triton.jit
+def _from_lane(v, src):
+    """Float32 v of lane ``src`` (an int32 tensor, the same in every lane) in every lane of the warp."""
+    return tl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r",
+                                     [v.to(tl.int32, bitcast=True), src], dtype=tl.int32, is_pure=True,
+                                     pack=1).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _key(logits, bias, e, E: tl.constexpr):
+    """(packed key, sigmoid) of expert(s) e: the score as an int32 of the same order above the reversed index."""
+    ok = e < E
+    s = tl.sigmoid(tl.load(logits + e, mask=ok, other=0.0, cache_modifier=".cg"))
+    sel = tl.where(ok, s + tl.load(bias + e, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+    bits = sel.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (key.to(tl.int64) << 32) | (255 - e).to(tl.int64), s
+
+
+@triton.jit
+def _select_top_k_lanes(
+    logits, bias, chosen, weights, E: tl.constexpr, scale, always_on,
+    K: tl.constexpr, RENORM: tl.constexpr, EXTRA: tl.constexpr, NT: tl.constexpr,
+):
+    """``_select_top_k`` of one token over at most 256 experts with no barrier: lane l of every warp holds experts
+    8 l .. 8 l + 7 (its lane read from ``%laneid``, so any layout of the [NT] tensors serves), and each of the K
+    steps is a max over the lane's 8 keys, then over the warp's lanes by shuffles; the winner's plain score comes
+    from its lane by one more shuffle. Every warp computes the same choices; lane 0s store them. Same result and
+    tie-break as ``_select_top_k`` (the renormalising sum in another order)."""
+    lane = _lane(tl.zeros([NT], tl.int32))
+    e0 = lane * 8
+    k0, s0 = _key(logits, bias, e0, E)
+    k1, s1 = _key(logits, bias, e0 + 1, E)
+    k2, s2 = _key(logits, bias, e0 + 2, E)
+    k3, s3 = _key(logits, bias, e0 + 3, E)
+    k4, s4 = _key(logits, bias, e0 + 4, E)
+    k5, s5 = _key(logits, bias, e0 + 5, E)
+    k6, s6 = _key(logits, bias, e0 + 6, E)
+    k7, s7 = _key(logits, bias, e0 + 7, E)
+    low: tl.constexpr = -9223372036854775807
+    zi = tl.zeros([NT], dtype=tl.int32)
+    zf = tl.zeros([NT], dtype=tl.float32)
+    i0, i1, i2, i3, i4, i5, i6, i7 = zi, zi, zi, zi, zi, zi, zi, zi
+    w0, w1, w2, w3, w4, w5, w6, w7 = zf, zf, zf, zf, zf, zf, zf, zf
+    total = zf
+    for i in tl.static_range(K):  # K <= 8: the step's choice and weight kept in i<step>, w<step> (no layout change)
+        m = tl.maximum(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)),
+                       tl.maximum(tl.maximum(k4, k5), tl.maximum(k6, k7)))
+        best = _warp_max(m)
+        idx = (255 - (best & 255)).to(tl.int32)
+        slot = idx - e0  # 0..7 in the winner's lane
+        sv = tl.where(slot == 0, s0, tl.where(slot == 1, s1, tl.where(slot == 2, s2, tl.where(
+            slot == 3, s3, tl.where(slot == 4, s4, tl.where(slot == 5, s5, tl.where(slot == 6, s6, s7)))))))
+        wv = _from_lane(sv, idx // 8)
+        total += wv
+        if i == 0:
+            i0, w0 = idx, wv
+        if i == 1:
+            i1, w1 = idx, wv
+        if i == 2:
+            i2, w2 = idx, wv
+        if i == 3:
+            i3, w3 = idx, wv
+        if i == 4:
+            i4, w4 = idx, wv
+        if i == 5:
+            i5, w5 = idx, wv
+        if i == 6:
+            i6, w6 = idx, wv
+        if i == 7:
+            i7, w7 = idx, wv
+        k0 = tl.where(slot == 0, low, k0)
+        k1 = tl.where(slot == 1, low, k1)
+        k2 = tl.where(slot == 2, low, k2)
+        k3 = tl.where(slot == 3, low, k3)
+        k4 = tl.where(slot == 4, low, k4)
+        k5 = tl.where(slot == 5, low, k5)
+        k6 = tl.where(slot == 6, low, k6)
+        k7 = tl.where(slot == 7, low, k7)
+    den = total + 1e-20 if RENORM else zf + 1.0
+    one = tl.arange(0, NT) == 0  # one element (one thread) stores
+    _store_choice(chosen, weights, 0, i0, w0 / den * scale, one, K)
+    _store_choice(chosen, weights, 1, i1, w1 / den * scale, one, K)
+    _store_choice(chosen, weights, 2, i2, w2 / den * scale, one, K)
+    _store_choice(chosen, weights, 3, i3, w3 / den * scale, one, K)
+    _store_choice(chosen, weights, 4, i4, w4 / den * scale, one, K)
+    _store_choice(chosen, weights, 5, i5, w5 / den * scale, one, K)
+    _store_choice(chosen, weights, 6, i6, w6 / den * scale, one, K)
+    _store_choice(chosen, weights, 7, i7, w7 / den * scale, one, K)
+    if EXTRA:
+        tl.store(chosen + K, always_on.to(tl.int64))
+        tl.store(weights + K, tl.full((), 1.0, tl.float32).to(weights.dtype.element_ty))
+
+
+@triton.jit
+def _store_choice(chosen, weights, q: tl.constexpr, idx, w, one, K: tl.constexpr):
+    """Choice q (if q < K) of ``_select_top_k_lanes``: expert idx and weight w, from the elements ``one``."""
+    if q < K:
+        tl.store(chosen + q + idx * 0, idx.to(tl.int64), mask=one)
+        tl.store(weights + q + idx * 0, w.to(weights.dtype.element_ty), mask=one)
+
+
+SELECT_LANES = False
+"""Bench option: the one-token selection over at most 256 experts by warp shuffles (``_select_top_k_lanes``)."""
+
+
+@triton.jit
 def _route_decode_kernel(
     x, gate, bias, logits, counter, chosen, weights, T, E, stride_x, stride_g, scale, always_on,
     res, norm_w, s_out, h_out, eps,
     D: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, K: tl.constexpr, EP: tl.constexpr,
     RENORM: tl.constexpr, EXTRA: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-    stamps=None, STAMPS: tl.constexpr = False,
+    stamps=None, STAMPS: tl.constexpr = False, LANES: tl.constexpr = False, NT: tl.constexpr = 128,
 ):
     """Program i: logits[t, e] for the BE experts e of i and every token t < T <= BT; then the last program to
     arrive selects (``_select_top_k``) and resets the counter. With NORM the router's input is
@@ -217,7 +342,10 @@ def _route_decode_kernel(
     if PDL:
         gdc_launch_dependents()  # the next launch's programs may start: it waits for this one's end
     if arrived == tl.num_programs(0) - 1:
-        _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
+        if LANES:
+            _select_top_k_lanes(logits, bias, chosen, weights, EP, scale, always_on, K, RENORM, EXTRA, NT)
+        else:
+            _select_top_k(logits, bias, chosen, weights, T, E, scale, always_on, BT, K, EP, RENORM, EXTRA)
         tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
     if STAMPS:
         r = tl.program_id(0)
@@ -304,7 +432,8 @@ def _route_decode(
         x, gate, bias, logits, arrival_counters(dev), chosen, weights, T, E, x.stride(0), gate.stride(0),
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
-        NORM=norm is not None, PDL=pdl, stamps=stamps, STAMPS=stamps is not None, num_warps=warps,
+        NORM=norm is not None, PDL=pdl, stamps=stamps, STAMPS=stamps is not None,
+        LANES=SELECT_LANES and T == 1 and E == 256 and top_k <= 8, NT=32 * warps, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return chosen, weights, s, h

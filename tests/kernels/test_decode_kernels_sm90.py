@@ -74,9 +74,10 @@ DOWN_CONST = {"D": 2304, "Fw": 1024, "TOP_K": 9, "BN": 2, "BK": 512, "NORM": Tru
 ROUTE_TYPES = {"x": bf, "gate": bf, "bias": f32, "logits": f32, "counter": "*i32", "chosen": "*i64", "weights": bf,
                "scale": "fp32", "res": bf, "norm_w": bf, "s_out": bf, "h_out": bf, "eps": "fp32"}
 ROUTE_CONST = {"D": 2304, "BT": 1, "BE": 2, "BK": 4096, "K": 8, "EP": 256, "RENORM": True, "EXTRA": 1, "NORM": True,
-               "PDL": True, "STAMPS": False}
+               "PDL": True, "STAMPS": False, "LANES": False, "NT": 128}
 out["moe_down_norm_pdl"] = ptx(_down_direct_kernel, DOWN_TYPES, DOWN_CONST)
 out["route_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, ROUTE_CONST)
+out["route_lanes_pdl"] = ptx(_route_decode_kernel, ROUTE_TYPES, {**ROUTE_CONST, "LANES": True})
 out["matvec_stamps_pdl"] = ptx(_matvec_kernel, {"x": bf, "w": bf, "y": bf, "stamps": "*i64"},
                                {"I": 4096, "N": 1, "BO": 1, "BI": 4096, "PDL": True, "HO": 0, "STAMPS": True})
 out["moe_down_stamps_pdl"] = ptx(_down_direct_kernel, {**DOWN_TYPES, "stamps": "*i64"}, {**DOWN_CONST, "STAMPS": True})
@@ -106,7 +107,7 @@ def test_decode_kernels_compile_for_sm90(out):
     assert set(out) == {"matvec", "prep", "decode", "decode_one_block", "matvec_pdl", "prep_pdl", "heads_pdl",
                         "decode_pdl", "moe_down_norm_pdl", "moe_up_fixed_pdl", "route_pdl", "feed",
                         "decode_stamps_pdl", "moe_down_stamps_pdl", "route_stamps_pdl",
-                        "matvec_stamps_pdl"}
+                        "matvec_stamps_pdl", "route_lanes_pdl"}
     assert "st.global" in out["feed"] and "griddepcontrol" not in out["feed"]
     assert "atom.global.gpu.acq_rel.add" in out["route_pdl"]
     # the down kernel with the add and norm: its stores after the wait (it lets the next launch start after it
@@ -174,6 +175,19 @@ def test_pdl_kernels_load_their_weights_before_the_wait(out):
     pre, post = _before_wait(out["decode_pdl"])
     assert not any("ld.global" in ln or "st.global" in ln or "atom" in ln for ln in pre)
     assert any("ld.global" in ln for ln in post) and any("st.global" in ln for ln in post)
+
+
+def test_the_router_selects_by_lanes_without_a_barrier(out):
+    """``route.SELECT_LANES``: after the arrival the K steps are warp shuffles (5 butterflies of the 64-bit key
+    and one to fetch the winner's score, each), with at most one barrier (the arrival's broadcast), where the
+    selection by block reductions has one or two a step."""
+    for name, most, least in (("route_lanes_pdl", 1, 8 * 6), ("route_pdl", 99, 0)):
+        lines = out[name].splitlines()
+        atom = next(i for i, ln in enumerate(lines) if "atom.global.gpu.acq_rel.add" in ln)
+        bars = sum("bar.sync" in ln for ln in lines[atom:])
+        shfl = sum(ln.count("shfl.sync") for ln in lines[atom:])
+        assert bars <= most and shfl >= least, (name, bars, shfl)
+    assert sum("bar.sync" in ln for ln in out["route_pdl"].splitlines()) > 8
 
 
 def test_the_decode_kernels_stamp_only_when_asked(out):

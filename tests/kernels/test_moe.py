@@ -405,6 +405,30 @@ def test_one_launch_router_replays_in_a_cuda_graph(T: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_selection_by_lanes_gives_the_same_choices(monkeypatch) -> None:
+    """``route.SELECT_LANES`` (one token, 256 experts: the top k by warp shuffles) against the selection by block
+    reductions on the same logits: the same experts in the same order (ties too: a gate of zeros makes every score
+    equal, the lowest indices first), weights within one bfloat16 rounding (the renormalising sum in another order)."""
+    from kda_sessions.kernels.moe import route
+
+    gen = torch.Generator("cuda").manual_seed(11)
+    for trial in range(40):
+        x = torch.randn(1, 2304, generator=gen, device="cuda").bfloat16()
+        gate = (torch.randn(256, 2304, generator=gen, device="cuda") * 0.02).bfloat16()
+        if trial % 10 == 0:
+            gate.zero_()
+        bias = torch.randn(256, generator=gen, device="cuda") * (0.0 if trial % 20 == 0 else 0.01)
+        for renorm in (True, False):
+            monkeypatch.setattr(route, "SELECT_LANES", False)
+            ref_c, ref_w = route.moe_route_decode(x, gate, bias, 8, renorm, 2.446, 256)
+            monkeypatch.setattr(route, "SELECT_LANES", True)
+            c, w = route.moe_route_decode(x, gate, bias, 8, renorm, 2.446, 256)
+            assert torch.equal(c, ref_c), (trial, c, ref_c)
+            assert torch.allclose(w.float(), ref_w.float(), rtol=8e-3, atol=0), (trial, w, ref_w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("T", [1, 8, 16], ids=["T1", "T8", "T16"])
 def test_direct_moe_with_the_norm_on_the_gpu(T: int) -> None:
     """bf16 at the 48B shape, captured in a CUDA graph, replayed on new routing: equal to the eager call, and
