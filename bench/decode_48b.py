@@ -247,7 +247,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
             **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
                for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
-            "route-lanes": [(_route_mod, "SELECT_LANES", True)]}
+            "old-route": [(_route_mod, "SELECT_LANES", False)]}
 
 
 FLAG_MODES = _flag_modes()
@@ -257,7 +257,7 @@ MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
 expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
 ``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``);
-``route-lanes`` (an option to turn on) the router's one-token selection by warp shuffles (``route.SELECT_LANES``).
+``old-route`` the router's one-token selection by block reductions rather than warp shuffles (``route.SELECT_LANES``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 

@@ -6,8 +6,8 @@ program), then the selection: scores, biased top-k, renormalisation and scale (o
 Few tokens (decode, ``ROUTE_DECODE_MAX_TOKENS``): ONE launch. Each program computes the logits of ``BE``
 experts for every token (the router's weight is read once, by ~E / 2 programs, each with its whole slice of the
 width in flight), stores them, and the last program to finish (a per-device arrival counter, reset by that
-program: CUDA-graph safe) selects the top k of every token at once: one packed (score, index) max per slot.
-Launches of this kernel on one device must not overlap (one stream, as the decode step runs). The same launch can
+program: CUDA-graph safe) selects the top k of every token at once: one packed (score, index) max per slot; at
+one token over 256 experts by warp shuffles, with no barrier between the slots (``SELECT_LANES``). Launches of this kernel on one device must not overlap (one stream, as the decode step runs). The same launch can
 take the residual add and RMSNorm before the layer (``add_norm_route_decode``): every program norms the rows
 itself (they are a few KB) and program 0 stores them, one launch instead of two. On Hopper it is a PDL launch
 (``pdl``): the gate rows load while the launch before ends, the counter is touched only after the wait.
@@ -99,8 +99,9 @@ def _select_top_k(
     scores), their plain scores renormalised and scaled -> chosen [T, K + EXTRA], weights [T, K + EXTRA]. The
     logits were written by other programs of this launch: read through L2 (``.cg``). (The chosen experts' scores
     taken from the rows in registers, ``tl.gather``, instead of the second L2 read below: no faster, 2.432 ms a
-    1 x 128K step of the 48B shape against 2.431, H200, 2026-12-05. At one token this phase is ~4.6 us of the
-    launch's ~7 us after its wait (clock stamps, ``bench/decode_48b.py --stamps``, H100). A loop-free selection by
+    1 x 128K step of the 48B shape against 2.431, H200, 2026-12-05. At one token this phase is ~4.1 us of the
+    launch's ~7 us after its wait (clock stamps, ``bench/decode_48b.py --stamps``, H100): each slot's max is a
+    block reduction, one or two barriers; ``_select_top_k_lanes`` has none, 2.9 us. A loop-free selection by
     rank, each expert compared with every other 16 or 32 at a time, took 42 and 15.6 us instead: the compare
     tiles cost registers and a layout change each; the step 1.842 -> 2.385 ms, H100, 16 layers, 2026-12-06.)"""
     t = tl.arange(0, BT)
@@ -254,8 +255,14 @@ def _store_choice(chosen, weights, q: tl.constexpr, idx, w, one, K: tl.constexpr
         tl.store(weights + q + idx * 0, w.to(weights.dtype.element_ty), mask=one)
 
 
-SELECT_LANES = False
-"""Bench option: the one-token selection over at most 256 experts by warp shuffles (``_select_top_k_lanes``)."""
+SELECT_LANES = True
+"""The one-token selection over 256 experts by warp shuffles (``_select_top_k_lanes``) rather than by block
+reductions (``_select_top_k``), on CUDA. The last program's selection 4.1 -> 2.9 us and the router's launch 7.7 ->
+6.1 us (clock stamps); the step -7.6 / -8.8 / -7.7 us at 1 x 128K (1.8241 / 1.8243 / 1.8216 -> 1.8165 / 1.8155 /
+1.8139 ms) and -12.1 / -9.9 / -9.4 at 1 x 1M, three alternations (H100, the 48B shape's first 16 layers, 15 MoE
+layers, ``bench/decode_48b.py --layers 16 --cases 1x131072,1x1048576 --modes fused,old-route,...``, 2026-12-06);
+greedy, 4 layers at 8K: the same tokens and first logits; the same choices as the block reductions' (ties too,
+``test_the_selection_by_lanes_gives_the_same_choices``)."""
 
 
 @triton.jit
@@ -433,7 +440,8 @@ def _route_decode(
         float(scale), always_on or 0, res, norm_w, x if s is None else s, x if h is None else h, float(eps),
         D=D, BT=BT, BE=BE, BK=BK, K=top_k, EP=triton.next_power_of_2(E), RENORM=renormalize, EXTRA=extra,
         NORM=norm is not None, PDL=pdl, stamps=stamps, STAMPS=stamps is not None,
-        LANES=SELECT_LANES and T == 1 and E == 256 and top_k <= 8, NT=32 * warps, num_warps=warps,
+        LANES=SELECT_LANES and dev.type == "cuda" and T == 1 and E == 256 and top_k <= 8, NT=32 * warps,
+        num_warps=warps,
         **({"launch_pdl": True} if pdl else {}),
     )
     return chosen, weights, s, h
