@@ -302,7 +302,8 @@ class BlobStore(ABC):
         """Atomically: check that the lease is free, expired or `owner`'s (else SessionBusy) and that the
         stored manifest has generation `expected_generation` (0 = none stored; else SnapshotConflict), write
         `data` as the manifest (atomically, like put_manifest) and hold the lease for `ttl_s` more seconds.
-        Returns the lease's fencing token."""
+        Returns the lease's fencing token. Idempotent: where the stored manifest is already `data` (this commit
+        landed and its reply was lost, and the client sent it again), it commits again whatever the generation."""
 
     # --- accounting and lifetime -------------------------------------------------------------------------
 

@@ -104,8 +104,9 @@ class MemoryStore(BlobStore):
         held = self._leases.get(check_session_id(session_id))
         if held is not None and held[0] != owner and held[2] > time.monotonic():
             raise SessionBusy(f"session {session_id!r} is held by another writer (lease token {held[1]})")
-        stored = stored_generation(self._manifests.get(session_id))
-        if stored != expected_generation:
+        old = self._manifests.get(session_id)
+        stored = stored_generation(old)
+        if stored != expected_generation and old != data:  # these very bytes stored: the commit landed already
             raise SnapshotConflict(
                 f"session {session_id!r}: stored generation is {stored}, this save expected {expected_generation}"
             )

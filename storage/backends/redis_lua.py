@@ -21,18 +21,22 @@ return 0
 
 # KEYS: manifest, lease, fence. ARGV: data, expected generation, owner, ttl ms.
 # -> {1, fence} committed; {0, holder} lease busy; {-1, stored generation or "unreadable"} conflict.
+# The stored manifest being these very bytes commits again (the same commit landed and its reply was lost: redis-py
+# sends a command again after a connection error, and that second run must not turn into a conflict).
 COMMIT_LUA = """
 local cur = redis.call('GET', KEYS[2])
 local mine = ARGV[3] .. ':'
 if cur and string.sub(cur, 1, #mine) ~= mine then return {0, cur} end
 local old = redis.call('GET', KEYS[1])
-local gen = 0
-if old then
-  local ok, doc = pcall(cjson.decode, old)
-  if not ok or type(doc) ~= 'table' or type(doc.generation) ~= 'number' then return {-1, 'unreadable'} end
-  gen = doc.generation
+if old ~= ARGV[1] then
+  local gen = 0
+  if old then
+    local ok, doc = pcall(cjson.decode, old)
+    if not ok or type(doc) ~= 'table' or type(doc.generation) ~= 'number' then return {-1, 'unreadable'} end
+    gen = doc.generation
+  end
+  if gen ~= tonumber(ARGV[2]) then return {-1, tostring(gen)} end
 end
-if gen ~= tonumber(ARGV[2]) then return {-1, tostring(gen)} end
 local fence
 if cur then fence = tonumber(string.sub(cur, #mine + 1)) else fence = redis.call('INCR', KEYS[3]) end
 redis.call('SET', KEYS[1], ARGV[1])

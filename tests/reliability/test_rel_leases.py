@@ -64,6 +64,25 @@ async def test_expired_lease_is_taken_over_and_the_old_holder_cannot_save(two_st
         await a.save(m, blobs, expected_generation=0)
 
 
+async def test_a_commit_sent_again_after_it_landed_commits_again(two_stores):
+    """A commit whose reply was lost and that the client sends again (redis-py sends a command again after a
+    connection error; with Redis killed after the write and before the reply, the second run found generation 2
+    where it expected 1, and the worker stopped on a SnapshotConflict) finds its own bytes stored and commits
+    again; other bytes with that stale generation are still a conflict, and the stored manifest stays."""
+    a, _ = two_stores
+    m1, blobs1 = tiny_snapshot("s5", 1, fill=1.0)
+    await a.save(m1, blobs1, expected_generation=0)
+    data = await a.store.get_manifest("s5")
+    fence = await a.store.commit_manifest("s5", data, expected_generation=0, owner=a.owner, ttl_s=5.0)
+    assert isinstance(fence, int) and await a.store.get_manifest("s5") == data
+    other, _ = tiny_snapshot("s5", 1, fill=2.0)
+    assert other.dumps() != data
+    with pytest.raises(SnapshotConflict):
+        await a.store.commit_manifest("s5", other.dumps(), expected_generation=0, owner=a.owner, ttl_s=5.0)
+    assert await a.store.get_manifest("s5") == data
+    await a.release_lease("s5")
+
+
 async def test_compare_and_set_refuses_a_stale_generation(two_stores):
     a, b = two_stores
     m1, blobs1 = tiny_snapshot("s3", 1, fill=1.0)

@@ -91,8 +91,8 @@ async def test_cluster_leases_and_compare_and_set(cluster_url: str) -> None:
     b = await RedisStore.open(cluster_url)
     sid = f"lease-{uuid.uuid4().hex}"
 
-    def manifest(gen: int) -> bytes:
-        return json.dumps({"session_id": sid, "generation": gen}).encode()
+    def manifest(gen: int, note: str = "") -> bytes:
+        return json.dumps({"session_id": sid, "generation": gen, "note": note}).encode()
 
     try:
         fence = await a.acquire_lease(sid, "owner-a", 5.0)
@@ -104,7 +104,9 @@ async def test_cluster_leases_and_compare_and_set(cluster_url: str) -> None:
             await b.commit_manifest(sid, manifest(2), expected_generation=1, owner="owner-b", ttl_s=5.0)
         assert not isinstance(busy.value, SnapshotConflict)
         with pytest.raises(SnapshotConflict):  # a stale generation, even from the lease holder
-            await a.commit_manifest(sid, manifest(1), expected_generation=0, owner="owner-a", ttl_s=5.0)
+            await a.commit_manifest(sid, manifest(1, "other"), expected_generation=0, owner="owner-a", ttl_s=5.0)
+        # the same bytes again (a commit that landed, sent again after its reply was lost): committed again
+        await a.commit_manifest(sid, manifest(1), expected_generation=0, owner="owner-a", ttl_s=5.0)
         assert await b.get_manifest(sid) == manifest(1)
         assert await a.release_lease(sid, "owner-a")
         assert await b.acquire_lease(sid, "owner-b", 5.0) > fence
