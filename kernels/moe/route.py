@@ -177,11 +177,12 @@ def _select_top_k_lanes(
     logits, bias, chosen, weights, E: tl.constexpr, scale, always_on,
     K: tl.constexpr, RENORM: tl.constexpr, EXTRA: tl.constexpr, NT: tl.constexpr,
 ):
-    """``_select_top_k`` of one token over at most 256 experts with no barrier: lane l of every warp holds experts
+    """``_select_top_k`` of one token over E <= 256 experts with no barrier: lane l of every warp holds experts
     8 l .. 8 l + 7 (its lane read from ``%laneid``, so any layout of the [NT] tensors serves), and each of the K
     steps is a max over the lane's 8 keys, then over the warp's lanes by shuffles; the winner's plain score comes
-    from its lane by one more shuffle. Every warp computes the same choices; lane 0s store them. Same result and
-    tie-break as ``_select_top_k`` (the renormalising sum in another order)."""
+    from its lane by one more shuffle. Every warp computes the same choices; one thread stores them. Same result
+    and tie-break as ``_select_top_k`` (the renormalising sum in another order). Written out for the 8 keys and
+    the K <= 8 choices a lane holds: Triton has no register arrays to index."""
     lane = _lane(tl.zeros([NT], tl.int32))
     e0 = lane * 8
     k0, s0 = _key(logits, bias, e0, E)
