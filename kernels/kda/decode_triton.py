@@ -163,7 +163,7 @@ def _decode_kernel(
     After the wait it reads the gates' inputs and rows first (nothing of them waits on the slot), both gates'
     matvecs in one loop with their products summed once at the end, then the state slice with the conv tails (both
     wait on the slot alone). Clock stamps (``kernels.stamps``) of the order before, H100, the 48B shape's first 16
-    layers, 1 x 128K, with a fill launch before each stamped one then (so o_proj's matvec could not start early):
+    layers, 1 x 128K, each launch measured alone (o_proj's matvec not loading beside it):
     conv 3.4 us, decay gate 2.0, output gate 1.1, state read 1.2, update 0.8, arrival and norm 1.3, a launch
     11.0-11.5 us; the gates first in one loop: 10.0 us (11.5 in the step as it runs, o_proj's matvec loading beside
     it), the step 1.939 / 1.935 / 1.937 ms -> 1.915 /
