@@ -47,6 +47,7 @@ from torch import Tensor
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.kernels.kda import decode_triton as _kda_dec_mod
+from kda_sessions.kernels.linear import matvec_gluon as _matvec_gluon_mod
 from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
 from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.mla import paged_decode as _paged_mod
@@ -247,7 +248,9 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
             **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
                for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
-            "old-route": [(_route_mod, "SELECT_LANES", False)]}
+            "old-route": [(_route_mod, "SELECT_LANES", False)],
+            "old-oproj": [(_matvec_gluon_mod, "SMEM_MATVEC", False)],
+            **{f"rows{r}": [(_matvec_gluon_mod, "ROWS", r)] for r in (2, 8)}}
 
 
 FLAG_MODES = _flag_modes()
@@ -257,7 +260,9 @@ MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
 expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
 ``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``);
-``old-route`` the router's one-token selection by block reductions rather than warp shuffles (``route.SELECT_LANES``).
+``old-route`` the router's one-token selection by block reductions rather than warp shuffles (``route.SELECT_LANES``);
+``old-oproj`` o_proj's one-row product in the Triton matvec rather than the shared-memory kernel
+(``matvec_gluon.SMEM_MATVEC``); ``rowsR`` that kernel on R rows a program (``matvec_gluon.ROWS``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 
@@ -903,6 +908,7 @@ STAMP_PHASES = {
     "route": ["wait", "norm", "logits", "arrive", "select"],
     "moe_down": ["wait", "experts", "arrive", "add_norm"],
     "matvec": ["wait", "read"],
+    "smem_matvec": ["wait", "copies", "read"],
 }
 """The phases of the kernels that stamp (``kernels.stamps``), each ending at the next clock column of a program's
 row, as their docstrings list them. KDA decode: the wait for the launch before, the decay gate's logits (f_b's rows
@@ -959,7 +965,8 @@ def boundary_summary(sequences: list[list[tuple[str, Tensor]]]) -> dict:
     it is not a stamping kernel: MoE up, MLA's, cuBLAS's), by kernel names "before>after", medians over pairs and
     replays, us against the end of the one before (its last program's): ``first_start`` when the later launch's
     first program started (negative: it started early, PDL), ``first_past_wait`` when its first program left the
-    PDL wait, ``last_end`` its end."""
+    PDL wait, ``last_end`` its end; ``late_starts`` the share of its programs that started after the one before
+    ended (not resident beside it), ``median_end`` its programs' median end."""
     by: dict[str, dict[str, list[float]]] = {}
     for seq in sequences:
         times = []
@@ -967,12 +974,16 @@ def boundary_summary(sequences: list[list[tuple[str, Tensor]]]) -> dict:
             last = len(STAMP_PHASES[name]) + 2
             g0, g1, c0, cw, ce = (b[:, i].double() for i in (0, 1, 2, 3, last))
             ns_per_cycle = (g1 - g0) / (ce - c0).clamp(min=1)
-            times.append((name, float(g0.min()), float((g0 + (cw - c0) * ns_per_cycle).min()), float(g1.max())))
-        for (a, _, _, a_end), (b_name, b_start, b_wait, b_end) in itertools.pairwise(times):
-            d = by.setdefault(f"{a}>{b_name}", {"first_start": [], "first_past_wait": [], "last_end": []})
+            times.append((name, float(g0.min()), float((g0 + (cw - c0) * ns_per_cycle).min()), float(g1.max()),
+                          g0, g1))
+        for (a, _, _, a_end, _, _), (b_name, b_start, b_wait, b_end, b_g0, b_g1) in itertools.pairwise(times):
+            d = by.setdefault(f"{a}>{b_name}", {"first_start": [], "first_past_wait": [], "last_end": [],
+                                                "late_starts": [], "median_end": []})
             d["first_start"].append((b_start - a_end) / 1e3)
             d["first_past_wait"].append((b_wait - a_end) / 1e3)
             d["last_end"].append((b_end - a_end) / 1e3)
+            d["late_starts"].append(float((b_g0 > a_end).double().mean()))
+            d["median_end"].append((float(b_g1.median()) - a_end) / 1e3)
     return {k: {"pairs": len(v["first_start"]) // len(sequences),
                 **{m: round(statistics.median(x), 2) for m, x in v.items()}} for k, v in by.items()}
 
