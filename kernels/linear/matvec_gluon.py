@@ -15,8 +15,8 @@ H100, the 48B shape's first 16 layers (12 KDA + 4 MLA o_proj calls), graph repla
 o_proj ends 3.6 us after the KDA decode instead of 5.9, every program resident from the start, but the KDA launch
 takes ~1 us longer (its reads queue behind the 18.9 MB copy) and after the wait a program still takes 1.65 us:
 x's L2 round trip, then widening and multiplying 143 KB of bf16 a multiprocessor on the CUDA cores (~0.65 us of
-issue at two instructions an element). Tried: x copied by TMA too (one more round trip: +1.2 us, and the PDL
-chain test read stale x); the copies spaced out by 200-1,600 cycles between boxes (the KDA launch as fast as alone,
+issue at two instructions an element). Tried: x copied by TMA too (one more round trip: +1.2 us; the PDL
+chain test also failed with it, not diagnosed); the copies spaced out by 200-1,600 cycles between boxes (the KDA launch as fast as alone,
 but o_proj ends up to 9 us after it); 16 copies a program rather than one 3-d copy; a warp a row (each widened x
 again: 4x the conversions). Left: the products on the tensor cores (mma with x as a one-row operand), which would
 leave only x's round trip after the wait.

@@ -187,8 +187,7 @@ print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 """
 
 
-@pytest.mark.parametrize("rows", [4, 8])
-def test_smem_matvec_compiles_for_sm90_with_its_weight_copy_before_the_wait(rows):
+def test_smem_matvec_compiles_for_sm90_with_its_weight_copy_before_the_wait():
     """Compiled for sm_90 by this Triton (no GPU: Gluon's API moves between releases): a program's rows (8 KB a
     row at I 4096) in shared memory by one TMA copy before it waits for the launch before, x read after."""
     import json
@@ -200,6 +199,7 @@ def test_smem_matvec_compiles_for_sm90_with_its_weight_copy_before_the_wait(rows
 
     if mg.gluon is None:
         pytest.skip("this Triton has no Gluon")
+    rows = mg.ROWS
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", _COMPILE_SMEM, str(rows)], env=env, capture_output=True, text=True,
                          timeout=300)

@@ -77,8 +77,9 @@ def test_fused_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: i
 DIRECT_CASES = [(1, 8, 2, 48, 40, False), (1, 16, 9, 40, 24, False), (5, 8, 3, 48, 40, False),
                 (16, 16, 3, 40, 24, False), (16, 16, 9, 40, 24, False), (7, 8, 4, 32, 16, True)]
 DIRECT_IDS = [f"T{c[0]}-E{c[1]}-k{c[2]}{'-skew' if c[5] else ''}" for c in DIRECT_CASES]
-# the direct kernels' largest batch (16 tokens) with 9 pairs a token: 24 s in the interpreter (k 3 covers the 16 rows)
-DIRECT_PARAMS = [pytest.param(*c, id=i, marks=[pytest.mark.slow] if i == "T16-E16-k9" else [])
+# the direct kernels' largest batch (16 tokens) with 9 pairs a token: 24 s in the interpreter (k 3 covers the 16 rows);
+# 5 tokens: 10 s (7 tokens, skewed, cover a middle batch)
+DIRECT_PARAMS = [pytest.param(*c, id=i, marks=[pytest.mark.slow] if i in ("T16-E16-k9", "T5-E8-k3") else [])
                  for c, i in zip(DIRECT_CASES, DIRECT_IDS)]
 
 
@@ -91,15 +92,17 @@ def test_direct_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: 
 
     x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T, skew=skew)
     ref = naive_fused_moe(x, w13, w2, chosen, weights)
-    no_pre = [DirectLaunch(4, 16, 4, 8, 16, 4, 0, 1)] if T < 16 else []  # T 16: 7 s more in the interpreter
-    for cfg in [DirectLaunch(4, 16, 4, 8, 16, 4), DirectLaunch(16, 64, 4, 64, 64, 4, 1), *no_pre]:
+    # T 16: each more tile 5-7 s in the interpreter; the default tiles run below
+    more = [DirectLaunch(16, 64, 4, 64, 64, 4, 1), DirectLaunch(4, 16, 4, 8, 16, 4, 0, 1)] if T < 16 else []
+    for cfg in [DirectLaunch(4, 16, 4, 8, 16, 4), *more]:
         out = fused_moe_direct(x, w13, w2, chosen, weights, cfg)
         assert out.shape == (T, D) and rel_rms(out, ref) < TOL
     assert rel_rms(fused_moe_triton(x, w13, w2, chosen, weights), ref) < TOL  # T <= 16: the direct kernels
 
 
-ADD_NORM_CASES = [(1, 8, 2, 48, 40), (5, 8, 3, 48, 40),
-                  # 25 s in the interpreter; the GPU decode adds and norms in this kernel at one token only
+# the GPU decode adds and norms in this kernel at one token only (ADD_NORM_MAX_TOKENS): more tokens 7 s (5) and
+# 25 s (16) in the interpreter
+ADD_NORM_CASES = [(1, 8, 2, 48, 40), pytest.param(5, 8, 3, 48, 40, marks=pytest.mark.slow),
                   pytest.param(16, 16, 9, 40, 24, marks=pytest.mark.slow)]
 
 
@@ -188,7 +191,7 @@ def test_fused_moe_runs_the_tiny_random_moe_layer() -> None:
 
     model = load_model("tiny-random")
     moe = next(m for m in model.modules() if isinstance(m, MoE))
-    x = torch.randn(4, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    x = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(4))  # 9 s a token
     torch.set_grad_enabled(False)  # restored below; the layer's parameters require grad
     before = moe(x)
     moe.stack_experts()
