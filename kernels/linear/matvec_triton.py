@@ -22,7 +22,8 @@ requested before the current one's sums, all resident from the start: the 1 x 12
 3.255; with the KDA decode asking the L2 for its rows, state and conv tails before its wait as well: 1.975 /
 1.977 and 3.325 / 3.325, its programs still waiting 0.5 us.
 
-o_proj's matvec (2,304 rows) starts with the KDA decode and loads its rows before its wait, but only ~1,600 of
+(On Hopper, o_proj's one-row product now runs from shared memory instead: ``matvec_gluon``.) o_proj's matvec
+(2,304 rows) starts with the KDA decode and loads its rows before its wait, but only ~1,600 of
 them fit in the registers beside that launch (58 registers a program of one row), and o_proj still ends 5.9 us
 after the KDA decode. Tried (H100, 16 layers of the 48B shape, two alternations each, 2026-12-06): the slab held as
 int32 pairs of bfloat16 until after the wait, each pair's products from its halves (ptxas: 8 rows on 8 warps in 80
