@@ -1,6 +1,12 @@
-"""Shared helpers for the kernel tests: relative RMS error and KDA inputs with either gate."""
+"""Shared helpers for the kernel tests: relative RMS error, KDA inputs with either gate, and a Gluon kernel
+compiled for sm_90 without a GPU."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -43,3 +49,34 @@ def gate_case(H: int, K: int, V: int):
     A_log = torch.log(torch.empty(H).uniform_(1, 16, generator=gen))
     dt_bias = torch.randn(H * K, generator=gen) - 1.0
     return q, k, v, beta, raw, A_log, dt_bias, torch.tensor([0, 30, 75]), [[7, 30], [45]]
+
+
+_GLUON_HEAD = """
+import inspect, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+"""
+
+_GLUON_TAIL = """
+params = list(inspect.signature(fn.fn).parameters)
+sig = {p: "constexpr" if p in const else types[p] for p in params}
+src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
+                     attrs={(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*"})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
+"""
+
+
+def compile_gluon_sm90(setup: str, *args: str) -> dict:
+    """A Gluon kernel compiled for sm_90 on 4 warps by the installed Triton (its bundled ptxas; no GPU needed), in a
+    process of its own: the kernel folder's conftest turns the interpreter on without a GPU, and Gluon's library
+    functions decorated under it cannot be compiled. ``setup`` (run with ``args`` as sys.argv[1:], after the
+    imports of torch, triton, json, sys, inspect and ``mangle_type``) sets ``fn`` (the kernel), ``types`` (each
+    argument's Triton type) and ``const`` (each constexpr's value). Returns {"shared": bytes, "ptx": text}."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _GLUON_HEAD + setup + _GLUON_TAIL, *args], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])

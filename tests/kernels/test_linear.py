@@ -11,7 +11,7 @@ import torch
 
 from kda_sessions.kernels.linear import head_linear, linear, naive_head_linear, naive_linear
 
-from .kernel_helpers import rel_rms
+from .kernel_helpers import compile_gluon_sm90, rel_rms
 
 
 def _check(N: int, O: int, I: int, dtype: torch.dtype, device: str, config=None) -> None:
@@ -164,11 +164,6 @@ def test_head_matvec_matches_the_twin_on_cuda(N, rows, monkeypatch):
 # -- o_proj's one-row product in shared memory (``matvec_gluon``, Gluon on sm_90) ----------------------------------
 
 _COMPILE_SMEM = """
-import inspect, json, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
 from kda_sessions.kernels.linear import matvec_gluon as mg
 
 rows = int(sys.argv[1])
@@ -178,33 +173,18 @@ w_desc = mg.TensorDescriptor(w, [16, 2304, 256], [256, 4096, 1], [16, rows, 256]
 fn = mg._smem_matvec_kernel
 types = {"x": "*bf16", "w_desc": mangle_type(w_desc), "y": "*bf16", "stamps": "*i64"}
 const = {"I": 4096, "BO": rows, "BOX": mg.BOX, "PDL": True, "STAMPS": False, "SW": 16}
-params = list(inspect.signature(fn.fn).parameters)
-sig = {p: "constexpr" if p in const else types[p] for p in params}
-src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
-                     attrs={(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*"})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 """
 
 
 def test_smem_matvec_compiles_for_sm90_with_its_weight_copy_before_the_wait():
     """Compiled for sm_90 by this Triton (no GPU: Gluon's API moves between releases): a program's rows (8 KB a
     row at I 4096) in shared memory by one TMA copy before it waits for the launch before, x read after."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     from kda_sessions.kernels.linear import matvec_gluon as mg
 
     if mg.gluon is None:
         pytest.skip("this Triton has no Gluon")
     rows = mg.ROWS
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE_SMEM, str(rows)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    k = json.loads(res.stdout.strip().splitlines()[-1])
+    k = compile_gluon_sm90(_COMPILE_SMEM, str(rows))
     assert rows * 8192 <= k["shared"] <= rows * 8192 + 1024
     lines = k["ptx"].splitlines()
     copies = [i for i, s in enumerate(lines) if "cp.async.bulk.tensor.3d" in s]

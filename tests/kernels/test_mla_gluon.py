@@ -20,20 +20,14 @@ from kda_sessions.kernels.mla import paged_decode
 from kda_sessions.kernels.mla import paged_decode_gluon as pg
 from kda_sessions.kernels.mla.naive import naive_mla_decode_paged
 
-from .kernel_helpers import rel_rms
+from .kernel_helpers import compile_gluon_sm90, rel_rms
 
 needs_gluon = pytest.mark.skipif(pg.gluon is None, reason="this Triton has no Gluon")
 SMEM_SM90 = 227 * 1024  # the most shared memory one block may use on sm_90
 
 
-# compiles the kernel for sm_90 in a process of its own: this folder's conftest turns the interpreter on without a
-# GPU, and Gluon's library functions decorated under it cannot be compiled
+# the split kernel's arguments for ``compile_gluon_sm90`` (argv: BH, PDL 0 or 1)
 _COMPILE = """
-import inspect, json, sys
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon._runtime import GluonASTSource
-from triton.runtime.jit import mangle_type
 from kda_sessions.kernels.mla import paged_decode_gluon as pg
 
 rows = torch.zeros(256, 576, dtype=torch.bfloat16)  # only the descriptors' types are read, never their memory
@@ -48,21 +42,11 @@ types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "pe_de
          "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
          "NSPLIT": "i32"}
 const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1"}
-params = list(inspect.signature(fn.fn).parameters)
-sig = {p: "constexpr" if p in const else types[p] for p in params}
-src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
-                     attrs={(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*"})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 """
 
 
 def _compile_sm90(BH: int, pdl: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _COMPILE, str(BH), str(int(pdl))], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return compile_gluon_sm90(_COMPILE, str(BH), str(int(pdl)))
 
 
 @needs_gluon
