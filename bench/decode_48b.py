@@ -47,7 +47,6 @@ from torch import Tensor
 
 from kda_sessions.config import ModelConfig
 from kda_sessions.kernels.kda import decode_triton as _kda_dec_mod
-from kda_sessions.kernels.linear import matvec_gluon as _matvec_gluon_mod
 from kda_sessions.kernels.linear import matvec_triton as _matvec_mod
 from kda_sessions.kernels.mla import decode_prep as _prep_mod
 from kda_sessions.kernels.mla import paged_decode as _paged_mod
@@ -248,9 +247,7 @@ def _flag_modes() -> dict[str, list[tuple[types.ModuleType, str, object]]]:
             **{f"kda-bv{bv}w{w}": [(_kda_dec_mod, "decode_launch_config",
                                     lambda N, V, bv=bv, w=w: (bv, w) if N < 8 else (128, 4))]
                for bv, w in ((64, 8), (128, 8), (32, 4), (32, 2))},
-            "old-route": [(_route_mod, "SELECT_LANES", False)],
-            "old-oproj": [(_matvec_gluon_mod, "SMEM_MATVEC", False)],
-            **{f"rows{r}": [(_matvec_gluon_mod, "ROWS", r)] for r in (2, 8)}}
+            "old-route": [(_route_mod, "SELECT_LANES", False)]}
 
 
 FLAG_MODES = _flag_modes()
@@ -260,9 +257,7 @@ MLA's W_uv matvec on one row a program (``matvec_triton.HEAD_ROWS``) and the MLA
 only after its wait (``paged_decode.COMBINE_EARLY_TRIGGER``), ``old-shared`` the MoE up kernel reading the shared
 expert's rows after its PDL wait with the others (``triton_moe.FIXED_FIRST``), ``old-all`` all three;
 ``kda-bvBwW`` the KDA decode kernel below 8 sequences on V blocks of B and W warps (``decode_launch_config``);
-``old-route`` the router's one-token selection by block reductions rather than warp shuffles (``route.SELECT_LANES``);
-``old-oproj`` o_proj's one-row product in the Triton matvec rather than the shared-memory kernel
-(``matvec_gluon.SMEM_MATVEC``); ``rowsR`` that kernel on R rows a program (``matvec_gluon.ROWS``).
+``old-route`` the router's one-token selection by block reductions rather than warp shuffles (``route.SELECT_LANES``).
 ``--greedy-modes`` runs the greedy check under them."""
 
 
@@ -908,7 +903,6 @@ STAMP_PHASES = {
     "route": ["wait", "norm", "logits", "arrive", "select"],
     "moe_down": ["wait", "experts", "arrive", "add_norm"],
     "matvec": ["wait", "read"],
-    "smem_matvec": ["wait", "copies", "read"],
 }
 """The phases of the kernels that stamp (``kernels.stamps``), each ending at the next clock column of a program's
 row, as their docstrings list them. KDA decode: the wait for the launch before, the decay gate's logits (f_b's rows

@@ -28,7 +28,7 @@ WIDTH: tl.constexpr = tl.constexpr(16)
 ROWS: dict[str, list[Tensor]] | None = None
 """Bench only (``bench/decode_48b.py --stamps``): None, the kernels as shipped (no stamps compiled in); a dict,
 each stamping kernel's launches append their stamp buffers [programs, ``WIDTH``] int64 under the kernel's name
-(``kda_decode``, ``route``, ``moe_down``, ``matvec``, ``smem_matvec``)."""
+(``kda_decode``, ``route``, ``moe_down``, ``matvec``)."""
 
 
 LAUNCHES: list[tuple[str, Tensor]] = []

@@ -150,9 +150,9 @@ def _decode_kernel(
 
     The next launch (o_proj's PDL matvec) starts with this one and loads its 18.9 MB of weight before its wait, so
     those bytes queue ahead of this kernel's own reads: its gate phase takes 5.1 us against 2.5 without them, and
-    the Triton matvec still ends 5.9 us after this launch (clock stamps, ``bench/decode_48b.py --stamps``: its 2,304
-    rows do not all fit in the registers beside this launch, and the rest load after). o_proj's one-row product now
-    runs from shared memory (``linear.matvec_gluon``): it ends 3.6 us after, this launch's gate phase 5.4 us. Tried (H100, the 48B shape's first
+    the matvec still ends 5.9 us after this launch (clock stamps, ``bench/decode_48b.py --stamps``: its 2,304 rows
+    do not all fit in the registers beside this launch, and the rest load after; held in shared memory instead, it
+    ends 3.6 us after but this launch takes ~1.3 us longer: ``matvec_triton``'s docstring). Tried (H100, the 48B shape's first
     16 layers, two alternations, 2026-12-06): letting the matvec start only once this kernel's gate reads have
     arrived, or its state's: the gate phase 2.5 us but the conv's 2.0 -> 3.5 (or the arrival's 1.3 -> 3.9), the
     matvec still 5.9 us after; the 1 x 128K step 1.8249 / 1.8234 ms -> 1.8311 / 1.8308 and 1.8306 / 1.8285, within

@@ -1,6 +1,5 @@
 """Linear layers of a decode step: y = x @ w^T for a few rows of x. CUDA tensors of at most
-``matvec_triton.MAX_ROWS`` rows go to one Triton matvec launch (one row times a weight that fits in shared memory,
-o_proj's, to the Gluon kernel of ``matvec_gluon`` on Hopper); more rows, and CPU tensors, to ``F.linear``
+``matvec_triton.MAX_ROWS`` rows go to one Triton matvec launch; more rows, and CPU tensors, to ``F.linear``
 (cuBLAS or the CPU's BLAS). ``naive_linear`` is the twin the tests compare with."""
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
         raise ValueError(f"x must be [N, I] and w [O, I] with the same I, got {tuple(x.shape)}, {tuple(w.shape)}")
     if x.is_cuda and 1 <= x.shape[0] <= MATVEC_MAX_ROWS and x.stride(1) == 1 and w.stride(1) == 1 \
             and x.dtype == w.dtype:
-        from .matvec_gluon import smem_matvec, smem_matvec_ok
         from .matvec_triton import matvec_triton
 
-        return smem_matvec(x, w) if smem_matvec_ok(x, w) else matvec_triton(x, w)
+        return matvec_triton(x, w)
     return F.linear(x, w)
 
 

@@ -22,8 +22,7 @@ requested before the current one's sums, all resident from the start: the 1 x 12
 3.255; with the KDA decode asking the L2 for its rows, state and conv tails before its wait as well: 1.975 /
 1.977 and 3.325 / 3.325, its programs still waiting 0.5 us.
 
-(On Hopper, o_proj's one-row product now runs from shared memory instead: ``matvec_gluon``.) o_proj's matvec
-(2,304 rows) starts with the KDA decode and loads its rows before its wait, but only ~1,600 of
+o_proj's matvec (2,304 rows) starts with the KDA decode and loads its rows before its wait, but only ~1,600 of
 them fit in the registers beside that launch (58 registers a program of one row), and o_proj still ends 5.9 us
 after the KDA decode. Tried (H100, 16 layers of the 48B shape, two alternations each, 2026-12-06): the slab held as
 int32 pairs of bfloat16 until after the wait, each pair's products from its halves (ptxas: 8 rows on 8 warps in 80
@@ -34,6 +33,19 @@ the runs' noise, not kept); one row, packed: +2 / +3 us. The KDA layer's input m
 programs at its grid's end, for what the KDA decode then reads (gate rows, state slice, conv tails: 4 MB): that
 launch 11.5 -> 9.5 us, but it starts 1.3 us after the matvec's end instead of 0.5 before (the extra programs are
 the last to start), so it ends at the same time: the step +1 / +4 us; with the packed 8-row o_proj as well, +7.
+
+o_proj's whole weight held in shared memory (a Gluon kernel, sm_90; tried 2026-12-06, H100, 16 layers): each
+program's 4 rows (32 KB) copied by one 3-d TMA copy before its PDL wait, all 576 programs resident beside the KDA
+decode, after the wait each warp reading a quarter of x and summing from shared memory. Clock stamps: o_proj ends
+3.6 us after the KDA decode instead of 5.9, but the KDA launch takes 11.8 us instead of 10.5 (its gate and conv
+reads queue behind the 18.9 MB copy), and after its wait a program still takes 1.65 us (x's L2 round trip, then
+143 KB of bf16 a multiprocessor read from shared memory, widened and multiplied: ~0.65 us at shared memory's 128
+bytes a cycle, whatever unit multiplies). The step: on one machine -15 / -14 us at 1 x 128K / 1 x 1M over three
+alternations, on another none over four (1 x 128K 1.8438 / 1.8422 / 1.8422 / 1.8424 ms against 1.8431 / 1.8421 /
+1.8429 / 1.8421); not kept. Variants: x copied by TMA too (one more serial round trip, +5 us), a warp a row (x
+widened by every warp; -4 to -10 us on the second machine), the copy held back 0.6-2.3 us so the KDA decode's
+first reads go ahead (its gate phase 5.4 -> 2.5 us, but its conv phase 2.6 -> 5.2-6.0: +2 to +10 us), the copy
+split into 16 paced boxes (+35 us at 800 cycles apart).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch
 
 from kda_sessions.kernels.linear import head_linear, linear, naive_head_linear, naive_linear
 
-from .kernel_helpers import compile_gluon_sm90, rel_rms
+from .kernel_helpers import rel_rms
 
 
 def _check(N: int, O: int, I: int, dtype: torch.dtype, device: str, config=None) -> None:
@@ -160,89 +160,3 @@ def test_head_matvec_matches_the_twin_on_cuda(N, rows, monkeypatch):
     monkeypatch.setattr(matvec_triton, "HEAD_ROWS", rows)
     _check_heads(N, 32, 128, 512, torch.bfloat16, "cuda")  # MLA's W_uv at the 48B shape
 
-
-# -- o_proj's one-row product in shared memory (``matvec_gluon``, Gluon on sm_90) ----------------------------------
-
-_COMPILE_SMEM = """
-from kda_sessions.kernels.linear import matvec_gluon as mg
-
-rows = int(sys.argv[1])
-w = torch.zeros(16, 2304, 256, dtype=torch.bfloat16)  # only the descriptors' types are read, never their memory
-lay3 = mg.gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=16, rank=3)
-w_desc = mg.TensorDescriptor(w, [16, 2304, 256], [256, 4096, 1], [16, rows, 256], lay3)
-fn = mg._smem_matvec_kernel
-types = {"x": "*bf16", "w_desc": mangle_type(w_desc), "y": "*bf16", "stamps": "*i64"}
-const = {"I": 4096, "BO": rows, "BOX": mg.BOX, "PDL": True, "STAMPS": False, "SW": 16}
-"""
-
-
-def test_smem_matvec_compiles_for_sm90_with_its_weight_copy_before_the_wait():
-    """Compiled for sm_90 by this Triton (no GPU: Gluon's API moves between releases): a program's rows (8 KB a
-    row at I 4096) in shared memory by one TMA copy before it waits for the launch before, x read after."""
-    from kda_sessions.kernels.linear import matvec_gluon as mg
-
-    if mg.gluon is None:
-        pytest.skip("this Triton has no Gluon")
-    rows = mg.ROWS
-    k = compile_gluon_sm90(_COMPILE_SMEM, str(rows))
-    assert rows * 8192 <= k["shared"] <= rows * 8192 + 1024
-    lines = k["ptx"].splitlines()
-    copies = [i for i, s in enumerate(lines) if "cp.async.bulk.tensor.3d" in s]
-    wait = next(i for i, s in enumerate(lines) if "griddepcontrol.wait" in s)
-    first_x = next(i for i, s in enumerate(lines) if "ld.global" in s)
-    assert len(copies) == 1 and copies[0] < wait < first_x
-    assert "%clock64" not in k["ptx"]
-
-
-def test_smem_matvec_never_serves_cpu_tensors():
-    from kda_sessions.kernels.linear import matvec_gluon as mg
-
-    x, w = torch.randn(1, 4096).bfloat16(), torch.randn(2304, 4096).bfloat16()
-    assert not mg.smem_matvec_ok(x, w)
-    assert rel_rms(linear(x, w).float(), naive_linear(x, w).float()) < 8e-3
-
-
-def _smem_case(O: int, I: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    y = torch.randn(1, I + 8, device="cuda", generator=gen).bfloat16()
-    return y[:, 8:], (torch.randn(O, I, device="cuda", generator=gen) * I**-0.5).bfloat16()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(2304, 4096), (64, 1024), (8, 2048)], ids=["o_proj", "small", "one-program"])
-def test_smem_matvec_matches_the_twin_on_cuda(shape, monkeypatch):
-    """o_proj's shape and two small ones (one program at 8 rows), x a column slice of a larger row: against
-    the float32 product rounded once, and ``linear`` sends the one-row call there; 2 and 8 rows a program too."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("no Hopper GPU")
-    from kda_sessions.kernels.linear import matvec_gluon as mg
-
-    x, w = _smem_case(*shape, seed=shape[0])
-    assert mg.smem_matvec_ok(x, w) and not mg.smem_matvec_ok(torch.cat([x, x]), w)
-    out = mg.smem_matvec(x, w)
-    assert out.shape == (1, shape[0]) and out.dtype == torch.bfloat16
-    assert rel_rms(out.float().cpu(), naive_linear(x.cpu(), w.cpu()).float()) < 8e-3
-    assert torch.equal(linear(x, w), out)
-    for rows in (2, 8):
-        monkeypatch.setattr(mg, "ROWS", rows)
-        assert rel_rms(mg.smem_matvec(x, w).float().cpu(), naive_linear(x.cpu(), w.cpu()).float()) < 8e-3
-
-
-@pytest.mark.gpu
-def test_stamped_smem_matvec_gives_the_same_bits_and_ordered_clocks(monkeypatch):
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("no Hopper GPU")
-    from kda_sessions.kernels import stamps
-    from kda_sessions.kernels.linear import matvec_gluon as mg
-
-    x, w = _smem_case(2304, 4096, seed=3)
-    plain = mg.smem_matvec(x, w)
-    monkeypatch.setattr(stamps, "ROWS", {})
-    monkeypatch.setattr(stamps, "LAUNCHES", [])
-    stamped = mg.smem_matvec(x, w)
-    assert torch.equal(plain, stamped)
-    r = stamps.ROWS["smem_matvec"][0].cpu()
-    assert r.shape[0] == 2304 // mg.ROWS
-    assert (r[:, 1] > r[:, 0]).all()
-    c = r[:, 2:6]
-    assert (c[:, 1:] >= c[:, :-1]).all() and (c[:, -1] > c[:, 0]).all()
