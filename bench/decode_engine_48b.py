@@ -7,7 +7,8 @@ Parts, each written to ``--out`` as it ends:
             times ``generate(1)`` and ``generate(1 + --steps)`` on every session at once (greedy, ``ignore_eos``):
             the time per step is the difference of their medians over ``--steps`` (host work, sampling and
             detokenising included); with ``--decode-ahead off,on`` both settings of ``EngineConfig.decode_ahead``,
-            alternated in each case;
+            alternated in each case; with ``--host-times`` the host's parts of a step (``host_timers``: calls a
+            token, median, 90th percentile and longest call, total a token);
   replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
             random pools (no prefill, so 1M fits in the time), in each of ``--replay-modes`` (``decode_48b``'s);
   profile   the eager step at 1 x ``--profile-context`` (8K) under the torch profiler (``decode_48b.profile_case``),
@@ -28,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
+import importlib
 import json
 import statistics
 import sys
@@ -80,8 +83,56 @@ async def generate_all(sessions: list, n: int) -> float:
     return time.perf_counter() - t
 
 
+HOST_TIMED = [  # (module, class name or None, attribute): the host's parts of a graphed decode step
+    ("kda_sessions.engine.runner", "Runner", "_launch"), ("kda_sessions.engine.runner", "Runner", "_finish_step"),
+    ("kda_sessions.engine.runner", "Runner", "_going_on"), ("kda_sessions.engine.runner", None, "sample_batch_async"),
+    ("kda_sessions.engine.runner", None, "postprocess"), ("kda_sessions.model.graphs", "DecodeGraphs", "_fill"),
+    ("kda_sessions.model.graphs", "DecodeGraphs", "_feed"), ("kda_sessions.engine.sampler", "PendingSample", "result"),
+    ("torch.cuda", "CUDAGraph", "replay"),
+]
+
+
+@contextlib.contextmanager
+def host_timers(durations: dict[str, list[float]]):
+    """While open, every call of ``HOST_TIMED``'s functions appends its wall time (s) to ``durations`` under
+    "Class.attribute" (a call's time includes any wait for the device or for the GIL)."""
+    patched = []
+    for mod_name, cls_name, attr in HOST_TIMED:
+        owner = importlib.import_module(mod_name)
+        if cls_name is not None:
+            owner = getattr(owner, cls_name)
+        fn = owner.__dict__[attr] if cls_name is not None else getattr(owner, attr)
+        label = f"{cls_name or mod_name.rsplit('.', 1)[-1]}.{attr}"
+
+        def timed(*a, __fn=fn, __label=label, **k):
+            t = time.perf_counter()
+            try:
+                return __fn(*a, **k)
+            finally:
+                durations.setdefault(__label, []).append(time.perf_counter() - t)
+
+        setattr(owner, attr, timed)
+        patched.append((owner, attr, fn))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in patched:
+            setattr(owner, attr, fn)
+
+
+def host_summary(durations: dict[str, list[float]], tokens: int) -> dict[str, dict[str, float]]:
+    """Per timed function: calls a token, median / 90th percentile / longest call and total a token, us."""
+    out = {}
+    for label, d in sorted(durations.items(), key=lambda kv: -sum(kv[1])):
+        q = statistics.quantiles(d, n=10) if len(d) > 1 else [d[0]] * 9
+        out[label] = {"calls_per_token": round(len(d) / tokens, 2), "median_us": round(statistics.median(d) * 1e6, 1),
+                      "p90_us": round(q[8] * 1e6, 1), "max_us": round(max(d) * 1e6, 1),
+                      "us_per_token": round(sum(d) / tokens * 1e6, 1)}
+    return out
+
+
 async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int,
-                      ahead: tuple[bool, ...] = (False,)) -> dict[str, Any]:
+                      ahead: tuple[bool, ...] = (False,), host_times: bool = False) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -98,6 +149,14 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             many[a].append(await generate_all(sessions, 1 + steps))
     by = {a: (statistics.median(many[a]) - statistics.median(one[a])) / steps * 1e3 for a in ahead}
     step_ms = by[ahead[0]]
+    host: dict[str, Any] = {}
+    if host_times:  # one more generate(1 + steps) per setting, its host calls timed
+        for a in ahead:
+            engine.runner.decode_ahead = a
+            durations: dict[str, list[float]] = {}
+            with host_timers(durations):
+                await generate_all(sessions, 1 + steps)
+            host["on" if a else "off"] = host_summary(durations, batch * (1 + steps))
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
@@ -105,7 +164,7 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             "tok_per_s": round(batch * 1e3 / step_ms, 1), "floor_ms": round(floor["floor_ms"], 3),
             "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor,
             "step_ms_decode_ahead": {("on" if a else "off"): round(v, 3) for a, v in by.items()},
-            "steps_queued_ahead": engine.runner.steps_ahead}
+            "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {})}
 
 
 async def engine_profile(engine: Engine, L: int, steps: int, top: int = 20) -> dict[str, Any]:
@@ -169,6 +228,9 @@ def main() -> None:
     ap.add_argument("--decode-ahead", default="on", choices=["off", "on", "off,on", "on,off"],
                     help="EngineConfig.decode_ahead in the Engine cases (on: the library default); two settings alternate "
                          "in each case")
+    ap.add_argument("--host-times", action="store_true",
+                    help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
+                         "generate per decode-ahead setting")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per replay case")
     ap.add_argument("--replay-modes", default="fused",
                     help="decode_48b modes timed in each replay case, e.g. fused,old-all,fused@2,old-all@2 for an "
@@ -221,7 +283,7 @@ def main() -> None:
         try:
             for b, L in todo:
                 try:
-                    r = await engine_case(engine, model, b, L, args.steps, ahead)
+                    r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times)
                     res.setdefault("engine", []).append(r)
                     log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
                 except Exception as e:
