@@ -159,4 +159,3 @@ def test_head_matvec_matches_the_twin_on_cuda(N, rows, monkeypatch):
 
     monkeypatch.setattr(matvec_triton, "HEAD_ROWS", rows)
     _check_heads(N, 32, 128, 512, torch.bfloat16, "cuda")  # MLA's W_uv at the 48B shape
-
