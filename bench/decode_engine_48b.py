@@ -4,10 +4,11 @@ to the floor set by the bytes a step must read, the graph replays of the bare st
 Parts, each written to ``--out`` as it ends:
   engine    for each BATCHxCONTEXT of ``--cases``: BATCH fresh sessions, ``append`` CONTEXT random byte ids each
             (concurrently), one warm-up ``generate`` (captures the graph of that batch and width), then three
-            times ``generate(1)`` and ``generate(1 + --steps)`` on every session at once (greedy, ``ignore_eos``):
+            times ``generate(1)`` and ``generate(1 + --steps)`` on every session at once (``ignore_eos``):
             the time per step is the difference of their medians over ``--steps`` (host work, sampling and
             detokenising included); with ``--decode-ahead off,on`` both settings of ``EngineConfig.decode_ahead``,
-            alternated in each case; with ``--host-times`` the host's parts of a step (``host_timers``: calls a
+            alternated in each case, and with ``--sampling greedy,nucleus,...`` each sampling setting (``SAMPLINGS``)
+            alternated too; with ``--host-times`` the host's parts of a step (``host_timers``: calls a
             token, median, 90th percentile and longest call, total a token);
   replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
             random pools (no prefill, so 1M fits in the time), in each of ``--replay-modes`` (``decode_48b``'s);
@@ -67,18 +68,39 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+class BenchTokenizer(ByteTokenizer):
+    """The byte tokenizer, decoding ids past its vocabulary as nothing: a sampled (not greedy) draw from the random
+    model may pick any of its ids (the lm_head rows past the tokenizer's are zero, not -inf)."""
+
+    def decode(self, ids, *, skip_special: bool = False) -> str:  # type: ignore[no-untyped-def]
+        return super().decode([i for i in ids if i < self.vocab_size], skip_special=skip_special)
+
+
 async def open_engine(model: HybridModel, sessions: int, tokens: int, name: str) -> Engine:
     """An Engine over ``model`` with room for ``sessions`` sessions of ``tokens`` tokens each, memory store."""
     config = EngineConfig(max_active_sessions=sessions, num_pages=sessions * (-(-tokens // P) + 8) + 64, page_size=P,
                           max_checkpoints_in_memory=1)
     snapshots = await open_snapshots("memory:", config)
-    return Engine(model, name, ByteTokenizer(), builtin_template(), snapshots, config)
+    return Engine(model, name, BenchTokenizer(), builtin_template(), snapshots, config)
 
 
-async def generate_all(sessions: list, n: int) -> float:
-    """Seconds for ``generate(n)`` on every session at once (greedy, no early stop)."""
+SAMPLINGS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0},
+    "nucleus": {"temperature": 0.7, "top_p": 0.95},
+    "top-k": {"temperature": 0.7, "top_k": 50},
+    "seeded": {"temperature": 0.7, "top_p": 0.95, "seed": 0},
+}
+"""``--sampling``'s settings: greedy (the default), the nucleus and top-k settings agents commonly run, and the
+nucleus one with a seed (each session its own: ``seed`` + its index), which draws on a generator of its own."""
+
+
+async def generate_all(sessions: list, n: int, sampling: str = "greedy") -> float:
+    """Seconds for ``generate(n)`` on every session at once (``SAMPLINGS[sampling]``, no early stop)."""
+    kw = SAMPLINGS[sampling]
     t = time.perf_counter()
-    replies = await asyncio.gather(*(s.generate(max_tokens=n, temperature=0.0, ignore_eos=True) for s in sessions))
+    replies = await asyncio.gather(*(
+        s.generate(max_tokens=n, ignore_eos=True, **{**kw, **({"seed": kw["seed"] + i} if "seed" in kw else {})})
+        for i, s in enumerate(sessions)))
     sync()
     assert all(r.usage.completion_tokens == n for r in replies), [r.usage.completion_tokens for r in replies]
     return time.perf_counter() - t
@@ -133,7 +155,8 @@ def host_summary(durations: dict[str, list[float]], tokens: int) -> dict[str, di
 
 
 async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int,
-                      ahead: tuple[bool, ...] = (False,), host_times: bool = False) -> dict[str, Any]:
+                      ahead: tuple[bool, ...] = (False,), host_times: bool = False,
+                      samplings: tuple[str, ...] = ("greedy",)) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -141,30 +164,35 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
     sync()
     prefill_s = time.perf_counter() - t
     await generate_all(sessions, 2)  # captures the graphs of this batch and page-table width
-    one: dict[bool, list[float]] = {a: [] for a in ahead}
-    many: dict[bool, list[float]] = {a: [] for a in ahead}
+    variants = [(a, smp) for smp in samplings for a in ahead]
+
+    def label(a: bool, smp: str) -> str:
+        return ("on" if a else "off") + ("" if samplings == ("greedy",) else f"/{smp}")
+
+    one: dict[str, list[float]] = {label(*v): [] for v in variants}
+    many: dict[str, list[float]] = {label(*v): [] for v in variants}
     for _ in range(3):  # medians: a call now and then also pays for other engine work (a checkpoint trim)
-        for a in ahead:  # alternated, for an A/B within one run
+        for a, smp in variants:  # alternated, for an A/B within one run
             engine.runner.decode_ahead = a
-            one[a].append(await generate_all(sessions, 1))
-            many[a].append(await generate_all(sessions, 1 + steps))
-    by = {a: (statistics.median(many[a]) - statistics.median(one[a])) / steps * 1e3 for a in ahead}
-    step_ms = by[ahead[0]]
+            one[label(a, smp)].append(await generate_all(sessions, 1, smp))
+            many[label(a, smp)].append(await generate_all(sessions, 1 + steps, smp))
+    by = {k: (statistics.median(many[k]) - statistics.median(one[k])) / steps * 1e3 for k in one}
+    step_ms = by[label(*variants[0])]
     host: dict[str, Any] = {}
     if host_times:  # one more generate(1 + steps) per setting, its host calls timed
-        for a in ahead:
+        for a, smp in variants:
             engine.runner.decode_ahead = a
             durations: dict[str, list[float]] = {}
             with host_timers(durations):
-                await generate_all(sessions, 1 + steps)
-            host["on" if a else "off"] = host_summary(durations, batch * (1 + steps))
+                await generate_all(sessions, 1 + steps, smp)
+            host[label(a, smp)] = host_summary(durations, batch * (1 + steps))
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
     return {"batch": batch, "context": L, "prefill_s": round(prefill_s, 2), "step_ms": round(step_ms, 3),
             "tok_per_s": round(batch * 1e3 / step_ms, 1), "floor_ms": round(floor["floor_ms"], 3),
             "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor,
-            "step_ms_decode_ahead": {("on" if a else "off"): round(v, 3) for a, v in by.items()},
+            "step_ms_decode_ahead": {k: round(v, 3) for k, v in by.items()},
             "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {})}
 
 
@@ -257,6 +285,9 @@ def main() -> None:
     ap.add_argument("--decode-ahead", default="on", choices=["off", "on", "off,on", "on,off"],
                     help="EngineConfig.decode_ahead in the Engine cases (on: the library default); two settings alternate "
                          "in each case")
+    ap.add_argument("--sampling", default="greedy",
+                    help=f"sampling settings of the Engine cases, alternated in each case with the decode-ahead ones: "
+                         f"comma-separated of {', '.join(SAMPLINGS)} (SAMPLINGS)")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
                          "generate per decode-ahead setting")
@@ -306,6 +337,9 @@ def main() -> None:
     log(f"built {res['params_b']} B parameters in {res['build_s']} s")
 
     ahead = tuple(v == "on" for v in args.decode_ahead.split(","))
+    samplings = tuple(v for v in args.sampling.split(",") if v)
+    if not samplings or any(v not in SAMPLINGS for v in samplings):
+        ap.error(f"--sampling: comma-separated of {', '.join(SAMPLINGS)}, got {args.sampling!r}")
 
     async def engine_parts() -> None:
         todo = cases(args.cases)
@@ -314,7 +348,7 @@ def main() -> None:
         try:
             for b, L in todo:
                 try:
-                    r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times)
+                    r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times, samplings)
                     res.setdefault("engine", []).append(r)
                     log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
                 except Exception as e:
