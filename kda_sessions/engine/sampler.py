@@ -3,6 +3,11 @@
 Every accepted setting gives a finite distribution: values are checked when the request is admitted (a bad
 one is a ValueError naming the field, a 400 over HTTP), temperatures below ``MIN_TEMPERATURE`` decode
 greedily, and the scaled logits are shifted by their maximum first, so no temperature overflows them.
+
+A decode batch draws all its rows at once (``draw_rows``) and nothing in a draw waits for the device, so a step
+queued ahead (``EngineConfig.decode_ahead``) keeps the GPU busy whatever the rows' settings. Logits that hold no
+distribution (nan or inf: a fault upstream) draw -1, which the host turns into that request's ``NoDistribution``
+error and the device feed into a dummy row (``kernels.feed``).
 """
 
 from __future__ import annotations
@@ -16,38 +21,82 @@ from torch import Tensor
 from ..types import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
 __all__ = [
-    "MIN_TEMPERATURE", "SEED_RANGE", "PendingSample", "SamplingParams", "draw", "sample", "sample_batch",
-    "sample_batch_async",
+    "MIN_TEMPERATURE", "SEED_RANGE", "NoDistribution", "PendingSample", "SamplingParams", "draw", "draw_rows", "sample",
+    "sample_batch", "sample_batch_async",
 ]
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
-    """One token from logits [vocab] (float32); returns (token id, its log-probability under the model)."""
+    """One token from logits [vocab] (float32); returns (token id, its log-probability under the model). Raises a
+    ValueError where the logits hold no distribution (nan, or no finite value)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     if params.greedy:
         tok = int(torch.argmax(logits))
         return tok, float(logprobs[tok])
     tok = int(draw(logits, params, generator))
+    if tok < 0:
+        raise NoDistribution()
     return tok, float(logprobs[tok])
 
 
+class NoDistribution(ValueError):
+    """A row's logits hold no distribution to sample from (a nan, an inf, or nothing finite)."""
+
+    def __init__(self) -> None:
+        super().__init__("the logits hold no distribution to sample from (nan or inf)")
+
+
 def draw(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> Tensor:
-    """A non-greedy draw from logits [vocab]: the token id as a 0-d long tensor on the logits' device (drawn
-    where the request's generator lives); no host sync unless those devices differ."""
-    scaled = logits.float()
-    scaled = (scaled - scaled.max()) / params.temperature  # max 0: no overflow at any temperature
-    if params.top_k > 0:
-        kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1])).values[-1]
+    """A non-greedy draw from logits [vocab]: ``draw_rows`` of one row, a 0-d long tensor on the logits' device
+    (-1 where the logits hold no distribution)."""
+    return draw_rows(logits[None], [params], [generator])[0]
+
+
+def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
+    """One token per row of logits [N, vocab], every row's setting at once: [N] long on the logits' device, -1 in a
+    row whose logits hold no distribution (nan, inf, nothing finite; the nan sums compare false), the argmax in a
+    greedy row.
+
+    Nothing here waits for the device (a decode step queued ahead keeps the GPU busy while the host draws): the
+    rows' settings reach it in one pinned copy, top-p keeps its tokens by a mask (no boolean indexing, which waits
+    for the count), and the draw is the exponential race torch.multinomial runs for one sample (argmax of p / q,
+    q ~ Exp(1)), without multinomial's checks of the probabilities, which wait for the device. A seeded row's q comes
+    from its own generator, drawn as multinomial draws it: the same tokens as ``torch.multinomial(p, 1, generator)``.
+    Unseeded rows share one draw from the default generator."""
+    V = logits.shape[1]
+    dev, cuda = logits.device, logits.device.type == "cuda"
+    settings = torch.tensor([[1.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
+                             [p.top_p for p in params], [p.greedy for p in params]], dtype=torch.float32,
+                            pin_memory=cuda)
+    temperature, top_k, top_p, greedy = settings.to(dev, non_blocking=True)
+    x = logits.float()
+    scaled = (x - x.amax(-1, keepdim=True)) / temperature[:, None]  # max 0: no overflow at any temperature
+    ks = [p.top_k for p in params if p.top_k > 0 and not p.greedy]
+    if ks:
+        kmax = min(max(ks), V)
+        kth = torch.topk(scaled, kmax, dim=-1).values.gather(1, (top_k.long().clamp(1, kmax) - 1)[:, None])
+        kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
-    if params.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < params.top_p
-        keep[0] = True  # the most likely token, even where top_p rounds to 0 in float32
-        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-    if generator is not None and generator.device != probs.device:
-        probs = probs.to(generator.device)  # a seeded draw uses the request's own generator, where it lives
-    return torch.multinomial(probs, 1, generator=generator)[0].to(logits.device)
+    if any(p.top_p < 1 and not p.greedy for p in params):
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        keep = (sorted_p.cumsum(-1) - sorted_p < top_p[:, None]) | (top_p[:, None] >= 1)
+        keep[:, 0] = True  # the most likely token, even where top_p rounds to 0 in float32
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
+    q = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        q.exponential_()
+    for i, g in enumerate(generators):
+        if g is None:
+            continue
+        if g.device == q.device:
+            q[i].exponential_(generator=g)
+        else:  # the request's generator lives elsewhere: its draw is made there (this row waits for the copy)
+            q[i].copy_(torch.empty(V, device=g.device).exponential_(generator=g))
+    tok = torch.where(probs.sum(-1) > 0, (probs / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1), -1)
+    if any(p.greedy for p in params):  # as an all-greedy batch draws them (a nan row too)
+        tok = torch.where(greedy > 0, torch.argmax(logits, dim=-1), tok)
+    return tok
 
 
 def sample_batch(
@@ -84,12 +133,11 @@ class PendingSample:
             self.copied.synchronize()
         out = list(self.out)
         if self.host.dim() == 1:
-            for i, tok in zip(self.ok, self.host.tolist()):
-                out[i] = (int(tok), math.nan)
+            toks, lps = self.host.tolist(), [math.nan] * len(self.ok)
         else:
             toks, lps = self.host.tolist()
-            for j, i in enumerate(self.ok):
-                out[i] = (int(toks[j]), float(lps[j]))
+        for i, tok, lp in zip(self.ok, toks, lps):
+            out[i] = (int(tok), float(lp)) if tok >= 0 else NoDistribution()
         return out
 
 
@@ -100,16 +148,21 @@ def sample_batch_async(
     host asynchronously; a row whose draw raises fails alone (its exception is in ``out`` at once)."""
     N = logits.shape[0]
     out: list[tuple[int, float] | Exception] = [ValueError("not sampled")] * N
-    if all(p.greedy for p in params):
-        toks = torch.argmax(logits, dim=-1)  # the whole batch at once
-        ok = list(range(N))
-    else:
+    ok = list(range(N))
+    greedy = all(p.greedy for p in params)
+    states = [] if greedy else [g.get_state() if isinstance(g, torch.Generator) else None for g in generators]
+    try:
+        toks = torch.argmax(logits, dim=-1) if greedy else draw_rows(logits, params, generators)
+    except Exception:  # a row the batch cannot draw (its generator, say): each row alone, a failing one fails alone
+        for g, state in zip(generators, states):
+            if state is not None:
+                g.set_state(state)  # type: ignore[union-attr]  # as before the batch drew on it
         picks: list[Tensor] = []
         ok = []
         for i in range(N):
             try:
-                picks.append(torch.argmax(logits[i]) if params[i].greedy else draw(logits[i], params[i], generators[i]))
-            except Exception as e:  # an unsampleable row fails its own request only
+                picks.append(draw_rows(logits[i : i + 1], params[i : i + 1], generators[i : i + 1])[0])
+            except Exception as e:
                 out[i] = e
             else:
                 ok.append(i)
@@ -118,7 +171,7 @@ def sample_batch_async(
         toks = torch.stack(picks)
     if any(p.logprobs for p in params):
         rows = logits if len(ok) == N else torch.stack([logits[i] for i in ok])
-        lps = torch.log_softmax(rows.float(), dim=-1).gather(1, toks[:, None])[:, 0]
+        lps = torch.log_softmax(rows.float(), dim=-1).gather(1, toks.clamp(min=0)[:, None])[:, 0]
         dev = torch.stack([toks.double(), lps.double()])
     else:
         dev = toks

@@ -14,7 +14,8 @@ def feed_decode_rows(
     kv_rows: Tensor, table: Tensor, scratch_slot: int, scratch_page: int, page_size: int,
 ) -> None:
     """In place, for the M fed rows i: ids[i] = tokens[rows[i]]; where can_stop[i] and that token is in stop_ids,
-    row i becomes a dummy: slots[i] = scratch_slot, seq_lens[i] = 1, kv_rows[i] = scratch_page * page_size,
+    or where it is negative (a row the sampler found no distribution in: ``engine.sampler``), row i becomes a dummy:
+    ids[i] = 0 if negative, slots[i] = scratch_slot, seq_lens[i] = 1, kv_rows[i] = scratch_page * page_size,
     table[i, 0] = scratch_page.
 
     tokens [K] int64, rows [M] int32 (indices into tokens), can_stop [M] int32 (0 or 1), stop_ids [S] int64 (S >= 1);

@@ -11,8 +11,8 @@ def naive_feed_decode_rows(
 ) -> None:
     """``feed_decode_rows`` (same arguments and shapes) in plain torch ops."""
     tok = tokens.index_select(0, rows.long())  # [M]
-    ids.copy_(tok)
-    stop = (tok[:, None] == stop_ids[None, :]).any(1) & (can_stop != 0)  # [M]
+    ids.copy_(tok.clamp(min=0))
+    stop = ((tok[:, None] == stop_ids[None, :]).any(1) & (can_stop != 0)) | (tok < 0)  # [M]
     slots.masked_fill_(stop, scratch_slot)
     seq_lens.masked_fill_(stop, 1)
     kv_rows.masked_fill_(stop, scratch_page * page_size)

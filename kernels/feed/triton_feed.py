@@ -17,11 +17,11 @@ def _feed_kernel(
     ok = i < M
     r = tl.load(rows + i, mask=ok, other=0)
     tok = tl.load(tokens + r, mask=ok, other=0)
-    tl.store(ids + i, tok.to(ids.dtype.element_ty), mask=ok)
+    tl.store(ids + i, tl.maximum(tok, 0).to(ids.dtype.element_ty), mask=ok)
     s = tl.arange(0, BS)
     sid = tl.load(stop_ids + s, mask=s < S, other=-1)
     hit = tl.sum(((tok[:, None] == sid[None, :]) & (s < S)[None, :]).to(tl.int32), axis=1) > 0  # [BM]
-    stop = hit & (tl.load(can_stop + i, mask=ok, other=0) != 0) & ok
+    stop = ((hit & (tl.load(can_stop + i, mask=ok, other=0) != 0)) | (tok < 0)) & ok
     tl.store(slots + i, tl.zeros([BM], dtype=slots.dtype.element_ty) + scratch_slot, mask=stop)
     tl.store(seq_lens + i, tl.full([BM], 1, dtype=seq_lens.dtype.element_ty), mask=stop)
     row = (tl.zeros([BM], dtype=tl.int64) + scratch_page) * page_size  # int64 before the product

@@ -215,3 +215,57 @@ async def test_a_queued_step_that_fails_to_launch_is_retried_row_by_row(caplog):
     assert "launch failed" in caplog.text and len(fed) > 3
     assert [x.token_ids for x in got] == want and [x.finish_reason for x in got] == ["length"] * 2
     assert [len(x.token_ids) for x in more] == [4, 4]
+
+
+async def test_a_row_without_a_distribution_fails_alone_while_its_next_step_is_queued():
+    """Nan logits in one sampled row, with the step after it already queued: the sampler draws -1 there (it never
+    waits for the device to check), the feed runs the row as a dummy, its request fails with NoDistribution and its
+    state stays a fresh prefill's; the other row's tokens are those it draws without the fault."""
+    import torch
+
+    from engine.isolation_helpers import assert_equals_fresh_prefill
+    from kda_sessions.engine.sampler import NoDistribution
+
+    kw = dict(max_tokens=[12, 12], ignore_eos=[True, True], temperature=[0.8, 0.8], seed=[4, 5])
+    async with await engine(True) as ref:
+        rs = [await ref.create_session() for _ in range(2)]
+        for i, r in enumerate(rs):
+            await r.append(prompt(8 + i))
+        want = (await together(rs, **kw))[0].token_ids
+    async with await engine(True) as eng:
+        graphs = eng.runner.graphs
+        assert graphs is not None
+        run, fed = graphs.run, []
+
+        def poisoned(*args, **kw):  # type: ignore[no-untyped-def]
+            logits = run(*args, **kw)
+            if len(args) > 4 and args[4] is not None and len(args[0]) == 2:
+                fed.append(1)
+                if len(fed) == 3:
+                    with torch.inference_mode():
+                        logits[1] = float("nan")
+            return logits
+
+        graphs.run = poisoned  # type: ignore[method-assign]
+        ss = [await eng.create_session() for _ in range(2)]
+        for i, s in enumerate(ss):
+            await s.append(prompt(8 + i))
+        ahead = eng.runner.steps_ahead
+        got: list = [None, None]
+
+        async def go(i: int) -> None:
+            try:
+                got[i] = await ss[i].generate(**{k: v[i] for k, v in kw.items()})
+            except Exception as e:
+                got[i] = e
+
+        async with anyio.create_task_group() as tg:
+            for i in range(2):
+                tg.start_soon(go, i)
+        assert eng.runner.steps_ahead - ahead >= 5 and len(fed) > 3
+        assert got[0].token_ids == want, got
+        assert isinstance(got[1], Exception) and "no distribution" in str(got[1]), got[1]
+        assert isinstance(got[1], NoDistribution) or isinstance(got[1].__cause__, NoDistribution)
+        await assert_equals_fresh_prefill(eng, ss[1])
+        again = await ss[1].generate(max_tokens=3, ignore_eos=True)
+        assert len(again.token_ids) == 3

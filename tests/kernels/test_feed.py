@@ -38,6 +38,26 @@ def test_feed_matches_the_twin(M, K, W, stops):
     assert torch.equal(ref[5][stop], torch.full_like(ref[5][stop], 5)) and torch.equal(ref[4], ref[0][ref[1].long()].int())
 
 
+def test_a_row_without_a_draw_runs_as_a_dummy_on_both_paths():
+    """A negative token (the sampler found no distribution in that row) feeds id 0 and makes the row a dummy,
+    whether or not it could stop: its request fails, its state and cache must not move."""
+    from kda_sessions.kernels.feed.triton_feed import feed_decode_rows_triton
+
+    args = case(6, 8, 3, [4], seed=3)
+    args[0][args[1][1:4].long()] = -1  # rows 1..3 drew nothing
+    args[2][1] = 0  # one of them cannot stop
+    ref = [a.clone() for a in args]
+    feed_decode_rows_triton(*args, 5, 6, 16)
+    naive_feed_decode_rows(*ref, 5, 6, 16)
+    for got, want in zip(args[4:], ref[4:]):
+        assert torch.equal(got, want)
+    ids, slots, lens, kv_rows, table = ref[4:]
+    assert ids[1:4].tolist() == [0, 0, 0] and slots[1:4].tolist() == [5, 5, 5] and lens[1:4].tolist() == [1, 1, 1]
+    assert kv_rows[1:4].tolist() == [6 * 16] * 3 and table[1:4, 0].tolist() == [6, 6, 6]
+    fed = args[0][args[1].long()]
+    assert bool((fed[[0, 4, 5]] >= 0).all()) and bool((ids[[0, 4, 5]] == fed[[0, 4, 5]]).all())
+
+
 def test_feed_names_a_bad_shape():
     args = list(case(4, 6, 3, [1], seed=1))
     args[5] = args[5][:3]

@@ -1,0 +1,119 @@
+"""The batched sampler (``engine.sampler.draw_rows``): every row's setting at once, the same tokens as each row
+alone and, for a seeded row, as ``torch.multinomial`` with its generator; top-k and top-p keep what they promise;
+a row without a distribution fails alone; and on a GPU nothing in a draw waits for the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kda_sessions.engine.sampler import NoDistribution, draw_rows, sample, sample_batch, sample_batch_async
+from kda_sessions.types import SamplingParams
+
+V = 300
+SETTINGS = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(), SamplingParams(temperature=1.3, top_k=7),
+            SamplingParams(temperature=0.5, top_k=40, top_p=0.5), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.9, top_k=V + 5), SamplingParams(temperature=2.0, top_p=1e-9)]
+
+
+def logits_for(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, V, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def seeded(n: int, base: int = 10) -> list[torch.Generator | None]:
+    return [torch.Generator().manual_seed(base + i) for i in range(n)]
+
+
+def reference_probs(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """A row's distribution written out the plain way (sorted top-p set by boolean indexing)."""
+    scaled = (x.float() - x.max()) / p.temperature
+    if p.top_k:
+        kth = torch.topk(scaled, min(p.top_k, V)).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, -1)
+    if p.top_p < 1:
+        sp, order = torch.sort(probs, descending=True)
+        keep = sp.cumsum(-1) - sp < p.top_p
+        keep[0] = True
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sp[keep])
+    return probs
+
+
+def test_a_batch_draws_each_row_as_alone_and_a_seeded_row_as_multinomial_does():
+    x = logits_for(len(SETTINGS))
+    for step in range(5):  # the generators move on: five draws each
+        together = draw_rows(x, SETTINGS, seeded(len(SETTINGS), 10 + step))
+        alone = [int(draw_rows(x[i : i + 1], [p], [g])[0])
+                 for i, (p, g) in enumerate(zip(SETTINGS, seeded(len(SETTINGS), 10 + step)))]
+        assert together.tolist() == alone
+        want = [int(torch.argmax(x[i])) if p.greedy else
+                int(torch.multinomial(reference_probs(x[i], p), 1, generator=g)[0])
+                for i, (p, g) in enumerate(zip(SETTINGS, seeded(len(SETTINGS), 10 + step)))]
+        assert together.tolist() == want
+
+
+def test_top_k_and_top_p_keep_only_their_tokens_and_draw_in_proportion():
+    x = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None].repeat(4000, 1)
+    V4 = x.shape[1]
+    for p, allowed, share in [(SamplingParams(temperature=1.0, top_p=0.8), {0, 1}, 0.5 / 0.8),
+                              (SamplingParams(temperature=1.0, top_p=0.81), {0, 1, 2}, 0.5 / 0.95),
+                              (SamplingParams(temperature=1.0, top_k=2), {0, 1}, 0.5 / 0.8),
+                              (SamplingParams(temperature=1.0, top_k=V4, top_p=1.0), {0, 1, 2, 3}, 0.5)]:
+        got = draw_rows(x, [p] * len(x), [None] * len(x))
+        assert set(got.tolist()) == allowed, p
+        assert abs(float((got == 0).float().mean()) - share) < 0.04, p  # ~5 standard errors
+
+
+def test_a_row_without_a_distribution_fails_alone_and_a_greedy_one_still_argmaxes():
+    x = logits_for(5, seed=2)
+    x[1] = float("nan")
+    x[2, 7] = float("inf")
+    x[3] = float("nan")
+    params = [SamplingParams(temperature=0.8, seed=1), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0,
+              top_p=0.9, logprobs=True), SamplingParams(), SamplingParams(top_k=3, temperature=0.6)]
+    got = sample_batch(x, params, [torch.Generator().manual_seed(1), None, None, None, None])
+    assert isinstance(got[1], NoDistribution) and isinstance(got[2], NoDistribution)
+    assert got[3][0] == int(torch.argmax(x[3]))  # type: ignore[index]  # greedy: as an all-greedy batch takes it
+    assert got[0] == sample(x[0], params[0], torch.Generator().manual_seed(1))
+    tok, lp = got[4]  # type: ignore[misc]
+    assert tok in torch.topk(x[4], 3).indices.tolist()
+    assert lp == pytest.approx(float(torch.log_softmax(x[4], -1)[tok]))  # a row asked: every row has one
+    with pytest.raises(NoDistribution, match="no distribution"):
+        sample(x[1], params[1], None)
+
+
+def test_a_row_the_batch_cannot_draw_fails_alone():
+    x = logits_for(3, seed=4)
+    params = [SamplingParams(temperature=0.8)] * 3
+    bad = object()  # not a generator: the batched draw raises, then each row is drawn alone, the generators
+    # as they were before the batch (the first row's had drawn there)
+    got = sample_batch(x, params, [torch.Generator().manual_seed(5), bad, None])  # type: ignore[list-item]
+    assert isinstance(got[1], Exception) and not isinstance(got[1], NoDistribution)
+    assert got[0][0] == sample(x[0], params[0], torch.Generator().manual_seed(5))[0]  # type: ignore[index]
+    assert isinstance(got[2], tuple) and 0 <= got[2][0] < V
+
+
+@pytest.mark.gpu
+def test_a_sampled_batch_on_cuda_never_waits_for_the_device():
+    """Queued behind a long matmul: nucleus, top-k, seeded and greedy rows, with logprobs, make no synchronizing
+    call (``torch.cuda.set_sync_debug_mode("error")``) and draw what the CPU draws from the same noise."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    x = logits_for(len(SETTINGS)).cuda()
+    params = [SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, logprobs=True)
+              for p in SETTINGS]
+    gens = [torch.Generator(device="cuda").manual_seed(i) if i % 2 else None for i in range(len(SETTINGS))]
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):
+            a = a @ a / 64  # the device is busy while the draw is queued
+        pending = sample_batch_async(x, params, gens)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    got = pending.result()
+    for i, (p, r) in enumerate(zip(params, got)):
+        assert isinstance(r, tuple), (i, r)
+        assert r[1] == pytest.approx(float(torch.log_softmax(x[i].float(), -1)[r[0]]), abs=1e-5)
+        assert float(reference_probs(x[i].cpu(), p)[r[0]]) > 0, (i, p)
