@@ -8,6 +8,8 @@ import torch
 from kda_sessions.kernels.feed import feed_decode_rows
 from kda_sessions.kernels.feed.naive import naive_feed_decode_rows
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU machine, interpreted without one
+
 
 def case(M: int, K: int, W: int, stops: list[int], seed: int) -> tuple:
     g = torch.Generator().manual_seed(seed)
@@ -17,8 +19,9 @@ def case(M: int, K: int, W: int, stops: list[int], seed: int) -> tuple:
     can_stop = torch.randint(0, 2, (M,), generator=g, dtype=torch.int32)
     ids, slots, lens = (torch.randint(0, 99, (M,), generator=g, dtype=torch.int32) for _ in range(3))
     kv_rows = torch.randint(0, 9999, (M,), generator=g)
-    table = torch.randint(0, 50, (M, W + 3), generator=g, dtype=torch.int32)[:, :W]  # rows strided
-    return tokens, rows, can_stop, torch.tensor(stops or [-1]), ids, slots, lens, kv_rows, table
+    table = torch.randint(0, 50, (M, W + 3), generator=g, dtype=torch.int32).to(DEV)[:, :W]  # rows strided
+    return (*(t.to(DEV) for t in (tokens, rows, can_stop, torch.tensor(stops or [-1]), ids, slots, lens, kv_rows)),
+            table)
 
 
 @pytest.mark.parametrize("M,K,W,stops", [(1, 1, 1, [7]), (5, 9, 4, [3, 11]), (37, 40, 16, [0, 1, 2, 5]),
