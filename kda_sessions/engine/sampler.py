@@ -54,8 +54,8 @@ def draw(logits: Tensor, params: SamplingParams, generator: torch.Generator | No
 
 def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> Tensor:
     """One token per row of logits [N, vocab], every row's setting at once: [N] long on the logits' device, -1 in a
-    row whose logits hold no distribution (nan, inf, nothing finite; the nan sums compare false), the argmax in a
-    greedy row.
+    row whose logits hold no distribution (a nan or an inf, or nothing finite: its maximum is not finite), the argmax
+    in a greedy row.
 
     Nothing here waits for the device (a decode step queued ahead keeps the GPU busy while the host draws): the
     rows' settings reach it in one pinned copy, top-p keeps its tokens by a mask (no boolean indexing, which waits
@@ -65,24 +65,26 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
     Unseeded rows share one draw from the default generator."""
     V = logits.shape[1]
     dev, cuda = logits.device, logits.device.type == "cuda"
+    tiny = torch.finfo(torch.float32).tiny
     settings = torch.tensor([[1.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
-                             [p.top_p for p in params], [p.greedy for p in params]], dtype=torch.float32,
-                            pin_memory=cuda)
+                             [max(p.top_p, tiny) if p.top_p < 1 else math.inf for p in params],
+                             [p.greedy for p in params]], dtype=torch.float32, pin_memory=cuda)
     temperature, top_k, top_p, greedy = settings.to(dev, non_blocking=True)
     x = logits.float()
-    scaled = (x - x.amax(-1, keepdim=True)) / temperature[:, None]  # max 0: no overflow at any temperature
+    m = x.amax(-1, keepdim=True)  # nan where the row holds a nan, inf where an inf, -inf where nothing is finite
+    scaled = (x - m).div_(temperature[:, None])  # max 0: no overflow at any temperature
     ks = [p.top_k for p in params if p.top_k > 0 and not p.greedy]
     if ks:
         kmax = min(max(ks), V)
         kth = torch.topk(scaled, kmax, dim=-1).values.gather(1, (top_k.long().clamp(1, kmax) - 1)[:, None])
         kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        scaled = scaled.masked_fill_(scaled < kth, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     if any(p.top_p < 1 and not p.greedy for p in params):
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        keep = (sorted_p.cumsum(-1) - sorted_p < top_p[:, None]) | (top_p[:, None] >= 1)
-        keep[:, 0] = True  # the most likely token, even where top_p rounds to 0 in float32
-        probs = torch.zeros_like(probs).scatter(1, order, sorted_p * keep)
+        before = sorted_p.cumsum(-1).sub_(sorted_p)  # the mass ahead of each token: exactly 0 ahead of the first
+        kept = sorted_p.masked_fill_(before >= top_p[:, None], 0)  # top_p inf where a row keeps everything
+        probs = torch.empty_like(probs).scatter_(1, order, kept)  # order is a permutation: every entry written
     q = torch.empty_like(probs)
     if any(g is None for g in generators):
         q.exponential_()
@@ -93,7 +95,9 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
             q[i].exponential_(generator=g)
         else:  # the request's generator lives elsewhere: its draw is made there (this row waits for the copy)
             q[i].copy_(torch.empty(V, device=g.device).exponential_(generator=g))
-    tok = torch.where(probs.sum(-1) > 0, (probs / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1), -1)
+    if not cuda:
+        q.clamp_min_(tiny)  # the CPU's exponential may give 0 (about once in 2**53); CUDA's never does
+    tok = torch.where(torch.isfinite(m[:, 0]), probs.div_(q).argmax(-1), -1)
     if any(p.greedy for p in params):  # as an all-greedy batch draws them (a nan row too)
         tok = torch.where(greedy > 0, torch.argmax(logits, dim=-1), tok)
     return tok
