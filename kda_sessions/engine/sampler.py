@@ -58,12 +58,17 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
     in a greedy row.
 
     Nothing here waits for the device (a decode step queued ahead keeps the GPU busy while the host draws): the
-    rows' settings reach it in one pinned copy, top-p keeps its tokens by a mask (no boolean indexing, which waits
-    for the count), and the draw is the exponential race torch.multinomial runs for one sample (argmax of p / q,
-    q ~ Exp(1)), without multinomial's checks of the probabilities, which wait for the device. A seeded row's q comes
-    from its own generator, drawn as multinomial draws it: the same tokens as ``torch.multinomial(p, 1, generator)``.
-    Unseeded rows share one draw from the default generator."""
-    V = logits.shape[1]
+    rows' settings reach it in one pinned copy, top-p keeps its tokens by a threshold (no boolean indexing, which
+    waits for the count), and the draw is the exponential race torch.multinomial runs for one sample (argmax of p /
+    q, q ~ Exp(1)), without multinomial's checks of the probabilities, which wait for the device. A seeded row's q
+    comes from its own generator, drawn as multinomial draws it: the same tokens as ``torch.multinomial(p, 1,
+    generator)``. Unseeded rows share one draw from the default generator.
+
+    Top-p keeps the fewest most likely tokens whose mass reaches ``top_p`` and every token as likely as the least of
+    them (a tie at the edge is kept whole, not split by the sort's order); top-k likewise keeps ties with its k-th.
+    Every operation spans the whole batch and, but for the sort, the whole row: torch's softmax and scan run a row
+    in one block, 40 us and 27 us a row of 163,840 on an H100, where an elementwise pass takes ~3."""
+    N, V = logits.shape
     dev, cuda = logits.device, logits.device.type == "cuda"
     tiny = torch.finfo(torch.float32).tiny
     settings = torch.tensor([[1.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
@@ -72,20 +77,25 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
     temperature, top_k, top_p, greedy = settings.to(dev, non_blocking=True)
     x = logits.float()
     m = x.amax(-1, keepdim=True)  # nan where the row holds a nan, inf where an inf, -inf where nothing is finite
-    scaled = (x - m).div_(temperature[:, None])  # max 0: no overflow at any temperature
+    w = (x - m).div_(temperature[:, None])  # scaled logits, max 0: no overflow at any temperature
     ks = [p.top_k for p in params if p.top_k > 0 and not p.greedy]
     if ks:
         kmax = min(max(ks), V)
-        kth = torch.topk(scaled, kmax, dim=-1).values.gather(1, (top_k.long().clamp(1, kmax) - 1)[:, None])
-        kth = torch.where(top_k[:, None] > 0, kth, float("-inf"))
-        scaled = scaled.masked_fill_(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, dim=-1)
+        kth = torch.topk(w, kmax, dim=-1).values.gather(1, (top_k.long().clamp(1, kmax) - 1)[:, None])
+        w.masked_fill_(w < torch.where(top_k[:, None] > 0, kth, float("-inf")), float("-inf"))
+    w.exp_()  # the distribution up to its sum (the most likely token 1)
     if any(p.top_p < 1 and not p.greedy for p in params):
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = sorted_p.cumsum(-1).sub_(sorted_p)  # the mass ahead of each token: exactly 0 ahead of the first
-        kept = sorted_p.masked_fill_(before >= top_p[:, None], 0)  # top_p inf where a row keeps everything
-        probs = torch.empty_like(probs).scatter_(1, order, kept)  # order is a permutation: every entry written
-    q = torch.empty_like(probs)
+        sorted_w = torch.sort(w, dim=-1, descending=True).values
+        # one scan over every row at once, in float64 so the rows ahead cost no precision (torch scans a row at a
+        # time in one block: 0.22 ms for 8 rows of 163,840 on an H100)
+        c = sorted_w.double().view(-1).cumsum(0).view(N, V)
+        ahead = c - sorted_w  # the mass ahead of each token, the rows before it included
+        base = ahead[:, :1]
+        bound = base + top_p[:, None] * (c[:, -1:] - base)  # where the row's mass ahead reaches top_p of its sum
+        count = (ahead < bound).sum(-1, keepdim=True)  # the nucleus, a prefix of the sorted row (1 at least)
+        least = sorted_w.gather(1, (count - 1).clamp_(min=0))  # its least likely token (a nan row: any)
+        w.masked_fill_(w < least, 0)  # every token at least as likely as that one (ties with it too)
+    q = torch.empty_like(w)
     if any(g is None for g in generators):
         q.exponential_()
     for i, g in enumerate(generators):
@@ -97,7 +107,7 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
             q[i].copy_(torch.empty(V, device=g.device).exponential_(generator=g))
     if not cuda:
         q.clamp_min_(tiny)  # the CPU's exponential may give 0 (about once in 2**53); CUDA's never does
-    tok = torch.where(torch.isfinite(m[:, 0]), probs.div_(q).argmax(-1), -1)
+    tok = torch.where(torch.isfinite(m[:, 0]), w.div_(q).argmax(-1), -1)
     if any(p.greedy for p in params):  # as an all-greedy batch draws them (a nan row too)
         tok = torch.where(greedy > 0, torch.argmax(logits, dim=-1), tok)
     return tok

@@ -1,6 +1,7 @@
 """The batched sampler (``engine.sampler.draw_rows``): every row's setting at once, the same tokens as each row
-alone and, for a seeded row, as ``torch.multinomial`` with its generator; top-k and top-p keep what they promise;
-a row without a distribution fails alone; and on a GPU nothing in a draw waits for the device."""
+alone and, for a seeded row, as ``torch.multinomial`` with its generator; top-k and top-p keep what they promise,
+ties at their edge whole; a row without a distribution fails alone; and on a GPU nothing in a draw waits for the
+device."""
 
 from __future__ import annotations
 
@@ -55,13 +56,23 @@ def test_a_batch_draws_each_row_as_alone_and_a_seeded_row_as_multinomial_does():
 def test_top_k_and_top_p_keep_only_their_tokens_and_draw_in_proportion():
     x = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[None].repeat(4000, 1)
     V4 = x.shape[1]
-    for p, allowed, share in [(SamplingParams(temperature=1.0, top_p=0.8), {0, 1}, 0.5 / 0.8),
+    for p, allowed, share in [(SamplingParams(temperature=1.0, top_p=0.79), {0, 1}, 0.5 / 0.8),
                               (SamplingParams(temperature=1.0, top_p=0.81), {0, 1, 2}, 0.5 / 0.95),
                               (SamplingParams(temperature=1.0, top_k=2), {0, 1}, 0.5 / 0.8),
                               (SamplingParams(temperature=1.0, top_k=V4, top_p=1.0), {0, 1, 2, 3}, 0.5)]:
         got = draw_rows(x, [p] * len(x), [None] * len(x))
         assert set(got.tolist()) == allowed, p
         assert abs(float((got == 0).float().mean()) - share) < 0.04, p  # ~5 standard errors
+
+
+def test_a_tie_at_the_edge_of_the_nucleus_or_the_top_k_is_kept_whole():
+    """bf16 logits tie often: the tokens as likely as the least likely kept one are all kept, whatever order the sort
+    left them in (top-p 0.5 over 0.4, 0.2, 0.2, 0.2 needs one 0.2; top-k 2 reaches the first 0.2)."""
+    x = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.2]))[None].repeat(3000, 1)
+    for p in (SamplingParams(temperature=1.0, top_p=0.5), SamplingParams(temperature=1.0, top_k=2)):
+        got = draw_rows(x, [p] * len(x), [None] * len(x))
+        assert set(got.tolist()) == {0, 1, 2, 3}, p
+        assert abs(float((got == 0).float().mean()) - 0.4) < 0.05, p
 
 
 def test_a_row_without_a_distribution_fails_alone_and_a_greedy_one_still_argmaxes():
