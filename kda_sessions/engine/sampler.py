@@ -22,21 +22,29 @@ from ..types import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
 __all__ = [
     "MIN_TEMPERATURE", "SEED_RANGE", "NoDistribution", "PendingSample", "SamplingParams", "draw", "draw_rows", "sample",
-    "sample_batch", "sample_batch_async",
+    "sample_batch", "sample_batch_async", "token_logprobs",
 ]
 
 
 def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
     """One token from logits [vocab] (float32); returns (token id, its log-probability under the model). Raises a
     ValueError where the logits hold no distribution (nan, or no finite value)."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
     if params.greedy:
         tok = int(torch.argmax(logits))
-        return tok, float(logprobs[tok])
-    tok = int(draw(logits, params, generator))
-    if tok < 0:
-        raise NoDistribution()
-    return tok, float(logprobs[tok])
+    else:
+        tok = int(draw(logits, params, generator))
+        if tok < 0:
+            raise NoDistribution()
+    return tok, float(token_logprobs(logits[None], torch.tensor([tok], device=logits.device))[0])
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log softmax(logits)[i, tokens[i]] for logits [N, vocab] and tokens [N] (a negative token reads id 0), float32,
+    from whole-row passes: torch's log_softmax runs a row in one block (40 us a row of 163,840 on an H100)."""
+    x = logits.float()
+    m = x.amax(-1, keepdim=True)
+    log_sum = (x - m).exp_().sum(-1, keepdim=True).log_()
+    return ((x.gather(1, tokens.clamp(min=0)[:, None]) - m) - log_sum)[:, 0]
 
 
 class NoDistribution(ValueError):
@@ -185,7 +193,7 @@ def sample_batch_async(
         toks = torch.stack(picks)
     if any(p.logprobs for p in params):
         rows = logits if len(ok) == N else torch.stack([logits[i] for i in ok])
-        lps = torch.log_softmax(rows.float(), dim=-1).gather(1, toks.clamp(min=0)[:, None])[:, 0]
+        lps = token_logprobs(rows, toks)
         dev = torch.stack([toks.double(), lps.double()])
     else:
         dev = toks

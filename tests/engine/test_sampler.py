@@ -8,7 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kda_sessions.engine.sampler import NoDistribution, draw_rows, sample, sample_batch, sample_batch_async
+from kda_sessions.engine.sampler import (
+    NoDistribution,
+    draw_rows,
+    sample,
+    sample_batch,
+    sample_batch_async,
+    token_logprobs,
+)
 from kda_sessions.types import SamplingParams
 
 V = 300
@@ -63,6 +70,15 @@ def test_top_k_and_top_p_keep_only_their_tokens_and_draw_in_proportion():
         got = draw_rows(x, [p] * len(x), [None] * len(x))
         assert set(got.tolist()) == allowed, p
         assert abs(float((got == 0).float().mean()) - share) < 0.04, p  # ~5 standard errors
+
+
+def test_token_logprobs_are_log_softmax_read_at_the_token():
+    x = logits_for(4, seed=6) * 5
+    x[2, :200] = float("-inf")
+    toks = torch.tensor([3, 299, 250, -1])
+    want = torch.log_softmax(x, -1).gather(1, toks.clamp(min=0)[:, None])[:, 0]
+    torch.testing.assert_close(token_logprobs(x, toks), want, rtol=0, atol=2e-6)
+    assert token_logprobs(x.bfloat16(), toks).dtype == torch.float32
 
 
 def test_a_tie_at_the_edge_of_the_nucleus_or_the_top_k_is_kept_whole():
