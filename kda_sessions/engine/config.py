@@ -90,7 +90,8 @@ class EngineConfig(BaseModel):
     has read the step before it, its ids taken on the device from that step's tokens: the GPU decodes while the
     host reads, checks and delivers tokens, instead of waiting for it between steps. A row whose token stops its
     request runs once more as a dummy (scratch slot and page), so sessions end in the same state, token for token.
-    ``generate`` at the 48B shape's first 16 layers on an H100 (``bench/decode_engine_48b.py --layers 16
+    Sampled rows (temperature, top-k, top-p, seeds, logprobs) run ahead too: their draws never wait for the device
+    (``engine.sampler.draw_rows``). ``generate`` at the 48B shape's first 16 layers on an H100 (``bench/decode_engine_48b.py --layers 16
     --decode-ahead off,on``): 1 x 8K 1.797 -> 1.739 ms a step, 1 x 128K 2.063 -> 1.889 (graph replay 1.844), 8 x 32K
     6.303 -> 5.958 (replay 5.960), 1 x 1M 3.347 -> 3.267 (replay 3.250). No effect on a CPU."""
     cpu_compile: bool = False
