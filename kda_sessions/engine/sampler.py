@@ -93,7 +93,8 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
         w.masked_fill_(w < torch.where(top_k[:, None] > 0, kth, float("-inf")), float("-inf"))
     w.exp_()  # the distribution up to its sum (the most likely token 1)
     if any(p.top_p < 1 and not p.greedy for p in params):
-        sorted_w = torch.sort(w, dim=-1, descending=True).values
+        # a row without a distribution (nan weights) scans as zeros: the one scan spans the rows after it too
+        sorted_w = torch.sort(w, dim=-1, descending=True).values.nan_to_num_(nan=0.0)
         # one scan over every row at once, in float64 so the rows ahead cost no precision (torch scans a row at a
         # time in one block: 0.22 ms for 8 rows of 163,840 on an H100)
         c = sorted_w.double().view(-1).cumsum(0).view(N, V)

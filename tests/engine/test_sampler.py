@@ -109,6 +109,19 @@ def test_a_row_without_a_distribution_fails_alone_and_a_greedy_one_still_argmaxe
         sample(x[1], params[1], None)
 
 
+def test_a_row_without_a_distribution_leaves_the_nucleus_of_the_rows_after_it_alone():
+    """The top-p scan runs over the whole batch at once: a nan row ahead of a nucleus row must not reach it."""
+    x = logits_for(3, seed=8)
+    x[0] = float("nan")
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 3
+    for seed in range(20):
+        got = draw_rows(x, params, [None, torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)])
+        assert int(got[0]) == -1
+        for i in (1, 2):
+            alone = draw_rows(x[i : i + 1], params[:1], [torch.Generator().manual_seed(seed + i - 1)])
+            assert int(got[i]) == int(alone[0]), (seed, i)
+
+
 def test_a_row_the_batch_cannot_draw_fails_alone():
     x = logits_for(3, seed=4)
     params = [SamplingParams(temperature=0.8)] * 3
