@@ -160,3 +160,42 @@ def test_a_sampled_batch_on_cuda_never_waits_for_the_device():
             assert r[0] == int(torch.argmax(x[i])), (i, p)
         else:
             assert float(reference_probs(x[i].cpu(), p)[r[0]]) > 0, (i, p)
+
+
+@pytest.mark.parametrize("trials", [pytest.param(150, id="short"), pytest.param(5000, id="long", marks=pytest.mark.slow)])
+def test_random_batches_draw_each_row_within_its_setting_and_as_alone(trials):
+    """Random batches: vocabularies, scales, ties, -inf, nan and inf rows, extreme temperatures, top-p and top-k
+    (past the vocabulary too), seeded and unseeded rows. Greedy rows take the argmax, a row without a distribution
+    -1, any other a token inside its top-k, and a seeded row the token it draws alone."""
+    import random
+
+    rng = random.Random(0)
+    for trial in range(trials):
+        v, n = rng.choice([7, 97, 300]), rng.randint(1, 6)
+        x = torch.randn(n, v, generator=torch.Generator().manual_seed(trial)) * rng.choice([0.01, 1, 10, 1e4])
+        if rng.random() < 0.2:
+            x[:, rng.randrange(v)] = float("-inf")
+        if rng.random() < 0.15:
+            x[rng.randrange(n)] = float("nan")
+        if rng.random() < 0.1:
+            x[rng.randrange(n), rng.randrange(v)] = float("inf")
+        if rng.random() < 0.2:
+            x = x.round()  # ties
+        params = [SamplingParams(temperature=rng.choice([0.0, 1e-5, 0.3, 1.0, 5.0, 1e6]),
+                                 top_p=rng.choice([1.0, 0.9, 1e-30, 0.5]), top_k=rng.choice([0, 1, 5, v, v + 10]))
+                  for _ in range(n)]
+        seeds = [rng.randrange(100) if rng.random() < 0.6 else None for _ in range(n)]
+        got = draw_rows(x, params, [None if s is None else torch.Generator().manual_seed(s) for s in seeds])
+        for i, (p, s) in enumerate(zip(params, seeds)):
+            t = int(got[i])
+            if p.greedy:
+                assert t == int(torch.argmax(x[i])), (trial, i)
+            elif not torch.isfinite(x[i].max()):
+                assert t == -1, (trial, i, t)
+            else:
+                assert 0 <= t < v and x[i, t] > float("-inf"), (trial, i, t)
+                if p.top_k:
+                    assert x[i, t] >= torch.topk(x[i], min(p.top_k, v)).values[-1], (trial, i, t)
+                if s is not None:
+                    alone = draw_rows(x[i : i + 1], [p], [torch.Generator().manual_seed(s)])
+                    assert int(alone[0]) == t, (trial, i, p)
