@@ -76,7 +76,7 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
     them (a tie at the edge is kept whole, not split by the sort's order); top-k likewise keeps ties with its k-th.
     Every operation spans the whole batch and, but for the sort, the whole row: torch's softmax and scan run a row
     in one block, 40 us and 27 us a row of 163,840 on an H100, where an elementwise pass takes ~3."""
-    N, V = logits.shape
+    N, vocab = logits.shape
     dev, cuda = logits.device, logits.device.type == "cuda"
     tiny = torch.finfo(torch.float32).tiny
     settings = torch.tensor([[1.0 if p.greedy else p.temperature for p in params], [p.top_k for p in params],
@@ -88,7 +88,7 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
     w = (x - m).div_(temperature[:, None])  # scaled logits, max 0: no overflow at any temperature
     ks = [p.top_k for p in params if p.top_k > 0 and not p.greedy]
     if ks:
-        kmax = min(max(ks), V)
+        kmax = min(max(ks), vocab)
         kth = torch.topk(w, kmax, dim=-1).values.gather(1, (top_k.long().clamp(1, kmax) - 1)[:, None])
         w.masked_fill_(w < torch.where(top_k[:, None] > 0, kth, float("-inf")), float("-inf"))
     w.exp_()  # the distribution up to its sum (the most likely token 1)
@@ -97,7 +97,7 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
         sorted_w = torch.sort(w, dim=-1, descending=True).values.nan_to_num_(nan=0.0)
         # one scan over every row at once, in float64 so the rows ahead cost no precision (torch scans a row at a
         # time in one block: 0.22 ms for 8 rows of 163,840 on an H100)
-        ahead = sorted_w.double().view(-1).cumsum(0).view(N, V)
+        ahead = sorted_w.double().view(-1).cumsum(0).view(N, vocab)
         last = ahead[:, -1:].clone()
         ahead.sub_(sorted_w)  # the mass ahead of each token, the rows before it included
         base = ahead[:, :1]
@@ -114,7 +114,7 @@ def draw_rows(logits: Tensor, params: list[SamplingParams], generators: list[tor
         if g.device == q.device:
             q[i].exponential_(generator=g)
         else:  # the request's generator lives elsewhere: its draw is made there (this row waits for the copy)
-            q[i].copy_(torch.empty(V, device=g.device).exponential_(generator=g))
+            q[i].copy_(torch.empty(vocab, device=g.device).exponential_(generator=g))
     if not cuda:
         q.clamp_min_(tiny)  # the CPU's exponential may give 0 (about once in 2**53); CUDA's never does
     tok = torch.where(torch.isfinite(m[:, 0]), w.div_(q).argmax(-1), -1)
