@@ -90,9 +90,13 @@ SAMPLINGS: dict[str, dict[str, Any]] = {
     "nucleus": {"temperature": 0.7, "top_p": 0.95},
     "top-k": {"temperature": 0.7, "top_k": 50},
     "seeded": {"temperature": 0.7, "top_p": 0.95, "seed": 0},
+    "greedy-stop": {"temperature": 0.0, "stop": ["<|never|>"]},
+    "nucleus-stop": {"temperature": 0.7, "top_p": 0.95, "stop": ["<|never|>"]},
 }
-"""``--sampling``'s settings: greedy (the default), the nucleus and top-k settings agents commonly run, and the
-nucleus one with a seed (each session its own: ``seed`` + its index), which draws on a generator of its own."""
+"""``--sampling``'s settings: greedy (the default), the nucleus and top-k settings agents commonly run, the
+nucleus one with a seed (each session its own: ``seed`` + its index), which draws on a generator of its own, and
+greedy and nucleus with a ``stop`` string (as OpenAI clients often send; one the random model never writes), which
+the host looks for in every step's text."""
 
 
 async def generate_all(sessions: list, n: int, sampling: str = "greedy") -> float:

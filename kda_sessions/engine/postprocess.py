@@ -3,6 +3,7 @@ strings), the state a finished request leaves is checkpointed, and finished requ
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..tokenizer import Tokenizer
@@ -22,10 +23,12 @@ class Sampled:
 
 def postprocess(
     plan: StepPlan, sampled: list[Sampled], finished: list[Work], pools: Pools, scheduler: Scheduler,
-    tokenizer: Tokenizer,
+    tokenizer: Tokenizer, before_capture: Callable[[list[Work]], None] | None = None,
 ) -> list[tuple[Work, int]]:
     """Apply the step's samples, finish what is done (``finished`` grows) and checkpoint where finished requests
-    leave their sequences; returns (work, token) of every sampled token, for streaming."""
+    leave their sequences; returns (work, token) of every sampled token, for streaming. ``before_capture(finished)``
+    runs once the finished requests are known, before their end checkpoints are captured (a step queued ahead is
+    undone for them there: ``Runner._finish_step``)."""
     for smp in sampled:
         w = smp.work
         w.output.append(smp.token)
@@ -44,6 +47,8 @@ def postprocess(
             finished.append(w)
     finished.extend(w for w in plan.dropped if w not in finished)
     with pools.mutex:
+        if before_capture is not None:
+            before_capture(finished)
         for w in finished:
             s, c = w.session, w.end_checkpoint
             if w.error is None and c is not None and s.slot is not None:

@@ -40,6 +40,7 @@ from .rollback import roll_back
 from .sampler import PendingSample, sample_batch, sample_batch_async
 from .scheduler import Scheduler, StepPlan, Work
 from .sequence import Sequence
+from .undo import StepUndo
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,16 @@ class Queued:
 
     works: list[Work]
     pending: PendingSample
+    undo: list[tuple[Work, int]] = field(default_factory=list)
+    """Rows fed unread that have ``stop`` strings, each with its row of ``Runner.undo`` (their states before it)."""
 
 
 def runs_ahead(w: Work) -> bool:
-    """Whether ``w``'s tokens can be fed on the device, unread (``EngineConfig.decode_ahead``): whether it ends on
-    a token only by a stop token or its length, which the device and the host decide alike."""
-    return w.constraint is None and not w.params.stop and not w.params.top_logprobs
+    """Whether ``w``'s tokens can be fed on the device, unread (``EngineConfig.decode_ahead``): whether its tokens
+    do not depend on the host's reading of the ones before (a constraint's masks do) and the host needs nothing from
+    the logits but the draw. It ends by a stop token or its length, which the device and the host decide alike, or
+    by a ``stop`` string, which the host finds a step late: that step is undone (``StepUndo``)."""
+    return w.constraint is None and not w.params.top_logprobs
 
 
 @dataclass
@@ -105,6 +110,8 @@ class Runner:
         self.decode_ahead = decode_ahead
         """``EngineConfig.decode_ahead``: with ``graphs``, decode steps whose rows all ``runs_ahead`` queue the next
         step before the host reads their tokens (``_decode_ahead``)."""
+        self.undo = StepUndo(pools.tensors)
+        """The states, from before a step queued ahead, of its rows with ``stop`` strings (``_finish_step``)."""
         self.steps_ahead = 0
         """Decode steps queued before the host had read the step before them."""
         self._stop_ids: tuple[frozenset[int], Tensor] | None = None
@@ -534,6 +541,8 @@ class Runner:
                 and len(w.output) + 1 < w.params.max_tokens]
         if not rows or not self.graphs or not self.graphs.accepts(len(rows)):
             return []
+        if not self.undo.reserve(sum(1 for j in rows if step.works[j].params.stop)):
+            return []
         for j in rows:  # pages for the token after this one; never a preemption while a step is queued
             w = step.works[j]
             try:
@@ -560,6 +569,11 @@ class Runner:
             feed = Feed(before.pending.tokens, [drawn[j] for j in rows], self._stop_tensor(),
                         [not w.params.ignore_eos for w in works])
             self.steps_ahead += 1
+        undo: list[tuple[Work, int]] = []
+        if feed is not None:  # the states of rows whose stop strings the host checks after this step is queued
+            stopping = [i for i, w in enumerate(works) if w.params.stop]
+            undo = [(works[i], row) for row, i in enumerate(stopping)]
+            self.undo.save([slots[i] for i in stopping])
         logits = self.graphs.run(ids, slots, [s.num_cached + 1 for s in seqs], [s.pages for s in seqs], feed)
         pending = sample_batch_async(logits, [w.params for w in works], [w.generator for w in works])
         # every row advanced (a fed row that stops is undone by _finish_step); counted only once nothing here can
@@ -567,11 +581,13 @@ class Runner:
         for s in seqs:
             s.num_cached += 1
         self.tokens_decoded += len(works)
-        return Queued(works, pending)
+        return Queued(works, pending, undo)
 
     def _finish_step(self, step: Queued | None, nxt: Queued | None, out: StepResult) -> None:
         """Read ``step``'s tokens into ``out`` (rows that ended at the step before are skipped: they ran as dummies),
-        undo ``nxt``'s advance of rows whose token stops them, then postprocess and deliver."""
+        undo ``nxt``'s advance of rows whose token ends them (a stop token: the device ran the row as a dummy; a
+        stop string: its state from before ``nxt`` is put back before postprocess checkpoints it), then postprocess
+        and deliver."""
         if step is not None:
             for w, res in zip(step.works, step.pending.result()):
                 if w.finish_reason is not None or w.error is not None:
@@ -586,11 +602,22 @@ class Runner:
             if w in stops:  # the device ran it as a dummy: its pending token is this one, as without nxt
                 w.session.num_cached -= 1
                 self.tokens_decoded -= 1
+        undone: set[Work] = set()
+
+        def undo_ended(finished: list[Work]) -> None:  # before the end checkpoints are captured
+            for w, row in nxt.undo if nxt is not None else []:
+                if w.finish_reason is not None and w.error is None and w not in stops and w.session.slot is not None:
+                    self.undo.restore(row, w.session.slot)
+                    w.session.num_cached -= 1
+                    self.tokens_decoded -= 1
+                    undone.add(w)
+
         works = step.works if step is not None else []
         sampled = postprocess(StepPlan([], works, []), out.sampled, out.finished, self.pools, self.scheduler,
-                              self.tokenizer)
+                              self.tokenizer, undo_ended)
         for w in nxt.works if nxt is not None else []:
-            if w.finish_reason is not None and w not in stops:  # runs_ahead and _going_on rule this out
+            if w.finish_reason is not None and w not in stops and w not in undone and w.error is None:
+                # runs_ahead and _going_on rule this out
                 log.error("session %s ended in a step whose next was queued (%s)", w.session.id, w.finish_reason)
         self.steps += 1
         self.deliver(out.finished, sampled)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import anyio
 import pytest
+import torch
 
 import kda_sessions as ks
 from kda_sessions.engine.runner import runs_ahead
@@ -96,6 +97,101 @@ async def test_a_stop_token_ends_its_row_and_leaves_the_state_at_the_pending_tok
     assert on_then == off_then
 
 
+engine_on_cpu = engine
+
+
+def stop_string_at(tok, toks: list[int], first: int = 4) -> tuple[int, str]:
+    """(i, s): a string s that ``toks`` decoded reaches at token i (>= first) and not before."""
+    for i in range(first, len(toks)):
+        before, upto = tok.decode(toks[:i], skip_special=True), tok.decode(toks[: i + 1], skip_special=True)
+        for n in (1, 2, 3):
+            s = upto[-n:]
+            if len(upto) - len(before) >= n and s.strip() and s not in before:
+                return i, s
+    raise AssertionError(f"no stop string in {toks}")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_a_stop_string_found_a_step_late_is_undone(device: str):
+    """Rows with ``stop`` strings run ahead: the host finds the stop after the next step has moved the row's state,
+    and that step is undone (``StepUndo``), so the reply, the state the session is left in and what it generates
+    next are those of a run without decode ahead. Beside it, a row whose stop string never comes and one without.
+    On CUDA, with the engine's graphs."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+
+    async def engine(ahead: bool) -> ks.Engine:
+        if device == "cpu":
+            return await engine_on_cpu(ahead)
+        eng = await ks.Engine.open(store="memory:", device="cuda", page_size=16, decode_ahead=ahead)
+        assert eng.runner.graphs is not None and eng.runner.graphs.use_graphs
+        return eng
+
+    async with await engine(False) as eng:
+        s = await eng.create_session()
+        await s.append(prompt(0))
+        toks = (await s.generate(max_tokens=16, ignore_eos=True)).token_ids
+        at, stop = stop_string_at(eng.runner.tokenizer, toks)
+    runs = []
+    for ahead in (False, True):
+        eng = await engine(ahead)
+        async with eng:
+            ss = [await eng.create_session() for _ in range(3)]
+            for i, x in enumerate(ss):
+                await x.append(prompt(i))
+            first = await together(ss, max_tokens=[16, 14, 10], ignore_eos=[True] * 3,
+                                   stop=[[stop], ["\x00never"], None], logprobs=[True] * 3)
+            states = [(eng.sessions[x.id].num_cached, len(eng.sessions[x.id].tokens)) for x in ss]
+            then = await together(ss, max_tokens=[6] * 3, ignore_eos=[True] * 3)
+            runs.append(([r.token_ids for r in first], [r.finish_reason for r in first], [r.text for r in first],
+                         [r.logprobs for r in first], states, [r.token_ids for r in then], eng.runner.steps_ahead))
+    off, on = runs
+    assert on[6] >= 10 and off[6] == 0
+    assert on[1] == off[1] == ["stop", "length", "length"]
+    assert on[0] == off[0] and on[0][0] == toks[: at + 1] and stop not in on[2][0]
+    for a, b in zip(on[3], off[3]):  # the undone step ran the stopped row beside the others: another batch size
+        assert a == pytest.approx(b, abs=1e-5)
+    assert on[4] == off[4] and all(c == n - 1 for c, n in on[4])  # the last token pending, as always
+    assert on[5] == off[5]  # each session was left where it is without decode ahead
+
+
+async def test_without_room_for_the_undo_state_stop_string_rows_decode_step_by_step(monkeypatch):
+    async with await engine(False) as ref:
+        r = await ref.create_session()
+        await r.append(prompt(1))
+        want = (await r.generate(max_tokens=10, ignore_eos=True, stop=["\x00never"])).token_ids
+    async with await engine(True) as eng:
+        def no_room(*a: object, **k: object) -> None:
+            raise torch.OutOfMemoryError("no room")
+
+        monkeypatch.setattr(eng.runner.undo, "_allocate", no_room)
+        s = await eng.create_session()
+        await s.append(prompt(1))
+        got = await s.generate(max_tokens=10, ignore_eos=True, stop=["\x00never"])
+        assert got.token_ids == want and eng.runner.steps_ahead == 0
+        plain = await s.generate(max_tokens=10, ignore_eos=True)  # rows without stop strings still run ahead
+        assert len(plain.token_ids) == 10 and eng.runner.steps_ahead > 0
+
+
+def test_the_undo_state_puts_a_slot_back():
+    from kda_sessions.engine.undo import StepUndo
+    from kda_sessions.model import StatePools
+
+    g = torch.Generator().manual_seed(0)
+    pools = StatePools(kda=[torch.randn(5, 2, 3, 3, generator=g) for _ in range(2)],
+                       conv=[torch.randn(5, 2, 4, generator=g).bfloat16() for _ in range(2)], kv=[], page_size=4)
+    before = [t.clone() for t in pools.kda + pools.conv]
+    undo = StepUndo(pools)
+    assert undo.reserve(3) and undo.rows == 4 and undo.bytes_per_row == 2 * (18 * 4 + 8 * 2)
+    undo.save([4, 1])
+    for t in pools.kda + pools.conv:
+        t.add_(1)
+    undo.restore(1, 1)  # slot 1 from row 1; slot 4 (row 0) stays moved
+    for t, b in zip(pools.kda + pools.conv, before):
+        assert torch.equal(t[1], b[1]) and torch.equal(t[4], b[4] + 1) and torch.equal(t[0], b[0] + 1)
+    assert undo.reserve(2) and undo.rows == 4  # no smaller buffer
+
+
 async def test_seeded_sampling_is_the_same_ahead():
     outs = []
     for ahead in (False, True):
@@ -143,7 +239,7 @@ def test_which_rows_run_ahead():
 
     assert runs_ahead(work(max_tokens=4))
     assert runs_ahead(work(max_tokens=4, logprobs=True, temperature=0.7))
-    assert not runs_ahead(work(max_tokens=4, stop=["x"]))
+    assert runs_ahead(work(max_tokens=4, stop=["x"]))  # the step after the stop is undone (StepUndo)
     assert not runs_ahead(work(max_tokens=4, logprobs=True, top_logprobs=2))
 
 
@@ -151,8 +247,6 @@ def test_which_rows_run_ahead():
 async def test_decode_ahead_on_cuda_gives_the_same_tokens_and_states():
     """Graph replays, pinned copies and events as they run on a GPU: a stop token, rows leaving by length, seeded
     sampling and logprobs, then a continuation of every session; the same with and without decode ahead."""
-    import torch
-
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     base = prompt(0)
@@ -221,8 +315,6 @@ async def test_a_row_without_a_distribution_fails_alone_while_its_next_step_is_q
     """Nan logits in one sampled row, with the step after it already queued: the sampler draws -1 there (it never
     waits for the device to check), the feed runs the row as a dummy, its request fails with NoDistribution and its
     state stays a fresh prefill's; the other row's tokens are those it draws without the fault."""
-    import torch
-
     from engine.isolation_helpers import assert_equals_fresh_prefill
     from kda_sessions.engine.sampler import NoDistribution
 
