@@ -92,11 +92,12 @@ SAMPLINGS: dict[str, dict[str, Any]] = {
     "seeded": {"temperature": 0.7, "top_p": 0.95, "seed": 0},
     "greedy-stop": {"temperature": 0.0, "stop": ["<|never|>"]},
     "nucleus-stop": {"temperature": 0.7, "top_p": 0.95, "stop": ["<|never|>"]},
+    "nucleus-top5": {"temperature": 0.7, "top_p": 0.95, "logprobs": True, "top_logprobs": 5},
 }
 """``--sampling``'s settings: greedy (the default), the nucleus and top-k settings agents commonly run, the
 nucleus one with a seed (each session its own: ``seed`` + its index), which draws on a generator of its own, and
 greedy and nucleus with a ``stop`` string (as OpenAI clients often send; one the random model never writes), which
-the host looks for in every step's text."""
+the host looks for in every step's text, and nucleus with the 5 top logprobs of every token."""
 
 
 async def generate_all(sessions: list, n: int, sampling: str = "greedy") -> float:

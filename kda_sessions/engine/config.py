@@ -86,13 +86,13 @@ class EngineConfig(BaseModel):
     4, ... 64) and page-table width, instead of launching every kernel from Python. No effect on a CPU."""
     decode_ahead: bool = True
     """On a CUDA device with ``cuda_graphs``, while only decode rows run and none has a constraint (``tool_choice``,
-    ``response_format``) or ``top_logprobs``, each decode step is queued before the host has read the step before
+    ``response_format``: its masks follow the tokens the host reads), each decode step is queued before the host has read the step before
     it, its ids taken on the device from that step's tokens: the GPU decodes while the host reads, checks and
     delivers tokens, instead of waiting for it between steps. A row whose token stops its request runs once more as
     a dummy (scratch slot and page); one whose ``stop`` string the host finds in the text a step late has that step
     undone (its KDA state and conv tails from before it put back: ``engine.undo.StepUndo``, a buffer of 42 MB a row
     at the 48B shape, allocated on first use), so sessions end in the same state, token for token.
-    Sampled rows (temperature, top-k, top-p, seeds, logprobs) run ahead too: their draws never wait for the device
+    Sampled rows (temperature, top-k, top-p, seeds, logprobs and top logprobs) run ahead too: their draws never wait for the device
     (``engine.sampler.draw_rows``). ``generate`` at the 48B shape's first 16 layers on an H100 (``bench/decode_engine_48b.py --layers 16
     --decode-ahead off,on``): 1 x 8K 1.797 -> 1.739 ms a step, 1 x 128K 2.063 -> 1.889 (graph replay 1.844), 8 x 32K
     6.303 -> 5.958 (replay 5.960), 1 x 1M 3.347 -> 3.267 (replay 3.250). No effect on a CPU."""

@@ -37,7 +37,7 @@ from .pool import Pools, pages_needed
 from .postprocess import Sampled, postprocess
 from .preemption import Preemption
 from .rollback import roll_back
-from .sampler import PendingSample, sample_batch, sample_batch_async
+from .sampler import PendingSample, sample_batch_async, top_logprobs
 from .scheduler import Scheduler, StepPlan, Work
 from .sequence import Sequence
 from .undo import StepUndo
@@ -62,10 +62,10 @@ class Queued:
 
 def runs_ahead(w: Work) -> bool:
     """Whether ``w``'s tokens can be fed on the device, unread (``EngineConfig.decode_ahead``): whether its tokens
-    do not depend on the host's reading of the ones before (a constraint's masks do) and the host needs nothing from
-    the logits but the draw. It ends by a stop token or its length, which the device and the host decide alike, or
+    do not depend on the host's reading of the ones before (a constraint's masks do); top logprobs come with the
+    draw. It ends by a stop token or its length, which the device and the host decide alike, or
     by a ``stop`` string, which the host finds a step late: that step is undone (``StepUndo``)."""
-    return w.constraint is None and not w.params.top_logprobs
+    return w.constraint is None
 
 
 @dataclass
@@ -589,13 +589,13 @@ class Runner:
         stop string: its state from before ``nxt`` is put back before postprocess checkpoints it), then postprocess
         and deliver."""
         if step is not None:
-            for w, res in zip(step.works, step.pending.result()):
+            for w, res in zip(step.works, step.pending.result_with_top()):
                 if w.finish_reason is not None or w.error is not None:
                     continue
                 if isinstance(res, Exception):
                     self._fail(w, res, out, rollback=True)
                 else:
-                    out.sampled.append(Sampled(w, res[0], res[1], []))
+                    out.sampled.append(Sampled(w, *res))
         stops = {smp.work for smp in out.sampled
                  if smp.token in self.tokenizer.eos_ids and not smp.work.params.ignore_eos}
         for w in nxt.works if nxt is not None else []:
@@ -636,26 +636,27 @@ class Runner:
         """Sample row ``i`` of ``logits`` for ``works[i]``, for every ``i`` in ``rows``: unconstrained rows together
         on the device (one host copy), constrained ones on the host. A row that fails ends only its request."""
         free = [i for i in rows if works[i].constraint is None]
-        picked: dict[int, tuple[int, float] | Exception] = {}
+        picked: dict[int, tuple[int, float, list[tuple[int, float]]] | Exception] = {}
         if free:
             rows_logits = logits if len(free) == logits.shape[0] else torch.stack([logits[i] for i in free])
-            got = sample_batch(rows_logits, [works[i].params for i in free], [works[i].generator for i in free])
+            got = sample_batch_async(rows_logits, [works[i].params for i in free],
+                                     [works[i].generator for i in free]).result_with_top()
             picked.update(zip(free, got))
         for i in rows:
             w = works[i]
             try:
+                top: list[tuple[int, float]] = []
                 if w.constraint is not None:
                     tok, lp = w.constraint.pick(logits[i], w.params, w.generator, w.params.max_tokens - len(w.output))
                     w.constraint.advance(tok)
+                    if w.params.top_logprobs:
+                        ids, lps = top_logprobs(logits[i][None], w.params.top_logprobs)
+                        top = list(zip(ids[0].tolist(), lps[0].tolist()))
                 else:
                     res = picked[i]
                     if isinstance(res, Exception):
                         raise res
-                    tok, lp = res
-                top: list[tuple[int, float]] = []
-                if w.params.top_logprobs:
-                    t = torch.topk(torch.log_softmax(logits[i].float(), dim=-1), w.params.top_logprobs)
-                    top = list(zip(t.indices.tolist(), t.values.tolist()))
+                    tok, lp, top = res
             except Exception as e:
                 log.warning("session %s: request failed in sampling (%s: %s)", w.session.id, type(e).__name__, e)
                 self._fail(w, e, out, rollback=True)

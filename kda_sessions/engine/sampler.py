@@ -13,7 +13,7 @@ error and the device feed into a dummy row (``kernels.feed``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -22,7 +22,7 @@ from ..types import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
 __all__ = [
     "MIN_TEMPERATURE", "SEED_RANGE", "NoDistribution", "PendingSample", "SamplingParams", "draw", "draw_rows", "sample",
-    "sample_batch", "sample_batch_async", "token_logprobs",
+    "sample_batch", "sample_batch_async", "token_logprobs", "top_logprobs",
 ]
 
 
@@ -41,10 +41,26 @@ def sample(logits: Tensor, params: SamplingParams, generator: torch.Generator | 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     """log softmax(logits)[i, tokens[i]] for logits [N, vocab] and tokens [N] (a negative token reads id 0), float32,
     from whole-row passes: torch's log_softmax runs a row in one block (40 us a row of 163,840 on an H100)."""
+    return _logprobs(logits, tokens, 0)[0]
+
+
+def top_logprobs(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` most likely tokens of each row of logits [N, vocab] and their log-probabilities: ([N, k] long,
+    [N, k] float32), most likely first, as ``torch.topk(torch.log_softmax(logits.float(), -1), k)`` gives them."""
+    _, ids, lps = _logprobs(logits, logits.new_zeros(logits.shape[0], dtype=torch.long), k)
+    return ids, lps
+
+
+def _logprobs(logits: Tensor, tokens: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """``token_logprobs`` and (with k > 0) ``top_logprobs`` from one normalisation of the rows."""
     x = logits.float()
     m = x.amax(-1, keepdim=True)
     log_sum = (x - m).exp_().sum(-1, keepdim=True).log_()
-    return ((x.gather(1, tokens.clamp(min=0)[:, None]) - m) - log_sum)[:, 0]
+    lp = ((x.gather(1, tokens.clamp(min=0)[:, None]) - m) - log_sum)[:, 0]
+    if not k:
+        return lp, x.new_empty(x.shape[0], 0, dtype=torch.long), x.new_empty(x.shape[0], 0)
+    top = torch.topk(x, k, dim=-1)
+    return lp, top.indices, (top.values - m) - log_sum
 
 
 class NoDistribution(ValueError):
@@ -146,22 +162,35 @@ class PendingSample:
     """The rows drawn, in the order of ``tokens``."""
     tokens: Tensor | None
     host: Tensor | None
-    """Pinned on CUDA: [len(ok)] int64 tokens, or [2, len(ok)] float64 (tokens, logprobs) when logprobs were asked."""
+    """Pinned on CUDA: [len(ok)] int64 tokens, or, when logprobs or top logprobs were asked, [len(ok), 2 + 2 k]
+    float64: token, logprob, then the k most likely tokens' ids and their logprobs (``top_logprobs``)."""
     copied: torch.cuda.Event | None = None
+    top: list[int] = field(default_factory=list)
+    """Per row of ``ok``: how many of the most likely tokens it asked for (``SamplingParams.top_logprobs``)."""
 
     def result(self) -> list[tuple[int, float] | Exception]:
         """Each row's (token, logprob) (nan where no row asked for logprobs) or its exception."""
+        return [r if isinstance(r, Exception) else r[:2] for r in self.result_with_top()]
+
+    def result_with_top(self) -> list[tuple[int, float, list[tuple[int, float]]] | Exception]:
+        """Each row's (token, logprob, its top logprobs: (token, logprob) of the most likely tokens, as many as it
+        asked for) or its exception."""
+        out: list[tuple[int, float, list[tuple[int, float]]] | Exception] = [
+            e if isinstance(e, Exception) else (e[0], e[1], []) for e in self.out]
         if self.host is None:
-            return self.out
+            return out
         if self.copied is not None:
             self.copied.synchronize()
-        out = list(self.out)
         if self.host.dim() == 1:
-            toks, lps = self.host.tolist(), [math.nan] * len(self.ok)
+            rows = [[tok, math.nan] for tok in self.host.tolist()]
         else:
-            toks, lps = self.host.tolist()
-        for i, tok, lp in zip(self.ok, toks, lps):
-            out[i] = (int(tok), float(lp)) if tok >= 0 else NoDistribution()
+            rows = self.host.tolist()
+        k = (len(rows[0]) - 2) // 2 if rows else 0
+        for j, (i, row) in enumerate(zip(self.ok, rows)):
+            tok = int(row[0])
+            n = self.top[j] if self.top else 0
+            top = [(int(t), float(lp)) for t, lp in zip(row[2 : 2 + n], row[2 + k : 2 + k + n])]
+            out[i] = (tok, float(row[1]), top) if tok >= 0 else NoDistribution()
         return out
 
 
@@ -193,16 +222,17 @@ def sample_batch_async(
         if not ok:
             return PendingSample(out, ok, None, None)
         toks = torch.stack(picks)
-    if any(p.logprobs for p in params):
+    top = [params[i].top_logprobs for i in ok]
+    if any(p.logprobs for p in params) or any(top):
         rows = logits if len(ok) == N else torch.stack([logits[i] for i in ok])
-        lps = token_logprobs(rows, toks)
-        dev = torch.stack([toks.double(), lps.double()])
+        lps, top_ids, top_lps = _logprobs(rows, toks, min(max(top), rows.shape[-1]))
+        dev = torch.cat([toks.double()[:, None], lps.double()[:, None], top_ids.double(), top_lps.double()], dim=1)
     else:
         dev = toks
     if not toks.is_cuda:
-        return PendingSample(out, ok, toks, dev)
+        return PendingSample(out, ok, toks, dev, top=top)
     host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
     host.copy_(dev, non_blocking=True)  # the one device-to-host copy
     copied = torch.cuda.Event()
     copied.record()
-    return PendingSample(out, ok, toks, host, copied)
+    return PendingSample(out, ok, toks, host, copied, top)

@@ -240,7 +240,33 @@ def test_which_rows_run_ahead():
     assert runs_ahead(work(max_tokens=4))
     assert runs_ahead(work(max_tokens=4, logprobs=True, temperature=0.7))
     assert runs_ahead(work(max_tokens=4, stop=["x"]))  # the step after the stop is undone (StepUndo)
-    assert not runs_ahead(work(max_tokens=4, logprobs=True, top_logprobs=2))
+    assert runs_ahead(work(max_tokens=4, logprobs=True, top_logprobs=2))  # drawn with the token, on the device
+    constrained = work(max_tokens=4)
+    constrained.constraint = object()  # type: ignore[assignment]
+    assert not runs_ahead(constrained)  # its masks follow the tokens the host reads
+
+
+async def test_top_logprobs_are_the_same_ahead():
+    """Top logprobs come with the draw, so their rows run ahead; the same tokens and lists as without."""
+    outs = []
+    for ahead in (False, True):
+        async with await engine(ahead) as eng:
+            ss = [await eng.create_session() for _ in range(3)]
+            for i, x in enumerate(ss):
+                await x.append(prompt(i + 2))
+            r = await together(ss, max_tokens=[9, 12, 7], ignore_eos=[True] * 3, logprobs=[True] * 3,
+                               top_logprobs=[3, 0, 5], temperature=[0.0, 0.8, 0.8], seed=[None, 1, 2])
+            outs.append(([x.token_ids for x in r], [x.top_logprobs for x in r], eng.runner.steps_ahead))
+    (t0, top0, a0), (t1, top1, a1) = outs
+    assert a0 == 0 and a1 >= 8 and t0 == t1
+    assert top1[1] is None or all(not t for t in top1[1])
+    for want, got, k in zip(top0, top1, [3, 0, 5]):
+        if not k:
+            continue
+        assert len(got) == len(want) and all(len(g) == k for g in got)
+        for g, w in zip(got, want):
+            assert [t.token_id for t in g] == [t.token_id for t in w]
+            assert [t.logprob for t in g] == pytest.approx([t.logprob for t in w], abs=1e-5)
 
 
 @pytest.mark.gpu

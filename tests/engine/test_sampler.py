@@ -15,6 +15,7 @@ from kda_sessions.engine.sampler import (
     sample_batch,
     sample_batch_async,
     token_logprobs,
+    top_logprobs,
 )
 from kda_sessions.types import SamplingParams
 
@@ -79,6 +80,24 @@ def test_token_logprobs_are_log_softmax_read_at_the_token():
     want = torch.log_softmax(x, -1).gather(1, toks.clamp(min=0)[:, None])[:, 0]
     torch.testing.assert_close(token_logprobs(x, toks), want, rtol=0, atol=2e-6)
     assert token_logprobs(x.bfloat16(), toks).dtype == torch.float32
+
+
+def test_top_logprobs_are_log_softmax_s_largest_and_come_with_each_row_s_draw():
+    x = logits_for(4, seed=7) * 5
+    x[1, :250] = float("-inf")
+    ids, lps = top_logprobs(x, 6)
+    want = torch.topk(torch.log_softmax(x, -1), 6)
+    assert torch.equal(ids, want.indices)
+    torch.testing.assert_close(lps, want.values, rtol=0, atol=2e-6)
+    params = [SamplingParams(logprobs=True, top_logprobs=k) for k in (2, 0, 6, 1)]
+    got = sample_batch_async(x, params, [None] * 4).result_with_top()
+    for i, (res, k) in enumerate(zip(got, (2, 0, 6, 1))):
+        assert not isinstance(res, Exception)
+        tok, lp, top = res
+        assert lp == pytest.approx(float(want.values[i, 0]), abs=2e-6)  # the greedy token: the most likely
+        assert tok == int(x[i].argmax()) and [t for t, _ in top] == want.indices[i, :k].tolist()
+        assert [p for _, p in top] == pytest.approx(want.values[i, :k].tolist(), abs=2e-6)
+    assert sample_batch(x, params, [None] * 4) == [r[:2] for r in got]  # type: ignore[index]
 
 
 def test_a_tie_at_the_edge_of_the_nucleus_or_the_top_k_is_kept_whole():
