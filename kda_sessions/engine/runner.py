@@ -37,7 +37,7 @@ from .pool import Pools, pages_needed
 from .postprocess import Sampled, postprocess
 from .preemption import Preemption
 from .rollback import roll_back
-from .sampler import PendingSample, sample_batch_async, top_logprobs
+from .sampler import PendingSample, sample_batch_async, sample_batch_top, top_logprobs
 from .scheduler import Scheduler, StepPlan, Work
 from .sequence import Sequence
 from .undo import StepUndo
@@ -639,8 +639,7 @@ class Runner:
         picked: dict[int, tuple[int, float, list[tuple[int, float]]] | Exception] = {}
         if free:
             rows_logits = logits if len(free) == logits.shape[0] else torch.stack([logits[i] for i in free])
-            got = sample_batch_async(rows_logits, [works[i].params for i in free],
-                                     [works[i].generator for i in free]).result_with_top()
+            got = sample_batch_top(rows_logits, [works[i].params for i in free], [works[i].generator for i in free])
             picked.update(zip(free, got))
         for i in rows:
             w = works[i]

@@ -22,7 +22,7 @@ from ..types import MIN_TEMPERATURE, SEED_RANGE, SamplingParams
 
 __all__ = [
     "MIN_TEMPERATURE", "SEED_RANGE", "NoDistribution", "PendingSample", "SamplingParams", "draw", "draw_rows", "sample",
-    "sample_batch", "sample_batch_async", "token_logprobs", "top_logprobs",
+    "sample_batch", "sample_batch_async", "sample_batch_top", "token_logprobs", "top_logprobs",
 ]
 
 
@@ -148,6 +148,14 @@ def sample_batch(
     logprobs (``SamplingParams.logprobs``), none is computed and each row's is nan: on a CPU a decode step's
     weights have just evicted the caches, and each op here then costs ~10 us."""
     return sample_batch_async(logits, params, generators).result()
+
+
+def sample_batch_top(
+    logits: Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[tuple[int, float, list[tuple[int, float]]] | Exception]:
+    """``sample_batch`` with each row's top logprobs (``SamplingParams.top_logprobs`` of them, as ``top_logprobs``
+    gives them; none where it asked for none), from the same copy."""
+    return sample_batch_async(logits, params, generators).result_with_top()
 
 
 @dataclass

@@ -23,6 +23,11 @@ class StatePools:
     """A KDA/conv slot that no session owns: padded rows of a CUDA-graph decode batch read and write it."""
     scratch_page: int | None = None
     """A KV page that no session owns: padded rows write their latent row there."""
+    kda_layers: Tensor | None = None
+    """Where the pools hold them so (``HybridModel.allocate_pools``): every KDA layer's states in one tensor [L_kda,
+    S, H, K, V], ``kda[i]`` its ``[i]``, so a slot's state in every layer is copied by one strided copy."""
+    conv_layers: Tensor | None = None
+    """Likewise the conv tails, [L_kda, S, W - 1, Dc]."""
 
     @property
     def num_slots(self) -> int:

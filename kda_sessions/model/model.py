@@ -115,13 +115,17 @@ class HybridModel(nn.Module):
         Dc = 3 * H * K
         nk, nm = len(cfg.kda_layer_ids), len(cfg.mla_layer_ids)
         S, NP = num_slots + int(scratch), num_pages + int(scratch)
+        kda = self._zeros((nk, S, H, K, K), torch.float32)  # a slot's state in every layer: one strided block
+        conv = self._zeros((nk, S, cfg.conv_size - 1, Dc), self.dtype)
         return StatePools(
-            kda=[self._zeros((S, H, K, K), torch.float32) for _ in range(nk)],
-            conv=[self._zeros((S, cfg.conv_size - 1, Dc), self.dtype) for _ in range(nk)],
+            kda=[kda[i] for i in range(nk)],  # views by indexing: unbind's may not be written under autograd
+            conv=[conv[i] for i in range(nk)],
             kv=[self._zeros((NP, page_size, cfg.latent_dim), self.dtype) for _ in range(nm)],
             page_size=page_size,
             scratch_slot=num_slots if scratch else None,
             scratch_page=num_pages if scratch else None,
+            kda_layers=kda,
+            conv_layers=conv,
         )
 
     def _zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:

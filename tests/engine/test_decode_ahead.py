@@ -173,15 +173,22 @@ async def test_without_room_for_the_undo_state_stop_string_rows_decode_step_by_s
         assert len(plain.token_ids) == 10 and eng.runner.steps_ahead > 0
 
 
-def test_the_undo_state_puts_a_slot_back():
+@pytest.mark.parametrize("stacked", [True, False])
+def test_the_undo_state_puts_a_slot_back(stacked: bool):
+    """Both layouts of the pools: every layer in one tensor (the engine's) and a tensor per layer."""
     from kda_sessions.engine.undo import StepUndo
     from kda_sessions.model import StatePools
 
     g = torch.Generator().manual_seed(0)
-    pools = StatePools(kda=[torch.randn(5, 2, 3, 3, generator=g) for _ in range(2)],
-                       conv=[torch.randn(5, 2, 4, generator=g).bfloat16() for _ in range(2)], kv=[], page_size=4)
+    kda, conv = torch.randn(2, 5, 2, 3, 3, generator=g), torch.randn(2, 5, 2, 4, generator=g).bfloat16()
+    if stacked:
+        pools = StatePools(kda=list(kda.unbind(0)), conv=list(conv.unbind(0)), kv=[], page_size=4, kda_layers=kda,
+                           conv_layers=conv)
+    else:
+        pools = StatePools(kda=[t.clone() for t in kda], conv=[t.clone() for t in conv], kv=[], page_size=4)
     before = [t.clone() for t in pools.kda + pools.conv]
     undo = StepUndo(pools)
+    assert (undo.stacked is not None) == stacked
     assert undo.reserve(3) and undo.rows == 4 and undo.bytes_per_row == 2 * (18 * 4 + 8 * 2)
     undo.save([4, 1])
     for t in pools.kda + pools.conv:

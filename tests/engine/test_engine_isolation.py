@@ -55,9 +55,9 @@ def inject(monkeypatch: pytest.MonkeyPatch, eng: ks.Engine, where: str) -> None:
     """Raise on the culprit's third token: in the sampler, in its constraint, or in the model call of that step."""
     calls = {"n": 0}
     if where == "sampler":
-        real = runner_module.sample_batch
+        real = runner_module.sample_batch_top
 
-        def sample_batch(logits, params, generators):  # type: ignore[no-untyped-def]
+        def sample_batch_top(logits, params, generators):  # type: ignore[no-untyped-def]
             out = real(logits, params, generators)
             for i, p in enumerate(params):
                 if p.seed == CULPRIT_SEED:
@@ -66,7 +66,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, eng: ks.Engine, where: str) -> None:
                         out[i] = Injected("sampler fault")
             return out
 
-        monkeypatch.setattr(runner_module, "sample_batch", sample_batch)
+        monkeypatch.setattr(runner_module, "sample_batch_top", sample_batch_top)
     elif where == "constraint":
         real_pick = ToolChoiceConstraint.pick
 
@@ -170,10 +170,10 @@ async def test_random_faults_fail_exactly_their_requests(seed, monkeypatch):
             sessions.append(s)
         hit: set[int] = set()  # id() of the SamplingParams of requests whose sampler raised
         poisoned = {"slot": None, "after": rng.randrange(2, 8), "calls": 0}
-        real_sample = runner_module.sample_batch
+        real_sample = runner_module.sample_batch_top
         real_step = eng.runner.model.step
 
-        def sample_batch(logits, params, generators):  # type: ignore[no-untyped-def]
+        def sample_batch_top(logits, params, generators):  # type: ignore[no-untyped-def]
             out = real_sample(logits, params, generators)
             for i, p in enumerate(params):
                 if rng.random() < 0.04:
@@ -189,7 +189,7 @@ async def test_random_faults_fail_exactly_their_requests(seed, monkeypatch):
                 raise Injected("model fault")
             return real_step(batch, pools, *args)
 
-        monkeypatch.setattr(runner_module, "sample_batch", sample_batch)
+        monkeypatch.setattr(runner_module, "sample_batch_top", sample_batch_top)
         monkeypatch.setattr(eng.runner.model, "step", step)
         out: dict[int, Any] = {}
         params: dict[int, Any] = {}

@@ -1,0 +1,88 @@
+"""Device time of ``engine.undo.StepUndo.save`` (a decode-ahead step's copy of the rows with ``stop`` strings) at
+the 48B shape's KDA state (H 32, K = V 128, float32; conv tails bf16), on both layouts of the pools (every layer in
+one tensor, as the engine allocates them: two strided copies a row; a tensor per layer: two copies a layer), against
+one contiguous copy of the same bytes and per-layer ``index_select`` copies; CUDA events over ``--reps``
+back-to-back saves.
+
+    python3 bench/undo_copy.py --layers 20 --rows 1,8,32 --out $OUT/undo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from kda_sessions.engine.undo import StepUndo
+from kda_sessions.model import StatePools
+
+
+def timed(fn, reps: int) -> float:
+    """Median-free mean us of ``fn`` over reps back-to-back calls (after two warm-ups)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1000 / reps
+
+
+def case(undo: StepUndo, n: int, reps: int) -> dict[str, float]:
+    """Saves of n rows by ``StepUndo``, by per-layer ``index_select``, and one contiguous copy of as many bytes."""
+    dev = undo.pools[0].device
+    slots = list(range(3, 3 + n))
+    assert undo.reserve(n)
+    idx = torch.tensor(slots, device=dev)
+    flat = torch.empty(n * undo.bytes_per_row // 4, device=dev)
+    flat2 = torch.empty_like(flat)
+    bufs = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=dev) for t in undo.pools]
+
+    def per_layer() -> None:
+        for t, b in zip(undo.pools, bufs):
+            torch.index_select(t, 0, idx, out=b)
+
+    got = {
+        "save_us": timed(lambda: undo.save(slots), reps),
+        "restore_us": timed(lambda: undo.restore(0, slots[0]), reps),
+        "index_select_us": timed(per_layer, reps),
+        "one_copy_us": timed(lambda: flat2.copy_(flat), reps),
+        "copy_floor_us_at_4_8": 2 * n * undo.bytes_per_row / 4.8e12 * 1e6,
+    }
+    return {k: round(v, 1) for k, v in got.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=20, help="KDA layers (the 48B shape: 20)")
+    ap.add_argument("--rows", default="1,8,32")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    H, K, Dc, S = 32, 128, 3 * 32 * 128, 40
+    dev = torch.device("cuda")
+    kda = torch.zeros(args.layers, S, H, K, K, device=dev)
+    conv = torch.zeros(args.layers, S, 3, Dc, device=dev, dtype=torch.bfloat16)
+    layouts = {
+        "stacked": StatePools(kda=list(kda.unbind(0)), conv=list(conv.unbind(0)), kv=[], page_size=64,
+                              kda_layers=kda, conv_layers=conv),
+        "per_layer": StatePools(kda=list(kda.unbind(0)), conv=list(conv.unbind(0)), kv=[], page_size=64),
+    }
+    out: dict = {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "cases": {}}
+    for name, pools in layouts.items():
+        undo = StepUndo(pools)
+        out["mb_per_row"] = undo.bytes_per_row / 1e6
+        for n in (int(x) for x in args.rows.split(",")):
+            out["cases"][f"{name}/{n}"] = case(undo, n, args.reps)
+            print(name, n, out["cases"][f"{name}/{n}"], flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
