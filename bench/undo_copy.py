@@ -35,16 +35,16 @@ def timed(fn, reps: int) -> float:
 
 def case(undo: StepUndo, n: int, reps: int) -> dict[str, float]:
     """Saves of n rows by ``StepUndo``, by per-layer ``index_select``, and one contiguous copy of as many bytes."""
-    dev = undo.pools[0].device
+    dev = undo.layers[0].device
     slots = list(range(3, 3 + n))
     assert undo.reserve(n)
     idx = torch.tensor(slots, device=dev)
     flat = torch.empty(n * undo.bytes_per_row // 4, device=dev)
     flat2 = torch.empty_like(flat)
-    bufs = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=dev) for t in undo.pools]
+    bufs = [torch.empty((n, *t.shape[1:]), dtype=t.dtype, device=dev) for t in undo.layers]
 
     def per_layer() -> None:
-        for t, b in zip(undo.pools, bufs):
+        for t, b in zip(undo.layers, bufs):
             torch.index_select(t, 0, idx, out=b)
 
     got = {
