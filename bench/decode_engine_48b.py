@@ -117,7 +117,8 @@ HOST_TIMED = [  # (module, class name or None, attribute): the host's parts of a
     ("kda_sessions.engine.runner", "Runner", "_going_on"), ("kda_sessions.engine.runner", None, "sample_batch_async"),
     ("kda_sessions.engine.runner", None, "postprocess"), ("kda_sessions.model.graphs", "DecodeGraphs", "_fill"),
     ("kda_sessions.model.graphs", "DecodeGraphs", "_feed"), ("kda_sessions.engine.sampler", "PendingSample", "result"),
-    ("torch.cuda", "CUDAGraph", "replay"),
+    ("torch.cuda", "CUDAGraph", "replay"), ("kda_sessions.engine.undo", "StepUndo", "save"),
+    ("kda_sessions.engine.postprocess", None, "hit_stop"),
 ]
 
 
