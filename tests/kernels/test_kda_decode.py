@@ -14,6 +14,7 @@ from kda_sessions.kernels.norm.naive import naive_gated_rms_norm
 
 from .kernel_helpers import rel_rms
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU machine, interpreted without one
 H, K, V, W = 2, 16, 32, 4
 S = 6
 Dc = 2 * H * K + H * V
@@ -86,7 +87,7 @@ def _check(dtype: torch.dtype, device: str, lower_bound: float | None, norm: boo
 def test_fused_decode_matches_the_separate_ops(dtype, lower_bound, norm, config):
     """Every V-block split of a head (V 32: the default's one block, two, four): the tails shift and the norm
     reads the head's whole output whichever program does it."""
-    _check(dtype, "cpu", lower_bound, norm, config)
+    _check(dtype, DEV, lower_bound, norm, config)
 
 
 @pytest.mark.gpu
@@ -144,9 +145,9 @@ def test_two_consecutive_steps_match_the_twin(norm, config):
     gives what the twin gives, and the counters are zero again after it."""
     from kda_sessions.kernels.kda.decode_triton import head_counters
 
-    fused, twin = _two_steps("cpu", config, norm)
+    fused, twin = _two_steps(DEV, config, norm)
     _assert_two_steps(fused, twin, 1e-5)
-    assert not head_counters(torch.device("cpu"), 1).any()
+    assert not head_counters(torch.device(DEV), 1).any()
 
 
 @pytest.mark.gpu
@@ -234,7 +235,7 @@ def _check_gate_proj(dtype: torch.dtype, device: str, lower_bound: float | None,
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["standard", "bounded"])
 @pytest.mark.parametrize("widths", [(8, 12), (16, 16)], ids=["kf8-vf12", "kf16-vf16"])
 def test_gate_projections_in_the_launches(dtype, lower_bound, widths):
-    _check_gate_proj(dtype, "cpu", lower_bound, widths=widths)
+    _check_gate_proj(dtype, DEV, lower_bound, widths=widths)
 
 
 @pytest.mark.gpu
@@ -358,7 +359,7 @@ def test_a_batch_above_the_grid_limit_runs_in_several_launches(monkeypatch, norm
     give what one launch gives: every row's output, state and tails, the untouched slots left as they were."""
     from kda_sessions.kernels.kda import decode_triton
 
-    case = _case(torch.float32, "cpu")
+    case = _case(torch.float32, DEV)
     out_norm = _out_norm(case) if norm else None
     whole = _run(lambda *a: decode_triton.kda_decode_triton(*a, out_norm), case, -5.0)
     inner = decode_triton.kda_decode_triton
