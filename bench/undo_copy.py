@@ -2,7 +2,8 @@
 the 48B shape's KDA state (H 32, K = V 128, float32; conv tails bf16), on both layouts of the pools (every layer in
 one tensor, as the engine allocates them: two strided copies a row; a tensor per layer: two copies a layer), against
 one contiguous copy of the same bytes and per-layer ``index_select`` copies; CUDA events over ``--reps``
-back-to-back saves.
+back-to-back saves; and ``capture_us``: one slot's state copied to the host as a checkpoint captures it (the
+end of every request), waited for.
 
     python3 bench/undo_copy.py --layers 20 --rows 1,8,32 --out $OUT/undo.json
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -33,6 +36,26 @@ def timed(fn, reps: int) -> float:
     return a.elapsed_time(b) * 1000 / reps
 
 
+def host_timed(fn, reps: int) -> float:
+    """Median us of ``fn`` (which waits for the device) over reps calls, after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6)
+    return statistics.median(times)
+
+
+def capture(undo: StepUndo, slot: int) -> None:
+    """A slot's state to the host, as ``Pools.read_slot`` copies it for a checkpoint (the end of every request)."""
+    if undo.stacked is not None:
+        undo.stacked[0][:, slot].cpu(), undo.stacked[1][:, slot].cpu()
+    else:
+        half = len(undo.layers) // 2  # the KDA states, then the conv tails
+        torch.stack([t[slot] for t in undo.layers[:half]]).cpu(), torch.stack([t[slot] for t in undo.layers[half:]]).cpu()
+
+
 def case(undo: StepUndo, n: int, reps: int) -> dict[str, float]:
     """Saves of n rows by ``StepUndo``, by per-layer ``index_select``, and one contiguous copy of as many bytes."""
     dev = undo.layers[0].device
@@ -48,6 +71,7 @@ def case(undo: StepUndo, n: int, reps: int) -> dict[str, float]:
             torch.index_select(t, 0, idx, out=b)
 
     got = {
+        "capture_us": host_timed(lambda: capture(undo, slots[0]), 5),
         "save_us": timed(lambda: undo.save(slots), reps),
         "restore_us": timed(lambda: undo.restore(0, slots[0]), reps),
         "index_select_us": timed(per_layer, reps),
