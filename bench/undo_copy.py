@@ -56,10 +56,19 @@ def capture(undo: StepUndo, slot: int) -> None:
         torch.stack([t[slot] for t in undo.layers[:half]]).cpu(), torch.stack([t[slot] for t in undo.layers[half:]]).cpu()
 
 
+def capture_pinned(stacked: list[torch.Tensor], slot: int, pinned: list[torch.Tensor]) -> None:
+    """``capture`` from the stacked layout into page-locked host buffers made beforehand."""
+    for src, dst in zip(stacked, pinned):
+        dst.copy_(src[:, slot], non_blocking=True)
+    torch.cuda.synchronize()
+
+
 def case(undo: StepUndo, n: int, reps: int) -> dict[str, float]:
     """Saves of n rows by ``StepUndo``, by per-layer ``index_select``, and one contiguous copy of as many bytes."""
     dev = undo.layers[0].device
     slots = list(range(3, 3 + n))
+    stacked = undo.stacked or []
+    pinned = [torch.empty((t.shape[0], *t.shape[2:]), dtype=t.dtype, pin_memory=True) for t in stacked]
     assert undo.reserve(n)
     idx = torch.tensor(slots, device=dev)
     flat = torch.empty(n * undo.bytes_per_row // 4, device=dev)
@@ -72,6 +81,7 @@ def case(undo: StepUndo, n: int, reps: int) -> dict[str, float]:
 
     got = {
         "capture_us": host_timed(lambda: capture(undo, slots[0]), 5),
+        "capture_pinned_us": host_timed(lambda: capture_pinned(stacked, slots[0], pinned), 5) if stacked else 0.0,
         "save_us": timed(lambda: undo.save(slots), reps),
         "restore_us": timed(lambda: undo.restore(0, slots[0]), reps),
         "index_select_us": timed(per_layer, reps),
