@@ -3,14 +3,13 @@
 
 from __future__ import annotations
 
-from torch import Tensor
-
-from .pool import Pools, pages_needed
+from .pool import PendingState, Pools, State, pages_needed
 from .sequence import Checkpoint, Sequence
 
 
-def capture(s: Sequence, c: Checkpoint, state_pos: int, state: tuple[Tensor, Tensor], pools: Pools) -> None:
-    """Make ``c`` hold ``state`` (host copies of the KDA and conv state at ``state_pos``) and share the pages
+def capture(s: Sequence, c: Checkpoint, state_pos: int, state: State, pools: Pools) -> None:
+    """Make ``c`` hold ``state`` (host copies of the KDA and conv state at ``state_pos``, or copies under way:
+    ``Pools.read_slot_async``) and share the pages
     covering ``state_pos`` tokens of ``s``; ``c`` becomes ``s``'s checkpoint of that name (any other of the same
     name is released). Caller holds ``pools.mutex``."""
     release(c, pools)
@@ -19,7 +18,7 @@ def capture(s: Sequence, c: Checkpoint, state_pos: int, state: tuple[Tensor, Ten
         release(old, pools)
     c.pages = s.pages[: pages_needed(state_pos, pools.page_size)]
     pools.pages.incref(c.pages)
-    c.state_id = pools.host.put(*state)
+    c.state_id = pools.host.put(state) if isinstance(state, PendingState) else pools.host.put(*state)
     c.state_pos = state_pos
     c.state_blob, c.page_blobs = None, None
     s.checkpoints[c.name] = c

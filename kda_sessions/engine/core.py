@@ -57,8 +57,9 @@ class EngineCore:
         self.runner.start()
 
     def close(self) -> None:
-        """Stop the step thread (blocking: call it from a worker thread)."""
+        """Stop the step thread and the pools' host copies (blocking: call it from a worker thread)."""
         self.runner.stop()
+        self.pools.close()
 
     @property
     def device(self) -> torch.device:

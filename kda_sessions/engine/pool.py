@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 import anyio
@@ -98,21 +99,41 @@ class PageAllocator:
         return len(self._free) - self.reserved
 
 
+class PendingState:
+    """A state on its way to the host (``Pools.read_slot_async``): ``result`` waits for the copy."""
+
+    def __init__(self, future: Future[tuple[Tensor, Tensor]]) -> None:
+        self.future = future
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        return self.future.result()
+
+
+State = tuple[Tensor, Tensor] | PendingState
+"""A KDA and conv state on the host, or on its way there."""
+
+
 class HostStates:
-    """Checkpoint states on the host, by id: (kda [L_kda, H, K, V] float32, conv [L_kda, W - 1, Dc])."""
+    """Checkpoint states on the host, by id: (kda [L_kda, H, K, V] float32, conv [L_kda, W - 1, Dc]). A state put
+    while its copy is under way (``PendingState``) is waited for by ``get``."""
 
     def __init__(self) -> None:
-        self._states: dict[int, tuple[Tensor, Tensor]] = {}
+        self._states: dict[int, State] = {}
         self._ids = itertools.count(1)
 
-    def put(self, kda: Tensor, conv: Tensor) -> int:
-        assert kda.device.type == "cpu" and conv.device.type == "cpu"
+    def put(self, kda: Tensor | PendingState, conv: Tensor | None = None) -> int:
+        if isinstance(kda, PendingState):
+            state: State = kda
+        else:
+            assert conv is not None and kda.device.type == "cpu" and conv.device.type == "cpu"
+            state = (kda, conv)
         sid = next(self._ids)
-        self._states[sid] = (kda, conv)
+        self._states[sid] = state
         return sid
 
     def get(self, state_id: int) -> tuple[Tensor, Tensor]:
-        return self._states[state_id]
+        state = self._states[state_id]
+        return state.result() if isinstance(state, PendingState) else state
 
     def free(self, state_id: int) -> None:
         del self._states[state_id]
@@ -136,6 +157,10 @@ class Pools:
         self.host = HostStates()
         self.mutex = threading.RLock()
         self.page_size = tensors.page_size
+        self.async_capture = True
+        """On a CUDA device, ``read_slot_async`` copies to the host on a side stream from a worker thread; off: it
+        waits for the copy, as ``read_slot``."""
+        self._copier: tuple[ThreadPoolExecutor, torch.cuda.Stream] | None = None
 
     async def run_locked(self, fn: Callable[[], T]) -> T:
         """``fn()`` under the mutex on a worker thread: device copies never hold up the event loop (and the step
@@ -154,6 +179,42 @@ class Pools:
         kda = torch.stack([st[slot] for st in self.tensors.kda]).cpu()
         conv = torch.stack([cv[slot] for cv in self.tensors.conv]).cpu()
         return kda, conv
+
+    def read_slot_async(self, slot: int) -> State:
+        """``read_slot`` without waiting: on a CUDA device (``async_capture``) the slot is copied on the device, in
+        the stream's order (~30 us for the 48B shape's 42 MB), and from that copy to the host on a side stream by a
+        worker thread, so the caller never waits for the host copy (a pageable one: ~5 ms for 42 MB), and a step
+        queued after it may change the slot. ``HostStates.get`` waits for it."""
+        t = self.tensors
+        if not self.async_capture or not t.kda or t.kda[0].device.type != "cuda":
+            return self.read_slot(slot)
+        if t.kda_layers is not None and t.conv_layers is not None:
+            kda, conv = t.kda_layers[:, slot].clone(), t.conv_layers[:, slot].clone()
+        else:
+            kda, conv = torch.stack([st[slot] for st in t.kda]), torch.stack([cv[slot] for cv in t.conv])
+        return self.to_host_async(kda, conv)
+
+    def close(self) -> None:
+        """Wait for the host copies under way and end their worker thread."""
+        if self._copier is not None:
+            self._copier[0].shutdown(wait=True)
+            self._copier = None
+
+    def to_host_async(self, kda: Tensor, conv: Tensor) -> PendingState:
+        """Host copies of device tensors that nothing writes any more, made on a side stream by a worker thread
+        once the current stream has produced them."""
+        if self._copier is None:
+            self._copier = (ThreadPoolExecutor(1, thread_name_prefix="kda-state-copy"), torch.cuda.Stream(kda.device))
+        pool, stream = self._copier
+        ready = torch.cuda.Event()
+        ready.record()
+
+        def copy() -> tuple[Tensor, Tensor]:
+            with torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                return kda.cpu(), conv.cpu()  # waits for the copy; the tensors are freed after it
+
+        return PendingState(pool.submit(copy))
 
     def write_slot(self, slot: int, kda: Tensor, conv: Tensor) -> None:
         for i, (st, cv) in enumerate(zip(self.tensors.kda, self.tensors.conv)):

@@ -53,7 +53,7 @@ def postprocess(
             s, c = w.session, w.end_checkpoint
             if w.error is None and c is not None and s.slot is not None:
                 c.position = s.num_tokens
-                capture(s, c, s.num_cached, pools.read_slot(s.slot), pools)
+                capture(s, c, s.num_cached, pools.read_slot_async(s.slot), pools)
         scheduler.running = [w for w in scheduler.running if w not in finished]
     return [(smp.work, smp.token) for smp in sampled]
 

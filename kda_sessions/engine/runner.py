@@ -33,7 +33,7 @@ from ..tokenizer import Tokenizer
 from .checkpoints import capture
 from .cpu_batch import CpuDecodeBatches
 from .cpu_threads import StepThreads
-from .pool import Pools, pages_needed
+from .pool import Pools, State, pages_needed
 from .postprocess import Sampled, postprocess
 from .preemption import Preemption
 from .rollback import roll_back
@@ -286,6 +286,12 @@ class Runner:
         with self.pools.mutex:
             roll_back(s, self.pools)
 
+    def _to_host(self, kda: Tensor, conv: Tensor) -> State:
+        """A prefill's checkpoint state on the host (on CUDA: ``Pools.to_host_async``, no waiting)."""
+        if kda.device.type == "cuda" and self.pools.async_capture:
+            return self.pools.to_host_async(kda, conv)
+        return kda.cpu(), conv.cpu()
+
     def _replay(self, w: Work) -> None:
         """Turn ``w`` (its sequence rolled back) into a prefill of everything its sequence has not cached."""
         s = w.session
@@ -393,7 +399,7 @@ class Runner:
             for c in pending:
                 if c.target == lo:  # exactly the state before this chunk
                     with self.pools.mutex:
-                        capture(s, c, c.target, self.pools.read_slot(s.slot), self.pools)
+                        capture(s, c, c.target, self.pools.read_slot_async(s.slot), self.pools)
             cps = sorted((c for c in pending if c.target > lo), key=lambda c: c.target)
             positions.append(sorted({c.target - lo for c in cps}))
             wanted.append(cps)
@@ -419,7 +425,7 @@ class Runner:
                     rel = positions[i]
                     for c in wanted[i]:
                         j = m + rel.index(c.target - starts[i])
-                        state = (states.kda[j].cpu(), states.conv[j].cpu())
+                        state = self._to_host(states.kda[j], states.conv[j])
                         with self.pools.mutex:
                             capture(s, c, c.target, state, self.pools)
                     m += len(rel)

@@ -103,6 +103,67 @@ def test_host_states_take_ids_that_are_never_reused() -> None:
         host.get(x)
 
 
+def test_a_state_on_its_way_to_the_host_is_waited_for_and_a_failed_copy_raises() -> None:
+    import threading
+    from concurrent.futures import Future
+
+    from kda_sessions.engine.pool import PendingState
+
+    host = HostStates()
+    done: Future[tuple[torch.Tensor, torch.Tensor]] = Future()
+    sid = host.put(PendingState(done))
+    threading.Timer(0.05, lambda: done.set_result((torch.ones(2, 2), torch.zeros(1)))).start()
+    assert torch.equal(host.get(sid)[0], torch.ones(2, 2))  # waits for the copy
+    assert host.get(sid)[0] is host.get(sid)[0]
+    failed: Future[tuple[torch.Tensor, torch.Tensor]] = Future()
+    failed.set_exception(RuntimeError("copy failed"))
+    bad = host.put(PendingState(failed))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        host.get(bad)
+    host.free(bad)
+    assert len(host) == 1
+
+
+def test_read_slot_async_on_a_cpu_is_read_slot() -> None:
+    p = pools()
+    got = p.read_slot_async(1)
+    assert isinstance(got, tuple)
+    for a, b in zip(got, p.read_slot(1)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_a_slot_captured_without_waiting_is_its_state_at_the_capture() -> None:
+    """On CUDA the capture snapshots the slot in stream order and copies it to the host on a side stream: what a
+    later kernel writes into the slot is not in it, and a state captured from a fresh tensor is that tensor's
+    (the engine's saves and resumes of such states: tests/sessions/test_resume_gpu.py)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kda_sessions.model import StatePools
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    L, S = 3, 4
+    kda, conv = torch.randn(L, S, 2, 64, 64, device="cuda", generator=g), torch.randn(L, S, 3, 96, device="cuda", generator=g)
+    tensors = StatePools(kda=[kda[i] for i in range(L)], conv=[conv[i] for i in range(L)], kv=[], page_size=P,
+                         kda_layers=kda, conv_layers=conv)
+    p = Pools(tensors, S, 1)
+    want = [t.cpu() for t in p.read_slot(2)]
+    sids = []
+    for _ in range(20):  # captures queued back to back, each followed by a write to the slot
+        sids.append(p.host.put(p.read_slot_async(2)))
+        kda.add_(1.0)
+        conv.mul_(-1)
+    fresh = torch.randn(L, 2, 64, 64, device="cuda", generator=g)
+    fresh_sid = p.host.put(p.to_host_async(fresh, conv[:, 0] * 2))
+    fresh_want = fresh.cpu()
+    for i, sid in enumerate(sids):
+        got_kda, got_conv = p.host.get(sid)
+        assert torch.equal(got_kda, want[0] + i)
+        assert torch.equal(got_conv, want[1] * (-1) ** i)
+    assert torch.equal(p.host.get(fresh_sid)[0], fresh_want)
+    p.close()
+
+
 @pytest.mark.parametrize(("tokens", "want"), [(0, 0), (1, 1), (P, 1), (P + 1, 2), (3 * P, 3)],
                          ids=["none", "one", "full", "one-past", "three-full"])
 def test_pages_needed(tokens: int, want: int) -> None:
