@@ -163,7 +163,7 @@ def host_summary(durations: dict[str, list[float]], tokens: int) -> dict[str, di
 
 async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int,
                       ahead: tuple[bool, ...] = (False,), host_times: bool = False,
-                      samplings: tuple[str, ...] = ("greedy",)) -> dict[str, Any]:
+                      samplings: tuple[str, ...] = ("greedy",), capture_ab: bool = False) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -193,6 +193,15 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             with host_timers(durations):
                 await generate_all(sessions, 1 + steps, smp)
             host[label(a, smp)] = host_summary(durations, batch * (1 + steps))
+    requests: dict[str, float] = {}
+    if capture_ab:  # a one-token request ends with its session's checkpoint: its state to the host
+        times: dict[str, list[float]] = {"sync": [], "async": []}
+        for _ in range(5):
+            for mode in times:
+                engine.runner.pools.async_capture = mode == "async"
+                times[mode].append(await generate_all(sessions, 1))
+        engine.runner.pools.async_capture = True
+        requests = {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
@@ -200,7 +209,8 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             "tok_per_s": round(batch * 1e3 / step_ms, 1), "floor_ms": round(floor["floor_ms"], 3),
             "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor,
             "step_ms_decode_ahead": {k: round(v, 3) for k, v in by.items()},
-            "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {})}
+            "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {}),
+            **({"one_token_request_ms_by_capture": requests} if capture_ab else {})}
 
 
 async def engine_profile(engine: Engine, L: int, steps: int, top: int = 20) -> dict[str, Any]:
@@ -272,6 +282,9 @@ def main() -> None:
     ap.add_argument("--sampling", default="greedy",
                     help=f"sampling settings of the Engine cases, alternated in each case with the decode-ahead ones: "
                          f"comma-separated of {', '.join(SAMPLINGS)} (SAMPLINGS)")
+    ap.add_argument("--capture-ab", action="store_true",
+                    help="also one-token requests (each ends with a checkpoint of its state) with the state's copy to the "
+                         "host waited for and not (Pools.async_capture), alternated")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
                          "generate per decode-ahead setting")
@@ -332,7 +345,8 @@ def main() -> None:
         try:
             for b, L in todo:
                 try:
-                    r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times, samplings)
+                    r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times, samplings,
+                                          args.capture_ab)
                     res.setdefault("engine", []).append(r)
                     log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
                 except Exception as e:
