@@ -2,8 +2,10 @@
 the 48B shape's KDA state (H 32, K = V 128, float32; conv tails bf16), on both layouts of the pools (every layer in
 one tensor, as the engine allocates them: two strided copies a row; a tensor per layer: two copies a layer), against
 one contiguous copy of the same bytes and per-layer ``index_select`` copies; CUDA events over ``--reps``
-back-to-back saves; and ``capture_us``: one slot's state copied to the host as a checkpoint captures it (the
-end of every request), waited for.
+back-to-back saves; and a checkpoint's capture of one slot's state to the host (the end of every chat turn, and
+its input's end): ``capture_us`` with ``.cpu()``, waited for (as the engine did before 7e7322b),
+``capture_pinned_us`` into page-locked buffers, and ``Pools.read_slot_async`` (the engine's since): the time its
+caller waits and the time until the state is on the host.
 
     python3 bench/undo_copy.py --layers 20 --rows 1,8,32 --out $OUT/undo.json
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from kda_sessions.engine.pool import PendingState, Pools
 from kda_sessions.engine.undo import StepUndo
 from kda_sessions.model import StatePools
 
@@ -61,6 +64,22 @@ def capture_pinned(stacked: list[torch.Tensor], slot: int, pinned: list[torch.Te
     for src, dst in zip(stacked, pinned):
         dst.copy_(src[:, slot], non_blocking=True)
     torch.cuda.synchronize()
+
+
+def async_capture(pools: Pools, slot: int, reps: int = 5) -> dict[str, float]:
+    """``Pools.read_slot_async`` (the engine's checkpoint capture): how long its caller waits (the step thread: the
+    device snapshot queued, the host copy handed to the worker) and how long until the state is on the host."""
+    call, total = [], []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        pending = pools.read_slot_async(slot)
+        call.append((time.perf_counter() - t) * 1e6)
+        sid = pools.host.put(pending) if isinstance(pending, PendingState) else pools.host.put(*pending)
+        pools.host.get(sid)
+        total.append((time.perf_counter() - t) * 1e6)
+        pools.host.free(sid)
+    return {"capture_async_call_us": statistics.median(call[1:]), "capture_async_done_us": statistics.median(total[1:])}
 
 
 def case(undo: StepUndo, n: int, reps: int) -> dict[str, float]:
@@ -113,6 +132,8 @@ def main() -> None:
         out["mb_per_row"] = undo.bytes_per_row / 1e6
         for n in (int(x) for x in args.rows.split(",")):
             out["cases"][f"{name}/{n}"] = case(undo, n, args.reps)
+            if n == 1:
+                out["cases"][f"{name}/{n}"].update(async_capture(Pools(pools, S - 1, 1), 3))
             print(name, n, out["cases"][f"{name}/{n}"], flush=True)
     if args.out:
         args.out.write_text(json.dumps(out, indent=1))

@@ -147,19 +147,21 @@ def test_a_slot_captured_without_waiting_is_its_state_at_the_capture() -> None:
     tensors = StatePools(kda=[kda[i] for i in range(L)], conv=[conv[i] for i in range(L)], kv=[], page_size=P,
                          kda_layers=kda, conv_layers=conv)
     p = Pools(tensors, S, 1)
-    want = [t.cpu() for t in p.read_slot(2)]
-    sids = []
+    ref = [t.cpu() for t in p.read_slot(2)]
+    sids, want = [], []
     for _ in range(20):  # captures queued back to back, each followed by a write to the slot
         sids.append(p.host.put(p.read_slot_async(2)))
+        want.append([t.clone() for t in ref])
         kda.add_(1.0)
         conv.mul_(-1)
+        ref[0].add_(1.0)  # the same float32 roundings as on the device
+        ref[1].mul_(-1)
     fresh = torch.randn(L, 2, 64, 64, device="cuda", generator=g)
     fresh_sid = p.host.put(p.to_host_async(fresh, conv[:, 0] * 2))
     fresh_want = fresh.cpu()
-    for i, sid in enumerate(sids):
+    for sid, (want_kda, want_conv) in zip(sids, want):
         got_kda, got_conv = p.host.get(sid)
-        assert torch.equal(got_kda, want[0] + i)
-        assert torch.equal(got_conv, want[1] * (-1) ** i)
+        assert torch.equal(got_kda, want_kda) and torch.equal(got_conv, want_conv)
     assert torch.equal(p.host.get(fresh_sid)[0], fresh_want)
     p.close()
 
