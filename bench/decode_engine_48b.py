@@ -194,12 +194,15 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
                 await generate_all(sessions, 1 + steps, smp)
             host[label(a, smp)] = host_summary(durations, batch * (1 + steps))
     requests: dict[str, float] = {}
-    if capture_ab:  # a one-token request ends with its session's checkpoint: its state to the host
+    if capture_ab:  # a chat turn checkpoints its session twice (its input's end, its reply's end): state to host
         times: dict[str, list[float]] = {"sync": [], "async": []}
         for _ in range(5):
             for mode in times:
                 engine.runner.pools.async_capture = mode == "async"
-                times[mode].append(await generate_all(sessions, 1))
+                t = time.perf_counter()
+                await asyncio.gather(*(s.send("go on", max_tokens=8, ignore_eos=True) for s in sessions))
+                sync()
+                times[mode].append(time.perf_counter() - t)
         engine.runner.pools.async_capture = True
         requests = {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
     floor = floor_bytes(model, batch, L)
@@ -210,7 +213,7 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor,
             "step_ms_decode_ahead": {k: round(v, 3) for k, v in by.items()},
             "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {}),
-            **({"one_token_request_ms_by_capture": requests} if capture_ab else {})}
+            **({"chat_turn_ms_by_capture": requests} if capture_ab else {})}
 
 
 async def engine_profile(engine: Engine, L: int, steps: int, top: int = 20) -> dict[str, Any]:
@@ -283,7 +286,7 @@ def main() -> None:
                     help=f"sampling settings of the Engine cases, alternated in each case with the decode-ahead ones: "
                          f"comma-separated of {', '.join(SAMPLINGS)} (SAMPLINGS)")
     ap.add_argument("--capture-ab", action="store_true",
-                    help="also one-token requests (each ends with a checkpoint of its state) with the state's copy to the "
+                    help="also chat turns of 8 tokens (each checkpoints its session twice) with the states' copies to the "
                          "host waited for and not (Pools.async_capture), alternated")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
