@@ -208,11 +208,16 @@ class Pools:
         pool, stream = self._copier
         ready = torch.cuda.Event()
         ready.record()
+        held = [kda, conv]
 
         def copy() -> tuple[Tensor, Tensor]:
+            k, c = held
+            held.clear()
             with torch.cuda.stream(stream):
                 stream.wait_event(ready)
-                return kda.cpu(), conv.cpu()  # waits for the copy; the tensors are freed after it
+                out = k.cpu(), c.cpu()  # waits for the copy
+            del k, c  # the device copies go back to the allocator before the result is seen, not after
+            return out
 
         return PendingState(pool.submit(copy))
 
