@@ -114,6 +114,8 @@ class Runner:
         """The states, from before a step queued ahead, of its rows with ``stop`` strings (``_finish_step``)."""
         self.steps_ahead = 0
         """Decode steps queued before the host had read the step before them."""
+        self.rows_undone = 0
+        """Rows of steps queued ahead whose advance was undone: a stop string found a step late (``StepUndo``)."""
         self._stop_ids: tuple[frozenset[int], Tensor] | None = None
         self.cpu_threads = cpu_threads
         """Torch threads the step thread sets (None: torch's default). torch keeps the last count any thread set and
@@ -616,6 +618,7 @@ class Runner:
                     self.undo.restore(row, w.session.slot)
                     w.session.num_cached -= 1
                     self.tokens_decoded -= 1
+                    self.rows_undone += 1
                     undone.add(w)
 
         works = step.works if step is not None else []

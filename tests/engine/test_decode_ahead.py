@@ -144,9 +144,10 @@ async def test_a_stop_string_found_a_step_late_is_undone(device: str):
             states = [(eng.sessions[x.id].num_cached, len(eng.sessions[x.id].tokens)) for x in ss]
             then = await together(ss, max_tokens=[6] * 3, ignore_eos=[True] * 3)
             runs.append(([r.token_ids for r in first], [r.finish_reason for r in first], [r.text for r in first],
-                         [r.logprobs for r in first], states, [r.token_ids for r in then], eng.runner.steps_ahead))
+                         [r.logprobs for r in first], states, [r.token_ids for r in then], eng.runner.steps_ahead,
+                         eng.runner.rows_undone))
     off, on = runs
-    assert on[6] >= 10 and off[6] == 0
+    assert on[6] >= 10 and off[6] == 0 and on[7] == 1
     assert on[1] == off[1] == ["stop", "length", "length"]
     assert on[0] == off[0] and on[0][0] == toks[: at + 1] and stop not in on[2][0]
     for a, b in zip(on[3], off[3]):  # the undone step ran the stopped row beside the others: another batch size
@@ -394,3 +395,58 @@ async def test_a_row_without_a_distribution_fails_alone_while_its_next_step_is_q
         await assert_equals_fresh_prefill(eng, ss[1])
         again = await ss[1].generate(max_tokens=3, ignore_eos=True)
         assert len(again.token_ids) == 3
+
+
+@pytest.mark.parametrize("trials", [pytest.param(4, id="short"), pytest.param(60, id="long", marks=pytest.mark.slow)])
+async def test_random_stop_strings_and_settings_give_the_same_replies_and_states_ahead(trials: int):
+    """Random batches of requests with stop strings (some found in the reply, some never), greedy or seeded
+    sampling, stop tokens, top logprobs: with decode ahead and without, the same tokens, texts, finish reasons and
+    logprobs, sessions left with their last token pending, and the same continuation after."""
+    import random
+
+    rng = random.Random(11)
+    async with await engine(False) as off, await engine(True) as on:
+        tok = off.runner.tokenizer
+        for _ in range(trials):
+            n = rng.randint(1, 4)
+            kws: dict[str, list] = {"max_tokens": [], "stop": [], "temperature": [], "seed": [], "ignore_eos": [],
+                                    "logprobs": [], "top_logprobs": []}
+            prompts = [[rng.randrange(250) for _ in range(rng.randint(5, 40))] for _ in range(n)]
+            probe = []
+            for p in prompts:  # each row's greedy reply, to draw stop strings from
+                s = await off.create_session()
+                await s.append(p)
+                probe.append(tok.decode((await s.generate(max_tokens=14, ignore_eos=True)).token_ids,
+                                        skip_special=True))
+            for i in range(n):
+                text = probe[i]
+                at = rng.randrange(max(1, len(text)))
+                kws["stop"].append(rng.choice([None, ["\x00never"], [text[at : at + rng.randint(1, 3)] or "x"],
+                                               ["\x00never", text[at:][:2] or "y"]]))
+                kws["max_tokens"].append(rng.randint(1, 14))
+                greedy = rng.random() < 0.5
+                kws["temperature"].append(0.0 if greedy else rng.choice([0.7, 1.0]))
+                kws["seed"].append(None if greedy else rng.randrange(1000))
+                kws["ignore_eos"].append(rng.random() < 0.7)
+                kws["logprobs"].append(rng.random() < 0.5)
+                kws["top_logprobs"].append(rng.choice([0, 0, 2]) if kws["logprobs"][-1] else 0)
+            runs = []
+            for eng in (off, on):
+                ss = []
+                for p in prompts:
+                    s = await eng.create_session()
+                    await s.append(p)
+                    ss.append(s)
+                first = await together(ss, **kws)
+                states = [(eng.sessions[x.id].num_cached, len(eng.sessions[x.id].tokens)) for x in ss]
+                then = await together(ss, max_tokens=[3] * n, ignore_eos=[True] * n)
+                runs.append(([r.token_ids for r in first], [r.text for r in first], [r.finish_reason for r in first],
+                             [r.logprobs for r in first],
+                             [[[t.token_id for t in pos] for pos in r.top_logprobs or []] for r in first],
+                             states, [r.token_ids for r in then]))
+            (t0, x0, f0, l0, k0, s0, n0), (t1, x1, f1, l1, k1, s1, n1) = runs
+            assert (t1, x1, f1, k1, s1, n1) == (t0, x0, f0, k0, s0, n0), kws
+            assert all(c == m - 1 for c, m in s1)
+            for a, b in zip(l1, l0):  # rows run beside others ahead: other batch sizes, other last bits
+                assert (a is None and b is None) or a == pytest.approx(b, abs=1e-5)
+        assert on.runner.steps_ahead > 0 and on.runner.rows_undone > 0
