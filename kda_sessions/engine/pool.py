@@ -109,6 +109,11 @@ class PendingState:
         return self.future.result()
 
 
+def on_host(state: State) -> tuple[Tensor, Tensor]:
+    """``state``'s tensors on the host, waiting for them where their copy is under way."""
+    return state.result() if isinstance(state, PendingState) else state
+
+
 State = tuple[Tensor, Tensor] | PendingState
 """A KDA and conv state on the host, or on its way there."""
 
@@ -132,8 +137,7 @@ class HostStates:
         return sid
 
     def get(self, state_id: int) -> tuple[Tensor, Tensor]:
-        state = self._states[state_id]
-        return state.result() if isinstance(state, PendingState) else state
+        return on_host(self._states[state_id])
 
     def free(self, state_id: int) -> None:
         del self._states[state_id]

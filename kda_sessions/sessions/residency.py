@@ -171,12 +171,13 @@ class Residency:
 
     async def capture_head(self, s: SessionState, cp: Checkpoint) -> None:
         """Make ``cp`` the session's checkpoint of its current position (state and pages). The device-to-host
-        copy runs on a worker thread, not on the event loop. The caller holds ``s.lock``."""
+        copy runs on a worker thread, not on the event loop, and after the pools' mutex is released
+        (``Pools.read_slot_async``). The caller holds ``s.lock``."""
 
         def run() -> None:
             assert s.slot is not None
             cp.position = s.num_tokens
-            capture(s, cp, s.num_cached, self.pools.read_slot(s.slot), self.pools)
+            capture(s, cp, s.num_cached, self.pools.read_slot_async(s.slot), self.pools)
 
         await self.pools.run_locked(run)
 

@@ -22,6 +22,7 @@ import torch
 
 from ..engine.config import EngineConfig
 from ..engine.core import EngineCore
+from ..engine.pool import on_host
 from ..errors import SessionBusy, SessionNotFound
 from ..storage import BlobStream, CheckpointRecord, SaveResult, SessionManifest, SnapshotStore
 from ..storage.backends.registry import default_disk_root
@@ -119,10 +120,11 @@ class StoreIO:
         return add(functools.partial(encode_page, self.pools.tensors, pages[full], rows))
 
     def _head_state(self, slot: int) -> bytes:
-        """The state blob of slot ``slot`` (read from the pools on the calling thread)."""
+        """The state blob of slot ``slot`` (read from the pools on the calling thread; on CUDA the mutex is held
+        only while the slot is copied on the device: ``Pools.read_slot_async``)."""
         with self.pools.mutex:
-            kda, conv = self.pools.read_slot(slot)
-        return encode_state(kda, conv)
+            state = self.pools.read_slot_async(slot)
+        return encode_state(*on_host(state))
 
     def _page_digests(self, pages: list[int], state_pos: int, partial: str | None) -> list[str]:
         """Digests of the pages covering ``state_pos`` tokens: every full page's is cached once it was encoded."""
