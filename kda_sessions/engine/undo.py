@@ -87,7 +87,10 @@ class StepUndo:
             d.copy_(s)
 
     def save(self, slots: list[int]) -> None:
-        """Row i of the buffer = slot ``slots[i]``'s state, queued on the device (``reserve`` first)."""
+        """Row i of the buffer = slot ``slots[i]``'s state, queued on the device (``reserve`` first). A model
+        without KDA layers has no state to keep."""
+        if not self.layers:
+            return
         assert len(slots) <= self.rows
         if slots:
             self._copy([v for i in range(len(slots)) for v in self._row_views[i]],
@@ -95,4 +98,6 @@ class StepUndo:
 
     def restore(self, row: int, slot: int) -> None:
         """Slot ``slot``'s state = row ``row`` of the buffer, queued on the device."""
+        if not self.layers:
+            return
         self._copy(self._slot(slot), self._row_views[row])

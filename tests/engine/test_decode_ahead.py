@@ -198,6 +198,10 @@ def test_the_undo_state_puts_a_slot_back(stacked: bool):
     for t, b in zip(pools.kda + pools.conv, before):
         assert torch.equal(t[1], b[1]) and torch.equal(t[4], b[4] + 1) and torch.equal(t[0], b[0] + 1)
     assert undo.reserve(2) and undo.rows == 4  # no smaller buffer
+    none = StepUndo(StatePools(kda=[], conv=[], kv=[], page_size=4))  # a model without KDA layers: nothing to keep
+    assert none.reserve(3) and none.bytes_per_row == 0
+    none.save([0, 1])
+    none.restore(0, 1)
 
 
 async def test_seeded_sampling_is_the_same_ahead():
