@@ -13,6 +13,8 @@ from kda_sessions.kernels.mla import mla_decode_prep, naive_mla_decode_prep
 
 from .kernel_helpers import rel_rms
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU machine, interpreted without one
+
 
 def _case(H: int, dn: int, dr: int, dv: int, r: int, dtype: torch.dtype, device: str):
     gen = torch.Generator().manual_seed(H + r)
@@ -44,13 +46,13 @@ def _check(H: int, dn: int, dr: int, dv: int, r: int, dtype: torch.dtype, device
 def test_decode_prep_matches_the_twin(dtype):
     from kda_sessions.kernels.mla.decode_prep import mla_decode_prep_triton
 
-    y, w, nw, kv, rows = _case(2, 16, 8, 16, 32, dtype, "cpu")
-    ref_kv = kv.clone()
+    y, w, nw, kv, rows = _case(2, 16, 8, 16, 32, dtype, DEV)
+    ref_kv = kv.cpu().clone()
     q_lat, q_pe = mla_decode_prep_triton(y, w, nw, 1e-6, kv, rows, 2, 16)
-    r_lat, r_pe = naive_mla_decode_prep(y, w, nw, 1e-6, ref_kv, rows, 2, 16)
+    r_lat, r_pe = naive_mla_decode_prep(y.cpu(), w.cpu(), nw.cpu(), 1e-6, ref_kv, rows.cpu(), 2, 16)
     tol = 1e-6 if dtype == torch.float32 else 8e-3
-    assert rel_rms(q_lat, r_lat) < tol and torch.equal(q_pe, r_pe)
-    assert rel_rms(kv, ref_kv) < tol
+    assert rel_rms(q_lat.cpu(), r_lat) < tol and torch.equal(q_pe.cpu(), r_pe)
+    assert rel_rms(kv.cpu(), ref_kv) < tol
 
 
 def test_decode_prep_checks_shapes():

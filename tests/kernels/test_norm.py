@@ -11,6 +11,12 @@ from kda_sessions.kernels.norm.naive import naive_add_rms_norm, naive_gated_rms_
 
 from .kernel_helpers import rel_rms
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU machine, interpreted without one
+
+
+def on(*ts: torch.Tensor) -> list[torch.Tensor]:
+    return [t.to(DEV) for t in ts]
+
 
 @pytest.mark.parametrize("shape", [(1, 48), (7, 100), (2, 3, 64)], ids=["1x48", "7x100", "2x3x64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["f32", "f16"])
@@ -20,7 +26,7 @@ def test_rms_norm_matches_the_twin(shape: tuple[int, ...], dtype: torch.dtype) -
     gen = torch.Generator().manual_seed(len(shape))
     x = (torch.randn(shape, generator=gen) * 3).to(dtype)
     w = torch.randn(shape[-1], generator=gen)
-    y = rms_norm_triton(x, w, 1e-5)
+    y = rms_norm_triton(*on(x, w), 1e-5).cpu()
     ref = naive_rms_norm(x.float(), w, 1e-5)
     assert y.dtype == dtype and y.shape == x.shape
     assert rel_rms(y, ref) < (1e-6 if dtype == torch.float32 else 1e-3)
@@ -30,9 +36,10 @@ def test_rms_norm_of_a_strided_slice_and_validation() -> None:
     from kda_sessions.kernels.norm.triton_norm import rms_norm_triton
 
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(6, 80, generator=gen)[:, 16:]  # rows strided, last dimension contiguous
     w = torch.randn(64, generator=gen)
-    assert rel_rms(rms_norm_triton(x, w, 1e-6), naive_rms_norm(x, w, 1e-6)) < 1e-6
+    xd = torch.randn(6, 80, generator=gen).to(DEV)[:, 16:]  # rows strided, last dimension contiguous
+    x = xd.cpu()
+    assert rel_rms(rms_norm_triton(xd, w.to(DEV), 1e-6).cpu(), naive_rms_norm(x, w, 1e-6)) < 1e-6
     with pytest.raises(ValueError, match="weight must be"):
         rms_norm(x, w[:8], 1e-6)
 
@@ -46,7 +53,7 @@ def test_add_rms_norm_matches_the_twin(shape: tuple[int, ...], dtype: torch.dtyp
     gen = torch.Generator().manual_seed(len(shape) + 10)
     x, h = ((torch.randn(shape, generator=gen) * 3).to(dtype) for _ in range(2))
     w = torch.randn(shape[-1], generator=gen)
-    s, y = add_rms_norm_triton(x, h, w, 1e-5)
+    s, y = (t.cpu() for t in add_rms_norm_triton(*on(x, h, w), 1e-5))
     rs, ry = naive_add_rms_norm(x, h, w, 1e-5)
     assert s.dtype == y.dtype == dtype and y.shape == x.shape
     assert torch.equal(s, rs)
@@ -64,8 +71,8 @@ def test_gated_rms_norm_matches_the_twin(T: int, H: int, V: int) -> None:
     g = torch.randn(T, H, V, generator=gen) * 3
     w = torch.randn(V, generator=gen)
     ref = naive_gated_rms_norm(o, w, g, 1e-5, torch.float32)
-    assert rel_rms(gated_rms_norm_triton(o, w, g, 1e-5, torch.float32), ref) < 1e-6
-    y = gated_rms_norm_triton(o, w, g.half(), 1e-5, torch.float16)
+    assert rel_rms(gated_rms_norm_triton(*on(o, w, g), 1e-5, torch.float32).cpu(), ref) < 1e-6
+    y = gated_rms_norm_triton(*on(o, w, g.half()), 1e-5, torch.float16).cpu()
     assert y.dtype == torch.float16 and rel_rms(y, ref) < 1e-3
     with pytest.raises(ValueError, match="gate must have"):
         gated_rms_norm(o, w, g[:, :1], 1e-5, torch.float32)
