@@ -9,8 +9,9 @@ without decode ahead. The latent KV row the step wrote needs no undo: it is that
 which the next call writes again, and no row at or past ``num_cached`` is read.
 
 The copy is made on the device, in the stream order of the steps: the 48B shape's state is 42 MB a row (20 layers
-of 32 x 128 x 128 float32), ~20 us of an H200's bandwidth to copy. Its buffer is allocated on first use, sized to the rows that need it (a power of
-two), and kept; where the device has no room for it, those steps do not run ahead.
+of 32 x 128 x 128 float32), 42.5 us a row on an H100 (``bench/undo_copy.py``). Its buffer is allocated on first use,
+sized to the rows that need it (a power of two), and kept; where the device has no room for it, those steps do not
+run ahead.
 """
 
 from __future__ import annotations
