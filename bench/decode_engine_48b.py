@@ -9,7 +9,8 @@ Parts, each written to ``--out`` as it ends:
             detokenising included); with ``--decode-ahead off,on`` both settings of ``EngineConfig.decode_ahead``,
             alternated in each case, and with ``--sampling greedy,nucleus,...`` each sampling setting (``SAMPLINGS``)
             alternated too; with ``--host-times`` the host's parts of a step (``host_timers``: calls a
-            token, median, 90th percentile and longest call, total a token);
+            token, median, 90th percentile and longest call, total a token); with ``--turns N,...`` agents' turns
+            (``turn_times``: ``append`` N ids then ``generate(1)``, ms to the first token);
   replay    ``decode_48b.decode_case`` for ``--replay-cases``: back-to-back graph replays of ``model.decode`` over
             random pools (no prefill, so 1M fits in the time), in each of ``--replay-modes`` (``decode_48b``'s);
   profile   the eager step at 1 x ``--profile-context`` (8K) under the torch profiler (``decode_48b.profile_case``),
@@ -163,7 +164,8 @@ def host_summary(durations: dict[str, list[float]], tokens: int) -> dict[str, di
 
 async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int,
                       ahead: tuple[bool, ...] = (False,), host_times: bool = False,
-                      samplings: tuple[str, ...] = ("greedy",), capture_ab: bool = False) -> dict[str, Any]:
+                      samplings: tuple[str, ...] = ("greedy",), capture_ab: bool = False,
+                      turns: tuple[int, ...] = ()) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -205,6 +207,7 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
                 times[mode].append(time.perf_counter() - t)
         engine.runner.pools.async_capture = True
         requests = {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
+    turns_ms = await turn_times(sessions, turns) if turns else {}
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
@@ -213,7 +216,34 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor,
             "step_ms_decode_ahead": {k: round(v, 3) for k, v in by.items()},
             "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {}),
-            **({"chat_turn_ms_by_capture": requests} if capture_ab else {})}
+            **({"chat_turn_ms_by_capture": requests} if capture_ab else {}),
+            **({"first_token_ms_after_append": turns_ms} if turns else {})}
+
+
+async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3) -> dict[str, float]:
+    """An agent's turn on every session at once: ``append`` N ids (a tool's output), then ``generate(1)``: ms to
+    the first token, median of ``reps``. N 0: ``generate(1)`` right after another (its prompt is the pending token
+    alone), with that token run as a decode row (the library) and as a one-token prefill (``pending-as-prefill``,
+    as before ``scheduler.pending_token_only``)."""
+    from kda_sessions.engine import scheduler as scheduler_module
+
+    gen = torch.Generator().manual_seed(7)
+    real = scheduler_module.pending_token_only
+    variants = [(n, True) for n in turns] + ([(0, False)] if 0 in turns else [])
+    times: dict[str, list[float]] = {}
+    for _ in range(reps):
+        for n, convert in variants:
+            scheduler_module.pending_token_only = real if convert else (lambda w: False)
+            try:
+                t = time.perf_counter()
+                if n:
+                    await asyncio.gather(*(s.append(torch.randint(0, 256, (n,), generator=gen).tolist())
+                                           for s in sessions))
+                await generate_all(sessions, 1)
+                times.setdefault(str(n) if convert else "0 pending-as-prefill", []).append(time.perf_counter() - t)
+            finally:
+                scheduler_module.pending_token_only = real
+    return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
 
 async def engine_profile(engine: Engine, L: int, steps: int, top: int = 20) -> dict[str, Any]:
@@ -288,6 +318,10 @@ def main() -> None:
     ap.add_argument("--capture-ab", action="store_true",
                     help="also chat turns of 8 tokens (each checkpoints its session twice) with the states' copies to the "
                          "host waited for and not (Pools.async_capture), alternated")
+    ap.add_argument("--turns", default="",
+                    help="also agents' turns in each Engine case: append N ids then generate(1), ms to the first token, "
+                         "for each comma-separated N (0: generate right after generate; also timed with the pending "
+                         "token run as a one-token prefill, as before)")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
                          "generate per decode-ahead setting")
@@ -349,7 +383,7 @@ def main() -> None:
             for b, L in todo:
                 try:
                     r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times, samplings,
-                                          args.capture_ab)
+                                          args.capture_ab, tuple(int(v) for v in args.turns.split(",") if v))
                     res.setdefault("engine", []).append(r)
                     log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
                 except Exception as e:

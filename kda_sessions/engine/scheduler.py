@@ -95,6 +95,18 @@ class Work:
         return self.done_prefill < len(self.prompt)
 
 
+def pending_token_only(w: Work) -> bool:
+    """Whether what is left of ``w``'s prompt is its session's pending token alone (``generate`` after ``append``
+    or after another ``generate``, a fork's first call), with no checkpoint to capture at it or after it. Such a
+    token runs as a decode row: a decode step (one graph replay on a GPU, beside the other generating rows) gives
+    the same state, cache row and logits as a one-token prefill, which runs eagerly (~17 ms for one token on an
+    H100 at the 48B shape's first 16 layers, against a 1.9 ms step)."""
+    if w.prefill_only or len(w.prompt) - w.done_prefill != 1:
+        return False
+    lo = w.session.num_cached
+    return not any(lo <= c.target <= lo + 1 and c.state_pos < c.target for c in w.checkpoints)
+
+
 @dataclass
 class StepPlan:
     prefill: list[tuple[Work, int]]  # (work, number of prompt tokens this step)
@@ -148,6 +160,9 @@ class Scheduler:
             (dropped if w.cancelled else self.running).append(w)
         for w in dropped:
             w.finish_reason = w.finish_reason or "cancelled"
+        for w in self.running:
+            if pending_token_only(w):
+                w.done_prefill = len(w.prompt)  # its one token runs as a decode row: see pending_token_only
         decode = [w for w in self.running if not w.in_prefill and not w.prefill_only and w.finish_reason is None]
         prefill = self._share_budget([w for w in self.running if w.in_prefill], self.budget(len(decode)))
         return StepPlan(prefill, decode, dropped)
