@@ -5,7 +5,8 @@ one contiguous copy of the same bytes and per-layer ``index_select`` copies; CUD
 back-to-back saves; and a checkpoint's capture of one slot's state to the host (the end of every chat turn, and
 its input's end): ``capture_us`` with ``.cpu()``, waited for (as the engine did before 7e7322b),
 ``capture_pinned_us`` into page-locked buffers, and ``Pools.read_slot_async`` (the engine's since): the time its
-caller waits and the time until the state is on the host.
+caller waits and the time until the state is on the host, through the worker's page-locked buffers
+(``Pools.pinned_staging``, the library's) and through pageable memory (``_pageable``).
 
     python3 bench/undo_copy.py --layers 20 --rows 1,8,32 --out $OUT/undo.json
 """
@@ -69,6 +70,15 @@ def capture_pinned(stacked: list[torch.Tensor], slot: int, pinned: list[torch.Te
 def async_capture(pools: Pools, slot: int, reps: int = 5) -> dict[str, float]:
     """``Pools.read_slot_async`` (the engine's checkpoint capture): how long its caller waits (the step thread: the
     device snapshot queued, the host copy handed to the worker) and how long until the state is on the host."""
+    out = {}
+    for staging in (False, True):
+        pools.pinned_staging = staging
+        got = async_capture_once(pools, slot, reps)
+        out.update({f"{k}{'' if staging else '_pageable'}": v for k, v in got.items()})
+    return out
+
+
+def async_capture_once(pools: Pools, slot: int, reps: int) -> dict[str, float]:
     call, total = [], []
     for _ in range(reps + 1):
         torch.cuda.synchronize()
