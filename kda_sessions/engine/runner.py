@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -374,14 +374,19 @@ class Runner:
         width = max(len(s.pages) for s in seqs)
         table = [s.pages + [0] * (width - len(s.pages)) for s in seqs]
         rows = ForwardBatch.rows_for([s.pages for s in seqs], [s.num_cached for s in seqs], num_new, self.pools.page_size)
+
+        def put(values: list[Any], dtype: torch.dtype = torch.long) -> Tensor:
+            # non-blocking: from pageable memory the copy waits for its staging, not for the kernels queued before
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
         return ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=dev),
+            input_ids=put(ids),
             num_new=num_new,
             start=[s.num_cached for s in seqs],
-            slots=torch.tensor([s.slot for s in seqs], device=dev),
-            page_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            slots=put([s.slot for s in seqs]),
+            page_table=put(table, torch.int32),
             checkpoint_positions=positions if positions and any(positions) else None,
-            kv_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            kv_rows=put(rows),
         )
 
     def _prefill(self, chunks: list[tuple[Work, int]], out: StepResult) -> None:

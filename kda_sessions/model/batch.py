@@ -59,6 +59,8 @@ class ForwardBatch:
     """Optional [T_total] flat row (page * P + offset) of each new token's KV entry, built by a caller that
     keeps page tables on the host, so the model needs no device-to-host copy of ``page_table``."""
     cu_seqlens: Tensor = field(init=False)
+    offsets: list[int] = field(init=False)
+    """``cu_seqlens`` on the host: kernels that need the offsets read these, never the device's."""
 
     def __post_init__(self) -> None:
         N = len(self.num_new)
@@ -71,7 +73,8 @@ class ForwardBatch:
         offsets = [0]
         for t in self.num_new:
             offsets.append(offsets[-1] + t)
-        self.cu_seqlens = torch.tensor(offsets, dtype=torch.long, device=self.input_ids.device)
+        self.offsets = offsets
+        self.cu_seqlens = torch.tensor(offsets, dtype=torch.long).to(self.input_ids.device, non_blocking=True)
 
     @staticmethod
     def rows_for(pages: list[list[int]], start: list[int], num_new: list[int], page_size: int) -> list[int]:

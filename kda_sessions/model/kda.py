@@ -89,7 +89,7 @@ class KDAAttention(nn.Module):
         o, final, ck_state = chunk_kda(
             q, k, v, g, beta, initial_state=state[slots], output_final_state=True,
             cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
-            checkpoint_positions=batch.checkpoint_positions,
+            checkpoint_positions=batch.checkpoint_positions, cu_seqlens_cpu=batch.offsets,
         )
         assert final is not None
         state[slots] = final

@@ -121,8 +121,10 @@ def causal_conv_triton(
         extra_n = [n for n, ps in enumerate(tail_positions) for _ in ps]
         extra_p = [int(p) for ps in tail_positions for p in ps]
         M = len(extra_p)
-        seq_of = torch.cat([seq_of, torch.tensor(extra_n, dtype=torch.int64).to(dev)])
-        start_of = torch.cat([start_of, torch.tensor(extra_p, dtype=torch.int64).to(dev)])
+        # non-blocking: a copy from pageable memory then waits for the staging only, not for the queued kernels
+        extra = torch.tensor([extra_n, extra_p], dtype=torch.int64).to(dev, non_blocking=True)
+        seq_of = torch.cat([seq_of, extra[0]])
+        start_of = torch.cat([start_of, extra[1]])
     y, tails = _launch(x.contiguous(), weight.contiguous(), tail.to(x.dtype).contiguous(), cu, seq_of, start_of, M)
     ck = tails[N:] if tail_positions is not None else None
     return y, tails[:N], ck

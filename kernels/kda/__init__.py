@@ -29,6 +29,7 @@ def chunk_kda(
     A_log: Tensor | None = None,
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
+    cu_seqlens_cpu: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Chunked KDA forward with fla's arguments (q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log-decay;
     beta [B, T, H]; initial_state [N, H, K, V] float32). Returns ``(o [B, T, H, V], final_state [N, H, K, V] |
@@ -36,13 +37,15 @@ def chunk_kda(
 
     With ``use_gate_in_kernel`` (fla's flag) g holds the raw gate logits [B, T, H, K] and the gate is fused:
     A_log [H], dt_bias [H * K] float32, ``lower_bound`` None for the standard gate, < 0 for the bounded one
-    (:mod:`kda_sessions.kernels.gate.naive`)."""
+    (:mod:`kda_sessions.kernels.gate.naive`). ``cu_seqlens_cpu``: the same offsets as ``cu_seqlens``, on the host:
+    a CUDA call then reads no offsets back from the device (which waits for every kernel queued before it)."""
     if q.is_cuda:
         from .chunk import chunk_kda_triton
 
         return chunk_kda_triton(
             q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
             use_qk_l2norm_in_kernel, checkpoint_positions, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+            cu_seqlens_cpu=cu_seqlens_cpu,
         )
     if use_gate_in_kernel:
         A_log, dt_bias, lower_bound = gate_params(q.shape[2], q.shape[3], A_log, dt_bias, lower_bound)

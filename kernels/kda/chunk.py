@@ -658,6 +658,7 @@ def chunk_kda_triton(
     dt_bias: Tensor | None = None,
     lower_bound: float | None = None,
     tuning: ChunkTuning | None = None,
+    cu_seqlens_cpu: Sequence[int] | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """Chunked KDA forward (fla's ``chunk_kda`` arguments) plus float32 states at requested positions.
 
@@ -665,7 +666,8 @@ def chunk_kda_triton(
     initial_state [N, H, K, V] float32; cu_seqlens int [N + 1] (then B = 1). ``checkpoint_positions``: per
     sequence, ascending positions p in [1, T_n]. With ``use_gate_in_kernel`` g holds the raw gate logits and
     the kernel computes the log-decay (see :func:`gate_params`). ``tuning``: launch parameters
-    (:class:`ChunkTuning`, its defaults when None). Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 | None,
+    (:class:`ChunkTuning`, its defaults when None); ``cu_seqlens_cpu``: cu_seqlens's values on the host, read
+    instead of reading them back from the device (a wait for every kernel queued before). Returns ``(o [B, T, H, V] in v's dtype, final_state [N, H, K, V] float32 | None,
     checkpoint_states [M, H, K, V] float32 | None)``. CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``.
     """
     B, T, H, K = q.shape
@@ -681,7 +683,9 @@ def chunk_kda_triton(
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"with cu_seqlens the batch must be 1, got B={B}")
-        bounds = [int(x) for x in cu_seqlens.tolist()]
+        bounds = [int(x) for x in (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.tolist())]
+        if len(bounds) != cu_seqlens.numel():
+            raise ValueError(f"cu_seqlens_cpu must hold cu_seqlens's {cu_seqlens.numel()} offsets, got {len(bounds)}")
     else:
         bounds = [b * T for b in range(B + 1)]
     N = len(bounds) - 1
