@@ -224,25 +224,35 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3) -> d
     """An agent's turn on every session at once: ``append`` N ids (a tool's output), then ``generate(1)``: ms to
     the first token, median of ``reps``. N 0: ``generate(1)`` right after another (its prompt is the pending token
     alone), with that token run as a decode row (the library) and as a one-token prefill (``pending-as-prefill``,
-    as before ``scheduler.pending_token_only``)."""
+    as before ``scheduler.pending_token_only``); N > 1 also with the KDA prefill reading its offsets back from the
+    device each layer (``offsets-from-device``, as before 9f70b6e)."""
     from kda_sessions.engine import scheduler as scheduler_module
+    from kda_sessions.model import kda as kda_module
 
     gen = torch.Generator().manual_seed(7)
-    real = scheduler_module.pending_token_only
-    variants = [(n, True) for n in turns] + ([(0, False)] if 0 in turns else [])
+    real, chunk = scheduler_module.pending_token_only, kda_module.chunk_kda
+
+    def chunk_reading_offsets(*a: Any, **k: Any) -> Any:  # as before 9f70b6e: offsets read back from the device
+        return chunk(*a, **{**k, "cu_seqlens_cpu": None})
+
+    variants = ([(n, "") for n in turns] + ([(0, " pending-as-prefill")] if 0 in turns else [])
+                + [(n, " offsets-from-device") for n in turns if n > 1])
     times: dict[str, list[float]] = {}
     for _ in range(reps):
-        for n, convert in variants:
-            scheduler_module.pending_token_only = real if convert else (lambda w: False)
+        for n, before in variants:
+            if before == " pending-as-prefill":
+                scheduler_module.pending_token_only = lambda w: False
+            if before == " offsets-from-device":
+                kda_module.chunk_kda = chunk_reading_offsets
             try:
                 t = time.perf_counter()
                 if n:
                     await asyncio.gather(*(s.append(torch.randint(0, 256, (n,), generator=gen).tolist())
                                            for s in sessions))
                 await generate_all(sessions, 1)
-                times.setdefault(str(n) if convert else "0 pending-as-prefill", []).append(time.perf_counter() - t)
+                times.setdefault(f"{n}{before}", []).append(time.perf_counter() - t)
             finally:
-                scheduler_module.pending_token_only = real
+                scheduler_module.pending_token_only, kda_module.chunk_kda = real, chunk
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
 
