@@ -165,7 +165,7 @@ def host_summary(durations: dict[str, list[float]], tokens: int) -> dict[str, di
 async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int,
                       ahead: tuple[bool, ...] = (False,), host_times: bool = False,
                       samplings: tuple[str, ...] = ("greedy",), capture_ab: bool = False,
-                      turns: tuple[int, ...] = ()) -> dict[str, Any]:
+                      turns: tuple[int, ...] = (), turn_profiles: tuple[int, ...] = ()) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -208,6 +208,7 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
         engine.runner.pools.async_capture = True
         requests = {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
     turns_ms = await turn_times(sessions, turns) if turns else {}
+    profiles = {str(n): await turn_profile(sessions, n) for n in turn_profiles}
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
@@ -217,7 +218,38 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             "step_ms_decode_ahead": {k: round(v, 3) for k, v in by.items()},
             "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {}),
             **({"chat_turn_ms_by_capture": requests} if capture_ab else {}),
-            **({"first_token_ms_after_append": turns_ms} if turns else {})}
+            **({"first_token_ms_after_append": turns_ms} if turns else {}),
+            **({"turn_profiles": profiles} if profiles else {})}
+
+
+async def turn_profile(sessions: list, n: int, top: int = 25) -> dict[str, Any]:
+    """One turn of ``turn_times`` (append n ids, generate(1)) under the torch profiler: its wall time, the device's
+    busy time (kernels and copies), the kernels launched and the top kernels; the host's launch calls."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ids = [torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for _ in sessions]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        await asyncio.gather(*(s.append(x) for s, x in zip(sessions, ids)))
+        await generate_all(sessions, 1)
+        wall = time.perf_counter() - t
+    rows, host = [], {}
+    busy = kernels = 0.0
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            busy += us
+            kernels += e.count
+            rows.append({"name": e.key[:90], "calls": e.count, "us": round(us, 1)})
+        elif e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaMemcpyAsync",
+                       "cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize"):
+            host[e.key] = {"calls": e.count, "us": round(e.cpu_time_total, 1)}
+    rows.sort(key=lambda r: -r["us"])
+    ops = sorted((e for e in prof.key_averages() if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA),
+                 key=lambda e: -e.self_cpu_time_total)
+    host_top = [{"name": e.key[:60], "calls": e.count, "self_us": round(e.self_cpu_time_total, 1)} for e in ops[:15]]
+    return {"wall_ms": round(wall * 1e3, 2), "device_busy_ms": round(busy / 1e3, 2), "device_ops": int(kernels),
+            "host_calls": host, "top": rows[:top], "host_top": host_top}
 
 
 async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3) -> dict[str, float]:
@@ -332,6 +364,7 @@ def main() -> None:
                     help="also agents' turns in each Engine case: append N ids then generate(1), ms to the first token, "
                          "for each comma-separated N (0: generate right after generate; also timed with the pending "
                          "token run as a one-token prefill, as before)")
+    ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
                          "generate per decode-ahead setting")
@@ -393,7 +426,8 @@ def main() -> None:
             for b, L in todo:
                 try:
                     r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times, samplings,
-                                          args.capture_ab, tuple(int(v) for v in args.turns.split(",") if v))
+                                          args.capture_ab, tuple(int(v) for v in args.turns.split(",") if v),
+                                          tuple(int(v) for v in args.turn_profile.split(",") if v))
                     res.setdefault("engine", []).append(r)
                     log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
                 except Exception as e:

@@ -22,7 +22,7 @@ def sync_sites(fn) -> list[str]:  # type: ignore[no-untyped-def]
     show = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-        if "synchronizing" in str(message):
+        if "called a synchronizing" in str(message):
             frames = [f for f in traceback.extract_stack()[:-1] if "kda_sessions" in f.filename
                       or "/kernels/" in f.filename]
             sites.append(f"{frames[-1].filename}:{frames[-1].lineno} {frames[-1].line}" if frames else str(message))
@@ -48,12 +48,12 @@ def test_a_prefill_step_never_waits_for_the_device(lengths: list[int]):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     model = load_model("tiny-random", device="cuda", dtype=torch.bfloat16)
-    pools = model.allocate_pools(4, 256, P)
+    pools = model.allocate_pools(4, 256, P)  # 96 pages a sequence: four steps of 300
     g = torch.Generator().manual_seed(0)
     start = [0] * len(lengths)
 
     def batch(checkpoints: bool) -> ForwardBatch:
-        pages = [list(range(48 * s, 48 * s + 48)) for s in range(len(lengths))]
+        pages = [list(range(96 * s, 96 * s + 96)) for s in range(len(lengths))]
         rows = ForwardBatch.rows_for(pages, start, lengths, P)
         return ForwardBatch(
             input_ids=torch.randint(0, 272, (sum(lengths),), generator=g).cuda(), num_new=list(lengths),
