@@ -3,6 +3,7 @@
 device:
 
     python3 bench/mla_prefill.py
+    python3 bench/mla_prefill.py --short      # short chunks: decompressed against absorbed (``short_chunks``)
 
 First the shipped launch against the tiled twin (``naive_mla_prefill_paged``, float32 math) by relative RMS error,
 then every (BM, BN, num_warps, num_stages) of the sweep timed on one 8,192-token chunk after 24,576 and after
@@ -38,7 +39,36 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
+def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None:
+    """Short chunks (an agent's tool output appended to a long conversation): the decompressed flash kernel
+    against ``mla_prefill_absorbed``, us per call (CUDA events, mean of ``reps`` after one warm-up), and their
+    relative RMS difference."""
+    from kda_sessions.kernels.mla.absorbed import mla_prefill_absorbed
+
+    for s in contexts:
+        for T in chunks:
+            q, kv, pages, w = case(T, s)
+            out = {}
+            for name, fn in (("decompressed", prefill.mla_prefill_triton), ("absorbed", mla_prefill_absorbed)):
+                o = fn(q, kv, pages, s, w, DV, SCALE)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    fn(q, kv, pages, s, w, DV, SCALE)
+                end.record()
+                end.synchronize()
+                out[name] = (start.elapsed_time(end) / reps * 1e3, o)
+            d, a = out["decompressed"], out["absorbed"]
+            print(f"context {s} chunk {T}: decompressed {d[0]:.1f} us, absorbed {a[0]:.1f} us, "
+                  f"rel diff {rel(a[1], d[1]):.2e}", flush=True)
+
+
 def main() -> None:
+    import sys
+
+    if "--short" in sys.argv:  # python3 bench/mla_prefill.py --short
+        short_chunks([32768, 131072], [1, 4, 16, 32, 64, 128, 256, 512])
+        return
     for T, s in [(8192, 0), (2048, 20000), (300, 40000), (8192, 24576)]:
         q, kv, pages, w = case(T, s)
         o = prefill.mla_prefill_triton(q, kv, pages, s, w, DV, SCALE)

@@ -186,14 +186,15 @@ split kernel runs. Its figures: ``HEAD_ROWS``'s (the two are measured together, 
 @triton.jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel_lse(
     o_part, lse_part, out, NSPLIT, H: tl.constexpr, R: tl.constexpr, BR: tl.constexpr, BS: tl.constexpr,
-    PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False,
+    PDL: tl.constexpr, EARLY_TRIGGER: tl.constexpr = False, lse_out=None, LSE_OUT: tl.constexpr = False,
 ):
     """One pass over the splits with a running max: out = sum_s 2^(lse_s - m) o_s / sum_s 2^(lse_s - m). Empty
     splits (lse -1e30, o 0) weigh 2^(-1e30 - m) = 0 beside any split with a token; masked lanes load -3e38.
     ``PDL``: launched as a programmatic dependent launch behind the split kernel, so it waits for the split kernel's
     writes before it reads them (sm_90; never under the interpreter). With EARLY_TRIGGER it lets the next launch
     start before its own wait (the next, W_uv's PDL matvec, reads only its weight before its wait), so W_uv's and
-    then o_proj's weights can stream while the split kernel runs."""
+    then o_proj's weights can stream while the split kernel runs. ``LSE_OUT``: also the merged base-2 log-sum-exp
+    of each (sequence, head) into ``lse_out`` [N, H] float32 (by the programs of the first r block)."""
     if PDL:
         if EARLY_TRIGGER:
             gdc_launch_dependents()
@@ -220,6 +221,9 @@ def _combine_kernel_lse(
         den = den * alpha + tl.sum(wgt, axis=0)
         m_run = m_new
     tl.store(out + (n * H + h) * R + rr, (num / den).to(out.dtype.element_ty), mask=rr < R)
+    if LSE_OUT:
+        first = tl.arange(0, 1) + tl.program_id(2) == 0
+        tl.store(lse_out + n * H + h + tl.arange(0, 1), m_run + tl.log2(den), mask=first)
 
 
 def _pdl_launch(pdl: bool) -> dict:
@@ -265,6 +269,7 @@ def _launch(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float,
     num_splits: int | None = None, BN: int | None = None, BH: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, form: str | None = None, use_gluon: bool | None = None, pdl: bool | None = None,
+    lse_out: Tensor | None = None,
 ) -> Tensor:
     """q_lat [N, H, r], q_pe [N, H, dr], kv_pages [num_pages, P, r + dr] (contiguous) -> [N, H, r]. ``form``
     (one of FORMS) overrides ``_default_form(N)``. Tiles, warps and stages default per form, as measured on the
@@ -272,12 +277,16 @@ def _launch(
     (1 x 32K / 128K / 1M 31.5 / 84.2 / 470.4 us, against 34.5 / 89.5 / 523.4 with
     BN 64, 8 warps, 2 stages below 384 tokens per split and BN 32, 4 warps, 3 stages above). ``use_gluon`` and
     ``pdl`` (None: wherever they apply) force the Gluon split kernel and programmatic dependent launch on or off;
-    forcing either on where it cannot apply raises ValueError."""
+    forcing either on where it cannot apply raises ValueError. ``lse_out`` [N, H] float32 ("tokens" form only):
+    also receives each head's base-2 log-sum-exp of its scaled scores (for a caller that merges other keys in)."""
     N, H, R = q_lat.shape
     if form is None:
         form = _default_form(N)
     elif form not in FORMS:
         raise ValueError(f"form must be one of {FORMS} or None, got {form!r}")
+    if lse_out is not None and (form != "tokens" or tuple(lse_out.shape) != (N, H) or lse_out.dtype != torch.float32):
+        raise ValueError(f"lse_out needs the \"tokens\" form and [N, H]={N, H} float32, got form={form!r}, "
+                         f"{tuple(lse_out.shape)} {lse_out.dtype}")
     DR = q_pe.shape[-1]
     P = kv_pages.shape[1]
     max_pages = page_table.shape[1]
@@ -334,6 +343,7 @@ def _launch(
         bs = min(256, max(16, triton.next_power_of_2(num_splits))) if one_pass else 16
         _combine_kernel_lse[(H, N, triton.cdiv(R, BRC))](o_part, lse, out, num_splits, H=H, R=R, BR=BRC, BS=bs,
                                                          PDL=pdl, EARLY_TRIGGER=COMBINE_EARLY_TRIGGER,
+                                                         lse_out=lse_out, LSE_OUT=lse_out is not None,
                                                          num_warps=4 if one_pass else 2, **_pdl_launch(pdl))
         return out
     acc = torch.empty(N, num_splits, H, R, device=q_lat.device, dtype=torch.float32)
