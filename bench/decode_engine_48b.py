@@ -165,7 +165,8 @@ def host_summary(durations: dict[str, list[float]], tokens: int) -> dict[str, di
 async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, steps: int,
                       ahead: tuple[bool, ...] = (False,), host_times: bool = False,
                       samplings: tuple[str, ...] = ("greedy",), capture_ab: bool = False,
-                      turns: tuple[int, ...] = (), turn_profiles: tuple[int, ...] = ()) -> dict[str, Any]:
+                      turns: tuple[int, ...] = (), turn_profiles: tuple[int, ...] = (),
+                      turn_befores: tuple[str, ...] = ("pending", "offsets", "mla")) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -207,7 +208,7 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
                 times[mode].append(time.perf_counter() - t)
         engine.runner.pools.async_capture = True
         requests = {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
-    turns_ms = await turn_times(sessions, turns) if turns else {}
+    turns_ms = await turn_times(sessions, turns, befores=turn_befores) if turns else {}
     profiles = {str(n): await turn_profile(sessions, n) for n in turn_profiles}
     floor = floor_bytes(model, batch, L)
     for s in sessions:
@@ -252,23 +253,31 @@ async def turn_profile(sessions: list, n: int, top: int = 25) -> dict[str, Any]:
             "host_calls": host, "top": rows[:top], "host_top": host_top}
 
 
-async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3) -> dict[str, float]:
+async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
+                     befores: tuple[str, ...] = ("pending", "offsets", "mla")) -> dict[str, float]:
     """An agent's turn on every session at once: ``append`` N ids (a tool's output), then ``generate(1)``: ms to
     the first token, median of ``reps``. N 0: ``generate(1)`` right after another (its prompt is the pending token
     alone), with that token run as a decode row (the library) and as a one-token prefill (``pending-as-prefill``,
     as before ``scheduler.pending_token_only``); N > 1 also with the KDA prefill reading its offsets back from the
-    device each layer (``offsets-from-device``, as before 9f70b6e)."""
+    device each layer (``offsets-from-device``, as before 9f70b6e), and 1 < N <= ``mla.ABSORBED_MAX_TOKENS`` with
+    the MLA prefill decompressing the cached rows (``mla-decompressed``, as before); ``befores`` picks of the three."""
     from kda_sessions.engine import scheduler as scheduler_module
     from kda_sessions.model import kda as kda_module
+    from kda_sessions.model import mla as mla_module
 
     gen = torch.Generator().manual_seed(7)
-    real, chunk = scheduler_module.pending_token_only, kda_module.chunk_kda
+    real, chunk, absorbed = scheduler_module.pending_token_only, kda_module.chunk_kda, mla_module.ABSORBED_MAX_TOKENS
 
     def chunk_reading_offsets(*a: Any, **k: Any) -> Any:  # as before 9f70b6e: offsets read back from the device
         return chunk(*a, **{**k, "cu_seqlens_cpu": None})
 
-    variants = ([(n, "") for n in turns] + ([(0, " pending-as-prefill")] if 0 in turns else [])
-                + [(n, " offsets-from-device") for n in turns if n > 1])
+    variants = [(n, "") for n in turns]
+    if "pending" in befores and 0 in turns:
+        variants.append((0, " pending-as-prefill"))
+    if "offsets" in befores:
+        variants += [(n, " offsets-from-device") for n in turns if n > 1]
+    if "mla" in befores:
+        variants += [(n, " mla-decompressed") for n in turns if 1 < n <= absorbed]
     times: dict[str, list[float]] = {}
     for _ in range(reps):
         for n, before in variants:
@@ -276,6 +285,8 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3) -> d
                 scheduler_module.pending_token_only = lambda w: False
             if before == " offsets-from-device":
                 kda_module.chunk_kda = chunk_reading_offsets
+            if before == " mla-decompressed":
+                mla_module.ABSORBED_MAX_TOKENS = 0
             try:
                 t = time.perf_counter()
                 if n:
@@ -285,6 +296,7 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3) -> d
                 times.setdefault(f"{n}{before}", []).append(time.perf_counter() - t)
             finally:
                 scheduler_module.pending_token_only, kda_module.chunk_kda = real, chunk
+                mla_module.ABSORBED_MAX_TOKENS = absorbed
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
 
@@ -364,6 +376,8 @@ def main() -> None:
                     help="also agents' turns in each Engine case: append N ids then generate(1), ms to the first token, "
                          "for each comma-separated N (0: generate right after generate; also timed with the pending "
                          "token run as a one-token prefill, as before)")
+    ap.add_argument("--turn-befores", default="pending,offsets,mla",
+                    help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla")
     ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
@@ -427,7 +441,8 @@ def main() -> None:
                 try:
                     r = await engine_case(engine, model, b, L, args.steps, ahead, args.host_times, samplings,
                                           args.capture_ab, tuple(int(v) for v in args.turns.split(",") if v),
-                                          tuple(int(v) for v in args.turn_profile.split(",") if v))
+                                          tuple(int(v) for v in args.turn_profile.split(",") if v),
+                                          tuple(v for v in args.turn_befores.split(",") if v))
                     res.setdefault("engine", []).append(r)
                     log(f"engine {b}x{L}: {json.dumps({k: v for k, v in r.items() if k != 'floor_bytes'})}")
                 except Exception as e:

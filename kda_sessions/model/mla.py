@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..kernels.linear import head_linear, linear
-from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_paged
+from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_absorbed, mla_prefill_paged
 from .batch import DecodeInputs, ForwardBatch
 from .ffn import RMSNorm
 from .fused import (
@@ -20,6 +20,11 @@ from .fused import (
     row_mm,
     weights,
 )
+
+ABSORBED_MAX_TOKENS = 128
+"""On a GPU, a sequence's prefill chunk of at most this many tokens attends with kv_b_proj absorbed, as decode does
+(``mla_prefill_absorbed``), not through the decompressed flash kernel, which decompresses every cached row whatever
+the chunk's length (kernels/mla/absorbed.py)."""
 
 
 class MLAttention(nn.Module):
@@ -269,8 +274,9 @@ class MLAttention(nn.Module):
         outs = []
         offset = 0
         for n, (s, t) in enumerate(zip(batch.start, batch.num_new)):
-            outs.append(mla_prefill_paged(q[offset : offset + t], kv_pages, batch.page_table[n], s, w, self.dv,
-                                          self.scale))  # [t, H, dv]
+            attend = mla_prefill_absorbed if q.is_cuda and t <= ABSORBED_MAX_TOKENS else mla_prefill_paged
+            outs.append(attend(q[offset : offset + t], kv_pages, batch.page_table[n], s, w, self.dv,
+                               self.scale))  # [t, H, dv]
             offset += t
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 

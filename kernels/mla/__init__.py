@@ -82,7 +82,17 @@ def mla_prefill_paged(
     return mla_prefill_cpu(q, kv_pages, pages, start, w_kv_b, dv, scale)
 
 
+def mla_prefill_absorbed(
+    q: Tensor, kv_pages: Tensor, pages: Tensor, start: int, w_kv_b: Tensor, dv: int, scale: float
+) -> Tensor:
+    """``mla_prefill_paged``'s arguments and result, kv_b_proj absorbed: for short chunks over a long cache
+    (absorbed.py). CUDA tensors (CPU tensors under TRITON_INTERPRET=1)."""
+    from .absorbed import mla_prefill_absorbed as absorbed
+
+    return absorbed(q, kv_pages, pages, start, w_kv_b, dv, scale)
+
+
 __all__ = [
-    "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_paged", "naive_mla_prefill",
-    "naive_mla_prefill_paged",
+    "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_absorbed", "mla_prefill_paged",
+    "naive_mla_prefill", "naive_mla_prefill_paged",
 ]
