@@ -87,8 +87,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kda_sessions.kernels.mla.paged_decode import _combine_kernel_lse as fn
 
-types = {"o_part": "*bf16", "lse_part": "*fp32", "out": "*bf16", "NSPLIT": "i32"}
-const = {"H": 32, "R": 512, "BR": 64, "BS": 128, "PDL": True, "EARLY_TRIGGER": EARLY}
+types = {"o_part": "*bf16", "lse_part": "*fp32", "out": "*bf16", "NSPLIT": "i32", "lse_out": "*fp32"}
+const = {"H": 32, "R": 512, "BR": 64, "BS": 128, "PDL": True, "EARLY_TRIGGER": EARLY, "LSE_OUT": False}
 params = list(inspect.signature(fn.fn).parameters)
 sig = {p: "constexpr" if p in const else types[p] for p in params}
 src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
