@@ -22,9 +22,14 @@ from .fused import (
 )
 
 ABSORBED_MAX_TOKENS = 128
-"""On a GPU, a sequence's prefill chunk of at most this many tokens attends with kv_b_proj absorbed, as decode does
-(``mla_prefill_absorbed``), not through the decompressed flash kernel, which decompresses every cached row whatever
-the chunk's length (kernels/mla/absorbed.py)."""
+ABSORBED_MIN_CONTEXT = 65536
+"""On a GPU, a sequence's prefill chunk of at most ``ABSORBED_MAX_TOKENS`` tokens after at least
+``ABSORBED_MIN_CONTEXT`` cached ones attends with kv_b_proj absorbed, as decode does (``mla_prefill_absorbed``), not
+through the decompressed flash kernel, which decompresses every cached row whatever the chunk's length
+(kernels/mla/absorbed.py). H100, Kimi-Linear's MLA shape, a call's time back to back (``bench/mla_prefill.py
+--short``, 2026-12-06): after 128K cached tokens 1.8-2.0 ms absorbed for 1-64 tokens and 3.8 for 128, against
+4.5-4.6 decompressed; after 32K, 1.5-2.1 ms absorbed against 1.2 decompressed (the absorbed call's ~1.9 ms at few
+tokens is not its flops: unexplained)."""
 
 
 class MLAttention(nn.Module):
@@ -274,7 +279,8 @@ class MLAttention(nn.Module):
         outs = []
         offset = 0
         for n, (s, t) in enumerate(zip(batch.start, batch.num_new)):
-            attend = mla_prefill_absorbed if q.is_cuda and t <= ABSORBED_MAX_TOKENS else mla_prefill_paged
+            absorbed = q.is_cuda and t <= ABSORBED_MAX_TOKENS and s >= ABSORBED_MIN_CONTEXT
+            attend = mla_prefill_absorbed if absorbed else mla_prefill_paged
             outs.append(attend(q[offset : offset + t], kv_pages, batch.page_table[n], s, w, self.dv,
                                self.scale))  # [t, H, dv]
             offset += t
