@@ -58,3 +58,36 @@ def test_absorbed_bf16_kimi_shape(T: int, start: int):
     out = mla_prefill_absorbed(q, kv, pages, start, w, dv, scale)
     ref = naive_mla_prefill_paged(q, kv, pages, start, w, dv, scale, tile=4096)
     assert rel_rms(out, ref) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_a_models_short_chunk_gives_the_same_logits_absorbed(monkeypatch: pytest.MonkeyPatch):
+    """``MLAttention`` on ``tiny-random``: a 9-token chunk after 300 cached tokens, absorbed and decompressed."""
+    from kda_sessions.model import ForwardBatch, load_model
+    from kda_sessions.model import mla as mla_module
+
+    model = load_model("tiny-random", device="cuda", dtype=torch.bfloat16)
+    P = 16
+    pages = list(range(24))
+    gen = torch.Generator().manual_seed(0)
+    head = torch.randint(0, 272, (300,), generator=gen)
+    tail = torch.randint(0, 272, (9,), generator=gen)
+
+    def run(min_context: int) -> torch.Tensor:
+        monkeypatch.setattr(mla_module, "ABSORBED_MIN_CONTEXT", min_context)
+        pools = model.allocate_pools(2, 32, P)
+        logits = None
+        for start, ids in ((0, head), (300, tail)):
+            rows = ForwardBatch.rows_for([pages], [start], [len(ids)], P)
+            batch = ForwardBatch(input_ids=ids.cuda(), num_new=[len(ids)], start=[start],
+                                 slots=torch.zeros(1, dtype=torch.long, device="cuda"),
+                                 page_table=torch.tensor([pages], dtype=torch.int32, device="cuda"),
+                                 kv_rows=torch.tensor(rows, device="cuda"), all_logits=True)
+            logits, _ = model.step(batch, pools)
+        assert logits is not None
+        return logits.float()
+
+    absorbed, decompressed = run(0), run(1 << 30)
+    assert rel_rms(absorbed, decompressed) < 2e-2
+    assert (absorbed.argmax(-1) == decompressed.argmax(-1)).float().mean() > 0.8
