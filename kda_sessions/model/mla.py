@@ -21,15 +21,15 @@ from .fused import (
     weights,
 )
 
-ABSORBED_MAX_TOKENS = 128
+ABSORBED_MAX_TOKENS = 64
 ABSORBED_MIN_CONTEXT = 65536
 """On a GPU, a sequence's prefill chunk of at most ``ABSORBED_MAX_TOKENS`` tokens after at least
 ``ABSORBED_MIN_CONTEXT`` cached ones attends with kv_b_proj absorbed, as decode does (``mla_prefill_absorbed``), not
 through the decompressed flash kernel, which decompresses every cached row whatever the chunk's length
-(kernels/mla/absorbed.py). H100, Kimi-Linear's MLA shape, a call's time back to back (``bench/mla_prefill.py
---short``, 2026-12-06): after 128K cached tokens 1.8-2.0 ms absorbed for 1-64 tokens and 3.8 for 128, against
-4.5-4.6 decompressed; after 32K, 1.5-2.1 ms absorbed against 1.2 decompressed (the absorbed call's ~1.9 ms at few
-tokens is not its flops: unexplained)."""
+(kernels/mla/absorbed.py). H100, Kimi-Linear's MLA shape, one call's device time (``bench/mla_prefill.py --short``,
+2026-12-06 17:50 UTC): after 128K cached tokens 1.0 / 1.4 / 1.8 / 2.7 / 4.5 ms absorbed for 1 / 16 / 32 / 64 / 128
+tokens against 4.6-4.7 decompressed; after 32K 1.1-1.3 ms absorbed up to 64 tokens against 1.2-1.3. Its host call
+takes ~1.0-1.2 ms (the decompressed kernel's 0.3-0.8), so a host-bound prefill step gains nothing from it."""
 
 
 class MLAttention(nn.Module):
