@@ -34,6 +34,7 @@ Layout: every activation is packed ``[T_total, H, *]`` (B * T rows without cu_se
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -505,6 +506,16 @@ def _chunk_table(
     return starts, lens, cks, seq_chunks
 
 
+@functools.lru_cache(maxsize=8)
+def _chunk_meta(bounds: tuple[int, ...], positions: tuple[tuple[int, ...], ...] | None,
+                device: torch.device) -> tuple[int, Tensor]:
+    """``_chunk_table`` on the device, [4 NC + N + 1] int32 (read only), and NC: built once for the layers of a
+    step (they share the chunk's bounds and positions) rather than once a layer, as the host's time bounds a short
+    prefill step (docs/benchmarks.md, "Agents' turns")."""
+    starts, lens, cks, seq_chunks = _chunk_table(list(bounds), positions)
+    return len(starts), torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class ChunkTuning:
     """Launch parameters of :func:`chunk_kda_triton`'s six kernels; the defaults are the fastest measured on the
@@ -550,6 +561,13 @@ SPAN_MAX = 200.0  # widest sub-chunk decay span (log2 units) of the midpoint pat
 LN2 = 0.6931471805599453
 
 
+@functools.lru_cache(maxsize=16)
+def _fields(tuning: ChunkTuning) -> dict[str, int]:
+    """``asdict(tuning)``, once per tuning (read only): asdict costs tens of microseconds of the host's time, and a
+    short prefill step's launches are what bounds it (docs/benchmarks.md, "Agents' turns")."""
+    return asdict(tuning)
+
+
 def _diag_step(cfg: dict[str, int], args: tuple[Any, ...], NC: int, H: int, K: int, BK: int, gate: Any) -> None:
     """The midpoint kernel for the fused bounded gate where its span bound allows, else the exact one."""
     lb = gate[2] if gate is not None else None
@@ -578,13 +596,12 @@ def _launch(
     V = v.shape[-1]
     N = len(bounds) - 1
     dev = q.device
-    starts, lens, cks, seq_chunks = _chunk_table(bounds, checkpoint_positions)
-    NC = len(starts)
-    M = sum(len(p) for p in checkpoint_positions) if checkpoint_positions is not None else 0
-    meta = torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(dev, non_blocking=True)
+    positions = tuple(tuple(int(p) for p in ps) for ps in checkpoint_positions) if checkpoint_positions is not None else None
+    NC, meta = _chunk_meta(tuple(bounds), positions, dev)
+    M = sum(len(p) for p in positions) if positions is not None else 0
     chunk_start, chunk_len = meta[:NC], meta[NC : 2 * NC]
     chunk_ck, seq_chunks_t = meta[2 * NC : 3 * NC], meta[3 * NC :]
-    cfg = asdict(tuning)
+    cfg = _fields(tuning)
     dt = q.dtype if q.dtype in (torch.bfloat16, torch.float16) else torch.float32
     BK = max(16, triton.next_power_of_2(K))
     BVf = max(16, triton.next_power_of_2(V))
