@@ -99,8 +99,9 @@ def pending_token_only(w: Work) -> bool:
     """Whether what is left of ``w``'s prompt is its session's pending token alone (``generate`` after ``append``
     or after another ``generate``, a fork's first call), with no checkpoint to capture at it or after it. Such a
     token runs as a decode row: a decode step (one graph replay on a GPU, beside the other generating rows) gives
-    the same state, cache row and logits as a one-token prefill, which runs eagerly (~17 ms for one token on an
-    H100 at the 48B shape's first 16 layers, against a 1.9 ms step)."""
+    the same state, cache row and logits as a one-token prefill, which runs eagerly: ``generate(1)`` after another
+    took 10.45 ms that way and 2.84 ms as a decode row (H100, the 48B shape's first 16 layers, 1 x 128K;
+    docs/benchmarks.md, "Agents' turns")."""
     if w.prefill_only or len(w.prompt) - w.done_prefill != 1:
         return False
     lo = w.session.num_cached
