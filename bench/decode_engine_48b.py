@@ -166,7 +166,7 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
                       ahead: tuple[bool, ...] = (False,), host_times: bool = False,
                       samplings: tuple[str, ...] = ("greedy",), capture_ab: bool = False,
                       turns: tuple[int, ...] = (), turn_profiles: tuple[int, ...] = (),
-                      turn_befores: tuple[str, ...] = ("pending", "offsets", "mla")) -> dict[str, Any]:
+                      turn_befores: tuple[str, ...] = ("pending", "graphs")) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(L + batch)
     sessions = [await engine.create_session() for _ in range(batch)]
     t = time.perf_counter()
@@ -254,19 +254,24 @@ async def turn_profile(sessions: list, n: int, top: int = 25) -> dict[str, Any]:
 
 
 async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
-                     befores: tuple[str, ...] = ("pending", "offsets", "mla")) -> dict[str, float]:
+                     befores: tuple[str, ...] = ("pending", "graphs")) -> dict[str, float]:
     """An agent's turn on every session at once: ``append`` N ids (a tool's output), then ``generate(1)``: ms to
     the first token, median of ``reps``. N 0: ``generate(1)`` right after another (its prompt is the pending token
     alone), with that token run as a decode row (the library) and as a one-token prefill (``pending-as-prefill``,
     as before ``scheduler.pending_token_only``); N > 1 also with the KDA prefill reading its offsets back from the
     device each layer (``offsets-from-device``, as before 9f70b6e), and 1 < N <= ``mla.ABSORBED_MAX_TOKENS`` with
-    the MLA prefill decompressing the cached rows (``mla-decompressed``, as before); ``befores`` picks of the three."""
+    the MLA prefill decompressing the cached rows (``mla-decompressed``, as before); N > 0 with the prefill step
+    run eagerly, not replayed from a CUDA graph (``prefill-eager``, as before ``model.prefill_graphs``; the offsets
+    and mla variants run eagerly too); ``befores`` picks of the four. Each variant runs once untimed first (graph
+    captures, compiles)."""
     from kda_sessions.engine import scheduler as scheduler_module
     from kda_sessions.model import kda as kda_module
     from kda_sessions.model import mla as mla_module
+    from kda_sessions.model.prefill_graphs import PrefillGraphs
 
     gen = torch.Generator().manual_seed(7)
     real, chunk, absorbed = scheduler_module.pending_token_only, kda_module.chunk_kda, mla_module.ABSORBED_MAX_TOKENS
+    accepts = PrefillGraphs.accepts
 
     def chunk_reading_offsets(*a: Any, **k: Any) -> Any:  # as before 9f70b6e: offsets read back from the device
         return chunk(*a, **{**k, "cu_seqlens_cpu": None})
@@ -278,9 +283,13 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
         variants += [(n, " offsets-from-device") for n in turns if n > 1]
     if "mla" in befores:
         variants += [(n, " mla-decompressed") for n in turns if 1 < n <= absorbed]
+    if "graphs" in befores:
+        variants += [(n, " prefill-eager") for n in turns if n > 0]
     times: dict[str, list[float]] = {}
-    for _ in range(reps):
+    for rep in range(reps + 1):
         for n, before in variants:
+            if before in (" offsets-from-device", " mla-decompressed", " prefill-eager"):
+                PrefillGraphs.accepts = lambda self, num_new, starts: False  # type: ignore[method-assign]
             if before == " pending-as-prefill":
                 scheduler_module.pending_token_only = lambda w: False
             if before == " offsets-from-device":
@@ -293,9 +302,11 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
                     await asyncio.gather(*(s.append(torch.randint(0, 256, (n,), generator=gen).tolist())
                                            for s in sessions))
                 await generate_all(sessions, 1)
-                times.setdefault(f"{n}{before}", []).append(time.perf_counter() - t)
+                if rep:
+                    times.setdefault(f"{n}{before}", []).append(time.perf_counter() - t)
             finally:
                 scheduler_module.pending_token_only, kda_module.chunk_kda = real, chunk
+                PrefillGraphs.accepts = accepts  # type: ignore[method-assign]
                 mla_module.ABSORBED_MAX_TOKENS = absorbed
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
@@ -376,8 +387,8 @@ def main() -> None:
                     help="also agents' turns in each Engine case: append N ids then generate(1), ms to the first token, "
                          "for each comma-separated N (0: generate right after generate; also timed with the pending "
                          "token run as a one-token prefill, as before)")
-    ap.add_argument("--turn-befores", default="pending,offsets,mla",
-                    help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla")
+    ap.add_argument("--turn-befores", default="pending,graphs",
+                    help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs")
     ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "

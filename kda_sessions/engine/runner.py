@@ -29,6 +29,7 @@ from ..errors import OutOfPages
 from ..model import CheckpointStates, ForwardBatch, HybridModel
 from ..model.fused import half_row_weights
 from ..model.graphs import DecodeGraphs, Feed
+from ..model.prefill_graphs import PrefillGraphs
 from ..tokenizer import Tokenizer
 from .checkpoints import capture
 from .cpu_batch import CpuDecodeBatches
@@ -107,6 +108,11 @@ class Runner:
         self.graphs: DecodeGraphs | None = None
         if cuda_graphs and model.device.type == "cuda" and pools.tensors.scratch_slot is not None:
             self.graphs = DecodeGraphs(model, pools.tensors, capture_lock=pools.mutex)
+        self.prefill_graphs: PrefillGraphs | None = None
+        """Short prefill steps (an agent's tool output) as CUDA graphs, where ``graphs`` are (``PrefillGraphs``)."""
+        if self.graphs is not None and self.graphs.use_graphs:
+            self.prefill_graphs = PrefillGraphs(model, pools.tensors, capture_lock=pools.mutex,
+                                                mempool=self.graphs.mempool)
         self.decode_ahead = decode_ahead
         """``EngineConfig.decode_ahead``: with ``graphs``, decode steps whose rows all ``runs_ahead`` queue the next
         step before the host reads their tokens (``_decode_ahead``)."""
@@ -412,13 +418,22 @@ class Runner:
             wanted.append(cps)
         works = [w for w, _ in chunks]
         self.check_weights = True
+        num_new = [n for _, n in chunks]
+        starts = [w.session.num_cached for w in works]
         try:
-            logits, states = self._step(self._batch(works, ids, [n for _, n in chunks], positions))
+            if (self.prefill_graphs is not None and not any(positions)
+                    and self.prefill_graphs.accepts(num_new, starts)):
+                # short chunks (tool outputs), no checkpoint among them: one replayed CUDA graph for the whole step
+                slots = [w.session.slot for w in works if w.session.slot is not None]
+                assert len(slots) == len(works)
+                logits = self.prefill_graphs.run(ids, num_new, slots, starts, [w.session.pages for w in works])
+                states = None
+            else:
+                logits, states = self._step(self._batch(works, ids, num_new, positions))
         except Exception as e:
             self._retry_alone(works, e, out)
             return
         # bookkeeping for every row first: the pools have advanced for all of them
-        starts = [w.session.num_cached for w in works]
         for w, n in chunks:
             w.session.num_cached += n
             w.done_prefill += n

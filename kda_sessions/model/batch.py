@@ -120,6 +120,47 @@ class DecodeInputs:
 
 
 @dataclass
+class PaddedPrefill:
+    """Device tensors of a short prefill step laid out at fixed shapes, so it can be captured in a CUDA graph and
+    replayed with new contents (``prefill_graphs.PrefillGraphs``): N sequences, each chunk padded to Tb tokens.
+
+    input_ids [N * Tb] int (padding: any id); slots [N] int; starts [N] int32 >= 1, each sequence's cached tokens;
+    lens [N] int64 in [1, Tb], its chunk's real tokens; kv_rows [N * Tb] int64, each token's flat cache row (the
+    padding's on a scratch page); page_table [N, max_pages] int32 covering each sequence's cached rows; last [N]
+    int64, the flat index of each chunk's last real token; bounds [N + 1] int64, arange(N + 1) * Tb (the packed
+    sequences as the conv kernel takes them). ``mla_splits``: the cached rows' splits in the MLA layers (fixed when
+    captured: ``absorbed_splits`` at the longest context the page table holds).
+
+    Padding tokens leave a sequence's state as its real tokens left it: their KDA gate and beta are zeroed (no
+    decay, no update), its conv tail is taken after its real tokens, their cache rows land on the scratch page,
+    and no real query attends to them (causal)."""
+
+    input_ids: Tensor
+    slots: Tensor
+    starts: Tensor
+    lens: Tensor
+    kv_rows: Tensor
+    page_table: Tensor
+    last: Tensor
+    bounds: Tensor
+    mla_splits: int
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slots.shape[0]
+
+    @property
+    def chunk(self) -> int:
+        """Tb."""
+        return self.input_ids.shape[0] // self.slots.shape[0]
+
+    def valid(self) -> Tensor:
+        """[N * Tb] bool: True at each chunk's real tokens."""
+        Tb = self.chunk
+        return (torch.arange(Tb, device=self.lens.device)[None, :] < self.lens[:, None]).reshape(-1)
+
+
+@dataclass
 class CheckpointStates:
     """States at requested positions, in (sequence, position) order: kda [M, L_kda, H, K, V] float32 and
     conv [M, L_kda, W - 1, Dc]."""

@@ -110,7 +110,7 @@ class DecodeGraphs:
         usable_pages = pools.kv[0].shape[0] - 1 if pools.kv else 1
         self.max_width = max(1, usable_pages)
         self._static: dict[tuple[int, int], _Static] = {}
-        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.replays = 0
         self.captures = 0
         self.eager_runs = 0
@@ -262,7 +262,7 @@ class DecodeGraphs:
                     self.model.decode(st.inputs, self.pools, st.kv_rows)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
                 out = self.model.decode(st.inputs, self.pools, st.kv_rows)
         except Exception as e:
             log.warning("CUDA graph capture failed for batch %d, width %d: decode runs eagerly", st.bs, st.width,

@@ -8,8 +8,14 @@ from torch import Tensor, nn
 
 from ..config import ModelConfig
 from ..kernels.linear import head_linear, linear
-from ..kernels.mla import mla_decode_paged, mla_decode_prep, mla_prefill_absorbed, mla_prefill_paged
-from .batch import DecodeInputs, ForwardBatch
+from ..kernels.mla import (
+    mla_decode_paged,
+    mla_decode_prep,
+    mla_prefill_absorbed,
+    mla_prefill_absorbed_padded,
+    mla_prefill_paged,
+)
+from .batch import DecodeInputs, ForwardBatch, PaddedPrefill
 from .ffn import RMSNorm
 from .fused import (
     DerivedWeights,
@@ -85,6 +91,20 @@ class MLAttention(nn.Module):
         self._write(latent, batch, kv_pages)
         o = self._prefill(q, batch, kv_pages)
         return self.o_proj(o.reshape(T, self.H * self.dv))
+
+    def prefill_padded(self, x: Tensor, inp: PaddedPrefill, kv_pages: Tensor) -> Tensor:
+        """``forward`` of a padded prefill (``PaddedPrefill``), graph-safe: x [N * Tb, D]; writes every token's
+        latent row (the padding's to the scratch page), then attends absorbed (``mla_prefill_absorbed_padded``).
+        Returns [N * Tb, D] (padding rows: garbage)."""
+        N, Tb = inp.num_seqs, inp.chunk
+        q, latent = self._project(x)
+        latent = latent.to(kv_pages.dtype)  # as the pages keep it
+        kv_pages.view(-1, kv_pages.shape[-1]).index_copy_(0, inp.kv_rows, latent)
+        o = mla_prefill_absorbed_padded(
+            q.view(N, Tb, self.H, self.dn + self.dr), latent.view(N, Tb, -1), kv_pages, inp.page_table, inp.starts,
+            self.kv_b_proj.weight, self.dv, self.scale, inp.mla_splits,
+        )
+        return self.o_proj(o.reshape(N * Tb, self.H * self.dv))
 
     def decode(self, x: Tensor, page_table: Tensor, seq_lens: Tensor, kv_rows: Tensor, kv_pages: Tensor) -> Tensor:
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], page_table [N, max_pages]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .batch import CheckpointStates, DecodeInputs, ForwardBatch, StatePools
+from .batch import CheckpointStates, DecodeInputs, ForwardBatch, PaddedPrefill, StatePools
 from .ffn import MoE, RMSNorm, SwiGLU, rms_rows, swiglu_residual_rows
 from .fused import (
     DerivedWeights,
@@ -188,6 +188,27 @@ class HybridModel(nn.Module):
         tokens' flat cache rows [N] int64 (``DecodeInputs.kv_rows``'s values) where the caller has them, else
         computed on the device. Returns logits [N, vocab] float32."""
         return self._decode(inp, pools, kv_rows)
+
+    @torch.inference_mode()
+    def prefill_padded(self, inp: PaddedPrefill, pools: StatePools) -> Tensor:
+        """The graph-safe prefill step of short chunks (``PaddedPrefill``: N chunks padded to Tb tokens, no
+        checkpoints), what ``prefill_graphs.PrefillGraphs`` captures: the same states, cache rows and last-token
+        logits as ``step`` of the real tokens, to float rounding (MLA attends absorbed at every context). Returns
+        logits [N, vocab] float32, each chunk's last real token's."""
+        x = self.model.embed_tokens(inp.input_ids)  # [N * Tb, D]
+        valid = inp.valid()
+        ik = im = 0
+        layers = self._layers()
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            if isinstance(layer.self_attn, KDAAttention):
+                a = layer.self_attn.prefill_padded(h, inp, valid, pools.kda[ik], pools.conv[ik])
+                ik += 1
+            else:
+                a = layer.self_attn.prefill_padded(h, inp, pools.kv[im])
+                im += 1
+            x, h = self._residual_norms(i, layer, x, a)
+        return self.lm_head(h[inp.last]).float()
 
     def compile_cpu_decode(self, weight_dtype: torch.dtype | None = None) -> bool:
         """Run every later CPU decode step of one sequence as one ``torch.compile``d function (inductor's C++): the

@@ -516,6 +516,12 @@ def _chunk_meta(bounds: tuple[int, ...], positions: tuple[tuple[int, ...], ...] 
     return len(starts), torch.tensor(starts + lens + cks + seq_chunks, dtype=torch.int32).to(device, non_blocking=True)
 
 
+def chunk_table(bounds: Sequence[int], device: torch.device) -> Tensor:
+    """The device chunk table that calls over sequences of these bounds (no checkpoints) read, from the same cache:
+    a CUDA graph that captured such a call keeps it alive by holding it (the cache may drop its entry)."""
+    return _chunk_meta(tuple(int(b) for b in bounds), None, torch.device(device))[1]
+
+
 @dataclass(frozen=True)
 class ChunkTuning:
     """Launch parameters of :func:`chunk_kda_triton`'s six kernels; the defaults are the fastest measured on the

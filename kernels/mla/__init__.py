@@ -92,7 +92,21 @@ def mla_prefill_absorbed(
     return absorbed(q, kv_pages, pages, start, w_kv_b, dv, scale)
 
 
+def mla_prefill_absorbed_padded(
+    q: Tensor, new: Tensor, kv_pages: Tensor, page_table: Tensor, starts: Tensor, w_kv_b: Tensor, dv: int,
+    scale: float, num_splits: int, kernel: bool | None = None,
+) -> Tensor:
+    """N sequences' chunks padded to one length, absorbed, with fixed shapes and no host sync (what a CUDA graph of a
+    short prefill captures): see ``absorbed.mla_prefill_absorbed_padded``. CUDA tensors go to the paged decode
+    kernel for the cached rows, CPU tensors to its torch twin (or to the kernel under TRITON_INTERPRET=1 with
+    ``kernel=True``)."""
+    from .absorbed import mla_prefill_absorbed_padded as padded
+
+    return padded(q, new, kv_pages, page_table, starts, w_kv_b, dv, scale, num_splits, kernel)
+
+
 __all__ = [
-    "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_absorbed", "mla_prefill_paged",
+    "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_absorbed", "mla_prefill_absorbed_padded",
+    "mla_prefill_paged",
     "naive_mla_prefill", "naive_mla_prefill_paged",
 ]

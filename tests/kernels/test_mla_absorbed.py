@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kda_sessions.kernels.mla.absorbed import mla_prefill_absorbed
+from kda_sessions.kernels.mla.absorbed import (
+    absorbed_splits,
+    mla_prefill_absorbed,
+    mla_prefill_absorbed_padded,
+)
 from kda_sessions.kernels.mla.naive import naive_mla_prefill_paged
 
 from .kernel_helpers import rel_rms
@@ -24,6 +28,33 @@ def test_absorbed_matches_dense(T: int, start: int):
     out = mla_prefill_absorbed(q, kv, pages, start, w, dv, scale)
     assert out.shape == (T, 2, dv) and out.dtype == q.dtype
     assert rel_rms(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "torch"])
+def test_padded_chunks_match_each_sequence_alone(kernel: bool):
+    """``mla_prefill_absorbed_padded``: three sequences' chunks (5, 2 and 8 tokens after 9, 1 and 20 cached) padded to
+    8 tokens each, the page table wider than any needs; each real query's output as ``mla_prefill_absorbed`` of its
+    sequence alone gives it (1e-5); through the paged decode kernel (interpreter) or its torch twin."""
+    H, dn, dr, dv, r, P = 2, 16, 16, 16, 32, 8
+    gen = torch.Generator().manual_seed(11)
+    starts, lens, Tb, width = [9, 1, 20], [5, 2, 8], 8, 5
+    kv = torch.randn(16, P, r + dr, generator=gen)
+    tables = torch.randperm(15, generator=gen)[: 3 * width].view(3, width).int()
+    w = torch.randn(H * (dn + dv), r, generator=gen) / r**0.5
+    q = torch.randn(3, Tb, H, dn + dr, generator=gen)
+    new = torch.randn(3, Tb, r + dr, generator=gen)
+    for n in range(3):  # the real rows in the pages too, as the model writes them before attending
+        for j in range(lens[n]):
+            pos = starts[n] + j
+            kv[tables[n, pos // P].long(), pos % P] = new[n, j]
+    out = mla_prefill_absorbed_padded(q, new, kv, tables, torch.tensor(starts, dtype=torch.int32), w, dv, 0.2,
+                                      absorbed_splits(Tb, H, width * P, 4), kernel=kernel)
+    assert out.shape == (3, Tb, H, dv)
+    for n in range(3):
+        ref = mla_prefill_absorbed(q[n, : lens[n]].contiguous(), kv, tables[n], starts[n], w, dv, 0.2)
+        assert rel_rms(out[n, : lens[n]], ref) < 1e-5
+    with pytest.raises(ValueError, match="new must be"):
+        mla_prefill_absorbed_padded(q, new[:2], kv, tables, torch.tensor(starts, dtype=torch.int32), w, dv, 0.2, 1)
 
 
 def test_the_decode_kernel_gives_each_heads_log_sum_exp():

@@ -1,0 +1,54 @@
+"""An agent's turns through ``Engine`` with short prefill steps run by ``PrefillGraphs`` (replayed CUDA graphs on
+a GPU; on the CPU its static-buffer step run eagerly) against the eager prefill step: the same greedy tokens, logprobs
+within float tolerance, and the padded step used for the short appends only."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kda_sessions as ks
+from kda_sessions.model.prefill_graphs import PrefillGraphs
+
+from .test_decode_ahead import prompt, together
+
+
+async def turns(device: str, graphs: bool) -> dict:
+    """Two sessions: a 40-token prompt (prefilled from nothing: eager), a reply, then two tool outputs of 9 and 23
+    tokens each (short appends after a cached context: the padded step), a reply after each."""
+    async with await ks.Engine.open(store="memory:", device=device, page_size=16) as eng:
+        r = eng.runner
+        if device == "cpu" and graphs:
+            r.prefill_graphs = PrefillGraphs(r.model, r.pools.tensors, enabled=False, capture_lock=r.pools.mutex)
+        if not graphs:
+            r.prefill_graphs = None
+        ss = [await eng.create_session() for _ in range(2)]
+        for i, s in enumerate(ss):
+            await s.append(prompt(i, 40))
+        replies = [await together(ss, max_tokens=[4, 4], ignore_eos=[True] * 2, logprobs=[True] * 2)]
+        for n in (9, 23):
+            for i, s in enumerate(ss):
+                await s.append([(7 * j + i + n) % 250 for j in range(n)])
+            replies.append(await together(ss, max_tokens=[3, 3], ignore_eos=[True] * 2, logprobs=[True] * 2))
+        pg = r.prefill_graphs
+        return {"tokens": [[x.token_ids for x in rs] for rs in replies],
+                "logprobs": [[x.logprobs for x in rs] for rs in replies],
+                "padded_steps": (pg.replays + pg.eager_runs) if pg is not None else 0,
+                "replays": pg.replays if pg is not None else 0}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_short_appends_run_padded_with_the_same_tokens(device: str):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    eager = await turns(device, False)
+    padded = await turns(device, True)
+    assert padded["padded_steps"] >= 2 and eager["padded_steps"] == 0
+    if device == "cuda":
+        assert padded["replays"] == padded["padded_steps"]
+    assert padded["tokens"] == eager["tokens"]
+    tol = 1e-3 if device == "cpu" else 5e-2
+    for a, b in zip(padded["logprobs"], eager["logprobs"]):
+        for x, y in zip(a, b):
+            assert x is not None and y is not None
+            assert max(abs(float(u) - float(v)) for u, v in zip(x, y)) < tol
