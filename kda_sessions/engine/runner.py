@@ -40,7 +40,7 @@ from .preemption import Preemption
 from .rollback import roll_back
 from .sampler import PendingSample, sample_batch_async, sample_batch_top, top_logprobs
 from .scheduler import Scheduler, StepPlan, Work
-from .sequence import Sequence
+from .sequence import Checkpoint, Sequence
 from .undo import StepUndo
 
 log = logging.getLogger(__name__)
@@ -421,13 +421,9 @@ class Runner:
         num_new = [n for _, n in chunks]
         starts = [w.session.num_cached for w in works]
         try:
-            if (self.prefill_graphs is not None and not any(positions)
-                    and self.prefill_graphs.accepts(num_new, starts)):
-                # short chunks (tool outputs), no checkpoint among them: one replayed CUDA graph for the whole step
-                slots = [w.session.slot for w in works if w.session.slot is not None]
-                assert len(slots) == len(works)
-                logits = self.prefill_graphs.run(ids, num_new, slots, starts, [w.session.pages for w in works])
-                states = None
+            if self.prefill_graphs is not None and self.prefill_graphs.accepts(num_new, starts):
+                # short chunks (tool outputs, chat turns): replayed CUDA graphs, cut at the checkpoints
+                logits, states = self._prefill_graphed(works, ids, num_new, starts, positions, wanted), None
             else:
                 logits, states = self._step(self._batch(works, ids, num_new, positions))
         except Exception as e:
@@ -462,6 +458,44 @@ class Runner:
                 else:
                     to_sample.append(i)
         self._sample(works, logits, to_sample, out)
+
+    def _prefill_graphed(self, works: list[Work], ids: list[int], num_new: list[int], starts: list[int],
+                         positions: list[list[int]], wanted: list[list[Checkpoint]]) -> Tensor:
+        """The prefill step of short chunks through ``prefill_graphs`` (one graph replay), in rounds where a chunk
+        holds checkpoints: round r runs every sequence's r-th piece, each cut at its checkpoint positions, and the
+        checkpoints at a piece's end are captured from the slot after it (the state there, in the stream's order).
+        A chat turn's input (its message's end a checkpoint, the assistant's header after it) takes two replays
+        instead of an eager step. Returns logits [N, vocab], each chunk's last token's."""
+        graphs = self.prefill_graphs
+        assert graphs is not None
+        pieces = []  # per sequence: (from, to) relative to its chunk
+        for t, rel in zip(num_new, positions):
+            cuts = [p for p in rel if p < t] + [t]
+            pieces.append(list(zip([0, *cuts[:-1]], cuts)))
+        first = [0]
+        for t in num_new:
+            first.append(first[-1] + t)
+        rounds = max(len(p) for p in pieces)
+        rows: list[tuple[int, Tensor]] = []
+        for r in range(rounds):
+            act = [n for n in range(len(works)) if r < len(pieces[n])]
+            seqs = [works[n].session for n in act]
+            slots = [s.slot for s in seqs if s.slot is not None]
+            assert len(slots) == len(seqs)
+            logits = graphs.run([t for n in act for t in ids[first[n] + pieces[n][r][0] : first[n] + pieces[n][r][1]]],
+                                [pieces[n][r][1] - pieces[n][r][0] for n in act], slots,
+                                [starts[n] + pieces[n][r][0] for n in act], [s.pages for s in seqs])
+            if rounds == 1:
+                return logits
+            for i, n in enumerate(act):
+                end, s = starts[n] + pieces[n][r][1], works[n].session
+                for c in wanted[n]:
+                    if c.target == end:
+                        with self.pools.mutex:
+                            capture(s, c, c.target, self.pools.read_slot_async(slots[i]), self.pools)
+                if r == len(pieces[n]) - 1:
+                    rows.append((n, logits[i : i + 1].clone()))
+        return torch.cat([row for _, row in sorted(rows, key=lambda x: x[0])])
 
     def _decode(self, works: list[Work], out: StepResult) -> None:
         works = [w for w in works if not w.cancelled and w.finish_reason is None and w.error is None]

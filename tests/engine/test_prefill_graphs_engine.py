@@ -4,6 +4,7 @@ within float tolerance, and the padded step used for the short appends only."""
 
 from __future__ import annotations
 
+import anyio
 import pytest
 import torch
 
@@ -52,3 +53,45 @@ async def test_short_appends_run_padded_with_the_same_tokens(device: str):
         for x, y in zip(a, b):
             assert x is not None and y is not None
             assert max(abs(float(u) - float(v)) for u, v in zip(x, y)) < tol
+
+
+async def chat(device: str, graphs: bool) -> dict:
+    """Two chat sessions, two turns each (the second's input after a cached context: short, with its message's end
+    a checkpoint inside the chunk), then a fork from that checkpoint generating on."""
+    async with await ks.Engine.open(store="memory:", device=device, page_size=16) as eng:
+        r = eng.runner
+        if device == "cpu" and graphs:
+            r.prefill_graphs = PrefillGraphs(r.model, r.pools.tensors, enabled=False, capture_lock=r.pools.mutex)
+        if not graphs:
+            r.prefill_graphs = None
+        ss = [await eng.create_session() for _ in range(2)]
+        first = [await s.send(f"hi {i}", max_tokens=3, ignore_eos=True) for i, s in enumerate(ss)]
+        second: list = [None, None]
+
+        async def send(i: int, text: str) -> None:
+            second[i] = await ss[i].send(text, max_tokens=4, ignore_eos=True, logprobs=True)
+
+        async with anyio.create_task_group() as tg:  # both turns' inputs in one step
+            for i, text in enumerate(["ok", "go on"]):
+                tg.start_soon(send, i, text)
+        forks = [await s.fork("msg-2") for s in ss]
+        again = await together(forks, max_tokens=[4, 4], ignore_eos=[True] * 2)
+        pg = r.prefill_graphs
+        return {"tokens": [x.token_ids for x in first + second + again],
+                "logprobs": [x.logprobs for x in second],
+                "padded_steps": (pg.replays + pg.eager_runs) if pg is not None else 0}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+async def test_a_chat_turns_input_runs_padded_in_two_pieces(device: str):
+    """The second turn's input holds its message's end (a checkpoint) before the assistant's header: two padded
+    steps, the checkpoint captured from the slot between them; a fork from it continues as from the eager step's."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    eager = await chat(device, False)
+    padded = await chat(device, True)
+    assert padded["padded_steps"] >= 2 and eager["padded_steps"] == 0
+    assert padded["tokens"] == eager["tokens"]
+    tol = 1e-3 if device == "cpu" else 5e-2
+    for x, y in zip(padded["logprobs"], eager["logprobs"]):
+        assert max(abs(float(u) - float(v)) for u, v in zip(x, y)) < tol
