@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..kernels.mla.absorbed import absorbed_splits
+from ..kernels.kda import chunk_table
+from ..kernels.mla import absorbed_splits
 from .batch import PaddedPrefill, StatePools
 from .graphs import batch_buckets
 from .model import HybridModel
@@ -226,8 +227,6 @@ class PrefillGraphs:
         static path."""
         self._fill(st, [], [], [], [], [])
         try:
-            from ..kernels.kda.chunk import chunk_table
-
             # the KDA kernels' chunk table of this layout, cached by them: kept alive as long as the graph reads it
             st.keep.append(chunk_table([n * st.tb for n in range(st.bs + 1)], self.device))
             side = torch.cuda.Stream(device=self.device)

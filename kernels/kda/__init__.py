@@ -58,6 +58,14 @@ def chunk_kda(
     )
 
 
+
+def chunk_table(bounds: Sequence[int], device: torch.device) -> Tensor:
+    """The device chunk table that CUDA calls of ``chunk_kda`` over sequences of these bounds (no checkpoints) read,
+    from their cache: a CUDA graph that captured such a call keeps it alive by holding it."""
+    from .chunk import chunk_table as table
+
+    return table(bounds, device)
+
 def fused_recurrent_kda(
     q: Tensor,
     k: Tensor,

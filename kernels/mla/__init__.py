@@ -13,6 +13,17 @@ from .naive import (
 )
 from .prefill_cpu import mla_prefill_cpu
 
+HEAD_BLOCK = 32
+"""Query rows (token, head) a split program of the absorbed prefill takes (absorbed.py): the decode kernel's own
+block at H 32."""
+
+
+def absorbed_splits(T: int, H: int, context: int, sm: int) -> int:
+    """Splits of the cached rows in the absorbed prefill (absorbed.py) for about two waves of (head block, split)
+    programs at T tokens of H heads over ``context`` rows: more would only add partials to merge (their traffic
+    grows with T x H), fewer leave multiprocessors idle."""
+    blocks = -(-(T * H) // HEAD_BLOCK)
+    return max(1, min(-(-context // 256), 2 * sm // blocks))
 
 def mla_decode_paged(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, seq_lens: Tensor, scale: float
@@ -106,7 +117,7 @@ def mla_prefill_absorbed_padded(
 
 
 __all__ = [
-    "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_absorbed", "mla_prefill_absorbed_padded",
+    "HEAD_BLOCK", "absorbed_splits", "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_absorbed", "mla_prefill_absorbed_padded",
     "mla_prefill_paged",
     "naive_mla_prefill", "naive_mla_prefill_paged",
 ]

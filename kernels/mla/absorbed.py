@@ -19,10 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import HEAD_BLOCK, absorbed_splits
 from .paged_decode import _LOG2E, _launch
-
-HEAD_BLOCK = 32
-"""Query rows (token, head) a split program takes: the decode kernel's own block at H 32."""
 
 
 def mla_prefill_absorbed(
@@ -48,14 +46,6 @@ def mla_prefill_absorbed(
         o = _merge(o, lse, *_cached_rows(q_lat[None], q[None, ..., dn:], kv_pages, pages[None, :], starts, scale,
                                          splits, kernel=True))
     return torch.einsum("thr,hvr->thv", o[0].to(q.dtype), w[:, dn:])
-
-
-def absorbed_splits(T: int, H: int, context: int, sm: int) -> int:
-    """Splits of the cached rows for about two waves of (head block, split) programs at T tokens of H heads over
-    ``context`` rows: more would only add partials to merge (their traffic grows with T x H), fewer leave
-    multiprocessors idle."""
-    blocks = -(-(T * H) // HEAD_BLOCK)
-    return max(1, min(-(-context // 256), 2 * sm // blocks))
 
 
 def mla_prefill_absorbed_padded(

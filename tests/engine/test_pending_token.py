@@ -60,7 +60,9 @@ async def test_the_pending_token_runs_as_a_decode_row(device: str, monkeypatch: 
     assert now["prefills_after_append"] == []  # no one-token prefill: each ran in a decode step
     assert now["tokens"] == before["tokens"]
     for a, b in zip(now["logprobs"], before["logprobs"]):
-        assert a == pytest.approx(b, abs=1e-4 if device == "cuda" else 1e-5)
+        # on a GPU the one-token prefill of "before" runs padded through the prefill graphs (MLA absorbed, other
+        # roundings), not the decode kernels: bf16-level differences
+        assert a == pytest.approx(b, abs=1e-3 if device == "cuda" else 1e-5)
     assert now["positions"] == before["positions"] and all(c == n - 1 for c, n in now["positions"])
     tol = dict(atol=2e-2, rtol=2e-2) if device == "cuda" else dict(atol=1e-5, rtol=1e-5)
     for (k1, c1), (k0, c0) in zip(now["states"], before["states"]):
