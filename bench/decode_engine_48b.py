@@ -390,6 +390,9 @@ def main() -> None:
     ap.add_argument("--turn-befores", default="pending,graphs",
                     help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs")
     ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
+    ap.add_argument("--prefill-graph-tokens", type=int, default=0,
+                    help="the longest chunk a prefill graph takes (prefill_graphs.PREFILL_GRAPH_MAX_TOKENS; 0: the "
+                         "library's)")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
                          "generate per decode-ahead setting")
@@ -409,6 +412,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     cuda = args.device == "cuda"
+    if args.prefill_graph_tokens:
+        from kda_sessions.model import prefill_graphs
+
+        prefill_graphs.PREFILL_GRAPH_MAX_TOKENS = args.prefill_graph_tokens
     res: dict[str, Any] = {"machine": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv)}
 

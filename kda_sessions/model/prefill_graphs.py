@@ -72,12 +72,14 @@ class PrefillGraphs:
     """
 
     def __init__(
-        self, model: HybridModel, pools: StatePools, max_batch: int = PREFILL_GRAPH_MAX_BATCH,
-        max_tokens: int = PREFILL_GRAPH_MAX_TOKENS, enabled: bool = True, min_width: int = 16,
+        self, model: HybridModel, pools: StatePools, max_batch: int | None = None, max_tokens: int | None = None,
+        enabled: bool = True, min_width: int = 16,
         capture_lock: AbstractContextManager | None = None, mempool: Any = None,
     ) -> None:
         if pools.scratch_slot is None or pools.scratch_page is None:
             raise ValueError("PrefillGraphs needs pools with a scratch slot and page (allocate_pools(scratch=True))")
+        max_batch = PREFILL_GRAPH_MAX_BATCH if max_batch is None else max_batch
+        max_tokens = PREFILL_GRAPH_MAX_TOKENS if max_tokens is None else max_tokens
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         self.model = model
