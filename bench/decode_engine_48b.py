@@ -262,9 +262,11 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
     device each layer (``offsets-from-device``, as before 9f70b6e), and 1 < N <= ``mla.ABSORBED_MAX_TOKENS`` with
     the MLA prefill decompressing the cached rows (``mla-decompressed``, as before); N > 0 with the prefill step
     run eagerly, not replayed from a CUDA graph (``prefill-eager``, as before ``model.prefill_graphs``; the offsets
-    and mla variants run eagerly too); ``befores`` picks of the four. Each variant runs once untimed first (graph
-    captures, compiles)."""
+    and mla variants run eagerly too); N > 16 with the MoE kernels' 64-row blocks from 257 pairs on
+    (``moe-bm64``: ``triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT`` 0, as before; its own prefill graphs, captured in the
+    untimed round); ``befores`` picks of the five. Each variant runs once untimed first (graph captures, compiles)."""
     from kda_sessions.engine import scheduler as scheduler_module
+    from kda_sessions.kernels.moe import triton_moe
     from kda_sessions.model import kda as kda_module
     from kda_sessions.model import mla as mla_module
     from kda_sessions.model.prefill_graphs import PrefillGraphs
@@ -285,11 +287,20 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
         variants += [(n, " mla-decompressed") for n in turns if 1 < n <= absorbed]
     if "graphs" in befores:
         variants += [(n, " prefill-eager") for n in turns if n > 0]
+    if "moe" in befores:
+        variants += [(n, " moe-bm64") for n in turns if n > 16]
+    runner = sessions[0].manager.core.runner
+    graphs, small = runner.prefill_graphs, triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT
+    alt = (PrefillGraphs(runner.model, runner.pools.tensors, capture_lock=runner.pools.mutex,
+                         mempool=runner.graphs.mempool) if graphs is not None and "moe" in befores else None)
     times: dict[str, list[float]] = {}
     for rep in range(reps + 1):
         for n, before in variants:
             if before in (" offsets-from-device", " mla-decompressed", " prefill-eager"):
                 PrefillGraphs.accepts = lambda self, num_new, starts: False  # type: ignore[method-assign]
+            if before == " moe-bm64":
+                triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT = 0
+                runner.prefill_graphs = alt
             if before == " pending-as-prefill":
                 scheduler_module.pending_token_only = lambda w: False
             if before == " offsets-from-device":
@@ -307,6 +318,7 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
             finally:
                 scheduler_module.pending_token_only, kda_module.chunk_kda = real, chunk
                 PrefillGraphs.accepts = accepts  # type: ignore[method-assign]
+                triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT, runner.prefill_graphs = small, graphs
                 mla_module.ABSORBED_MAX_TOKENS = absorbed
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
@@ -388,7 +400,7 @@ def main() -> None:
                          "for each comma-separated N (0: generate right after generate; also timed with the pending "
                          "token run as a one-token prefill, as before)")
     ap.add_argument("--turn-befores", default="pending,graphs",
-                    help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs")
+                    help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs, moe")
     ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
                     help="the longest chunk a prefill graph takes (prefill_graphs.PREFILL_GRAPH_MAX_TOKENS; 0: the "

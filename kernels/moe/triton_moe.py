@@ -55,13 +55,23 @@ class MoeLaunch:
     num_stages: int
 
 
-def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = None) -> MoeLaunch:
+SMALL_BLOCK_PAIRS_PER_EXPERT = 8
+"""``launch_config`` keeps 16-row blocks up to this many pairs per expert on average (with ``num_experts``): a short
+prefill's experts then get a block or two each, not one 64-row block of mostly padding. 0: by ``num_pairs`` alone
+(<= 256), as before."""
+
+
+def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = None,
+                  num_experts: int | None = None) -> MoeLaunch:
     """Few pairs (decode): 16-row blocks, each a GEMV-like read of one expert's tile; many pairs (prefill):
     64-row blocks that reuse each weight tile across rows. Chosen by ``bench/decode_48b.py --sweep`` on an H200
-    (docs/benchmarks.md) for 2-byte weights. ``max_shared``: the device's shared memory per block (bytes);
+    (docs/benchmarks.md) for 2-byte weights, up to 256 pairs; with ``num_experts``, 16-row blocks also up to
+    ``SMALL_BLOCK_PAIRS_PER_EXPERT`` pairs per expert (a short prefill: 64 tokens are ~2 pairs an expert at 256
+    experts, top 8 + the shared one). ``max_shared``: the device's shared memory per block (bytes);
     given, the pipeline gets fewer stages (then a shorter BK) until the up kernel's tiles of ``elem_size``-byte
     values fit in it (float32 prefill tiles at 4 stages need 240 KB, over an H200's 227)."""
-    cfg = (MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4) if num_pairs <= 256
+    few = num_pairs <= 256 or (num_experts is not None and num_pairs <= SMALL_BLOCK_PAIRS_PER_EXPERT * num_experts)
+    cfg = (MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4) if few
            else MoeLaunch(BM=64, BN=128, BK=64, num_warps=4, num_stages=4))
     if max_shared is None:
         return cfg
@@ -580,7 +590,7 @@ def fused_moe_triton(
         direct = cfg is None and T <= DIRECT_MAX_TOKENS
     if direct:
         return fused_moe_direct(x, w13, w2, chosen, weights)
-    cfg = cfg or launch_config(P, x.element_size(), max_shared_bytes(x.device) if x.is_cuda else None)
+    cfg = cfg or launch_config(P, x.element_size(), max_shared_bytes(x.device) if x.is_cuda else None, E)
     x = x.contiguous()
     align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch
     sorted_ids, block_expert, num_padded = align(chosen, E, cfg.BM)

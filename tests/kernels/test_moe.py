@@ -542,6 +542,17 @@ def test_route_kernels_on_the_gpu(T: int) -> None:
     assert rel_rms(w[same], rw[same]) < TOL_BF16
 
 
+def test_launch_config_keeps_small_blocks_for_a_short_prefill():
+    """64 tokens of top 8 + a shared expert at 257 experts are ~2 pairs an expert: 16-row blocks, not 64-row ones of
+    mostly padding; 1,024 tokens (36 an expert) get the 64-row blocks."""
+    from kda_sessions.kernels.moe.triton_moe import launch_config
+
+    assert launch_config(64 * 9, num_experts=257).BM == 16
+    assert launch_config(64 * 9).BM == 64  # without the experts' count: by pairs alone
+    assert launch_config(1024 * 9, num_experts=257).BM == 64
+    assert launch_config(200, num_experts=8).BM == 16
+
+
 @pytest.mark.parametrize("pairs", [8, 2048])
 @pytest.mark.parametrize("elem_size", [2, 4])
 def test_launch_config_fits_the_devices_shared_memory(pairs, elem_size):
