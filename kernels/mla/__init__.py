@@ -18,11 +18,11 @@ HEAD_BLOCK = 32
 block at H 32."""
 
 
-def absorbed_splits(T: int, H: int, context: int, sm: int) -> int:
+def absorbed_splits(T: int, H: int, context: int, sm: int, head_block: int = HEAD_BLOCK) -> int:
     """Splits of the cached rows in the absorbed prefill (absorbed.py) for about two waves of (head block, split)
     programs at T tokens of H heads over ``context`` rows: more would only add partials to merge (their traffic
     grows with T x H), fewer leave multiprocessors idle."""
-    blocks = -(-(T * H) // HEAD_BLOCK)
+    blocks = -(-(T * H) // head_block)
     return max(1, min(-(-context // 256), 2 * sm // blocks))
 
 def mla_decode_paged(
@@ -105,7 +105,7 @@ def mla_prefill_absorbed(
 
 def mla_prefill_absorbed_padded(
     q: Tensor, new: Tensor, kv_pages: Tensor, page_table: Tensor, starts: Tensor, w_kv_b: Tensor, dv: int,
-    scale: float, num_splits: int, kernel: bool | None = None,
+    scale: float, num_splits: int, kernel: bool | None = None, head_block: int = HEAD_BLOCK,
 ) -> Tensor:
     """N sequences' chunks padded to one length, absorbed, with fixed shapes and no host sync (what a CUDA graph of a
     short prefill captures): see ``absorbed.mla_prefill_absorbed_padded``. CUDA tensors go to the paged decode
@@ -113,7 +113,7 @@ def mla_prefill_absorbed_padded(
     ``kernel=True``)."""
     from .absorbed import mla_prefill_absorbed_padded as padded
 
-    return padded(q, new, kv_pages, page_table, starts, w_kv_b, dv, scale, num_splits, kernel)
+    return padded(q, new, kv_pages, page_table, starts, w_kv_b, dv, scale, num_splits, kernel, head_block)
 
 
 __all__ = [

@@ -50,7 +50,7 @@ def mla_prefill_absorbed(
 
 def mla_prefill_absorbed_padded(
     q: Tensor, new: Tensor, kv_pages: Tensor, page_table: Tensor, starts: Tensor, w_kv_b: Tensor, dv: int,
-    scale: float, num_splits: int, kernel: bool | None = None,
+    scale: float, num_splits: int, kernel: bool | None = None, head_block: int = HEAD_BLOCK,
 ) -> Tensor:
     """N sequences' chunks padded to Tb tokens each, absorbed, with no value read on the host (fixed shapes: a CUDA
     graph captures it): q [N, Tb, H, dn + dr], the queries of positions starts[n] .. starts[n] + Tb - 1 (rows past a
@@ -60,7 +60,8 @@ def mla_prefill_absorbed_padded(
     splits (``absorbed_splits`` at the longest context served). Returns o [N, Tb, H, dv] in q's dtype.
 
     ``kernel`` (default: q on CUDA): the cached rows through the paged decode kernel (CPU tensors then need
-    ``TRITON_INTERPRET=1``); False, through torch over every page of the table (its twin, for CPU tests)."""
+    ``TRITON_INTERPRET=1``), ``head_block`` query rows (token, head) a program; False, through torch over every page
+    of the table (its twin, for CPU tests)."""
     N, Tb, H, dk = q.shape
     r = w_kv_b.shape[1]
     dr = kv_pages.shape[-1] - r
@@ -73,7 +74,7 @@ def mla_prefill_absorbed_padded(
     q_pe = q[..., dn:]
     o, lse = _new_rows(q_lat, q_pe, new, scale)
     o = _merge(o, lse, *_cached_rows(q_lat, q_pe, kv_pages, page_table, starts, scale, num_splits,
-                                     kernel=q.is_cuda if kernel is None else kernel))
+                                     kernel=q.is_cuda if kernel is None else kernel, head_block=head_block))
     return torch.einsum("nthr,hvr->nthv", o.to(q.dtype), w[:, dn:])
 
 
@@ -92,7 +93,7 @@ def _new_rows(q_lat: Tensor, q_pe: Tensor, new: Tensor, scale: float) -> tuple[T
 
 def _cached_rows(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, starts: Tensor, scale: float, splits: int,
-    kernel: bool,
+    kernel: bool, head_block: int = HEAD_BLOCK,
 ) -> tuple[Tensor, Tensor]:
     """The queries over each sequence's first starts[n] (>= 1) cached rows: (o [N, T, H, r] float32, lse [N, T, H],
     natural log). With ``kernel``, the paged decode kernel with the T x H queries as the heads of their sequence
@@ -103,7 +104,7 @@ def _cached_rows(
         lse = torch.empty(N, T * H, device=q_lat.device, dtype=torch.float32)
         o = _launch(q_lat.reshape(N, T * H, r).contiguous(), q_pe.reshape(N, T * H, dr).to(q_lat.dtype).contiguous(),
                     kv_pages.contiguous(), page_table.to(torch.int32).contiguous(), starts.to(torch.int32), float(scale),
-                    num_splits=splits, BH=HEAD_BLOCK, form="tokens", lse_out=lse)
+                    num_splits=splits, BH=head_block, form="tokens", lse_out=lse)
         return o.view(N, T, H, r).float(), lse.view(N, T, H) / _LOG2E  # base 2 -> natural
     lat = kv_pages[page_table.long()].flatten(1, 2).float()  # [N, L, r + dr], every page of the table
     s = (torch.einsum("nthr,nlr->nthl", q_lat.float(), lat[..., :r])
