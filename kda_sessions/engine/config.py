@@ -84,7 +84,7 @@ class EngineConfig(BaseModel):
     cuda_graphs: bool = True
     """On a CUDA device, decode steps of up to 64 sequences replay a CUDA graph captured per batch bucket (1, 2,
     4, ... 64) and page-table width, instead of launching every kernel from Python; so do prefill steps of up to 8
-    chunks of at most 64 tokens after at least one cached token, with no checkpoint inside (an agent's tool output:
+    chunks of at most 128 tokens after at least one cached token, with no checkpoint inside (an agent's tool output:
     ``model.prefill_graphs``). No effect on a CPU."""
     decode_ahead: bool = True
     """On a CUDA device with ``cuda_graphs``, while only decode rows run and none has a constraint (``tool_choice``,

@@ -37,9 +37,12 @@ from .model import HybridModel
 
 log = logging.getLogger(__name__)
 
-PREFILL_GRAPH_MAX_TOKENS = 64
-"""The longest chunk a prefill graph takes (buckets 16, 32, 64): MLA attends absorbed in it, whose cost per cached row
-grows with the chunk (kernels/mla/absorbed.py: no faster than the decompressed kernel from ~128 tokens at 128K)."""
+PREFILL_GRAPH_MAX_TOKENS = 128
+"""The longest chunk a prefill graph takes (buckets 16, 32, 64, 128). MLA attends absorbed in it, whose cost per
+cached row grows with the chunk (2 T H (2 r + dr) flops a row): replayed, 3.6 ms a layer for 128 tokens after 128K
+(27 ms after 1M) against the decompressed kernel's ~4.7 (~37). Turns through the Engine (H100, the 48B shape's first
+16 layers): 128 tokens graphed 44.6 ms against 52.5 eager at 1 x 128K, 114.7 against 118.2 at 8 x 32K
+(docs/benchmarks.md, "Agents' turns"); longer chunks are not timed graphed."""
 PREFILL_GRAPH_MAX_BATCH = 8
 """The most sequences of a prefill graph (buckets 1, 2, 4, 8)."""
 MIN_CHUNK_BUCKET = 16

@@ -168,4 +168,4 @@ def test_graph_replay_matches_eager_on_cuda(dtype: torch.dtype):
             assert rel_err(y[seqs], z[seqs]) < 1e-3
             if dtype == torch.float32:
                 assert rel_err(y[seqs], x[seqs]) < tol
-    assert graphs.replays == 3 and graphs.captures == 2, graphs.capture_error
+    assert graphs.replays == 3 and graphs.captures == 3, graphs.capture_error  # chunk buckets 32, 64, 16
