@@ -22,8 +22,10 @@ step eagerly, which is what the CPU tests check against ``HybridModel.step``.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,6 +49,42 @@ def batch_buckets(max_batch: int) -> list[int]:
     if out[-1] != max_batch:
         out.append(max_batch)
     return out
+
+
+def width_bucket(max_pages: int, min_width: int, max_width: int) -> int:
+    """The page-table width of a graph that serves sequences of up to ``max_pages`` pages: a power of two pages, at
+    least ``min_width``, at most ``max_width`` (a pool's page count), never below ``max_pages``."""
+    w = min_width
+    while w < max_pages:
+        w *= 2
+    return max(min(w, max_width), max_pages)
+
+
+def upload(ints: Tensor, host: Tensor) -> torch.cuda.Event | None:
+    """Copy a graph's host input buffer into its device buffer: on CUDA without waiting, returning the event after
+    which the host buffer may be written again."""
+    if ints.device.type != "cuda":
+        ints.copy_(host)
+        return None
+    ints.copy_(host, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return copied
+
+
+def capture_graph(run: Callable[[], Tensor], device: torch.device, mempool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+    """``run`` warmed up twice on a side stream (Triton compiles on first call, cuBLAS picks its kernels), then
+    captured into the private pool ``mempool``: (the graph, the output it writes on every replay)."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+        out = run()
+    return graph, out
 
 
 @dataclass
@@ -123,10 +161,7 @@ class DecodeGraphs:
         return next(b for b in self.buckets if b >= n)
 
     def width(self, max_pages: int) -> int:
-        w = self.min_width
-        while w < max_pages:
-            w *= 2
-        return max(min(w, self.max_width), max_pages)
+        return width_bucket(max_pages, self.min_width, self.max_width)
 
     def graph_for(self, n: int, max_pages: int) -> torch.cuda.CUDAGraph | None:
         """The captured graph that serves n sequences of at most ``max_pages`` pages (None before capture)."""
@@ -228,12 +263,7 @@ class DecodeGraphs:
                 table[i, : len(p)] = p
                 table[i, len(p) :] = scratch_page
             st.rows[i] = (p, len(p))
-        if self.device.type == "cuda":
-            st.ints.copy_(st.host, non_blocking=True)
-            st.copied = torch.cuda.Event()
-            st.copied.record()
-        else:
-            st.ints.copy_(st.host)
+        st.copied = upload(st.ints, st.host)
 
     def _feed(self, st: _Static, feed: Feed) -> None:
         """After ``_fill``'s copy: the fed rows' ids from ``feed.tokens``, and the rows whose token stops their
@@ -255,15 +285,8 @@ class DecodeGraphs:
         capture turns graphs off and leaves the eager static path."""
         self._fill(st, [], [], [], [])
         try:
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.model.decode(st.inputs, self.pools, st.kv_rows)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.mempool, capture_error_mode="thread_local"):
-                out = self.model.decode(st.inputs, self.pools, st.kv_rows)
+            graph, out = capture_graph(lambda: self.model.decode(st.inputs, self.pools, st.kv_rows), self.device,
+                                       self.mempool)
         except Exception as e:
             log.warning("CUDA graph capture failed for batch %d, width %d: decode runs eagerly", st.bs, st.width,
                         exc_info=True)

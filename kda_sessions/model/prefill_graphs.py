@@ -32,7 +32,7 @@ from torch import Tensor
 from ..kernels.kda import chunk_table
 from ..kernels.mla import absorbed_splits
 from .batch import PaddedPrefill, StatePools
-from .graphs import batch_buckets
+from .graphs import batch_buckets, capture_graph, upload, width_bucket
 from .model import HybridModel
 
 log = logging.getLogger(__name__)
@@ -115,10 +115,7 @@ class PrefillGraphs:
                 and all(1 <= t <= self.max_tokens for t in num_new) and all(s >= 1 for s in starts))
 
     def width(self, max_pages: int) -> int:
-        w = self.min_width
-        while w < max_pages:
-            w *= 2
-        return max(min(w, self.max_width), max_pages)
+        return width_bucket(max_pages, self.min_width, self.max_width)
 
     def key(self, num_new: list[int], max_pages: int) -> tuple[int, int, int]:
         """(sequences bucket, chunk bucket, width) of a step."""
@@ -217,12 +214,7 @@ class PrefillGraphs:
         start_h[:N], start_h[N:] = starts, 1
         len_h[:N], len_h[N:] = num_new, 1
         last_h[:] = np.arange(bs) * tb + len_h - 1
-        if self.device.type == "cuda":
-            st.ints.copy_(st.host, non_blocking=True)
-            st.copied = torch.cuda.Event()
-            st.copied.record()
-        else:
-            st.ints.copy_(st.host)
+        st.copied = upload(st.ints, st.host)
 
     # -- capture -------------------------------------------------------------------------------------------
 
@@ -234,15 +226,8 @@ class PrefillGraphs:
         try:
             # the KDA kernels' chunk table of this layout, cached by them: kept alive as long as the graph reads it
             st.keep.append(chunk_table([n * st.tb for n in range(st.bs + 1)], self.device))
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self.model.prefill_padded(st.inputs, self.pools)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._mempool, capture_error_mode="thread_local"):
-                out = self.model.prefill_padded(st.inputs, self.pools)
+            graph, out = capture_graph(lambda: self.model.prefill_padded(st.inputs, self.pools), self.device,
+                                       self._mempool)
         except Exception as e:
             log.warning("CUDA graph capture failed for a prefill of %d x %d tokens, width %d: short prefills run "
                         "eagerly", st.bs, st.tb, st.width, exc_info=True)

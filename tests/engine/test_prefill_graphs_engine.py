@@ -14,15 +14,21 @@ from kda_sessions.model.prefill_graphs import PrefillGraphs
 from .test_decode_ahead import prompt, together
 
 
+def padded_or_not(eng: ks.Engine, device: str, graphs: bool):  # type: ignore[no-untyped-def]
+    """The engine's runner with ``PrefillGraphs`` (on the CPU its static-buffer step, eagerly) or without any."""
+    r = eng.runner
+    if device == "cpu" and graphs:
+        r.prefill_graphs = PrefillGraphs(r.model, r.pools.tensors, enabled=False, capture_lock=r.pools.mutex)
+    if not graphs:
+        r.prefill_graphs = None
+    return r
+
+
 async def turns(device: str, graphs: bool) -> dict:
     """Two sessions: a 40-token prompt (prefilled from nothing: eager), a reply, then two tool outputs of 9 and 23
     tokens each (short appends after a cached context: the padded step), a reply after each."""
     async with await ks.Engine.open(store="memory:", device=device, page_size=16) as eng:
-        r = eng.runner
-        if device == "cpu" and graphs:
-            r.prefill_graphs = PrefillGraphs(r.model, r.pools.tensors, enabled=False, capture_lock=r.pools.mutex)
-        if not graphs:
-            r.prefill_graphs = None
+        r = padded_or_not(eng, device, graphs)
         ss = [await eng.create_session() for _ in range(2)]
         for i, s in enumerate(ss):
             await s.append(prompt(i, 40))
@@ -59,11 +65,7 @@ async def chat(device: str, graphs: bool) -> dict:
     """Two chat sessions, two turns each (the second's input after a cached context: short, with its message's end
     a checkpoint inside the chunk), then a fork from that checkpoint generating on."""
     async with await ks.Engine.open(store="memory:", device=device, page_size=16) as eng:
-        r = eng.runner
-        if device == "cpu" and graphs:
-            r.prefill_graphs = PrefillGraphs(r.model, r.pools.tensors, enabled=False, capture_lock=r.pools.mutex)
-        if not graphs:
-            r.prefill_graphs = None
+        r = padded_or_not(eng, device, graphs)
         ss = [await eng.create_session() for _ in range(2)]
         first = [await s.send(f"hi {i}", max_tokens=3, ignore_eos=True) for i, s in enumerate(ss)]
         second: list = [None, None]

@@ -18,7 +18,7 @@ import torch
 from kda_sessions.model import HybridModel, load_model
 from kda_sessions.model.prefill_graphs import PrefillGraphs
 
-from .test_cuda_graph_decode import Sessions, rel_err
+from .test_cuda_graph_decode import Sessions, rel_err, twins
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -27,14 +27,6 @@ if not torch.cuda.is_available():
 @pytest.fixture(scope="module")
 def model() -> HybridModel:
     return load_model("tiny-random")
-
-
-def twins(model: HybridModel, contexts: list[int], seed: int) -> tuple[Sessions, Sessions]:
-    g = torch.Generator().manual_seed(seed)
-    a = Sessions(model, len(contexts), 64)
-    for s, n in enumerate(contexts):
-        a.prefill(s, torch.randint(0, 272, (n,), generator=g).tolist())
-    return a, a.clone()
 
 
 def eager_chunks(sess: Sessions, seqs: list[int], chunks: list[list[int]]) -> torch.Tensor:
