@@ -485,16 +485,16 @@ class Runner:
             logits = graphs.run([t for n in act for t in ids[first[n] + pieces[n][r][0] : first[n] + pieces[n][r][1]]],
                                 [pieces[n][r][1] - pieces[n][r][0] for n in act], slots,
                                 [starts[n] + pieces[n][r][0] for n in act], [s.pages for s in seqs])
-            if rounds == 1:
-                return logits
             for i, n in enumerate(act):
                 end, s = starts[n] + pieces[n][r][1], works[n].session
                 for c in wanted[n]:
-                    if c.target == end:
+                    if c.target == end:  # a piece's end, the chunk's own included
                         with self.pools.mutex:
                             capture(s, c, c.target, self.pools.read_slot_async(slots[i]), self.pools)
-                if r == len(pieces[n]) - 1:
+                if rounds > 1 and r == len(pieces[n]) - 1:
                     rows.append((n, logits[i : i + 1].clone()))
+            if rounds == 1:
+                return logits
         return torch.cat([row for _, row in sorted(rows, key=lambda x: x[0])])
 
     def _decode(self, works: list[Work], out: StepResult) -> None:

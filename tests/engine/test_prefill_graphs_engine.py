@@ -138,3 +138,37 @@ async def test_random_agent_calls_give_the_same_tokens_padded(seed: int):
     eager, none = await random_ops(seed, False)
     assert steps >= 1 and none == 0
     assert padded == eager
+
+
+@pytest.mark.parametrize("with_inside", [False, True], ids=["end", "inside-and-end"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["padded", "eager"])
+async def test_a_checkpoint_at_the_chunks_end_is_captured(graphs: bool, with_inside: bool):
+    """A checkpoint whose target is the chunk's last position: the padded step captures it from the slot after the
+    replay (one piece, or the last of two), as the eager step's kernels give it (the state after the chunk); one
+    inside the same chunk is captured between the two pieces."""
+    from kda_sessions.engine.runner import StepResult
+    from kda_sessions.engine.scheduler import Work
+    from kda_sessions.engine.sequence import Checkpoint
+    from kda_sessions.types import SamplingParams
+
+    async with await ks.Engine.open(store="memory:", device="cpu", page_size=16) as eng:
+        r = padded_or_not(eng, "cpu", graphs)
+        s = await eng.create_session()
+        await s.append(prompt(0, 40))  # the step thread is idle once this returns
+        seq = eng.sessions[s.id]
+        lo, n = seq.num_cached, 11
+        seq.tokens.extend(range(5, 5 + n - 1))
+        inside = Checkpoint(name="inside", position=lo + 5, state_pos=-1)  # target lo + 4
+        end = Checkpoint(name="end", position=lo + n + 1, state_pos=-1)  # target lo + n: the chunk's end
+        w = Work(session=seq, prompt=seq.tokens[lo:], params=SamplingParams(max_tokens=1), prefill_only=True,
+                 checkpoints=[inside, end] if with_inside else [end])
+        r._prefill([(w, n)], StepResult())
+        assert seq.num_cached == lo + n and end.state_pos == lo + n
+        assert inside.state_pos == (lo + 4 if with_inside else -1)
+        got = r.pools.host.get(end.state_id)
+        now = r.pools.read_slot(seq.slot)
+        for a, b in zip(got, now):
+            assert torch.equal(a, b)
+        assert seq.checkpoints["end"] is end and (seq.checkpoints.get("inside") is inside) == with_inside
+        padded_steps = r.prefill_graphs.eager_runs if r.prefill_graphs is not None else 0
+        assert padded_steps == ((2 if with_inside else 1) if graphs else 0)  # cut at the inside checkpoint
