@@ -461,17 +461,20 @@ class Runner:
 
     def _prefill_graphed(self, works: list[Work], ids: list[int], num_new: list[int], starts: list[int],
                          positions: list[list[int]], wanted: list[list[Checkpoint]]) -> Tensor:
-        """The prefill step of short chunks through ``prefill_graphs`` (one graph replay), in rounds where a chunk
-        holds checkpoints: round r runs every sequence's r-th piece, each cut at its checkpoint positions, and the
-        checkpoints at a piece's end are captured from the slot after it (the state there, in the stream's order).
-        A chat turn's input (its message's end a checkpoint, the assistant's header after it) takes two replays
-        instead of an eager step. Returns logits [N, vocab], each chunk's last token's."""
+        """The prefill step of short chunks through ``prefill_graphs``: one graph replay, which also returns the
+        state at one checkpoint inside each chunk (a chat turn's input: its message's end, then the assistant's
+        header); where a chunk holds more, in rounds: round r runs every sequence's r-th piece, each cut at its
+        checkpoint positions. Checkpoints at a piece's end, the chunk's own included, are captured from the slot
+        after it (the state there, in the stream's order). Returns logits [N, vocab], each chunk's last token's."""
         graphs = self.prefill_graphs
         assert graphs is not None
-        pieces = []  # per sequence: (from, to) relative to its chunk
-        for t, rel in zip(num_new, positions):
-            cuts = [p for p in rel if p < t] + [t]
-            pieces.append(list(zip([0, *cuts[:-1]], cuts)))
+        inside = [[p for p in rel if p < t] for t, rel in zip(num_new, positions)]
+        if all(len(p) <= 1 for p in inside):
+            pieces = [[(0, t)] for t in num_new]
+            at: list[int] | None = [p[0] if p else t for p, t in zip(inside, num_new)] if any(inside) else None
+        else:
+            pieces = [list(zip([0, *cuts], [*cuts, t])) for cuts, t in zip(inside, num_new)]
+            at = None
         first = [0]
         for t in num_new:
             first.append(first[-1] + t)
@@ -482,15 +485,21 @@ class Runner:
             seqs = [works[n].session for n in act]
             slots = [s.slot for s in seqs if s.slot is not None]
             assert len(slots) == len(seqs)
-            logits = graphs.run([t for n in act for t in ids[first[n] + pieces[n][r][0] : first[n] + pieces[n][r][1]]],
-                                [pieces[n][r][1] - pieces[n][r][0] for n in act], slots,
-                                [starts[n] + pieces[n][r][0] for n in act], [s.pages for s in seqs])
+            logits, states = graphs.run(
+                [t for n in act for t in ids[first[n] + pieces[n][r][0] : first[n] + pieces[n][r][1]]],
+                [pieces[n][r][1] - pieces[n][r][0] for n in act], slots, [starts[n] + pieces[n][r][0] for n in act],
+                [s.pages for s in seqs], at)
             for i, n in enumerate(act):
                 end, s = starts[n] + pieces[n][r][1], works[n].session
                 for c in wanted[n]:
                     if c.target == end:  # a piece's end, the chunk's own included
                         with self.pools.mutex:
                             capture(s, c, c.target, self.pools.read_slot_async(slots[i]), self.pools)
+                    elif states is not None and inside[n] and c.target == starts[n] + inside[n][0]:
+                        # copied off the graph's static outputs before any later replay can write them
+                        state = self._to_host(states.kda[i].clone(), states.conv[i].clone())
+                        with self.pools.mutex:
+                            capture(s, c, c.target, state, self.pools)
                 if rounds > 1 and r == len(pieces[n]) - 1:
                     rows.append((n, logits[i : i + 1].clone()))
             if rounds == 1:

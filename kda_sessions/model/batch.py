@@ -129,7 +129,9 @@ class PaddedPrefill:
     padding's on a scratch page); page_table [N, max_pages] int32 covering each sequence's cached rows; last [N]
     int64, the flat index of each chunk's last real token; bounds [N + 1] int64, arange(N + 1) * Tb (the packed
     sequences as the conv kernel takes them). ``mla_splits``: the cached rows' splits in the MLA layers (fixed when
-    captured: ``absorbed_splits`` at the longest context the page table holds).
+    captured: ``absorbed_splits`` at the longest context the page table holds). ``ck_lens`` [N] int32 in [1, lens[n]]
+    or None: the step also returns each sequence's KDA states and conv tails after that many of its chunk's tokens
+    (a checkpoint inside the chunk).
 
     Padding tokens leave a sequence's state as its real tokens left it: their KDA gate and beta are zeroed (no
     decay, no update), its conv tail is taken after its real tokens, their cache rows land on the scratch page,
@@ -144,6 +146,7 @@ class PaddedPrefill:
     last: Tensor
     bounds: Tensor
     mla_splits: int
+    ck_lens: Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -154,10 +157,10 @@ class PaddedPrefill:
         """Tb."""
         return self.input_ids.shape[0] // self.slots.shape[0]
 
-    def valid(self) -> Tensor:
-        """[N * Tb] bool: True at each chunk's real tokens."""
-        Tb = self.chunk
-        return (torch.arange(Tb, device=self.lens.device)[None, :] < self.lens[:, None]).reshape(-1)
+    def valid(self, lens: Tensor | None = None) -> Tensor:
+        """[N * Tb] bool: True at each chunk's first ``lens`` [N] tokens (default: its real ones)."""
+        lens = self.lens if lens is None else lens
+        return (torch.arange(self.chunk, device=lens.device)[None, :] < lens[:, None]).reshape(-1)
 
 
 @dataclass

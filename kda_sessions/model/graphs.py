@@ -25,7 +25,7 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -36,6 +36,8 @@ from .batch import DecodeInputs, StatePools
 from .model import HybridModel
 
 log = logging.getLogger(__name__)
+
+Out = TypeVar("Out")
 
 MAX_DECODE_BATCH = 64
 """The default largest decode batch captured (buckets 1, 2, 4, ... 64)."""
@@ -72,7 +74,7 @@ def upload(ints: Tensor, host: Tensor) -> torch.cuda.Event | None:
     return copied
 
 
-def capture_graph(run: Callable[[], Tensor], device: torch.device, mempool: Any) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+def capture_graph(run: Callable[[], Out], device: torch.device, mempool: Any) -> tuple[torch.cuda.CUDAGraph, Out]:
     """``run`` warmed up twice on a side stream (Triton compiles on first call, cuBLAS picks its kernels), then
     captured into the private pool ``mempool``: (the graph, the output it writes on every replay)."""
     side = torch.cuda.Stream(device=device)

@@ -96,32 +96,45 @@ class KDAAttention(nn.Module):
         return self._output(x, o, og), ck_state, ck_tail
 
     def prefill_padded(self, x: Tensor, inp: PaddedPrefill, valid: Tensor, state: Tensor, conv_state: Tensor
-                       ) -> Tensor:
+                       ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """``forward`` of a padded prefill (``PaddedPrefill``: N chunks of Tb tokens, lens[n] of them real), graph-safe
         (fixed shapes, no host sync): x [N * Tb, D], valid [N * Tb] bool (``inp.valid()``). The padding's gate and beta
         are zeroed, so each state ends as its real tokens leave it; the conv tail is taken after the real tokens.
-        Updates ``state`` and ``conv_state`` at the slots in place; returns [N * Tb, D] (padding rows: garbage)."""
+        Updates ``state`` and ``conv_state`` at the slots in place. Returns (y [N * Tb, D] (padding rows: garbage),
+        with ``inp.ck_lens`` the states [N, H, K, V] float32 and conv tails [N, W - 1, Dc] after ck_lens[n] tokens:
+        the recurrence run a second time with every later token zeroed as padding is, else None, None)."""
         N, Tb = inp.num_seqs, inp.chunk
         H, K, V, W = self.H, self.K, self.V, self.W
         slots = inp.slots
         qkv, raw, b, og = self._projections(x)
         tails = conv_state[slots]  # [N, W - 1, Dc]
         y, _, _ = causal_conv(qkv, self.conv_weight(), tails, inp.bounds)
-        # the new tail: the W - 1 pre-conv rows before position lens[n] of cat(tail, chunk)
         seq = torch.cat([tails.to(qkv.dtype), qkv.view(N, Tb, -1)], dim=1)  # [N, W - 1 + Tb, Dc]
-        at = inp.lens[:, None] + torch.arange(W - 1, device=x.device)  # [N, W - 1]
-        conv_state[slots] = seq.gather(1, at[..., None].expand(-1, -1, seq.shape[-1])).to(conv_state.dtype)
+
+        def tail_after(lens: Tensor) -> Tensor:  # the W - 1 pre-conv rows before position lens[n] of cat(tail, chunk)
+            at = lens[:, None] + torch.arange(W - 1, device=x.device)  # [N, W - 1]
+            return seq.gather(1, at[..., None].expand(-1, -1, seq.shape[-1])).to(conv_state.dtype)
+
         q, k, v, g, beta = self._qkv_gate(y, raw, b)
-        keep = valid.to(g.dtype)
-        g = g * keep[None, :, None, None]  # no decay at the padding
-        beta = beta * keep[None, :, None]  # and no update
-        o, final, _ = chunk_kda(
-            q.view(N, Tb, H, K), k.view(N, Tb, H, K), v.view(N, Tb, H, V), g.view(N, Tb, H, K), beta.view(N, Tb, H),
-            initial_state=state[slots], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        )
-        assert final is not None
+        q, k, v = q.view(N, Tb, H, K), k.view(N, Tb, H, K), v.view(N, Tb, H, V)
+        g, beta = g.view(N, Tb, H, K), beta.view(N, Tb, H)
+        h0 = state[slots]
+
+        def recurrence(keep: Tensor) -> tuple[Tensor, Tensor]:  # no decay and no update where keep [N * Tb] is False
+            k_ = keep.to(g.dtype).view(N, Tb)
+            o, final, _ = chunk_kda(q, k, v, g * k_[..., None, None], beta * k_[..., None], initial_state=h0,
+                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+            assert final is not None
+            return o, final
+
+        ck_state = ck_tail = None
+        if inp.ck_lens is not None:
+            _, ck_state = recurrence(inp.valid(inp.ck_lens))
+            ck_tail = tail_after(inp.ck_lens)
+        o, final = recurrence(valid)
         state[slots] = final
-        return self._output(x, o.view(1, N * Tb, H, V), og)
+        conv_state[slots] = tail_after(inp.lens)
+        return self._output(x, o.view(1, N * Tb, H, V), og), ck_state, ck_tail
 
     def decode(self, x: Tensor, slots: Tensor, cu_seqlens: Tensor, state: Tensor, conv_state: Tensor) -> Tensor:
         """One new token per sequence, graph-safe (no host sync, fixed shapes): x [N, D], slots [N] int,

@@ -190,25 +190,34 @@ class HybridModel(nn.Module):
         return self._decode(inp, pools, kv_rows)
 
     @torch.inference_mode()
-    def prefill_padded(self, inp: PaddedPrefill, pools: StatePools) -> Tensor:
-        """The graph-safe prefill step of short chunks (``PaddedPrefill``: N chunks padded to Tb tokens, no
-        checkpoints), what ``prefill_graphs.PrefillGraphs`` captures: the same states, cache rows and last-token
-        logits as ``step`` of the real tokens, to float rounding (MLA attends absorbed at every context). Returns
-        logits [N, vocab] float32, each chunk's last real token's."""
+    def prefill_padded(self, inp: PaddedPrefill, pools: StatePools) -> tuple[Tensor, CheckpointStates | None]:
+        """The graph-safe prefill step of short chunks (``PaddedPrefill``: N chunks padded to Tb tokens), what
+        ``prefill_graphs.PrefillGraphs`` captures: the same states, cache rows and last-token logits as ``step`` of
+        the real tokens, to float rounding (MLA attends absorbed at every context). Returns (logits [N, vocab]
+        float32, each chunk's last real token's; with ``inp.ck_lens`` the states after ck_lens[n] tokens of each
+        chunk, kda [N, L_kda, H, K, V] float32 and conv [N, L_kda, W - 1, Dc], else None)."""
         x = self.model.embed_tokens(inp.input_ids)  # [N * Tb, D]
         valid = inp.valid()
+        ck_kda: list[Tensor] = []
+        ck_conv: list[Tensor] = []
         ik = im = 0
         layers = self._layers()
         h = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
             if isinstance(layer.self_attn, KDAAttention):
-                a = layer.self_attn.prefill_padded(h, inp, valid, pools.kda[ik], pools.conv[ik])
+                a, s_at, c_at = layer.self_attn.prefill_padded(h, inp, valid, pools.kda[ik], pools.conv[ik])
+                if s_at is not None and c_at is not None:
+                    ck_kda.append(s_at)
+                    ck_conv.append(c_at)
                 ik += 1
             else:
                 a = layer.self_attn.prefill_padded(h, inp, pools.kv[im])
                 im += 1
             x, h = self._residual_norms(i, layer, x, a)
-        return self.lm_head(h[inp.last]).float()
+        logits = self.lm_head(h[inp.last]).float()
+        if inp.ck_lens is None or not ck_kda:
+            return logits, None
+        return logits, CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))
 
     def compile_cpu_decode(self, weight_dtype: torch.dtype | None = None) -> bool:
         """Run every later CPU decode step of one sequence as one ``torch.compile``d function (inductor's C++): the

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..kernels.kda import chunk_table
 from ..kernels.mla import absorbed_splits
-from .batch import PaddedPrefill, StatePools
+from .batch import CheckpointStates, PaddedPrefill, StatePools
 from .graphs import batch_buckets, capture_graph, upload, width_bucket
 from .model import HybridModel
 
@@ -51,8 +51,8 @@ MIN_CHUNK_BUCKET = 16
 @dataclass
 class _Static:
     """One graph's static inputs: bs sequences of tb tokens, width pages each, in one int32 device buffer (ids |
-    slots | starts | lens | last | kv_rows as int64 | page table, each part 16-byte aligned), its host twin (pinned on
-    CUDA), and the captured graph with its output logits [bs, vocab]."""
+    slots | starts | lens | last | ck_lens | kv_rows as int64 | page table, each part 16-byte aligned), its host twin
+    (pinned on CUDA), and the captured graph with its outputs (``HybridModel.prefill_padded``'s)."""
 
     bs: int
     tb: int
@@ -61,7 +61,7 @@ class _Static:
     host: Tensor
     inputs: PaddedPrefill
     graph: torch.cuda.CUDAGraph | None = None
-    out: Tensor | None = None
+    out: tuple[Tensor, CheckpointStates | None] | None = None
     copied: torch.cuda.Event | None = None
     keep: list[Any] = field(default_factory=list)
     """Device tensors the graph reads that no one else keeps alive (the KDA kernels' cached chunk table)."""
@@ -101,7 +101,7 @@ class PrefillGraphs:
         self.capture_lock = capture_lock or nullcontext()
         self._sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                     if self.device.type == "cuda" else 4)
-        self._static: dict[tuple[int, int, int], _Static] = {}
+        self._static: dict[tuple[int, int, int, bool], _Static] = {}
         self._mempool = (mempool if mempool is not None else torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.replays = 0
         self.captures = 0
@@ -117,18 +117,21 @@ class PrefillGraphs:
     def width(self, max_pages: int) -> int:
         return width_bucket(max_pages, self.min_width, self.max_width)
 
-    def key(self, num_new: list[int], max_pages: int) -> tuple[int, int, int]:
-        """(sequences bucket, chunk bucket, width) of a step."""
+    def key(self, num_new: list[int], max_pages: int, checkpoint: bool = False) -> tuple[int, int, int, bool]:
+        """(sequences bucket, chunk bucket, width, whether it returns states inside the chunks) of a step."""
         bs = next(b for b in self.batch_buckets if b >= len(num_new))
         tb = next(b for b in self.chunk_buckets if b >= max(num_new))
-        return bs, tb, self.width(max_pages)
+        return bs, tb, self.width(max_pages), checkpoint
 
     @torch.inference_mode()
     def run(self, input_ids: list[int], num_new: list[int], slots: list[int], starts: list[int],
-            pages: list[list[int]]) -> Tensor:
+            pages: list[list[int]], checkpoint_at: list[int] | None = None) -> tuple[Tensor, CheckpointStates | None]:
         """One prefill step: sequence n feeds the next ``num_new[n]`` of ``input_ids`` (packed in sequence order)
         at positions ``starts[n]`` .. from KDA slot ``slots[n]``, its pages ``pages[n]`` covering starts[n] +
-        num_new[n] tokens (allocated by the caller). Returns logits [N, vocab] float32, each chunk's last token's."""
+        num_new[n] tokens (allocated by the caller). Returns (logits [N, vocab] float32, each chunk's last token's;
+        with ``checkpoint_at`` [N], p in [1, num_new[n]], the states after p tokens of each chunk (kda [N, L_kda,
+        H, K, V] float32, conv [N, L_kda, W - 1, Dc]), else None). On CUDA the tensors are the graph's static
+        outputs, valid until its next replay."""
         N = len(num_new)
         if not self.accepts(num_new, starts) or not (len(slots) == len(pages) == N):
             raise ValueError(f"need 1..{self.max_batch} sequences of 1..{self.max_tokens} tokens after >= 1 cached "
@@ -136,27 +139,35 @@ class PrefillGraphs:
                              f"{len(slots)} slots, {len(pages)} page lists")
         if len(input_ids) != sum(num_new):
             raise ValueError(f"input_ids holds {len(input_ids)} tokens, num_new sums to {sum(num_new)}")
-        st = self._get(*self.key(num_new, max(len(p) for p in pages)))
+        if checkpoint_at is not None and not (len(checkpoint_at) == N
+                                              and all(1 <= p <= t for p, t in zip(checkpoint_at, num_new))):
+            raise ValueError(f"checkpoint_at needs one position in [1, num_new[n]] per sequence, got {checkpoint_at} "
+                             f"for num_new={num_new}")
+        st = self._get(*self.key(num_new, max(len(p) for p in pages), checkpoint_at is not None))
         if st.graph is None and self.use_graphs:
             with self.capture_lock:
                 self._capture(st)
-        self._fill(st, input_ids, num_new, slots, starts, pages)
+        self._fill(st, input_ids, num_new, slots, starts, pages, checkpoint_at)
         if st.graph is not None:
             st.graph.replay()
             self.replays += 1
             assert st.out is not None
-            return st.out[:N]
-        self.eager_runs += 1
-        return self.model.prefill_padded(st.inputs, self.pools)[:N]
+            logits, states = st.out
+        else:
+            self.eager_runs += 1
+            logits, states = self.model.prefill_padded(st.inputs, self.pools)
+        if states is not None:
+            states = CheckpointStates(kda=states.kda[:N], conv=states.conv[:N])
+        return logits[:N], states
 
     # -- static buffers --------------------------------------------------------------------------------------
 
-    def _get(self, bs: int, tb: int, width: int) -> _Static:
-        key = (bs, tb, width)
+    def _get(self, bs: int, tb: int, width: int, checkpoint: bool) -> _Static:
+        key = (bs, tb, width, checkpoint)
         if key not in self._static:
             b4 = -(-bs // 4) * 4  # each part starts 16-byte aligned
             t4 = -(-(bs * tb) // 4) * 4
-            o_rows = t4 + 4 * b4  # kv_rows: 2 int32 per row
+            o_rows = t4 + 5 * b4  # kv_rows: 2 int32 per row
             o_table = o_rows + 2 * t4
             ints = torch.empty(o_table + bs * width, dtype=torch.int32, device=self.device)
             host = torch.empty(ints.shape, dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -170,6 +181,7 @@ class PrefillGraphs:
                 kv_rows=ints[o_rows : o_rows + 2 * bs * tb].view(torch.int64),
                 page_table=ints[o_table:].view(bs, width),
                 bounds=torch.arange(bs + 1, dtype=torch.long, device=self.device) * tb,
+                ck_lens=ints[t4 + 4 * b4 : t4 + 4 * b4 + bs] if checkpoint else None,
                 mla_splits=absorbed_splits(tb, self.model.config.num_attention_heads, width * P, self._sm),
             )
             st = _Static(bs, tb, width, ints, host, inputs)
@@ -178,7 +190,7 @@ class PrefillGraphs:
         return self._static[key]
 
     def _fill(self, st: _Static, ids: list[int], num_new: list[int], slots: list[int], starts: list[int],
-              pages: list[list[int]]) -> None:
+              pages: list[list[int]], checkpoint_at: list[int] | None = None) -> None:
         """Write the host buffer (real sequences, then dummies of one token on the scratch slot and page after one
         cached row of it) and copy it over."""
         if st.copied is not None:
@@ -186,7 +198,7 @@ class PrefillGraphs:
         bs, tb, N = st.bs, st.tb, len(num_new)
         b4 = -(-bs // 4) * 4
         t4 = -(-(bs * tb) // 4) * 4
-        o_rows = t4 + 4 * b4
+        o_rows = t4 + 5 * b4
         scratch_slot, scratch_page = self.pools.scratch_slot, self.pools.scratch_page
         assert scratch_slot is not None and scratch_page is not None
         P = self.pools.page_size
@@ -214,6 +226,8 @@ class PrefillGraphs:
         start_h[:N], start_h[N:] = starts, 1
         len_h[:N], len_h[N:] = num_new, 1
         last_h[:] = np.arange(bs) * tb + len_h - 1
+        ck_h = h[t4 + 4 * b4 : t4 + 4 * b4 + bs]
+        ck_h[:N], ck_h[N:] = checkpoint_at if checkpoint_at is not None else num_new, 1
         st.copied = upload(st.ints, st.host)
 
     # -- capture -------------------------------------------------------------------------------------------

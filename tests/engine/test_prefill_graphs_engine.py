@@ -85,14 +85,14 @@ async def chat(device: str, graphs: bool) -> dict:
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-async def test_a_chat_turns_input_runs_padded_in_two_pieces(device: str):
-    """The second turn's input holds its message's end (a checkpoint) before the assistant's header: two padded
-    steps, the checkpoint captured from the slot between them; a fork from it continues as from the eager step's."""
+async def test_a_chat_turns_input_runs_padded_with_its_checkpoint(device: str):
+    """The second turn's input holds its message's end (a checkpoint) before the assistant's header: one padded step
+    that also returns the state there; a fork from it continues as from the eager step's."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     eager = await chat(device, False)
     padded = await chat(device, True)
-    assert padded["padded_steps"] >= 2 and eager["padded_steps"] == 0
+    assert padded["padded_steps"] >= 1 and eager["padded_steps"] == 0
     assert padded["tokens"] == eager["tokens"]
     tol = 1e-3 if device == "cpu" else 5e-2
     for x, y in zip(padded["logprobs"], eager["logprobs"]):
@@ -140,12 +140,9 @@ async def test_random_agent_calls_give_the_same_tokens_padded(seed: int):
     assert padded == eager
 
 
-@pytest.mark.parametrize("with_inside", [False, True], ids=["end", "inside-and-end"])
-@pytest.mark.parametrize("graphs", [True, False], ids=["padded", "eager"])
-async def test_a_checkpoint_at_the_chunks_end_is_captured(graphs: bool, with_inside: bool):
-    """A checkpoint whose target is the chunk's last position: the padded step captures it from the slot after the
-    replay (one piece, or the last of two), as the eager step's kernels give it (the state after the chunk); one
-    inside the same chunk is captured between the two pieces."""
+async def checkpoints_in_one_chunk(graphs: bool, inside: int) -> list:
+    """An 11-token chunk after 40 tokens with checkpoints at its last position and ``inside`` (0-2) inside it, run
+    through the runner's prefill; checks what every variant must hold, returns the inside checkpoints' states."""
     from kda_sessions.engine.runner import StepResult
     from kda_sessions.engine.scheduler import Work
     from kda_sessions.engine.sequence import Checkpoint
@@ -158,17 +155,30 @@ async def test_a_checkpoint_at_the_chunks_end_is_captured(graphs: bool, with_ins
         seq = eng.sessions[s.id]
         lo, n = seq.num_cached, 11
         seq.tokens.extend(range(5, 5 + n - 1))
-        inside = Checkpoint(name="inside", position=lo + 5, state_pos=-1)  # target lo + 4
+        cps = [Checkpoint(name=f"in-{p}", position=lo + p + 1, state_pos=-1) for p in (4, 8)[:inside]]
         end = Checkpoint(name="end", position=lo + n + 1, state_pos=-1)  # target lo + n: the chunk's end
         w = Work(session=seq, prompt=seq.tokens[lo:], params=SamplingParams(max_tokens=1), prefill_only=True,
-                 checkpoints=[inside, end] if with_inside else [end])
+                 checkpoints=[*cps, end])
         r._prefill([(w, n)], StepResult())
         assert seq.num_cached == lo + n and end.state_pos == lo + n
-        assert inside.state_pos == (lo + 4 if with_inside else -1)
-        got = r.pools.host.get(end.state_id)
-        now = r.pools.read_slot(seq.slot)
-        for a, b in zip(got, now):
+        assert [c.state_pos for c in cps] == [lo + 4, lo + 8][:inside]
+        for a, b in zip(r.pools.host.get(end.state_id), r.pools.read_slot(seq.slot)):
             assert torch.equal(a, b)
-        assert seq.checkpoints["end"] is end and (seq.checkpoints.get("inside") is inside) == with_inside
+        assert all(seq.checkpoints[c.name] is c for c in [*cps, end])
         padded_steps = r.prefill_graphs.eager_runs if r.prefill_graphs is not None else 0
-        assert padded_steps == ((2 if with_inside else 1) if graphs else 0)  # cut at the inside checkpoint
+        assert padded_steps == ((3 if inside == 2 else 1) if graphs else 0)
+        return [r.pools.host.get(c.state_id) for c in cps]
+
+
+@pytest.mark.parametrize("inside", [0, 1, 2], ids=["end", "one-inside", "two-inside"])
+async def test_checkpoints_inside_and_at_the_chunks_end_are_captured(inside: int):
+    """Checkpoints in one chunk, padded and eager: at its last position (captured from the slot after the step: the
+    slot's state), and 0, 1 or 2 inside it. One inside: the replay returns its state (one step); two: the chunk runs
+    in three pieces, each captured from the slot after its piece. The inside states equal the eager step's kernels'
+    (float tolerance)."""
+    padded = await checkpoints_in_one_chunk(True, inside)
+    eager = await checkpoints_in_one_chunk(False, inside)
+    assert len(padded) == len(eager) == inside
+    for (pk, pc), (ek, ec) in zip(padded, eager):
+        torch.testing.assert_close(pk, ek, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(pc, ec, atol=1e-5, rtol=1e-4)

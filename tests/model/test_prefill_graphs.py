@@ -53,7 +53,7 @@ def padded_chunks(sess: Sessions, graphs: PrefillGraphs, seqs: list[int], chunks
     for s, c in zip(seqs, chunks):
         sess.grow(s, sess.lengths[s] + len(c))
     logits = graphs.run([t for c in chunks for t in c], [len(c) for c in chunks], seqs,
-                        [sess.lengths[s] for s in seqs], [sess.pages[s] for s in seqs]).clone()
+                        [sess.lengths[s] for s in seqs], [sess.pages[s] for s in seqs])[0].clone()
     for s, c in zip(seqs, chunks):
         sess.lengths[s] += len(c)
     return logits
@@ -105,12 +105,43 @@ def test_padded_step_matches_step(model, contexts, seqs, lengths):
     assert rel_err(b, a) < 1e-4
 
 
+def test_padded_step_returns_the_states_at_checkpoints(model):
+    """``checkpoint_at``: the states after p tokens of each chunk (inside one, at the end of the other) as ``step``'s
+    kernels give them at the same checkpoint positions (1e-4), beside the same logits and final states."""
+    from kda_sessions.model import ForwardBatch
+
+    eager, padded = twins(model, [33, 9, 47], seed=4)
+    graphs = PrefillGraphs(model, padded.pools, enabled=False)
+    seqs, chunks, at = [2, 0], [list(range(3, 22)), [5, 6, 7]], [7, 3]
+    for s, c in zip(seqs, chunks):
+        eager.grow(s, eager.lengths[s] + len(c))
+        padded.grow(s, padded.lengths[s] + len(c))
+    width = max(len(eager.pages[s]) for s in seqs)
+    batch = ForwardBatch(
+        input_ids=torch.tensor([t for c in chunks for t in c]), num_new=[len(c) for c in chunks],
+        start=[eager.lengths[s] for s in seqs], slots=torch.tensor(seqs),
+        page_table=torch.tensor([eager.pages[s] + [0] * (width - len(eager.pages[s])) for s in seqs], dtype=torch.int32),
+        checkpoint_positions=[[p] for p in at],
+    )
+    a, want = model.step(batch, eager.pools)
+    b, got = graphs.run([t for c in chunks for t in c], [len(c) for c in chunks], seqs,
+                        [padded.lengths[s] for s in seqs], [padded.pages[s] for s in seqs], checkpoint_at=at)
+    assert want is not None and got is not None
+    assert got.kda.shape == want.kda.shape and got.conv.shape == want.conv.shape
+    assert rel_err(got.kda, want.kda) < 1e-4 and rel_err(got.conv, want.conv) < 1e-4
+    assert rel_err(b, a) < 1e-4
+    for x, y in zip(eager.pools.kda, padded.pools.kda):
+        assert rel_err(y[seqs], x[seqs]) < 1e-4
+    with pytest.raises(ValueError, match="checkpoint_at"):
+        graphs.run([1] * 4, [4], [1], [9], [padded.pages[1]], checkpoint_at=[5])
+
+
 def test_buckets_and_limits(model):
     s = Sessions(model, 2, 64)
     graphs = PrefillGraphs(model, s.pools, enabled=False, max_batch=8, max_tokens=64)
     assert graphs.chunk_buckets == [16, 32, 64]
-    assert graphs.key([5], 3) == (1, 16, 16)
-    assert graphs.key([17, 1, 1], 20) == (4, 32, 32)
+    assert graphs.key([5], 3) == (1, 16, 16, False)
+    assert graphs.key([17, 1, 1], 20, True) == (4, 32, 32, True)
     assert graphs.accepts([64] * 8, [1] * 8)
     assert not graphs.accepts([65], [10])  # too long
     assert not graphs.accepts([4], [0])  # nothing cached: the eager step
@@ -161,3 +192,15 @@ def test_graph_replay_matches_eager_on_cuda(dtype: torch.dtype):
             if dtype == torch.float32:
                 assert rel_err(y[seqs], x[seqs]) < tol
     assert graphs.replays == 3 and graphs.captures == 3, graphs.capture_error  # chunk buckets 32, 64, 16
+    # with states inside the chunks: a graph of its own, its static outputs against the eager padded step's
+    chunks = [torch.randint(0, 272, (t,), generator=g).tolist() for t in (4, 9, 2)]
+    outs = []
+    for sess, pg in ((graphed, graphs), (padded, no_graphs)):
+        for s, c in zip(seqs, chunks):
+            sess.grow(s, sess.lengths[s] + len(c))
+        outs.append(pg.run([t for c in chunks for t in c], [len(c) for c in chunks], seqs,
+                           [sess.lengths[s] for s in seqs], [sess.pages[s] for s in seqs], checkpoint_at=[2, 9, 1]))
+    (lb, sb), (lc, sc) = outs
+    assert sb is not None and sc is not None and rel_err(lb, lc) < 1e-3
+    assert rel_err(sb.kda, sc.kda) < 1e-3 and rel_err(sb.conv.float(), sc.conv.float()) < 1e-3
+    assert graphs.captures == 4, graphs.capture_error
