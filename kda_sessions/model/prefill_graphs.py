@@ -2,8 +2,8 @@
 
 Run eagerly such a step is bound by the host: ~900 kernel launches from Python (~30 us each at the 48B shape's first
 16 layers, ~27 ms) for a few milliseconds of device work (docs/benchmarks.md, "Agents' turns"). Here it is one graph
-launch: ``HybridModel.prefill_padded`` captured once per (sequences bucket, chunk bucket, page-table width) and
-replayed.
+launch: ``HybridModel.prefill_padded`` captured once per (sequences bucket, chunk bucket, page-table width, whether
+it returns states inside the chunks) and replayed.
 
 A step of N sequences feeding t_n <= ``max_tokens`` tokens each after s_n >= 1 cached ones is laid out at fixed
 shapes (``PaddedPrefill``): N up to its bucket (1, 2, 4, ... ``max_batch``) with dummy sequences on the pools'
@@ -13,8 +13,9 @@ scratch page, and the MLA layers attend absorbed (kernels/mla/absorbed.py), caus
 tables are padded to a width bucket as ``DecodeGraphs`` pads them. Inputs live in one static int32 device buffer
 per graph, filled from a pinned host buffer by one copy.
 
-Steps with checkpoint positions, longer chunks, a sequence with no cached token, or more sequences run eagerly
-(``HybridModel.step``). Without graphs (a CPU model, ``enabled=False``, a failed capture) ``run`` executes the same
+A replay can also return each sequence's state after p of its chunk's tokens (``run(checkpoint_at=)``: a chat turn's
+input holds its message's end, a checkpoint, before the assistant's header). Longer chunks, a sequence with no cached
+token, or more sequences run eagerly (``HybridModel.step``), as the runner decides. Without graphs (a CPU model, ``enabled=False``, a failed capture) ``run`` executes the same
 static-buffer step eagerly, which is what the CPU tests check against ``HybridModel.step``.
 """
 
