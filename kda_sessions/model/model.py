@@ -156,30 +156,12 @@ class HybridModel(nn.Module):
             inp = DecodeInputs.from_batch(batch)
             return self._decode(inp, pools, batch.kv_rows), None
         x = self.model.embed_tokens(batch.input_ids)  # [T_total, D]
-        ck_kda: list[Tensor] = []
-        ck_conv: list[Tensor] = []
-        ik = im = 0
-        layers = self._layers()
-        h = layers[0].input_layernorm(x)
-        for i, layer in enumerate(layers):
-            if isinstance(layer.self_attn, KDAAttention):
-                a, s_at, c_at = layer.self_attn(h, batch, pools.kda[ik], pools.conv[ik])
-                if batch.checkpoint_positions is not None:
-                    assert s_at is not None and c_at is not None
-                    ck_kda.append(s_at)
-                    ck_conv.append(c_at)
-                ik += 1
-            else:
-                a = layer.self_attn(h, batch, pools.kv[im])
-                im += 1
-            x, h = self._residual_norms(i, layer, x, a)
+        h, checkpoints = self._layer_stack(
+            x, lambda attn, h, i: attn(h, batch, pools.kda[i], pools.conv[i]), lambda attn, h, j: attn(h, batch, pools.kv[j]))
+        assert (checkpoints is not None) == (batch.checkpoint_positions is not None) or not self.config.kda_layer_ids
         if not batch.all_logits:
             h = h[batch.cu_seqlens[1:] - 1]  # each sequence's last token
-        logits = self.lm_head(h).float()
-        checkpoints = None
-        if batch.checkpoint_positions is not None:
-            checkpoints = CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))
-        return logits, checkpoints
+        return self.lm_head(h).float(), checkpoints
 
     @torch.inference_mode()
     def decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None = None) -> Tensor:
@@ -198,26 +180,40 @@ class HybridModel(nn.Module):
         chunk, kda [N, L_kda, H, K, V] float32 and conv [N, L_kda, W - 1, Dc], else None)."""
         x = self.model.embed_tokens(inp.input_ids)  # [N * Tb, D]
         valid = inp.valid()
+        h, checkpoints = self._layer_stack(
+            x, lambda attn, h, i: attn.prefill_padded(h, inp, valid, pools.kda[i], pools.conv[i]),
+            lambda attn, h, j: attn.prefill_padded(h, inp, pools.kv[j]))
+        return self.lm_head(h[inp.last]).float(), checkpoints
+
+    def _layer_stack(
+        self, x: Tensor, kda: Callable[[KDAAttention, Tensor, int], tuple[Tensor, Tensor | None, Tensor | None]],
+        mla: Callable[[MLAttention, Tensor, int], Tensor],
+    ) -> tuple[Tensor, CheckpointStates | None]:
+        """Every layer over x [T, D] (a prefill's): the i-th KDA layer's attention through ``kda(attn, h, i)`` ->
+        (out [T, D], states [M, H, K, V] | None, conv tails [M, W - 1, Dc] | None), the j-th MLA layer's through
+        ``mla(attn, h, j)`` -> [T, D], each with its residual adds and norms. Returns (the final norm's output
+        [T, D], the states the KDA layers returned, stacked kda [M, L_kda, H, K, V] and conv [M, L_kda, W - 1, Dc],
+        or None where they returned none)."""
         ck_kda: list[Tensor] = []
         ck_conv: list[Tensor] = []
         ik = im = 0
         layers = self._layers()
         h = layers[0].input_layernorm(x)
         for i, layer in enumerate(layers):
-            if isinstance(layer.self_attn, KDAAttention):
-                a, s_at, c_at = layer.self_attn.prefill_padded(h, inp, valid, pools.kda[ik], pools.conv[ik])
+            attn = layer.self_attn
+            if isinstance(attn, KDAAttention):
+                a, s_at, c_at = kda(attn, h, ik)
                 if s_at is not None and c_at is not None:
                     ck_kda.append(s_at)
                     ck_conv.append(c_at)
                 ik += 1
             else:
-                a = layer.self_attn.prefill_padded(h, inp, pools.kv[im])
+                a = mla(attn, h, im)
                 im += 1
             x, h = self._residual_norms(i, layer, x, a)
-        logits = self.lm_head(h[inp.last]).float()
-        if inp.ck_lens is None or not ck_kda:
-            return logits, None
-        return logits, CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))
+        if not ck_kda:
+            return h, None
+        return h, CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))
 
     def compile_cpu_decode(self, weight_dtype: torch.dtype | None = None) -> bool:
         """Run every later CPU decode step of one sequence as one ``torch.compile``d function (inductor's C++): the
