@@ -261,9 +261,9 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
     as before ``scheduler.pending_token_only``); N > 1 also with the KDA prefill reading its offsets back from the
     device each layer (``offsets-from-device``, as before 9f70b6e), and 1 < N <= ``mla.ABSORBED_MAX_TOKENS`` with
     the MLA prefill decompressing the cached rows (``mla-decompressed``, as before); N > 0 with the prefill step
-    run eagerly, not replayed from a CUDA graph (``prefill-eager``, as before ``model.prefill_graphs``; the offsets
+    run eagerly, not replayed from a CUDA graph (``prefill-eager``: ``PrefillGraphs.accepts`` off; the offsets
     and mla variants run eagerly too); N > 16 with the MoE kernels' 64-row blocks from 257 pairs on
-    (``moe-bm64``: ``triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT`` 0, as before; its own prefill graphs, captured in the
+    (``moe-bm64``: ``triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT`` 0; its own prefill graphs, captured in the
     untimed round); ``befores`` picks of the five. Each variant runs once untimed first (graph captures, compiles)."""
     from kda_sessions.engine import scheduler as scheduler_module
     from kda_sessions.kernels.moe import triton_moe

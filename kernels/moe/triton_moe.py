@@ -58,7 +58,7 @@ class MoeLaunch:
 SMALL_BLOCK_PAIRS_PER_EXPERT = 8
 """``launch_config`` keeps 16-row blocks up to this many pairs per expert on average (with ``num_experts``): a short
 prefill's experts then get a block or two each, not one 64-row block of mostly padding. 0: by ``num_pairs`` alone
-(<= 256), as before."""
+(<= 256)."""
 
 
 def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = None,
