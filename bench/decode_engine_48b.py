@@ -213,6 +213,9 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
+    captures = {name: {"count": g.captures, "s": round(g.capture_s, 2)}
+                for name, g in (("decode", engine.runner.graphs), ("prefill", engine.runner.prefill_graphs))
+                if g is not None}
     return {"batch": batch, "context": L, "prefill_s": round(prefill_s, 2), "step_ms": round(step_ms, 3),
             "tok_per_s": round(batch * 1e3 / step_ms, 1), "floor_ms": round(floor["floor_ms"], 3),
             "floor_over_step": round(floor["floor_ms"] / step_ms, 3), "floor_bytes": floor,
@@ -220,7 +223,8 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
             "steps_queued_ahead": engine.runner.steps_ahead, **({"host_us": host} if host_times else {}),
             **({"chat_turn_ms_by_capture": requests} if capture_ab else {}),
             **({"first_token_ms_after_append": turns_ms} if turns else {}),
-            **({"turn_profiles": profiles} if profiles else {})}
+            **({"turn_profiles": profiles} if profiles else {}),
+            "graph_captures_so_far": captures}
 
 
 async def turn_profile(sessions: list, n: int, top: int = 25) -> dict[str, Any]:

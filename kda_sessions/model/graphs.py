@@ -22,6 +22,7 @@ step eagerly, which is what the CPU tests check against ``HybridModel.step``.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -76,7 +77,8 @@ def upload(ints: Tensor, host: Tensor) -> torch.cuda.Event | None:
 
 def capture_graph(run: Callable[[], Out], device: torch.device, mempool: Any) -> tuple[torch.cuda.CUDAGraph, Out]:
     """``run`` warmed up twice on a side stream (Triton compiles on first call, cuBLAS picks its kernels), then
-    captured into the private pool ``mempool``: (the graph, the output it writes on every replay)."""
+    captured into the private pool ``mempool``: (the graph, the output it writes on every replay). Returns once the
+    warm-up's device work has ended, so the caller's clock holds what the capture cost the step thread."""
     side = torch.cuda.Stream(device=device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -86,6 +88,7 @@ def capture_graph(run: Callable[[], Out], device: torch.device, mempool: Any) ->
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
         out = run()
+    torch.cuda.synchronize(device)
     return graph, out
 
 
@@ -153,6 +156,8 @@ class DecodeGraphs:
         self.mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.replays = 0
         self.captures = 0
+        self.capture_s = 0.0
+        """Seconds the captures took (warm-ups, Triton's first compiles among them), all buckets together."""
         self.eager_runs = 0
         self.capture_error: str | None = None
 
@@ -286,6 +291,7 @@ class DecodeGraphs:
         private pool. The warm-up runs on dummy rows only (scratch slot and page), so no session moves. A failed
         capture turns graphs off and leaves the eager static path."""
         self._fill(st, [], [], [], [])
+        t0 = time.perf_counter()
         try:
             graph, out = capture_graph(lambda: self.model.decode(st.inputs, self.pools, st.kv_rows), self.device,
                                        self.mempool)
@@ -297,4 +303,6 @@ class DecodeGraphs:
             return
         st.graph, st.out = graph, out
         self.captures += 1
-        log.info("captured the decode step for batch %d, page-table width %d", st.bs, st.width)
+        dt = time.perf_counter() - t0
+        self.capture_s += dt
+        log.info("captured the decode step for batch %d, page-table width %d in %.0f ms", st.bs, st.width, dt * 1e3)

@@ -172,28 +172,31 @@ class HybridModel(nn.Module):
         return self._decode(inp, pools, kv_rows)
 
     @torch.inference_mode()
-    def prefill_padded(self, inp: PaddedPrefill, pools: StatePools) -> tuple[Tensor, CheckpointStates | None]:
+    def prefill_padded(self, inp: PaddedPrefill, pools: StatePools, logits_out: Tensor | None = None,
+                       states_out: CheckpointStates | None = None) -> tuple[Tensor, CheckpointStates | None]:
         """The graph-safe prefill step of short chunks (``PaddedPrefill``: N chunks padded to Tb tokens), what
         ``prefill_graphs.PrefillGraphs`` captures: the same states, cache rows and last-token logits as ``step`` of
         the real tokens, to float rounding (MLA attends absorbed at every context). Returns (logits [N, vocab]
         float32, each chunk's last real token's; with ``inp.ck_lens`` the states after ck_lens[n] tokens of each
-        chunk, kda [N, L_kda, H, K, V] float32 and conv [N, L_kda, W - 1, Dc], else None)."""
+        chunk, kda [N, L_kda, H, K, V] float32 and conv [N, L_kda, W - 1, Dc], else None). ``logits_out`` and
+        ``states_out``, where given, are written and returned (buffers that graphs of several shapes share)."""
         x = self.model.embed_tokens(inp.input_ids)  # [N * Tb, D]
         valid = inp.valid()
         h, checkpoints = self._layer_stack(
             x, lambda attn, h, i: attn.prefill_padded(h, inp, valid, pools.kda[i], pools.conv[i]),
-            lambda attn, h, j: attn.prefill_padded(h, inp, pools.kv[j]))
-        return self.lm_head(h[inp.last]).float(), checkpoints
+            lambda attn, h, j: attn.prefill_padded(h, inp, pools.kv[j]), states_out if inp.ck_lens is not None else None)
+        logits = self.lm_head(h[inp.last])
+        return (logits.float() if logits_out is None else logits_out.copy_(logits)), checkpoints
 
     def _layer_stack(
         self, x: Tensor, kda: Callable[[KDAAttention, Tensor, int], tuple[Tensor, Tensor | None, Tensor | None]],
-        mla: Callable[[MLAttention, Tensor, int], Tensor],
+        mla: Callable[[MLAttention, Tensor, int], Tensor], states_out: CheckpointStates | None = None,
     ) -> tuple[Tensor, CheckpointStates | None]:
         """Every layer over x [T, D] (a prefill's): the i-th KDA layer's attention through ``kda(attn, h, i)`` ->
         (out [T, D], states [M, H, K, V] | None, conv tails [M, W - 1, Dc] | None), the j-th MLA layer's through
         ``mla(attn, h, j)`` -> [T, D], each with its residual adds and norms. Returns (the final norm's output
         [T, D], the states the KDA layers returned, stacked kda [M, L_kda, H, K, V] and conv [M, L_kda, W - 1, Dc],
-        or None where they returned none)."""
+        or None where they returned none); with ``states_out`` each layer's are copied into it as they come."""
         ck_kda: list[Tensor] = []
         ck_conv: list[Tensor] = []
         ik = im = 0
@@ -204,13 +207,19 @@ class HybridModel(nn.Module):
             if isinstance(attn, KDAAttention):
                 a, s_at, c_at = kda(attn, h, ik)
                 if s_at is not None and c_at is not None:
-                    ck_kda.append(s_at)
-                    ck_conv.append(c_at)
+                    if states_out is not None:
+                        states_out.kda[:, ik].copy_(s_at)
+                        states_out.conv[:, ik].copy_(c_at)
+                    else:
+                        ck_kda.append(s_at)
+                        ck_conv.append(c_at)
                 ik += 1
             else:
                 a = mla(attn, h, im)
                 im += 1
             x, h = self._residual_norms(i, layer, x, a)
+        if states_out is not None:
+            return h, states_out
         if not ck_kda:
             return h, None
         return h, CheckpointStates(kda=torch.stack(ck_kda, dim=1), conv=torch.stack(ck_conv, dim=1))

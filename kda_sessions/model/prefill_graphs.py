@@ -22,6 +22,7 @@ static-buffer step eagerly, which is what the CPU tests check against ``HybridMo
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,8 +72,8 @@ class _Static:
 class PrefillGraphs:
     """Prefill steps of up to ``max_batch`` short chunks from static buffers, replayed from CUDA graphs on a GPU.
 
-    ``run`` takes host lists and returns logits [N, vocab] float32 (each chunk's last token's); on CUDA the tensor is
-    the graph's static output, valid until the next ``run``.
+    ``run`` takes host lists and returns logits [N, vocab] float32 (each chunk's last token's), a view of a buffer
+    every graph writes, valid until the next ``run``.
     """
 
     def __init__(
@@ -103,9 +104,16 @@ class PrefillGraphs:
         self._sm = (torch.cuda.get_device_properties(self.device).multi_processor_count
                     if self.device.type == "cuda" else 4)
         self._static: dict[tuple[int, int, int, bool], _Static] = {}
+        self._logits_out: Tensor | None = None
+        self._states_out: CheckpointStates | None = None
+        """The outputs every graph writes (logits; the states inside the chunks), at ``max_batch`` rows, shared: a
+        graph's own outputs would stay allocated per key, and the states are ~42 MB a sequence at the 48B shape
+        (kda [N, 20, 32, 128, 128] float32), 16 keys of 8 sequences 5.4 GB. Valid until the next ``run``."""
         self._mempool = (mempool if mempool is not None else torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.replays = 0
         self.captures = 0
+        self.capture_s = 0.0
+        """Seconds the captures took (warm-ups, Triton's first compiles among them): the step thread's stall."""
         self.eager_runs = 0
         self.capture_error: str | None = None
 
@@ -131,8 +139,8 @@ class PrefillGraphs:
         at positions ``starts[n]`` .. from KDA slot ``slots[n]``, its pages ``pages[n]`` covering starts[n] +
         num_new[n] tokens (allocated by the caller). Returns (logits [N, vocab] float32, each chunk's last token's;
         with ``checkpoint_at`` [N], p in [1, num_new[n]], the states after p tokens of each chunk (kda [N, L_kda,
-        H, K, V] float32, conv [N, L_kda, W - 1, Dc]), else None). On CUDA the tensors are the graph's static
-        outputs, valid until its next replay."""
+        H, K, V] float32, conv [N, L_kda, W - 1, Dc]), else None): views of buffers every key shares, valid until
+        the next ``run``."""
         N = len(num_new)
         if not self.accepts(num_new, starts) or not (len(slots) == len(pages) == N):
             raise ValueError(f"need 1..{self.max_batch} sequences of 1..{self.max_tokens} tokens after >= 1 cached "
@@ -146,6 +154,7 @@ class PrefillGraphs:
                              f"for num_new={num_new}")
         st = self._get(*self.key(num_new, max(len(p) for p in pages), checkpoint_at is not None))
         if st.graph is None and self.use_graphs:
+            self._outputs(checkpoint_at is not None)
             with self.capture_lock:
                 self._capture(st)
         self._fill(st, input_ids, num_new, slots, starts, pages, checkpoint_at)
@@ -156,10 +165,32 @@ class PrefillGraphs:
             logits, states = st.out
         else:
             self.eager_runs += 1
-            logits, states = self.model.prefill_padded(st.inputs, self.pools)
+            logits, states = self._step(st)
         if states is not None:
             states = CheckpointStates(kda=states.kda[:N], conv=states.conv[:N])
         return logits[:N], states
+
+    def _step(self, st: _Static) -> tuple[Tensor, CheckpointStates | None]:
+        """``HybridModel.prefill_padded`` of ``st``'s inputs into the shared outputs' first st.bs rows."""
+        logits_out, states_out = self._outputs(st.inputs.ck_lens is not None)
+        states = None
+        if states_out is not None:
+            states = CheckpointStates(kda=states_out.kda[: st.bs], conv=states_out.conv[: st.bs])
+        return self.model.prefill_padded(st.inputs, self.pools, logits_out[: st.bs], states)
+
+    def _outputs(self, checkpoint: bool) -> tuple[Tensor, CheckpointStates | None]:
+        """The shared outputs (allocated on first use, outside any capture): logits, and with ``checkpoint`` the
+        states."""
+        if self._logits_out is None:
+            self._logits_out = torch.empty(self.max_batch, self.model.config.vocab_size, device=self.device)
+        if checkpoint and self._states_out is None:
+            kda, conv = self.pools.kda, self.pools.conv
+            self._states_out = CheckpointStates(
+                kda=torch.empty(self.max_batch, len(kda), *(kda[0].shape[1:] if kda else ()), dtype=torch.float32,
+                                device=self.device),
+                conv=torch.empty(self.max_batch, len(conv), *(conv[0].shape[1:] if conv else ()),
+                                 dtype=conv[0].dtype if conv else torch.float32, device=self.device))
+        return self._logits_out, self._states_out if checkpoint else None
 
     # -- static buffers --------------------------------------------------------------------------------------
 
@@ -238,11 +269,11 @@ class PrefillGraphs:
         (scratch slot and page), so no session moves. A failed capture turns graphs off and leaves the eager
         static path."""
         self._fill(st, [], [], [], [], [])
+        t0 = time.perf_counter()
         try:
             # the KDA kernels' chunk table of this layout, cached by them: kept alive as long as the graph reads it
             st.keep.append(chunk_table([n * st.tb for n in range(st.bs + 1)], self.device))
-            graph, out = capture_graph(lambda: self.model.prefill_padded(st.inputs, self.pools), self.device,
-                                       self._mempool)
+            graph, out = capture_graph(lambda: self._step(st), self.device, self._mempool)
         except Exception as e:
             log.warning("CUDA graph capture failed for a prefill of %d x %d tokens, width %d: short prefills run "
                         "eagerly", st.bs, st.tb, st.width, exc_info=True)
@@ -251,4 +282,7 @@ class PrefillGraphs:
             return
         st.graph, st.out = graph, out
         self.captures += 1
-        log.info("captured the prefill step for %d x %d tokens, page-table width %d", st.bs, st.tb, st.width)
+        dt = time.perf_counter() - t0
+        self.capture_s += dt
+        log.info("captured the prefill step for %d x %d tokens, page-table width %d in %.0f ms", st.bs, st.tb,
+                 st.width, dt * 1e3)

@@ -132,6 +132,11 @@ def test_padded_step_returns_the_states_at_checkpoints(model):
     assert rel_err(b, a) < 1e-4
     for x, y in zip(eager.pools.kda, padded.pools.kda):
         assert rel_err(y[seqs], x[seqs]) < 1e-4
+    # a step of another key writes the same outputs (a graph's own would stay allocated per key)
+    padded.grow(1, padded.lengths[1] + 2)
+    c, again = graphs.run([1, 2], [2], [1], [padded.lengths[1]], [padded.pages[1]], checkpoint_at=[1])
+    assert again is not None and graphs.key([2], len(padded.pages[1]), True) != graphs.key([19, 3], width, True)
+    assert again.kda.data_ptr() == got.kda.data_ptr() and c.data_ptr() == b.data_ptr()
     with pytest.raises(ValueError, match="checkpoint_at"):
         graphs.run([1] * 4, [4], [1], [9], [padded.pages[1]], checkpoint_at=[5])
 
