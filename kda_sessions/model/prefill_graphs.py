@@ -106,9 +106,9 @@ class PrefillGraphs:
         self._static: dict[tuple[int, int, int, bool], _Static] = {}
         self._logits_out: Tensor | None = None
         self._states_out: CheckpointStates | None = None
-        """The outputs every graph writes (logits; the states inside the chunks), at ``max_batch`` rows, shared: a
-        graph's own outputs would stay allocated per key, and the states are ~42 MB a sequence at the 48B shape
-        (kda [N, 20, 32, 128, 128] float32), 16 keys of 8 sequences 5.4 GB. Valid until the next ``run``."""
+        """The outputs every graph writes (logits; the states inside the chunks), shared (``_outputs``): a graph's
+        own outputs would stay allocated per key, and the states are ~42 MB a sequence at the 48B shape (kda
+        [N, 20, 32, 128, 128] float32), 16 keys of 8 sequences 5.4 GB. Valid until the next ``run``."""
         self._mempool = (mempool if mempool is not None else torch.cuda.graph_pool_handle()) if self.use_graphs else None
         self.replays = 0
         self.captures = 0
@@ -154,7 +154,7 @@ class PrefillGraphs:
                              f"for num_new={num_new}")
         st = self._get(*self.key(num_new, max(len(p) for p in pages), checkpoint_at is not None))
         if st.graph is None and self.use_graphs:
-            self._outputs(checkpoint_at is not None)
+            self._outputs(st.bs, checkpoint_at is not None)
             with self.capture_lock:
                 self._capture(st)
         self._fill(st, input_ids, num_new, slots, starts, pages, checkpoint_at)
@@ -172,23 +172,24 @@ class PrefillGraphs:
 
     def _step(self, st: _Static) -> tuple[Tensor, CheckpointStates | None]:
         """``HybridModel.prefill_padded`` of ``st``'s inputs into the shared outputs' first st.bs rows."""
-        logits_out, states_out = self._outputs(st.inputs.ck_lens is not None)
+        logits_out, states_out = self._outputs(st.bs, st.inputs.ck_lens is not None)
         states = None
         if states_out is not None:
             states = CheckpointStates(kda=states_out.kda[: st.bs], conv=states_out.conv[: st.bs])
         return self.model.prefill_padded(st.inputs, self.pools, logits_out[: st.bs], states)
 
-    def _outputs(self, checkpoint: bool) -> tuple[Tensor, CheckpointStates | None]:
-        """The shared outputs (allocated on first use, outside any capture): logits, and with ``checkpoint`` the
-        states."""
-        if self._logits_out is None:
-            self._logits_out = torch.empty(self.max_batch, self.model.config.vocab_size, device=self.device)
-        if checkpoint and self._states_out is None:
+    def _outputs(self, bs: int, checkpoint: bool) -> tuple[Tensor, CheckpointStates | None]:
+        """The shared outputs with at least ``bs`` rows: logits, and with ``checkpoint`` the states. Allocated on
+        first use, outside any capture, at that bucket's rows and again at a larger bucket's when one comes (graphs
+        captured before keep the smaller buffer alive: at most twice the largest)."""
+        if self._logits_out is None or self._logits_out.shape[0] < bs:
+            self._logits_out = torch.empty(bs, self.model.config.vocab_size, device=self.device)
+        if checkpoint and (self._states_out is None or self._states_out.kda.shape[0] < bs):
             kda, conv = self.pools.kda, self.pools.conv
             self._states_out = CheckpointStates(
-                kda=torch.empty(self.max_batch, len(kda), *(kda[0].shape[1:] if kda else ()), dtype=torch.float32,
+                kda=torch.empty(bs, len(kda), *(kda[0].shape[1:] if kda else ()), dtype=torch.float32,
                                 device=self.device),
-                conv=torch.empty(self.max_batch, len(conv), *(conv[0].shape[1:] if conv else ()),
+                conv=torch.empty(bs, len(conv), *(conv[0].shape[1:] if conv else ()),
                                  dtype=conv[0].dtype if conv else torch.float32, device=self.device))
         return self._logits_out, self._states_out if checkpoint else None
 
