@@ -213,7 +213,10 @@ async def engine_case(engine: Engine, model: HybridModel, batch: int, L: int, st
     floor = floor_bytes(model, batch, L)
     for s in sessions:
         await engine.delete_session(s.id)
-    captures = {name: {"count": g.captures, "s": round(g.capture_s, 2)}
+    captures: dict[str, Any] = ({"gpu_gb_allocated": round(torch.cuda.memory_allocated() / 1e9, 2),
+                                 "gpu_gb_reserved": round(torch.cuda.memory_reserved() / 1e9, 2)}
+                                if torch.cuda.is_available() else {})
+    captures |= {name: {"count": g.captures, "s": round(g.capture_s, 2)}
                 for name, g in (("decode", engine.runner.graphs), ("prefill", engine.runner.prefill_graphs))
                 if g is not None}
     return {"batch": batch, "context": L, "prefill_s": round(prefill_s, 2), "step_ms": round(step_ms, 3),
@@ -409,6 +412,9 @@ def main() -> None:
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
                     help="the longest chunk a prefill graph takes (prefill_graphs.PREFILL_GRAPH_MAX_TOKENS; 0: the "
                          "library's)")
+    ap.add_argument("--prefill-graph-batch", type=int, default=0,
+                    help="the most sequences of a prefill graph (prefill_graphs.PREFILL_GRAPH_MAX_BATCH; 0: the "
+                         "library's)")
     ap.add_argument("--host-times", action="store_true",
                     help="also time the host's parts of a step in each Engine case (``host_timers``): one more "
                          "generate per decode-ahead setting")
@@ -432,6 +438,10 @@ def main() -> None:
         from kda_sessions.model import prefill_graphs
 
         prefill_graphs.PREFILL_GRAPH_MAX_TOKENS = args.prefill_graph_tokens
+    if args.prefill_graph_batch:
+        from kda_sessions.model import prefill_graphs
+
+        prefill_graphs.PREFILL_GRAPH_MAX_BATCH = args.prefill_graph_batch
     res: dict[str, Any] = {"machine": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv)}
 
