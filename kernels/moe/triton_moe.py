@@ -158,7 +158,7 @@ def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
 @triton.jit
 def _align_kernel(
     chosen, sorted_ids, block_expert, num_padded, num_pairs, maxp,
-    E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr,
+    E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr, BF: tl.constexpr,
 ):
     """One program. chosen [num_pairs] -> sorted_ids [maxp], block_expert [maxp // BM], num_padded [1]. The sizes
     are runtime values, so a new batch size needs no new compile."""
@@ -177,8 +177,9 @@ def _align_kernel(
     run = ends - padded  # next free row of each expert
     total = tl.sum(padded, axis=0)
     tl.store(num_padded, total)
-    for r0 in range(0, maxp, BP):
-        tl.store(sorted_ids + r0 + i, num_pairs, mask=r0 + i < maxp)
+    f = tl.arange(0, BF)
+    for r0 in range(0, maxp, BF):
+        tl.store(sorted_ids + r0 + f, num_pairs, mask=r0 + f < maxp)
     tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites some of it
     for p0 in range(0, num_pairs, BP):
         valid = p0 + i < num_pairs
@@ -198,19 +199,25 @@ def _align_kernel(
         tl.store(block_expert + b0 + b, eb, mask=b0 + b < num_blocks)
 
 
-def align_triton(chosen: Tensor, num_experts: int, BM: int) -> tuple[Tensor, Tensor, Tensor]:
+ALIGN_CONFIG = (64, 64, 4)
+"""(pairs a loop iteration of ``_align_kernel`` takes, sentinel rows it writes at once, warps)."""
+
+
+def align_triton(chosen: Tensor, num_experts: int, BM: int, config: tuple[int, int, int] | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor]:
     """chosen [T, k] -> (sorted_ids [maxp] int32, block_expert [maxp // BM] int32, num_padded [1] int32), maxp
-    from ``max_padded`` rounded up to BM."""
+    from ``max_padded`` rounded up to BM. ``config``: ``ALIGN_CONFIG``'s, for a benchmark."""
     P = chosen.numel()
     maxp = triton.cdiv(max_padded(P, num_experts, BM), BM) * BM
     dev = chosen.device
     sorted_ids = torch.empty(maxp, dtype=torch.int32, device=dev)
     block_expert = torch.empty(maxp // BM, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
-    BP = min(64, max(16, triton.next_power_of_2(P)))
+    bp, bf, warps = config or ALIGN_CONFIG
+    BP = min(bp, max(16, triton.next_power_of_2(P)))
     _align_kernel[(1,)](
         chosen.reshape(-1), sorted_ids, block_expert, num_padded, P, maxp,
-        E=num_experts, EP=triton.next_power_of_2(num_experts), BM=BM, BP=BP, BB=64, num_warps=4,
+        E=num_experts, EP=triton.next_power_of_2(num_experts), BM=BM, BP=BP, BB=64, BF=bf, num_warps=warps,
     )
     return sorted_ids, block_expert, num_padded
 

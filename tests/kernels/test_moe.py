@@ -45,9 +45,10 @@ def test_align_kernel_equals_the_sorted_grouping(T: int, E: int, k: int, BM: int
     from kda_sessions.kernels.moe.triton_moe import align_torch, align_triton
 
     chosen = moe_case(T, E, k, 8, 8, seed=T)[3]
-    ids, blocks, total = align_triton(chosen, E, BM)
     rids, rblocks, rtotal = align_torch(chosen, E, BM)
-    assert torch.equal(ids, rids) and torch.equal(blocks, rblocks) and torch.equal(total, rtotal)
+    for config in (None, (16, 32, 2), (128, 1024, 8)):  # the library's, and loops of other widths
+        ids, blocks, total = align_triton(chosen, E, BM, config)
+        assert torch.equal(ids, rids) and torch.equal(blocks, rblocks) and torch.equal(total, rtotal), config
     P, n = T * k, int(total)
     used = ids[:n]
     assert sorted(used[used < P].tolist()) == list(range(P)) and bool((ids[n:] == P).all())
