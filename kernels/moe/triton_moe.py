@@ -199,12 +199,46 @@ def _align_kernel(
         tl.store(block_expert + b0 + b, eb, mask=b0 + b < num_blocks)
 
 
-ALIGN_CONFIG = (64, 64, 4)
-"""(pairs a loop iteration of ``_align_kernel`` takes, sentinel rows it writes at once, warps)."""
+@triton.jit
+def _align_sort_kernel(
+    chosen, sorted_ids, block_expert, num_padded, num_pairs, maxp,
+    E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr, BF: tl.constexpr,
+):
+    """``_align_kernel``'s grouping with no loop over the pairs (num_pairs <= BP): every pair loaded at once, the
+    counts by one histogram, each pair's rank within its expert from one sort of (expert, pair) keys: the i-th
+    smallest key's pair goes to row i + (its expert's first padded row - its first sorted position)."""
+    i = tl.arange(0, BP)
+    valid = i < num_pairs
+    ids = tl.load(chosen + i, mask=valid, other=0).to(tl.int32)
+    e = tl.arange(0, EP)
+    e_ok = e < E
+    counts = tl.histogram(ids, EP) - tl.where(e == 0, BP - num_pairs, 0)  # the padding was counted at expert 0
+    padded = (counts + BM - 1) // BM * BM
+    ends = tl.cumsum(padded, axis=0)
+    offset = (ends - padded) - (tl.cumsum(counts, axis=0) - counts)
+    tl.store(num_padded, tl.sum(padded, axis=0))
+    f = tl.arange(0, BF)
+    for r0 in range(0, maxp, BF):
+        tl.store(sorted_ids + r0 + f, num_pairs, mask=r0 + f < maxp)
+    tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites some of it
+    key = tl.sort(tl.where(valid, ids * BP + i, EP * BP + i))  # the padding's keys last
+    expert = tl.minimum(key // BP, EP - 1)
+    tl.store(sorted_ids + i + tl.gather(offset, expert, 0), key % BP, mask=valid)
+    b = tl.arange(0, BB)
+    num_blocks = maxp // BM
+    for b0 in range(0, num_blocks, BB):
+        start = (b0 + b) * BM  # [BB]
+        eb = tl.sum(((ends[None, :] <= start[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert + b0 + b, eb, mask=b0 + b < num_blocks)
 
 
-def align_triton(chosen: Tensor, num_experts: int, BM: int, config: tuple[int, int, int] | None = None
-                 ) -> tuple[Tensor, Tensor, Tensor]:
+ALIGN_CONFIG: tuple[int, int, int] | tuple[str, int, int] = (64, 64, 4)
+"""``_align_kernel``'s (pairs a loop iteration takes, sentinel rows written at once, warps), or ("sort", sentinel
+rows, warps) for ``_align_sort_kernel``."""
+
+
+def align_triton(chosen: Tensor, num_experts: int, BM: int,
+                 config: tuple[int, int, int] | tuple[str, int, int] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """chosen [T, k] -> (sorted_ids [maxp] int32, block_expert [maxp // BM] int32, num_padded [1] int32), maxp
     from ``max_padded`` rounded up to BM. ``config``: ``ALIGN_CONFIG``'s, for a benchmark."""
     P = chosen.numel()
@@ -214,10 +248,17 @@ def align_triton(chosen: Tensor, num_experts: int, BM: int, config: tuple[int, i
     block_expert = torch.empty(maxp // BM, dtype=torch.int32, device=dev)
     num_padded = torch.empty(1, dtype=torch.int32, device=dev)
     bp, bf, warps = config or ALIGN_CONFIG
-    BP = min(bp, max(16, triton.next_power_of_2(P)))
+    EP = triton.next_power_of_2(num_experts)
+    if bp == "sort" and P <= ALIGN_KERNEL_MAX_PAIRS:
+        _align_sort_kernel[(1,)](
+            chosen.reshape(-1), sorted_ids, block_expert, num_padded, P, maxp,
+            E=num_experts, EP=EP, BM=BM, BP=max(16, triton.next_power_of_2(P)), BB=64, BF=bf, num_warps=warps,
+        )
+        return sorted_ids, block_expert, num_padded
+    BP = min(bp if isinstance(bp, int) else 64, max(16, triton.next_power_of_2(P)))
     _align_kernel[(1,)](
         chosen.reshape(-1), sorted_ids, block_expert, num_padded, P, maxp,
-        E=num_experts, EP=triton.next_power_of_2(num_experts), BM=BM, BP=BP, BB=64, BF=bf, num_warps=warps,
+        E=num_experts, EP=EP, BM=BM, BP=BP, BB=64, BF=bf, num_warps=warps,
     )
     return sorted_ids, block_expert, num_padded
 

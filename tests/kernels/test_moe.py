@@ -35,7 +35,8 @@ def moe_case(T: int, E: int, k: int, D: int, Fw: int, seed: int = 0, skew: bool 
     return x.to(dtype), w13.to(dtype), w2.to(dtype), chosen, weights.to(dtype)
 
 
-ALIGN_CASES = [(1, 8, 2, 16), (5, 8, 3, 16), (40, 16, 4, 16), (40, 16, 4, 64), (3, 256, 8, 16), (130, 8, 8, 16)]
+ALIGN_CASES = [(1, 8, 2, 16), (5, 8, 3, 16), (40, 16, 4, 16), (40, 16, 4, 64), (3, 256, 8, 16), (130, 8, 8, 16),
+               (64, 256, 9, 16), (20, 12, 3, 16)]
 
 
 @pytest.mark.parametrize("T,E,k,BM", ALIGN_CASES, ids=[f"T{t}-E{e}-k{k}-BM{b}" for t, e, k, b in ALIGN_CASES])
@@ -46,7 +47,7 @@ def test_align_kernel_equals_the_sorted_grouping(T: int, E: int, k: int, BM: int
 
     chosen = moe_case(T, E, k, 8, 8, seed=T)[3]
     rids, rblocks, rtotal = align_torch(chosen, E, BM)
-    for config in (None, (16, 32, 2), (128, 1024, 8)):  # the library's, and loops of other widths
+    for config in (None, (16, 32, 2), (128, 1024, 8), ("sort", 1024, 4)):  # the library's, loops of other widths, sort
         ids, blocks, total = align_triton(chosen, E, BM, config)
         assert torch.equal(ids, rids) and torch.equal(blocks, rblocks) and torch.equal(total, rtotal), config
     P, n = T * k, int(total)
@@ -240,6 +241,22 @@ def test_fused_moe_validates_shapes() -> None:
 
 
 GPU_T = [1, 8, 16, 17, 32, 64, 129, 2048]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_align_kernels_on_the_gpu() -> None:
+    """Both align kernels compiled for the GPU give the stable sort's grouping at the router's shape (256 experts,
+    9 pairs a token), up to the one-program limit."""
+    from kda_sessions.kernels.moe.triton_moe import align_torch, align_triton
+
+    for T in (1, 16, 64, 113):
+        chosen = torch.stack([torch.randperm(256, device="cuda")[:9] for _ in range(T)])
+        for BM in (16, 64):
+            want = align_torch(chosen, 256, BM)
+            for config in ((64, 64, 4), ("sort", 1024, 4), ("sort", 1024, 8)):
+                got = align_triton(chosen, 256, BM, config)
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (T, BM, config)
 
 
 @pytest.mark.gpu
