@@ -164,12 +164,14 @@ class HybridModel(nn.Module):
         return self.lm_head(h).float(), checkpoints
 
     @torch.inference_mode()
-    def decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None = None) -> Tensor:
+    def decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None = None,
+               logits_out: Tensor | None = None) -> Tensor:
         """The graph-safe decode step: one new token per sequence, every input a device tensor of ``inp``; no
         host sync and no shape that depends on values, so it can be captured in a CUDA graph. ``kv_rows``: the new
         tokens' flat cache rows [N] int64 (``DecodeInputs.kv_rows``'s values) where the caller has them, else
-        computed on the device. Returns logits [N, vocab] float32."""
-        return self._decode(inp, pools, kv_rows)
+        computed on the device. Returns logits [N, vocab] float32: on the GPU path into ``logits_out`` where given
+        (a buffer graphs of several batch sizes share)."""
+        return self._decode(inp, pools, kv_rows, logits_out)
 
     @torch.inference_mode()
     def prefill_padded(self, inp: PaddedPrefill, pools: StatePools, logits_out: Tensor | None = None,
@@ -323,7 +325,8 @@ class HybridModel(nn.Module):
             x, h = norm.residual(x, row_matmul(F.silu(gate).mul_(up), w2))
         return row_matmul(h, self.lm_head.weight.t()).float(), latents
 
-    def _decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None) -> Tensor:
+    def _decode(self, inp: DecodeInputs, pools: StatePools, kv_rows: Tensor | None,
+                logits_out: Tensor | None = None) -> Tensor:
         if kv_rows is None:
             kv_rows = inp.kv_rows(pools.page_size)  # [N] on the device
         # one sequence with at least 2 cached rows per MLA layer (0 and 1 would each specialize another graph)
@@ -344,7 +347,8 @@ class HybridModel(nn.Module):
                 a = layer.self_attn.decode(h, inp.page_table, inp.seq_lens, kv_rows, pools.kv[im])
                 im += 1
             x, h = self._residual_norms(i, layer, x, a)
-        return self.lm_head(h).float()
+        logits = self.lm_head(h)
+        return logits.float() if logits_out is None else logits_out.copy_(logits)
 
     def _fast_cpu_decode(self, input_ids: Tensor) -> bool:
         """Whether ``_decode_cpu`` runs this step: a CPU, no autograd, every layer on its CPU decode path with

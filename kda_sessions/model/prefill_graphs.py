@@ -183,7 +183,7 @@ class PrefillGraphs:
         first use, outside any capture, at that bucket's rows and again at a larger bucket's when one comes (graphs
         captured before keep the smaller buffer alive: at most twice the largest)."""
         if self._logits_out is None or self._logits_out.shape[0] < bs:
-            self._logits_out = torch.empty(bs, self.model.config.vocab_size, device=self.device)
+            self._logits_out = torch.empty(bs, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         if checkpoint and (self._states_out is None or self._states_out.kda.shape[0] < bs):
             kda, conv = self.pools.kda, self.pools.conv
             self._states_out = CheckpointStates(
