@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 
 from ..engine.sequence import Checkpoint, Sequence
+from .prefix_index import TokenList
 
 __all__ = ["Checkpoint", "SessionLock", "SessionState"]
 
@@ -61,6 +62,10 @@ class SessionState(Sequence):
     last_used: float = field(default_factory=time.monotonic)
     lock: SessionLock = field(default_factory=SessionLock)
     next_message_index: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tokens, TokenList):  # keeps its page chain as it grows (the prefix index's)
+            self.tokens = TokenList(self.tokens)
 
     def touch(self) -> None:
         self.last_used = time.monotonic()

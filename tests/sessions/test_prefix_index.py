@@ -62,3 +62,86 @@ def test_add_many_files_each_checkpoint_where_add_files_it():
         else:
             assert key is None, p
     assert [h.position for h in many.matches(TOKENS)] == [30, 21, 13, 8, 5, 4, 3]
+
+
+def test_token_list_keeps_its_chain_through_every_kind_of_change():
+    """A ``TokenList``'s kept chain equals the chain of the same tokens as a plain list after any sequence of
+    changes (growth, and changes below its end, which drop keys), at two page sizes."""
+    import random
+
+    from kda_sessions.sessions.prefix_index import TokenList, page_chain
+
+    rng = random.Random(3)
+    kept, plain = TokenList(range(37)), list(range(37))
+    ops = ["append", "extend", "iadd", "setitem", "setslice", "del", "delslice", "insert", "pop", "pop_end",
+           "remove", "clear", "sort", "reverse", "imul"]
+    for step in range(400):
+        op = rng.choice(ops)
+        n = len(plain)
+        i = rng.randrange(-n, n) if n else 0
+        v = rng.randrange(50)
+        for t in (kept, plain):
+            if op == "append":
+                t.append(v)
+            elif op == "extend":
+                t.extend(range(v, v + 1 + step % 8))
+            elif op == "iadd":
+                t += [v, v + 1]
+            elif op == "setitem" and n:
+                t[i] = v
+            elif op == "setslice":
+                t[i : i + 2] = [v] * (step % 4)
+            elif op == "del" and n:
+                del t[i]
+            elif op == "delslice":
+                del t[i:]
+            elif op == "insert":
+                t.insert(i, v)
+            elif op == "pop" and n:
+                t.pop(i)
+            elif op == "pop_end" and n:
+                t.pop()
+            elif op == "remove" and v in plain:
+                t.remove(v)
+            elif op == "clear" and step % 7 == 0:
+                t.clear()
+            elif op == "sort" and step % 5 == 0:
+                t.sort()
+            elif op == "reverse" and step % 5 == 0:
+                t.reverse()
+            elif op == "imul" and step % 9 == 0:
+                t *= 1 if step % 2 else 0
+        assert kept == plain and type(kept) is TokenList
+        size = 4 if step % 3 else 16
+        pages = rng.randint(0, -(-len(plain) // size))  # a partial last page too (page_chain keeps none of it)
+        assert page_chain(kept, size, pages) == page_chain(plain, size, pages), (step, op)
+
+
+def test_token_list_hashes_only_new_pages(monkeypatch):
+    """After a chain of 8 pages, growing by one page hashes one page; a change inside page 2 re-hashes from it."""
+    from kda_sessions.sessions import prefix_index
+    from kda_sessions.sessions.prefix_index import TokenList, page_chain
+
+    calls = []
+    real = prefix_index._link
+    monkeypatch.setattr(prefix_index, "_link", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    t = TokenList(range(8 * P))
+    page_chain(t, P, 8)
+    assert len(calls) == 8
+    t.extend(range(P))
+    calls.clear()
+    assert page_chain(t, P, 9) == page_chain(list(t), P, 9)
+    assert len(calls) == 1 + 9  # the kept chain's new page, then the plain list's whole chain
+    t[2 * P + 1] = -1
+    calls.clear()
+    page_chain(t, P, 9)
+    assert len(calls) == 7  # pages 2..8
+
+
+def test_session_state_tokens_are_a_token_list():
+    from kda_sessions.sessions.prefix_index import TokenList
+    from kda_sessions.sessions.state import SessionState
+
+    s = SessionState(id="s", tokens=[1, 2, 3])
+    assert type(s.tokens) is TokenList and s.tokens == [1, 2, 3]
+    assert type(SessionState(id="t").tokens) is TokenList
