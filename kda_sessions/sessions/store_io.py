@@ -393,7 +393,7 @@ class StoreIO:
                 unfiled.append(PrefixHit(sid, r.name, r.position))
             else:
                 self.index.add_key(key, PrefixHit(sid, r.name, r.position))
-        self.index.add_many(tokens, unfiled)
+        self.index.add_many(s.tokens, unfiled)
         return s
 
     async def _load_pages(self, digests: list[str], state_pos: int, where: str) -> list[int]:
