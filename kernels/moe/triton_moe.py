@@ -156,6 +156,30 @@ def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
 
 
 @triton.jit
+def _fill_sentinel(sorted_ids, num_pairs, maxp, BF: tl.constexpr):
+    """sorted_ids[:maxp] = num_pairs (the padding rows' pair), then a barrier: the fill lands before the caller's
+    scatter overwrites some of it."""
+    f = tl.arange(0, BF)
+    for r0 in range(0, maxp, BF):
+        tl.store(sorted_ids + r0 + f, num_pairs, mask=r0 + f < maxp)
+    tl.debug_barrier()
+
+
+@triton.jit
+def _store_block_experts(block_expert, ends, E: tl.constexpr, maxp, EP: tl.constexpr, BM: tl.constexpr,
+                         BB: tl.constexpr):
+    """block_expert[b] for every block of BM rows: the experts whose padded run (ending at ``ends`` [EP]) ends at
+    or before the block's first row precede it, so their count is its expert."""
+    e_ok = tl.arange(0, EP) < E
+    b = tl.arange(0, BB)
+    num_blocks = maxp // BM
+    for b0 in range(0, num_blocks, BB):
+        start = (b0 + b) * BM  # [BB]
+        eb = tl.sum(((ends[None, :] <= start[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
+        tl.store(block_expert + b0 + b, eb, mask=b0 + b < num_blocks)
+
+
+@triton.jit
 def _align_kernel(
     chosen, sorted_ids, block_expert, num_padded, num_pairs, maxp,
     E: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr, BF: tl.constexpr,
@@ -163,7 +187,6 @@ def _align_kernel(
     """One program. chosen [num_pairs] -> sorted_ids [maxp], block_expert [maxp // BM], num_padded [1]. The sizes
     are runtime values, so a new batch size needs no new compile."""
     e = tl.arange(0, EP)
-    e_ok = e < E
     i = tl.arange(0, BP)
     # counts per expert, by a one-hot sum over chunks of BP pairs
     counts = tl.zeros([EP], dtype=tl.int32)
@@ -177,10 +200,7 @@ def _align_kernel(
     run = ends - padded  # next free row of each expert
     total = tl.sum(padded, axis=0)
     tl.store(num_padded, total)
-    f = tl.arange(0, BF)
-    for r0 in range(0, maxp, BF):
-        tl.store(sorted_ids + r0 + f, num_pairs, mask=r0 + f < maxp)
-    tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites some of it
+    _fill_sentinel(sorted_ids, num_pairs, maxp, BF)
     for p0 in range(0, num_pairs, BP):
         valid = p0 + i < num_pairs
         ids = tl.load(chosen + p0 + i, mask=valid, other=0).to(tl.int32)
@@ -190,13 +210,7 @@ def _align_kernel(
         rank = tl.sum(same.to(tl.int32), axis=1)  # earlier pairs of this chunk on the same expert: stable
         tl.store(sorted_ids + base + rank, p0 + i, mask=valid)
         run += tl.sum(hot.to(tl.int32), axis=0)
-    b = tl.arange(0, BB)
-    num_blocks = maxp // BM
-    for b0 in range(0, num_blocks, BB):
-        start = (b0 + b) * BM  # [BB]
-        # experts whose padded run ends at or before this block's first row precede it: their count is its id
-        eb = tl.sum(((ends[None, :] <= start[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
-        tl.store(block_expert + b0 + b, eb, mask=b0 + b < num_blocks)
+    _store_block_experts(block_expert, ends, E, maxp, EP, BM, BB)
 
 
 @triton.jit
@@ -211,25 +225,16 @@ def _align_sort_kernel(
     valid = i < num_pairs
     ids = tl.load(chosen + i, mask=valid, other=0).to(tl.int32)
     e = tl.arange(0, EP)
-    e_ok = e < E
     counts = tl.histogram(ids, EP) - tl.where(e == 0, BP - num_pairs, 0)  # the padding was counted at expert 0
     padded = (counts + BM - 1) // BM * BM
     ends = tl.cumsum(padded, axis=0)
     offset = (ends - padded) - (tl.cumsum(counts, axis=0) - counts)
     tl.store(num_padded, tl.sum(padded, axis=0))
-    f = tl.arange(0, BF)
-    for r0 in range(0, maxp, BF):
-        tl.store(sorted_ids + r0 + f, num_pairs, mask=r0 + f < maxp)
-    tl.debug_barrier()  # the sentinel fill lands before the scatter below overwrites some of it
+    _fill_sentinel(sorted_ids, num_pairs, maxp, BF)
     key = tl.sort(tl.where(valid, ids * BP + i, EP * BP + i))  # the padding's keys last
     expert = tl.minimum(key // BP, EP - 1)
     tl.store(sorted_ids + i + tl.gather(offset, expert, 0), key % BP, mask=valid)
-    b = tl.arange(0, BB)
-    num_blocks = maxp // BM
-    for b0 in range(0, num_blocks, BB):
-        start = (b0 + b) * BM  # [BB]
-        eb = tl.sum(((ends[None, :] <= start[:, None]) & e_ok[None, :]).to(tl.int32), axis=1)
-        tl.store(block_expert + b0 + b, eb, mask=b0 + b < num_blocks)
+    _store_block_experts(block_expert, ends, E, maxp, EP, BM, BB)
 
 
 ALIGN_CONFIG: tuple[int, int, int] | tuple[str, int, int] = (64, 64, 4)
