@@ -85,6 +85,9 @@ class TokenList(list[int]):
         self._chain: list[bytes] = [ROOT]
         self._page_size = 0
 
+    def __reduce__(self) -> tuple[type, tuple[list[int]]]:  # copies start with no keys: none shares this chain
+        return TokenList, (list(self),)
+
     def page_chain(self, page_size: int, num_pages: int) -> list[bytes]:
         """``page_chain(self, page_size, num_pages)``, the keys of full pages kept for the next call."""
         if page_size != self._page_size:

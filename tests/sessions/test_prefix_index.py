@@ -138,6 +138,23 @@ def test_token_list_hashes_only_new_pages(monkeypatch):
     assert len(calls) == 7  # pages 2..8
 
 
+def test_token_list_copies_keep_no_shared_keys():
+    """A copy grows apart from its original: neither sees the other's pages in its chain."""
+    import copy
+
+    from kda_sessions.sessions.prefix_index import TokenList, page_chain
+
+    t = TokenList(range(4 * P))
+    page_chain(t, P, 4)
+    for c in (copy.copy(t), copy.deepcopy(t)):
+        assert type(c) is TokenList and c == t
+        t.extend([1] * P)
+        c.extend([2] * P)
+        assert page_chain(t, P, len(t) // P) == page_chain(list(t), P, len(t) // P)
+        assert page_chain(c, P, 5) == page_chain(list(c), P, 5)
+        del t[4 * P :]
+
+
 def test_session_state_tokens_are_a_token_list():
     from kda_sessions.sessions.prefix_index import TokenList
     from kda_sessions.sessions.state import SessionState
