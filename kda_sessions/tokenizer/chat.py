@@ -107,6 +107,8 @@ class ChatTemplate:
         names = sorted(set(special_tokens), key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
         self._escape_re = re.compile("|".join([re.escape(_ESC), *(re.escape(n) for n in names)]))
+        self._escape_starts = tuple(sorted({_ESC, *(n[:2] for n in names)}))
+        """What a string must hold for the escape to change it: the escape character or a special's first two."""
         try:
             self._template = _environment().from_string(self.source)
         except TemplateError as e:
@@ -150,17 +152,15 @@ class ChatTemplate:
             raise ChatTemplateError(
                 "chat_template is not incremental: history renders differently once extended"
             )
-        segments = self._split(after)
-        pos = 0
-        for k, seg in enumerate(segments):
-            if pos == len(before):
-                return segments[k:]
-            pos += len(seg.text)
-        if pos == len(before):
+        end = len(before)
+        if end == len(after):
             return []
-        raise ChatTemplateError(
-            "chat_template is not incremental: the history does not end on a special token"
-        )
+        if end and not self._ends_a_piece(after, end):
+            raise ChatTemplateError(
+                "chat_template is not incremental: the history does not end on a special token"
+            )
+        # the scan of the whole text has a piece boundary at ``end``, so the tail splits alone as it would there
+        return self._split(after[end:])
 
     def render_delta(
         self,
@@ -194,12 +194,28 @@ class ChatTemplate:
 
     def _escape(self, obj: Any) -> Any:
         if isinstance(obj, str):
-            return self._escape_re.sub(_break, obj)
+            # most contents hold none of ``_escape_starts``: a few ``in`` scans instead of the regex
+            for start in self._escape_starts:
+                if start in obj:
+                    return self._escape_re.sub(_break, obj)
+            return obj
         if isinstance(obj, dict):
             return {self._escape(k): self._escape(v) for k, v in obj.items()}
         if isinstance(obj, list):
             return [self._escape(v) for v in obj]
         return obj
+
+    def _ends_a_piece(self, text: str, end: int) -> bool:
+        """Whether ``_split(text)`` has a boundary at raw offset ``end`` (0 < end < len(text)): a special's match
+        of its scan starts or ends there. Positions are the raw (escaped) text's, not the split pieces'."""
+        if self._special_re is None:
+            return False
+        for m in self._special_re.finditer(text):
+            if m.start() >= end:
+                return m.start() == end
+            if m.end() >= end:
+                return m.end() == end
+        return False
 
     def _split(self, text: str) -> list[Segment]:
         out: list[Segment] = []

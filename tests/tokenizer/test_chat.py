@@ -245,6 +245,45 @@ def test_checkpoint_template_delta_needs_history_and_prefix():
         last_only.render_delta(b, add_generation_prompt=False, history=a)
 
 
+# contents that hold specials' names, pieces of them and the escape character, which the template escapes
+_special_text = st.lists(
+    st.sampled_from(["<|im_end|>", "<|im_user|>", "<|im_middle|>", "<|", "|>", "\ue000", "a", " "]), max_size=6
+).map("".join)
+_special_messages = st.lists(
+    st.builds(lambda role, content: {"role": role, "content": content}, st.sampled_from(["user", "assistant"]),
+              _special_text),
+    max_size=4,
+)
+
+
+@given(_special_messages, _special_messages, st.booleans())
+def test_checkpoint_template_delta_of_escaped_history(a, b, gen):
+    """A history whose contents were escaped renders the same delta through a checkpoint template as through the
+    built-in one (the history's end is found in the escaped text's positions), and encodes to the same ids."""
+    tpl = ChatTemplate(KIMI_LIKE, special_tokens=TOK.special_ids)
+    whole = tpl.render_segments(a + b, add_generation_prompt=gen)
+    head = tpl.render_segments(a, add_generation_prompt=False)
+    delta = tpl.render_delta_segments(b, add_generation_prompt=gen, history=a)
+    assert "".join(s.text for s in head + delta) == "".join(s.text for s in whole)
+    assert [s for s in delta if s.is_special] == [s for s in whole if s.is_special][len([s for s in head if s.is_special]):]
+    ids = encode_chat_delta(TOK, b, add_generation_prompt=gen, template=tpl, history=a)
+    assert encode_chat(TOK, a, template=tpl, add_generation_prompt=False) + ids == encode_chat(
+        TOK, a + b, template=tpl, add_generation_prompt=gen)
+
+
+def test_checkpoint_template_delta_needs_a_piece_boundary():
+    """The history's rendering must end where the whole conversation's pieces meet, in raw positions."""
+    plain = ChatTemplate("{% for m in messages %}{{ m.content }}{% endfor %}", special_tokens=TOK.special_ids)
+    with pytest.raises(ChatTemplateError, match="special token"):
+        plain.render_delta([{"role": "user", "content": "b"}], add_generation_prompt=False,
+                           history=[{"role": "user", "content": "a<|im_end|>"}])
+    # where it does, an escaped name before the end moves nothing
+    ends = ChatTemplate("{% for m in messages %}{{ m.content }}<|im_end|>{% endfor %}", special_tokens=TOK.special_ids)
+    delta = ends.render_delta_segments([{"role": "user", "content": "b"}], add_generation_prompt=False,
+                                       history=[{"role": "user", "content": "\ue000a<|im_end|>"}])
+    assert [(s.text, s.is_special) for s in delta] == [("b", False), ("<|im_end|>", True)]
+
+
 def test_sandbox_blocks_unsafe_templates():
     tpl = ChatTemplate("{{ messages.__class__.__mro__ }}")
     with pytest.raises(ChatTemplateError):
