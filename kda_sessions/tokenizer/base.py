@@ -7,7 +7,10 @@ from text when the caller says so (`allow_special=True`, used for template text)
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
+from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
@@ -20,11 +23,54 @@ class Segment(NamedTuple):
     is_special: bool
 
 
+class SegmentCache:
+    """Ids of long plain-text pieces by their text, the least recently used dropped past ``max_tokens`` ids.
+
+    A client that resends its whole conversation every request (the OpenAI API) sends the same message contents
+    each time; a piece of rendered text encodes to the same ids wherever it stands (``encode_segments`` encodes
+    each piece alone), so only new pieces need the tokenizer. Ids are kept as 4-byte arrays."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self.hits = 0
+        self._ids: OrderedDict[str, array[int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, text: str) -> array[int] | None:
+        with self._lock:
+            ids = self._ids.get(text)
+            if ids is not None:
+                self._ids.move_to_end(text)
+                self.hits += 1
+            return ids
+
+    def put(self, text: str, ids: list[int]) -> None:
+        if len(ids) > self.max_tokens:
+            return
+        kept = array("i", ids)
+        with self._lock:
+            old = self._ids.pop(text, None)
+            self.tokens += len(kept) - (len(old) if old is not None else 0)
+            self._ids[text] = kept
+            while self.tokens > self.max_tokens:
+                _, dropped = self._ids.popitem(last=False)
+                self.tokens -= len(dropped)
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class Tokenizer(ABC):
     """Text <-> token ids. Subclasses fill `special_ids` and `eos_ids` in their constructor."""
 
     special_ids: dict[str, int]
     eos_ids: set[int]
+
+    SEGMENT_CACHE_MIN_CHARS = 512
+    """Plain pieces of template output this long or longer are cached by ``encode_segments``."""
+    SEGMENT_CACHE_TOKENS = 1 << 22
+    """The most ids the cache holds (4 bytes each, with their text: ~32 MB at 4 characters a token)."""
 
     @property
     @abstractmethod
@@ -78,9 +124,23 @@ class Tokenizer(ABC):
         for seg in segments:
             if seg.is_special:
                 ids.append(self.token_to_id(seg.text))
+            elif len(seg.text) >= self.SEGMENT_CACHE_MIN_CHARS:
+                cache = self.segment_cache
+                hit = cache.get(seg.text)
+                if hit is None:
+                    new = self.encode(seg.text, allow_special=False)
+                    cache.put(seg.text, new)
+                    ids.extend(new)
+                else:
+                    ids.extend(hit)
             elif seg.text:
                 ids.extend(self.encode(seg.text, allow_special=False))
         return ids
+
+    @cached_property
+    def segment_cache(self) -> SegmentCache:
+        """``encode_segments``' ids of long plain pieces (``SegmentCache``)."""
+        return SegmentCache(self.SEGMENT_CACHE_TOKENS)
 
     def split_specials(self, text: str) -> list[Segment]:
         """Split text at literal special names: the inverse of rendering segments to a string."""

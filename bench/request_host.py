@@ -1,0 +1,110 @@
+"""The host's work of a chat request at long contexts, before the model runs: an agent's conversation of N tokens
+(tool outputs of real source files, short assistant turns) under a byte-level BPE trained here on this repository
+(32K ids; real checkpoints' tokenizers are not on this machine), ms on the event loop:
+
+- stateless (OpenAI-style, the whole history resent): render the conversation and encode it (``encode_chat``),
+  the first request and the next one (same history, one more message), with ``Tokenizer.segment_cache`` and
+  without it; then its page chain (``page_chain`` of the ids as a plain list);
+- a session's turn under a checkpoint's chat template (``encode_chat_delta`` renders the history and the history
+  with the new message, ``ChatTemplate.render_delta_segments``).
+
+    python bench/request_host.py --contexts 131072,1048576
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kda_sessions.sessions.prefix_index import page_chain
+from kda_sessions.tokenizer import ChatTemplate, Tokenizer, encode_chat, encode_chat_delta, load_tokenizer
+from kda_sessions.tokenizer.chat import BUILTIN_TEMPLATE, CHAT_SPECIALS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sources() -> list[str]:
+    return [p.read_text() for p in sorted((ROOT / "kda_sessions").rglob("*.py")) if p.stat().st_size > 2000]
+
+
+def train_tokenizer(directory: Path, texts: list[str]) -> Tokenizer:
+    from tokenizers import Tokenizer as HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=32768, special_tokens=list(CHAT_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    return load_tokenizer(directory)
+
+
+def conversation(tok: Tokenizer, files: list[str], n_tokens: int) -> list[dict]:
+    """System prompt, then (assistant's call, tool's output of one file) pairs up to ~n_tokens."""
+    msgs: list[dict] = [{"role": "system", "content": "You are a coding agent. " * 40},
+                        {"role": "user", "content": "Read the code and fix the failing test."}]
+    total, i = 0, 0
+    while total < n_tokens:
+        text = files[i % len(files)]
+        msgs.append({"role": "assistant", "content": f"Reading file {i}."})
+        msgs.append({"role": "tool", "content": text, "tool_call_id": f"functions.read:{i}"})
+        total += len(tok.encode(text)) + 16
+        i += 1
+    return msgs
+
+
+def ms(fn, reps: int = 3) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return round(statistics.median(times) * 1e3, 1)
+
+
+def case(tok: Tokenizer, files: list[str], n: int) -> dict:
+    msgs = conversation(tok, files, n)
+    tok.segment_cache.__init__(tok.SEGMENT_CACHE_TOKENS)  # empty: the first request of this conversation
+    t = time.perf_counter()
+    ids = encode_chat(tok, msgs, add_generation_prompt=True)
+    first = (time.perf_counter() - t) * 1e3
+    more = [*msgs, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Go on."}]
+    nxt = ms(lambda: encode_chat(tok, more, add_generation_prompt=True))
+    tok.SEGMENT_CACHE_MIN_CHARS = 1 << 62  # the cache off: every piece through the tokenizer
+    uncached = ms(lambda: encode_chat(tok, more, add_generation_prompt=True), reps=1)
+    del tok.SEGMENT_CACHE_MIN_CHARS
+    assert encode_chat(tok, more, add_generation_prompt=True)[: len(ids) - 3] == ids[: len(ids) - 3]
+    chain = ms(lambda: page_chain(list(ids), 64, len(ids) // 64))
+    checkpoint = ChatTemplate(BUILTIN_TEMPLATE, special_tokens=tok.special_ids)
+    turn = ms(lambda: encode_chat_delta(tok, [{"role": "user", "content": "Go on."}], template=checkpoint,
+                                        history=more[:-1]))
+    return {"tokens": len(ids), "messages": len(msgs), "chars": sum(len(m["content"]) for m in msgs),
+            "stateless_first_ms": round(first, 1), "stateless_next_ms": nxt,
+            "stateless_next_uncached_ms": uncached, "page_chain_ms": chain,
+            "checkpoint_template_turn_ms": turn}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="131072,1048576")
+    args = ap.parse_args()
+    files = sources()
+    with tempfile.TemporaryDirectory() as d:
+        tok = train_tokenizer(Path(d), files)
+        res = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv),
+               "cases": [case(tok, files, int(n)) for n in args.contexts.split(",")]}
+    print(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The cache of long plain pieces' ids behind ``Tokenizer.encode_segments`` (a resent conversation encodes once)."""
+
+import pytest
+
+from kda_sessions.tokenizer import ByteTokenizer, Segment, encode_chat, load_tokenizer
+from kda_sessions.tokenizer.base import SegmentCache
+
+from .helpers import write_hf_tokenizer
+
+
+class CountingBytes(ByteTokenizer):
+    SEGMENT_CACHE_MIN_CHARS = 8
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded: list[str] = []
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        self.encoded.append(text)
+        return super().encode(text, allow_special=allow_special)
+
+
+def test_long_pieces_encode_once_and_short_ones_every_time():
+    tok = CountingBytes()
+    segs = [Segment("a long piece of text", False), Segment("<|im_end|>", True), Segment("short", False)]
+    first = tok.encode_segments(segs)
+    second = tok.encode_segments(segs)
+    assert first == second == ByteTokenizer().encode_segments(segs)
+    assert tok.encoded == ["a long piece of text", "short", "short"]
+    assert tok.segment_cache.hits == 1
+    second.append(0)  # the caller's list is its own: the cache is not changed through it
+    assert tok.encode_segments(segs) == first
+
+
+@pytest.mark.parametrize("backend", ["bytes", "hf"])
+def test_a_resent_conversation_encodes_to_the_same_ids(tmp_path, backend):
+    tok = ByteTokenizer() if backend == "bytes" else load_tokenizer(write_hf_tokenizer(tmp_path))
+    body = "def read_file(path):\n    return open(path).read()\n" * 40  # over SEGMENT_CACHE_MIN_CHARS
+    msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": body},
+            {"role": "assistant", "content": "ok"}, {"role": "user", "content": body + "more"}]
+    tok.SEGMENT_CACHE_MIN_CHARS = 1 << 62  # the reference: every piece through the tokenizer
+    reference = encode_chat(tok, msgs)
+    del tok.SEGMENT_CACHE_MIN_CHARS
+    assert encode_chat(tok, msgs) == reference
+    assert len(tok.segment_cache) == 2
+    assert encode_chat(tok, msgs) == reference
+    assert tok.segment_cache.hits == 2
+
+
+def test_least_recently_used_pieces_go_past_the_bound():
+    cache = SegmentCache(max_tokens=10)
+    cache.put("a", [1, 2, 3, 4])
+    cache.put("b", [5, 6, 7, 8])
+    assert cache.get("a") is not None  # "b" is now the least recently used
+    cache.put("c", [9, 10, 11])
+    assert cache.tokens == 7 and cache.get("b") is None
+    assert list(cache.get("a")) == [1, 2, 3, 4] and list(cache.get("c")) == [9, 10, 11]
+    cache.put("a", [1])  # replaced: its old ids no longer count
+    assert cache.tokens == 4
+    cache.put("huge", list(range(11)))  # longer than the bound: not kept, nothing dropped for it
+    assert cache.get("huge") is None and len(cache) == 2
