@@ -26,7 +26,7 @@ from ..tokenizer.chat import ChatTemplate
 from ..types import SessionInfo
 from .admission import Admission
 from .prefix_cache import PrefixCache
-from .prefix_index import PrefixHit
+from .prefix_index import PrefixHit, TokenList
 from .residency import Residency
 from .state import Checkpoint, SessionState
 from .store_io import StoreIO, open_snapshots, tenant_store_url
@@ -128,6 +128,7 @@ class SessionManager:
         io = self.store_of(tenant)
         self.counters["prefix_cache_lookups"] += 1
         s: SessionState | None = None
+        tokens = tokens if isinstance(tokens, TokenList) else TokenList(tokens)  # the lookup's chain is kept
         for hit in islice(io.index.matches(tokens), 4):  # a stale entry (its session gone): the next longest
             try:
                 s = await self.fork_state(tenant, hit.session_id, hit.checkpoint, sid, hold_parent=False)
@@ -140,7 +141,9 @@ class SessionManager:
         if s is None:
             s = SessionState(id=sid, tenant=tenant)
             await self.residency.make_resident(s)
-        s.tokens.extend(tokens[len(s.tokens) :])
+        # s holds a prefix of tokens (found by its sha256 chain): take tokens whole, with the keys of every full
+        # page the lookup computed, so this session's checkpoints hash nothing again
+        s.tokens = tokens
         self.hold(s)
         return s
 
@@ -187,8 +190,10 @@ class SessionManager:
                 cp.last_used = time.monotonic()  # the memory policy keeps checkpoints that start others
             position, state_pos = (parent.num_tokens, parent.num_cached) if cp is None else (cp.position, cp.state_pos)
             num_messages = len(parent.messages) if cp is None else cp.num_messages
+            kept = parent.tokens
             child = SessionState(
-                id=sid, tenant=tenant, tokens=parent.tokens[:position], num_cached=state_pos, system=parent.system,
+                id=sid, tenant=tenant, tokens=kept.head(position) if isinstance(kept, TokenList) else kept[:position],
+                num_cached=state_pos, system=parent.system,
                 tools=parent.tools, messages=[dict(m) for m in parent.messages[:num_messages]],
                 turn_open=parent.turn_open if cp is None else cp.turn_open, parent=parent_id,
                 next_message_index=num_messages,

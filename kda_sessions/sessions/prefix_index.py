@@ -96,6 +96,15 @@ class TokenList(list[int]):
         chain = _extend(self, page_size, kept, self._chain)[: kept + 1]
         return _extend(self, page_size, num_pages, chain) if num_pages > kept else chain
 
+    def head(self, n: int) -> TokenList:
+        """The first ``n`` tokens as a TokenList that starts with this one's keys of its full pages (a fork's
+        tokens: its first index or lookup hashes only what follows)."""
+        out = TokenList(self[:n])
+        if self._page_size:
+            out._page_size = self._page_size
+            out._chain = self._chain[: min(len(out), len(self)) // self._page_size + 1]
+        return out
+
     def _changed_from(self, index: int) -> None:
         """Tokens from ``index`` on changed: the keys of the pages holding them go."""
         if self._page_size:

@@ -57,3 +57,32 @@ async def test_a_resumed_session_files_its_checkpoints_where_its_tokens_put_them
             assert index.key_of(sid, name, position) == prefix_key(r.state.tokens, position, 16), name
         hit = index.longest([*PROMPT, 7, 8])
         assert hit is not None and (hit.session_id, hit.checkpoint) == (sid, "end")
+
+
+async def test_a_resent_conversation_hashes_its_pages_once(monkeypatch):
+    """A session made from a resent history (stateless chat) keeps the page chain its prefix lookup computed, and a
+    fork keeps its parent's: their next checkpoints hash only pages past them."""
+    from kda_sessions.sessions import prefix_index
+
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        history = [{"role": "user", "content": "read this: " + "x" * 300}]
+        first = await eng.create_session_from_messages(history)
+        reply = await first.send("and this: " + "y" * 200, max_tokens=4, ignore_eos=True)
+        resent = [*history, {"role": "user", "content": "and this: " + "y" * 200},
+                  {"role": "assistant", "content": reply.text}]
+        calls = []
+        real = prefix_index._link
+        monkeypatch.setattr(prefix_index, "_link", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+        s = await eng.create_session_from_messages(resent)
+        assert s.state.num_cached > 0  # started from the first session's checkpoint
+        n = len(s.state.tokens)
+        looked_up = len(calls)
+        assert looked_up >= n // 16 - 1  # the lookup hashed the resent tokens' pages
+        calls.clear()
+        assert prefix_index.page_chain(s.state.tokens, 16, n // 16) == prefix_index.page_chain(
+            list(s.state.tokens), 16, n // 16)
+        assert len(calls) == n // 16  # the plain list's chain only: the session's was kept
+        child = await eng.fork(s.id)
+        calls.clear()
+        prefix_index.page_chain(child.state.tokens, 16, n // 16)
+        assert calls == []

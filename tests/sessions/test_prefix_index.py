@@ -162,3 +162,27 @@ def test_session_state_tokens_are_a_token_list():
     s = SessionState(id="s", tokens=[1, 2, 3])
     assert type(s.tokens) is TokenList and s.tokens == [1, 2, 3]
     assert type(SessionState(id="t").tokens) is TokenList
+
+
+def test_token_list_head_starts_with_its_full_pages_keys(monkeypatch):
+    """A fork's tokens (``head``) hash only the pages after its parent's kept ones, and never share its chain."""
+    from kda_sessions.sessions import prefix_index
+    from kda_sessions.sessions.prefix_index import TokenList, page_chain
+
+    t = TokenList(range(6 * P + 2))
+    page_chain(t, P, 6)
+    calls = []
+    real = prefix_index._link
+    monkeypatch.setattr(prefix_index, "_link", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    for n in (0, 1, P, 3 * P + 1, 6 * P + 2):
+        h = t.head(n)
+        assert type(h) is TokenList and h == t[:n]
+        calls.clear()
+        assert page_chain(h, P, n // P) == page_chain(t[:n], P, n // P)
+        assert len(calls) == n // P  # only the plain list's chain: the head's keys were all kept
+    h = t.head(5 * P)
+    h[P] = -1  # a change in the head's page 1 leaves the parent's chain as it was
+    h.extend(range(2 * P))
+    assert page_chain(h, P, 7) == page_chain(list(h), P, 7)
+    assert page_chain(t, P, 6) == page_chain(list(t), P, 6)
+    assert TokenList([1, 2]).head(1) == [1]  # nothing kept yet: a plain copy
