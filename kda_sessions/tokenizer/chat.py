@@ -146,8 +146,11 @@ class ChatTemplate:
             return self._split(self._render_raw(new_messages, None, add_generation_prompt))
         if history is None:
             raise ChatTemplateError("a checkpoint chat_template renders deltas only given the history")
-        before = self._render_raw(history, tools, False)
-        after = self._render_raw([*history, *new_messages], tools, add_generation_prompt)
+        # the history prepared once for both renders (the sandbox keeps templates from changing it)
+        past, tools_seen = self._prepare(history), self._prepare_tools(tools)
+        before = self._render_prepared(past, tools_seen, False)
+        after = self._render_prepared([*past, *self._prepare(new_messages, len(past))], tools_seen,
+                                      add_generation_prompt)
         if not after.startswith(before):
             raise ChatTemplateError(
                 "chat_template is not incremental: history renders differently once extended"
@@ -179,12 +182,21 @@ class ChatTemplate:
     # ---- internals ----------------------------------------------------------------------------------
 
     def _render_raw(self, messages: Sequence[Message], tools: Sequence[Any] | None, gen: bool) -> str:
-        msgs = [_normalize(m, i, check=self.is_builtin) for i, m in enumerate(messages)]
-        tools_plain = _deep_sort(_plain(list(tools))) if tools else None
+        return self._render_prepared(self._prepare(messages), self._prepare_tools(tools), gen)
+
+    def _prepare(self, messages: Sequence[Message], first: int = 0) -> list[Any]:
+        """Messages as the template sees them: plain dicts, contents joined, escaped (``first``: the index of
+        the first, for errors)."""
+        return list(self._escape([_normalize(m, first + i, check=self.is_builtin) for i, m in enumerate(messages)]))
+
+    def _prepare_tools(self, tools: Sequence[Any] | None) -> Any:
+        return self._escape(_deep_sort(_plain(list(tools)))) if tools else None
+
+    def _render_prepared(self, msgs: list[Any], tools: Any, gen: bool) -> str:
         try:
             return self._template.render(
-                messages=self._escape(msgs),
-                tools=self._escape(tools_plain),
+                messages=msgs,
+                tools=tools,
                 add_generation_prompt=gen,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
