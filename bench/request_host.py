@@ -5,8 +5,8 @@
 - stateless (OpenAI-style, the whole history resent): render the conversation and encode it (``encode_chat``),
   the first request and the next one (same history, one more message), with ``Tokenizer.segment_cache`` and
   without it; then its page chain (``page_chain`` of the ids as a plain list);
-- a session's turn under a checkpoint's chat template (``encode_chat_delta`` renders the history and the history
-  with the new message, ``ChatTemplate.render_delta_segments``).
+- a session's turn under a checkpoint's chat template (``encode_chat_turn``: the history rendered alone and with
+  the new message, with and without the generation prompt, ``ChatTemplate.render_deltas``).
 
     python bench/request_host.py --contexts 131072,1048576
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kda_sessions.sessions.prefix_index import page_chain
-from kda_sessions.tokenizer import ChatTemplate, Tokenizer, encode_chat, encode_chat_delta, load_tokenizer
+from kda_sessions.tokenizer import ChatTemplate, Tokenizer, encode_chat, encode_chat_turn, load_tokenizer
 from kda_sessions.tokenizer.chat import BUILTIN_TEMPLATE, CHAT_SPECIALS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,8 +86,8 @@ def case(tok: Tokenizer, files: list[str], n: int) -> dict:
     assert encode_chat(tok, more, add_generation_prompt=True)[: len(ids) - 3] == ids[: len(ids) - 3]
     chain = ms(lambda: page_chain(list(ids), 64, len(ids) // 64))
     checkpoint = ChatTemplate(BUILTIN_TEMPLATE, special_tokens=tok.special_ids)
-    turn = ms(lambda: encode_chat_delta(tok, [{"role": "user", "content": "Go on."}], template=checkpoint,
-                                        history=more[:-1]))
+    turn = ms(lambda: encode_chat_turn(tok, [{"role": "user", "content": "Go on."}], template=checkpoint,
+                                       history=more[:-1]))
     return {"tokens": len(ids), "messages": len(msgs), "chars": sum(len(m["content"]) for m in msgs),
             "stateless_first_ms": round(first, 1), "stateless_next_ms": nxt,
             "stateless_next_uncached_ms": uncached, "page_chain_ms": chain,

@@ -16,7 +16,7 @@ from ..tokenizer import (
     ContentDelta,
     ToolCall,
     ToolCallStreamParser,
-    encode_chat_delta,
+    encode_chat_turn,
     encode_end_of_turn,
     parse_assistant_output,
 )
@@ -179,8 +179,7 @@ class Session:
                 num_messages=len(s.messages), turn_open=s.turn_open,
             ))
         ids: list[int] = encode_end_of_turn(tok, tpl) if s.turn_open else []
-        body = encode_chat_delta(tok, messages, add_generation_prompt=False, template=tpl, history=s.messages, tools=s.tools)
-        full = encode_chat_delta(tok, messages, add_generation_prompt=True, template=tpl, history=s.messages, tools=s.tools)
+        body, full = encode_chat_turn(tok, messages, template=tpl, history=s.messages, tools=s.tools)
         boundary = s.num_tokens + len(ids) + len(body)
         ids += full
         undo = (s.num_tokens, len(s.messages), s.turn_open)

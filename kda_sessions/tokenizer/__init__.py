@@ -12,6 +12,7 @@ from kda_sessions.tokenizer.chat import (
     builtin_template,
     encode_chat,
     encode_chat_delta,
+    encode_chat_turn,
     encode_end_of_turn,
     load_chat_template,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "builtin_template",
     "encode_chat",
     "encode_chat_delta",
+    "encode_chat_turn",
     "encode_end_of_turn",
     "load_chat_template",
     "load_tokenizer",

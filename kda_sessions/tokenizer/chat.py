@@ -142,15 +142,32 @@ class ChatTemplate:
         A checkpoint template: `history` (and `tools`) are required; the delta is render(history + new) minus
         render(history), which must end where a special token ends, else ChatTemplateError.
         """
+        (delta,) = self.render_deltas(new_messages, (add_generation_prompt,), history=history, tools=tools)
+        return delta
+
+    def render_deltas(
+        self,
+        new_messages: Sequence[Message],
+        generation_prompts: Sequence[bool],
+        *,
+        history: Sequence[Message] | None = None,
+        tools: Sequence[Any] | None = None,
+    ) -> list[list[Segment]]:
+        """``render_delta_segments`` once per ``add_generation_prompt`` in ``generation_prompts``; a checkpoint
+        template renders and prepares the history once for all of them (a chat turn takes the delta with and
+        without the generation prompt)."""
         if self.is_builtin:
-            return self._split(self._render_raw(new_messages, None, add_generation_prompt))
+            return [self._split(self._render_raw(new_messages, None, gen)) for gen in generation_prompts]
         if history is None:
             raise ChatTemplateError("a checkpoint chat_template renders deltas only given the history")
-        # the history prepared once for both renders (the sandbox keeps templates from changing it)
+        # the history prepared once for every render (the sandbox keeps templates from changing it)
         past, tools_seen = self._prepare(history), self._prepare_tools(tools)
         before = self._render_prepared(past, tools_seen, False)
-        after = self._render_prepared([*past, *self._prepare(new_messages, len(past))], tools_seen,
-                                      add_generation_prompt)
+        whole = [*past, *self._prepare(new_messages, len(past))]
+        return [self._delta(before, self._render_prepared(whole, tools_seen, gen)) for gen in generation_prompts]
+
+    def _delta(self, before: str, after: str) -> list[Segment]:
+        """The pieces of ``after`` past ``before``, which it must extend at a piece boundary."""
         if not after.startswith(before):
             raise ChatTemplateError(
                 "chat_template is not incremental: history renders differently once extended"
@@ -413,6 +430,21 @@ def encode_chat_delta(
             new_messages, add_generation_prompt=add_generation_prompt, history=history, tools=tools
         )
     )
+
+
+def encode_chat_turn(
+    tokenizer: Tokenizer,
+    new_messages: Sequence[Message],
+    *,
+    template: ChatTemplate | None = None,
+    history: Sequence[Message] | None = None,
+    tools: Sequence[Any] | None = None,
+) -> tuple[list[int], list[int]]:
+    """``encode_chat_delta`` without and with the generation prompt (the turn's body and what it appends), the
+    history rendered once for both."""
+    template = template or builtin_template()
+    body, full = template.render_deltas(new_messages, (False, True), history=history, tools=tools)
+    return tokenizer.encode_segments(body), tokenizer.encode_segments(full)
 
 
 def encode_end_of_turn(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> list[int]:

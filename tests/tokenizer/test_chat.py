@@ -11,6 +11,7 @@ from kda_sessions.tokenizer import (
     builtin_template,
     encode_chat,
     encode_chat_delta,
+    encode_chat_turn,
     encode_end_of_turn,
     load_chat_template,
     load_tokenizer,
@@ -269,6 +270,14 @@ def test_checkpoint_template_delta_of_escaped_history(a, b, gen):
     ids = encode_chat_delta(TOK, b, add_generation_prompt=gen, template=tpl, history=a)
     assert encode_chat(TOK, a, template=tpl, add_generation_prompt=False) + ids == encode_chat(
         TOK, a + b, template=tpl, add_generation_prompt=gen)
+
+
+@given(_special_messages, _special_messages, st.booleans())
+def test_a_turn_encodes_its_body_and_its_prompt_as_two_deltas(a, b, checkpoint):
+    tpl = ChatTemplate(KIMI_LIKE, special_tokens=TOK.special_ids) if checkpoint else TPL
+    body, full = encode_chat_turn(TOK, b, template=tpl, history=a)
+    assert body == encode_chat_delta(TOK, b, add_generation_prompt=False, template=tpl, history=a)
+    assert full == encode_chat_delta(TOK, b, add_generation_prompt=True, template=tpl, history=a)
 
 
 def test_checkpoint_template_delta_needs_a_piece_boundary():
