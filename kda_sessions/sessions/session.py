@@ -179,7 +179,7 @@ class Session:
                 num_messages=len(s.messages), turn_open=s.turn_open,
             ))
         ids: list[int] = encode_end_of_turn(tok, tpl) if s.turn_open else []
-        body, full = encode_chat_turn(tok, messages, template=tpl, history=s.messages, tools=s.tools)
+        body, full = encode_chat_turn(tok, messages, template=tpl, history=s.messages, tools=s.tools, scope=s.tenant)
         boundary = s.num_tokens + len(ids) + len(body)
         ids += full
         undo = (s.num_tokens, len(s.messages), s.turn_open)

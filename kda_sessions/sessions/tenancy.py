@@ -54,7 +54,8 @@ class TenantSessions:
         m = self.manager
         sid = self.manager.new_id(self.tenant, session_id)
         check_tools(tools)
-        tokens = encode_chat(m.tokenizer, messages, tools, add_generation_prompt=False, template=m.template) if (messages or tools) else []
+        tokens = (encode_chat(m.tokenizer, messages, tools, add_generation_prompt=False, template=m.template, scope=self.tenant)
+                  if (messages or tools) else [])
         s = await m.new_state(self.tenant, sid, tokens)
         s.system = next((x.get("content") for x in messages if x.get("role") == "system"), None)
         s.tools = tools

@@ -11,7 +11,7 @@ import threading
 from abc import ABC, abstractmethod
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from functools import cached_property
 from typing import NamedTuple
 
@@ -24,35 +24,36 @@ class Segment(NamedTuple):
 
 
 class SegmentCache:
-    """Ids of long plain-text pieces by their text, the least recently used dropped past ``max_tokens`` ids.
+    """Ids of long plain-text pieces by (scope, text), the least recently used dropped past ``max_tokens`` ids.
 
     A client that resends its whole conversation every request (the OpenAI API) sends the same message contents
     each time; a piece of rendered text encodes to the same ids wherever it stands (``encode_segments`` encodes
-    each piece alone), so only new pieces need the tokenizer. Ids are kept as 4-byte arrays."""
+    each piece alone), so only new pieces need the tokenizer. Ids are kept as 4-byte arrays. The scope (the
+    sessions' tenant) keeps one tenant from timing whether another sent a text, as the prefix index does."""
 
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
         self.hits = 0
-        self._ids: OrderedDict[str, array[int]] = OrderedDict()
+        self._ids: OrderedDict[tuple[Hashable, str], array[int]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, text: str) -> array[int] | None:
+    def get(self, key: tuple[Hashable, str]) -> array[int] | None:
         with self._lock:
-            ids = self._ids.get(text)
+            ids = self._ids.get(key)
             if ids is not None:
-                self._ids.move_to_end(text)
+                self._ids.move_to_end(key)
                 self.hits += 1
             return ids
 
-    def put(self, text: str, ids: list[int]) -> None:
+    def put(self, key: tuple[Hashable, str], ids: list[int]) -> None:
         if len(ids) > self.max_tokens:
             return
         kept = array("i", ids)
         with self._lock:
-            old = self._ids.pop(text, None)
+            old = self._ids.pop(key, None)
             self.tokens += len(kept) - (len(old) if old is not None else 0)
-            self._ids[text] = kept
+            self._ids[key] = kept
             while self.tokens > self.max_tokens:
                 _, dropped = self._ids.popitem(last=False)
                 self.tokens -= len(dropped)
@@ -118,18 +119,19 @@ class Tokenizer(ABC):
 
     # ---- helpers built on the primitives -------------------------------------------------------------
 
-    def encode_segments(self, segments: Iterable[Segment]) -> list[int]:
-        """Encode template output: specials by id, plain text with `allow_special=False` (not injectable)."""
+    def encode_segments(self, segments: Iterable[Segment], *, scope: Hashable = None) -> list[int]:
+        """Encode template output: specials by id, plain text with `allow_special=False` (not injectable). Long
+        plain pieces go through ``segment_cache`` under ``scope`` (the tenant)."""
         ids: list[int] = []
         for seg in segments:
             if seg.is_special:
                 ids.append(self.token_to_id(seg.text))
             elif len(seg.text) >= self.SEGMENT_CACHE_MIN_CHARS:
-                cache = self.segment_cache
-                hit = cache.get(seg.text)
+                cache, key = self.segment_cache, (scope, seg.text)
+                hit = cache.get(key)
                 if hit is None:
                     new = self.encode(seg.text, allow_special=False)
-                    cache.put(seg.text, new)
+                    cache.put(key, new)
                     ids.extend(new)
                 else:
                     ids.extend(hit)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -406,11 +406,13 @@ def encode_chat(
     *,
     add_generation_prompt: bool = True,
     template: ChatTemplate | None = None,
+    scope: Hashable = None,
 ) -> list[int]:
-    """Ids of the whole conversation; message contents encoded as plain text (specials not injectable)."""
+    """Ids of the whole conversation; message contents encoded as plain text (specials not injectable). ``scope``:
+    the tenant, whose long pieces' ids the tokenizer's cache keeps apart (``Tokenizer.encode_segments``)."""
     template = template or builtin_template()
     return tokenizer.encode_segments(
-        template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt)
+        template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt), scope=scope
     )
 
 
@@ -422,13 +424,16 @@ def encode_chat_delta(
     template: ChatTemplate | None = None,
     history: Sequence[Message] | None = None,
     tools: Sequence[Any] | None = None,
+    scope: Hashable = None,
 ) -> list[int]:
-    """Ids to append for `new_messages` after a conversation that ends with a closed turn."""
+    """Ids to append for `new_messages` after a conversation that ends with a closed turn; ``scope`` as
+    ``encode_chat``'s."""
     template = template or builtin_template()
     return tokenizer.encode_segments(
         template.render_delta_segments(
             new_messages, add_generation_prompt=add_generation_prompt, history=history, tools=tools
-        )
+        ),
+        scope=scope,
     )
 
 
@@ -439,12 +444,13 @@ def encode_chat_turn(
     template: ChatTemplate | None = None,
     history: Sequence[Message] | None = None,
     tools: Sequence[Any] | None = None,
+    scope: Hashable = None,
 ) -> tuple[list[int], list[int]]:
     """``encode_chat_delta`` without and with the generation prompt (the turn's body and what it appends), the
-    history rendered once for both."""
+    history rendered once for both; ``scope`` as ``encode_chat``'s."""
     template = template or builtin_template()
     body, full = template.render_deltas(new_messages, (False, True), history=history, tools=tools)
-    return tokenizer.encode_segments(body), tokenizer.encode_segments(full)
+    return tokenizer.encode_segments(body, scope=scope), tokenizer.encode_segments(full, scope=scope)
 
 
 def encode_end_of_turn(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> list[int]:

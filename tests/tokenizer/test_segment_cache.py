@@ -49,13 +49,35 @@ def test_a_resent_conversation_encodes_to_the_same_ids(tmp_path, backend):
 
 def test_least_recently_used_pieces_go_past_the_bound():
     cache = SegmentCache(max_tokens=10)
-    cache.put("a", [1, 2, 3, 4])
-    cache.put("b", [5, 6, 7, 8])
-    assert cache.get("a") is not None  # "b" is now the least recently used
-    cache.put("c", [9, 10, 11])
-    assert cache.tokens == 7 and cache.get("b") is None
-    assert list(cache.get("a")) == [1, 2, 3, 4] and list(cache.get("c")) == [9, 10, 11]
-    cache.put("a", [1])  # replaced: its old ids no longer count
+    cache.put((None, "a"), [1, 2, 3, 4])
+    cache.put((None, "b"), [5, 6, 7, 8])
+    assert cache.get((None, "a")) is not None  # "b" is now the least recently used
+    cache.put((None, "c"), [9, 10, 11])
+    assert cache.tokens == 7 and cache.get((None, "b")) is None
+    assert list(cache.get((None, "a"))) == [1, 2, 3, 4] and list(cache.get((None, "c"))) == [9, 10, 11]
+    cache.put((None, "a"), [1])  # replaced: its old ids no longer count
     assert cache.tokens == 4
-    cache.put("huge", list(range(11)))  # longer than the bound: not kept, nothing dropped for it
-    assert cache.get("huge") is None and len(cache) == 2
+    cache.put((None, "huge"), list(range(11)))  # longer than the bound: not kept, nothing dropped for it
+    assert cache.get((None, "huge")) is None and len(cache) == 2
+
+
+def test_tenants_pieces_are_kept_apart():
+    """One tenant's request never finds another's piece (which would time as a hit): each scope encodes its own."""
+    tok = CountingBytes()
+    segs = [Segment("a long piece of text", False)]
+    assert tok.encode_segments(segs, scope="acme") == tok.encode_segments(segs, scope="globex")
+    assert tok.encoded == ["a long piece of text"] * 2 and tok.segment_cache.hits == 0
+    tok.encode_segments(segs, scope="acme")
+    assert tok.encoded == ["a long piece of text"] * 2 and tok.segment_cache.hits == 1
+
+
+async def test_sessions_encode_under_their_tenant():
+    import kda_sessions as ks
+
+    body = "x" * 600  # over SEGMENT_CACHE_MIN_CHARS
+    async with await ks.Engine.open(store="memory:") as eng:
+        cache = eng.tokenizer.segment_cache
+        a = await (await eng.for_tenant("acme")).create_session_from_messages([{"role": "user", "content": body}])
+        assert cache.get(("acme", body)) is not None and cache.get((None, body)) is None
+        await a.send(body + "!", max_tokens=1)
+        assert cache.get(("acme", body + "!")) is not None and cache.get(("globex", body + "!")) is None
