@@ -106,6 +106,7 @@ class ChatTemplate:
         self.generation_prompt = GENERATION_PROMPT
         names = sorted(set(special_tokens), key=len, reverse=True)
         self._special_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
+        self._longest_special = max(map(len, names), default=0)
         self._escape_re = re.compile("|".join([re.escape(_ESC), *(re.escape(n) for n in names)]))
         self._escape_starts = tuple(sorted({_ESC, *(n[:2] for n in names)}))
         """What a string must hold for the escape to change it: the escape character or a special's first two."""
@@ -164,10 +165,13 @@ class ChatTemplate:
         past, tools_seen = self._prepare(history), self._prepare_tools(tools)
         before = self._render_prepared(past, tools_seen, False)
         whole = [*past, *self._prepare(new_messages, len(past))]
-        return [self._delta(before, self._render_prepared(whole, tools_seen, gen)) for gen in generation_prompts]
+        ends: dict[str, bool] = {}
+        return [self._delta(before, self._render_prepared(whole, tools_seen, gen), ends) for gen in generation_prompts]
 
-    def _delta(self, before: str, after: str) -> list[Segment]:
-        """The pieces of ``after`` past ``before``, which it must extend at a piece boundary."""
+    def _delta(self, before: str, after: str, ends: dict[str, bool] | None = None) -> list[Segment]:
+        """The pieces of ``after`` past ``before``, which it must extend at a piece boundary. ``ends``: the answers
+        for other texts extending the same ``before``, by the characters past it that a match reaching the
+        boundary can see (the scan up to there is the same): a turn scans the history once."""
         if not after.startswith(before):
             raise ChatTemplateError(
                 "chat_template is not incremental: history renders differently once extended"
@@ -175,7 +179,13 @@ class ChatTemplate:
         end = len(before)
         if end == len(after):
             return []
-        if end and not self._ends_a_piece(after, end):
+        window = after[end : end + self._longest_special]
+        ok = ends.get(window) if ends is not None else None
+        if ok is None and end:
+            ok = self._ends_a_piece(after, end)
+            if ends is not None:
+                ends[window] = ok
+        if end and not ok:
             raise ChatTemplateError(
                 "chat_template is not incremental: the history does not end on a special token"
             )
