@@ -80,10 +80,10 @@ class TokenList(list[int]):
 
     __slots__ = ("_chain", "_page_size")
 
-    def __init__(self, tokens: Iterable[int] = ()) -> None:
+    def __init__(self, tokens: Iterable[int] = (), *, keys: tuple[int, list[bytes]] | None = None) -> None:
+        """``keys``: (page size, chain) already known for the tokens' first full pages (``head``), taken as is."""
         super().__init__(tokens)
-        self._chain: list[bytes] = [ROOT]
-        self._page_size = 0
+        self._page_size, self._chain = keys if keys is not None else (0, [ROOT])
 
     def __reduce__(self) -> tuple[type, tuple[list[int]]]:  # copies start with no keys: none shares this chain
         return TokenList, (list(self),)
@@ -99,11 +99,10 @@ class TokenList(list[int]):
     def head(self, n: int) -> TokenList:
         """The first ``n`` tokens as a TokenList that starts with this one's keys of its full pages (a fork's
         tokens: its first index or lookup hashes only what follows)."""
-        out = TokenList(self[:n])
-        if self._page_size:
-            out._page_size = self._page_size
-            out._chain = self._chain[: min(len(out), len(self)) // self._page_size + 1]
-        return out
+        head = self[:n]
+        if not self._page_size:
+            return TokenList(head)
+        return TokenList(head, keys=(self._page_size, self._chain[: len(head) // self._page_size + 1]))
 
     def _changed_from(self, index: int) -> None:
         """Tokens from ``index`` on changed: the keys of the pages holding them go."""
