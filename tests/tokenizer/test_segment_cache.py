@@ -81,3 +81,6 @@ async def test_sessions_encode_under_their_tenant():
         assert cache.get(("acme", body)) is not None and cache.get((None, body)) is None
         await a.send(body + "!", max_tokens=1)
         assert cache.get(("acme", body + "!")) is not None and cache.get(("globex", body + "!")) is None
+        stats = eng.stats()
+        assert stats["segment_cache_pieces"] == 2 and stats["segment_cache_tokens"] == 2 * 600 + 1
+        assert stats["segment_cache_hits"] == cache.hits >= 2
