@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.launch_chain import graph_us
 from kda_sessions.kernels.moe.triton_moe import ALIGN_CONFIG, align_torch, align_triton, launch_config
 
 
@@ -31,21 +32,13 @@ def case(T: int, configs: list, E: int = 256, k: int = 9, calls: int = 20, reps:
     for cfg in configs:
         got = align_triton(chosen, E, BM, cfg)
         assert all(torch.equal(a, b) for a, b in zip(got, want)), cfg
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+
+        def run(cfg=cfg) -> None:
             for _ in range(calls):
                 align_triton(chosen, E, BM, cfg)
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / calls)
-        out["us"][",".join(map(str, cfg))] = round(sorted(times)[len(times) // 2], 2)
+
+        us = graph_us(run, reps) / calls
+        out["us"][",".join(map(str, cfg))] = round(us, 2)
     return out
 
 
