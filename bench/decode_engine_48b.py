@@ -271,8 +271,10 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
     run eagerly, not replayed from a CUDA graph (``prefill-eager``: ``PrefillGraphs.accepts`` off; the offsets
     and mla variants run eagerly too); N > 16 with the MoE kernels' 64-row blocks from 257 pairs on
     (``moe-bm64``: ``triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT`` 0; its own prefill graphs, captured in the
-    untimed round); ``befores`` picks of the five. Each variant runs once untimed first (graph captures, compiles)."""
+    untimed round); N > 0 with the absorbed MLA's other head block (``mla-block32`` or ``mla-block64``:
+    ``kernels.mla.HEAD_BLOCK``; its own prefill graphs too); ``befores`` picks of the six. Each variant runs once untimed first (graph captures, compiles)."""
     from kda_sessions.engine import scheduler as scheduler_module
+    from kda_sessions.kernels import mla as mla_kernels
     from kda_sessions.kernels.moe import triton_moe
     from kda_sessions.model import kda as kda_module
     from kda_sessions.model import mla as mla_module
@@ -296,10 +298,17 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
         variants += [(n, " prefill-eager") for n in turns if n > 0]
     if "moe" in befores:
         variants += [(n, " moe-bm64") for n in turns if n > 16]
+    block, other_block = mla_kernels.HEAD_BLOCK, 32 if mla_kernels.HEAD_BLOCK == 64 else 64
+    if "mla-block" in befores:
+        variants += [(n, f" mla-block{other_block}") for n in turns if n > 0]
     runner = sessions[0].manager.core.runner
     graphs, small = runner.prefill_graphs, triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT
-    alt = (PrefillGraphs(runner.model, runner.pools.tensors, capture_lock=runner.pools.mutex,
-                         mempool=runner.graphs.mempool) if graphs is not None and "moe" in befores else None)
+
+    def more_graphs(before: str) -> PrefillGraphs | None:
+        return (PrefillGraphs(runner.model, runner.pools.tensors, capture_lock=runner.pools.mutex,
+                              mempool=runner.graphs.mempool) if graphs is not None and before in befores else None)
+
+    alt, alt_block = more_graphs("moe"), more_graphs("mla-block")
     times: dict[str, list[float]] = {}
     for rep in range(reps + 1):
         for n, before in variants:
@@ -308,6 +317,9 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
             if before == " moe-bm64":
                 triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT = 0
                 runner.prefill_graphs = alt
+            if before == f" mla-block{other_block}":  # its own graphs, captured with that block in the first round
+                mla_kernels.HEAD_BLOCK = other_block
+                runner.prefill_graphs = alt_block
             if before == " pending-as-prefill":
                 scheduler_module.pending_token_only = lambda w: False
             if before == " offsets-from-device":
@@ -327,6 +339,7 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
                 PrefillGraphs.accepts = accepts  # type: ignore[method-assign]
                 triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT, runner.prefill_graphs = small, graphs
                 mla_module.ABSORBED_MAX_TOKENS = absorbed
+                mla_kernels.HEAD_BLOCK = block
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
 
@@ -407,7 +420,8 @@ def main() -> None:
                          "for each comma-separated N (0: generate right after generate; also timed with the pending "
                          "token run as a one-token prefill, as before)")
     ap.add_argument("--turn-befores", default="pending,graphs",
-                    help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs, moe")
+                    help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs, moe, "
+                         "mla-block")
     ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
                     help="the longest chunk a prefill graph takes (prefill_graphs.PREFILL_GRAPH_MAX_TOKENS; 0: the "

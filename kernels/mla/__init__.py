@@ -18,11 +18,16 @@ HEAD_BLOCK = 32
 block at H 32."""
 
 
-def absorbed_splits(T: int, H: int, context: int, sm: int, head_block: int = HEAD_BLOCK) -> int:
+def head_block_or_default(head_block: int | None) -> int:
+    """``head_block``, or ``HEAD_BLOCK`` as the module holds it at the call (a bench may set it)."""
+    return HEAD_BLOCK if head_block is None else head_block
+
+
+def absorbed_splits(T: int, H: int, context: int, sm: int, head_block: int | None = None) -> int:
     """Splits of the cached rows in the absorbed prefill (absorbed.py) for about two waves of (head block, split)
     programs at T tokens of H heads over ``context`` rows: more would only add partials to merge (their traffic
     grows with T x H), fewer leave multiprocessors idle."""
-    blocks = -(-(T * H) // head_block)
+    blocks = -(-(T * H) // head_block_or_default(head_block))
     return max(1, min(-(-context // 256), 2 * sm // blocks))
 
 def mla_decode_paged(
@@ -105,7 +110,7 @@ def mla_prefill_absorbed(
 
 def mla_prefill_absorbed_padded(
     q: Tensor, new: Tensor, kv_pages: Tensor, page_table: Tensor, starts: Tensor, w_kv_b: Tensor, dv: int,
-    scale: float, num_splits: int, kernel: bool | None = None, head_block: int = HEAD_BLOCK,
+    scale: float, num_splits: int, kernel: bool | None = None, head_block: int | None = None,
 ) -> Tensor:
     """N sequences' chunks padded to one length, absorbed, with fixed shapes and no host sync (what a CUDA graph of a
     short prefill captures): see ``absorbed.mla_prefill_absorbed_padded``. CUDA tensors go to the paged decode
@@ -117,7 +122,15 @@ def mla_prefill_absorbed_padded(
 
 
 __all__ = [
-    "HEAD_BLOCK", "absorbed_splits", "gather_latent", "mla_decode_paged", "mla_decode_prep", "mla_prefill_absorbed", "mla_prefill_absorbed_padded",
+    "HEAD_BLOCK",
+    "absorbed_splits",
+    "gather_latent",
+    "head_block_or_default",
+    "mla_decode_paged",
+    "mla_decode_prep",
+    "mla_prefill_absorbed",
+    "mla_prefill_absorbed_padded",
     "mla_prefill_paged",
-    "naive_mla_prefill", "naive_mla_prefill_paged",
+    "naive_mla_prefill",
+    "naive_mla_prefill_paged",
 ]

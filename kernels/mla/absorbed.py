@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import HEAD_BLOCK, absorbed_splits
+from . import absorbed_splits, head_block_or_default
 from .paged_decode import _LOG2E, _launch
 
 
@@ -50,7 +50,7 @@ def mla_prefill_absorbed(
 
 def mla_prefill_absorbed_padded(
     q: Tensor, new: Tensor, kv_pages: Tensor, page_table: Tensor, starts: Tensor, w_kv_b: Tensor, dv: int,
-    scale: float, num_splits: int, kernel: bool | None = None, head_block: int = HEAD_BLOCK,
+    scale: float, num_splits: int, kernel: bool | None = None, head_block: int | None = None,
 ) -> Tensor:
     """N sequences' chunks padded to Tb tokens each, absorbed, with no value read on the host (fixed shapes: a CUDA
     graph captures it): q [N, Tb, H, dn + dr], the queries of positions starts[n] .. starts[n] + Tb - 1 (rows past a
@@ -93,7 +93,7 @@ def _new_rows(q_lat: Tensor, q_pe: Tensor, new: Tensor, scale: float) -> tuple[T
 
 def _cached_rows(
     q_lat: Tensor, q_pe: Tensor, kv_pages: Tensor, page_table: Tensor, starts: Tensor, scale: float, splits: int,
-    kernel: bool, head_block: int = HEAD_BLOCK,
+    kernel: bool, head_block: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The queries over each sequence's first starts[n] (>= 1) cached rows: (o [N, T, H, r] float32, lse [N, T, H],
     natural log). With ``kernel``, the paged decode kernel with the T x H queries as the heads of their sequence
@@ -104,7 +104,7 @@ def _cached_rows(
         lse = torch.empty(N, T * H, device=q_lat.device, dtype=torch.float32)
         o = _launch(q_lat.reshape(N, T * H, r).contiguous(), q_pe.reshape(N, T * H, dr).to(q_lat.dtype).contiguous(),
                     kv_pages.contiguous(), page_table.to(torch.int32).contiguous(), starts.to(torch.int32), float(scale),
-                    num_splits=splits, BH=head_block, form="tokens", lse_out=lse)
+                    num_splits=splits, BH=head_block_or_default(head_block), form="tokens", lse_out=lse)
         return o.view(N, T, H, r).float(), lse.view(N, T, H) / _LOG2E  # base 2 -> natural
     lat = kv_pages[page_table.long()].flatten(1, 2).float()  # [N, L, r + dr], every page of the table
     s = (torch.einsum("nthr,nlr->nthl", q_lat.float(), lat[..., :r])

@@ -83,7 +83,7 @@ if gluon is not None:
     def _split_kernel_gluon(
         q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
         NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BH: gl.constexpr,
-        BN: gl.constexpr, PDL: gl.constexpr,
+        BN: gl.constexpr, PDL: gl.constexpr, WG: gl.constexpr = 1,
     ):
         gl.static_assert(R == 512)
         gl.static_assert(DR == 64)
@@ -92,12 +92,15 @@ if gluon is not None:
         s = gl.program_id(1)
         n = gl.program_id(2)
 
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BH, 16])
+        # WG warpgroups split the head block: each runs the products of its BH / WG heads on every tile, so a tile
+        # copied once serves BH heads at the registers of BH / WG (see ``warpgroups``)
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                      instr_shape=[16, BH // WG, 16])
         box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         pbox: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=BH * 2 if BH * 2 < 128 else 128,
                                                   element_bitwidth=16, rank=2)
-        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8], warps_per_cta=[4, 1],
-                                            order=[1, 0])
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[4 * WG, 1], order=[1, 0])
         buf = gl.allocate_shared_memory(gl.bfloat16, [2 * (NB - 1), BN, 64], box)
         pe_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], box)
         bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -211,8 +214,8 @@ if gluon is not None:
         base = (n * NSPLIT + s) * H + rh
         # the partials leave through a layout with 8 consecutive r per thread (16-byte stores): straight from the
         # wgmma layout they were 2-byte stores, 2.0 us of the program's time at any context
-        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4], warps_per_cta=[1, 4],
-                                              order=[0, 1])
+        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
+                                              warps_per_cta=[1, 4 * WG], order=[0, 1])
         rh_s = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, st_l))
         rr_s = gl.arange(0, 64, layout=gl.SliceLayout(1, st_l))
         optr = o_part + ((n * NSPLIT + s) * H + rh_s)[None, :].to(gl.int64) * R + rr_s[:, None]
@@ -228,6 +231,14 @@ if gluon is not None:
         gl.store(optr + 7 * 64, gl.convert_layout((acc7 * inv).to(dt), st_l), mask=om)
         gl.store(lse_part + base, lse, mask=rh < H)
 
+
+
+def warpgroups(BH: int) -> int:
+    """Warpgroups of the split kernel for head blocks of BH: one up to 32 heads; two at 64, each with the products
+    of 32 heads, since one warpgroup's accumulators for 64 heads (64 KB of float32 a warpgroup: 256 registers a
+    thread) spill and ran twice as slow as two blocks of 32. At 64 a tile copied once serves twice the heads: the
+    absorbed prefill's many query rows (absorbed.py) read each cached tile half as often from L2."""
+    return 2 if BH >= 64 else 1
 
 
 def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN: int, BH: int) -> bool:
@@ -256,8 +267,10 @@ def launch_split_gluon(
                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
     pe_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    wg = warpgroups(BH)
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
         q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
-        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, num_warps=4,
+        tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BH=BH, BN=64, PDL=pdl, WG=wg,
+        num_warps=4 * wg,
         **({"launch_pdl": True} if pdl else {}),  # only when asked: older Triton rejects the option
     )

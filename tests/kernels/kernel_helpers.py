@@ -64,19 +64,20 @@ params = list(inspect.signature(fn.fn).parameters)
 sig = {p: "constexpr" if p in const else types[p] for p in params}
 src = GluonASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
                      attrs={(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p][0] == "*"})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": NUM_WARPS})
 print(json.dumps({"shared": k.metadata.shared, "ptx": k.asm["ptx"]}))
 """
 
 
-def compile_gluon_sm90(setup: str, *args: str) -> dict:
-    """A Gluon kernel compiled for sm_90 on 4 warps by the installed Triton (its bundled ptxas; no GPU needed), in a
+def compile_gluon_sm90(setup: str, *args: str, num_warps: int = 4) -> dict:
+    """A Gluon kernel compiled for sm_90 on ``num_warps`` warps by the installed Triton (its bundled ptxas; no GPU needed), in a
     process of its own: the kernel folder's conftest turns the interpreter on without a GPU, and Gluon's library
     functions decorated under it cannot be compiled. ``setup`` (run with ``args`` as sys.argv[1:], after the
     imports of torch, triton, json, sys, inspect and ``mangle_type``) sets ``fn`` (the kernel), ``types`` (each
     argument's Triton type) and ``const`` (each constexpr's value). Returns {"shared": bytes, "ptx": text}."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _GLUON_HEAD + setup + _GLUON_TAIL, *args], env=env,
+    code = _GLUON_HEAD + f"NUM_WARPS = {int(num_warps)}\n" + setup + _GLUON_TAIL
+    res = subprocess.run([sys.executable, "-c", code, *args], env=env,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -41,17 +41,18 @@ types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "pe_de
          "page_table": "*i32", "seq_lens": "*i32",
          "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
          "NSPLIT": "i32"}
-const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1"}
+const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1",
+         "WG": pg.warpgroups(int(sys.argv[1]))}
 """
 
 
 def _compile_sm90(BH: int, pdl: bool) -> dict:
-    return compile_gluon_sm90(_COMPILE, str(BH), str(int(pdl)))
+    return compile_gluon_sm90(_COMPILE, str(BH), str(int(pdl)), num_warps=4 * pg.warpgroups(BH))
 
 
 @needs_gluon
 @pytest.mark.slow  # ~70 s on a CPU machine (the first sm90 compile in a process builds Triton's toolchain state)
-@pytest.mark.parametrize("BH,pdl", [(16, False), (32, True)], ids=["bh16", "bh32-pdl"])
+@pytest.mark.parametrize("BH,pdl", [(16, False), (32, True), (64, True)], ids=["bh16", "bh32-pdl", "bh64-pdl"])
 def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     """It compiles with this Triton (Gluon's API moves between releases), fits in shared memory, and its tile loop
     keeps a tile's TMA copy in flight while it runs another tile's products on wgmma. As a
@@ -157,6 +158,23 @@ GPU_CASES = [  # (lens, H, P, num_splits)
     pytest.param([300, 77], 20, 128, None, id="h20-p128-partial-head-block"),
     pytest.param([2000, 3], 32, 64, 40, id="h32-empty-splits"),
 ]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
+@pytest.mark.parametrize("lens,H", [([33000, 700, 1], 128), ([4097, 64], 96)], ids=["h128", "h96-partial-block"])
+def test_gluon_split_kernel_two_warpgroups(lens, H):
+    """Head blocks of 64 (the absorbed prefill's query rows: tokens x heads) run on two warpgroups of 32 heads
+    each: the same result as blocks of 32 on one, and as the twin; a block half past the last head included."""
+    from kda_sessions.kernels.mla.paged_decode import _launch
+
+    assert pg.warpgroups(64) == 2 and pg.warpgroups(32) == 1
+    ql, qp, kv, pt, sl, scale = _case(lens, H, 64, seed=3)
+    ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
+    out = _launch(ql, qp, kv, pt, sl, scale, BH=64, use_gluon=True)
+    one = _launch(ql, qp, kv, pt, sl, scale, BH=32, use_gluon=True)
+    assert rel_rms(out, ref) < 1e-2
+    assert rel_rms(out.float(), one.float()) < 1e-3
 
 
 @pytest.mark.gpu
