@@ -1,10 +1,13 @@
 """The host's work of a chat request at long contexts, before the model runs: an agent's conversation of N tokens
 (tool outputs of real source files, short assistant turns) under a byte-level BPE trained here on this repository
-(32K ids; real checkpoints' tokenizers are not on this machine), ms on the event loop:
+(32K ids asked, ~9.2K learnt from this small corpus; real checkpoints' tokenizers are not on this
+machine), ms on the event loop:
 
-- stateless (OpenAI-style, the whole history resent): render the conversation and encode it (``encode_chat``),
-  the first request and the next one (same history, one more message), with ``Tokenizer.segment_cache`` and
-  without it; then its page chain (``page_chain`` of the ids as a plain list);
+- stateless (OpenAI-style, the whole history resent, parsed afresh each request): render the conversation
+  and encode it (``encode_chat``), the first request and the next one (same history, one more message); the
+  next one also rendered whole (the built-in template's text as a checkpoint's template: no
+  ``Tokenizer.message_cache``), and rendered whole without ``Tokenizer.segment_cache`` either; then its page
+  chain (``page_chain`` of the ids as a plain list);
 - a session's turn under a checkpoint's chat template (``encode_chat_turn``: the history rendered alone and with
   the new message, with and without the generation prompt, ``ChatTemplate.render_deltas``).
 
@@ -19,6 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -72,26 +76,37 @@ def ms(fn, reps: int = 3) -> float:
     return round(statistics.median(times) * 1e3, 1)
 
 
+def parsed(msgs: list[dict], n: int) -> Iterator[list[dict]]:
+    """``n`` copies of the messages as requests' JSON bodies parse them: new objects each (no string keeps
+    its hash), made before the timing."""
+    return iter([json.loads(json.dumps(msgs)) for _ in range(n)])
+
+
 def case(tok: Tokenizer, files: list[str], n: int) -> dict:
     msgs = conversation(tok, files, n)
-    tok.segment_cache.__init__(tok.SEGMENT_CACHE_TOKENS)  # empty: the first request of this conversation
     t = time.perf_counter()
-    ids = encode_chat(tok, msgs, add_generation_prompt=True)
+    ids = encode_chat(tok, msgs, add_generation_prompt=True)  # the caches are empty: the first request
     first = (time.perf_counter() - t) * 1e3
     more = [*msgs, {"role": "assistant", "content": "Done."}, {"role": "user", "content": "Go on."}]
-    nxt = ms(lambda: encode_chat(tok, more, add_generation_prompt=True))
-    tok.SEGMENT_CACHE_MIN_CHARS = 1 << 62  # the cache off: every piece through the tokenizer
-    uncached = ms(lambda: encode_chat(tok, more, add_generation_prompt=True), reps=1)
-    del tok.SEGMENT_CACHE_MIN_CHARS
-    assert encode_chat(tok, more, add_generation_prompt=True)[: len(ids) - 3] == ids[: len(ids) - 3]
-    chain = ms(lambda: page_chain(list(ids), 64, len(ids) // 64))
+    requests = parsed(more, 7)  # one a timed request
+    nxt = ms(lambda: encode_chat(tok, next(requests), add_generation_prompt=True))
+    # the built-in template's text as a checkpoint's: the same ids, the whole history rendered each time
     checkpoint = ChatTemplate(BUILTIN_TEMPLATE, special_tokens=tok.special_ids)
+    whole = ms(lambda: encode_chat(tok, next(requests), add_generation_prompt=True, template=checkpoint))
+    tok.SEGMENT_CACHE_MIN_CHARS = 1 << 62  # the segment cache off too: every piece through the tokenizer
+    uncached = ms(lambda: encode_chat(tok, next(requests), add_generation_prompt=True, template=checkpoint),
+                  reps=1)
+    del tok.SEGMENT_CACHE_MIN_CHARS
+    again = encode_chat(tok, more, add_generation_prompt=True)
+    assert again[: len(ids) - 3] == ids[: len(ids) - 3]
+    assert again == encode_chat(tok, more, add_generation_prompt=True, template=checkpoint)
+    chain = ms(lambda: page_chain(list(ids), 64, len(ids) // 64))
     turn = ms(lambda: encode_chat_turn(tok, [{"role": "user", "content": "Go on."}], template=checkpoint,
                                        history=more[:-1]))
     return {"tokens": len(ids), "messages": len(msgs), "chars": sum(len(m["content"]) for m in msgs),
             "stateless_first_ms": round(first, 1), "stateless_next_ms": nxt,
-            "stateless_next_uncached_ms": uncached, "page_chain_ms": chain,
-            "checkpoint_template_turn_ms": turn}
+            "stateless_next_rendered_whole_ms": whole, "stateless_next_uncached_ms": uncached,
+            "page_chain_ms": chain, "checkpoint_template_turn_ms": turn}
 
 
 def main() -> None:
@@ -100,9 +115,10 @@ def main() -> None:
     args = ap.parse_args()
     files = sources()
     with tempfile.TemporaryDirectory() as d:
-        tok = train_tokenizer(Path(d), files)
+        train_tokenizer(Path(d), files)
+        # a tokenizer loaded afresh for each case: its caches empty
         res = {"date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "command": " ".join(sys.argv),
-               "cases": [case(tok, files, int(n)) for n in args.contexts.split(",")]}
+               "cases": [case(load_tokenizer(d), files, int(n)) for n in args.contexts.split(",")]}
     print(json.dumps(res, indent=1))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -110,6 +110,15 @@ class ChatTemplate:
         self._escape_re = re.compile("|".join([re.escape(_ESC), *(re.escape(n) for n in names)]))
         self._escape_starts = tuple(sorted({_ESC, *(n[:2] for n in names)}))
         """What a string must hold for the escape to change it: the escape character or a special's first two."""
+        #: Whether ``render_apart`` may render messages one by one. The built-in template renders each
+        #: message alone (and the tools' declaration) ending with ``<|im_end|>``; when every special is
+        #: ``<|...|>`` with no ``|>`` inside, none can span the ``|><|`` between two parts, so the split of
+        #: the whole conversation is the parts' splits in turn.
+        self.renders_apart = (
+            source is None
+            and END_OF_TURN in names
+            and all(n.startswith("<|") and n.endswith("|>") and "|>" not in n[:-2] for n in names)
+        )
         try:
             self._template = _environment().from_string(self.source)
         except TemplateError as e:
@@ -128,6 +137,31 @@ class ChatTemplate:
     ) -> str:
         """The conversation as text (specials written out; for display and golden tests)."""
         return _join(self.render_segments(messages, tools, add_generation_prompt=add_generation_prompt))
+
+    def render_apart(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None = None,
+        *,
+        add_generation_prompt: bool,
+        skip: Container[int] = (),
+    ) -> list[list[Segment]]:
+        """``render_segments`` in ``len(messages) + 2`` parts whose concatenation it is: the tools'
+        declaration, each message rendered alone, the generation prompt (a part is empty where there is
+        nothing). A message whose index is in ``skip`` is neither checked nor rendered (its part is empty):
+        the caller has its pieces. Only where ``renders_apart`` (the built-in template), else
+        ChatTemplateError."""
+        if not self.renders_apart:
+            raise ChatTemplateError("this chat template renders whole conversations only")
+        kept = [i for i in range(len(messages)) if i not in skip]
+        # checked, then rendered, in the order render_segments does both: the same input fails the same way
+        prepared = self._escape([_normalize(messages[i], i, check=True) for i in kept])
+        parts: list[list[Segment]] = [[] for _ in range(len(messages) + 2)]
+        parts[0] = self._split(self._render_prepared([], self._prepare_tools(tools), False))
+        for i, msg in zip(kept, prepared):
+            parts[i + 1] = self._split(self._render_prepared([msg], None, False))
+        parts[-1] = self._split(self._render_prepared([], None, add_generation_prompt))
+        return parts
 
     def render_delta_segments(
         self,
@@ -419,11 +453,65 @@ def encode_chat(
     scope: Hashable = None,
 ) -> list[int]:
     """Ids of the whole conversation; message contents encoded as plain text (specials not injectable). ``scope``:
-    the tenant, whose long pieces' ids the tokenizer's cache keeps apart (``Tokenizer.encode_segments``)."""
+    the tenant, whose ids the tokenizer's caches keep apart.
+
+    Under the built-in template (``ChatTemplate.renders_apart``) each message is rendered and encoded alone
+    and its ids kept in ``Tokenizer.message_cache``, so a resent history renders only its new messages; under
+    a checkpoint's template the whole conversation is rendered, long pieces' ids from ``segment_cache``."""
     template = template or builtin_template()
-    return tokenizer.encode_segments(
-        template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt), scope=scope
+    if not template.renders_apart:
+        segments = template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_segments(segments, scope=scope)
+    cache = tokenizer.message_cache
+    keys = [_message_key(template, m) for m in messages]
+    found = [None if key is None else cache.get((scope, key)) for key in keys]
+    parts = template.render_apart(
+        messages,
+        tools,
+        add_generation_prompt=add_generation_prompt,
+        skip={i for i, hit in enumerate(found) if hit is not None},
     )
+    ids = tokenizer.encode_segments(parts[0], scope=scope)
+    for key, hit, part in zip(keys, found, parts[1:-1]):
+        if hit is None:
+            new = tokenizer.encode_segments(part, scope=scope)
+            if key is not None:
+                cache.put((scope, key), new)
+            ids.extend(new)
+        else:
+            ids.extend(hit)
+    ids.extend(tokenizer.encode_segments(parts[-1], scope=scope))
+    return ids
+
+
+def _message_key(template: ChatTemplate, message: Message) -> Hashable | None:
+    """``message`` under ``template`` as a ``message_cache`` key; None (rendered every time) unless it is a
+    dict of JSON's types only (what a request's body parses to)."""
+    if type(message) is not dict:
+        return None
+    try:
+        return (template, _frozen(message))
+    except (TypeError, RecursionError):
+        return None
+
+
+def _frozen(value: Any) -> Hashable:
+    """``value`` as a hashable equal only to that of the same value with the same types: ``True``, ``1`` and
+    ``1.0`` render apart (``tojson``), so scalars keep their type; floats are kept as their repr (``0.0`` and
+    ``-0.0`` are equal but render apart); dicts keep their order (``tojson`` does). TypeError for a type that
+    JSON does not have."""
+    kind = type(value)
+    if kind is str or value is None:
+        return value
+    if kind is dict:
+        return ("dict", *[(_frozen(k), _frozen(v)) for k, v in value.items()])
+    if kind is list:
+        return ("list", *[_frozen(v) for v in value])
+    if kind is int or kind is bool:
+        return (kind, value)
+    if kind is float:
+        return (kind, repr(value))
+    raise TypeError(f"{kind.__name__} is not a JSON type")
 
 
 def encode_chat_delta(

@@ -125,6 +125,6 @@ async def test_metrics_is_prometheus_text(server):
     for name in ("kda_tokens_prefilled_total", "kda_tokens_decoded_total", "kda_prefill_avoided_tokens_total",
                  "kda_cache_hit_ratio", "kda_queue_depth", "kda_resume_seconds_count",
                  "kda_evictions_total", "kda_preemptions_total", "kda_segment_cache_hits_total",
-                 "kda_segment_cache_tokens"):
+                 "kda_segment_cache_tokens", "kda_message_cache_hits_total", "kda_message_cache_tokens"):
         assert name in samples
     assert samples['kda_http_requests_total{route="/v1/chat/completions",status="200"}'] >= 1

@@ -2,8 +2,9 @@
 
 import pytest
 
-from kda_sessions.tokenizer import ByteTokenizer, Segment, encode_chat, load_tokenizer
-from kda_sessions.tokenizer.base import SegmentCache
+from kda_sessions.tokenizer import ByteTokenizer, ChatTemplate, Segment, encode_chat, load_tokenizer
+from kda_sessions.tokenizer.base import IdCache
+from kda_sessions.tokenizer.chat import BUILTIN_TEMPLATE
 
 from .helpers import write_hf_tokenizer
 
@@ -34,21 +35,23 @@ def test_long_pieces_encode_once_and_short_ones_every_time():
 
 @pytest.mark.parametrize("backend", ["bytes", "hf"])
 def test_a_resent_conversation_encodes_to_the_same_ids(tmp_path, backend):
+    """Under a checkpoint's template (rendered whole each request; here the built-in one's text)."""
     tok = ByteTokenizer() if backend == "bytes" else load_tokenizer(write_hf_tokenizer(tmp_path))
+    template = ChatTemplate(BUILTIN_TEMPLATE, special_tokens=tok.special_ids)
     body = "def read_file(path):\n    return open(path).read()\n" * 40  # over SEGMENT_CACHE_MIN_CHARS
     msgs = [{"role": "system", "content": "sys"}, {"role": "user", "content": body},
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": body + "more"}]
     tok.SEGMENT_CACHE_MIN_CHARS = 1 << 62  # the reference: every piece through the tokenizer
-    reference = encode_chat(tok, msgs)
+    reference = encode_chat(tok, msgs, template=template)
     del tok.SEGMENT_CACHE_MIN_CHARS
-    assert encode_chat(tok, msgs) == reference
+    assert encode_chat(tok, msgs, template=template) == reference
     assert len(tok.segment_cache) == 2
-    assert encode_chat(tok, msgs) == reference
+    assert encode_chat(tok, msgs, template=template) == reference
     assert tok.segment_cache.hits == 2
 
 
 def test_least_recently_used_pieces_go_past_the_bound():
-    cache = SegmentCache(max_tokens=10)
+    cache = IdCache(max_tokens=10, id_objects=tuple(range(16)))
     cache.put((None, "a"), [1, 2, 3, 4])
     cache.put((None, "b"), [5, 6, 7, 8])
     assert cache.get((None, "a")) is not None  # "b" is now the least recently used
@@ -59,6 +62,18 @@ def test_least_recently_used_pieces_go_past_the_bound():
     assert cache.tokens == 4
     cache.put((None, "huge"), list(range(11)))  # longer than the bound: not kept, nothing dropped for it
     assert cache.get((None, "huge")) is None and len(cache) == 2
+
+
+def test_ids_are_kept_as_shared_objects_and_any_id_as_it_is():
+    table = tuple(range(2000))
+    cache = IdCache(max_tokens=100, id_objects=table)
+    ids = [int("1003"), int("1007")]  # above 256: a new int object each
+    cache.put((None, "a"), ids)
+    kept = cache.get((None, "a"))
+    assert kept == (1003, 1007) and kept[0] is table[1003] and kept[0] is not ids[0]
+    for outside in ([-1, 3], [3, 2000], [7]):  # below or past the table, or alone: the values as they came
+        cache.put((None, "b"), outside)
+        assert cache.get((None, "b")) == tuple(outside)
 
 
 def test_tenants_pieces_are_kept_apart():
