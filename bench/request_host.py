@@ -7,7 +7,8 @@ machine), ms on the event loop:
   and encode it (``encode_chat``), the first request and the next one (same history, one more message); the
   next one also rendered whole (the built-in template's text as a checkpoint's template: no
   ``Tokenizer.message_cache``), and rendered whole without ``Tokenizer.segment_cache`` either; then its page
-  chain (``page_chain`` of the ids as a plain list);
+  chain (``page_chain`` of the ids as a plain list), and after the session that served the previous request
+  (its tokens' keys taken where they begin the new ids, ``TokenList.continued_by``);
 - a session's turn under a checkpoint's chat template (``encode_chat_turn``: the history rendered alone and with
   the new message, with and without the generation prompt, ``ChatTemplate.render_deltas``).
 
@@ -27,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kda_sessions.sessions.prefix_index import page_chain
+from kda_sessions.sessions.prefix_index import TokenList, page_chain
 from kda_sessions.tokenizer import ChatTemplate, Tokenizer, encode_chat, encode_chat_turn, load_tokenizer
 from kda_sessions.tokenizer.chat import BUILTIN_TEMPLATE, CHAT_SPECIALS
 
@@ -101,12 +102,25 @@ def case(tok: Tokenizer, files: list[str], n: int) -> dict:
     assert again[: len(ids) - 3] == ids[: len(ids) - 3]
     assert again == encode_chat(tok, more, add_generation_prompt=True, template=checkpoint)
     chain = ms(lambda: page_chain(list(ids), 64, len(ids) // 64))
+    # after the session that served the previous request (SessionManager._keyed): its keys up to where the two
+    # agree (whole, else up to the end of its last message), then only the new pages hashed
+    served = TokenList(ids)
+    page_chain(served, 64, len(ids) // 64)
+    prefix = "whole" if served.continued_by(again) is not None else "to its last message"
+
+    def keyed_chain() -> None:
+        keyed = served.continued_by(again) or served.continued_by(again, len(ids) - 3)
+        assert keyed is not None
+        page_chain(keyed, 64, len(keyed) // 64)
+
+    chain_kept = ms(keyed_chain)
     turn = ms(lambda: encode_chat_turn(tok, [{"role": "user", "content": "Go on."}], template=checkpoint,
                                        history=more[:-1]))
     return {"tokens": len(ids), "messages": len(msgs), "chars": sum(len(m["content"]) for m in msgs),
             "stateless_first_ms": round(first, 1), "stateless_next_ms": nxt,
             "stateless_next_rendered_whole_ms": whole, "stateless_next_uncached_ms": uncached,
-            "page_chain_ms": chain, "checkpoint_template_turn_ms": turn}
+            "page_chain_ms": chain, "page_chain_after_served_ms": chain_kept, "served_prefix": prefix,
+            "checkpoint_template_turn_ms": turn}
 
 
 def main() -> None:

@@ -104,6 +104,17 @@ class TokenList(list[int]):
             return TokenList(head)
         return TokenList(head, keys=(self._page_size, self._chain[: len(head) // self._page_size + 1]))
 
+    def continued_by(self, tokens: list[int], n: int | None = None) -> TokenList | None:
+        """``tokens`` as a TokenList that starts with this one's keys of its first ``n`` tokens (all by default),
+        where those begin ``tokens`` too (a resent conversation after the session that served it: only its new
+        pages are hashed); else None. Compared in C (a million ids in a few ms, against ~50 ms to hash their
+        pages)."""
+        n = len(self) if n is None else n
+        if (not self._page_size or not 0 < n <= min(len(self), len(tokens)) or self[n - 1] != tokens[n - 1]
+                or tokens[:n] != (self if n == len(self) else self[:n])):
+            return None
+        return TokenList(tokens, keys=(self._page_size, self._chain[: n // self._page_size + 1]))
+
     def _changed_from(self, index: int) -> None:
         """Tokens from ``index`` on changed: the keys of the pages holding them go."""
         if self._page_size:

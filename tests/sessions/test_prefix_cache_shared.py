@@ -101,3 +101,24 @@ async def test_a_restarted_engine_finds_the_saved_head(tmp_path):
         assert r.usage.cached_tokens >= 0.9 * head
         other = await (await eng.for_tenant("other")).create_session(system=SYSTEM, tools=TOOLS)
         assert (await other.send("fix the parser", max_tokens=4, ignore_eos=True)).usage.cached_tokens == 0
+
+
+async def test_resent_conversation_hashes_only_its_new_pages(monkeypatch):
+    """A stateless client resends its history with one more turn: the new session takes the page keys of the held
+    session whose tokens begin its own, so only the pages past them are hashed; the keys are the plain chain's."""
+    from kda_sessions.sessions import prefix_index
+
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "read the parser " * 40}]
+    more = [*history, {"role": "assistant", "content": "done " * 30}, {"role": "user", "content": "now the lexer"}]
+    async with await ks.Engine.open(store="memory:", page_size=16) as eng:
+        a = await eng.create_session_from_messages(history)
+        calls = []
+        real = prefix_index._link
+        monkeypatch.setattr(prefix_index, "_link", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+        b = await eng.create_session_from_messages(more)
+        monkeypatch.setattr(prefix_index, "_link", real)
+        na, nb = len(a.state.tokens), len(b.state.tokens)
+        assert b.state.tokens[:na] == a.state.tokens and nb // 16 > na // 16 + 2
+        assert 0 < len(calls) <= nb // 16 - na // 16
+        plain = list(b.state.tokens)
+        assert prefix_index.page_chain(b.state.tokens, 16, nb // 16) == prefix_index.page_chain(plain, 16, nb // 16)

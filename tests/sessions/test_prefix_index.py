@@ -186,3 +186,36 @@ def test_token_list_head_starts_with_its_full_pages_keys(monkeypatch):
     assert page_chain(h, P, 7) == page_chain(list(h), P, 7)
     assert page_chain(t, P, 6) == page_chain(list(t), P, 6)
     assert TokenList([1, 2]).head(1) == [1]  # nothing kept yet: a plain copy
+
+
+def test_token_list_continued_by_keeps_keys_only_of_a_true_prefix(monkeypatch):
+    """A resent conversation takes the keys of the tokens that begin it (only its new pages hashed), and nothing
+    from a list that differs anywhere, is longer, or kept no keys."""
+    from kda_sessions.sessions import prefix_index
+    from kda_sessions.sessions.prefix_index import TokenList, page_chain
+
+    t = TokenList(range(5 * P + 3))
+    page_chain(t, P, 5)
+    calls = []
+    real = prefix_index._link
+    monkeypatch.setattr(prefix_index, "_link", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    longer = list(t) + list(range(1000, 1000 + 3 * P))
+    keyed = t.continued_by(longer)
+    assert type(keyed) is TokenList and keyed == longer and keyed is not longer
+    calls.clear()
+    assert page_chain(keyed, P, 8) == page_chain(longer, P, 8)
+    assert len(calls) == 3 + 8  # the keyed list's three new pages, then the plain list's whole chain
+    for other in (list(t)[:-1], [*list(t)[:P], -1, *list(t)[P + 1:], 7], [-1, *list(t)[1:], 7]):
+        assert t.continued_by(other) is None
+    assert TokenList([1, 2]).continued_by([1, 2, 3]) is None  # no keys kept yet
+    # its first n tokens only (a reply that did not re-encode as sampled): the keys of their full pages
+    differs = [*list(t)[: 3 * P + 5], -7, *range(2 * P)]
+    assert t.continued_by(differs) is None and t.continued_by(differs, 3 * P + 6) is None
+    keyed3 = t.continued_by(differs, 3 * P + 5)
+    assert keyed3 == differs
+    calls.clear()
+    assert page_chain(keyed3, P, 5) == page_chain(differs, P, 5)
+    assert len(calls) == (5 - (3 * P + 5) // P) + 5  # the pages from the one holding the change on, then all
+    keyed.append(5)  # the copy's changes leave the original's keys alone
+    keyed[0] = -1
+    assert page_chain(t, P, 5) == page_chain(list(t), P, 5)
