@@ -72,6 +72,8 @@ def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     assert len(copies) == 6 and sum("cp.async.bulk.tensor.3d" in lines[i] for i in copies) == 3
     assert sum(i < min(copies) for i in loads) >= 9
     assert waits and sorted(copies)[3] < min(waits) < min(mmas) and max(mmas) < max(copies)
+    # each warpgroup runs the products of 32 heads at most (64: two warpgroups, not 64 heads' accumulators on one)
+    assert f"m64n{min(BH, 32)}k16" in ptx and f".reqntid {128 * pg.warpgroups(BH)}" in ptx
     # the partials leave in 16-byte stores
     assert sum("st.global.v4" in ln for ln in lines) >= 8
     reads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.bulk.tensor" in ln]
