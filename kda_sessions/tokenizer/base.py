@@ -135,25 +135,60 @@ class Tokenizer(ABC):
 
     # ---- helpers built on the primitives -------------------------------------------------------------
 
+    BATCH_MIN_CHARS = 1 << 16
+    """Plain text to encode in one ``encode_segments`` call from which its pieces go to ``encode_plain_batch``
+    together (a long conversation's first request); below it, one by one (a turn's few short pieces)."""
+
+    def encode_plain_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode(t, allow_special=False)`` of each text; tokenizers that can encode on several threads at once
+        override it."""
+        return [self.encode(t, allow_special=False) for t in texts]
+
     def encode_segments(self, segments: Iterable[Segment], *, scope: Hashable = None) -> list[int]:
         """Encode template output: specials by id, plain text with `allow_special=False` (not injectable). Long
-        plain pieces go through ``segment_cache`` under ``scope`` (the tenant)."""
-        ids: list[int] = []
-        for seg in segments:
-            if seg.is_special:
-                ids.append(self.token_to_id(seg.text))
-            elif len(seg.text) >= self.SEGMENT_CACHE_MIN_CHARS:
-                cache, key = self.segment_cache, (scope, seg.text)
-                hit = cache.get(key)
-                if hit is None:
-                    new = self.encode(seg.text, allow_special=False)
-                    cache.put(key, new)
-                    ids.extend(new)
-                else:
-                    ids.extend(hit)
-            elif seg.text:
-                ids.extend(self.encode(seg.text, allow_special=False))
-        return ids
+        plain pieces go through ``segment_cache`` under ``scope`` (the tenant); the pieces to encode go to
+        ``encode_plain_batch`` together when they hold ``BATCH_MIN_CHARS`` or more."""
+        return self.encode_segment_groups([segments], scope=scope)[0]
+
+    def encode_segment_groups(
+        self, groups: Sequence[Iterable[Segment]], *, scope: Hashable = None
+    ) -> list[list[int]]:
+        """``encode_segments`` of each group, the pieces of all of them encoded together (a conversation's
+        messages on its first request)."""
+        cache = self.segment_cache
+        parts: list[list[Sequence[int]]] = []  # each group's segments' ids; empty until encoded for ``todo``'s
+        todo: list[str] = []
+        slots: list[tuple[int, int, tuple[Hashable, str] | None]] = []  # (group, segment) of each of ``todo``
+        for g, segments in enumerate(groups):
+            group: list[Sequence[int]] = []
+            for seg in segments:
+                if seg.is_special:
+                    group.append((self.token_to_id(seg.text),))
+                    continue
+                key = (scope, seg.text) if len(seg.text) >= self.SEGMENT_CACHE_MIN_CHARS else None
+                hit = cache.get(key) if key is not None else None
+                if hit is not None:
+                    group.append(hit)
+                elif seg.text:
+                    slots.append((g, len(group), key))
+                    todo.append(seg.text)
+                    group.append(())
+            parts.append(group)
+        if sum(map(len, todo)) >= self.BATCH_MIN_CHARS:
+            encoded = self.encode_plain_batch(todo)
+        else:
+            encoded = [self.encode(t, allow_special=False) for t in todo]
+        for (g, i, key), new in zip(slots, encoded):
+            parts[g][i] = new
+            if key is not None:
+                cache.put(key, new)
+        out = []
+        for group in parts:
+            ids: list[int] = []
+            for part in group:
+                ids.extend(part)
+            out.append(ids)
+        return out
 
     @cached_property
     def segment_cache(self) -> IdCache:

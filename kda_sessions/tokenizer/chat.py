@@ -464,23 +464,26 @@ def encode_chat(
         return tokenizer.encode_segments(segments, scope=scope)
     cache = tokenizer.message_cache
     keys = [_message_key(template, m) for m in messages]
-    found = [None if key is None else cache.get((scope, key)) for key in keys]
+    found: list[Sequence[int] | None] = [None if key is None else cache.get((scope, key)) for key in keys]
     parts = template.render_apart(
         messages,
         tools,
         add_generation_prompt=add_generation_prompt,
         skip={i for i, hit in enumerate(found) if hit is not None},
     )
-    ids = tokenizer.encode_segments(parts[0], scope=scope)
-    for key, hit, part in zip(keys, found, parts[1:-1]):
-        if hit is None:
-            new = tokenizer.encode_segments(part, scope=scope)
-            if key is not None:
-                cache.put((scope, key), new)
-            ids.extend(new)
-        else:
-            ids.extend(hit)
-    ids.extend(tokenizer.encode_segments(parts[-1], scope=scope))
+    # the tools, the new messages and the generation prompt encoded together (on threads where the tokenizer can)
+    misses = [i for i, hit in enumerate(found) if hit is None]
+    head, *new, tail = tokenizer.encode_segment_groups([parts[0], *(parts[i + 1] for i in misses), parts[-1]],
+                                                       scope=scope)
+    for i, ids_i in zip(misses, new):
+        found[i] = ids_i
+        if keys[i] is not None:
+            cache.put((scope, keys[i]), ids_i)
+    ids = head
+    for hit in found:
+        assert hit is not None  # every message's ids by now
+        ids.extend(hit)
+    ids.extend(tail)
     return ids
 
 

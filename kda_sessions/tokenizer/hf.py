@@ -42,5 +42,9 @@ class HFTokenizer(Tokenizer):
         tok = self._tok if allow_special else self._tok_plain
         return list(tok.encode(text, add_special_tokens=False).ids)
 
+    def encode_plain_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode(t)`` of each text, encoded in parallel by the tokenizers library (its threads)."""
+        return [list(e.ids) for e in self._tok_plain.encode_batch(list(texts), add_special_tokens=False)]
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special))

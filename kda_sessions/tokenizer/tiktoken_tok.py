@@ -6,7 +6,10 @@ them, named from `tokenizer_config.json`'s `added_tokens_decoder` (`<|reserved_t
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +80,19 @@ class TiktokenTokenizer(Tokenizer):
                 ids.extend(self._enc.encode_ordinary(piece))
         return ids
 
+    def encode_plain_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode(t)`` of each text, its slices encoded on threads (tiktoken's encoder releases the GIL)."""
+        slices = [list(_slices(t)) for t in texts]
+        flat = [piece for pieces in slices for piece in pieces]
+        encoded = iter(self._enc.encode_ordinary_batch(flat, num_threads=min(8, os.cpu_count() or 1)))
+        out = []
+        for pieces in slices:
+            ids: list[int] = []
+            for _ in pieces:
+                ids.extend(next(encoded))
+            out.append(ids)
+        return out
+
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         ids = list(ids)
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
@@ -96,18 +112,19 @@ def _slices(text: str) -> Iterator[str]:
         yield from _split_runs(text[start : start + MAX_ENCODE_CHARS], MAX_RUN_CHARS)
 
 
+@lru_cache(maxsize=4)
+def _long_runs(max_run: int) -> re.Pattern[str]:
+    # ``\s`` is ``str.isspace`` for str patterns; runs of one class are maximal: the classes are complementary
+    return re.compile(rf"\s{{{max_run + 1},}}|\S{{{max_run + 1},}}")
+
+
 def _split_runs(s: str, max_run: int) -> Iterator[str]:
-    """Cut `s` so that no piece holds more than `max_run` consecutive whitespace or non-whitespace chars."""
-    run_len = 0
-    run_is_space = s[0].isspace() if s else False
+    """Cut `s` so that no piece holds more than `max_run` consecutive whitespace or non-whitespace chars: a run
+    longer than that is cut every `max_run` chars from its start (found by a regex: a Python loop over the
+    characters took ~0.3 s for 4 MB)."""
     start = 0
-    for i, ch in enumerate(s):
-        is_space = ch.isspace()
-        if is_space != run_is_space:
-            run_len, run_is_space = 1, is_space
-        else:
-            run_len += 1
-            if run_len > max_run:
-                yield s[start:i]
-                start, run_len = i, 1
+    for run in _long_runs(max_run).finditer(s):
+        for cut in range(run.start() + max_run, run.end(), max_run):
+            yield s[start:cut]
+            start = cut
     yield s[start:]

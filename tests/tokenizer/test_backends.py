@@ -116,3 +116,49 @@ def test_tiktoken_eos_from_generation_config(tmp_path):
     write_tiktoken_model(tmp_path)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 8]}))
     assert {7, 8} <= load_tokenizer(tmp_path).eos_ids
+
+
+@settings(max_examples=40, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.text(alphabet=st.sampled_from("ab \n\t日é<|>"), max_size=60), max_size=6))
+def test_batch_encode_equals_one_by_one(tok, texts):
+    """``encode_plain_batch`` (threads in the tokenizers library, tiktoken's batch) gives each text's own ids."""
+    assert tok.encode_plain_batch(texts) == [tok.encode(t, allow_special=False) for t in texts]
+
+
+@settings(max_examples=30, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.text(alphabet=st.sampled_from("ab \n<|im_end|>"), max_size=40), min_size=1, max_size=8),
+       long=st.integers(0, 3))
+def test_encode_segments_batched_equals_one_by_one(tok, texts, long):
+    """A request's pieces encoded together past ``BATCH_MIN_CHARS`` give the ids of the pieces encoded one by one,
+    long pieces through the segment cache included (a piece twice in one request too)."""
+    from kda_sessions.tokenizer.base import Segment
+
+    segs = [Segment(t * (40 if i < long else 1), False) for i, t in enumerate(texts)]
+    segs = [*segs, Segment("<|im_end|>", True), *segs[:1]] if "<|im_end|>" in tok.special_ids else segs
+    one = [i for s in segs for i in ((tok.token_to_id(s.text),) if s.is_special else tok.encode(s.text))]
+    tok.BATCH_MIN_CHARS = 0
+    try:
+        assert tok.encode_segments(segs, scope="batch") == one
+    finally:
+        del tok.BATCH_MIN_CHARS
+    assert tok.encode_segments(segs, scope="batch") == one  # cache hits now, one by one
+
+
+@settings(max_examples=200)
+@given(s=st.text(alphabet=st.sampled_from("ab \n\u2028\x1c"), max_size=80), max_run=st.integers(1, 9))
+def test_tiktoken_run_split_cuts_long_runs_from_their_start(s, max_run):
+    """The regex cut equals a scan of the runs: no piece holds more than max_run chars of one class (str.isspace)
+    in a row, and a run is cut every max_run chars from its start."""
+    from kda_sessions.tokenizer.tiktoken_tok import _split_runs
+
+    expected, start, run, space = [], 0, 0, s[:1].isspace()
+    for i, ch in enumerate(s):
+        if ch.isspace() != space:
+            run, space = 1, ch.isspace()
+        else:
+            run += 1
+            if run > max_run:
+                expected.append(s[start:i])
+                start, run = i, 1
+    expected.append(s[start:])
+    assert list(_split_runs(s, max_run)) == expected
