@@ -233,12 +233,17 @@ if gluon is not None:
 
 
 
+TWO_WARPGROUPS = False
+"""Head blocks of 64 on two warpgroups (``warpgroups``). Off: compiled and checked for sm_90 on the CPU (shared
+memory, wgmma shapes), not yet run on a GPU; tests/kernels/test_mla_gluon.py's gpu tests turn it on."""
+
+
 def warpgroups(BH: int) -> int:
-    """Warpgroups of the split kernel for head blocks of BH: one up to 32 heads; two at 64, each with the products
-    of 32 heads, since one warpgroup's accumulators for 64 heads (64 KB of float32 a warpgroup: 256 registers a
-    thread) spill and ran twice as slow as two blocks of 32. At 64 a tile copied once serves twice the heads: the
-    absorbed prefill's many query rows (absorbed.py) read each cached tile half as often from L2."""
-    return 2 if BH >= 64 else 1
+    """Warpgroups of the split kernel for head blocks of BH: one up to 32 heads; with ``TWO_WARPGROUPS``, two at
+    64, each with the products of 32 heads (one warpgroup's accumulators for 64 heads, 64 KB of float32, are 256
+    registers a thread: they spill, and ran twice as slow as two blocks of 32). At 64 a tile copied once serves
+    twice the heads: the absorbed prefill's many query rows (absorbed.py) read each cached tile half as often."""
+    return 2 if TWO_WARPGROUPS and BH >= 64 else 1
 
 
 def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN: int, BH: int) -> bool:

@@ -42,12 +42,12 @@ types = {"q_lat": "*bf16", "q_pe": "*bf16", "kv_desc": mangle_type(desc), "pe_de
          "o_part": "*bf16", "lse_part": "*fp32", "sm_scale": "fp32", "max_pages": "i32", "tokens_per_split": "i32",
          "NSPLIT": "i32"}
 const = {"H": 32, "R": 512, "DR": 64, "P": 64, "BH": int(sys.argv[1]), "BN": 64, "PDL": sys.argv[2] == "1",
-         "WG": pg.warpgroups(int(sys.argv[1]))}
+         "WG": 2 if int(sys.argv[1]) >= 64 else 1}
 """
 
 
 def _compile_sm90(BH: int, pdl: bool) -> dict:
-    return compile_gluon_sm90(_COMPILE, str(BH), str(int(pdl)), num_warps=4 * pg.warpgroups(BH))
+    return compile_gluon_sm90(_COMPILE, str(BH), str(int(pdl)), num_warps=8 if BH >= 64 else 4)
 
 
 @needs_gluon
@@ -73,7 +73,7 @@ def test_gluon_split_kernel_compiles_for_sm90(BH, pdl):
     assert sum(i < min(copies) for i in loads) >= 9
     assert waits and sorted(copies)[3] < min(waits) < min(mmas) and max(mmas) < max(copies)
     # each warpgroup runs the products of 32 heads at most (64: two warpgroups, not 64 heads' accumulators on one)
-    assert f"m64n{min(BH, 32)}k16" in ptx and f".reqntid {128 * pg.warpgroups(BH)}" in ptx
+    assert f"m64n{min(BH, 32)}k16" in ptx and f".reqntid {256 if BH >= 64 else 128}" in ptx
     # the partials leave in 16-byte stores
     assert sum("st.global.v4" in ln for ln in lines) >= 8
     reads = [i for i, ln in enumerate(lines) if "ld.global" in ln or "cp.async.bulk.tensor" in ln]
@@ -165,11 +165,12 @@ GPU_CASES = [  # (lens, H, P, num_splits)
 @pytest.mark.gpu
 @pytest.mark.skipif(not _sm90() or pg.gluon is None, reason="needs an sm_90 GPU and Gluon")
 @pytest.mark.parametrize("lens,H", [([33000, 700, 1], 128), ([4097, 64], 96)], ids=["h128", "h96-partial-block"])
-def test_gluon_split_kernel_two_warpgroups(lens, H):
+def test_gluon_split_kernel_two_warpgroups(lens, H, monkeypatch):
     """Head blocks of 64 (the absorbed prefill's query rows: tokens x heads) run on two warpgroups of 32 heads
     each: the same result as blocks of 32 on one, and as the twin; a block half past the last head included."""
     from kda_sessions.kernels.mla.paged_decode import _launch
 
+    monkeypatch.setattr(pg, "TWO_WARPGROUPS", True)
     assert pg.warpgroups(64) == 2 and pg.warpgroups(32) == 1
     ql, qp, kv, pt, sl, scale = _case(lens, H, 64, seed=3)
     ref = naive_mla_decode_paged(ql.float(), qp.float(), kv.float(), pt, sl, scale)
