@@ -13,9 +13,14 @@ from .naive import (
 )
 from .prefill_cpu import mla_prefill_cpu
 
-HEAD_BLOCK = 32
-"""Query rows (token, head) a split program of the absorbed prefill takes (absorbed.py): the decode kernel's own
-block at H 32."""
+HEAD_BLOCK = 64
+"""Query rows (token, head) a split program of the absorbed prefill takes (absorbed.py) where the Gluon split
+kernel serves (two warpgroups of 32: ``paged_decode_gluon.warpgroups``); the Triton kernel takes at most
+``TRITON_HEAD_BLOCK``. Against 32, one layer's call replayed (H100, `bench/mla_prefill.py --padded`): 1M cached
+rows, 16 / 128 tokens 2.87 / 23.3 ms against 3.47 / 27.1; 128K 0.49 / 3.11 against 0.55 / 3.70."""
+
+TRITON_HEAD_BLOCK = 32
+"""The most query rows a program of the Triton split kernel takes: its accumulators for 64 spill."""
 
 
 def head_block_or_default(head_block: int | None) -> int:
@@ -123,6 +128,7 @@ def mla_prefill_absorbed_padded(
 
 __all__ = [
     "HEAD_BLOCK",
+    "TRITON_HEAD_BLOCK",
     "absorbed_splits",
     "gather_latent",
     "head_block_or_default",

@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import absorbed_splits, head_block_or_default
+from . import TRITON_HEAD_BLOCK, absorbed_splits, head_block_or_default
 from .paged_decode import _LOG2E, _launch
+from .paged_decode_gluon import gluon_split_ok
 
 
 def mla_prefill_absorbed(
@@ -102,9 +103,13 @@ def _cached_rows(
     dr = q_pe.shape[-1]
     if kernel:
         lse = torch.empty(N, T * H, device=q_lat.device, dtype=torch.float32)
-        o = _launch(q_lat.reshape(N, T * H, r).contiguous(), q_pe.reshape(N, T * H, dr).to(q_lat.dtype).contiguous(),
+        q_rows = q_lat.reshape(N, T * H, r).contiguous()
+        bh = head_block_or_default(head_block)
+        if bh > TRITON_HEAD_BLOCK and not gluon_split_ok(q_rows, kv_pages, r, dr, kv_pages.shape[1], 64, bh):
+            bh = TRITON_HEAD_BLOCK
+        o = _launch(q_rows, q_pe.reshape(N, T * H, dr).to(q_lat.dtype).contiguous(),
                     kv_pages.contiguous(), page_table.to(torch.int32).contiguous(), starts.to(torch.int32), float(scale),
-                    num_splits=splits, BH=head_block_or_default(head_block), form="tokens", lse_out=lse)
+                    num_splits=splits, BH=bh, form="tokens", lse_out=lse)
         return o.view(N, T, H, r).float(), lse.view(N, T, H) / _LOG2E  # base 2 -> natural
     lat = kv_pages[page_table.long()].flatten(1, 2).float()  # [N, L, r + dr], every page of the table
     s = (torch.einsum("nthr,nlr->nthl", q_lat.float(), lat[..., :r])

@@ -233,9 +233,8 @@ if gluon is not None:
 
 
 
-TWO_WARPGROUPS = False
-"""Head blocks of 64 on two warpgroups (``warpgroups``). Off: compiled and checked for sm_90 on the CPU (shared
-memory, wgmma shapes), not yet run on a GPU; tests/kernels/test_mla_gluon.py's gpu tests turn it on."""
+TWO_WARPGROUPS = True
+"""Head blocks of 64 on two warpgroups (``warpgroups``); off: on one."""
 
 
 def warpgroups(BH: int) -> int:
