@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -41,6 +43,9 @@ logger = logging.getLogger(__name__)
 Message = Mapping[str, Any]
 
 ROLES = ("system", "user", "assistant", "tool")
+PREPARED_CACHE_CHARS = 1 << 24
+"""The most content characters of history messages a checkpoint template keeps prepared (``render_deltas``):
+a few 1M-token conversations (~4 characters a token)."""
 GENERATION_PROMPT = "<|im_assistant|>assistant<|im_middle|>"
 # The specials the built-in template emits; only these are split out of its output.
 CHAT_SPECIALS = (
@@ -119,6 +124,9 @@ class ChatTemplate:
             and END_OF_TURN in names
             and all(n.startswith("<|") and n.endswith("|>") and "|>" not in n[:-2] for n in names)
         )
+        self._prepared: OrderedDict[Hashable, tuple[Any, int]] = OrderedDict()  # a message, its content's size
+        self._prepared_chars = 0
+        self._prepared_lock = threading.Lock()
         try:
             self._template = _environment().from_string(self.source)
         except TemplateError as e:
@@ -187,16 +195,18 @@ class ChatTemplate:
         *,
         history: Sequence[Message] | None = None,
         tools: Sequence[Any] | None = None,
+        scope: Hashable = None,
     ) -> list[list[Segment]]:
         """``render_delta_segments`` once per ``add_generation_prompt`` in ``generation_prompts``; a checkpoint
         template renders and prepares the history once for all of them (a chat turn takes the delta with and
-        without the generation prompt)."""
+        without the generation prompt), each message of it prepared once per ``scope`` (the tenant) across
+        turns (``PREPARED_CACHE_MESSAGES``)."""
         if self.is_builtin:
             return [self._split(self._render_raw(new_messages, None, gen)) for gen in generation_prompts]
         if history is None:
             raise ChatTemplateError("a checkpoint chat_template renders deltas only given the history")
         # the history prepared once for every render (the sandbox keeps templates from changing it)
-        past, tools_seen = self._prepare(history), self._prepare_tools(tools)
+        past, tools_seen = self._prepare_kept(history, scope), self._prepare_tools(tools)
         before = self._render_prepared(past, tools_seen, False)
         whole = [*past, *self._prepare(new_messages, len(past))]
         ends: dict[str, bool] = {}
@@ -249,6 +259,48 @@ class ChatTemplate:
         """Messages as the template sees them: plain dicts, contents joined, escaped (``first``: the index of
         the first, for errors)."""
         return list(self._escape([_normalize(m, first + i, check=self.is_builtin) for i, m in enumerate(messages)]))
+
+    def _prepare_kept(self, messages: Sequence[Message], scope: Hashable) -> list[Any]:
+        """``_prepare(messages)``, each message that is a dict of JSON's types taken from the kept ones by its
+        value (``_frozen``) and ``scope``, the others prepared; at most ``PREPARED_CACHE_CHARS`` of contents kept
+        (the sandbox keeps templates from changing what is kept)."""
+        keys: list[Hashable | None] = []
+        for m in messages:
+            try:
+                keys.append((scope, _frozen(m)) if type(m) is dict else None)
+            except (TypeError, RecursionError):
+                keys.append(None)
+        out: list[Any] = []
+        with self._prepared_lock:
+            for k in keys:
+                hit = self._prepared.get(k) if k is not None else None
+                if hit is not None:
+                    self._prepared.move_to_end(k)
+                out.append(None if hit is None else hit[0])
+        missing = [i for i, p in enumerate(out) if p is None]
+        fresh = list(self._escape([_normalize(messages[i], i, check=self.is_builtin) for i in missing]))
+        with self._prepared_lock:
+            for i, p in zip(missing, fresh):
+                out[i] = p
+                key = keys[i]
+                size = 64 + (len(p["content"]) if isinstance(p.get("content"), str) else 0)  # 64: its dict
+                if key is None or key in self._prepared or size > PREPARED_CACHE_CHARS:
+                    continue
+                self._prepared[key] = (p, size)
+                self._prepared_chars += size
+            while self._prepared_chars > PREPARED_CACHE_CHARS:
+                self._prepared_chars -= self._prepared.popitem(last=False)[1][1]
+        return out
+
+    @property
+    def prepared_messages(self) -> int:
+        """History messages kept prepared (``render_deltas``)."""
+        return len(self._prepared)
+
+    @property
+    def prepared_chars(self) -> int:
+        """Their contents' characters (64 more a message), at most ``PREPARED_CACHE_CHARS``."""
+        return self._prepared_chars
 
     def _prepare_tools(self, tools: Sequence[Any] | None) -> Any:
         return self._escape(_deep_sort(_plain(list(tools)))) if tools else None
@@ -550,7 +602,7 @@ def encode_chat_turn(
     """``encode_chat_delta`` without and with the generation prompt (the turn's body and what it appends), the
     history rendered once for both; ``scope`` as ``encode_chat``'s."""
     template = template or builtin_template()
-    body, full = template.render_deltas(new_messages, (False, True), history=history, tools=tools)
+    body, full = template.render_deltas(new_messages, (False, True), history=history, tools=tools, scope=scope)
     return tokenizer.encode_segments(body, scope=scope), tokenizer.encode_segments(full, scope=scope)
 
 

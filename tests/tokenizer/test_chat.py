@@ -301,3 +301,39 @@ def test_sandbox_blocks_unsafe_templates():
         ChatTemplate("{{ raise_exception('boom') }}").render_messages([], add_generation_prompt=False)
     with pytest.raises(ChatTemplateError, match="compile"):
         ChatTemplate("{% for %}")
+
+
+# the generation prompt names every earlier message's content: a turn's delta depends on the whole history
+_LOOKS_BACK = ("{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}"
+               "{% if add_generation_prompt %}{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+               "<|im_middle|>{% endif %}")
+_SHARED_LOOKS_BACK = ChatTemplate(_LOOKS_BACK, special_tokens=TOK.special_ids)
+
+
+@given(_special_messages, _special_messages, _special_text, st.integers(0, 3), st.sampled_from([None, "t1", "t2"]))
+def test_checkpoint_template_turns_keep_prepared_history(a, b, edit, where, scope):
+    """Turns through one checkpoint template (its prepared history messages kept across turns, by value and
+    tenant) give a fresh template's ids, with a history message edited or repeated between turns."""
+    tpl = _SHARED_LOOKS_BACK
+    history = a + b
+    for turn in range(3):
+        if turn == 2 and history:
+            history = [*history]
+            history[where % len(history)] = {**history[where % len(history)], "content": edit}
+        fresh = ChatTemplate(_LOOKS_BACK, special_tokens=TOK.special_ids)
+        new = [{"role": "user", "content": f"turn {turn}"}]
+        assert encode_chat_turn(TOK, new, template=tpl, history=history, scope=scope) == encode_chat_turn(
+            TOK, new, template=fresh, history=history)
+        history = [*history, *new, {"role": "assistant", "content": edit}]
+
+
+def test_checkpoint_template_keeps_a_bounded_prepared_history(monkeypatch):
+    from kda_sessions.tokenizer import chat
+
+    monkeypatch.setattr(chat, "PREPARED_CACHE_CHARS", 1000)
+    tpl = ChatTemplate(KIMI_LIKE, special_tokens=TOK.special_ids)
+    history = [{"role": "user", "content": f"{i} " + "x" * 100} for i in range(40)]
+    body, _ = encode_chat_turn(TOK, [{"role": "user", "content": "next"}], template=tpl, history=history)
+    assert body == encode_chat_delta(TOK, [{"role": "user", "content": "next"}], add_generation_prompt=False,
+                                     template=ChatTemplate(KIMI_LIKE, special_tokens=TOK.special_ids), history=history)
+    assert tpl.prepared_chars <= 1000 and tpl.prepared_messages >= 1
