@@ -6,7 +6,8 @@ machine), ms on the event loop:
 - stateless (OpenAI-style, the whole history resent, parsed afresh each request): render the conversation
   and encode it (``encode_chat``), the first request and the next one (same history, one more message); the
   next one also rendered whole (the built-in template's text as a checkpoint's template: no
-  ``Tokenizer.message_cache``), and rendered whole without ``Tokenizer.segment_cache`` either; then its page
+  ``Tokenizer.message_cache``; its messages prepared once, ``ChatTemplate.render_segments``), and rendered whole
+  without ``Tokenizer.segment_cache`` either; then its page
   chain (``page_chain`` of the ids as a plain list), and after the session that served the previous request
   (its tokens' keys taken where they begin the new ids, ``TokenList.continued_by``);
 - a session's turn under a checkpoint's chat template (``encode_chat_turn``: the history rendered alone and with

@@ -135,10 +135,19 @@ class ChatTemplate:
     # ---- rendering ----------------------------------------------------------------------------------
 
     def render_segments(
-        self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, add_generation_prompt: bool
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[Any] | None = None,
+        *,
+        add_generation_prompt: bool,
+        scope: Hashable = None,
     ) -> list[Segment]:
-        """The conversation as (text, is_special) pieces; specials only where the template put them."""
-        return self._split(self._render_raw(messages, tools, add_generation_prompt))
+        """The conversation as (text, is_special) pieces; specials only where the template put them. A checkpoint
+        template takes the messages it has prepared before under ``scope`` (the tenant; ``render_deltas``)."""
+        if self.is_builtin:
+            return self._split(self._render_raw(messages, tools, add_generation_prompt))
+        prepared = self._prepare_kept(messages, scope)
+        return self._split(self._render_prepared(prepared, self._prepare_tools(tools), add_generation_prompt))
 
     def render_messages(
         self, messages: Sequence[Message], tools: Sequence[Any] | None = None, *, add_generation_prompt: bool
@@ -512,7 +521,7 @@ def encode_chat(
     a checkpoint's template the whole conversation is rendered, long pieces' ids from ``segment_cache``."""
     template = template or builtin_template()
     if not template.renders_apart:
-        segments = template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt)
+        segments = template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt, scope=scope)
         return tokenizer.encode_segments(segments, scope=scope)
     cache = tokenizer.message_cache
     keys = [_message_key(template, m) for m in messages]

@@ -312,8 +312,8 @@ _SHARED_LOOKS_BACK = ChatTemplate(_LOOKS_BACK, special_tokens=TOK.special_ids)
 
 @given(_special_messages, _special_messages, _special_text, st.integers(0, 3), st.sampled_from([None, "t1", "t2"]))
 def test_checkpoint_template_turns_keep_prepared_history(a, b, edit, where, scope):
-    """Turns through one checkpoint template (its prepared history messages kept across turns, by value and
-    tenant) give a fresh template's ids, with a history message edited or repeated between turns."""
+    """Turns and whole renders through one checkpoint template (its prepared messages kept across calls, by value
+    and tenant) give a fresh template's ids, with a history message edited or repeated between turns."""
     tpl = _SHARED_LOOKS_BACK
     history = a + b
     for turn in range(3):
@@ -324,6 +324,9 @@ def test_checkpoint_template_turns_keep_prepared_history(a, b, edit, where, scop
         new = [{"role": "user", "content": f"turn {turn}"}]
         assert encode_chat_turn(TOK, new, template=tpl, history=history, scope=scope) == encode_chat_turn(
             TOK, new, template=fresh, history=history)
+        # a stateless request's whole render takes the same prepared messages
+        assert encode_chat(TOK, history + new, template=tpl, add_generation_prompt=True, scope=scope) == encode_chat(
+            TOK, history + new, template=fresh, add_generation_prompt=True)
         history = [*history, *new, {"role": "assistant", "content": edit}]
 
 
