@@ -6,6 +6,7 @@ import base64
 import json
 from pathlib import Path
 
+from kda_sessions.tokenizer import ByteTokenizer
 from kda_sessions.tokenizer.chat import CHAT_SPECIALS
 
 CORPUS = [
@@ -53,3 +54,15 @@ def write_tiktoken_model(directory: Path, *, added: dict[int, str] | None = None
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory
+
+
+class CountingBytes(ByteTokenizer):
+    """The byte tokenizer, recording the texts it encodes (``encoded``): what a cache let through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoded: list[str] = []
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        self.encoded.append(text)
+        return super().encode(text, allow_special=allow_special)

@@ -22,7 +22,7 @@ from kda_sessions.tokenizer import (
 )
 from kda_sessions.tokenizer.chat import BUILTIN_TEMPLATE, CHAT_SPECIALS
 
-from .helpers import write_hf_tokenizer
+from .helpers import CountingBytes, write_hf_tokenizer
 
 TPL = builtin_template()
 SETTINGS = settings(max_examples=80, deadline=None,
@@ -108,14 +108,8 @@ def test_resent_conversations_encode_as_rendered_whole(tokenizers, history, new,
 
 
 def test_a_resent_history_renders_and_encodes_only_new_messages():
-    class Counting(NoSegmentCache):
-        def __init__(self) -> None:
-            super().__init__()
-            self.encoded: list[str] = []
-
-        def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-            self.encoded.append(text)
-            return super().encode(text, allow_special=allow_special)
+    class Counting(CountingBytes):
+        SEGMENT_CACHE_MIN_CHARS = NoSegmentCache.SEGMENT_CACHE_MIN_CHARS
 
     tok = Counting()
     history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "read a.py"},

@@ -6,19 +6,12 @@ from kda_sessions.tokenizer import ByteTokenizer, ChatTemplate, Segment, encode_
 from kda_sessions.tokenizer.base import IdCache
 from kda_sessions.tokenizer.chat import BUILTIN_TEMPLATE
 
+from .helpers import CountingBytes as Counting
 from .helpers import write_hf_tokenizer
 
 
-class CountingBytes(ByteTokenizer):
+class CountingBytes(Counting):
     SEGMENT_CACHE_MIN_CHARS = 8
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.encoded: list[str] = []
-
-    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
-        self.encoded.append(text)
-        return super().encode(text, allow_special=allow_special)
 
 
 def test_long_pieces_encode_once_and_short_ones_every_time():
