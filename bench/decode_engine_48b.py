@@ -272,7 +272,8 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
     and mla variants run eagerly too); N > 16 with the MoE kernels' 64-row blocks from 257 pairs on
     (``moe-bm64``: ``triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT`` 0; its own prefill graphs, captured in the
     untimed round); N > 0 with the absorbed MLA's other head block (``mla-block32`` or ``mla-block64``:
-    ``kernels.mla.HEAD_BLOCK``; its own prefill graphs too); ``befores`` picks of the six. Each variant runs once untimed first (graph captures, compiles)."""
+    ``kernels.mla.HEAD_BLOCK``; its own prefill graphs too); ``befores`` picks of the six. Each variant runs once
+    untimed first (graph captures, compiles)."""
     from kda_sessions.engine import scheduler as scheduler_module
     from kda_sessions.kernels import mla as mla_kernels
     from kda_sessions.kernels.moe import triton_moe
