@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.kda import chunk_table
-from ..kernels.mla import absorbed_splits
+from ..kernels.mla import absorbed_splits, served_head_block
 from .batch import CheckpointStates, PaddedPrefill, StatePools
 from .graphs import batch_buckets, capture_graph, upload, width_bucket
 from .model import HybridModel
@@ -217,7 +217,9 @@ class PrefillGraphs:
                 page_table=ints[o_table:].view(bs, width),
                 bounds=torch.arange(bs + 1, dtype=torch.long, device=self.device) * tb,
                 ck_lens=ints[t4 + 4 * b4 : t4 + 4 * b4 + bs] if checkpoint else None,
-                mla_splits=absorbed_splits(tb, self.model.config.num_attention_heads, width * P, self._sm),
+                mla_splits=absorbed_splits(
+                    tb, self.model.config.num_attention_heads, width * P, self._sm,
+                    served_head_block(self.pools.kv[0], self.model.config.kv_lora_rank) if self.pools.kv else None),
             )
             st = _Static(bs, tb, width, ints, host, inputs)
             self._fill(st, [], [], [], [], [])  # every sequence a dummy

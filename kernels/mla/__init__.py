@@ -28,10 +28,23 @@ def head_block_or_default(head_block: int | None) -> int:
     return HEAD_BLOCK if head_block is None else head_block
 
 
+def served_head_block(kv_pages: Tensor, r: int, head_block: int | None = None) -> int:
+    """Query rows a program of the absorbed prefill's split kernel takes over ``kv_pages`` [num_pages, P, r + dr]:
+    ``head_block`` (default ``HEAD_BLOCK``), at most ``TRITON_HEAD_BLOCK`` where the Gluon kernel does not serve
+    (the Triton kernel runs then). ``absorbed_splits`` sizes a call's splits for it."""
+    bh = head_block_or_default(head_block)
+    if bh <= TRITON_HEAD_BLOCK:
+        return bh
+    from .paged_decode_gluon import gluon_split_serves
+
+    P, width = kv_pages.shape[1], kv_pages.shape[2]
+    return bh if gluon_split_serves(kv_pages.device, kv_pages.dtype, r, width - r, P, 64, bh) else TRITON_HEAD_BLOCK
+
+
 def absorbed_splits(T: int, H: int, context: int, sm: int, head_block: int | None = None) -> int:
     """Splits of the cached rows in the absorbed prefill (absorbed.py) for about two waves of (head block, split)
-    programs at T tokens of H heads over ``context`` rows: more would only add partials to merge (their traffic
-    grows with T x H), fewer leave multiprocessors idle."""
+    programs at T tokens of H heads over ``context`` rows, ``head_block`` query rows a program (``served_head_block``):
+    more would only add partials to merge (their traffic grows with T x H), fewer leave multiprocessors idle."""
     blocks = -(-(T * H) // head_block_or_default(head_block))
     return max(1, min(-(-context // 256), 2 * sm // blocks))
 
@@ -139,4 +152,5 @@ __all__ = [
     "mla_prefill_paged",
     "naive_mla_prefill",
     "naive_mla_prefill_paged",
+    "served_head_block",
 ]

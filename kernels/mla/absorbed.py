@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import TRITON_HEAD_BLOCK, absorbed_splits, head_block_or_default
+from . import TRITON_HEAD_BLOCK, absorbed_splits, served_head_block
 from .paged_decode import _LOG2E, _launch
 from .paged_decode_gluon import gluon_split_ok
 
@@ -42,7 +42,7 @@ def mla_prefill_absorbed(
     o, lse = _new_rows(q_lat[None], q[None, ..., dn:], new[None], scale)
     if start > 0:
         sm = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = absorbed_splits(T, H, start, sm)
+        splits = absorbed_splits(T, H, start, sm, served_head_block(kv_pages, r))
         starts = torch.full((1,), start, device=q.device, dtype=torch.int32)
         o = _merge(o, lse, *_cached_rows(q_lat[None], q[None, ..., dn:], kv_pages, pages[None, :], starts, scale,
                                          splits, kernel=True))
@@ -104,7 +104,7 @@ def _cached_rows(
     if kernel:
         lse = torch.empty(N, T * H, device=q_lat.device, dtype=torch.float32)
         q_rows = q_lat.reshape(N, T * H, r).contiguous()
-        bh = head_block_or_default(head_block)
+        bh = served_head_block(kv_pages, r, head_block)
         if bh > TRITON_HEAD_BLOCK and not gluon_split_ok(q_rows, kv_pages, r, dr, kv_pages.shape[1], 64, bh):
             bh = TRITON_HEAD_BLOCK
         o = _launch(q_rows, q_pe.reshape(N, T * H, dr).to(q_lat.dtype).contiguous(),

@@ -245,12 +245,19 @@ def warpgroups(BH: int) -> int:
     return 2 if TWO_WARPGROUPS and BH >= 64 else 1
 
 
+def gluon_split_serves(device: torch.device, dtype: torch.dtype, R: int, DR: int, P: int, BN: int, BH: int) -> bool:
+    """Whether the Gluon kernel serves calls of this shape on ``device``: a Hopper GPU (sm_90), bf16, r 512, dr 64,
+    page-aligned tiles of 64 rows, head blocks of 16-64 (``gluon_split_ok`` adds the cache's alignment)."""
+    return (gluon is not None and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+            and dtype == torch.bfloat16 and R == 512 and DR == 64 and BN == 64 and P % BN == 0
+            and BH in (16, 32, 64))
+
+
 def gluon_split_ok(q_lat: Tensor, kv_pages: Tensor, R: int, DR: int, P: int, BN: int, BH: int) -> bool:
-    """Whether the Gluon kernel serves a call: a Hopper GPU (sm_90), bf16, r 512, dr 64, page-aligned tiles of
-    64 rows, head blocks of 16-64, a 16-byte-aligned cache (TMA)."""
-    return (gluon is not None and q_lat.is_cuda and torch.cuda.get_device_capability(q_lat.device)[0] == 9
-            and q_lat.dtype == torch.bfloat16 and kv_pages.dtype == torch.bfloat16 and R == 512 and DR == 64
-            and BN == 64 and P % BN == 0 and BH in (16, 32, 64) and kv_pages.data_ptr() % 16 == 0)
+    """Whether the Gluon kernel serves a call: ``gluon_split_serves``, both tensors bf16, a 16-byte-aligned cache
+    (TMA)."""
+    return (kv_pages.dtype == q_lat.dtype and gluon_split_serves(q_lat.device, q_lat.dtype, R, DR, P, BN, BH)
+            and kv_pages.data_ptr() % 16 == 0)
 
 
 def launch_split_gluon(

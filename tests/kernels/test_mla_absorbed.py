@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kda_sessions.kernels import mla
 from kda_sessions.kernels.mla.absorbed import (
     absorbed_splits,
     mla_prefill_absorbed,
     mla_prefill_absorbed_padded,
+    served_head_block,
 )
 from kda_sessions.kernels.mla.naive import naive_mla_prefill_paged
 
@@ -55,6 +57,21 @@ def test_padded_chunks_match_each_sequence_alone(kernel: bool):
         assert rel_rms(out[n, : lens[n]], ref) < 1e-5
     with pytest.raises(ValueError, match="new must be"):
         mla_prefill_absorbed_padded(q, new[:2], kv, tables, torch.tensor(starts, dtype=torch.int32), w, dv, 0.2, 1)
+
+
+def test_splits_are_sized_for_the_head_block_that_runs(monkeypatch: pytest.MonkeyPatch):
+    """Where the Gluon kernel does not serve (here: a CPU cache; on a GPU: not sm_90, not bf16, not r 512) the
+    Triton kernel takes at most ``TRITON_HEAD_BLOCK`` query rows a program, and the splits are sized for that many
+    blocks, not for ``HEAD_BLOCK``'s."""
+    kv = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    assert mla.HEAD_BLOCK > mla.TRITON_HEAD_BLOCK
+    assert served_head_block(kv, 512) == mla.TRITON_HEAD_BLOCK
+    assert served_head_block(kv, 512, 16) == 16
+    monkeypatch.setattr(mla, "HEAD_BLOCK", 16)  # read at the call
+    assert served_head_block(kv, 512) == 16
+    # 64 tokens of 32 heads: 64 blocks of 32 rows or 32 of 64; two waves of 132 multiprocessors
+    assert absorbed_splits(64, 32, 1 << 20, 132, served_head_block(kv, 512, 64)) == 4
+    assert absorbed_splits(64, 32, 1 << 20, 132, 64) == 8
 
 
 def test_the_decode_kernel_gives_each_heads_log_sum_exp():
