@@ -272,10 +272,12 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
     and mla variants run eagerly too); N > 16 with the MoE kernels' 64-row blocks from 257 pairs on
     (``moe-bm64``: ``triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT`` 0; its own prefill graphs, captured in the
     untimed round); N > 0 with the absorbed MLA's other head block (``mla-block32`` or ``mla-block64``:
-    ``kernels.mla.HEAD_BLOCK``; its own prefill graphs too); ``befores`` picks of the six. Each variant runs once
-    untimed first (graph captures, compiles)."""
+    ``kernels.mla.HEAD_BLOCK``; its own prefill graphs too); N > 0 with the Gluon split kernel's head blocks of 64
+    on the queries-on-N form (``mla-queries-on-n``: ``paged_decode_gluon.QUERIES_ON_M`` off; its own prefill graphs
+    too); ``befores`` picks of the seven. Each variant runs once untimed first (graph captures, compiles)."""
     from kda_sessions.engine import scheduler as scheduler_module
     from kda_sessions.kernels import mla as mla_kernels
+    from kda_sessions.kernels.mla import paged_decode_gluon
     from kda_sessions.kernels.moe import triton_moe
     from kda_sessions.model import kda as kda_module
     from kda_sessions.model import mla as mla_module
@@ -302,6 +304,9 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
     block, other_block = mla_kernels.HEAD_BLOCK, 32 if mla_kernels.HEAD_BLOCK == 64 else 64
     if "mla-block" in befores:
         variants += [(n, f" mla-block{other_block}") for n in turns if n > 0]
+    if "mla-qm" in befores:
+        variants += [(n, " mla-queries-on-n") for n in turns if n > 0]
+    queries_on_m = paged_decode_gluon.QUERIES_ON_M
     runner = sessions[0].manager.core.runner
     graphs, small = runner.prefill_graphs, triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT
 
@@ -309,7 +314,7 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
         return (PrefillGraphs(runner.model, runner.pools.tensors, capture_lock=runner.pools.mutex,
                               mempool=runner.graphs.mempool) if graphs is not None and before in befores else None)
 
-    alt, alt_block = more_graphs("moe"), more_graphs("mla-block")
+    alt, alt_block, alt_qm = more_graphs("moe"), more_graphs("mla-block"), more_graphs("mla-qm")
     times: dict[str, list[float]] = {}
     for rep in range(reps + 1):
         for n, before in variants:
@@ -321,6 +326,9 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
             if before == f" mla-block{other_block}":  # its own graphs, captured with that block in the first round
                 mla_kernels.HEAD_BLOCK = other_block
                 runner.prefill_graphs = alt_block
+            if before == " mla-queries-on-n":
+                paged_decode_gluon.QUERIES_ON_M = False
+                runner.prefill_graphs = alt_qm
             if before == " pending-as-prefill":
                 scheduler_module.pending_token_only = lambda w: False
             if before == " offsets-from-device":
@@ -341,6 +349,7 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
                 triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT, runner.prefill_graphs = small, graphs
                 mla_module.ABSORBED_MAX_TOKENS = absorbed
                 mla_kernels.HEAD_BLOCK = block
+                paged_decode_gluon.QUERIES_ON_M = queries_on_m
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
 
@@ -422,7 +431,7 @@ def main() -> None:
                          "token run as a one-token prefill, as before)")
     ap.add_argument("--turn-befores", default="pending,graphs",
                     help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs, moe, "
-                         "mla-block")
+                         "mla-block, mla-qm")
     ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
                     help="the longest chunk a prefill graph takes (prefill_graphs.PREFILL_GRAPH_MAX_TOKENS; 0: the "

@@ -4,7 +4,8 @@ device:
 
     python3 bench/mla_prefill.py
     python3 bench/mla_prefill.py --short      # short chunks: decompressed against absorbed (``short_chunks``)
-    python3 bench/mla_prefill.py --padded     # the prefill graphs' absorbed call, replayed (``padded_chunks``)
+    python3 bench/mla_prefill.py --padded     # the prefill graphs' absorbed call, replayed (``padded_chunks``),
+                                              # each of ``--variants`` (default 32,64-n,64-mp)
 
 First the shipped launch against the tiled twin (``naive_mla_prefill_paged``, float32 math) by relative RMS error,
 then every (BM, BN, num_warps, num_stages) of the sweep timed on one 8,192-token chunk after 24,576 and after
@@ -76,12 +77,23 @@ def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None
                   f"rel diff {rel(a[1], d[1]):.2e}", flush=True)
 
 
-def padded_chunks(contexts: list[int], chunks: list[int], blocks: tuple[int, ...] = (32, 64), reps: int = 20) -> None:
+VARIANTS = {  # name: (head block, paged_decode_gluon.QUERIES_ON_M, .PIPELINED)
+    "32": (32, False, False),
+    "64-n": (64, False, False),  # queries on N: 32 heads a warpgroup
+    "64-m": (64, True, False),  # queries on M, serial
+    "64-mp": (64, True, True),  # queries on M, the next tile's scores before this tile's P V (the library's)
+}
+
+
+def padded_chunks(contexts: list[int], chunks: list[int], variants: tuple[str, ...] = ("32", "64-n", "64-mp"),
+                  reps: int = 20) -> None:
     """The absorbed call of ``PrefillGraphs`` (``mla_prefill_absorbed_padded``, one sequence) captured in a CUDA
-    graph and replayed, as a short prefill step runs it, for each head block (query rows a program): us per replay
-    (CUDA events, mean of ``reps`` after one warm-up) and the achieved TFLOP/s of the cached rows' scores and values
-    (2 T H L (2 r + dr)); the outputs of the head blocks against the first (relative RMS)."""
+    graph and replayed, as a short prefill step runs it, for each variant of the split kernel (``VARIANTS``: query
+    rows a program, and for 64 the Gluon kernel's form): us per replay (CUDA events, mean of ``reps`` after one
+    warm-up) and the achieved TFLOP/s of the cached rows' scores and values (2 T H L (2 r + dr)); the outputs of the
+    variants against the first (relative RMS)."""
     from kda_sessions.kernels.mla import absorbed_splits, mla_prefill_absorbed_padded
+    from kda_sessions.kernels.mla import paged_decode_gluon as pg
 
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     for s in contexts:
@@ -90,7 +102,8 @@ def padded_chunks(contexts: list[int], chunks: list[int], blocks: tuple[int, ...
             new = torch.randn(1, T, R + DR, device="cuda").bfloat16()
             table, starts = pages[None, :], torch.tensor([s], dtype=torch.int32, device="cuda")
             first = None
-            for bh in blocks:
+            for name in variants:
+                bh, pg.QUERIES_ON_M, pg.PIPELINED = VARIANTS[name]
                 splits = absorbed_splits(T, H, pages.numel() * P, sm, bh)
 
                 def call() -> torch.Tensor:
@@ -112,15 +125,16 @@ def padded_chunks(contexts: list[int], chunks: list[int], blocks: tuple[int, ...
                 us = start.elapsed_time(end) / reps * 1e3
                 flops = 2 * T * H * s * (2 * R + DR)
                 first = out.clone() if first is None else first
-                print(f"context {s} chunk {T} head block {bh}: {us:.1f} us a replay ({splits} splits), "
+                print(f"context {s} chunk {T} variant {name}: {us:.1f} us a replay ({splits} splits), "
                       f"{flops / us / 1e6:.0f} TFLOP/s, rel diff {rel(out, first):.1e}", flush=True)
 
 
 def main() -> None:
     import sys
 
-    if "--padded" in sys.argv:  # python3 bench/mla_prefill.py --padded
-        padded_chunks([32768, 131072, 1048576], [1, 16, 32, 64, 128])
+    if "--padded" in sys.argv:  # python3 bench/mla_prefill.py --padded [--variants 32,64-n,64-m,64-mp]
+        variants = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else None
+        padded_chunks([32768, 131072, 1048576], [1, 16, 32, 64, 128], *([tuple(variants)] if variants else []))
         return
     if "--short" in sys.argv:  # python3 bench/mla_prefill.py --short
         short_chunks([32768, 131072], [1, 4, 16, 32, 64, 128, 256, 512])

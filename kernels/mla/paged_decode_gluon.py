@@ -232,9 +232,189 @@ if gluon is not None:
         gl.store(lse_part + base, lse, mask=rh < H)
 
 
+    @gluon.jit
+    def _g_scores(q_smem, buf, pe_buf, b0, st, zero, NB: gl.constexpr):
+        """S [BM query rows, BN cached rows] of a tile, queries on wgmma's M: q's nine boxes (A, shared memory)
+        against the tile's boxes seen K-major (B); issued, not waited for."""
+        sc = warpgroup_mma(q_smem.index(0), buf.index(b0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        for k in gl.static_range(1, NB - 1):
+            sc = warpgroup_mma(q_smem.index(k), buf.index(b0 + k).permute((1, 0)), sc, is_async=True)
+        return warpgroup_mma(q_smem.index(NB - 1), pe_buf.index(st).permute((1, 0)), sc, is_async=True)
+
+    @gluon.jit
+    def _g_softmax(sc, m_i, l_i, t0, kv, end, sm_scale):
+        """Online softmax of one tile's scores (base 2, rows past ``end`` masked): (p, alpha, m, l)."""
+        sc = gl.where((t0 + kv < end)[None, :], sc * sm_scale, float("-inf"))  # sm_scale includes log2(e)
+        m_new = gl.maximum(m_i, gl.max(sc, axis=1))
+        p = gl.exp2(sc - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit(do_not_specialize=["max_pages", "tokens_per_split", "NSPLIT"])
+    def _split_kernel_gluon_qm(
+        q_lat, q_pe, kv_desc, pe_desc, page_table, seq_lens, o_part, lse_part, sm_scale, max_pages, tokens_per_split,
+        NSPLIT, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, P: gl.constexpr, BN: gl.constexpr,
+        PDL: gl.constexpr, PIPE: gl.constexpr,
+    ):
+        """``_split_kernel_gluon``'s contract for blocks of 64 query rows with the queries on wgmma's M (FlashMLA's
+        form; ``QUERIES_ON_M``), on two warpgroups: S = Q K^T [64, BN], each warpgroup the scores of half the
+        tile's rows; O [64, 512] += P V with P from shared memory and the tile's latent boxes as one [BN, 512]
+        operand, each warpgroup half of r (128 float32 registers a thread). A tile reads ~296 KB of shared memory
+        against ~408 KB with the queries on N (both operands of every product from shared memory, N 32). ``PIPE``:
+        the next tile's scores are issued before this tile's P V, and their softmax runs while it does (the
+        tile after the last is copied and masked, so every copy issued is waited for); its P waits in registers
+        for this P V to end (a second P buffer does not fit in shared memory)."""
+        gl.static_assert(R == 512)
+        gl.static_assert(DR == 64)
+        NB: gl.constexpr = 9
+        BM: gl.constexpr = 64
+        hb = gl.program_id(0)
+        s = gl.program_id(1)
+        n = gl.program_id(2)
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, BN // 2, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, R // 2, 16])
+        box: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        ld: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[4, 8],
+                                            warps_per_cta=[8, 1], order=[1, 0])
+        buf = gl.allocate_shared_memory(gl.bfloat16, [2 * (NB - 1), BN, 64], box)
+        pe_buf = gl.allocate_shared_memory(gl.bfloat16, [2, BN, 64], box)
+        bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar.index(0), count=1)
+        mbarrier.init(bar.index(1), count=1)
+        # a stage's eight latent boxes as one [BN, 512] operand: a [BN, 512] tile under the 128-byte swizzle is
+        # eight [BN, 64] boxes one after another, as the TMA copy lays them
+        if _NEW_REINTERPRET:
+            lat = buf.reinterpret(gl.bfloat16, [2, BN, R], box)
+        else:
+            lat = buf._reinterpret(gl.bfloat16, [2, BN, R], box)
+        start = s * tokens_per_split
+        pt = page_table + n.to(gl.int64) * max_pages
+        if PDL:
+            _g_grid_dep_wait()
+        L = gl.load(seq_lens + n)
+        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
+        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
+        rh_l = hb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
+        rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        q_ptr = q_lat + (n * H + rh_l[:, None]) * R + rc_l[None, :]
+        mh_l = (rh_l < H)[:, None]
+        q0 = gl.load(q_ptr + 0 * 64, mask=mh_l, other=0.0)
+        q1 = gl.load(q_ptr + 1 * 64, mask=mh_l, other=0.0)
+        q2 = gl.load(q_ptr + 2 * 64, mask=mh_l, other=0.0)
+        q3 = gl.load(q_ptr + 3 * 64, mask=mh_l, other=0.0)
+        q4 = gl.load(q_ptr + 4 * 64, mask=mh_l, other=0.0)
+        q5 = gl.load(q_ptr + 5 * 64, mask=mh_l, other=0.0)
+        q6 = gl.load(q_ptr + 6 * 64, mask=mh_l, other=0.0)
+        q7 = gl.load(q_ptr + 7 * 64, mask=mh_l, other=0.0)
+        q8 = gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0)
+
+        end = gl.minimum(start + tokens_per_split, L)
+        ntiles = (gl.maximum(end - start, 0) + BN - 1) // BN
+        # copies: tiles 0 .. ntiles - 1, and with PIPE tile ntiles too (scores issued one tile ahead); none where
+        # the split is empty
+        last = ntiles if PIPE else ntiles - 1
+        live = ntiles > 0
+        _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 0, page0 * P + start % P, live, NB, BN)
+        _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, live & (last >= 1), NB, BN)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 64], box)
+        q_smem.index(0).store(q0)
+        q_smem.index(1).store(q1)
+        q_smem.index(2).store(q2)
+        q_smem.index(3).store(q3)
+        q_smem.index(4).store(q4)
+        q_smem.index(5).store(q5)
+        q_smem.index(6).store(q6)
+        q_smem.index(7).store(q7)
+        q_smem.index(8).store(q8)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], box)
+        fence_async_shared()
+        _cta_barrier()
+
+        m_i = gl.full([BM], -1e30, gl.float32, layout=gl.SliceLayout(1, mma_s))
+        l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, mma_s))
+        acc = gl.zeros([BM, R], gl.float32, layout=mma_o)
+        zero = gl.zeros([BM, BN], gl.float32, layout=mma_s)
+        kv = gl.arange(0, BN, layout=gl.SliceLayout(0, mma_s))
+        if PIPE:
+            if live:
+                mbarrier.wait(bar.index(0), 0)
+                sc = _g_scores(q_smem, buf, pe_buf, 0, 0, zero, NB)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                p, alpha, m_i, l_i = _g_softmax(sc, m_i, l_i, start, kv, end, sm_scale)
+                p_smem.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                _cta_barrier()
+                for i in range(0, ntiles):
+                    st = i % 2
+                    nx = 1 - st
+                    t0 = start + i * BN
+                    # the next tile's scores (past the last: a copied tile, all masked), then this tile's P V
+                    mbarrier.wait(bar.index(nx), ((i + 1) // 2) & 1)
+                    sc = _g_scores(q_smem, buf, pe_buf, nx * (NB - 1), nx, zero, NB)
+                    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+                    acc = warpgroup_mma(p_smem, lat.index(st), acc, is_async=True)
+                    sc = warpgroup_mma_wait(num_outstanding=1, deps=(sc,))
+                    p, alpha, m_i, l_i = _g_softmax(sc, m_i, l_i, t0 + BN, kv, end, sm_scale)
+                    pb = p.to(gl.bfloat16)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                    _cta_barrier()  # both warpgroups' P V have read P: the next one may replace it
+                    p_smem.store(pb)
+                    fence_async_shared()
+                    _cta_barrier()  # every warp is past this tile's products and has stored the next P
+                    t2 = t0 + 2 * BN
+                    _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx * P + t2 % P, i + 2 <= last, NB, BN)
+                    page_nx = gl.load(pt + gl.minimum((t2 + BN) // P, max_pages - 1), mask=t2 + BN < end, other=0)
+        else:
+            for i in range(0, ntiles):
+                st = i % 2
+                t0 = start + i * BN
+                mbarrier.wait(bar.index(st), (i // 2) & 1)
+                sc = _g_scores(q_smem, buf, pe_buf, st * (NB - 1), st, zero, NB)
+                sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc,))
+                p, alpha, m_i, l_i = _g_softmax(sc, m_i, l_i, t0, kv, end, sm_scale)
+                p_smem.store(p.to(gl.bfloat16))
+                fence_async_shared()
+                _cta_barrier()
+                acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+                acc = warpgroup_mma(p_smem, lat.index(st), acc, is_async=True)
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                _cta_barrier()
+                t2 = t0 + 2 * BN
+                _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx * P + t2 % P, t2 < end, NB, BN)
+                page_nx = gl.load(pt + gl.minimum((t2 + BN) // P, max_pages - 1), mask=t2 + BN < end, other=0)
+        mbarrier.invalidate(bar.index(0))
+        mbarrier.invalidate(bar.index(1))
+
+        nonempty = l_i > 0.0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        lse = gl.where(nonempty, m_i + gl.log2(l_safe), -1.0e30)
+        rh = hb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_s))
+        gl.store(lse_part + (n * NSPLIT + s) * H + rh, lse, mask=rh < H)
+        inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, mma_o))
+        out = (acc * inv[:, None]).to(o_part.dtype.element_ty)
+        # 16-byte stores of 8 consecutive r (the buffers above are dead here: the conversion reuses their memory)
+        st_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[1, 32],
+                                              warps_per_cta=[8, 1], order=[1, 0])
+        rh_s = hb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, st_l))
+        rr_s = gl.arange(0, R, layout=gl.SliceLayout(0, st_l))
+        optr = o_part + ((n * NSPLIT + s) * H + rh_s)[:, None].to(gl.int64) * R + rr_s[None, :]
+        gl.store(optr, gl.convert_layout(out, st_l), mask=(rh_s < H)[:, None])
+
+
 
 TWO_WARPGROUPS = True
 """Head blocks of 64 on two warpgroups (``warpgroups``); off: on one."""
+
+QUERIES_ON_M = False
+"""Head blocks of 64 (the absorbed prefill's query rows) through ``_split_kernel_gluon_qm``, the queries on wgmma's
+M; off: ``_split_kernel_gluon`` (queries on N). Off until the device has checked it (compiled for sm_90 in CI)."""
+
+PIPELINED = True
+"""``_split_kernel_gluon_qm`` issues the next tile's scores before this tile's P V (``PIPE``)."""
 
 
 def warpgroups(BH: int) -> int:
@@ -278,6 +458,13 @@ def launch_split_gluon(
                             gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
     pe_desc = TensorDescriptor(rows, list(rows.shape), list(rows.stride()), [64, 64],
                                gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+    if QUERIES_ON_M and BH == 64:
+        _split_kernel_gluon_qm[(triton.cdiv(H, BH), o_part.shape[1], N)](
+            q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
+            tokens_per_split, o_part.shape[1], H=H, R=R, DR=q_pe.shape[-1], P=P, BN=64, PDL=pdl, PIPE=PIPELINED,
+            num_warps=8, **({"launch_pdl": True} if pdl else {}),
+        )
+        return
     wg = warpgroups(BH)
     _split_kernel_gluon[(triton.cdiv(H, BH), o_part.shape[1], N)](
         q_lat, q_pe, desc, pe_desc, page_table, seq_lens, o_part, lse, sm_scale, page_table.shape[1],
