@@ -5,7 +5,7 @@ device:
     python3 bench/mla_prefill.py
     python3 bench/mla_prefill.py --short      # short chunks: decompressed against absorbed (``short_chunks``)
     python3 bench/mla_prefill.py --padded     # the prefill graphs' absorbed call, replayed (``padded_chunks``),
-                                              # each of ``--variants`` (default 32,64-n,64-mp)
+                                              # each of ``--variants`` (default 32,64-n,64-m)
 
 First the shipped launch against the tiled twin (``naive_mla_prefill_paged``, float32 math) by relative RMS error,
 then every (BM, BN, num_warps, num_stages) of the sweep timed on one 8,192-token chunk after 24,576 and after
@@ -80,12 +80,12 @@ def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None
 VARIANTS = {  # name: (head block, paged_decode_gluon.QUERIES_ON_M, .PIPELINED)
     "32": (32, False, False),
     "64-n": (64, False, False),  # queries on N: 32 heads a warpgroup
-    "64-m": (64, True, False),  # queries on M, serial
-    "64-mp": (64, True, True),  # queries on M, the next tile's scores before this tile's P V (the library's)
+    "64-m": (64, True, False),  # queries on M, serial (the library's)
+    "64-mp": (64, True, True),  # queries on M, the next tile's scores before this tile's P V
 }
 
 
-def padded_chunks(contexts: list[int], chunks: list[int], variants: tuple[str, ...] = ("32", "64-n", "64-mp"),
+def padded_chunks(contexts: list[int], chunks: list[int], variants: tuple[str, ...] = ("32", "64-n", "64-m"),
                   reps: int = 20) -> None:
     """The absorbed call of ``PrefillGraphs`` (``mla_prefill_absorbed_padded``, one sequence) captured in a CUDA
     graph and replayed, as a short prefill step runs it, for each variant of the split kernel (``VARIANTS``: query

@@ -15,9 +15,10 @@ from .prefill_cpu import mla_prefill_cpu
 
 HEAD_BLOCK = 64
 """Query rows (token, head) a split program of the absorbed prefill takes (absorbed.py) where the Gluon split
-kernel serves (two warpgroups of 32: ``paged_decode_gluon.warpgroups``); the Triton kernel takes at most
-``TRITON_HEAD_BLOCK``. Against 32, one layer's call replayed (H100, `bench/mla_prefill.py --padded`): 1M cached
-rows, 16 / 128 tokens 2.87 / 23.3 ms against 3.47 / 27.1; 128K 0.49 / 3.11 against 0.55 / 3.70."""
+kernel serves (the queries on wgmma's M on two warpgroups: ``paged_decode_gluon.QUERIES_ON_M``); the Triton kernel
+takes at most ``TRITON_HEAD_BLOCK``. Against 32, one layer's call replayed (H100, `bench/mla_prefill.py
+--padded`): 1M cached rows, 16 / 128 tokens 2.51 / 20.1 ms against 3.46 / 27.1; 128K 0.43 / 2.68 against 0.55 /
+3.68."""
 
 TRITON_HEAD_BLOCK = 32
 """The most query rows a program of the Triton split kernel takes: its accumulators for 64 spill."""

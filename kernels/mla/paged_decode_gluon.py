@@ -17,7 +17,9 @@ Gluon kernels do not run under ``TRITON_INTERPRET=1``: CI compiles this one for 
 the Triton kernel against the twin; this one is checked against the same twin on the device
 (tests/kernels/test_mla_gluon.py, a gpu test), where it is bitwise equal to the Triton
 kernel. Served shapes (``gluon_split_ok``): bf16, r 512, dr 64, tiles of 64 rows within a page (P % 64 == 0),
-head blocks of 16-64.
+head blocks of 16-64. Blocks of 64 query rows (the absorbed prefill's tokens x heads) go to
+``_split_kernel_gluon_qm`` (``QUERIES_ON_M``): the same tiles and ring with the queries on wgmma's M, within
+bf16 rounding of the others (its products sum in another order).
 """
 
 from __future__ import annotations
@@ -409,12 +411,16 @@ if gluon is not None:
 TWO_WARPGROUPS = True
 """Head blocks of 64 on two warpgroups (``warpgroups``); off: on one."""
 
-QUERIES_ON_M = False
+QUERIES_ON_M = True
 """Head blocks of 64 (the absorbed prefill's query rows) through ``_split_kernel_gluon_qm``, the queries on wgmma's
-M; off: ``_split_kernel_gluon`` (queries on N). Off until the device has checked it (compiled for sm_90 in CI)."""
+M; off: ``_split_kernel_gluon`` (queries on N). One layer's absorbed call replayed (H100, `bench/mla_prefill.py
+--padded`), 128 tokens after 1M / 128K / 32K cached rows: 20.1 / 2.68 / 0.89 ms against 23.3 / 3.12 / 0.99
+(465 against 401 TFLOP/s at 1M)."""
 
-PIPELINED = True
-"""``_split_kernel_gluon_qm`` issues the next tile's scores before this tile's P V (``PIPE``)."""
+PIPELINED = False
+"""``_split_kernel_gluon_qm`` issues the next tile's scores before this tile's P V (``PIPE``). Off: slower than the
+serial loop (1M, 128 tokens 24.1 against 20.1 ms, H100), by estimate its P's second barrier and the copied
+tile past the last; kept for the bench's A/B (variant 64-mp)."""
 
 
 def warpgroups(BH: int) -> int:
