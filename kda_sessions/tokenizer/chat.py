@@ -523,6 +523,17 @@ def encode_chat(
     if not template.renders_apart:
         segments = template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt, scope=scope)
         return tokenizer.encode_segments(segments, scope=scope)
+    ids, tail = _encode_apart(tokenizer, template, messages, tools, add_generation_prompt, scope)
+    ids.extend(tail)
+    return ids
+
+
+def _encode_apart(
+    tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[Message], tools: Sequence[Any] | None,
+    add_generation_prompt: bool, scope: Hashable,
+) -> tuple[list[int], list[int]]:
+    """Under a template that ``renders_apart``: (the ids of the tools' declaration and of every message, those of
+    the generation prompt), each message's ids from ``Tokenizer.message_cache`` or encoded and kept there."""
     cache = tokenizer.message_cache
     keys = [_message_key(template, m) for m in messages]
     found: list[Sequence[int] | None] = [None if key is None else cache.get((scope, key)) for key in keys]
@@ -544,8 +555,7 @@ def encode_chat(
     for hit in found:
         assert hit is not None  # every message's ids by now
         ids.extend(hit)
-    ids.extend(tail)
-    return ids
+    return ids, tail
 
 
 def _message_key(template: ChatTemplate, message: Message) -> Hashable | None:
@@ -609,10 +619,16 @@ def encode_chat_turn(
     scope: Hashable = None,
 ) -> tuple[list[int], list[int]]:
     """``encode_chat_delta`` without and with the generation prompt (the turn's body and what it appends), the
-    history rendered once for both; ``scope`` as ``encode_chat``'s."""
+    history rendered once for both; ``scope`` as ``encode_chat``'s. Under the built-in template each new message's
+    ids go through ``Tokenizer.message_cache``, as ``encode_chat``'s do: a stateless request that resends the
+    conversation later encodes none of them again."""
     template = template or builtin_template()
-    body, full = template.render_deltas(new_messages, (False, True), history=history, tools=tools, scope=scope)
-    return tokenizer.encode_segments(body, scope=scope), tokenizer.encode_segments(full, scope=scope)
+    if template.renders_apart:  # the delta is the new messages alone (no tools: the history declared them)
+        body, tail = _encode_apart(tokenizer, template, new_messages, None, True, scope)
+        _, no_prompt = _encode_apart(tokenizer, template, (), None, False, scope)
+        return [*body, *no_prompt], [*body, *tail]
+    body_s, full_s = template.render_deltas(new_messages, (False, True), history=history, tools=tools, scope=scope)
+    return tokenizer.encode_segments(body_s, scope=scope), tokenizer.encode_segments(full_s, scope=scope)
 
 
 def encode_end_of_turn(tokenizer: Tokenizer, template: ChatTemplate | None = None) -> list[int]:

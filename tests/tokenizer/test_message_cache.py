@@ -18,6 +18,8 @@ from kda_sessions.tokenizer import (
     ToolCall,
     builtin_template,
     encode_chat,
+    encode_chat_delta,
+    encode_chat_turn,
     load_tokenizer,
 )
 from kda_sessions.tokenizer.chat import BUILTIN_TEMPLATE, CHAT_SPECIALS
@@ -122,6 +124,37 @@ def test_a_resent_history_renders_and_encodes_only_new_messages():
     assert encode_chat(tok, [*history, new]) == whole(NoSegmentCache(), [*history, new])
     assert tok.encoded == ["user", "thanks", "assistant"]  # the new message's pieces, the generation prompt's
     assert tok.message_cache.hits == len(history) and len(tok.message_cache) == len(history) + 1
+
+
+@SETTINGS
+@given(new=conversation, data=st.data())
+def test_a_session_turn_encodes_as_its_delta_and_fills_the_cache(tokenizers, new, data):
+    """``encode_chat_turn`` under the built-in template: the body and the body with the generation prompt are the
+    ids of the delta rendered at once (``encode_chat_delta`` of a reference tokenizer without caches), and each
+    new message's ids are kept, so a stateless request resending them after the turn hits the cache."""
+    tok, ref = tokenizers
+    scope = data.draw(st.sampled_from([None, "acme"]))
+    body, full = encode_chat_turn(tok, new, scope=scope)
+    assert body == encode_chat_delta(ref, new, add_generation_prompt=False)
+    assert full == encode_chat_delta(ref, new, add_generation_prompt=True)
+    hits = tok.message_cache.hits
+    assert encode_chat(tok, new, scope=scope) == full
+    assert tok.message_cache.hits - hits == len(new)
+
+
+def test_a_message_first_sent_in_a_session_turn_is_not_encoded_again():
+    class Counting(CountingBytes):
+        SEGMENT_CACHE_MIN_CHARS = NoSegmentCache.SEGMENT_CACHE_MIN_CHARS
+
+    tok = Counting()
+    first = [{"role": "system", "content": "sys"}, {"role": "user", "content": "read a.py"}]
+    encode_chat_turn(tok, first)
+    reply = [{"role": "assistant", "content": "done"}]
+    encode_chat_turn(tok, [{"role": "user", "content": "go on"}], history=[*first, *reply])
+    tok.encoded.clear()
+    resent = [*first, *reply, {"role": "user", "content": "go on"}]
+    assert encode_chat(tok, resent) == whole(NoSegmentCache(), resent)
+    assert tok.encoded == ["assistant", "done", "assistant"]  # the reply (never sent as a message) and the prompt
 
 
 @pytest.mark.parametrize(
