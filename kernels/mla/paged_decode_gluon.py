@@ -76,6 +76,49 @@ if gluon is not None:
         _tma_load(pe_desc, [row, (NB - 1) * 64], bar.index(stage), pe_buf.index(stage), pred=pred)
 
     @gluon.jit
+    def _g_first_pages(pt, start, max_pages, P: gl.constexpr, BN: gl.constexpr):
+        """The page ids of a split's first three tiles from its sequence's table row ``pt``, clamped to the row
+        (always in bounds; unused where a tile lies past the split)."""
+        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
+        page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
+        page2 = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
+        return page0, page1, page2
+
+    @gluon.jit
+    def _g_q_boxes(q_lat, q_pe, n, row0, H: gl.constexpr, R: gl.constexpr, DR: gl.constexpr, BH: gl.constexpr,
+                   ld: gl.constexpr):
+        """Query rows row0 .. row0 + BH of sequence n as nine [BH, 64] boxes in layout ``ld``: eight of q_lat's
+        512 columns, then q_pe (rows past H zero). Requested together, before the tiles' copies (behind a tile's
+        72 KB their loads took 4.3 us)."""
+        rh_l = row0 + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
+        rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
+        q_ptr = q_lat + (n * H + rh_l[:, None]) * R + rc_l[None, :]
+        mh_l = (rh_l < H)[:, None]
+        q0 = gl.load(q_ptr + 0 * 64, mask=mh_l, other=0.0)
+        q1 = gl.load(q_ptr + 1 * 64, mask=mh_l, other=0.0)
+        q2 = gl.load(q_ptr + 2 * 64, mask=mh_l, other=0.0)
+        q3 = gl.load(q_ptr + 3 * 64, mask=mh_l, other=0.0)
+        q4 = gl.load(q_ptr + 4 * 64, mask=mh_l, other=0.0)
+        q5 = gl.load(q_ptr + 5 * 64, mask=mh_l, other=0.0)
+        q6 = gl.load(q_ptr + 6 * 64, mask=mh_l, other=0.0)
+        q7 = gl.load(q_ptr + 7 * 64, mask=mh_l, other=0.0)
+        q8 = gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0)
+        return q0, q1, q2, q3, q4, q5, q6, q7, q8
+
+    @gluon.jit
+    def _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8):
+        """The nine boxes of ``_g_q_boxes`` into q_smem [9, BH, 64]."""
+        q_smem.index(0).store(q0)
+        q_smem.index(1).store(q1)
+        q_smem.index(2).store(q2)
+        q_smem.index(3).store(q3)
+        q_smem.index(4).store(q4)
+        q_smem.index(5).store(q5)
+        q_smem.index(6).store(q6)
+        q_smem.index(7).store(q7)
+        q_smem.index(8).store(q8)
+
+    @gluon.jit
     def _g_pv(buf, j, p_smem, acc):
         """acc^T chunk [64 r, BH] += c_j^T [64 r, BN] p [BN, BH], c_j^T a transposed view of box j (wgmma reads
         it from shared memory; loading it into registers first was slower, 531 against 301 us at 1M)."""
@@ -115,27 +158,10 @@ if gluon is not None:
             # only one the prep kernel writes: no faster, 2.438 ms a 1 x 128K step against 2.431, H200, 2026-12-05)
             _g_grid_dep_wait()
         # the loads of the prologue go out together, none waiting on another: seq_lens, the first three tiles'
-        # page ids (clamped to the table's row, so always in bounds; unused where a tile lies past the split),
-        # then q
+        # page ids, then q [BH, 576] as NB boxes [BH, 64] (the B operand, q_k^T K-major, of the score product)
         L = gl.load(seq_lens + n)
-        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
-        page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
-        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
-        # q [BH, 576] as NB boxes [BH, 64] (the B operand, q_k^T K-major, of the score product): requested before
-        # the tiles' copies, since behind a tile's 72 KB its loads took 4.3 us
-        rh_l = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld))
-        rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
-        q_ptr = q_lat + (n * H + rh_l[:, None]) * R + rc_l[None, :]
-        mh_l = (rh_l < H)[:, None]
-        q0 = gl.load(q_ptr + 0 * 64, mask=mh_l, other=0.0)
-        q1 = gl.load(q_ptr + 1 * 64, mask=mh_l, other=0.0)
-        q2 = gl.load(q_ptr + 2 * 64, mask=mh_l, other=0.0)
-        q3 = gl.load(q_ptr + 3 * 64, mask=mh_l, other=0.0)
-        q4 = gl.load(q_ptr + 4 * 64, mask=mh_l, other=0.0)
-        q5 = gl.load(q_ptr + 5 * 64, mask=mh_l, other=0.0)
-        q6 = gl.load(q_ptr + 6 * 64, mask=mh_l, other=0.0)
-        q7 = gl.load(q_ptr + 7 * 64, mask=mh_l, other=0.0)
-        q8 = gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0)
+        page0, page1, page_nx = _g_first_pages(pt, start, max_pages, P, BN)
+        q0, q1, q2, q3, q4, q5, q6, q7, q8 = _g_q_boxes(q_lat, q_pe, n, hb * BH, H, R, DR, BH, ld)
 
         # the first two tiles' copies, each predicated off where its tile lies past the split
         end = gl.minimum(start + tokens_per_split, L)
@@ -143,15 +169,7 @@ if gluon is not None:
         _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, start + BN < end, NB, BN)
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
-        q_smem.index(0).store(q0)
-        q_smem.index(1).store(q1)
-        q_smem.index(2).store(q2)
-        q_smem.index(3).store(q3)
-        q_smem.index(4).store(q4)
-        q_smem.index(5).store(q5)
-        q_smem.index(6).store(q6)
-        q_smem.index(7).store(q7)
-        q_smem.index(8).store(q8)
+        _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH], pbox)
         fence_async_shared()
         _cta_barrier()
@@ -296,22 +314,8 @@ if gluon is not None:
         if PDL:
             _g_grid_dep_wait()
         L = gl.load(seq_lens + n)
-        page0 = gl.load(pt + gl.minimum(start // P, max_pages - 1))
-        page1 = gl.load(pt + gl.minimum((start + BN) // P, max_pages - 1))
-        page_nx = gl.load(pt + gl.minimum((start + 2 * BN) // P, max_pages - 1))
-        rh_l = hb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, ld))
-        rc_l = gl.arange(0, 64, layout=gl.SliceLayout(0, ld))
-        q_ptr = q_lat + (n * H + rh_l[:, None]) * R + rc_l[None, :]
-        mh_l = (rh_l < H)[:, None]
-        q0 = gl.load(q_ptr + 0 * 64, mask=mh_l, other=0.0)
-        q1 = gl.load(q_ptr + 1 * 64, mask=mh_l, other=0.0)
-        q2 = gl.load(q_ptr + 2 * 64, mask=mh_l, other=0.0)
-        q3 = gl.load(q_ptr + 3 * 64, mask=mh_l, other=0.0)
-        q4 = gl.load(q_ptr + 4 * 64, mask=mh_l, other=0.0)
-        q5 = gl.load(q_ptr + 5 * 64, mask=mh_l, other=0.0)
-        q6 = gl.load(q_ptr + 6 * 64, mask=mh_l, other=0.0)
-        q7 = gl.load(q_ptr + 7 * 64, mask=mh_l, other=0.0)
-        q8 = gl.load(q_pe + (n * H + rh_l[:, None]) * DR + rc_l[None, :], mask=mh_l, other=0.0)
+        page0, page1, page_nx = _g_first_pages(pt, start, max_pages, P, BN)
+        q0, q1, q2, q3, q4, q5, q6, q7, q8 = _g_q_boxes(q_lat, q_pe, n, hb * BM, H, R, DR, BM, ld)
 
         end = gl.minimum(start + tokens_per_split, L)
         ntiles = (gl.maximum(end - start, 0) + BN - 1) // BN
@@ -323,15 +327,7 @@ if gluon is not None:
         _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, live & (last >= 1), NB, BN)
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 64], box)
-        q_smem.index(0).store(q0)
-        q_smem.index(1).store(q1)
-        q_smem.index(2).store(q2)
-        q_smem.index(3).store(q3)
-        q_smem.index(4).store(q4)
-        q_smem.index(5).store(q5)
-        q_smem.index(6).store(q6)
-        q_smem.index(7).store(q7)
-        q_smem.index(8).store(q8)
+        _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], box)
         fence_async_shared()
         _cta_barrier()
