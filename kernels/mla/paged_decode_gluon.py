@@ -119,6 +119,25 @@ if gluon is not None:
         q_smem.index(8).store(q8)
 
     @gluon.jit
+    def _g_refill(kv_desc, pe_desc, bar, buf, pe_buf, st, page, pt, t2, end, pred, max_pages, P: gl.constexpr,
+                  NB: gl.constexpr, BN: gl.constexpr):
+        """The tile at row t2 of the sequence (in ``page``) into ring stage ``st`` where ``pred``; returns the page
+        id of the tile after it (0 past ``end``), for the next refill."""
+        _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, st, page * P + t2 % P, pred, NB, BN)
+        return gl.load(pt + gl.minimum((t2 + BN) // P, max_pages - 1), mask=t2 + BN < end, other=0)
+
+    @gluon.jit
+    def _g_finish(bar, l_i, m_i):
+        """After the tile loop: the ring's barriers invalidated; (l, or 1 where it is 0; each row's base-2
+        log-sum-exp). A split past the sequence's end (l = 0) stores a zero output and log-sum-exp -1e30: weight
+        0 in the merge."""
+        mbarrier.invalidate(bar.index(0))
+        mbarrier.invalidate(bar.index(1))
+        nonempty = l_i > 0.0
+        l_safe = gl.where(nonempty, l_i, 1.0)
+        return l_safe, gl.where(nonempty, m_i + gl.log2(l_safe), -1.0e30)
+
+    @gluon.jit
     def _g_pv(buf, j, p_smem, acc):
         """acc^T chunk [64 r, BH] += c_j^T [64 r, BN] p [BN, BH], c_j^T a transposed view of box j (wgmma reads
         it from shared memory; loading it into registers first was slower, 531 against 301 us at 1M)."""
@@ -220,15 +239,9 @@ if gluon is not None:
             _cta_barrier()  # every warp is past this tile's products before its stage is refilled
             # tile i + 2 into the stage just freed, and the page id of tile i + 3 for the next iteration
             t2 = t0 + 2 * BN
-            _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx * P + t2 % P, t2 < end, NB, BN)
-            page_nx = gl.load(pt + gl.minimum((t2 + BN) // P, max_pages - 1), mask=t2 + BN < end, other=0)
-        mbarrier.invalidate(bar.index(0))
-        mbarrier.invalidate(bar.index(1))
-
-        # a split past the sequence's end (l = 0) stores a zero output and log-sum-exp -1e30: weight 0 in the merge
-        nonempty = l_i > 0.0
-        l_safe = gl.where(nonempty, l_i, 1.0)
-        lse = gl.where(nonempty, m_i + gl.log2(l_safe), -1.0e30)
+            page_nx = _g_refill(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx, pt, t2, end, t2 < end, max_pages, P,
+                                NB, BN)
+        l_safe, lse = _g_finish(bar, l_i, m_i)
         inv = (1.0 / l_safe)[None, :]
         rh = hb * BH + gl.arange(0, BH, layout=gl.SliceLayout(0, mma))
         base = (n * NSPLIT + s) * H + rh
@@ -364,8 +377,8 @@ if gluon is not None:
                     fence_async_shared()
                     _cta_barrier()  # every warp is past this tile's products and has stored the next P
                     t2 = t0 + 2 * BN
-                    _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx * P + t2 % P, i + 2 <= last, NB, BN)
-                    page_nx = gl.load(pt + gl.minimum((t2 + BN) // P, max_pages - 1), mask=t2 + BN < end, other=0)
+                    page_nx = _g_refill(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx, pt, t2, end, i + 2 <= last,
+                                        max_pages, P, NB, BN)
         else:
             for i in range(0, ntiles):
                 st = i % 2
@@ -382,14 +395,9 @@ if gluon is not None:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
                 _cta_barrier()
                 t2 = t0 + 2 * BN
-                _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx * P + t2 % P, t2 < end, NB, BN)
-                page_nx = gl.load(pt + gl.minimum((t2 + BN) // P, max_pages - 1), mask=t2 + BN < end, other=0)
-        mbarrier.invalidate(bar.index(0))
-        mbarrier.invalidate(bar.index(1))
-
-        nonempty = l_i > 0.0
-        l_safe = gl.where(nonempty, l_i, 1.0)
-        lse = gl.where(nonempty, m_i + gl.log2(l_safe), -1.0e30)
+                page_nx = _g_refill(kv_desc, pe_desc, bar, buf, pe_buf, st, page_nx, pt, t2, end, t2 < end, max_pages,
+                                    P, NB, BN)
+        l_safe, lse = _g_finish(bar, l_i, m_i)
         rh = hb * BM + gl.arange(0, BM, layout=gl.SliceLayout(1, mma_s))
         gl.store(lse_part + (n * NSPLIT + s) * H + rh, lse, mask=rh < H)
         inv = gl.convert_layout(1.0 / l_safe, gl.SliceLayout(1, mma_o))
