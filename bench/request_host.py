@@ -9,7 +9,7 @@ machine), ms on the event loop:
   ``Tokenizer.message_cache``; its messages prepared once, ``ChatTemplate.render_segments``), and rendered whole
   without ``Tokenizer.segment_cache`` either; then its page
   chain (``page_chain`` of the ids as a plain list), and after the session that served the previous request
-  (its tokens' keys taken where they begin the new ids, ``TokenList.continued_by``);
+  (its tokens' keys taken where they begin the new ids, ``TokenList.continued_by_any``);
 - a session's turn under a checkpoint's chat template (``encode_chat_turn``: the history rendered alone and with
   the new message, with and without the generation prompt, ``ChatTemplate.render_deltas``).
 
@@ -110,7 +110,7 @@ def case(tok: Tokenizer, files: list[str], n: int) -> dict:
     prefix = "whole" if served.continued_by(again) is not None else "to its last message"
 
     def keyed_chain() -> None:
-        keyed = served.continued_by(again) or served.continued_by(again, len(ids) - 3)
+        keyed = served.continued_by_any(again, (len(ids), len(ids) - 3))  # as SessionManager._keyed tries them
         assert keyed is not None
         page_chain(keyed, 64, len(keyed) // 64)
 

@@ -157,9 +157,8 @@ class SessionManager:
             if not isinstance(s.tokens, TokenList):
                 continue
             newest = max((c.position for c in s.checkpoints.values()), default=0)
-            for n in (len(s.tokens), newest) if 0 < newest < len(s.tokens) else (len(s.tokens),):
-                if (keyed := s.tokens.continued_by(tokens, n)) is not None:
-                    return keyed
+            if (keyed := s.tokens.continued_by_any(tokens, (len(s.tokens), newest))) is not None:
+                return keyed
         return TokenList(tokens)
 
     async def resume_state(self, tenant: str | None, session_id: str) -> SessionState:

@@ -70,6 +70,27 @@ def _extend(tokens: Sequence[int], P: int, num_pages: int, chain: list[bytes]) -
     return chain
 
 
+COMPARE_BLOCK = 1 << 14
+"""Ids ``common_prefix`` compares a slice at a time (128 KB of pointers a side: the slices stay in cache)."""
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """The length of the longest common prefix of ``a`` and ``b`` (at most ``limit``): slices of
+    ``COMPARE_BLOCK`` ids compared in C, the first that differs narrowed down 64-fold at a time. One pass, whose
+    copies stay in cache: at 1M ids several times faster than comparing two whole slices."""
+    end = min(len(a), len(b)) if limit is None else max(0, min(limit, len(a), len(b)))
+    i, step = 0, COMPARE_BLOCK
+    while i < end:
+        j = min(i + step, end)
+        if a[i:j] == b[i:j]:
+            i = j
+        elif step == 1:
+            return i
+        else:  # the first difference lies in [i, j): look again in smaller slices
+            step = max(1, step // 64)
+    return end
+
+
 class TokenList(list[int]):
     """A session's tokens: a list that keeps the page chain of its full pages (``page_chain``) as it grows, so a
     turn hashes only its new pages. Each index, lookup and checkpoint of a turn takes the chain of the whole
@@ -107,13 +128,21 @@ class TokenList(list[int]):
     def continued_by(self, tokens: list[int], n: int | None = None) -> TokenList | None:
         """``tokens`` as a TokenList that starts with this one's keys of its first ``n`` tokens (all by default),
         where those begin ``tokens`` too (a resent conversation after the session that served it: only its new
-        pages are hashed); else None. Compared in C (a million ids in a few ms, against ~50 ms to hash their
-        pages)."""
-        n = len(self) if n is None else n
-        if (not self._page_size or not 0 < n <= min(len(self), len(tokens)) or self[n - 1] != tokens[n - 1]
-                or tokens[:n] != (self if n == len(self) else self[:n])):
+        pages are hashed); else None."""
+        return self.continued_by_any(tokens, (len(self) if n is None else n,))
+
+    def continued_by_any(self, tokens: list[int], ns: Sequence[int]) -> TokenList | None:
+        """``continued_by`` for the first of ``ns`` (counts of this list's first tokens, in the order to try) whose
+        tokens begin ``tokens``, the two lists compared once (``common_prefix``: a million ids in a few ms, against
+        ~50 ms to hash their pages)."""
+        fits = [n for n in ns if 0 < n <= min(len(self), len(tokens))]
+        if not self._page_size or not fits:
             return None
-        return TokenList(tokens, keys=(self._page_size, self._chain[: n // self._page_size + 1]))
+        common = common_prefix(self, tokens, max(fits))
+        for n in fits:
+            if n <= common:
+                return TokenList(tokens, keys=(self._page_size, self._chain[: n // self._page_size + 1]))
+        return None
 
     def _changed_from(self, index: int) -> None:
         """Tokens from ``index`` on changed: the keys of the pages holding them go."""

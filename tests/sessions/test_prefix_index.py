@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
+
 from kda_sessions.sessions.prefix_index import PrefixHit, PrefixIndex, PrefixKey, prefix_key
 
 P = 4
@@ -219,3 +223,40 @@ def test_token_list_continued_by_keeps_keys_only_of_a_true_prefix(monkeypatch):
     keyed.append(5)  # the copy's changes leave the original's keys alone
     keyed[0] = -1
     assert page_chain(t, P, 5) == page_chain(list(t), P, 5)
+
+
+@pytest.mark.parametrize("block", [1, 2, 7, 64, 1 << 14])
+def test_common_prefix_against_an_element_by_element_scan(block, monkeypatch):
+    """``common_prefix`` at several slice sizes (the first differing slice narrowed down) against a plain scan:
+    random lists sharing a random prefix, differing anywhere, of any lengths, with limits below, inside and past
+    them."""
+    from kda_sessions.sessions import prefix_index
+    from kda_sessions.sessions.prefix_index import common_prefix
+
+    monkeypatch.setattr(prefix_index, "COMPARE_BLOCK", block)
+    rng = random.Random(block)
+    for _ in range(400):
+        a = [rng.randrange(3) for _ in range(rng.randrange(0, 300))]
+        b = a[: rng.randrange(0, len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 40))]
+        limit = rng.choice([None, rng.randrange(-2, 400)])
+        end = min(len(a), len(b)) if limit is None else max(0, min(limit, len(a), len(b)))
+        expected = 0
+        while expected < end and a[expected] == b[expected]:
+            expected += 1
+        assert common_prefix(a, b, limit) == expected
+
+
+def test_continued_by_any_takes_the_first_count_whose_tokens_begin_the_list():
+    """The counts are tried in order (the whole session, then up to its last message) on one comparison: the
+    whole where it fits, else the first shorter count within the common prefix; none past it."""
+    from kda_sessions.sessions.prefix_index import TokenList, page_chain
+
+    t = TokenList(range(6 * P))
+    page_chain(t, P, 6)
+    resent = [*range(4 * P + 1), -1, *range(P)]  # agrees with t up to 4 P + 1 tokens
+    keyed = t.continued_by_any(resent, (len(t), 4 * P + 1, 2 * P))
+    assert keyed == resent and page_chain(keyed, P, 5) == page_chain(list(resent), P, 5)
+    assert t.continued_by_any(resent, (len(t), 4 * P + 2)) is None
+    assert t.continued_by_any(resent, (0, len(t) + 1)) is None  # counts past either list, or none, never fit
+    whole = [*range(6 * P), 9]
+    assert t.continued_by_any(whole, (len(t), 2 * P)) == whole
