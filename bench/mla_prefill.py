@@ -3,7 +3,8 @@
 device:
 
     python3 bench/mla_prefill.py
-    python3 bench/mla_prefill.py --short      # short chunks: decompressed against absorbed (``short_chunks``)
+    python3 bench/mla_prefill.py --short      # short chunks: decompressed against absorbed (``short_chunks``),
+                                              # after each of ``--contexts`` cached (default 32768,131072)
     python3 bench/mla_prefill.py --padded     # the prefill graphs' absorbed call, replayed (``padded_chunks``),
                                               # each of ``--variants`` (default 32,64-n,64-m)
 
@@ -136,8 +137,10 @@ def main() -> None:
         variants = sys.argv[sys.argv.index("--variants") + 1].split(",") if "--variants" in sys.argv else None
         padded_chunks([32768, 131072, 1048576], [1, 16, 32, 64, 128], *([tuple(variants)] if variants else []))
         return
-    if "--short" in sys.argv:  # python3 bench/mla_prefill.py --short
-        short_chunks([32768, 131072], [1, 4, 16, 32, 64, 128, 256, 512])
+    if "--short" in sys.argv:  # python3 bench/mla_prefill.py --short [--contexts 32768,131072,1048576]
+        contexts = ([int(c) for c in sys.argv[sys.argv.index("--contexts") + 1].split(",")]
+                    if "--contexts" in sys.argv else [32768, 131072])
+        short_chunks(contexts, [1, 4, 16, 32, 64, 128, 256, 512])
         return
     for T, s in [(8192, 0), (2048, 20000), (300, 40000), (8192, 24576)]:
         q, kv, pages, w = case(T, s)
