@@ -128,7 +128,7 @@ class SessionManager:
         io = self.store_of(tenant)
         self.counters["prefix_cache_lookups"] += 1
         s: SessionState | None = None
-        tokens = tokens if isinstance(tokens, TokenList) else self._keyed(tenant, tokens)  # the lookup's chain is kept
+        tokens = self._keyed(tenant, tokens)  # the lookup's chain is kept
         for hit in islice(io.index.matches(tokens), 4):  # a stale entry (its session gone): the next longest
             try:
                 s = await self.fork_state(tenant, hit.session_id, hit.checkpoint, sid, hold_parent=False)
@@ -148,18 +148,21 @@ class SessionManager:
         return s
 
     def _keyed(self, tenant: str | None, tokens: list[int]) -> TokenList:
-        """``tokens`` as a TokenList with the page keys of the longest run of a held session's tokens that begins
-        them (a stateless request resending a conversation after the session that served its last turn: ~50 ms
-        of hashing at 1M tokens saved), else with none. Each held session of the tenant is tried whole, then up to
-        its newest checkpoint (the end of the last message it was sent: a reply that does not re-encode as it
-        was sampled differs after it)."""
+        """``tokens`` as a TokenList (taken as is where it is one: ``encode_chat(out=TokenList())``, no copy) with the
+        page keys of the longest run of a held session's tokens that begins them (a stateless request resending a
+        conversation after the session that served its last turn: ~50 ms of hashing at 1M tokens saved), else
+        with none. Each held session of the tenant is tried whole, then up to its newest checkpoint (the end of
+        the last message it was sent: a reply that does not re-encode as it was sampled differs after it)."""
+        keyed = tokens if isinstance(tokens, TokenList) else TokenList(tokens)
+        if keyed.keeps_keys:
+            return keyed
         for s in sorted(self.held(tenant).values(), key=lambda s: len(s.tokens), reverse=True):
             if not isinstance(s.tokens, TokenList):
                 continue
             newest = max((c.position for c in s.checkpoints.values()), default=0)
-            if (keyed := s.tokens.continued_by_any(tokens, (len(s.tokens), newest))) is not None:
-                return keyed
-        return TokenList(tokens)
+            if keyed.take_keys(s.tokens, (len(s.tokens), newest)):
+                break
+        return keyed
 
     async def resume_state(self, tenant: str | None, session_id: str) -> SessionState:
         """The held session, or else the one in the tenant's store (its head state loaded, no prefill)."""

@@ -135,14 +135,32 @@ class TokenList(list[int]):
         """``continued_by`` for the first of ``ns`` (counts of this list's first tokens, in the order to try) whose
         tokens begin ``tokens``, the two lists compared once (``common_prefix``: a million ids in a few ms, against
         ~50 ms to hash their pages)."""
+        n = self._first_beginning(tokens, ns)
+        return None if n is None else TokenList(tokens, keys=(self._page_size, self._chain[: n // self._page_size + 1]))
+
+    @property
+    def keeps_keys(self) -> bool:
+        """Whether it has taken or computed any page keys (``page_chain``, ``take_keys``)."""
+        return self._page_size > 0
+
+    def take_keys(self, other: TokenList, ns: Sequence[int]) -> bool:
+        """For a list that keeps no keys yet (``keeps_keys``): where the first n of ``other``'s tokens begin this
+        one (n the first of ``ns`` that does, as ``continued_by_any``), take ``other``'s keys of their full pages
+        in place and return True (no copy of the tokens: only the pages past them are hashed later); else
+        False, nothing taken."""
+        n = None if self.keeps_keys else other._first_beginning(self, ns)
+        if n is None:
+            return False
+        self._page_size, self._chain = other._page_size, other._chain[: n // other._page_size + 1]
+        return True
+
+    def _first_beginning(self, tokens: Sequence[int], ns: Sequence[int]) -> int | None:
+        """The first of ``ns`` whose count of this list's first tokens begins ``tokens`` (None without keys)."""
         fits = [n for n in ns if 0 < n <= min(len(self), len(tokens))]
         if not self._page_size or not fits:
             return None
         common = common_prefix(self, tokens, max(fits))
-        for n in fits:
-            if n <= common:
-                return TokenList(tokens, keys=(self._page_size, self._chain[: n // self._page_size + 1]))
-        return None
+        return next((n for n in fits if n <= common), None)
 
     def _changed_from(self, index: int) -> None:
         """Tokens from ``index`` on changed: the keys of the pages holding them go."""

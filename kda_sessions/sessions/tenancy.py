@@ -14,6 +14,7 @@ from ..constrain.tool_choice import check_tools
 from ..tokenizer import encode_chat
 from ..types import SessionInfo
 from .manager import SessionManager
+from .prefix_index import TokenList
 from .session import Session
 from .state import SessionState
 from .store_io import StoreIO
@@ -54,8 +55,9 @@ class TenantSessions:
         m = self.manager
         sid = self.manager.new_id(self.tenant, session_id)
         check_tools(tools)
-        tokens = (encode_chat(m.tokenizer, messages, tools, add_generation_prompt=False, template=m.template, scope=self.tenant)
-                  if (messages or tools) else [])
+        tokens = (encode_chat(m.tokenizer, messages, tools, add_generation_prompt=False, template=m.template,
+                              scope=self.tenant, out=TokenList())
+                  if (messages or tools) else TokenList())
         s = await m.new_state(self.tenant, sid, tokens)
         s.system = next((x.get("content") for x in messages if x.get("role") == "system"), None)
         s.tools = tools

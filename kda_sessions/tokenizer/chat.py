@@ -512,9 +512,12 @@ def encode_chat(
     add_generation_prompt: bool = True,
     template: ChatTemplate | None = None,
     scope: Hashable = None,
+    out: list[int] | None = None,
 ) -> list[int]:
     """Ids of the whole conversation; message contents encoded as plain text (specials not injectable). ``scope``:
-    the tenant, whose ids the tokenizer's caches keep apart.
+    the tenant, whose ids the tokenizer's caches keep apart. ``out``: an empty list to append the ids to and
+    return (a list subclass the caller keeps, such as a session's TokenList: no copy of a million ids after);
+    by default a new list.
 
     Under the built-in template (``ChatTemplate.renders_apart``) each message is rendered and encoded alone
     and its ids kept in ``Tokenizer.message_cache``, so a resent history renders only its new messages; under
@@ -522,18 +525,23 @@ def encode_chat(
     template = template or builtin_template()
     if not template.renders_apart:
         segments = template.render_segments(messages, tools, add_generation_prompt=add_generation_prompt, scope=scope)
-        return tokenizer.encode_segments(segments, scope=scope)
-    ids, tail = _encode_apart(tokenizer, template, messages, tools, add_generation_prompt, scope)
+        ids = tokenizer.encode_segments(segments, scope=scope)
+        if out is None:
+            return ids
+        out.extend(ids)
+        return out
+    ids, tail = _encode_apart(tokenizer, template, messages, tools, add_generation_prompt, scope, out)
     ids.extend(tail)
     return ids
 
 
 def _encode_apart(
     tokenizer: Tokenizer, template: ChatTemplate, messages: Sequence[Message], tools: Sequence[Any] | None,
-    add_generation_prompt: bool, scope: Hashable,
+    add_generation_prompt: bool, scope: Hashable, out: list[int] | None = None,
 ) -> tuple[list[int], list[int]]:
-    """Under a template that ``renders_apart``: (the ids of the tools' declaration and of every message, those of
-    the generation prompt), each message's ids from ``Tokenizer.message_cache`` or encoded and kept there."""
+    """Under a template that ``renders_apart``: (the ids of the tools' declaration and of every message, appended
+    to ``out`` where given; those of the generation prompt), each message's ids from ``Tokenizer.message_cache``
+    or encoded and kept there."""
     cache = tokenizer.message_cache
     keys = [_message_key(template, m) for m in messages]
     found: list[Sequence[int] | None] = [None if key is None else cache.get((scope, key)) for key in keys]
@@ -551,7 +559,9 @@ def _encode_apart(
         found[i] = ids_i
         if keys[i] is not None:
             cache.put((scope, keys[i]), ids_i)
-    ids = head
+    ids = head if out is None else out
+    if out is not None:
+        ids.extend(head)
     for hit in found:
         assert hit is not None  # every message's ids by now
         ids.extend(hit)

@@ -260,3 +260,25 @@ def test_continued_by_any_takes_the_first_count_whose_tokens_begin_the_list():
     assert t.continued_by_any(resent, (0, len(t) + 1)) is None  # counts past either list, or none, never fit
     whole = [*range(6 * P), 9]
     assert t.continued_by_any(whole, (len(t), 2 * P)) == whole
+
+
+def test_take_keys_keys_a_list_in_place_only_where_it_is_begun(monkeypatch):
+    """A request's TokenList (``encode_chat(out=TokenList())``) takes the served session's keys in place, no copy:
+    only where its first n tokens begin it, and only while it keeps none of its own."""
+    from kda_sessions.sessions import prefix_index
+    from kda_sessions.sessions.prefix_index import TokenList, page_chain
+
+    served = TokenList(range(5 * P + 2))
+    page_chain(served, P, 5)
+    fresh = TokenList([*range(5 * P + 2), *range(100, 100 + 2 * P)])
+    assert not fresh.keeps_keys
+    assert not fresh.take_keys(TokenList(range(5 * P)), (5 * P,))  # a list that keeps no keys gives none
+    different = TokenList([-1, *range(1, 5 * P + 2)])
+    assert not different.take_keys(served, (len(served), 3 * P)) and not different.keeps_keys
+    assert fresh.take_keys(served, (len(served),)) and fresh.keeps_keys
+    calls = []
+    real = prefix_index._link
+    monkeypatch.setattr(prefix_index, "_link", lambda parent, tokens: calls.append(1) or real(parent, tokens))
+    assert page_chain(fresh, P, 7) == page_chain(list(fresh), P, 7)
+    assert len(calls) == 2 + 7  # its two new full pages past the five taken, then the plain list's whole chain
+    assert not fresh.take_keys(served, (len(served),))  # it keeps keys of its own now: nothing replaced

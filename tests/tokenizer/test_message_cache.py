@@ -142,6 +142,19 @@ def test_a_session_turn_encodes_as_its_delta_and_fills_the_cache(tokenizers, new
     assert tok.message_cache.hits - hits == len(new)
 
 
+@pytest.mark.parametrize("template", ["builtin", "checkpoint"])
+def test_encode_chat_appends_to_the_list_it_is_given(template):
+    """``out``: the ids go into the caller's list (a session's TokenList), which is returned, equal to a new
+    list's ids, under either kind of template."""
+    from kda_sessions.sessions.prefix_index import TokenList
+
+    tpl = TPL if template == "builtin" else ChatTemplate(BUILTIN_TEMPLATE, special_tokens=ByteTokenizer().special_ids)
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    out = TokenList()
+    ids = encode_chat(ByteTokenizer(), messages, template=tpl, out=out)
+    assert ids is out and list(out) == encode_chat(ByteTokenizer(), messages, template=tpl)
+
+
 def test_a_message_first_sent_in_a_session_turn_is_not_encoded_again():
     class Counting(CountingBytes):
         SEGMENT_CACHE_MIN_CHARS = NoSegmentCache.SEGMENT_CACHE_MIN_CHARS
