@@ -556,9 +556,7 @@ def _encode_apart(
     head, *new, tail = tokenizer.encode_segment_groups([parts[0], *(parts[i + 1] for i in misses), parts[-1]],
                                                        scope=scope)
     for i, ids_i in zip(misses, new):
-        found[i] = ids_i
-        if keys[i] is not None:
-            cache.put((scope, keys[i]), ids_i)
+        found[i] = cache.put((scope, keys[i]), ids_i) if keys[i] is not None else ids_i
     ids = head if out is None else out
     if out is not None:
         ids.extend(head)

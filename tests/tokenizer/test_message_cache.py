@@ -142,6 +142,35 @@ def test_a_session_turn_encodes_as_its_delta_and_fills_the_cache(tokenizers, new
     assert tok.message_cache.hits - hits == len(new)
 
 
+class Offset(ByteTokenizer):
+    """Byte ids moved past CPython's cached small ints (every encode makes new int objects)."""
+
+    @property
+    def vocab_size(self) -> int:
+        return 2000
+
+    def encode(self, text: str, *, allow_special: bool = False) -> list[int]:
+        return [i + 1000 for i in super().encode(text, allow_special=allow_special)]
+
+
+def test_a_requests_ids_are_the_int_objects_the_next_request_hits():
+    """The first request's ids of its messages are the cache's shared int objects, not the tokenizer's new ones:
+    the next request (its messages hit) holds the same objects, so the two compare by identity
+    (``prefix_index.common_prefix`` of a resent conversation against the session that served it). Long plain
+    pieces of a checkpoint template's render likewise (``segment_cache``)."""
+    tok = Offset()
+    msgs = [{"role": "system", "content": "sys " * 20}, {"role": "user", "content": "read a.py " * 30}]
+    first = encode_chat(tok, msgs, add_generation_prompt=False)
+    second = encode_chat(tok, [*msgs, {"role": "user", "content": "more"}], add_generation_prompt=False)
+    assert second[: len(first)] == first and all(a is b for a, b in zip(first, second))
+    assert sum(i >= 1000 for i in first) > 200  # the test holds ids that are not small ints
+    checkpoint = ChatTemplate(BUILTIN_TEMPLATE, special_tokens=tok.special_ids)
+    tok.SEGMENT_CACHE_MIN_CHARS = 16
+    whole = encode_chat(tok, msgs, add_generation_prompt=False, template=checkpoint)
+    again = encode_chat(tok, msgs, add_generation_prompt=False, template=checkpoint)
+    assert again == whole and sum(a is b for a, b in zip(whole, again)) >= len(whole) - 10
+
+
 @pytest.mark.parametrize("template", ["builtin", "checkpoint"])
 def test_encode_chat_appends_to_the_list_it_is_given(template):
     """``out``: the ids go into the caller's list (a session's TokenList), which is returned, equal to a new
