@@ -135,8 +135,8 @@ class TokenList(list[int]):
         """``continued_by`` for the first of ``ns`` (counts of this list's first tokens, in the order to try) whose
         tokens begin ``tokens``, the two lists compared once (``common_prefix``: a million ids in a few ms, against
         ~50 ms to hash their pages)."""
-        n = self._first_beginning(tokens, ns)
-        return None if n is None else TokenList(tokens, keys=(self._page_size, self._chain[: n // self._page_size + 1]))
+        n = self.first_beginning(tokens, ns)
+        return None if n is None else TokenList(tokens, keys=self.keys_of(n))
 
     @property
     def keeps_keys(self) -> bool:
@@ -148,14 +148,19 @@ class TokenList(list[int]):
         one (n the first of ``ns`` that does, as ``continued_by_any``), take ``other``'s keys of their full pages
         in place and return True (no copy of the tokens: only the pages past them are hashed later); else
         False, nothing taken."""
-        n = None if self.keeps_keys else other._first_beginning(self, ns)
+        n = None if self.keeps_keys else other.first_beginning(self, ns)
         if n is None:
             return False
-        self._page_size, self._chain = other._page_size, other._chain[: n // other._page_size + 1]
+        self._page_size, self._chain = other.keys_of(n)
         return True
 
-    def _first_beginning(self, tokens: Sequence[int], ns: Sequence[int]) -> int | None:
-        """The first of ``ns`` whose count of this list's first tokens begins ``tokens`` (None without keys)."""
+    def keys_of(self, n: int) -> tuple[int, list[bytes]]:
+        """(page size, the keys kept of the full pages of the first ``n`` tokens), for a list they begin."""
+        return self._page_size, self._chain[: n // self._page_size + 1]
+
+    def first_beginning(self, tokens: Sequence[int], ns: Sequence[int]) -> int | None:
+        """The first of ``ns`` whose count of this list's first tokens begins ``tokens`` (None where it keeps no
+        keys: they are what a caller takes)."""
         fits = [n for n in ns if 0 < n <= min(len(self), len(tokens))]
         if not self._page_size or not fits:
             return None
