@@ -127,15 +127,9 @@ class TokenList(list[int]):
 
     def continued_by(self, tokens: list[int], n: int | None = None) -> TokenList | None:
         """``tokens`` as a TokenList that starts with this one's keys of its first ``n`` tokens (all by default),
-        where those begin ``tokens`` too (a resent conversation after the session that served it: only its new
-        pages are hashed); else None."""
-        return self.continued_by_any(tokens, (len(self) if n is None else n,))
-
-    def continued_by_any(self, tokens: list[int], ns: Sequence[int]) -> TokenList | None:
-        """``continued_by`` for the first of ``ns`` (counts of this list's first tokens, in the order to try) whose
-        tokens begin ``tokens``, the two lists compared once (``common_prefix``: a million ids in a few ms, against
-        ~50 ms to hash their pages)."""
-        n = self.first_beginning(tokens, ns)
+        where those begin ``tokens`` too (compared once: ``common_prefix``, a million ids in a few ms, against ~50
+        ms to hash their pages); else None. A list already made takes the keys in place instead: ``take_keys``."""
+        n = self.first_beginning(tokens, (len(self) if n is None else n,))
         return None if n is None else TokenList(tokens, keys=self.keys_of(n))
 
     @property
@@ -145,7 +139,7 @@ class TokenList(list[int]):
 
     def take_keys(self, other: TokenList, ns: Sequence[int]) -> bool:
         """For a list that keeps no keys yet (``keeps_keys``): where the first n of ``other``'s tokens begin this
-        one (n the first of ``ns`` that does, as ``continued_by_any``), take ``other``'s keys of their full pages
+        one (n the first of ``ns`` that does, compared once: ``first_beginning``), take ``other``'s keys of their full pages
         in place and return True (no copy of the tokens: only the pages past them are hashed later); else
         False, nothing taken."""
         n = None if self.keeps_keys else other.first_beginning(self, ns)

@@ -107,7 +107,8 @@ if gluon is not None:
 
     @gluon.jit
     def _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8):
-        """The nine boxes of ``_g_q_boxes`` into q_smem [9, BH, 64]."""
+        """The nine boxes of ``_g_q_boxes`` into q_smem [9, BH, 64], fenced for wgmma's async reads and seen by
+        every warp (a CTA barrier) before it returns."""
         q_smem.index(0).store(q0)
         q_smem.index(1).store(q1)
         q_smem.index(2).store(q2)
@@ -117,6 +118,8 @@ if gluon is not None:
         q_smem.index(6).store(q6)
         q_smem.index(7).store(q7)
         q_smem.index(8).store(q8)
+        fence_async_shared()
+        _cta_barrier()
 
     @gluon.jit
     def _g_refill(kv_desc, pe_desc, bar, buf, pe_buf, st, page, pt, t2, end, pred, max_pages, P: gl.constexpr,
@@ -188,10 +191,8 @@ if gluon is not None:
         _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, start + BN < end, NB, BN)
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BH, 64], box)
-        _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, BH], pbox)
-        fence_async_shared()
-        _cta_barrier()
+        _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8)
 
         m_i = gl.full([BH], -1e30, gl.float32, layout=gl.SliceLayout(0, mma))
         l_i = gl.zeros([BH], gl.float32, layout=gl.SliceLayout(0, mma))
@@ -340,10 +341,8 @@ if gluon is not None:
         _g_issue(kv_desc, pe_desc, bar, buf, pe_buf, 1, page1 * P + (start + BN) % P, live & (last >= 1), NB, BN)
 
         q_smem = gl.allocate_shared_memory(gl.bfloat16, [NB, BM, 64], box)
-        _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8)
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [BM, BN], box)
-        fence_async_shared()
-        _cta_barrier()
+        _g_stage_q(q_smem, q0, q1, q2, q3, q4, q5, q6, q7, q8)
 
         m_i = gl.full([BM], -1e30, gl.float32, layout=gl.SliceLayout(1, mma_s))
         l_i = gl.zeros([BM], gl.float32, layout=gl.SliceLayout(1, mma_s))

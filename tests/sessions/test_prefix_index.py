@@ -246,7 +246,7 @@ def test_common_prefix_against_an_element_by_element_scan(block, monkeypatch):
         assert common_prefix(a, b, limit) == expected
 
 
-def test_continued_by_any_takes_the_first_count_whose_tokens_begin_the_list():
+def test_take_keys_takes_the_first_count_whose_tokens_begin_the_list():
     """The counts are tried in order (the whole session, then up to its last message) on one comparison: the
     whole where it fits, else the first shorter count within the common prefix; none past it."""
     from kda_sessions.sessions.prefix_index import TokenList, page_chain
@@ -254,12 +254,14 @@ def test_continued_by_any_takes_the_first_count_whose_tokens_begin_the_list():
     t = TokenList(range(6 * P))
     page_chain(t, P, 6)
     resent = [*range(4 * P + 1), -1, *range(P)]  # agrees with t up to 4 P + 1 tokens
-    keyed = t.continued_by_any(resent, (len(t), 4 * P + 1, 2 * P))
-    assert keyed == resent and page_chain(keyed, P, 5) == page_chain(list(resent), P, 5)
-    assert t.continued_by_any(resent, (len(t), 4 * P + 2)) is None
-    assert t.continued_by_any(resent, (0, len(t) + 1)) is None  # counts past either list, or none, never fit
-    whole = [*range(6 * P), 9]
-    assert t.continued_by_any(whole, (len(t), 2 * P)) == whole
+    keyed = TokenList(resent)
+    assert keyed.take_keys(t, (len(t), 4 * P + 1, 2 * P))
+    assert keyed.keys_of(4 * P + 1) == t.keys_of(4 * P + 1)  # the first count that fits, not the later 2 P
+    assert page_chain(keyed, P, 5) == page_chain(list(resent), P, 5)
+    assert not TokenList(resent).take_keys(t, (len(t), 4 * P + 2))
+    assert not TokenList(resent).take_keys(t, (0, len(t) + 1))  # counts past either list, or none, never fit
+    whole = TokenList([*range(6 * P), 9])
+    assert whole.take_keys(t, (len(t), 2 * P)) and whole.keys_of(6 * P) == t.keys_of(6 * P)
 
 
 def test_take_keys_keys_a_list_in_place_only_where_it_is_begun(monkeypatch):
