@@ -4,7 +4,8 @@ device:
 
     python3 bench/mla_prefill.py
     python3 bench/mla_prefill.py --short      # short chunks: decompressed against absorbed (``short_chunks``),
-                                              # after each of ``--contexts`` cached (default 32768,131072)
+                                              # after each of ``--contexts`` cached (default 32768,131072),
+                                              # ``--chunks`` tokens (default 1,4,16,32,64,128,256,512)
     python3 bench/mla_prefill.py --padded     # the prefill graphs' absorbed call, replayed (``padded_chunks``),
                                               # each of ``--variants`` (default 32,64-n,64-m)
 
@@ -16,6 +17,7 @@ achieved TFLOP/s of attention plus decompression. Prints one line per case, the 
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 
@@ -44,15 +46,19 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None:
     """Short chunks (an agent's tool output appended to a long conversation): the decompressed flash kernel
-    against ``mla_prefill_absorbed``, us per call (CUDA events, mean of ``reps`` after one warm-up), and their
-    relative RMS difference."""
+    (each block's keys shared by ``key_splits`` programs, and ``unsplit``: one a query tile and head) against
+    ``mla_prefill_absorbed``, us per call (CUDA events, mean of ``reps`` after one warm-up), and their relative
+    RMS differences."""
     from kda_sessions.kernels.mla.absorbed import mla_prefill_absorbed
 
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for s in contexts:
         for T in chunks:
             q, kv, pages, w = case(T, s)
             out = {}
-            for name, fn in (("decompressed", prefill.mla_prefill_triton), ("absorbed", mla_prefill_absorbed)):
+            whole = partial(prefill.mla_prefill_triton, splits=1)  # each block's keys in one program a tile
+            for name, fn in (("decompressed", prefill.mla_prefill_triton), ("absorbed", mla_prefill_absorbed),
+                             ("unsplit", whole)):
                 o = fn(q, kv, pages, s, w, DV, SCALE)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -72,10 +78,11 @@ def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None
                     end.synchronize()
                     device.append(start.elapsed_time(end) * 1e3)
                 out[name] = (back_to_back, o, sorted(host)[reps // 2], sorted(device)[reps // 2])
-            d, a = out["decompressed"], out["absorbed"]
-            print(f"context {s} chunk {T}: back to back decompressed {d[0]:.1f} us, absorbed {a[0]:.1f} us; one "
+            d, a, u = out["decompressed"], out["absorbed"], out["unsplit"]
+            print(f"context {s} chunk {T}: back to back decompressed {d[0]:.1f} us (splits "
+                  f"{prefill.key_splits(T, H, 16384, sms)}; unsplit {u[0]:.1f}), absorbed {a[0]:.1f} us; one "
                   f"call's host / device: decompressed {d[2]:.0f} / {d[3]:.0f} us, absorbed {a[2]:.0f} / {a[3]:.0f} us; "
-                  f"rel diff {rel(a[1], d[1]):.2e}", flush=True)
+                  f"rel diff {rel(a[1], d[1]):.2e}, unsplit {rel(u[1], d[1]):.2e}", flush=True)
 
 
 VARIANTS = {  # name: (head block, paged_decode_gluon.QUERIES_ON_M, .PIPELINED)
@@ -140,7 +147,9 @@ def main() -> None:
     if "--short" in sys.argv:  # python3 bench/mla_prefill.py --short [--contexts 32768,131072,1048576]
         contexts = ([int(c) for c in sys.argv[sys.argv.index("--contexts") + 1].split(",")]
                     if "--contexts" in sys.argv else [32768, 131072])
-        short_chunks(contexts, [1, 4, 16, 32, 64, 128, 256, 512])
+        chunks = ([int(c) for c in sys.argv[sys.argv.index("--chunks") + 1].split(",")]
+                  if "--chunks" in sys.argv else [1, 4, 16, 32, 64, 128, 256, 512])
+        short_chunks(contexts, chunks)
         return
     for T, s in [(8192, 0), (2048, 20000), (300, 40000), (8192, 24576)]:
         q, kv, pages, w = case(T, s)

@@ -6,6 +6,10 @@ matrix, no mask tensor) folds the block into running float32 partials (max, deno
 k_pe [dr] is read straight from the latent row and shared by the heads. Memory beyond q and o is one block's
 decompressed K/V plus the partials: O(T x H x dv + block_tokens x H x (dn + dv)), never O(T x context).
 
+A program folds one (query tile, head): a chunk of a few hundred tokens has only ceil(T / 128) x 32 of them, each
+folding every cached key of the block, on a GPU of 132 multiprocessors. Such a chunk shares each block's keys
+among ``key_splits`` programs a (query tile, head), whose partials ``_merge_kernel`` folds into the running ones.
+
 Why decompress rather than absorb kv_b_proj into the query as decode does: per (query, key) pair and head the
 decompressed form multiplies dn + dr + dv = 320 numbers, the absorbed one r + dr + r = 1,088 (3.4x more tensor-core
 work), while decompressing a block costs 2 r H (dn + dv) flops per cached row, paid once per chunk and shared by all
@@ -58,12 +62,16 @@ def _prefill_kernel(
     q, kv, lat, o, acc_s, m_s, l_s, q_off, T, NK, sm_scale,
     stride_qt, stride_kvt, stride_lat, stride_ot,
     H: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
-    """One (query tile, head) program. Query row i sits at block position q_off + i and sees block keys
-    0 .. q_off + i (q_off < 0 when the block starts after some of the chunk's queries)."""
+    """One (query tile, head, split) program. Query row i sits at block position q_off + i and sees block keys
+    0 .. q_off + i (q_off < 0 when the block starts after some of the chunk's queries). With ``SPLIT_KEYS`` > 0
+    split s folds only the block's keys s * SPLIT_KEYS .. (s + 1) * SPLIT_KEYS from empty partials and stores
+    them at slot s of the split partials (``acc_s``, ``m_s``, ``l_s`` [splits, T, H, ...]) for ``_merge_kernel``;
+    ``FIRST`` and ``LAST`` are the merge's then."""
     mb = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     rm = mb * BM + tl.arange(0, BM)
     mq = rm < T
     qpos = q_off + rm
@@ -71,7 +79,9 @@ def _prefill_kernel(
     qn = tl.load(qrow + tl.arange(0, DN)[None, :], mask=mq[:, None], other=0.0)
     qp = tl.load(qrow + DN + tl.arange(0, DR)[None, :], mask=mq[:, None], other=0.0)
     srow = rm.to(tl.int64) * H + h  # row of the float32 partials [T, H]
-    if FIRST:
+    if SPLIT_KEYS > 0:
+        srow += split.to(tl.int64) * T * H
+    if FIRST or SPLIT_KEYS > 0:
         m_i = tl.full([BM], -1e30, dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, DV], dtype=tl.float32)
@@ -84,13 +94,19 @@ def _prefill_kernel(
     first_q = q_off + mb * BM
     lo = tl.maximum(tl.minimum(first_q, NK), 0) // BN * BN
     hi = tl.minimum(first_q + BM, NK)
-    for n0 in range(0, lo, BN):
+    k0 = 0
+    if SPLIT_KEYS > 0:  # this split's keys (SPLIT_KEYS a multiple of BN, so the tiles stay aligned)
+        k0 = split * SPLIT_KEYS
+        k1 = k0 + SPLIT_KEYS
+        hi = tl.minimum(hi, k1)
+        lo = tl.maximum(tl.minimum(lo, k1), k0)
+    for n0 in range(k0, lo, BN):
         acc, m_i, l_i = _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
                                    DN, DR, DV, R, BN, False, sm_scale)
     for n0 in range(lo, hi, BN):
         acc, m_i, l_i = _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
                                    DN, DR, DV, R, BN, True, sm_scale)
-    if LAST:
+    if LAST and SPLIT_KEYS == 0:
         out = acc / l_i[:, None]
         optr = o + rm.to(tl.int64)[:, None] * stride_ot + h * DV + tl.arange(0, DV)[None, :]
         tl.store(optr, out.to(o.dtype.element_ty), mask=mq[:, None])
@@ -98,6 +114,42 @@ def _prefill_kernel(
         tl.store(m_s + srow, m_i, mask=mq)
         tl.store(l_s + srow, l_i, mask=mq)
         tl.store(acc_s + srow[:, None] * DV + tl.arange(0, DV)[None, :], acc, mask=mq[:, None])
+
+
+@triton.jit
+def _merge_kernel(
+    o, acc_s, m_s, l_s, acc_p, m_p, l_p, rows, splits, stride_or,
+    DV: tl.constexpr, BR: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr,
+):
+    """One block's split partials (``acc_p``, ``m_p``, ``l_p`` [splits, rows, ...]) folded into the running
+    partials (``acc_s``, ``m_s``, ``l_s`` [rows, ...], read unless ``FIRST``); stored back there, or with ``LAST``
+    the output o [rows, DV] (row stride ``stride_or``). BR rows (query, head) a program."""
+    rr = tl.program_id(0) * BR + tl.arange(0, BR)
+    mr = rr < rows
+    rr = rr.to(tl.int64)
+    cols = tl.arange(0, DV)[None, :]
+    if FIRST:
+        m = tl.full([BR], -1e30, dtype=tl.float32)
+        den = tl.zeros([BR], dtype=tl.float32)
+        acc = tl.zeros([BR, DV], dtype=tl.float32)
+    else:
+        m = tl.load(m_s + rr, mask=mr, other=-1e30)
+        den = tl.load(l_s + rr, mask=mr, other=0.0)
+        acc = tl.load(acc_s + rr[:, None] * DV + cols, mask=mr[:, None], other=0.0)
+    for s in range(splits):
+        at = s * rows + rr
+        m_j = tl.load(m_p + at, mask=mr, other=-1e30)
+        m_new = tl.maximum(m, m_j)
+        a, b = tl.exp2(m - m_new), tl.exp2(m_j - m_new)
+        den = den * a + tl.load(l_p + at, mask=mr, other=0.0) * b
+        acc = acc * a[:, None] + tl.load(acc_p + at[:, None] * DV + cols, mask=mr[:, None], other=0.0) * b[:, None]
+        m = m_new
+    if LAST:
+        tl.store(o + rr[:, None] * stride_or + cols, (acc / den[:, None]).to(o.dtype.element_ty), mask=mr[:, None])
+    else:
+        tl.store(m_s + rr, m, mask=mr)
+        tl.store(l_s + rr, den, mask=mr)
+        tl.store(acc_s + rr[:, None] * DV + cols, acc, mask=mr[:, None])
 
 
 def _tiles(q: Tensor) -> tuple[int, int, int, int]:
@@ -109,11 +161,30 @@ def _tiles(q: Tensor) -> tuple[int, int, int, int]:
     return 16, 16, 4, 1
 
 
+SPLIT_TARGET_PROGRAMS = 2
+"""Programs a block's launch aims at, per multiprocessor: a chunk with fewer query tiles x heads than that splits
+each block's keys (``key_splits``)."""
+
+SPLIT_MIN_TILES = 4
+"""Key tiles (BN rows) a split folds at least."""
+
+
+def key_splits(T: int, H: int, block: int, sms: int, BM: int = 128, BN: int = 64) -> int:
+    """How many programs share each block's keys: 1 (none) where ceil(T / BM) x H programs fill
+    ``SPLIT_TARGET_PROGRAMS`` x ``sms``, else enough to, each with at least ``SPLIT_MIN_TILES`` key tiles. A chunk
+    of a few hundred tokens after a long cache otherwise runs 32-128 programs on 132 multiprocessors, each
+    folding every cached key."""
+    programs = -(-T // BM) * H
+    want = -(-SPLIT_TARGET_PROGRAMS * sms // programs)
+    return max(1, min(want, block // (BN * SPLIT_MIN_TILES)))
+
+
 def mla_prefill_triton(
     q: Tensor, kv_pages: Tensor, pages: Tensor, start: int, w_kv_b: Tensor, dv: int, scale: float,
-    block_tokens: int = 16384,
+    block_tokens: int = 16384, splits: int | None = None,
 ) -> Tensor:
-    """See ``kda_sessions.kernels.mla.mla_prefill_paged``. ``block_tokens`` is rounded up to whole pages."""
+    """See ``kda_sessions.kernels.mla.mla_prefill_paged``. ``block_tokens`` is rounded up to whole pages;
+    ``splits``: programs sharing each block's keys (``key_splits`` by default; 1 on the CPU)."""
     T, H, dk = q.shape
     P, width = kv_pages.shape[1], kv_pages.shape[2]
     r = w_kv_b.shape[1]
@@ -126,22 +197,48 @@ def mla_prefill_triton(
     BM, BN, warps, stages = _tiles(q)
     block = -(-block_tokens // P) * P
     nblocks = -(-L // block)
+    if splits is None:
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        splits = key_splits(T, H, min(block, L), sms, BM, BN)
     acc = m = lsum = o  # placeholders, unused when one block holds the whole context
-    if nblocks > 1:
+    if nblocks > 1 or splits > 1:
         acc = torch.empty(T, H, dv, dtype=torch.float32, device=q.device)
         m = torch.empty(T, H, dtype=torch.float32, device=q.device)
         lsum = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(T, BM), H)
+    if splits > 1:
+        acc_p = torch.empty(splits, T, H, dv, dtype=torch.float32, device=q.device)
+        m_p = torch.empty(splits, T, H, dtype=torch.float32, device=q.device)
+        l_p = torch.empty(splits, T, H, dtype=torch.float32, device=q.device)
     for b in range(nblocks):
         b0, b1 = b * block, min(L, (b + 1) * block)
         lat = latent_rows(kv_pages, pages, b0, b1)  # [Lb, r + dr]
         if lat.dtype != q.dtype:
             lat = lat.to(q.dtype)
         kv = lat[:, :r] @ w_kv_b.t()  # [Lb, H * (dn + dv)]: k_nope and v of every head
-        _prefill_kernel[grid](
-            q, kv, lat, o, acc, m, lsum, start - b0, T, b1 - b0, scale * _LOG2E,
+        first, last = b == 0, b == nblocks - 1
+        if splits == 1:
+            _prefill_kernel[(triton.cdiv(T, BM), H, 1)](
+                q, kv, lat, o, acc, m, lsum, start - b0, T, b1 - b0, scale * _LOG2E,
+                q.stride(0), kv.stride(0), lat.stride(0), o.stride(0),
+                H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=first, LAST=last, SPLIT_KEYS=0,
+                num_warps=warps, num_stages=stages,
+            )
+            continue
+        per = triton.cdiv(triton.cdiv(b1 - b0, splits), BN) * BN
+        used = triton.cdiv(b1 - b0, per)  # a short last block needs fewer
+        _prefill_kernel[(triton.cdiv(T, BM), H, used)](
+            q, kv, lat, o, acc_p, m_p, l_p, start - b0, T, b1 - b0, scale * _LOG2E,
             q.stride(0), kv.stride(0), lat.stride(0), o.stride(0),
-            H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=b == 0, LAST=b == nblocks - 1,
+            H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=True, LAST=False, SPLIT_KEYS=per,
             num_warps=warps, num_stages=stages,
         )
+        rows = T * H
+        _merge_kernel[(triton.cdiv(rows, MERGE_ROWS),)](
+            o, acc, m, lsum, acc_p, m_p, l_p, rows, used, dv,
+            DV=dv, BR=MERGE_ROWS, FIRST=first, LAST=last, num_warps=4,
+        )
     return o
+
+
+MERGE_ROWS = 16
+"""(query, head) rows a program of ``_merge_kernel``."""

@@ -43,16 +43,30 @@ def test_tiled_twin_matches_dense(T, start, tile):
     assert out.shape == (T, 3, dv) and rel_rms(out, ref) < TOL
 
 
-@pytest.mark.parametrize("T,start,block", [(40, 0, 1024), (23, 50, 1024), (40, 30, 16), (17, 100, 32)],
+@pytest.mark.parametrize("T,start,block,splits", [(40, 0, 1024, 1), (23, 50, 1024, 1), (40, 30, 16, 1),
+                                                  (17, 100, 32, 1), (23, 50, 1024, 3), (17, 100, 32, 2),
+                                                  (5, 120, 48, 4), (40, 30, 16, 2)],
                          ids=lambda x: str(x))
-def test_triton_matches_dense(T, start, block):
+def test_triton_matches_dense(T, start, block, splits):
+    """Each block's keys folded by one program a (query tile, head), or shared by ``splits`` programs whose
+    partials ``_merge_kernel`` folds (some splits past the diagonal of some tiles, a short last block with fewer)."""
     from kda_sessions.kernels.mla.prefill import mla_prefill_triton
 
     dn, dv = 16, 16
     q, kv, pages, w, scale = _case(T, start, H=2, dn=dn, dr=16, dv=dv, r=32, P=8, seed=1)
     ref = _dense(q, kv, pages, start, w, dn, dv, scale)
-    out = mla_prefill_triton(q, kv, pages, start, w, dv, scale, block_tokens=block)
+    out = mla_prefill_triton(q, kv, pages, start, w, dv, scale, block_tokens=block, splits=splits)
     assert out.shape == (T, 2, dv) and rel_rms(out, ref) < TOL
+
+
+@pytest.mark.parametrize("T,H,block,sms,want", [(128, 32, 16384, 132, 9), (8192, 32, 16384, 132, 1),
+                                                (512, 32, 16384, 132, 3), (128, 32, 512, 132, 2),
+                                                (100, 2, 16, 1, 1)])
+def test_key_splits(T, H, block, sms, want):
+    """Splits only where the chunk's programs leave multiprocessors idle, never under SPLIT_MIN_TILES tiles."""
+    from kda_sessions.kernels.mla.prefill import key_splits
+
+    assert key_splits(T, H, block, sms) == want
 
 
 @pytest.mark.parametrize("T,start,tile", [(37, 0, 4096), (37, 0, 8), (20, 45, 16), (5, 70, 32), (1, 9, 4), (30, 3, 8)],
@@ -77,7 +91,7 @@ def test_public_function_validates():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-@pytest.mark.parametrize("T,start", [(8192, 0), (2048, 20000), (300, 40000)], ids=lambda x: str(x))
+@pytest.mark.parametrize("T,start", [(8192, 0), (2048, 20000), (300, 40000), (150, 70000)], ids=lambda x: str(x))
 def test_triton_bf16_kimi_shape(T, start):
     """Kimi-Linear's MLA shape (H 32, r 512, dn 128, dr 64, dv 128, P 64) in bf16, several blocks."""
     from kda_sessions.kernels.mla.prefill import mla_prefill_triton
