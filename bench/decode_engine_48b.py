@@ -274,10 +274,11 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
     untimed round); N > 0 with the absorbed MLA's other head block (``mla-block32`` or ``mla-block64``:
     ``kernels.mla.HEAD_BLOCK``; its own prefill graphs too); N > 0 with the Gluon split kernel's head blocks of 64
     on the queries-on-N form (``mla-queries-on-n``: ``paged_decode_gluon.QUERIES_ON_M`` off; its own prefill graphs
-    too); ``befores`` picks of the seven. Each variant runs once untimed first (graph captures, compiles)."""
+    too); N > ``mla.ABSORBED_MAX_TOKENS`` with the decompressed MLA prefill's blocks unsplit (``mla-unsplit``: one
+    program a query tile and head, ``prefill.SPLIT_TARGET_PROGRAMS`` 0); ``befores`` picks of the eight. Each variant runs once untimed first (graph captures, compiles)."""
     from kda_sessions.engine import scheduler as scheduler_module
     from kda_sessions.kernels import mla as mla_kernels
-    from kda_sessions.kernels.mla import paged_decode_gluon
+    from kda_sessions.kernels.mla import paged_decode_gluon, prefill
     from kda_sessions.kernels.moe import triton_moe
     from kda_sessions.model import kda as kda_module
     from kda_sessions.model import mla as mla_module
@@ -306,6 +307,9 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
         variants += [(n, f" mla-block{other_block}") for n in turns if n > 0]
     if "mla-qm" in befores:
         variants += [(n, " mla-queries-on-n") for n in turns if n > 0]
+    if "mla-split" in befores:
+        variants += [(n, " mla-unsplit") for n in turns if n > absorbed]
+    split_target = prefill.SPLIT_TARGET_PROGRAMS
     queries_on_m = paged_decode_gluon.QUERIES_ON_M
     runner = sessions[0].manager.core.runner
     graphs, small = runner.prefill_graphs, triton_moe.SMALL_BLOCK_PAIRS_PER_EXPERT
@@ -335,6 +339,8 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
                 kda_module.chunk_kda = chunk_reading_offsets
             if before == " mla-decompressed":
                 mla_module.ABSORBED_MAX_TOKENS = 0
+            if before == " mla-unsplit":
+                prefill.SPLIT_TARGET_PROGRAMS = 0
             try:
                 t = time.perf_counter()
                 if n:
@@ -350,6 +356,7 @@ async def turn_times(sessions: list, turns: tuple[int, ...], reps: int = 3,
                 mla_module.ABSORBED_MAX_TOKENS = absorbed
                 mla_kernels.HEAD_BLOCK = block
                 paged_decode_gluon.QUERIES_ON_M = queries_on_m
+                prefill.SPLIT_TARGET_PROGRAMS = split_target
     return {k: round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
 
 
@@ -431,7 +438,7 @@ def main() -> None:
                          "token run as a one-token prefill, as before)")
     ap.add_argument("--turn-befores", default="pending,graphs",
                     help="the 'before' variants --turns also times (turn_times): of pending, offsets, mla, graphs, moe, "
-                         "mla-block, mla-qm")
+                         "mla-block, mla-qm, mla-split")
     ap.add_argument("--turn-profile", default="", help="also profile one turn of each comma-separated N (turn_profile)")
     ap.add_argument("--prefill-graph-tokens", type=int, default=0,
                     help="the longest chunk a prefill graph takes (prefill_graphs.PREFILL_GRAPH_MAX_TOKENS; 0: the "
@@ -502,7 +509,9 @@ def main() -> None:
 
     async def engine_parts() -> None:
         todo = cases(args.cases)
-        engine = await open_engine(model, max(b for b, _ in todo), max(L for _, L in todo) + args.steps + 8,
+        turn_room = 4 * (2 + len(args.turn_befores.split(","))) * sum(  # every variant's turns, 3 timed rounds + 1
+            int(v) + 1 for v in args.turns.split(",") if v)
+        engine = await open_engine(model, max(b for b, _ in todo), max(L for _, L in todo) + args.steps + 8 + turn_room,
                                    "kimi-linear-48b-shape-random")
         try:
             for b, L in todo:

@@ -27,15 +27,17 @@ from .fused import (
     weights,
 )
 
-ABSORBED_MAX_TOKENS = 64
+ABSORBED_MAX_TOKENS = 128
 ABSORBED_MIN_CONTEXT = 65536
 """On a GPU, a sequence's prefill chunk of at most ``ABSORBED_MAX_TOKENS`` tokens after at least
 ``ABSORBED_MIN_CONTEXT`` cached ones attends with kv_b_proj absorbed, as decode does (``mla_prefill_absorbed``), not
 through the decompressed flash kernel, which decompresses every cached row whatever the chunk's length
-(kernels/mla/absorbed.py). H100, Kimi-Linear's MLA shape, one call's device time (``bench/mla_prefill.py --short``,
-2026-12-06 17:50 UTC): after 128K cached tokens 1.0 / 1.4 / 1.8 / 2.7 / 4.5 ms absorbed for 1 / 16 / 32 / 64 / 128
-tokens against 4.6-4.7 decompressed; after 32K 1.1-1.3 ms absorbed up to 64 tokens against 1.2-1.3. Its host call
-takes ~1.0-1.2 ms (the decompressed kernel's 0.3-0.8), so a host-bound prefill step gains nothing from it."""
+(kernels/mla/absorbed.py). H100, Kimi-Linear's MLA shape, one call's device time back to back (``bench/mla_prefill.py
+--short --contexts 32768,131072,1048576 --chunks 16,64,128,256,512,1024``, 2026-12-07 06:50 UTC): after 128K cached
+tokens 1.1 / 1.6 / 3.0 / 5.8 ms absorbed for 16 / 64 / 128 / 256 tokens against 3.2 / 3.1 / 3.2 / 3.8 decompressed
+(its blocks' keys split, ``prefill.key_splits``); after 1M 2.9 / 10.1 / 19.9 / 40.3 against 25.6 / 26.2 / 26.9 /
+31.8; after 32K decompressed wins at every length (0.84 ms for 16 tokens against 1.8, the absorbed call bound by
+its host call, ~1.2-2 ms)."""
 
 
 class MLAttention(nn.Module):

@@ -170,11 +170,18 @@ SPLIT_MIN_TILES = 4
 
 
 def key_splits(T: int, H: int, block: int, sms: int, BM: int = 128, BN: int = 64) -> int:
-    """How many programs share each block's keys: 1 (none) where ceil(T / BM) x H programs fill
-    ``SPLIT_TARGET_PROGRAMS`` x ``sms``, else enough to, each with at least ``SPLIT_MIN_TILES`` key tiles. A chunk
-    of a few hundred tokens after a long cache otherwise runs 32-128 programs on 132 multiprocessors, each
-    folding every cached key."""
+    """How many programs share each block's keys: 1 (none) where ceil(T / BM) x H programs fill half of the
+    ``sms`` multiprocessors, else enough for ``SPLIT_TARGET_PROGRAMS`` x ``sms`` programs, each with at least
+    ``SPLIT_MIN_TILES`` key tiles. A chunk of a few hundred tokens after a long cache otherwise runs 32-64
+    programs on 132 multiprocessors, each folding every cached key. H100, Kimi-Linear's MLA shape, one call's
+    device time back to back (``bench/mla_prefill.py --short --contexts 32768,131072,1048576 --chunks
+    16,64,128,256,512,1024``, 2026-12-07 06:50 UTC): after 128K cached tokens 16-128 tokens 3.1-3.2 ms split 9
+    ways against 4.6 unsplit, 256 tokens 3.8 (5 ways) against 4.6; after 1M 25.6-26.9 against 36.4-36.8, 256
+    tokens 31.8 against 37.4; 512 and 1,024 tokens split 3 and 2 ways (128 and 256 programs) were 2-8% slower
+    than unsplit, so they are not."""
     programs = -(-T // BM) * H
+    if 2 * programs > sms:
+        return 1
     want = -(-SPLIT_TARGET_PROGRAMS * sms // programs)
     return max(1, min(want, block // (BN * SPLIT_MIN_TILES)))
 

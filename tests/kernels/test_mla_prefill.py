@@ -60,7 +60,7 @@ def test_triton_matches_dense(T, start, block, splits):
 
 
 @pytest.mark.parametrize("T,H,block,sms,want", [(128, 32, 16384, 132, 9), (8192, 32, 16384, 132, 1),
-                                                (512, 32, 16384, 132, 3), (128, 32, 512, 132, 2),
+                                                (256, 32, 16384, 132, 5), (512, 32, 16384, 132, 1), (128, 32, 512, 132, 2),
                                                 (100, 2, 16, 1, 1)])
 def test_key_splits(T, H, block, sms, want):
     """Splits only where the chunk's programs leave multiprocessors idle, never under SPLIT_MIN_TILES tiles."""
