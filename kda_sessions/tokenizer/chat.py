@@ -378,10 +378,28 @@ def _raise(message: str) -> None:
     raise ChatTemplateError(message)
 
 
+_DICT_ATTRIBUTES = frozenset(dir(dict))
+
+
+class _Sandbox(ImmutableSandboxedEnvironment):
+    """The immutable sandbox, with ``message.content`` on a plain dict looked up as jinja's sandbox does it (the
+    dict's attribute first, then its item) but without raising and catching an AttributeError each time: a
+    template reads a few fields of every message, so at 1M tokens of history (~800 messages) that was ~half of
+    each render's 6-7 ms."""
+
+    def getattr(self, obj: Any, attribute: str) -> Any:
+        if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:  # no such attribute: the item, or undefined
+            try:
+                return obj[attribute]
+            except (TypeError, LookupError):
+                return self.undefined(obj=obj, name=attribute)
+        return super().getattr(obj, attribute)
+
+
 @lru_cache(maxsize=1)
 def _environment() -> ImmutableSandboxedEnvironment:
     # The conventions of Hugging Face chat templates, so checkpoint templates render as they do there.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
 
     def tojson(
         x: Any,

@@ -303,6 +303,25 @@ def test_sandbox_blocks_unsafe_templates():
         ChatTemplate("{% for %}")
 
 
+def test_sandbox_looks_up_dict_fields_as_jinja_does():
+    """The sandbox's fast path for a plain dict's fields (``_Sandbox.getattr``) keeps jinja's order: a dict's
+    attribute before its item, a missing one undefined, items of nested dicts, and the sandbox's checks."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    src = ("{% for m in messages %}{{ m.role }}={{ m.content }}|{{ m.nope is defined }}|{{ m.items is defined }}|"
+           "{{ m.get('role') }}|{% if m.tool_calls %}{{ m.tool_calls[0].function.name }}"
+           "{{ m.tool_calls[0].function.arguments.keys() | list | length }}{% endif %};{% endfor %}")
+    msgs = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": {"a": 1, "b": 2}}}]}]
+    got = ChatTemplate(src).render_messages(msgs, add_generation_prompt=False)
+    ref = ImmutableSandboxedEnvironment().from_string(src).render(messages=msgs)
+    assert got == ref
+    assert got.startswith("user=hi|False|True|user|;assistant=|False|True|assistant|f")
+    with pytest.raises(ChatTemplateError):  # a dict's unsafe attribute is still refused
+        ChatTemplate("{{ messages[0].__class__.__subclasses__() }}").render_messages(msgs, add_generation_prompt=False)
+
+
 # the generation prompt names every earlier message's content: a turn's delta depends on the whole history
 _LOOKS_BACK = ("{% for m in messages %}<|im_user|>{{ m.content }}<|im_end|>{% endfor %}"
                "{% if add_generation_prompt %}{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
