@@ -475,7 +475,9 @@ def decode_case(model: HybridModel, batch: int, L: int, modes: list[str], reps: 
 SWEEP_SMALL = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 64, 128, 8, 4),
                MoeLaunch(16, 32, 64, 4, 6), MoeLaunch(16, 64, 256, 8, 3)]
 SWEEP_LARGE = [MoeLaunch(64, 128, 64, 8, 3), MoeLaunch(64, 128, 64, 4, 4), MoeLaunch(128, 128, 64, 8, 3),
-               MoeLaunch(64, 64, 64, 4, 4), MoeLaunch(128, 128, 32, 8, 4)]
+               MoeLaunch(64, 64, 64, 4, 4), MoeLaunch(128, 128, 32, 8, 4), MoeLaunch(128, 128, 64, 8, 4),
+               MoeLaunch(128, 64, 64, 4, 4), MoeLaunch(128, 64, 64, 8, 4), MoeLaunch(64, 256, 64, 8, 3),
+               MoeLaunch(64, 128, 128, 4, 3)]
 
 
 def graph_us(fn, reps: int) -> float:
@@ -652,6 +654,8 @@ def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
     ref = _gather_routed(x.float(), chosen, wts.float(), w13.float(), w2.float())
     res["fused_rel_rms_vs_fp32"] = float((fused_moe(x, w13, w2, chosen, wts).float() - ref).norm() / ref.norm())
     res["fused_TB_per_s"] = round(b / res["fused_us"] / 1e6, 2)
+    flops = 2 * T * (k + 1) * (w13[0].numel() + w2[0].numel())  # up (w1 and w3) and down, every pair
+    res["fused_TFLOP_per_s"] = round(flops / res["fused_us"] / 1e6, 1)
     return res
 
 
