@@ -59,14 +59,15 @@ def _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, str
 
 @triton.jit
 def _prefill_kernel(
-    q, kv, lat, o, acc_s, m_s, l_s, q_off, T, NK, sm_scale,
+    q, kv, lat, o, acc_s, m_s, l_s, q_off, T, NK, sm_scale, split_keys,
     stride_qt, stride_kvt, stride_lat, stride_ot,
     H: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT: tl.constexpr,
 ):
     """One (query tile, head, split) program. Query row i sits at block position q_off + i and sees block keys
-    0 .. q_off + i (q_off < 0 when the block starts after some of the chunk's queries). With ``SPLIT_KEYS`` > 0
-    split s folds only the block's keys s * SPLIT_KEYS .. (s + 1) * SPLIT_KEYS from empty partials and stores
+    0 .. q_off + i (q_off < 0 when the block starts after some of the chunk's queries). With ``SPLIT``, split s
+    folds only the block's keys s * split_keys .. (s + 1) * split_keys (a multiple of BN; not a constexpr, which
+    would compile a kernel for every length of a context's last block) from empty partials and stores
     them at slot s of the split partials (``acc_s``, ``m_s``, ``l_s`` [splits, T, H, ...]) for ``_merge_kernel``;
     ``FIRST`` and ``LAST`` are the merge's then."""
     mb = tl.program_id(0)
@@ -79,9 +80,9 @@ def _prefill_kernel(
     qn = tl.load(qrow + tl.arange(0, DN)[None, :], mask=mq[:, None], other=0.0)
     qp = tl.load(qrow + DN + tl.arange(0, DR)[None, :], mask=mq[:, None], other=0.0)
     srow = rm.to(tl.int64) * H + h  # row of the float32 partials [T, H]
-    if SPLIT_KEYS > 0:
+    if SPLIT:
         srow += split.to(tl.int64) * T * H
-    if FIRST or SPLIT_KEYS > 0:
+    if FIRST or SPLIT:
         m_i = tl.full([BM], -1e30, dtype=tl.float32)
         l_i = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, DV], dtype=tl.float32)
@@ -95,9 +96,9 @@ def _prefill_kernel(
     lo = tl.maximum(tl.minimum(first_q, NK), 0) // BN * BN
     hi = tl.minimum(first_q + BM, NK)
     k0 = 0
-    if SPLIT_KEYS > 0:  # this split's keys (SPLIT_KEYS a multiple of BN, so the tiles stay aligned)
-        k0 = split * SPLIT_KEYS
-        k1 = k0 + SPLIT_KEYS
+    if SPLIT:  # this split's keys (split_keys a multiple of BN, so the tiles stay aligned)
+        k0 = split * split_keys
+        k1 = k0 + split_keys
         hi = tl.minimum(hi, k1)
         lo = tl.maximum(tl.minimum(lo, k1), k0)
     for n0 in range(k0, lo, BN):
@@ -106,7 +107,7 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BN):
         acc, m_i, l_i = _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
                                    DN, DR, DV, R, BN, True, sm_scale)
-    if LAST and SPLIT_KEYS == 0:
+    if LAST and not SPLIT:
         out = acc / l_i[:, None]
         optr = o + rm.to(tl.int64)[:, None] * stride_ot + h * DV + tl.arange(0, DV)[None, :]
         tl.store(optr, out.to(o.dtype.element_ty), mask=mq[:, None])
@@ -225,18 +226,18 @@ def mla_prefill_triton(
         first, last = b == 0, b == nblocks - 1
         if splits == 1:
             _prefill_kernel[(triton.cdiv(T, BM), H, 1)](
-                q, kv, lat, o, acc, m, lsum, start - b0, T, b1 - b0, scale * _LOG2E,
+                q, kv, lat, o, acc, m, lsum, start - b0, T, b1 - b0, scale * _LOG2E, 0,
                 q.stride(0), kv.stride(0), lat.stride(0), o.stride(0),
-                H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=first, LAST=last, SPLIT_KEYS=0,
+                H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=first, LAST=last, SPLIT=False,
                 num_warps=warps, num_stages=stages,
             )
             continue
         per = triton.cdiv(triton.cdiv(b1 - b0, splits), BN) * BN
         used = triton.cdiv(b1 - b0, per)  # a short last block needs fewer
         _prefill_kernel[(triton.cdiv(T, BM), H, used)](
-            q, kv, lat, o, acc_p, m_p, l_p, start - b0, T, b1 - b0, scale * _LOG2E,
+            q, kv, lat, o, acc_p, m_p, l_p, start - b0, T, b1 - b0, scale * _LOG2E, per,
             q.stride(0), kv.stride(0), lat.stride(0), o.stride(0),
-            H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=True, LAST=False, SPLIT_KEYS=per,
+            H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=True, LAST=False, SPLIT=True,
             num_warps=warps, num_stages=stages,
         )
         rows = T * H
