@@ -65,14 +65,17 @@ def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = N
                   num_experts: int | None = None) -> MoeLaunch:
     """Few pairs (decode): 16-row blocks, each a GEMV-like read of one expert's tile; many pairs (prefill):
     64-row blocks that reuse each weight tile across rows. Chosen by ``bench/decode_48b.py --sweep`` on an H200
-    (docs/benchmarks.md) for 2-byte weights, up to 256 pairs; with ``num_experts``, 16-row blocks also up to
+    (docs/benchmarks.md) for 2-byte weights, up to 256 pairs; the prefill tile (64 x 256, 8 warps, 3 stages) on an
+    H100 (``--layers 2 --cases= --moe-tokens 512,2048,4096,8192 --greedy-steps 0 --sweep``, 2026-12-07): one layer
+    1,430 / 1,718 / 2,220 / 3,383 us against 1,451 / 1,828 / 2,437 / 3,769 for 64 x 128 on 4 warps (8,192 tokens:
+    307 TFLOP/s, 31% of peak; nine other tiles slower); with ``num_experts``, 16-row blocks also up to
     ``SMALL_BLOCK_PAIRS_PER_EXPERT`` pairs per expert (a short prefill: 64 tokens are ~2 pairs an expert at 256
     experts, top 8 + the shared one). ``max_shared``: the device's shared memory per block (bytes);
     given, the pipeline gets fewer stages (then a shorter BK) until the up kernel's tiles of ``elem_size``-byte
     values fit in it (float32 prefill tiles at 4 stages need 240 KB, over an H200's 227)."""
     few = num_pairs <= 256 or (num_experts is not None and num_pairs <= SMALL_BLOCK_PAIRS_PER_EXPERT * num_experts)
     cfg = (MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4) if few
-           else MoeLaunch(BM=64, BN=128, BK=64, num_warps=4, num_stages=4))
+           else MoeLaunch(BM=64, BN=256, BK=64, num_warps=8, num_stages=3))
     if max_shared is None:
         return cfg
     while _up_shared_bytes(cfg, elem_size) > max_shared:
