@@ -58,6 +58,25 @@ def _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, str
 
 
 @triton.jit
+def _load_partials(acc_s, m_s, l_s, srow, mask, EMPTY: tl.constexpr, B: tl.constexpr, DV: tl.constexpr):
+    """(acc [B, DV], max [B], denominator [B]) of the float32 partials at rows ``srow`` (mask ``mask``), or empty
+    ones with ``EMPTY``."""
+    if EMPTY:
+        return (tl.zeros([B, DV], dtype=tl.float32), tl.full([B], -1e30, dtype=tl.float32),
+                tl.zeros([B], dtype=tl.float32))
+    return (tl.load(acc_s + srow[:, None] * DV + tl.arange(0, DV)[None, :], mask=mask[:, None], other=0.0),
+            tl.load(m_s + srow, mask=mask, other=-1e30), tl.load(l_s + srow, mask=mask, other=0.0))
+
+
+@triton.jit
+def _store_partials(acc_s, m_s, l_s, srow, mask, acc, m, den, DV: tl.constexpr):
+    """``_load_partials``' counterpart."""
+    tl.store(m_s + srow, m, mask=mask)
+    tl.store(l_s + srow, den, mask=mask)
+    tl.store(acc_s + srow[:, None] * DV + tl.arange(0, DV)[None, :], acc, mask=mask[:, None])
+
+
+@triton.jit
 def _prefill_kernel(
     q, kv, lat, o, acc_s, m_s, l_s, q_off, T, NK, sm_scale, split_keys,
     stride_qt, stride_kvt, stride_lat, stride_ot,
@@ -82,14 +101,7 @@ def _prefill_kernel(
     srow = rm.to(tl.int64) * H + h  # row of the float32 partials [T, H]
     if SPLIT:
         srow += split.to(tl.int64) * T * H
-    if FIRST or SPLIT:
-        m_i = tl.full([BM], -1e30, dtype=tl.float32)
-        l_i = tl.zeros([BM], dtype=tl.float32)
-        acc = tl.zeros([BM, DV], dtype=tl.float32)
-    else:
-        m_i = tl.load(m_s + srow, mask=mq, other=-1e30)
-        l_i = tl.load(l_s + srow, mask=mq, other=0.0)
-        acc = tl.load(acc_s + srow[:, None] * DV + tl.arange(0, DV)[None, :], mask=mq[:, None], other=0.0)
+    acc, m_i, l_i = _load_partials(acc_s, m_s, l_s, srow, mq, FIRST or SPLIT, BM, DV)
     rh = h * (DN + DV)
     # keys below the tile's first query position and below NK need no mask; the rest up to its last one do
     first_q = q_off + mb * BM
@@ -112,9 +124,7 @@ def _prefill_kernel(
         optr = o + rm.to(tl.int64)[:, None] * stride_ot + h * DV + tl.arange(0, DV)[None, :]
         tl.store(optr, out.to(o.dtype.element_ty), mask=mq[:, None])
     else:
-        tl.store(m_s + srow, m_i, mask=mq)
-        tl.store(l_s + srow, l_i, mask=mq)
-        tl.store(acc_s + srow[:, None] * DV + tl.arange(0, DV)[None, :], acc, mask=mq[:, None])
+        _store_partials(acc_s, m_s, l_s, srow, mq, acc, m_i, l_i, DV)
 
 
 @triton.jit
@@ -129,14 +139,7 @@ def _merge_kernel(
     mr = rr < rows
     rr = rr.to(tl.int64)
     cols = tl.arange(0, DV)[None, :]
-    if FIRST:
-        m = tl.full([BR], -1e30, dtype=tl.float32)
-        den = tl.zeros([BR], dtype=tl.float32)
-        acc = tl.zeros([BR, DV], dtype=tl.float32)
-    else:
-        m = tl.load(m_s + rr, mask=mr, other=-1e30)
-        den = tl.load(l_s + rr, mask=mr, other=0.0)
-        acc = tl.load(acc_s + rr[:, None] * DV + cols, mask=mr[:, None], other=0.0)
+    acc, m, den = _load_partials(acc_s, m_s, l_s, rr, mr, FIRST, BR, DV)
     for s in range(splits):
         at = s * rows + rr
         m_j = tl.load(m_p + at, mask=mr, other=-1e30)
@@ -148,9 +151,7 @@ def _merge_kernel(
     if LAST:
         tl.store(o + rr[:, None] * stride_or + cols, (acc / den[:, None]).to(o.dtype.element_ty), mask=mr[:, None])
     else:
-        tl.store(m_s + rr, m, mask=mr)
-        tl.store(l_s + rr, den, mask=mr)
-        tl.store(acc_s + rr[:, None] * DV + cols, acc, mask=mr[:, None])
+        _store_partials(acc_s, m_s, l_s, rr, mr, acc, m, den, DV)
 
 
 def _tiles(q: Tensor) -> tuple[int, int, int, int]:
