@@ -384,8 +384,8 @@ _DICT_ATTRIBUTES = frozenset(dir(dict))
 class _Sandbox(ImmutableSandboxedEnvironment):
     """The immutable sandbox, with ``message.content`` on a plain dict looked up as jinja's sandbox does it (the
     dict's attribute first, then its item) but without raising and catching an AttributeError each time: a
-    template reads a few fields of every message, so at 1M tokens of history (~800 messages) that was ~half of
-    each render's 6-7 ms."""
+    template reads a few fields of every message, and at 1M tokens of history (~800 messages) the exception is
+    ~half of a render's time."""
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         if type(obj) is dict and attribute not in _DICT_ATTRIBUTES:  # no such attribute: the item, or undefined

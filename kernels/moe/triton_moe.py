@@ -68,7 +68,7 @@ def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = N
     (docs/benchmarks.md) for 2-byte weights, up to 256 pairs; the prefill tile (64 x 256, 8 warps, 3 stages) on an
     H100 (``--layers 2 --cases= --moe-tokens 512,2048,4096,8192 --greedy-steps 0 --sweep``, 2026-12-07): one layer
     1,430 / 1,718 / 2,220 / 3,383 us against 1,451 / 1,828 / 2,437 / 3,769 for 64 x 128 on 4 warps (8,192 tokens:
-    307 TFLOP/s, 31% of peak; nine other tiles slower); with ``num_experts``, 16-row blocks also up to
+    307 TFLOP/s, 31% of peak; seven other tiles slower at every size); with ``num_experts``, 16-row blocks also up to
     ``SMALL_BLOCK_PAIRS_PER_EXPERT`` pairs per expert (a short prefill: 64 tokens are ~2 pairs an expert at 256
     experts, top 8 + the shared one). ``max_shared``: the device's shared memory per block (bytes);
     given, the pipeline gets fewer stages (then a shorter BK) until the up kernel's tiles of ``elem_size``-byte

@@ -106,7 +106,7 @@ def test_triton_bf16_kimi_shape(T, start):
 
 def test_kernels_compile_once_per_shape():
     """Per-call lengths (the split's keys, the chunk, the block) are runtime arguments, not constexprs: a constexpr
-    split length compiled a kernel for every length of a context's last block (~1.3 s a 256-token turn)."""
+    split length would compile a kernel for every length of a context's last block (~1.3 s a 256-token turn)."""
     import inspect
 
     from kda_sessions.kernels.mla import prefill
