@@ -60,12 +60,17 @@ def _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, str
 @triton.jit
 def _load_partials(acc_s, m_s, l_s, srow, mask, EMPTY: tl.constexpr, B: tl.constexpr, DV: tl.constexpr):
     """(acc [B, DV], max [B], denominator [B]) of the float32 partials at rows ``srow`` (mask ``mask``), or empty
-    ones with ``EMPTY``."""
+    ones with ``EMPTY`` (the buffers then unused, maybe of another dtype: one return of float32 values, which
+    Triton 3.6 needs of both branches)."""
     if EMPTY:
-        return (tl.zeros([B, DV], dtype=tl.float32), tl.full([B], -1e30, dtype=tl.float32),
-                tl.zeros([B], dtype=tl.float32))
-    return (tl.load(acc_s + srow[:, None] * DV + tl.arange(0, DV)[None, :], mask=mask[:, None], other=0.0),
-            tl.load(m_s + srow, mask=mask, other=-1e30), tl.load(l_s + srow, mask=mask, other=0.0))
+        acc = tl.zeros([B, DV], dtype=tl.float32)
+        m = tl.full([B], -1e30, dtype=tl.float32)
+        den = tl.zeros([B], dtype=tl.float32)
+    else:
+        acc = tl.load(acc_s + srow[:, None] * DV + tl.arange(0, DV)[None, :], mask=mask[:, None], other=0.0)
+        m = tl.load(m_s + srow, mask=mask, other=-1e30)
+        den = tl.load(l_s + srow, mask=mask, other=0.0)
+    return acc.to(tl.float32), m.to(tl.float32), den.to(tl.float32)
 
 
 @triton.jit
