@@ -474,10 +474,10 @@ def decode_case(model: HybridModel, batch: int, L: int, modes: list[str], reps: 
 
 SWEEP_SMALL = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 64, 128, 8, 4),
                MoeLaunch(16, 32, 64, 4, 6), MoeLaunch(16, 64, 256, 8, 3)]
-SWEEP_LARGE = [MoeLaunch(64, 128, 64, 8, 3), MoeLaunch(64, 128, 64, 4, 4), MoeLaunch(128, 128, 64, 8, 3),
-               MoeLaunch(64, 64, 64, 4, 4), MoeLaunch(128, 128, 32, 8, 4), MoeLaunch(128, 128, 64, 8, 4),
-               MoeLaunch(128, 64, 64, 4, 4), MoeLaunch(128, 64, 64, 8, 4), MoeLaunch(64, 256, 64, 8, 3),
-               MoeLaunch(64, 128, 128, 4, 3)]
+SWEEP_LARGE = [MoeLaunch(64, 256, 64, 8, 2), MoeLaunch(64, 256, 32, 8, 4), MoeLaunch(64, 256, 32, 8, 5),
+               MoeLaunch(128, 256, 32, 8, 3), MoeLaunch(128, 256, 64, 8, 2), MoeLaunch(128, 128, 64, 8, 4),
+               MoeLaunch(128, 128, 64, 8, 3), MoeLaunch(64, 128, 64, 4, 4), MoeLaunch(64, 128, 64, 8, 5),
+               MoeLaunch(64, 256, 64, 8, 3)]
 
 
 def graph_us(fn, reps: int) -> float:
@@ -617,6 +617,39 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
     return out
 
 
+SWEEP_DOWN = [(256, 64, 8, 3), (128, 64, 8, 4), (128, 64, 4, 4), (128, 128, 8, 3), (256, 128, 8, 2),
+              (64, 128, 4, 4), (128, 64, 4, 6), (256, 64, 8, 4)]
+
+
+def sweep_tile(fn, reps: int) -> list | str:
+    """[graph replay us, the grouped kernels' us (up, down) from one profiled call], or the error's name (a tile
+    over the device's shared memory fails alone)."""
+    try:
+        us = graph_us(fn, reps)
+        kern = profile_kernels_us(fn)
+    except Exception as e:
+        torch.cuda.synchronize()
+        return f"{type(e).__name__}"
+    return [us] + [v for name, v in kern.items() if "_up_kernel" in name or "_down_kernel" in name]
+
+
+def profile_kernels_us(fn) -> dict:
+    """One eager call of ``fn`` under the profiler: {kernel name (60 chars): device us}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            out[ev.key[:60]] = round(t, 1)
+    return out
+
+
 def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
     """One MoE layer alone, its shared expert stacked as the always-on 257th: the router (the library's, and the
     two-kernel one it uses above ``ROUTE_DECODE_MAX_TOKENS``), the fused kernels (direct up to
@@ -638,19 +671,32 @@ def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:
     res["route_two_kernels_us"] = graph_us(lambda: moe_route_triton(x, g, b, k, True, moe.scale, shared), reps)
     res["fused_us"] = graph_us(lambda: fused_moe(x, w13, w2, chosen, wts), reps)
     res["grouped_us"] = graph_us(lambda: fused_moe_triton(x, w13, w2, chosen, wts, direct=False), reps)
+    res["grouped_pointers_us"] = graph_us(
+        lambda: fused_moe_triton(x, w13, w2, chosen, wts, direct=False, tma=False), reps)
+    if T > DIRECT_MAX_TOKENS:  # the TMA kernels a program a tile rather than in persistent loops
+        triton_moe.PERSISTENT_PROGRAMS = 1 << 30
+        try:
+            res["grouped_a_program_a_tile"] = sweep_tile(
+                lambda: fused_moe_triton(x, w13, w2, chosen, wts, direct=False), reps)
+        finally:
+            triton_moe.PERSISTENT_PROGRAMS = None
     if T <= 32:
         res["direct_us"] = graph_us(lambda: fused_moe_triton(x, w13, w2, chosen, wts, direct=True), reps)
     res["gather_us"] = graph_us(lambda: _gather_routed(x, chosen[:, :k], wts[:, :k], w13[:E], w2[:E]), reps)
     if sweep:
         for c in SWEEP_SMALL if T * k <= 256 else SWEEP_LARGE:
             name = f"sweep {c.BM}/{c.BN}/{c.BK}/w{c.num_warps}/s{c.num_stages}"
-            try:  # a tile over the device's shared memory fails alone
-                res[name] = graph_us(lambda c=c: fused_moe_triton(x, w13, w2, chosen, wts, c), reps)
-            except Exception as e:
-                res[name] = f"{type(e).__name__}"
-                torch.cuda.synchronize()
+            res[name] = sweep_tile(lambda c=c: fused_moe_triton(x, w13, w2, chosen, wts, c), reps)
+        if T * k > 256:  # the down kernel's own tiles under the library's up tile (BN/BK/warps/stages)
+            base = launch_config(T * (k + 1), 2, None, E + 1)
+            for d in SWEEP_DOWN:
+                c = dataclasses.replace(base, down=d)
+                res["sweep down {}/{}/w{}/s{}".format(*d)] = sweep_tile(
+                    lambda c=c: fused_moe_triton(x, w13, w2, chosen, wts, c), reps)
         if T <= 32:
             res["direct_stages us, TB/s"] = direct_stage_us(x, w13, w2, chosen, wts, reps)
+    if T > DIRECT_MAX_TOKENS:  # the grouped call kernel by kernel (us)
+        res["grouped_kernels_us"] = profile_kernels_us(lambda: fused_moe(x, w13, w2, chosen, wts))
     distinct = int(torch.unique(chosen).numel())
     b = distinct * (w13[0].numel() + w2[0].numel()) * 2
     res["distinct_experts"] = distinct

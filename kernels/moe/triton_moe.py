@@ -35,6 +35,11 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+try:  # host-side TMA descriptors: Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
 from ..linear import MATVEC_MAX_ROWS
 from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_ends, store_max_at
 from .pdl import use_pdl
@@ -46,13 +51,20 @@ ALIGN_KERNEL_MAX_PAIRS = 1024
 
 @dataclass(frozen=True)
 class MoeLaunch:
-    """Tile sizes of the two grouped GEMMs: rows BM (pairs), columns BN, reduction BK."""
+    """Tile sizes of the two grouped GEMMs: rows BM (pairs), columns BN, reduction BK; ``down``: the down
+    kernel's own (BN, BK, num_warps, num_stages), its rows still BM (the blocks of the grouping); None: the same
+    as the up kernel's."""
 
     BM: int
     BN: int
     BK: int
     num_warps: int
     num_stages: int
+    down: tuple[int, int, int, int] | None = None
+
+    def down_tile(self) -> tuple[int, int, int, int]:
+        """(BN, BK, num_warps, num_stages) of the down kernel."""
+        return self.down or (self.BN, self.BK, self.num_warps, self.num_stages)
 
 
 SMALL_BLOCK_PAIRS_PER_EXPERT = 8
@@ -68,14 +80,17 @@ def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = N
     (docs/benchmarks.md) for 2-byte weights, up to 256 pairs; the prefill tile (64 x 256, 8 warps, 3 stages) on an
     H100 (``--layers 2 --cases= --moe-tokens 512,2048,4096,8192 --greedy-steps 0 --sweep``, 2026-12-07): one layer
     1,430 / 1,718 / 2,220 / 3,383 us against 1,451 / 1,828 / 2,437 / 3,769 for 64 x 128 on 4 warps (8,192 tokens:
-    307 TFLOP/s, 31% of peak; seven other tiles slower at every size); with ``num_experts``, 16-row blocks also up to
+    307 TFLOP/s, 31% of peak; seven other tiles slower at every size); the down kernel's own tile there 256 x 64 on
+    8 warps, 4 stages (its reduction is only F long: 8,192 tokens 1,098 us persistent through TMA, 1,191 at 3 stages,
+    1,181 a program a tile; six other tiles slower, ``--sweep``'s "sweep down" entries); with ``num_experts``, 16-row
+    blocks also up to
     ``SMALL_BLOCK_PAIRS_PER_EXPERT`` pairs per expert (a short prefill: 64 tokens are ~2 pairs an expert at 256
     experts, top 8 + the shared one). ``max_shared``: the device's shared memory per block (bytes);
     given, the pipeline gets fewer stages (then a shorter BK) until the up kernel's tiles of ``elem_size``-byte
     values fit in it (float32 prefill tiles at 4 stages need 240 KB, over an H200's 227)."""
     few = num_pairs <= 256 or (num_experts is not None and num_pairs <= SMALL_BLOCK_PAIRS_PER_EXPERT * num_experts)
     cfg = (MoeLaunch(BM=16, BN=64, BK=128, num_warps=4, num_stages=4) if few
-           else MoeLaunch(BM=64, BN=256, BK=64, num_warps=8, num_stages=3))
+           else MoeLaunch(BM=64, BN=256, BK=64, num_warps=8, num_stages=3, down=(256, 64, 8, 4)))
     if max_shared is None:
         return cfg
     while _up_shared_bytes(cfg, elem_size) > max_shared:
@@ -85,6 +100,14 @@ def launch_config(num_pairs: int, elem_size: int = 2, max_shared: int | None = N
             cfg = replace(cfg, BK=cfg.BK // 2)
         else:
             break
+    while _down_shared_bytes(cfg, elem_size) > max_shared:
+        dn, dk, dw, ds = cfg.down_tile()
+        if ds > 2:
+            cfg = replace(cfg, down=(dn, dk, dw, ds - 1))
+        elif dk > 16:
+            cfg = replace(cfg, down=(dn, dk // 2, dw, ds))
+        else:
+            break
     return cfg
 
 
@@ -92,6 +115,13 @@ def _up_shared_bytes(cfg: MoeLaunch, elem_size: int) -> int:
     """Shared memory of ``_up_kernel`` (the larger of the two): the x tile and both weight tiles, buffered
     num_stages - 1 times, with 8 KB spare for Triton's own scratch."""
     return (cfg.num_stages - 1) * (cfg.BM * cfg.BK + 2 * cfg.BK * cfg.BN) * elem_size + 8192
+
+
+def _down_shared_bytes(cfg: MoeLaunch, elem_size: int) -> int:
+    """Shared memory of ``_down_kernel_tma``: its flattened loop buffers the act and weight tiles num_stages
+    times, with 16 KB spare."""
+    dn, dk, _, ds = cfg.down_tile()
+    return ds * (cfg.BM * dk + dn * dk) * elem_size + 16384
 
 
 @functools.cache
@@ -151,6 +181,32 @@ the up programs done (H200, bits equal): the MoE block 51.2-51.6 us a layer agai
 step 2.65-2.69 ms against 2.44, 1 x 1M 4.29-4.32 against 4.06, with or without a sleep in the spin. A grid's
 programs start in order, so its down programs start only once every up program has, where the down launch's
 programs (PDL) are resident from the start of the up launch, loading their first tiles."""
+
+
+GROUPED_TMA = True
+"""The grouped GEMMs (``_up_kernel_tma``, ``_down_kernel_tma``) read the experts' rows, and the down kernel its
+input, through TMA descriptors from ``GROUPED_TMA_MIN_PAIRS`` pairs, where the device has TMA (sm_90 on) and the
+layout allows (``_tma_fits``); else, or False: pointer loads throughout (``_up_kernel``, ``_down_kernel``)."""
+
+GROUPED_TMA_MIN_PAIRS = 32768
+"""One MoE layer of the 48B shape (`bench/decode_48b.py --layers 2 --cases= --moe-tokens 32,64,128,512,2048,8192
+--greedy-steps 0`, H100, 2026-12-07): 8,192 tokens (73,728 pairs) 3,006 us through TMA against 3,289 with pointer
+loads (up 1,626 us, 43% of peak; down, persistent, 1,098); 32-2,048 tokens 3-6% slower through TMA (759 / 729 us at
+32, 1,751 / 1,695 at 2,048)."""
+
+
+def _tma_fits(x: Tensor, w13: Tensor, w2: Tensor, cfg: MoeLaunch) -> bool:
+    """Whether the TMA kernels can take these tensors: each weight stack viewable as 2-D rows, rows and bases
+    16-byte aligned, blocks within TMA's 256 a side and at least 16 bytes wide. CPU tensors (the interpreter) pass."""
+    if TensorDescriptor is None or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9):
+        return False
+    e = x.element_size()
+    F2 = w13.shape[1]
+    rows_2d = w13.stride(0) == F2 * w13.stride(1) and w2.stride(0) == w2.shape[1] * w2.stride(1)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (w13, w2)) and all(
+        v * e % 16 == 0 for v in (w13.stride(1), w2.stride(1), F2 // 2))
+    dn, dk = cfg.down_tile()[:2]
+    return rows_2d and aligned and min(cfg.BK, dk) * e >= 16 and max(cfg.BM, cfg.BN, cfg.BK, dn, dk) <= 256
 
 
 def max_padded(num_pairs: int, num_experts: int, BM: int) -> int:
@@ -367,6 +423,78 @@ def _down_kernel(
     acc = acc * rw[:, None]
     out = y + r64[:, None] * stride_y + n[None, :]
     tl.store(out, acc.to(y.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _up_kernel_tma(
+    x, w_desc, act, sorted_ids, block_expert, num_padded, num_pairs, D, Fw, stride_x, stride_a,
+    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``_up_kernel`` with the expert's rows read through a TMA descriptor of w13 as [E * 2F, D] (gate rows at
+    ``e * 2F``, up rows ``F`` after) and ``act`` stored in sorted order (padded rows 0): the down kernel reads it
+    back through a descriptor. Rows past F of the last column block come from the next rows of w13 (or zeros
+    past its end): they feed only act's columns past F, which the store masks. (A persistent loop, as the down
+    kernel's, was slower here: 1,766 us against 1,616 at 8,192 tokens, H100, its pipeline one stage shorter.)"""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BM >= tl.load(num_padded):
+        return
+    ex = tl.load(block_expert + pid_m)
+    rows = tl.load(sorted_ids + pid_m * BM + tl.arange(0, BM))
+    valid = rows < num_pairs
+    kk = tl.arange(0, BK)
+    a_ptr = x + (rows // TOP_K).to(tl.int64)[:, None] * stride_x + kk[None, :]  # [BM, BK]
+    g_row = ex * 2 * Fw + pid_n * BN
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        a = tl.load(a_ptr, mask=valid[:, None] & (kk < D - k0)[None, :], other=0.0)
+        wg = w_desc.load([g_row, k0])  # [BN, BK]; past D: zeros
+        wu = w_desc.load([g_row + Fw, k0])
+        if IEEE:
+            acc_g = tl.dot(a, wg.T, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, wu.T, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, wg.T, acc_g)
+            acc_u = tl.dot(a, wu.T, acc_u)
+        a_ptr += BK
+    h = acc_g * tl.sigmoid(acc_g) * acc_u  # padded rows: 0
+    n = pid_n * BN + tl.arange(0, BN)
+    out = act + (pid_m * BM + tl.arange(0, BM))[:, None].to(tl.int64) * stride_a + n[None, :]
+    tl.store(out, h.to(act.dtype.element_ty), mask=(n < Fw)[None, :])
+
+
+@triton.jit
+def _down_kernel_tma(
+    act_desc, w_desc, y, route_w, sorted_ids, block_expert, num_padded, num_pairs, D, Fw, stride_y,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``_down_kernel`` as a persistent loop over the (row block, column block) tiles, column block major (the
+    programs at work at once share each expert's weight tile), flattened so that the next tile's first loads
+    overlap this tile's last products and its store (the reduction is short: F). The sorted act rows and w2 as
+    [E * D, F] come through TMA descriptors; rows past D of the last column block feed only the columns the
+    store masks."""
+    blocks = tl.load(num_padded) // BM
+    for tile in tl.range(tl.program_id(0), blocks * tl.cdiv(D, BN), tl.num_programs(0), flatten=True):
+        pid_m = tile % blocks
+        pid_n = tile // blocks
+        ex = tl.load(block_expert + pid_m)
+        rows = tl.load(sorted_ids + pid_m * BM + tl.arange(0, BM))
+        valid = rows < num_pairs
+        w_row = ex * D + pid_n * BN
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, Fw, BK):
+            a = act_desc.load([pid_m * BM, k0])  # past F: zeros
+            w = w_desc.load([w_row, k0])
+            if IEEE:
+                acc = tl.dot(a, w.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, w.T, acc)
+        rw = tl.load(route_w + rows, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * rw[:, None]
+        n = pid_n * BN + tl.arange(0, BN)
+        out = y + rows[:, None].to(tl.int64) * stride_y + n[None, :]
+        tl.store(out, acc.to(y.dtype.element_ty), mask=valid[:, None] & (n < D)[None, :])
 
 
 @triton.jit
@@ -630,11 +758,13 @@ def _direct(
 
 def fused_moe_triton(
     x: Tensor, w13: Tensor, w2: Tensor, chosen: Tensor, weights: Tensor, cfg: MoeLaunch | None = None,
-    direct: bool | None = None,
+    direct: bool | None = None, tma: bool | None = None,
 ) -> Tensor:
     """x [T, D], w13 [E, 2F, D], w2 [E, D, F], chosen [T, k], weights [T, k] -> [T, D] (see ``fused_moe``).
     The weights' last dimension must be contiguous; x is made contiguous. ``direct``: the decode kernels
-    (``fused_moe_direct``) rather than the grouped ones; None: when T <= ``DIRECT_MAX_TOKENS`` and no ``cfg``."""
+    (``fused_moe_direct``) rather than the grouped ones; None: when T <= ``DIRECT_MAX_TOKENS`` and no ``cfg``.
+    ``tma``: the grouped kernels through TMA descriptors; None: ``GROUPED_TMA`` from ``GROUPED_TMA_MIN_PAIRS``
+    pairs where ``_tma_fits``."""
     T, D = x.shape
     E, F2, _ = w13.shape
     Fw = F2 // 2
@@ -653,6 +783,10 @@ def fused_moe_triton(
     sorted_ids, block_expert, num_padded = align(chosen, E, cfg.BM)
     blocks = block_expert.numel()
     ieee = x.dtype == torch.float32
+    if tma is None:
+        tma = GROUPED_TMA and P >= GROUPED_TMA_MIN_PAIRS and _tma_fits(x, w13, w2, cfg)
+    if tma:
+        return _grouped_tma(x, w13, w2, weights, sorted_ids, block_expert, num_padded, cfg, k)
     act = torch.empty(P, Fw, dtype=x.dtype, device=x.device)
     _up_kernel[(blocks, triton.cdiv(Fw, cfg.BN))](
         x, w13, act, sorted_ids, block_expert, num_padded, P, D, Fw,
@@ -661,12 +795,50 @@ def fused_moe_triton(
     )
     y = torch.empty(P, D, dtype=x.dtype, device=x.device)
     route_w = weights.reshape(-1).contiguous()
-    _down_kernel[(blocks, triton.cdiv(D, cfg.BN))](
+    dn, dk, dw, ds = cfg.down_tile()
+    _down_kernel[(blocks, triton.cdiv(D, dn))](
         act, w2, y, route_w, sorted_ids, block_expert, num_padded, P, D, Fw,
         act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-        BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BM=cfg.BM, BN=dn, BK=dk, IEEE=ieee, num_warps=dw, num_stages=ds,
     )
     return y.view(T, k, D).sum(1)  # each token's k weighted rows
+
+
+PERSISTENT_PROGRAMS: int | None = None
+"""Programs of the TMA down kernel's persistent loop; None: one a multiprocessor (its tiles fill most of the
+shared memory), 3 on a CPU (the interpreter: a few tiles each)."""
+
+
+def _persistent_programs(device: torch.device) -> int:
+    if PERSISTENT_PROGRAMS is not None:
+        return PERSISTENT_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 3
+
+
+def _grouped_tma(x: Tensor, w13: Tensor, w2: Tensor, weights: Tensor, sorted_ids: Tensor, block_expert: Tensor,
+                 num_padded: Tensor, cfg: MoeLaunch, k: int) -> Tensor:
+    """The grouped GEMMs through TMA descriptors: act in sorted order [maxp, F], then y [T * k, D] by pair."""
+    T, D = x.shape
+    E, F2, _ = w13.shape
+    Fw = F2 // 2
+    P = T * k
+    blocks = block_expert.numel()
+    ieee = x.dtype == torch.float32
+    act = torch.empty(sorted_ids.numel(), Fw, dtype=x.dtype, device=x.device)
+    dn, dk, dw, ds = cfg.down_tile()
+    a_desc = TensorDescriptor(act, [act.shape[0], Fw], [Fw, 1], [cfg.BM, dk])
+    w13_desc = TensorDescriptor(w13, [E * F2, D], [w13.stride(1), 1], [cfg.BN, cfg.BK])
+    w2_desc = TensorDescriptor(w2, [E * D, Fw], [w2.stride(1), 1], [dn, dk])
+    _up_kernel_tma[(blocks, triton.cdiv(Fw, cfg.BN))](
+        x, w13_desc, act, sorted_ids, block_expert, num_padded, P, D, Fw, x.stride(0), act.stride(0),
+        TOP_K=k, BM=cfg.BM, BN=cfg.BN, BK=cfg.BK, IEEE=ieee, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = torch.empty(P, D, dtype=x.dtype, device=x.device)
+    _down_kernel_tma[(min(blocks * triton.cdiv(D, dn), _persistent_programs(x.device)),)](
+        a_desc, w2_desc, y, weights.reshape(-1).contiguous(), sorted_ids, block_expert, num_padded, P, D, Fw,
+        y.stride(0), BM=cfg.BM, BN=dn, BK=dk, IEEE=ieee, num_warps=dw, num_stages=ds,
+    )
+    return y.view(T, k, D).sum(1)
 
 
 __all__ = [
@@ -674,6 +846,8 @@ __all__ = [
     "ALIGN_KERNEL_MAX_PAIRS",
     "DIRECT_LAUNCH",
     "DIRECT_MAX_TOKENS",
+    "GROUPED_TMA",
+    "GROUPED_TMA_MIN_PAIRS",
     "DirectLaunch",
     "MoeLaunch",
     "align_torch",

@@ -72,8 +72,9 @@ def test_fused_moe_matches_the_expert_loop(T: int, E: int, k: int, D: int, Fw: i
     x, w13, w2, chosen, weights = moe_case(T, E, k, D, Fw, seed=T, skew=skew)
     ref = naive_fused_moe(x, w13, w2, chosen, weights)
     for cfg in (MoeLaunch(16, 32, 32, 4, 1), MoeLaunch(64, 16, 16, 4, 1)):  # decode-like and prefill-like tiles
-        out = fused_moe_triton(x, w13, w2, chosen, weights, cfg)
-        assert out.shape == (T, D) and rel_rms(out, ref) < TOL
+        for tma in (False, True):  # pointer loads; TMA descriptors (rows past F / D from the next expert)
+            out = fused_moe_triton(x, w13, w2, chosen, weights, cfg, tma=tma)
+            assert out.shape == (T, D) and rel_rms(out, ref) < TOL, (cfg, tma)
 
 
 DIRECT_CASES = [(1, 8, 2, 48, 40, False), (1, 16, 9, 40, 24, False), (5, 8, 3, 48, 40, False),
@@ -273,6 +274,11 @@ def test_fused_moe_bf16_at_the_48b_shape(T: int) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert out.dtype == torch.bfloat16 and rel_rms(out, ref) < TOL_BF16
+    if T > 16:  # the grouped kernels: TMA (the default on sm_90) and pointer loads
+        from kda_sessions.kernels.moe.triton_moe import fused_moe_triton
+
+        for tma in (True, False):
+            assert rel_rms(fused_moe_triton(x, w13, w2, chosen, weights, tma=tma), ref) < TOL_BF16, tma
 
 
 @pytest.mark.gpu
@@ -575,13 +581,15 @@ def test_launch_config_keeps_small_blocks_for_a_short_prefill():
 @pytest.mark.parametrize("elem_size", [2, 4])
 def test_launch_config_fits_the_devices_shared_memory(pairs, elem_size):
     """float32 prefill tiles at the bf16-tuned 4 stages need 240 KB, over an H200's 227 KB (the tiny model's
-    prefill on CUDA failed with OutOfResources): the config sheds stages, then BK, until the up kernel fits."""
-    from kda_sessions.kernels.moe.triton_moe import _up_shared_bytes, launch_config
+    prefill on CUDA failed with OutOfResources): the config sheds stages, then BK, until the up kernel fits, and
+    the down kernel's own tile likewise."""
+    from kda_sessions.kernels.moe.triton_moe import _down_shared_bytes, _up_shared_bytes, launch_config
 
     bf16 = launch_config(pairs)
     for limit in (232448, 166912, 101376):  # H100/H200, A100, consumer parts
         cfg = launch_config(pairs, elem_size, limit)
-        assert _up_shared_bytes(cfg, elem_size) <= limit
+        assert _up_shared_bytes(cfg, elem_size) <= limit and _down_shared_bytes(cfg, elem_size) <= limit
+        assert cfg.down_tile()[0] == bf16.down_tile()[0] and cfg.down_tile()[3] >= 2
         assert (cfg.BM, cfg.BN) == (bf16.BM, bf16.BN) and cfg.num_stages >= 2
     assert launch_config(pairs, 2, 232448) == bf16  # the tuned bf16 tiles are kept where they fit
 
