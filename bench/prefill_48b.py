@@ -12,6 +12,7 @@ bf16 peak, and peak GPU memory above what the weights and pools hold.
 reports where the time goes (KDA attention, MLA attention, MoE, dense FFN, the rest).
 
     PYTHONUNBUFFERED=1 python bench/prefill_48b.py --contexts 8192,32768,131072 --profile 32768 --out $OUT/p.json
+    python bench/prefill_48b.py --layers 16 --contexts 32768 --moe-ab   # an H100: MoE kernels A/B
     python bench/prefill_48b.py --cpu-rss 32768 --chunk 8192
     python bench/prefill_48b.py --quick      # a small shape on any device, to check the script
 
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import json
 import math
 import platform
@@ -152,6 +155,26 @@ class LayerTimer:
         return out
 
 
+MOE_VARIANTS = ["library", "pointers", "one-tile", "library", "pointers", "one-tile"]
+"""``--moe-ab``'s prefills of each context, alternated: the library; the grouped MoE kernels with pointer loads
+(``triton_moe.GROUPED_TMA`` off); pointer loads and the up kernel's tile for the down kernel too."""
+
+
+@contextlib.contextmanager
+def moe_variant(name: str):
+    from kda_sessions.kernels.moe import triton_moe
+
+    tma, launch = triton_moe.GROUPED_TMA, triton_moe.launch_config
+    if name in ("pointers", "one-tile"):
+        triton_moe.GROUPED_TMA = False
+    if name == "one-tile":
+        triton_moe.launch_config = lambda *a, **k: dataclasses.replace(launch(*a, **k), down=None)
+    try:
+        yield
+    finally:
+        triton_moe.GROUPED_TMA, triton_moe.launch_config = tma, launch
+
+
 async def prefill_once(engine: Engine, N: int, seed: int) -> tuple[float, int]:
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (N,), generator=gen).tolist()
@@ -168,7 +191,7 @@ async def prefill_once(engine: Engine, N: int, seed: int) -> tuple[float, int]:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg = config_48b(args.quick)
+    cfg = config_48b(args.quick, args.layers)
     t = time.perf_counter()
     model = build_model(cfg, device)
     res: dict[str, Any] = {
@@ -199,13 +222,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             res["profile"] = {"N": args.profile, "s": round(dt, 2),
                               **{k: round(v, 3) for k, v in sorted(parts.items())}}
             print(json.dumps(res["profile"]), flush=True)
-        for N in args.contexts:
+        for N, moe in [(N, m) for N in args.contexts for m in (MOE_VARIANTS if args.moe_ab else ["library"])]:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            dt, pre = await prefill_once(engine, N, seed=N)
+            with moe_variant(moe):
+                dt, pre = await prefill_once(engine, N, seed=N)
             run = {"N": N, "prefill_tokens": pre, "s": round(dt, 2), "tok_per_s": round(N / dt),
                    "tflops": round(flops(model, N, args.chunk) / dt / 1e12, 1)}
+            if args.moe_ab:
+                run["moe"] = moe
             run["pct_of_peak"] = round(100 * run["tflops"] / H200_BF16_DENSE_TFLOPS, 1)
             if cuda:
                 run["peak_above_weights_pools_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
@@ -242,6 +268,10 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, help="context of the per-layer-kind profile (0: none)")
     p.add_argument("--cpu-rss", type=int, default=0, help="tiny-random on the CPU instead: peak RSS growth")
     p.add_argument("--quick", action="store_true", help="a small shape and small contexts, to check the script")
+    p.add_argument("--layers", type=int, default=None, help="the first that many layers of the 48B shape (16 fit an "
+                   "80 GB card)")
+    p.add_argument("--moe-ab", action="store_true", help="each context also with the MoE's other kernels "
+                   "(MOE_VARIANTS), alternated")
     p.add_argument("--out", default="")
     args = p.parse_args()
     if args.cpu_rss:
