@@ -202,7 +202,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         "params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 2), "runs": [],
     }
     P = 64
-    num_pages = -(-max([*args.contexts, args.profile or 0]) // P) + 64
+    num_pages = -(-max([*args.contexts, args.profile, args.kernels, 512 if args.quick else 40960]) // P) + 64
     config = EngineConfig(max_active_sessions=2, num_pages=num_pages, page_size=P, prefill_chunk_tokens=args.chunk,
                           prefill_chunk_tokens_idle=args.chunk,
                           max_checkpoints_in_memory=1)
@@ -222,6 +222,20 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             res["profile"] = {"N": args.profile, "s": round(dt, 2),
                               **{k: round(v, 3) for k, v in sorted(parts.items())}}
             print(json.dumps(res["profile"]), flush=True)
+        if args.kernels and cuda:  # one prefill under the profiler: the top kernels by device time
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                dt, _ = await prefill_once(engine, args.kernels, seed=2)
+            rows = []
+            for ev in prof.key_averages():
+                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+                if t and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+                    rows.append((round(t / 1e3, 2), ev.count, ev.key[:90]))
+            rows.sort(reverse=True)
+            res["kernels"] = {"N": args.kernels, "s": round(dt, 2), "ms_calls_name": rows[:40]}
+            for r in rows[:40]:
+                print(r, flush=True)
         for N, moe in [(N, m) for N in args.contexts for m in (MOE_VARIANTS if args.moe_ab else ["library"])]:
             if cuda:
                 torch.cuda.empty_cache()
@@ -270,6 +284,8 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="a small shape and small contexts, to check the script")
     p.add_argument("--layers", type=int, default=None, help="the first that many layers of the 48B shape (16 fit an "
                    "80 GB card)")
+    p.add_argument("--kernels", type=int, default=0, help="context of one prefill under the torch profiler: the "
+                   "top 40 kernels by device time (0: none)")
     p.add_argument("--moe-ab", action="store_true", help="each context also with the MoE's other kernels "
                    "(MOE_VARIANTS), alternated")
     p.add_argument("--out", default="")
