@@ -80,16 +80,12 @@ class KDAAttention(nn.Module):
         if batch.is_decode:
             return self.decode(x, batch.slots, batch.cu_seqlens, state, conv_state), None, None
         slots = batch.slots
-        qkv, raw, b, og = self._projections(x)
-        qkv, new_tail, ck_tail = causal_conv(
-            qkv, self.conv_weight(), conv_state[slots], batch.cu_seqlens, batch.checkpoint_positions
-        )
-        conv_state[slots] = new_tail
-        q, k, v, g, beta = self._qkv_gate(qkv, raw, b)
-        o, final, ck_state = chunk_kda(
-            q, k, v, g, beta, initial_state=state[slots], output_final_state=True,
+        q, k, v, raw_g, beta, og, ck_tail = self._prefill_inputs(x, batch, conv_state, merged=x.is_cuda)
+        o, final, ck_state = chunk_kda(  # the gate computed inside the kernel from its raw logits
+            q, k, v, raw_g, beta, initial_state=state[slots], output_final_state=True,
             cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
             checkpoint_positions=batch.checkpoint_positions, cu_seqlens_cpu=batch.offsets,
+            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
         )
         assert final is not None
         state[slots] = final
@@ -179,6 +175,37 @@ class KDAAttention(nn.Module):
         [T, H*V]), one linear each: for prefill a CPU runs these as fast as the fused matmul of ``_decode_cpu``."""
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))
+
+    def _prefill_inputs(self, x: Tensor, batch: ForwardBatch, conv_state: Tensor, merged: bool
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """A prefill's projections and conv (updating ``conv_state`` at the batch's slots) -> (q, k [1, T, H, K],
+        v [1, T, H, V], raw gate logits [1, T, H, K], beta [1, T, H] float32, output gate logits [T, H*V], conv
+        tails at the checkpoints | None). ``merged`` (a GPU's): ``_prefill_projections`` and the conv writing q, k
+        and v as three contiguous planes (no copies of them before the chunk kernels); else ``_projections``."""
+        T = x.shape[0]
+        H, K, V = self.H, self.K, self.V
+        plane = H * K if merged and K == V else 0
+        qkv, raw, b, og = self._prefill_projections(x) if merged else self._projections(x)
+        conv_w = self._gpu.get()[2] if merged else self.conv_weight()
+        qkv, new_tail, ck_tail = causal_conv(
+            qkv, conv_w, conv_state[batch.slots], batch.cu_seqlens, batch.checkpoint_positions, plane
+        )
+        conv_state[batch.slots] = new_tail
+        if plane:
+            q, k, v = (qkv[i].view(1, T, H, K) for i in range(3))
+            return q, k, v, raw.view(1, T, H, K), torch.sigmoid(b.float()).unsqueeze(0), og, ck_tail
+        q, k, v, raw_g, beta = self._qkv_gate(qkv, raw, b, raw_gate=True)
+        return q, k, v, raw_g, beta, og, ck_tail
+
+    def _prefill_projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``_projections`` on a GPU: q | k | v | f_a | g_a | b in one matmul of the merged ``w_in`` (the pre-conv
+        q|k|v and the beta logits strided views of it), then f_b and g_b on their columns: three launches, no
+        concatenation copy."""
+        Dc, K, V = self.conv_dim, self.K, self.V
+        y = linear(x, self._gpu.get()[0])  # [T, Dc + K + V + H]
+        raw = linear(y[:, Dc : Dc + K], self.f_b_proj.weight)
+        og = linear(y[:, Dc + K : Dc + K + V], self.g_b_proj.weight)
+        return y[:, :Dc], raw, y[:, Dc + K + V :], og
 
     def _projections_merged(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``_projections`` from the merged weights of ``_gpu_weights``: two matvecs instead of eight launches
@@ -356,13 +383,16 @@ class KDAAttention(nn.Module):
             return residual_matmul(residual, o, w_out)
         return row_mm(o, w_out)
 
-    def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor, raw_gate: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],
-        g [1, T, H, K] float32, beta [1, T, H]."""
+        g [1, T, H, K] float32 (with ``raw_gate`` the raw logits as they are, for ``chunk_kda``'s
+        ``use_gate_in_kernel``: on a GPU the gate's four float32 passes over [T, H*K] skipped), beta [1, T, H]."""
         T = qkv.shape[0]
         H, K, V = self.H, self.K, self.V
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        g = kda_gate(raw.reshape(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+        g = raw.reshape(T, H, K) if raw_gate else kda_gate(raw.reshape(T, H, K), self.A_log, self.dt_bias,
+                                                             self.lower_bound)
         beta = torch.sigmoid(b.float())  # [T, H]
         # [T, H*K] -> [1, T, H, K]: packed sequences are one varlen batch
         q, k, v = q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, H, V)

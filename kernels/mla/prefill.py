@@ -212,7 +212,7 @@ def mla_prefill_triton(
     block = -(-block_tokens // P) * P
     nblocks = -(-L // block)
     if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 1
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 1
         splits = key_splits(T, H, min(block, L), sms, BM, BN)
     acc = m = lsum = o  # placeholders, unused when one block holds the whole context
     if nblocks > 1 or splits > 1:

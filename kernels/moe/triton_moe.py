@@ -198,7 +198,7 @@ loads (up 1,626 us, 43% of peak; down, persistent, 1,098); 32-2,048 tokens 3-6% 
 def _tma_fits(x: Tensor, w13: Tensor, w2: Tensor, cfg: MoeLaunch) -> bool:
     """Whether the TMA kernels can take these tensors: each weight stack viewable as 2-D rows, rows and bases
     16-byte aligned, blocks within TMA's 256 a side and at least 16 bytes wide. CPU tensors (the interpreter) pass."""
-    if TensorDescriptor is None or (x.is_cuda and torch.cuda.get_device_capability(x.device)[0] < 9):
+    if TensorDescriptor is None or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9):
         return False
     e = x.element_size()
     F2 = w13.shape[1]
@@ -777,7 +777,7 @@ def fused_moe_triton(
         direct = cfg is None and T <= DIRECT_MAX_TOKENS
     if direct:
         return fused_moe_direct(x, w13, w2, chosen, weights)
-    cfg = cfg or launch_config(P, x.element_size(), max_shared_bytes(x.device) if x.is_cuda else None, E)
+    cfg = cfg or launch_config(P, x.element_size(), max_shared_bytes(x.device) if x.device.type == "cuda" else None, E)
     x = x.contiguous()
     align = align_triton if P <= ALIGN_KERNEL_MAX_PAIRS else align_torch
     sorted_ids, block_expert, num_padded = align(chosen, E, cfg.BM)

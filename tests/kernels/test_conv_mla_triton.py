@@ -33,6 +33,29 @@ def test_conv_prefill_varlen_with_tail_positions():
     assert rel_rms(y, ry) < TOL and torch.equal(t, rt) and torch.equal(ck, rck)
 
 
+@pytest.mark.parametrize("plane", [0, 16, 64])
+def test_conv_reads_strided_rows_and_writes_planes(plane):
+    """x as columns of a wider projection (rows 72 apart) and y as [D // plane, T, plane] (KDA's q, k, v each
+    contiguous; plane 16 under a column block of 32: the block shrinks to the plane), on both paths, with tails."""
+    from kda_sessions.kernels.conv import causal_conv
+    from kda_sessions.kernels.conv.triton_conv import causal_conv_triton
+
+    gen = torch.Generator().manual_seed(3)
+    D, W = 64, 4
+    cu = torch.tensor([0, 3, 11, 20])
+    wide = torch.randn(20, D + 8, generator=gen)
+    x = wide[:, 4 : 4 + D]  # row stride D + 8
+    w = torch.randn(D, W, generator=gen)
+    tail = torch.randn(3, W - 1, D, generator=gen)
+    pos = [[2], [], [1, 9]]
+    ry, rt, rck = naive_causal_conv(x.contiguous(), w, tail, cu, pos)
+    want = ry.view(20, -1, plane).transpose(0, 1) if plane else ry
+    for fn in (causal_conv_triton, causal_conv):
+        y, t, ck = fn(x, w, tail, cu, pos, plane)
+        assert y.shape == want.shape and y.is_contiguous() and rel_rms(y, want) < TOL
+        assert torch.equal(t, rt) and torch.equal(ck, rck)
+
+
 def test_conv_empty_sequence_keeps_its_tail():
     """A sequence with no new token inside cu_seqlens: no output rows, its tail unchanged, on both paths."""
     from kda_sessions.kernels.conv.triton_conv import causal_conv_triton
