@@ -157,14 +157,17 @@ class LayerTimer:
 
 MOE_VARIANTS = ["library", "pointers", "one-tile", "library", "pointers", "one-tile"]
 """``--moe-ab``'s prefills of each context, alternated: the library; the grouped MoE kernels with pointer loads
-(``triton_moe.GROUPED_TMA`` off); pointer loads and the up kernel's tile for the down kernel too."""
+(``triton_moe.GROUPED_TMA`` off); pointer loads and the up kernel's tile for the down kernel too. ``--kda-ab``:
+the library against "kda-unfused" (``kda.PREFILL_FUSED`` off)."""
 
 
 @contextlib.contextmanager
 def moe_variant(name: str):
     from kda_sessions.kernels.moe import triton_moe
+    from kda_sessions.model import kda
 
-    tma, launch = triton_moe.GROUPED_TMA, triton_moe.launch_config
+    tma, launch, kda_fused = triton_moe.GROUPED_TMA, triton_moe.launch_config, kda.PREFILL_FUSED
+    kda.PREFILL_FUSED = name != "kda-unfused"
     if name in ("pointers", "one-tile"):
         triton_moe.GROUPED_TMA = False
     if name == "one-tile":
@@ -172,7 +175,7 @@ def moe_variant(name: str):
     try:
         yield
     finally:
-        triton_moe.GROUPED_TMA, triton_moe.launch_config = tma, launch
+        triton_moe.GROUPED_TMA, triton_moe.launch_config, kda.PREFILL_FUSED = tma, launch, kda_fused
 
 
 async def prefill_once(engine: Engine, N: int, seed: int) -> tuple[float, int]:
@@ -236,7 +239,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             res["kernels"] = {"N": args.kernels, "s": round(dt, 2), "ms_calls_name": rows[:40]}
             for r in rows[:40]:
                 print(r, flush=True)
-        for N, moe in [(N, m) for N in args.contexts for m in (MOE_VARIANTS if args.moe_ab else ["library"])]:
+        variants = MOE_VARIANTS if args.moe_ab else ["library", "kda-unfused"] * 2 if args.kda_ab else ["library"]
+        for N, moe in [(N, m) for N in args.contexts for m in variants]:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -244,8 +248,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 dt, pre = await prefill_once(engine, N, seed=N)
             run = {"N": N, "prefill_tokens": pre, "s": round(dt, 2), "tok_per_s": round(N / dt),
                    "tflops": round(flops(model, N, args.chunk) / dt / 1e12, 1)}
-            if args.moe_ab:
-                run["moe"] = moe
+            if args.moe_ab or args.kda_ab:
+                run["variant"] = moe
             run["pct_of_peak"] = round(100 * run["tflops"] / H200_BF16_DENSE_TFLOPS, 1)
             if cuda:
                 run["peak_above_weights_pools_gib"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 2)
@@ -286,6 +290,8 @@ def main() -> None:
                    "80 GB card)")
     p.add_argument("--kernels", type=int, default=0, help="context of one prefill under the torch profiler: the "
                    "top 40 kernels by device time (0: none)")
+    p.add_argument("--kda-ab", action="store_true", help="each context also with KDA's prefill unfused "
+                   "(kda.PREFILL_FUSED off), alternated")
     p.add_argument("--moe-ab", action="store_true", help="each context also with the MoE's other kernels "
                    "(MOE_VARIANTS), alternated")
     p.add_argument("--out", default="")

@@ -29,6 +29,12 @@ shape, graph replays of the decode with the gate projections inside against the 
 15.4 against 16.4 at 8, but 54.2 against 52.5 at 32 (every program re-reads its head's [K, K] rows)."""
 
 
+PREFILL_FUSED = True
+"""A prefill computes KDA's gate inside the chunk kernel from its raw logits and, on a GPU, runs the merged
+projections and the planar conv (``KDAAttention._prefill_inputs``); False: eight projections, their concatenation,
+the gate in torch (``bench/prefill_48b.py --kda-ab``)."""
+
+
 class KDAAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -80,12 +86,13 @@ class KDAAttention(nn.Module):
         if batch.is_decode:
             return self.decode(x, batch.slots, batch.cu_seqlens, state, conv_state), None, None
         slots = batch.slots
-        q, k, v, raw_g, beta, og, ck_tail = self._prefill_inputs(x, batch, conv_state, merged=x.is_cuda)
-        o, final, ck_state = chunk_kda(  # the gate computed inside the kernel from its raw logits
-            q, k, v, raw_g, beta, initial_state=state[slots], output_final_state=True,
+        fused = PREFILL_FUSED
+        q, k, v, g, beta, og, ck_tail = self._prefill_inputs(x, batch, conv_state, x.is_cuda and fused, fused)
+        o, final, ck_state = chunk_kda(  # with ``fused`` the gate computed inside the kernel from its raw logits
+            q, k, v, g, beta, initial_state=state[slots], output_final_state=True,
             cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
             checkpoint_positions=batch.checkpoint_positions, cu_seqlens_cpu=batch.offsets,
-            use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
+            use_gate_in_kernel=fused, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
         )
         assert final is not None
         state[slots] = final
@@ -176,12 +183,13 @@ class KDAAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))
 
-    def _prefill_inputs(self, x: Tensor, batch: ForwardBatch, conv_state: Tensor, merged: bool
+    def _prefill_inputs(self, x: Tensor, batch: ForwardBatch, conv_state: Tensor, merged: bool, raw_gate: bool
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         """A prefill's projections and conv (updating ``conv_state`` at the batch's slots) -> (q, k [1, T, H, K],
-        v [1, T, H, V], raw gate logits [1, T, H, K], beta [1, T, H] float32, output gate logits [T, H*V], conv
-        tails at the checkpoints | None). ``merged`` (a GPU's): ``_prefill_projections`` and the conv writing q, k
-        and v as three contiguous planes (no copies of them before the chunk kernels); else ``_projections``."""
+        v [1, T, H, V], raw gate logits [1, T, H, K] (or without ``raw_gate`` the log-decays, float32), beta
+        [1, T, H] float32, output gate logits [T, H*V], conv tails at the checkpoints | None). ``merged`` (a GPU's,
+        with ``raw_gate``): ``_prefill_projections`` and the conv writing q, k and v as three contiguous planes (no
+        copies of them before the chunk kernels); else ``_projections``."""
         T = x.shape[0]
         H, K, V = self.H, self.K, self.V
         plane = H * K if merged and K == V else 0
@@ -194,8 +202,8 @@ class KDAAttention(nn.Module):
         if plane:
             q, k, v = (qkv[i].view(1, T, H, K) for i in range(3))
             return q, k, v, raw.view(1, T, H, K), torch.sigmoid(b.float()).unsqueeze(0), og, ck_tail
-        q, k, v, raw_g, beta = self._qkv_gate(qkv, raw, b, raw_gate=True)
-        return q, k, v, raw_g, beta, og, ck_tail
+        q, k, v, g, beta = self._qkv_gate(qkv, raw, b, raw_gate=raw_gate)
+        return q, k, v, g, beta, og, ck_tail
 
     def _prefill_projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """``_projections`` on a GPU: q | k | v | f_a | g_a | b in one matmul of the merged ``w_in`` (the pre-conv
