@@ -30,9 +30,11 @@ shape, graph replays of the decode with the gate projections inside against the 
 
 
 PREFILL_FUSED = True
-"""A prefill computes KDA's gate inside the chunk kernel from its raw logits and, on a GPU, runs the merged
-projections and the planar conv (``KDAAttention._prefill_inputs``); False: eight projections, their concatenation,
-the gate in torch (``bench/prefill_48b.py --kda-ab``)."""
+"""A prefill on a GPU runs KDA's merged projections and the planar conv (``KDAAttention._prefill_inputs``); False:
+eight projections and their concatenation, q, k and v copied out of the conv's rows (``bench/prefill_48b.py
+--kda-ab``). The gate is one Triton pass either way (``kernels.gate``); inside the chunk kernel's prep
+(``use_gate_in_kernel``) it made that kernel 3.6x slower (H100, 32K through the Engine: 41.2 ms against 11.4 of
+the prep kernels' time; a prep program's registers spill)."""
 
 
 class KDAAttention(nn.Module):
@@ -86,13 +88,11 @@ class KDAAttention(nn.Module):
         if batch.is_decode:
             return self.decode(x, batch.slots, batch.cu_seqlens, state, conv_state), None, None
         slots = batch.slots
-        fused = PREFILL_FUSED
-        q, k, v, g, beta, og, ck_tail = self._prefill_inputs(x, batch, conv_state, x.is_cuda and fused, fused)
-        o, final, ck_state = chunk_kda(  # with ``fused`` the gate computed inside the kernel from its raw logits
+        q, k, v, g, beta, og, ck_tail = self._prefill_inputs(x, batch, conv_state, x.is_cuda and PREFILL_FUSED)
+        o, final, ck_state = chunk_kda(
             q, k, v, g, beta, initial_state=state[slots], output_final_state=True,
             cu_seqlens=batch.cu_seqlens, use_qk_l2norm_in_kernel=True,
             checkpoint_positions=batch.checkpoint_positions, cu_seqlens_cpu=batch.offsets,
-            use_gate_in_kernel=fused, A_log=self.A_log, dt_bias=self.dt_bias, lower_bound=self.lower_bound,
         )
         assert final is not None
         state[slots] = final
@@ -183,13 +183,12 @@ class KDAAttention(nn.Module):
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
         return qkv, self.f_b_proj(self.f_a_proj(x)), self.b_proj(x), self.g_b_proj(self.g_a_proj(x))
 
-    def _prefill_inputs(self, x: Tensor, batch: ForwardBatch, conv_state: Tensor, merged: bool, raw_gate: bool
+    def _prefill_inputs(self, x: Tensor, batch: ForwardBatch, conv_state: Tensor, merged: bool
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
         """A prefill's projections and conv (updating ``conv_state`` at the batch's slots) -> (q, k [1, T, H, K],
-        v [1, T, H, V], raw gate logits [1, T, H, K] (or without ``raw_gate`` the log-decays, float32), beta
-        [1, T, H] float32, output gate logits [T, H*V], conv tails at the checkpoints | None). ``merged`` (a GPU's,
-        with ``raw_gate``): ``_prefill_projections`` and the conv writing q, k and v as three contiguous planes (no
-        copies of them before the chunk kernels); else ``_projections``."""
+        v [1, T, H, V], log-decays g [1, T, H, K] float32, beta [1, T, H] float32, output gate logits [T, H*V],
+        conv tails at the checkpoints | None). ``merged`` (a GPU's): ``_prefill_projections`` and the conv writing
+        q, k and v as three contiguous planes (no copies of them before the chunk kernels); else ``_projections``."""
         T = x.shape[0]
         H, K, V = self.H, self.K, self.V
         plane = H * K if merged and K == V else 0
@@ -201,8 +200,9 @@ class KDAAttention(nn.Module):
         conv_state[batch.slots] = new_tail
         if plane:
             q, k, v = (qkv[i].view(1, T, H, K) for i in range(3))
-            return q, k, v, raw.view(1, T, H, K), torch.sigmoid(b.float()).unsqueeze(0), og, ck_tail
-        q, k, v, g, beta = self._qkv_gate(qkv, raw, b, raw_gate=raw_gate)
+            g = kda_gate(raw.view(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
+            return q, k, v, g.unsqueeze(0), torch.sigmoid(b.float()).unsqueeze(0), og, ck_tail
+        q, k, v, g, beta = self._qkv_gate(qkv, raw, b)
         return q, k, v, g, beta, og, ck_tail
 
     def _prefill_projections(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -391,16 +391,13 @@ class KDAAttention(nn.Module):
             return residual_matmul(residual, o, w_out)
         return row_mm(o, w_out)
 
-    def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor, raw_gate: bool = False
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    def _qkv_gate(self, qkv: Tensor, raw: Tensor, b: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """Post-conv qkv [T, Dc], raw gate [T, H*K], beta logits [T, H] -> q, k [1, T, H, K], v [1, T, H, V],
-        g [1, T, H, K] float32 (with ``raw_gate`` the raw logits as they are, for ``chunk_kda``'s
-        ``use_gate_in_kernel``: on a GPU the gate's four float32 passes over [T, H*K] skipped), beta [1, T, H]."""
+        g [1, T, H, K] float32, beta [1, T, H]."""
         T = qkv.shape[0]
         H, K, V = self.H, self.K, self.V
         q, k, v = qkv.split([H * K, H * K, H * V], dim=-1)
-        g = raw.reshape(T, H, K) if raw_gate else kda_gate(raw.reshape(T, H, K), self.A_log, self.dt_bias,
-                                                             self.lower_bound)
+        g = kda_gate(raw.reshape(T, H, K), self.A_log, self.dt_bias, self.lower_bound)
         beta = torch.sigmoid(b.float())  # [T, H]
         # [T, H*K] -> [1, T, H, K]: packed sequences are one varlen batch
         q, k, v = q.reshape(1, T, H, K), k.reshape(1, T, H, K), v.reshape(1, T, H, V)
