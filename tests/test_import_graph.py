@@ -36,6 +36,7 @@ LATE_IMPORTS_ALLOWED = {
     "kda_sessions",
     # backends load when chosen (STYLE.md 9): Triton kernels, store backends, tokenizer libraries
     "kda_sessions.kernels.kda", "kda_sessions.kernels.kda.decode", "kda_sessions.kernels.mla", "kda_sessions.kernels.norm", "kda_sessions.kernels.conv",
+    "kda_sessions.kernels.gate",
     "kda_sessions.kernels.linear", "kda_sessions.kernels.moe", "kda_sessions.kernels.feed", "kda_sessions.storage.backends.registry",
     "kda_sessions.tokenizer.loader",
 }
