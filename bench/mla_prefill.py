@@ -10,7 +10,8 @@ device:
                                               # each of ``--variants`` (default 32,64-n,64-m)
 
 First the shipped launch against the tiled twin (``naive_mla_prefill_paged``, float32 math) by relative RMS error,
-then every (BM, BN, num_warps, num_stages) of the sweep timed on one 8,192-token chunk after 24,576 and after
+then every (BM, BN, num_warps, num_stages) of the sweep, its key tiles by pointer loads and through TMA
+descriptors (``prefill.TMA``), timed on one 8,192-token chunk after 24,576 and after
 122,880 cached tokens (the last chunks of 32K and 128K prefills; mean of 3 calls after one warm-up), with the
 achieved TFLOP/s of attention plus decompression. Prints one line per case, the shipped launch marked."""
 
@@ -151,16 +152,20 @@ def main() -> None:
                   if "--chunks" in sys.argv else [1, 4, 16, 32, 64, 128, 256, 512])
         short_chunks(contexts, chunks)
         return
+    tma_shipped = prefill.TMA
     for T, s in [(8192, 0), (2048, 20000), (300, 40000), (8192, 24576)]:
         q, kv, pages, w = case(T, s)
-        o = prefill.mla_prefill_triton(q, kv, pages, s, w, DV, SCALE)
         r = naive_mla_prefill_paged(q, kv, pages, s, w, DV, SCALE, tile=2048)
-        print(f"check T {T} start {s}: rel_rms {rel(o, r):.2e}", flush=True)
+        for tma in (False, True):
+            prefill.TMA = tma
+            o = prefill.mla_prefill_triton(q, kv, pages, s, w, DV, SCALE)
+            print(f"check T {T} start {s} {'TMA' if tma else 'pointers'}: rel_rms {rel(o, r):.2e}", flush=True)
     shipped = prefill._tiles(torch.empty(1, device="cuda"))
     tiles = prefill._tiles
     try:
-        for cfg in SWEEP:
+        for cfg, tma in [(c, t) for c in SWEEP for t in (False, True)]:
             prefill._tiles = lambda q, cfg=cfg: cfg
+            prefill.TMA = tma
             row = []
             for s in (24576, 122880):
                 q, kv, pages, w = case(8192, s)
@@ -177,9 +182,10 @@ def main() -> None:
                 dt = (time.perf_counter() - t) / 3
                 flops = 8192 * (s + 8192 / 2) * 2 * H * (DN + DR + DV) + (s + 8192) * 2 * R * H * (DN + DV)
                 row.append(f"after {s}: {dt * 1e3:.1f} ms {flops / dt / 1e12:.0f} TFLOP/s")
-            print("(BM, BN, warps, stages)", cfg, "; ".join(row), "(shipped)" if cfg == shipped else "", flush=True)
+            print("(BM, BN, warps, stages)", cfg, "TMA" if tma else "pointers", "; ".join(row),
+                  "(shipped)" if cfg == shipped and tma == tma_shipped else "", flush=True)
     finally:
-        prefill._tiles = tiles
+        prefill._tiles, prefill.TMA = tiles, tma_shipped
 
 
 if __name__ == "__main__":

@@ -25,24 +25,37 @@ from torch import Tensor
 
 from .naive import latent_rows
 
+try:  # host-side TMA descriptors: Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
 _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
+def _fold_tile(acc, m_i, l_i, qn, qp, kv, vd, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
                DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BN: tl.constexpr,
-               MASK: tl.constexpr, sm_scale):
+               MASK: tl.constexpr, TMA: tl.constexpr, sm_scale):
     """Fold keys n0 .. n0 + BN of the block into one query tile's partials; ``MASK`` applies the causal and
-    end-of-block masks (only tiles that cross the diagonal or the block's end need them)."""
+    end-of-block masks (only tiles that cross the diagonal or the block's end need them). ``TMA``: kv, vd and
+    lat are descriptors of the block's rows (k_nope [BN, DN] and v [BN, DV] of kv, k_pe [BN, DR] of lat), rows
+    past NK zeros; else pointers (``vd`` unused)."""
     rn = n0 + tl.arange(0, BN)
-    rows = rn.to(tl.int64)
-    kvrow = kv + rows[:, None] * stride_kvt + rh
-    if MASK:
+    if TMA:
+        kn = kv.load([n0, rh])
+        kp = lat.load([n0, R])
+        v = vd.load([n0, rh + DN])
+    elif MASK:
+        rows = rn.to(tl.int64)
+        kvrow = kv + rows[:, None] * stride_kvt + rh
         mn = rn < NK
         kn = tl.load(kvrow + tl.arange(0, DN)[None, :], mask=mn[:, None], other=0.0)  # [BN, DN]
         kp = tl.load(lat + rows[:, None] * stride_lat + R + tl.arange(0, DR)[None, :], mask=mn[:, None], other=0.0)
         v = tl.load(kvrow + DN + tl.arange(0, DV)[None, :], mask=mn[:, None], other=0.0)  # [BN, DV]
     else:
+        rows = rn.to(tl.int64)
+        kvrow = kv + rows[:, None] * stride_kvt + rh
         kn = tl.load(kvrow + tl.arange(0, DN)[None, :])
         kp = tl.load(lat + rows[:, None] * stride_lat + R + tl.arange(0, DR)[None, :])
         v = tl.load(kvrow + DN + tl.arange(0, DV)[None, :])
@@ -83,10 +96,11 @@ def _store_partials(acc_s, m_s, l_s, srow, mask, acc, m, den, DV: tl.constexpr):
 
 @triton.jit
 def _prefill_kernel(
-    q, kv, lat, o, acc_s, m_s, l_s, q_off, T, NK, sm_scale, split_keys,
+    q, kv, vd, lat, o, acc_s, m_s, l_s, q_off, T, NK, sm_scale, split_keys,
     stride_qt, stride_kvt, stride_lat, stride_ot,
     H: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr, DV: tl.constexpr, R: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, FIRST: tl.constexpr, LAST: tl.constexpr, SPLIT: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One (query tile, head, split) program. Query row i sits at block position q_off + i and sees block keys
     0 .. q_off + i (q_off < 0 when the block starts after some of the chunk's queries). With ``SPLIT``, split s
@@ -119,11 +133,11 @@ def _prefill_kernel(
         hi = tl.minimum(hi, k1)
         lo = tl.maximum(tl.minimum(lo, k1), k0)
     for n0 in range(k0, lo, BN):
-        acc, m_i, l_i = _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
-                                   DN, DR, DV, R, BN, False, sm_scale)
+        acc, m_i, l_i = _fold_tile(acc, m_i, l_i, qn, qp, kv, vd, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
+                                   DN, DR, DV, R, BN, False, TMA, sm_scale)
     for n0 in range(lo, hi, BN):
-        acc, m_i, l_i = _fold_tile(acc, m_i, l_i, qn, qp, kv, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
-                                   DN, DR, DV, R, BN, True, sm_scale)
+        acc, m_i, l_i = _fold_tile(acc, m_i, l_i, qn, qp, kv, vd, lat, qpos, n0, NK, rh, stride_kvt, stride_lat,
+                                   DN, DR, DV, R, BN, True, TMA, sm_scale)
     if LAST and not SPLIT:
         out = acc / l_i[:, None]
         optr = o + rm.to(tl.int64)[:, None] * stride_ot + h * DV + tl.arange(0, DV)[None, :]
@@ -214,6 +228,7 @@ def mla_prefill_triton(
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 1
         splits = key_splits(T, H, min(block, L), sms, BM, BN)
+    tma = TMA and _tma_device(q) and all(d * q.element_size() % 16 == 0 for d in (dn, dv, dr, r))
     acc = m = lsum = o  # placeholders, unused when one block holds the whole context
     if nblocks > 1 or splits > 1:
         acc = torch.empty(T, H, dv, dtype=torch.float32, device=q.device)
@@ -230,20 +245,21 @@ def mla_prefill_triton(
             lat = lat.to(q.dtype)
         kv = lat[:, :r] @ w_kv_b.t()  # [Lb, H * (dn + dv)]: k_nope and v of every head
         first, last = b == 0, b == nblocks - 1
+        keys = _key_operands(kv, lat, BN, dn, dv, dr, tma)
         if splits == 1:
             _prefill_kernel[(triton.cdiv(T, BM), H, 1)](
-                q, kv, lat, o, acc, m, lsum, start - b0, T, b1 - b0, scale * _LOG2E, 0,
+                q, *keys, o, acc, m, lsum, start - b0, T, b1 - b0, scale * _LOG2E, 0,
                 q.stride(0), kv.stride(0), lat.stride(0), o.stride(0),
-                H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=first, LAST=last, SPLIT=False,
+                H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=first, LAST=last, SPLIT=False, TMA=tma,
                 num_warps=warps, num_stages=stages,
             )
             continue
         per = triton.cdiv(triton.cdiv(b1 - b0, splits), BN) * BN
         used = triton.cdiv(b1 - b0, per)  # a short last block needs fewer
         _prefill_kernel[(triton.cdiv(T, BM), H, used)](
-            q, kv, lat, o, acc_p, m_p, l_p, start - b0, T, b1 - b0, scale * _LOG2E, per,
+            q, *keys, o, acc_p, m_p, l_p, start - b0, T, b1 - b0, scale * _LOG2E, per,
             q.stride(0), kv.stride(0), lat.stride(0), o.stride(0),
-            H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=True, LAST=False, SPLIT=True,
+            H=H, DN=dn, DR=dr, DV=dv, R=r, BM=BM, BN=BN, FIRST=True, LAST=False, SPLIT=True, TMA=tma,
             num_warps=warps, num_stages=stages,
         )
         rows = T * H
@@ -256,3 +272,26 @@ def mla_prefill_triton(
 
 MERGE_ROWS = 16
 """(query, head) rows a program of ``_merge_kernel``."""
+
+TMA = False
+"""The flash kernel reads each key tile (k_nope, v, k_pe) through TMA descriptors of the block's decompressed rows
+and latent rows (sm_90 on), rather than by pointer loads. Off until measured on a GPU: ``bench/mla_prefill.py``
+times every tile of its sweep both ways."""
+
+
+def _tma_device(q: Tensor) -> bool:
+    if TensorDescriptor is None:
+        return False
+    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 9
+
+
+def _key_operands(kv: Tensor, lat: Tensor, BN: int, dn: int, dv: int, dr: int, tma: bool) -> tuple:
+    """(kv, vd, lat) as ``_prefill_kernel`` takes them: the tensors (vd a placeholder), or with ``tma`` descriptors
+    of exactly the block's rows, so a tile past its end reads zeros."""
+    if not tma:
+        return kv, kv, lat
+    lat = lat if lat.stride(1) == 1 and lat.data_ptr() % 16 == 0 and lat.stride(0) * lat.element_size() % 16 == 0 \
+        else lat.contiguous()
+    return (TensorDescriptor(kv, list(kv.shape), list(kv.stride()), [BN, dn]),
+            TensorDescriptor(kv, list(kv.shape), list(kv.stride()), [BN, dv]),
+            TensorDescriptor(lat, list(lat.shape), list(lat.stride()), [BN, dr]))

@@ -47,10 +47,16 @@ def test_tiled_twin_matches_dense(T, start, tile):
                                                   (17, 100, 32, 1), (23, 50, 1024, 3), (17, 100, 32, 2),
                                                   (5, 120, 48, 4), (40, 30, 16, 2)],
                          ids=lambda x: str(x))
-def test_triton_matches_dense(T, start, block, splits):
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_triton_matches_dense(T, start, block, splits, tma, monkeypatch):
     """Each block's keys folded by one program a (query tile, head), or shared by ``splits`` programs whose
-    partials ``_merge_kernel`` folds (some splits past the diagonal of some tiles, a short last block with fewer)."""
+    partials ``_merge_kernel`` folds (some splits past the diagonal of some tiles, a short last block with fewer);
+    key tiles by pointer loads and through TMA descriptors (``prefill.TMA``: a tile past the block's end reads
+    zeros)."""
+    from kda_sessions.kernels.mla import prefill
     from kda_sessions.kernels.mla.prefill import mla_prefill_triton
+
+    monkeypatch.setattr(prefill, "TMA", tma)
 
     dn, dv = 16, 16
     q, kv, pages, w, scale = _case(T, start, H=2, dn=dn, dr=16, dv=dv, r=32, P=8, seed=1)
@@ -92,9 +98,14 @@ def test_public_function_validates():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("T,start", [(8192, 0), (2048, 20000), (300, 40000), (150, 70000)], ids=lambda x: str(x))
-def test_triton_bf16_kimi_shape(T, start):
-    """Kimi-Linear's MLA shape (H 32, r 512, dn 128, dr 64, dv 128, P 64) in bf16, several blocks."""
+@pytest.mark.parametrize("tma", [False, True], ids=["pointers", "tma"])
+def test_triton_bf16_kimi_shape(T, start, tma, monkeypatch):
+    """Kimi-Linear's MLA shape (H 32, r 512, dn 128, dr 64, dv 128, P 64) in bf16, several blocks; key tiles by
+    pointer loads and through TMA descriptors."""
+    from kda_sessions.kernels.mla import prefill
     from kda_sessions.kernels.mla.prefill import mla_prefill_triton
+
+    monkeypatch.setattr(prefill, "TMA", tma)
 
     dn, dv = 128, 128
     q, kv, pages, w, scale = _case(T, start, H=32, dn=dn, dr=64, dv=dv, r=512, P=64, device="cuda",
@@ -115,5 +126,6 @@ def test_kernels_compile_once_per_shape():
         fn = getattr(kernel, "fn", kernel)
         return {n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)}
 
-    assert constexprs(prefill._prefill_kernel) == {"H", "DN", "DR", "DV", "R", "BM", "BN", "FIRST", "LAST", "SPLIT"}
+    assert constexprs(prefill._prefill_kernel) == {"H", "DN", "DR", "DV", "R", "BM", "BN", "FIRST", "LAST", "SPLIT",
+                                                   "TMA"}
     assert constexprs(prefill._merge_kernel) == {"DV", "BR", "FIRST", "LAST"}
