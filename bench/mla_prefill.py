@@ -47,7 +47,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None:
     """Short chunks (an agent's tool output appended to a long conversation): the decompressed flash kernel
-    (each block's keys shared by ``key_splits`` programs, and ``unsplit``: one a query tile and head) against
+    (each block's keys shared by ``key_splits`` programs, ``unsplit``: one a query tile and head, and its key tiles
+    through TMA descriptors, ``prefill.TMA``) against
     ``mla_prefill_absorbed``, us per call (CUDA events, mean of ``reps`` after one warm-up), and their relative
     RMS differences."""
     from kda_sessions.kernels.mla.absorbed import mla_prefill_absorbed
@@ -58,8 +59,16 @@ def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None
             q, kv, pages, w = case(T, s)
             out = {}
             whole = partial(prefill.mla_prefill_triton, splits=1)  # each block's keys in one program a tile
+
+            def tma(*a):  # the library's call with its key tiles through TMA descriptors
+                prefill.TMA, was = True, prefill.TMA
+                try:
+                    return prefill.mla_prefill_triton(*a)
+                finally:
+                    prefill.TMA = was
+
             for name, fn in (("decompressed", prefill.mla_prefill_triton), ("absorbed", mla_prefill_absorbed),
-                             ("unsplit", whole)):
+                             ("unsplit", whole), ("tma", tma)):
                 o = fn(q, kv, pages, s, w, DV, SCALE)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -79,9 +88,10 @@ def short_chunks(contexts: list[int], chunks: list[int], reps: int = 10) -> None
                     end.synchronize()
                     device.append(start.elapsed_time(end) * 1e3)
                 out[name] = (back_to_back, o, sorted(host)[reps // 2], sorted(device)[reps // 2])
-            d, a, u = out["decompressed"], out["absorbed"], out["unsplit"]
+            d, a, u, m = out["decompressed"], out["absorbed"], out["unsplit"], out["tma"]
             print(f"context {s} chunk {T}: back to back decompressed {d[0]:.1f} us (splits "
-                  f"{prefill.key_splits(T, H, 16384, sms)}; unsplit {u[0]:.1f}), absorbed {a[0]:.1f} us; one "
+                  f"{prefill.key_splits(T, H, 16384, sms)}; unsplit {u[0]:.1f}; TMA {m[0]:.1f}, rel diff "
+                  f"{rel(m[1], d[1]):.2e}), absorbed {a[0]:.1f} us; one "
                   f"call's host / device: decompressed {d[2]:.0f} / {d[3]:.0f} us, absorbed {a[2]:.0f} / {a[3]:.0f} us; "
                   f"rel diff {rel(a[1], d[1]):.2e}, unsplit {rel(u[1], d[1]):.2e}", flush=True)
 
