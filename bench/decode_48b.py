@@ -608,12 +608,7 @@ def moe_chain_case(T: int, reps: int, sweep: bool, layers: int = 26, groups: int
         torch.cuda.synchronize()
     if pdl is not None:
         pdl.ENABLED = True
-    kernels = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            kernels[ev.key[:60]] = [ev.count, round(t / ev.count, 2)]
-    out["eager_kernels_calls_us"] = kernels
+    out["eager_kernels_calls_us"] = {name[:60]: [n, round(t / n, 2)] for name, n, t in device_kernels(prof)}
     return out
 
 
@@ -633,6 +628,16 @@ def sweep_tile(fn, reps: int) -> list | str:
     return [us] + [v for name, v in kern.items() if "_up_kernel" in name or "_down_kernel" in name]
 
 
+def device_kernels(prof) -> list[tuple[str, int, float]]:
+    """A finished ``torch.profiler.profile``'s kernels: (name, calls, device us in all), longest first."""
+    rows = []
+    for ev in prof.key_averages():
+        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if t and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            rows.append((ev.key, ev.count, t))
+    return sorted(rows, key=lambda r: -r[2])
+
+
 def profile_kernels_us(fn) -> dict:
     """One eager call of ``fn`` under the profiler: {kernel name (60 chars): device us}."""
     from torch.profiler import ProfilerActivity, profile
@@ -642,12 +647,7 @@ def profile_kernels_us(fn) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if t and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            out[ev.key[:60]] = round(t, 1)
-    return out
+    return {name[:60]: round(t, 1) for name, _, t in device_kernels(prof)}
 
 
 def moe_layer_case(model: HybridModel, T: int, reps: int, sweep: bool) -> dict:

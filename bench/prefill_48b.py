@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from decode_48b import config as decode_48b_config  # bench/ is on the path: this script's folder
+from decode_48b import device_kernels
 
 from kda_sessions.api import Engine, open_snapshots
 from kda_sessions.config import ModelConfig
@@ -230,12 +231,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 dt, _ = await prefill_once(engine, args.kernels, seed=2)
-            rows = []
-            for ev in prof.key_averages():
-                t = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-                if t and getattr(ev, "device_type", None) == torch.autograd.DeviceType.CUDA:
-                    rows.append((round(t / 1e3, 2), ev.count, ev.key[:90]))
-            rows.sort(reverse=True)
+            rows = [(round(t / 1e3, 2), n, name[:90]) for name, n, t in device_kernels(prof)]
             res["kernels"] = {"N": args.kernels, "s": round(dt, 2), "ms_calls_name": rows[:40]}
             for r in rows[:40]:
                 print(r, flush=True)

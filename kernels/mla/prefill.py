@@ -23,12 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ..tma import TensorDescriptor, tma_device
 from .naive import latent_rows
-
-try:  # host-side TMA descriptors: Triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: pointer loads only
-    TensorDescriptor = None
 
 _LOG2E = 1.4426950408889634
 
@@ -228,7 +224,7 @@ def mla_prefill_triton(
     if splits is None:
         sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.device.type == "cuda" else 1
         splits = key_splits(T, H, min(block, L), sms, BM, BN)
-    tma = TMA and _tma_device(q) and all(d * q.element_size() % 16 == 0 for d in (dn, dv, dr, r))
+    tma = TMA and tma_device(q.device) and all(d * q.element_size() % 16 == 0 for d in (dn, dv, dr, r))
     acc = m = lsum = o  # placeholders, unused when one block holds the whole context
     if nblocks > 1 or splits > 1:
         acc = torch.empty(T, H, dv, dtype=torch.float32, device=q.device)
@@ -277,12 +273,6 @@ TMA = False
 """The flash kernel reads each key tile (k_nope, v, k_pe) through TMA descriptors of the block's decompressed rows
 and latent rows (sm_90 on), rather than by pointer loads. Off until measured on a GPU: ``bench/mla_prefill.py``
 times every tile of its sweep both ways."""
-
-
-def _tma_device(q: Tensor) -> bool:
-    if TensorDescriptor is None:
-        return False
-    return q.device.type != "cuda" or torch.cuda.get_device_capability(q.device)[0] >= 9
 
 
 def _key_operands(kv: Tensor, lat: Tensor, BN: int, dn: int, dv: int, dr: int, tma: bool) -> tuple:

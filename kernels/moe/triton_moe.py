@@ -35,13 +35,9 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-try:  # host-side TMA descriptors: Triton >= 3.4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - older Triton: pointer loads only
-    TensorDescriptor = None
-
 from ..linear import MATVEC_MAX_ROWS
 from ..stamps import clock_after, clock_now, global_ns, stamp_buffer, store_at, store_ends, store_max_at
+from ..tma import TensorDescriptor, tma_device
 from .pdl import use_pdl
 from .route import arrival_counters
 
@@ -198,7 +194,7 @@ loads (up 1,626 us, 43% of peak; down, persistent, 1,098); 32-2,048 tokens 3-6% 
 def _tma_fits(x: Tensor, w13: Tensor, w2: Tensor, cfg: MoeLaunch) -> bool:
     """Whether the TMA kernels can take these tensors: each weight stack viewable as 2-D rows, rows and bases
     16-byte aligned, blocks within TMA's 256 a side and at least 16 bytes wide. CPU tensors (the interpreter) pass."""
-    if TensorDescriptor is None or (x.device.type == "cuda" and torch.cuda.get_device_capability(x.device)[0] < 9):
+    if not tma_device(x.device):
         return False
     e = x.element_size()
     F2 = w13.shape[1]

@@ -14,7 +14,7 @@ import torch
 from kda_sessions.model import load_model
 
 
-# ~20 s (every kernel of the forward runs in Triton's interpreter), in the default suite: it is the only CPU run of
+# ~25 s a variant (every kernel of the forward runs in Triton's interpreter), in the default suite: it is the only CPU run of
 # the prefill's GPU branches as a whole (KDA's merged projections, planar conv and gate in the chunk kernel; the
 # MLA and MoE prefill kernels' host code)
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs Triton's interpreter (a CPU run)")
